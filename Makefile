@@ -1,0 +1,74 @@
+# appliance: `make deploy` sets up everything and runs the main job; `make test` sets up and runs the tests.
+# Idempotent: re-running a target does only what is missing. Run as root on Debian for the multi-node
+# testbed (network namespaces); otherwise the testbed falls back to single-host mode and says so.
+
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+APPLIANCE := $(VENV)/bin/appliance
+HOROVOD_VERSION := $(shell sed -n 's/^horovod==//p' requirements.lock)
+TF_VERSION := $(shell sed -n 's/^tensorflow_cpu==//p' requirements.lock)
+# Built Horovod wheels are kept here, keyed by the TensorFlow they were built against (a rebuild takes ~5 min).
+WHEEL_CACHE ?= $(HOME)/.cache/appliance/wheels/tf-$(TF_VERSION)
+HOROVOD_BUILD_ENV := HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+	HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 MAKEFLAGS=-j2
+DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux
+PYTEST_ARGS ?=
+
+.PHONY: help install system-deps deploy test test-fast clean lock
+
+help:
+	@echo "make deploy   install, bring up a 2-node testbed, train the digits example across it"
+	@echo "make test     install, then run every test (multi-node ones included)"
+	@echo "make install  only install (.venv with the pinned stack, Debian packages for the testbed)"
+	@echo "make clean    remove the testbed and .venv"
+
+install: system-deps $(VENV)/.installed
+
+system-deps:
+	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "note: not root, cannot install$$missing; the testbed will run in single-host mode"; fi; \
+	fi
+
+$(VENV)/.installed: requirements.lock pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (fix: install Python 3.11, e.g. apt-get install python3.11-venv)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	@# Everything but Horovod, exactly as locked; --no-deps keeps tf-keras from pulling in the full tensorflow wheel.
+	grep -v -E '^(#|horovod==)' requirements.lock | $(PIP) install -q --no-deps -r /dev/stdin
+	@# Horovod from source against the installed TensorFlow (cached as a wheel after the first build).
+	@if ! ls $(WHEEL_CACHE)/horovod-$(HOROVOD_VERSION)-*.whl >/dev/null 2>&1; then \
+	  echo "building horovod $(HOROVOD_VERSION) against tensorflow $(TF_VERSION) (takes ~5 min once)"; \
+	  mkdir -p $(WHEEL_CACHE) && $(HOROVOD_BUILD_ENV) $(PIP) wheel -q --no-build-isolation --no-deps \
+	    --no-cache-dir -w $(WHEEL_CACHE) horovod==$(HOROVOD_VERSION); fi
+	$(PIP) install -q --no-deps --force-reinstall $(WHEEL_CACHE)/horovod-$(HOROVOD_VERSION)-*.whl
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(VENV)/bin/horovodrun --check-build 2>/dev/null > $(VENV)/check-build.txt
+	grep -q '\[X\] TensorFlow' $(VENV)/check-build.txt || { echo "error: horovod was built without TensorFlow"; exit 1; }
+	grep -q '\[X\] Gloo' $(VENV)/check-build.txt || { echo "error: horovod was built without Gloo"; exit 1; }
+	touch $@
+
+deploy: install
+	$(APPLIANCE) testbed up --nodes 2
+	$(APPLIANCE) train examples/digits.yaml
+
+test: install
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+
+lock:
+	@echo "regenerating requirements.lock from .venv (check the diff)"
+	{ sed -n '/^#/p' requirements.lock; $(PIP) freeze --exclude-editable | grep -v -E '^(tensorflow==|appliance)'; } > requirements.lock.new
+	mv requirements.lock.new requirements.lock
+
+clean:
+	-test -x $(APPLIANCE) && $(APPLIANCE) testbed down
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Provisioning: leases, servers, floating IPs, and contextualizing the cluster they form."""

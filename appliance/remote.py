@@ -1,0 +1,341 @@
+"""Running commands on cluster nodes: paramiko SSH with pinned host keys, or this machine.
+
+``connect(cluster, node)`` gives a ``Remote`` with ``run`` (streamed, line by line, with an
+exit code) and ``put_dir`` (a directory copied as one tar stream). Host keys are checked
+against the cluster's known_hosts with paramiko's RejectPolicy: an unknown or changed key is an
+error, never accepted silently. Workers behind the head node are reached with the head as
+jump host (a direct-tcpip channel), like ``ssh -J``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import select
+import socket
+import subprocess
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from .cluster import Cluster, Node
+from .errors import ApplianceError
+
+LineFn = Callable[[str, str], None]  # (stream "out"|"err", line)
+
+
+@dataclass
+class Result:
+    rc: int
+    out: str
+    err: str
+
+
+class ConnectionLost(ApplianceError):
+    pass
+
+
+def _splitter(stream: str, fn: LineFn | None, sink: list[str]):
+    buf = bytearray()
+
+    def feed(data: bytes, final: bool = False):
+        buf.extend(data)
+        while True:
+            i = buf.find(b"\n")
+            if i < 0:
+                break
+            line = buf[:i].decode(errors="replace")
+            del buf[: i + 1]
+            sink.append(line)
+            if fn:
+                fn(stream, line)
+        if final and buf:
+            line = buf.decode(errors="replace")
+            buf.clear()
+            sink.append(line)
+            if fn:
+                fn(stream, line)
+
+    return feed
+
+
+class Remote:
+    node: Node
+
+    def run(self, command: str, *, stdin: bytes | None = None, on_line: LineFn | None = None,
+            timeout: float | None = None, stop: threading.Event | None = None, check: bool = False) -> Result:
+        raise NotImplementedError
+
+    def put_dir(self, local: str | Path, remote_dir: str, *, exclude: tuple[str, ...] = ("__pycache__", ".git")) -> None:
+        """Replace ``remote_dir`` with a copy of ``local`` (atomically: extract beside, then rename)."""
+        data = _tar_dir(Path(local), exclude)
+        tmp = f"{remote_dir}.incoming"
+        cmd = (f"set -e; rm -rf {_q(tmp)}; mkdir -p {_q(tmp)}; tar -xzf - -C {_q(tmp)}; "
+               f"rm -rf {_q(remote_dir)}.old; if [ -e {_q(remote_dir)} ]; then mv {_q(remote_dir)} {_q(remote_dir)}.old; fi; "
+               f"mv {_q(tmp)} {_q(remote_dir)}; rm -rf {_q(remote_dir)}.old")
+        r = self.run(cmd, stdin=data)
+        if r.rc != 0:
+            raise ApplianceError(f"copying {local} to {self.node.name}:{remote_dir} failed: {r.err.strip()[-300:]}")
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _q(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
+
+
+def _tar_dir(path: Path, exclude: tuple[str, ...]) -> bytes:
+    if not path.is_dir():
+        raise ApplianceError(f"{path}: not a directory", "set train.code in the spec to the directory of your training code")
+    bio = io.BytesIO()
+
+    def filt(ti: tarfile.TarInfo):
+        parts = Path(ti.name).parts
+        if any(p in exclude for p in parts):
+            return None
+        ti.uid = ti.gid = 0
+        ti.uname = ti.gname = "root"
+        return ti
+
+    with tarfile.open(fileobj=bio, mode="w:gz") as tf:
+        tf.add(str(path), arcname=".", filter=filt)
+    return bio.getvalue()
+
+
+class LocalRemote(Remote):
+    """This machine (single-host mode): commands run with bash, no SSH."""
+
+    def __init__(self, node: Node):
+        self.node = node
+
+    def run(self, command, *, stdin=None, on_line=None, timeout=None, stop=None, check=False) -> Result:
+        proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        out: list[str] = []
+        err: list[str] = []
+        feeds = {proc.stdout.fileno(): _splitter("out", on_line, out), proc.stderr.fileno(): _splitter("err", on_line, err)}
+        if stdin:
+            threading.Thread(target=_write_close, args=(proc.stdin, stdin), daemon=True).start()
+        else:
+            proc.stdin.close()
+        deadline = time.monotonic() + timeout if timeout else None
+        open_fds = set(feeds)
+        while open_fds:
+            ready, _, _ = select.select(list(open_fds), [], [], 0.2)
+            for fd in ready:
+                data = os.read(fd, 65536)
+                if not data:
+                    feeds[fd](b"", final=True)
+                    open_fds.discard(fd)
+                else:
+                    feeds[fd](data)
+            if (stop is not None and stop.is_set()) or (deadline and time.monotonic() > deadline):
+                _killpg(proc)
+                break
+        rc = proc.wait()
+        res = Result(rc, "\n".join(out), "\n".join(err))
+        if check and rc != 0:
+            raise ApplianceError(f"{self.node.name}: `{command[:80]}` failed ({rc}): {res.err.strip()[-300:]}")
+        return res
+
+
+def _write_close(fh, data: bytes):
+    try:
+        fh.write(data)
+    finally:
+        fh.close()
+
+
+def _killpg(proc: subprocess.Popen):
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class SSHRemote(Remote):
+    """A node over SSH (paramiko)."""
+
+    def __init__(self, node: Node, client: paramiko.SSHClient, jump: SSHRemote | None = None):
+        self.node = node
+        self.client = client
+        self.jump = jump
+
+    @property
+    def transport(self) -> paramiko.Transport:
+        t = self.client.get_transport()
+        if t is None or not t.is_active():
+            raise ConnectionLost(f"lost the SSH connection to {self.node.name}",
+                                 f"check that {self.node.name} is up (`appliance status`)")
+        return t
+
+    def run(self, command, *, stdin=None, on_line=None, timeout=None, stop=None, check=False) -> Result:
+        try:
+            chan = self.transport.open_session()
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise ConnectionLost(f"lost the SSH connection to {self.node.name} ({e})",
+                                 f"check that {self.node.name} is up (`appliance status`)") from None
+        chan.settimeout(0.2)
+        chan.exec_command(command)
+        if stdin:
+            threading.Thread(target=_chan_write, args=(chan, stdin), daemon=True).start()
+        else:
+            chan.shutdown_write()
+        out: list[str] = []
+        err: list[str] = []
+        fo = _splitter("out", on_line, out)
+        fe = _splitter("err", on_line, err)
+        deadline = time.monotonic() + timeout if timeout else None
+        while True:
+            got = False
+            while chan.recv_ready():
+                fo(chan.recv(65536))
+                got = True
+            while chan.recv_stderr_ready():
+                fe(chan.recv_stderr(65536))
+                got = True
+            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                break
+            if not self.client.get_transport() or not self.client.get_transport().is_active() or chan.closed and not got:
+                if chan.exit_status_ready():
+                    break
+                fo(b"", final=True)
+                fe(b"", final=True)
+                raise ConnectionLost(f"lost the SSH connection to {self.node.name} while running a command",
+                                     f"check that {self.node.name} is up (`appliance status`)")
+            if (stop is not None and stop.is_set()) or (deadline and time.monotonic() > deadline):
+                chan.close()
+                fo(b"", final=True)
+                fe(b"", final=True)
+                return Result(-1, "\n".join(out), "\n".join(err))
+            if not got:
+                r, _, _ = select.select([chan], [], [], 0.2)
+        fo(b"", final=True)
+        fe(b"", final=True)
+        rc = chan.recv_exit_status()
+        chan.close()
+        res = Result(rc, "\n".join(out), "\n".join(err))
+        if check and rc != 0:
+            raise ApplianceError(f"{self.node.name}: `{command[:80]}` failed ({rc}): {res.err.strip()[-300:]}")
+        return res
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _chan_write(chan, data: bytes):
+    try:
+        chan.sendall(data)
+    except (OSError, paramiko.SSHException):
+        pass
+    finally:
+        try:
+            chan.shutdown_write()
+        except (OSError, paramiko.SSHException):
+            pass
+
+
+def _connect_ssh(cluster: Cluster, node: Node, sock=None, timeout: float = 15.0) -> paramiko.SSHClient:
+    if not cluster.known_hosts or not Path(cluster.known_hosts).exists():
+        raise ApplianceError(f"cluster {cluster.name}: no pinned host keys (known_hosts missing)",
+                             "re-run `appliance up` or `appliance adopt` to record the nodes' host keys")
+    client = paramiko.SSHClient()
+    client.load_host_keys(cluster.known_hosts)
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    try:
+        client.connect(node.address, port=node.port, username=node.user, key_filename=cluster.key_file,
+                       sock=sock, timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
+                       allow_agent=False, look_for_keys=False)
+    except paramiko.BadHostKeyException:
+        raise ApplianceError(f"{node.name} ({node.address}) presented a host key that does not match the pinned one",
+                             "if the node was rebuilt, run `appliance up` again to re-pin; otherwise do not connect") from None
+    except paramiko.AuthenticationException:
+        raise ApplianceError(f"{node.name} ({node.address}) refused the key {cluster.key_file}",
+                             "check the key pair the nodes were launched with") from None
+    except paramiko.SSHException as e:
+        if "not found in known_hosts" in str(e):
+            raise ApplianceError(f"{node.name} ({node.address}) has no pinned host key",
+                                 "re-run `appliance up` to record host keys") from None
+        raise ApplianceError(f"SSH to {node.name} ({node.address}:{node.port}) failed: {e}",
+                             f"check that {node.name} is up (`appliance status`)") from None
+    except (OSError, socket.timeout, EOFError) as e:
+        raise ApplianceError(f"cannot reach {node.name} at {node.address}:{node.port} ({e})",
+                             f"check that {node.name} is up (`appliance status`)") from None
+    client.get_transport().set_keepalive(5)
+    return client
+
+
+def connect(cluster: Cluster, node: Node, *, head: SSHRemote | None = None, timeout: float = 15.0) -> Remote:
+    if node.address is None:
+        return LocalRemote(node)
+    sock = None
+    if node.via_head and node is not cluster.head:
+        if head is None:
+            head = connect(cluster, cluster.head, timeout=timeout)  # type: ignore[assignment]
+        try:
+            sock = head.transport.open_channel("direct-tcpip", (node.address, node.port), ("127.0.0.1", 0),
+                                               timeout=timeout)
+        except (paramiko.SSHException, OSError) as e:
+            raise ApplianceError(f"cannot reach {node.name} ({node.address}) through the head node ({e})",
+                                 f"check that {node.name} is up (`appliance status`)") from None
+    return SSHRemote(node, _connect_ssh(cluster, node, sock=sock, timeout=timeout), jump=head)
+
+
+class Session:
+    """Connections to every node of a cluster, opened in parallel, closed together."""
+
+    def __init__(self, cluster: Cluster, timeout: float = 15.0):
+        self.cluster = cluster
+        head = connect(cluster, cluster.head, timeout=timeout)
+        self.remotes: dict[str, Remote] = {cluster.head.name: head}
+        rest = cluster.nodes[1:]
+        if rest:
+            with ThreadPoolExecutor(max_workers=min(16, len(rest))) as ex:
+                futs = {n.name: ex.submit(connect, cluster, n, head=head if isinstance(head, SSHRemote) else None,
+                                          timeout=timeout) for n in rest}
+                try:
+                    for name, f in futs.items():
+                        self.remotes[name] = f.result()
+                except BaseException:
+                    self.close()
+                    raise
+
+    @property
+    def head(self) -> Remote:
+        return self.remotes[self.cluster.head.name]
+
+    def __getitem__(self, name: str) -> Remote:
+        return self.remotes[name]
+
+    def each(self, fn: Callable[[Remote], object]) -> dict[str, object]:
+        """Call fn(remote) on every node in parallel; re-raise the first error."""
+        with ThreadPoolExecutor(max_workers=min(16, len(self.remotes))) as ex:
+            futs = {name: ex.submit(fn, r) for name, r in self.remotes.items()}
+            return {name: f.result() for name, f in futs.items()}
+
+    def close(self):
+        for r in reversed(list(self.remotes.values())):
+            r.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,274 @@
+"""The run spec: one YAML file describes a run.
+
+It is parsed into typed, frozen records. Every problem is reported as one line that names the
+field and the fix (``SpecError``, exit code 2): unknown keys, wrong types, missing fields.
+
+Example (examples/digits.yaml)::
+
+    name: digits
+    cloud: local
+    nodes: {count: 2, node_type: compute_local, slots: 1}
+    image: appliance-cpu
+    train:
+      code: digits
+      command: python train.py --epochs 40
+    checkpoint: {url: "file:///tmp/ckpt", every_steps: 50, keep: 3}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import SpecError
+
+NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}$")
+DURATION_RE = re.compile(r"^(\d+)([smhd])$")
+SITES = ("CHI@UC", "CHI@TACC")
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """How many machines and what kind."""
+
+    count: int = 2
+    node_type: str = "compute_local"
+    slots: int = 1  # Horovod ranks per node (GPUs per node on Chameleon)
+
+
+@dataclass(frozen=True)
+class Lease:
+    duration: str = "4h"  # Ns, Nm, Nh or Nd; at most 7d on Chameleon
+    lease_id: str | None = None  # reuse an existing lease instead of creating one
+    extend: bool = False  # let the watchdog extend the lease near its end
+    floating_ip: bool = True
+
+
+@dataclass(frozen=True)
+class Dataset:
+    source: str  # swift://container/prefix, s3://bucket/prefix or file:///path
+    dest: str = "data"  # directory under the node's local disk
+    mode: Literal["full", "shard"] = "full"
+
+
+@dataclass(frozen=True)
+class Train:
+    command: str  # run by every rank, in the code directory
+    code: str = "."  # directory copied to every node (relative to the spec file)
+    env: dict[str, str] = field(default_factory=dict)  # extra variables for the ranks
+    start_timeout: int = 60  # seconds horovodrun waits for all ranks to start
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    url: str | None = None  # where committed checkpoints go
+    every_steps: int | None = None
+    every_minutes: float | None = None
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    train: Train
+    cloud: Literal["local", "chameleon"] = "local"
+    site: str | None = None
+    nodes: Nodes = field(default_factory=Nodes)
+    image: str = "appliance-cpu"
+    network: str = "sharednet1"
+    key_name: str | None = None
+    lease: Lease = field(default_factory=Lease)
+    dataset: Dataset | None = None
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    # Set by load_spec, not by the user:
+    path: str = field(default="", metadata={"internal": True})
+    digest: str = field(default="", metadata={"internal": True})
+
+    @property
+    def code_dir(self) -> Path:
+        return (Path(self.path).parent / self.train.code).resolve()
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes.count * self.nodes.slots
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if tp is bool:
+        return "true or false"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is dict:
+        return "a mapping of names to strings"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return str(tp)
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, where)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise SpecError(f"{where}: expected {_type_name(tp)}, got {value!r}",
+                            f"set {where} to {_type_name(tp)}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise SpecError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__}",
+                            f"write {where} as 'NAME: value' lines")
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str) or isinstance(v, (dict, list)) or v is None:
+                raise SpecError(f"{where}.{k}: expected a string value, got {v!r}",
+                                f"quote the value of {where}.{k}")
+            out[k] = str(v)
+        return out
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise SpecError(f"{where}: expected true or false, got {value!r}", f"set {where}: true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(f"{where}: expected an integer, got {value!r}", f"set {where} to a whole number")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{where}: expected a number, got {value!r}", f"set {where} to a number")
+        return float(value)
+    if tp is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise SpecError(f"{where}: expected a string, got {type(value).__name__}", f"set {where} to a string")
+        return str(value)
+    raise SpecError(f"{where}: unsupported type {tp}")  # pragma: no cover - programming error
+
+
+def _build(cls: Any, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise SpecError(f"{where or 'spec'}: expected a mapping, got {type(data).__name__}",
+                        f"write {where or 'the spec'} as 'key: value' lines")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    for key in data:
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise SpecError(f"{where + '.' if where else ''}{key}: unknown key",
+                            f"remove it or use one of: {known}")
+    kwargs = {}
+    for name, f in fields.items():
+        sub = f"{where}.{name}" if where else name
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], sub)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise SpecError(f"{sub}: missing required field", f"add '{name}:' to {where or 'the spec'}")
+    return cls(**kwargs)
+
+
+def _check_duration(value: str, where: str) -> int:
+    m = DURATION_RE.match(value)
+    if not m:
+        raise SpecError(f"{where}: {value!r} is not a duration", "write it as e.g. 90m, 4h or 2d (units s, m, h, d)")
+    n, unit = int(m.group(1)), m.group(2)
+    return n * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+
+
+def duration_seconds(value: str) -> int:
+    return _check_duration(value, "duration")
+
+
+def _semantic_checks(spec: Spec) -> None:
+    if not NAME_RE.match(spec.name):
+        raise SpecError(f"name: {spec.name!r} is not a valid run name",
+                        "use 1-39 lowercase letters, digits and '-', starting with a letter")
+    if spec.nodes.count < 1:
+        raise SpecError(f"nodes.count: must be at least 1, got {spec.nodes.count}", "set nodes.count: 1 or more")
+    if spec.nodes.slots < 1:
+        raise SpecError(f"nodes.slots: must be at least 1, got {spec.nodes.slots}", "set nodes.slots: 1 or more")
+    secs = _check_duration(spec.lease.duration, "lease.duration")
+    if spec.cloud == "chameleon":
+        if secs > 7 * 86400:
+            raise SpecError(f"lease.duration: {spec.lease.duration} is longer than Chameleon's 7-day maximum",
+                            "use at most 7d and let the watchdog extend or resume")
+        if spec.site is not None and spec.site not in SITES:
+            raise SpecError(f"site: {spec.site!r} is not a Chameleon bare-metal site with GPUs",
+                            "use CHI@UC or CHI@TACC")
+    if not spec.train.command.strip():
+        raise SpecError("train.command: is empty", "give the command every rank runs, e.g. python train.py")
+    if spec.train.start_timeout < 1:
+        raise SpecError("train.start_timeout: must be at least 1 second", "set e.g. train.start_timeout: 60")
+    from .train.environment import denied_names  # local import: spec must not pull in train at import time
+
+    bad = denied_names(spec.train.env)
+    if bad:
+        raise SpecError(f"train.env: {', '.join(sorted(bad))} looks like a credential and would be forwarded to every rank",
+                        "remove it; credentials are pushed to nodes separately, never through the job environment")
+    if spec.dataset is not None and not re.match(r"^(swift|s3|file)://", spec.dataset.source):
+        raise SpecError(f"dataset.source: {spec.dataset.source!r} is not a swift://, s3:// or file:// URL",
+                        "write e.g. swift://my-container/imagenet/")
+    if spec.dataset is not None and (spec.dataset.dest.startswith("/") or ".." in Path(spec.dataset.dest).parts):
+        raise SpecError(f"dataset.dest: {spec.dataset.dest!r} must be a relative path inside the node's local disk",
+                        "use a plain name such as data")
+    ck = spec.checkpoint
+    if ck.keep < 1:
+        raise SpecError("checkpoint.keep: must be at least 1", "set checkpoint.keep: 3")
+    if ck.every_steps is not None and ck.every_steps < 1:
+        raise SpecError("checkpoint.every_steps: must be at least 1", "set it to a positive step count or remove it")
+    if ck.every_minutes is not None and ck.every_minutes <= 0:
+        raise SpecError("checkpoint.every_minutes: must be positive", "set it to e.g. 10 or remove it")
+
+
+def parse_spec(data: Any, path: str = "<spec>", raw: bytes = b"") -> Spec:
+    spec = _build(Spec, data, "")
+    _semantic_checks(spec)
+    return dataclasses.replace(spec, path=str(path), digest=hashlib.sha256(raw).hexdigest()[:16])
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a spec file. Raises SpecError with one actionable line."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise SpecError(f"{p}: no such spec file", "pass the path of a YAML spec, e.g. examples/digits.yaml") from None
+    except OSError as e:
+        raise SpecError(f"{p}: cannot read spec ({e.strerror})", "check the path and its permissions") from None
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise SpecError(f"{p}:{where} is not valid YAML ({getattr(e, 'problem', e)})",
+                        "fix the YAML syntax (indentation, quotes)") from None
+    if data is None:
+        raise SpecError(f"{p}: spec is empty", "see examples/digits.yaml for a complete spec")
+    try:
+        return parse_spec(data, str(p.resolve()), raw)
+    except SpecError as e:
+        e.message = f"{p}: {e.message}"
+        e.args = (e.message,)
+        raise

@@ -1,0 +1,18 @@
+"""The testbed: the local cloud's machines.
+
+Each node is a Linux network namespace with its own UTS namespace (hostname), mount namespace
+(private /etc/hosts, /root/.ssh and local disk at /mnt/local) and its own sshd on a private
+address on a bridge the testbed creates. Where namespaces are unavailable (not root, no sshd),
+the testbed falls back to single-host mode: every slot on this machine, no SSH.
+"""
+
+from .netns import (  # noqa: F401
+    Testbed,
+    TestbedNode,
+    down,
+    kill_node,
+    load,
+    namespaces_available,
+    status,
+    up,
+)

@@ -1,0 +1,441 @@
+"""Testbed nodes as network namespaces, each with its own sshd.
+
+Layout of a testbed named NAME (state under $APPLIANCE_HOME/testbeds/NAME):
+
+    testbed.json            the record below (what exists, with PIDs)
+    id_ed25519[.pub]        the key the launcher logs in with (the cloud's "key pair")
+    known_hosts             every node's host key, pinned
+    node1/                  sshd_config, host key, hosts, sshd.log,
+          disk/             bind-mounted at /mnt/local inside the node: its "local SSD"
+          ssh/              bind-mounted at /root/.ssh inside the node
+
+Host side: a bridge ``apl-NAME`` with 10.77.X.1/24; node i is 10.77.X.(10+i) on its eth0.
+Every namespace, link and process is recorded and removed by ``down``, by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import ipaddress
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import paths
+from ..errors import ApplianceError
+
+NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")
+NODE_MOUNT = "/mnt/local"  # where a node sees its local disk
+SSHD = "/usr/sbin/sshd"
+
+
+@dataclass
+class TestbedNode:
+    name: str  # hostname inside the node
+    ip: str  # its private address (on the bridge), or 127.0.0.1 in single-host mode
+    dir: str  # host-side directory of this node
+    netns: str | None = None
+    veth: str | None = None
+    sshd_pid: int | None = None
+    slots: int = 1
+
+    @property
+    def disk(self) -> str:
+        """The node's local disk as seen from the host."""
+        return str(Path(self.dir) / "disk")
+
+    @property
+    def workdir(self) -> str:
+        """The node's local disk as seen from inside the node."""
+        return NODE_MOUNT if self.netns else self.disk
+
+
+@dataclass
+class Testbed:
+    name: str
+    mode: str  # "netns" or "single-host"
+    base: str
+    nodes: list[TestbedNode] = field(default_factory=list)
+    bridge: str | None = None
+    host_ip: str | None = None
+    prefix: int = 24
+    reason: str = ""  # why single-host mode was chosen
+
+    @property
+    def key_file(self) -> str:
+        return str(Path(self.base) / "id_ed25519")
+
+    @property
+    def known_hosts(self) -> str:
+        return str(Path(self.base) / "known_hosts")
+
+    def save(self) -> None:
+        p = Path(self.base) / "testbed.json"
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        tmp.replace(p)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Testbed:
+        d = dict(d)
+        d["nodes"] = [TestbedNode(**n) for n in d.get("nodes", [])]
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _run(*cmd: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, capture_output=True, text=True, input=input)
+    if check and p.returncode != 0:
+        raise ApplianceError(f"testbed: `{' '.join(cmd)}` failed: {(p.stderr or p.stdout).strip()}")
+    return p
+
+
+def _base(name: str) -> Path:
+    return paths.testbeds_dir() / name
+
+
+@contextlib.contextmanager
+def _locked(name: str):
+    with open(paths.testbeds_dir() / f".{name}.lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ApplianceError(f"testbed {name}: another `appliance testbed up/down` is running on it",
+                                 "wait for it to finish, then run the command again") from None
+        yield
+
+
+def namespaces_available() -> tuple[bool, str]:
+    """Whether netns nodes can be made here, and if not, why."""
+    if os.geteuid() != 0:
+        return False, "not running as root (network namespaces need root)"
+    for tool in ("ip", "unshare", "ssh-keygen"):
+        if not shutil.which(tool):
+            return False, f"`{tool}` is not installed"
+    if not os.path.exists(SSHD):
+        return False, f"{SSHD} is missing (apt-get install openssh-server)"
+    probe = f"apl-probe-{os.getpid()}"
+    p = _run("ip", "netns", "add", probe, check=False)
+    if p.returncode != 0:
+        return False, f"cannot create network namespaces ({p.stderr.strip()})"
+    _run("ip", "netns", "del", probe, check=False)
+    return True, ""
+
+
+def _pick_subnet(name: str) -> ipaddress.IPv4Network:
+    """A free 10.77.X.0/24: deterministic from the name, skipping ones already on an interface."""
+    used = _run("ip", "-o", "-4", "addr", "show", check=False).stdout
+    start = 0 if name == "tb" else zlib.crc32(name.encode()) % 200 + 20
+    for k in range(250):
+        x = (start + k) % 250
+        net = ipaddress.IPv4Network(f"10.77.{x}.0/24")
+        if f" {net.network_address + 1}/" not in used:
+            return net
+    raise ApplianceError("testbed: no free 10.77.X.0/24 subnet", "remove old testbeds with `appliance testbed down`")
+
+
+def _keygen(path: Path, comment: str) -> None:
+    if not path.exists():
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path))
+
+
+def _alive(pid: int | None, needle: str = "") -> bool:
+    if not pid:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    if stat.split(") ", 1)[1].startswith("Z"):
+        return False
+    return needle in cmdline
+
+
+def _tcp_open(ip: str, port: int = 22, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((ip, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            return s.recv(4).startswith(b"SSH")
+    except OSError:
+        return False
+
+
+def _netns_pids(ns: str) -> list[int]:
+    p = _run("ip", "netns", "pids", ns, check=False)
+    return [int(x) for x in p.stdout.split()] if p.returncode == 0 else []
+
+
+def _kill_pids(pids: list[int], wait: float = 5.0) -> None:
+    """SIGKILL each PID and wait (bounded) until they are gone, reaping our own children."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait
+    pending = set(pids)
+    while pending and time.monotonic() < deadline:
+        for pid in list(pending):
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+            if not _alive(pid):
+                pending.discard(pid)
+        if pending:
+            time.sleep(0.02)  # bounded wait for the kernel to finish the kills
+
+
+def _sshd_config(node: TestbedNode) -> str:
+    d = node.dir
+    return "\n".join([
+        f"ListenAddress {node.ip}",
+        "Port 22",
+        f"HostKey {d}/ssh_host_ed25519_key",
+        f"PidFile {d}/sshd.pid",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "PermitRootLogin prohibit-password",
+        "PubkeyAuthentication yes",
+        "AuthorizedKeysFile .ssh/authorized_keys",
+        "MaxStartups 200:30:400",
+        "MaxSessions 100",
+        "ClientAliveInterval 5",
+        "ClientAliveCountMax 3",
+        "Subsystem sftp internal-sftp",
+        "",
+    ])
+
+
+# ---------------------------------------------------------------------------------------------
+# verbs
+
+
+def load(name: str = "tb") -> Testbed | None:
+    p = _base(name) / "testbed.json"
+    if not p.exists():
+        return None
+    return Testbed.from_dict(json.loads(p.read_text()))
+
+
+def _healthy(tb: Testbed) -> bool:
+    if tb.mode == "single-host":
+        return True
+    return all(_alive(n.sshd_pid, "sshd") and _tcp_open(n.ip) for n in tb.nodes)
+
+
+def up(name: str = "tb", nodes: int = 2, *, slots: int = 1, mode: str = "auto",
+       ready_timeout: float = 20.0, log=print) -> Testbed:
+    """Bring up a testbed of ``nodes`` nodes. Idempotent: a healthy testbed of that size is reused."""
+    if not NAME_RE.match(name):
+        raise ApplianceError(f"testbed name {name!r} is invalid", "use 1-6 lowercase letters/digits, e.g. tb")
+    if nodes < 1 or nodes > 50:
+        raise ApplianceError(f"testbed: {nodes} nodes requested", "ask for 1 to 50 nodes")
+    with _locked(name):
+        tb = load(name)
+        if tb is not None:
+            if _healthy(tb) and (len(tb.nodes) == nodes or tb.mode == "single-host"):
+                log(f"testbed {name} is already up ({len(tb.nodes)} node(s), {tb.mode}); nothing to do")
+                return tb
+            if _healthy(tb):
+                raise ApplianceError(f"testbed {name} is up with {len(tb.nodes)} nodes, not {nodes}",
+                                     f"run `appliance testbed down --name {name}` first")
+            log(f"testbed {name} is partly down; cleaning up before bringing it up again")
+            _teardown(name, tb)
+        ok, reason = namespaces_available() if mode in ("auto", "netns") else (False, "single-host mode requested")
+        if not ok and mode == "netns":
+            raise ApplianceError(f"testbed: cannot make namespace nodes: {reason}", "run as root on Linux, or use --mode single-host")
+        base = _base(name)
+        base.mkdir(parents=True, exist_ok=True)
+        try:
+            if ok:
+                tb = _up_netns(name, base, nodes, slots, ready_timeout, log)
+            else:
+                log(f"testbed {name}: single-host mode ({reason}): all {nodes * slots} slots on this machine, no SSH")
+                tb = _up_single(name, base, nodes * slots, reason)
+        except BaseException:
+            partial = load(name)
+            if partial is not None:
+                _teardown(name, partial)
+            raise
+        return tb
+
+
+def _up_single(name: str, base: Path, slots: int, reason: str) -> Testbed:
+    d = base / "local"
+    (d / "disk").mkdir(parents=True, exist_ok=True)
+    tb = Testbed(name=name, mode="single-host", base=str(base), reason=reason,
+                 nodes=[TestbedNode(name=socket.gethostname(), ip="127.0.0.1", dir=str(d), slots=slots)])
+    tb.save()
+    return tb
+
+
+def _up_netns(name: str, base: Path, count: int, slots: int, ready_timeout: float, log) -> Testbed:
+    net = _pick_subnet(name)
+    host_ip = str(net.network_address + 1)
+    bridge = f"apl-{name}"
+    tb = Testbed(name=name, mode="netns", base=str(base), bridge=bridge, host_ip=host_ip, prefix=net.prefixlen)
+    _keygen(base / "id_ed25519", f"appliance-testbed-{name}")
+    pub = (base / "id_ed25519.pub").read_text()
+    root_home = Path(pwd.getpwuid(0).pw_dir)
+    for mnt in (Path(NODE_MOUNT), root_home / ".ssh"):
+        if not mnt.exists():
+            mnt.mkdir(mode=0o700, parents=True)
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+
+    tb.save()  # record early so a failure half-way can be torn down
+    _run("ip", "link", "add", bridge, "type", "bridge")
+    _run("ip", "addr", "add", f"{host_ip}/{net.prefixlen}", "dev", bridge)
+    _run("ip", "link", "set", bridge, "up")
+    for i in range(1, count + 1):
+        node_name = f"node{i}"
+        d = base / node_name
+        (d / "disk").mkdir(parents=True, exist_ok=True)
+        (d / "ssh").mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(d / "ssh", 0o700)
+        node = TestbedNode(name=node_name, ip=str(net.network_address + 10 + i), dir=str(d),
+                           netns=f"apl-{name}-{node_name}", veth=f"apl{name}v{i}", slots=slots)
+        tb.nodes.append(node)
+        tb.save()
+        _keygen(d / "ssh_host_ed25519_key", f"root@{node_name}")
+        (d / "ssh" / "authorized_keys").write_text(pub)
+        os.chmod(d / "ssh" / "authorized_keys", 0o600)
+        (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n{node.ip}\t{node_name}\n")
+        (d / "sshd_config").write_text(_sshd_config(node))
+        ns = node.netns
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", node.veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "link", "set", node.veth, "master", bridge, "up")
+        _run("ip", "-n", ns, "addr", "add", f"{node.ip}/{net.prefixlen}", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "-n", ns, "route", "add", "default", "via", host_ip)
+        script = (
+            f"hostname {node_name} && mount --bind {d}/hosts /etc/hosts && "
+            f"mount --bind {d}/disk {NODE_MOUNT} && mount --bind {d}/ssh {root_home}/.ssh && "
+            f"exec {SSHD} -D -f {d}/sshd_config -E {d}/sshd.log"
+        )
+        with open(d / "boot.log", "wb") as out:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation", "private",
+                 "sh", "-c", script],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        node.sshd_pid = proc.pid
+        tb.save()
+    # known_hosts: pin each node's host key under its name and address
+    lines = []
+    for n in tb.nodes:
+        keytype, key = (Path(n.dir) / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+        lines.append(f"{n.name},{n.ip} {keytype} {key}\n")
+    Path(tb.known_hosts).write_text("".join(lines))
+    # wait for every sshd to answer
+    deadline = time.monotonic() + ready_timeout
+    pending = list(tb.nodes)
+    while pending:
+        for n in list(pending):
+            if _tcp_open(n.ip):
+                pending.remove(n)
+            elif not _alive(n.sshd_pid, ""):
+                logtxt = (Path(n.dir) / "boot.log").read_text()[-500:] + (Path(n.dir) / "sshd.log").read_text()[-500:] \
+                    if (Path(n.dir) / "sshd.log").exists() else (Path(n.dir) / "boot.log").read_text()[-500:]
+                raise ApplianceError(f"testbed: sshd on {n.name} exited at start: {logtxt.strip()}")
+        if pending and time.monotonic() > deadline:
+            raise ApplianceError(f"testbed: sshd on {', '.join(n.name for n in pending)} did not answer within "
+                                 f"{ready_timeout:.0f}s", "see sshd.log under " + tb.base)
+        if pending:
+            time.sleep(0.05)  # readiness poll of a local port
+    log(f"testbed {name}: {count} node(s) up on {bridge} ({net})")
+    return tb
+
+
+def _teardown(name: str, tb: Testbed | None) -> list[str]:
+    removed: list[str] = []
+    namespaces = set()
+    if tb is not None:
+        for n in tb.nodes:
+            if n.netns:
+                namespaces.add(n.netns)
+            if n.sshd_pid and _alive(n.sshd_pid, "sshd") or (n.sshd_pid and _alive(n.sshd_pid, n.netns or "@@")):
+                _kill_pids([n.sshd_pid])
+    # sweep anything of this testbed that the record may have missed
+    listing = _run("ip", "netns", "list", check=False).stdout
+    for line in listing.splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        if ns.startswith(f"apl-{name}-node"):
+            namespaces.add(ns)
+    for ns in sorted(namespaces):
+        pids = _netns_pids(ns)
+        if pids:
+            _kill_pids(pids)
+            removed.append(f"{len(pids)} process(es) in {ns}")
+        if _run("ip", "netns", "del", ns, check=False).returncode == 0:
+            removed.append(f"namespace {ns}")
+    # delete host-side veths explicitly: a namespace the kernel keeps alive would otherwise keep its pair
+    veths = {n.veth for n in tb.nodes if n.veth} if tb is not None else set()
+    for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        m = re.match(rf"^\d+: (apl{name}v\d+)[@:]", line)
+        if m:
+            veths.add(m.group(1))
+    for veth in sorted(veths):
+        if _run("ip", "link", "del", veth, check=False).returncode == 0:
+            removed.append(f"link {veth}")
+    bridge = tb.bridge if tb and tb.bridge else f"apl-{name}"
+    if _run("ip", "link", "del", bridge, check=False).returncode == 0:
+        removed.append(f"bridge {bridge}")
+    base = _base(name)
+    if base.exists():
+        shutil.rmtree(base)
+        removed.append(f"state {base}")
+    return removed
+
+
+def down(name: str = "tb", log=print) -> list[str]:
+    """Remove the testbed: processes (by PID), namespaces, bridge, state. Idempotent."""
+    with _locked(name):
+        removed = _teardown(name, load(name))
+    log(f"testbed {name}: removed " + (", ".join(removed) if removed else "nothing (it was not up)"))
+    return removed
+
+
+def status(name: str = "tb") -> dict:
+    tb = load(name)
+    if tb is None:
+        return {"name": name, "up": False, "nodes": []}
+    nodes = []
+    for n in tb.nodes:
+        if tb.mode == "single-host":
+            st = "up"
+        else:
+            st = "up" if (_alive(n.sshd_pid, "sshd") and _tcp_open(n.ip)) else "down"
+        nodes.append({"name": n.name, "ip": n.ip, "netns": n.netns, "sshd_pid": n.sshd_pid,
+                      "slots": n.slots, "disk": n.disk, "state": st})
+    return {"name": name, "up": all(x["state"] == "up" for x in nodes), "mode": tb.mode, "bridge": tb.bridge,
+            "reason": tb.reason, "nodes": nodes}
+
+
+def kill_node(name: str, node: str) -> int:
+    """Kill every process of one node (its sshd and whatever runs in it): the node 'dies'.
+
+    Returns how many processes were killed.
+    """
+    tb = load(name)
+    if tb is None:
+        raise ApplianceError(f"testbed {name} is not up", "run `appliance testbed up` first")
+    for n in tb.nodes:
+        if n.name == node and n.netns:
+            pids = _netns_pids(n.netns)
+            _kill_pids(pids)
+            return len(pids)
+    raise ApplianceError(f"testbed {name} has no node {node!r}", "see `appliance testbed status`")

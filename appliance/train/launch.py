@@ -1,0 +1,338 @@
+"""Launch a Horovod job: horovodrun on the head node, over SSH, with a scrubbed environment.
+
+What happens, in order:
+1. contextualize every node (idempotent; learns the NIC for Gloo/NCCL);
+2. copy the training code to the same path on every node (<workdir>/appliance/runs/RUN/code);
+3. start ``horovodrun`` **on the head node** (started elsewhere, workers cannot reach the Gloo
+   rendezvous address it advertises) with ``--network-interface``, ``--start-timeout`` and an
+   environment built from an allow-list: horovodrun forwards its whole environment to every rank;
+4. stream every rank's output back, prefixed with rank and host;
+5. watch for failure: a rank that exits non-zero, or a node whose sshd stops answering. Gloo
+   usually stops the survivors by itself; if the job is still running ``grace`` seconds later,
+   every process carrying this job's id is killed on every node that answers (by PID), so the
+   job always ends, and the message names the rank and node.
+
+The command's exit code is the job's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import paths
+from ..cluster import Cluster, Node
+from ..errors import ApplianceError, JobFailed
+from ..provision.contextualize import contextualize
+from ..remote import ConnectionLost, Remote, Session, SSHRemote
+from ..spec import Spec
+from .environment import rank_environment
+
+RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
+EXIT_LINE = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
+RESULT_PREFIX = "APPLIANCE_RESULT "
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+REAP_SCRIPT = r"""
+id="$1"
+for d in /proc/[0-9]*; do
+  pid=${d#/proc/}
+  if tr '\0' '\n' < "$d/environ" 2>/dev/null | grep -qxF "APPLIANCE_JOB_ID=$id"; then
+    kill -9 "$pid" 2>/dev/null && echo "$pid"
+  fi
+done
+true
+"""
+
+
+@dataclass
+class JobResult:
+    job_id: str
+    exit_code: int
+    world_size: int
+    rank_hosts: list[str]
+    results: dict[int, dict] = field(default_factory=dict)
+    failure: str | None = None
+    wall_s: float = 0.0
+    log_path: str = ""
+
+    @property
+    def hostnames(self) -> list[str]:
+        return sorted({r.get("hostname", "?") for r in self.results.values()})
+
+
+def run_dir(cluster: Cluster, run: str) -> str:
+    return f"{cluster.head.workdir}/appliance/runs/{run}"
+
+
+def code_dir(cluster: Cluster, run: str) -> str:
+    return f"{run_dir(cluster, run)}/code"
+
+
+def _probe_head(head: Remote, python: str) -> str:
+    """Check the head has the stack; returns the appliance package directory there."""
+    r = head.run(f"{shlex.quote(python)} -c 'import os, appliance, horovod; "
+                 f"print(os.path.dirname(appliance.__file__)); print(horovod.__version__)'")
+    if r.rc != 0:
+        raise ApplianceError(f"the head node {head.node.name} lacks the training stack ({python}: "
+                             f"{(r.err.strip().splitlines() or ['not found'])[-1]})",
+                             "use the appliance image, or run `appliance up --install`")
+    return r.out.splitlines()[0].strip()
+
+
+def horovodrun_command(cluster: Cluster, spec: Spec, *, job_id: str, nic: str, pkg_dir: str,
+                       extra_env: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
+    """The shell command run on the head node, and the exact environment horovodrun gets."""
+    head = cluster.head
+    venv_bin = str(Path(cluster.python).parent)
+    etc = cluster.config_dir(head)
+    env_extra = dict(spec.train.env)
+    env_extra.update({
+        "APPLIANCE_JOB_ID": job_id,
+        "APPLIANCE_RUN": spec.name,
+        "APPLIANCE_RUN_DIR": run_dir(cluster, spec.name),
+        "APPLIANCE_WORKDIR": head.workdir,
+        "PYTHONPATH": f"{pkg_dir}/train/shim",
+    })
+    if spec.dataset is not None:
+        env_extra["APPLIANCE_DATA_DIR"] = f"{head.workdir}/{spec.dataset.dest}"
+    if extra_env:
+        env_extra.update(extra_env)
+    path = f"{venv_bin}:{SYSTEM_PATH}" if cluster.single_host else f"{etc}/bin:{venv_bin}:{SYSTEM_PATH}"
+    home = "/root" if head.user == "root" else f"/home/{head.user}"
+    try:
+        env = rank_environment(path=path, home=home, nic=nic, extra=env_extra, launcher_env=os.environ)
+    except ValueError as e:
+        raise ApplianceError(str(e), "remove credentials from train.env") from None
+    if cluster.single_host:
+        hosts = f"localhost:{cluster.world_size}"
+    else:
+        hosts = ",".join(f"{n.name}:{n.slots}" for n in cluster.nodes)
+    user_cmd = " ".join(shlex.quote(a) for a in shlex.split(spec.train.command))
+    assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    cmd = (f"cd {shlex.quote(code_dir(cluster, spec.name))} && exec env -i {assigns} "
+           f"{shlex.quote(venv_bin + '/horovodrun')} -np {cluster.world_size} -H {hosts} "
+           f"--network-interface {shlex.quote(nic)} --start-timeout {spec.train.start_timeout} --gloo "
+           f"{user_cmd}")
+    return cmd, env
+
+
+class _Watch:
+    """Failure detection for one job: rank exits and node liveness."""
+
+    def __init__(self, cluster: Cluster, session: Session, job_id: str, grace: float, heartbeat: float,
+                 say: Callable[[str], None]):
+        self.cluster, self.session, self.job_id = cluster, session, job_id
+        self.grace, self.heartbeat, self.say = grace, heartbeat, say
+        self.failure: str | None = None
+        self.failed_at: float | None = None
+        self.dead_nodes: set[str] = set()
+        self.stop = threading.Event()  # set to abandon the head channel
+        self.done = threading.Event()
+        self.reaped = False
+        self._lock = threading.Lock()
+
+    def fail(self, msg: str) -> None:
+        with self._lock:
+            if self.failure is None:
+                self.failure = msg
+                self.failed_at = time.monotonic()
+                self.say(f"[appliance] {msg}; stopping the job")
+
+    def rank_exit(self, rank: int, code: int) -> None:
+        hosts = self.cluster.rank_hosts()
+        host = hosts[rank] if rank < len(hosts) else "?"
+        why = f"rank {rank} on {host} exited with status {code}"
+        if code == 255:
+            why += f" (lost the SSH connection to {host})"
+        self.fail(why)
+
+    def _node_alive(self, node: Node) -> bool:
+        if node.address is None:
+            return True
+        head = self.session.head
+        if node.via_head and isinstance(head, SSHRemote):
+            try:
+                ch = head.transport.open_channel("direct-tcpip", (node.address, node.port), ("127.0.0.1", 0),
+                                                 timeout=3)
+                ch.close()
+                return True
+            except Exception:
+                return False
+        try:
+            with socket.create_connection((node.address, node.port), timeout=3):
+                return True
+        except OSError:
+            return False
+
+    def run(self) -> None:
+        misses: dict[str, int] = {}
+        while not self.done.wait(self.heartbeat if self.failure is None else 0.5):
+            if self.failure is None:
+                for node in self.cluster.nodes:
+                    if self._node_alive(node):
+                        misses[node.name] = 0
+                        continue
+                    misses[node.name] = misses.get(node.name, 0) + 1
+                    if misses[node.name] >= 2:
+                        self.dead_nodes.add(node.name)
+                        ranks = [r for r, h in enumerate(self.cluster.rank_hosts()) if h == node.name]
+                        self.fail(f"node {node.name} stopped answering (ranks {', '.join(map(str, ranks))})")
+                        break
+            elif time.monotonic() - (self.failed_at or 0) > self.grace and not self.reaped:
+                self.reap()
+                self.stop.set()
+
+    def reap(self) -> None:
+        """Kill this job's processes on every node that answers (matched by job id, killed by PID)."""
+        self.reaped = True
+        cmd = f"sh -c {shlex.quote(REAP_SCRIPT)} reap {shlex.quote(self.job_id)}"
+        for name, remote in self.session.remotes.items():
+            if name in self.dead_nodes:
+                continue
+            try:
+                r = remote.run(cmd, timeout=15)
+                n = len(r.out.split())
+                if n:
+                    self.say(f"[appliance] killed {n} leftover process(es) of the job on {name}")
+            except ApplianceError:
+                pass
+
+
+def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = None, grace: float = 10.0,
+          heartbeat: float = 5.0, extra_env: dict[str, str] | None = None) -> JobResult:
+    """Run the spec's training command across the cluster. Returns when the job has ended."""
+    job_id = f"{spec.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    log_dir = paths.home() / "runs" / spec.name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{job_id}.log"
+    logf = open(log_path, "w", buffering=1)
+    lock = threading.Lock()
+
+    def say(line: str) -> None:
+        with lock:
+            logf.write(line + "\n")
+            (out or _stdout)(line)
+
+    t0 = time.monotonic()
+    rank_hosts = cluster.rank_hosts() if not cluster.single_host else [cluster.head.name] * cluster.world_size
+    results: dict[int, dict] = {}
+    try:
+        with Session(cluster) as session:
+            nic = contextualize(cluster, session, log=say)
+            if cluster.name:
+                cluster.save()
+            pkg_dir = _probe_head(session.head, cluster.python)
+            cdir = code_dir(cluster, spec.name)
+            session.each(lambda r: r.put_dir(spec.code_dir, cdir))
+            say(f"[appliance] copied {spec.code_dir} to {cdir} on {len(cluster.nodes)} node(s)")
+            cmd, _env = horovodrun_command(cluster, spec, job_id=job_id, nic=nic, pkg_dir=pkg_dir,
+                                           extra_env=extra_env)
+            say(f"[appliance] job {job_id}: {cluster.world_size} rank(s) on "
+                f"{', '.join(dict.fromkeys(rank_hosts))}, NIC {nic}")
+            watch = _Watch(cluster, session, job_id, grace, heartbeat, say)
+
+            def on_line(stream: str, line: str) -> None:
+                m = RANK_LINE.match(line)
+                if m:
+                    rank, text = int(m.group(1)), m.group(3)
+                    host = rank_hosts[rank] if rank < len(rank_hosts) else "?"
+                    if text.startswith(RESULT_PREFIX):
+                        try:
+                            results[rank] = json.loads(text[len(RESULT_PREFIX):])
+                        except json.JSONDecodeError:
+                            pass
+                    say(f"[{rank}|{host}] {text}")
+                    return
+                e = EXIT_LINE.match(line)
+                if e and int(e.group(2)) != 0:
+                    watch.rank_exit(int(e.group(1)), int(e.group(2)))
+                say(f"[horovodrun] {line}")
+
+            wt = threading.Thread(target=watch.run, daemon=True)
+            wt.start()
+            try:
+                r = session.head.run(cmd, on_line=on_line, stop=watch.stop)
+                rc = r.rc
+            except ConnectionLost:
+                watch.fail(f"lost the connection to the head node {cluster.head.name}")
+                rc = 255
+            except KeyboardInterrupt:
+                watch.fail("interrupted (Ctrl-C)")
+                watch.reap()
+                rc = 130
+            finally:
+                watch.done.set()
+                wt.join(timeout=5)
+            if watch.failure and not watch.reaped:
+                watch.reap()  # leave nothing behind on the nodes that answer
+            if watch.failure and rc == 0:
+                rc = 1
+            if rc < 0:
+                rc = 1
+            if rc != 0 and watch.failure is None:
+                watch.failure = f"horovodrun exited with status {rc}"
+            wall = time.monotonic() - t0
+            res = JobResult(job_id=job_id, exit_code=rc, world_size=cluster.world_size, rank_hosts=rank_hosts,
+                            results=results, failure=watch.failure, wall_s=wall, log_path=str(log_path))
+            say(f"[appliance] job {job_id} ended with exit code {rc} after {wall:.1f}s"
+                + (f": {watch.failure}" if watch.failure else ""))
+            return res
+    finally:
+        logf.close()
+
+
+def _stdout(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def check(result: JobResult) -> JobResult:
+    """Raise JobFailed (with the job's exit code) if the job failed."""
+    if result.exit_code != 0:
+        raise JobFailed(f"training job failed: {result.failure}", f"full log: {result.log_path}",
+                        exit_code=result.exit_code)
+    return result
+
+
+def resolve_cluster(spec: Spec, cluster_name: str | None = None, log=print) -> Cluster:
+    """The cluster a spec runs on: one named explicitly, the run's own (made by `appliance up`),
+    or, for ``cloud: local`` with neither, the default testbed (brought up if needed)."""
+    from ..cluster import find_cluster, from_testbed, load_cluster
+
+    if cluster_name:
+        return load_cluster(cluster_name)
+    own = find_cluster(spec.name)
+    if own is not None:
+        return own
+    if spec.cloud != "local":
+        raise ApplianceError(f"no cluster for run {spec.name!r}", f"run `appliance up {spec.path}` first")
+    from .. import testbed
+
+    tb = testbed.load("tb")
+    if tb is None or not testbed.status("tb")["up"]:
+        tb = testbed.up("tb", spec.nodes.count, slots=spec.nodes.slots, log=log)
+    cl = from_testbed(tb)
+    if cl.world_size != spec.world_size and not cl.single_host:
+        raise ApplianceError(f"the testbed has {cl.world_size} slot(s) but {spec.path} asks for {spec.world_size}",
+                             f"run `appliance testbed down` and `appliance testbed up --nodes {spec.nodes.count}`")
+    return cl
+
+
+def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None,
+               log=print) -> JobResult:
+    """`appliance train SPEC`: validate the spec, find its cluster, run the job."""
+    from ..spec import load_spec
+
+    spec = load_spec(spec_path)
+    cluster = resolve_cluster(spec, cluster_name, log=log)
+    return train(spec, cluster, out=out)

@@ -1,0 +1,114 @@
+"""Fixtures: an isolated APPLIANCE_HOME, and testbeds that are removed even when a test fails."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from appliance import testbed
+
+ROOT = Path(__file__).resolve().parents[1]
+NETNS_OK, NETNS_WHY = testbed.namespaces_available()
+needs_netns = pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable: {NETNS_WHY}")
+# Testbed names the tests use; swept before the session in case an earlier run was killed.
+TEST_TESTBEDS = ("pt", "pk", "lc", "sh")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def appliance_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("appliance-home")
+    old = os.environ.get("APPLIANCE_HOME")
+    os.environ["APPLIANCE_HOME"] = str(home)
+    if NETNS_OK:
+        for name in TEST_TESTBEDS:
+            testbed.down(name, log=lambda m: None)
+    yield home
+    if old is None:
+        os.environ.pop("APPLIANCE_HOME", None)
+    else:
+        os.environ["APPLIANCE_HOME"] = old
+
+
+def make_testbed(name: str, nodes: int):
+    tb = testbed.up(name, nodes, log=lambda m: None)
+    return tb
+
+
+@pytest.fixture(scope="session")
+def tb2():
+    """A 2-node testbed shared by the multi-node tests that do not break it."""
+    if not NETNS_OK:
+        pytest.skip(f"network namespaces unavailable: {NETNS_WHY}")
+    tb = make_testbed("pt", 2)
+    try:
+        yield tb
+    finally:
+        testbed.down("pt", log=lambda m: None)
+
+
+@pytest.fixture(scope="session")
+def cluster2(tb2):
+    from appliance.cluster import from_testbed
+
+    return from_testbed(tb2, name="pt-cluster")
+
+
+def write_spec(dirpath: Path, command: str, *, code: Path, name: str = "t", nodes: int = 2, slots: int = 1,
+               extra: str = "") -> Path:
+    p = dirpath / f"{name}.yaml"
+    p.write_text(textwrap.dedent(f"""\
+        name: {name}
+        cloud: local
+        nodes: {{count: {nodes}, slots: {slots}}}
+        train:
+          code: {code}
+          command: {command}
+          start_timeout: 60
+        """) + extra)
+    return p
+
+
+@pytest.fixture
+def jobs_dir(tmp_path):
+    """Small Horovod programs used by the launch tests."""
+    d = tmp_path / "jobs"
+    d.mkdir()
+    (d / "loop.py").write_text(textwrap.dedent("""\
+        # Allreduce in a loop; optionally one rank crashes at a given step.
+        import argparse, json, os, socket, sys, time
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--steps", type=int, default=1000000)
+        ap.add_argument("--crash-rank", type=int, default=-1)
+        ap.add_argument("--crash-step", type=int, default=-1)
+        a = ap.parse_args()
+        hvd.init()
+        for step in range(a.steps):
+            v = hvd.allreduce(tf.constant([float(hvd.rank())]), op=hvd.Sum)
+            if step % 10 == 0:
+                print(f"step {step} sum={float(v[0])} host={socket.gethostname()}", flush=True)
+            if hvd.rank() == a.crash_rank and step == a.crash_step:
+                print("crashing on purpose", flush=True)
+                sys.exit(3)
+            time.sleep(0.01)
+        print("APPLIANCE_RESULT " + json.dumps({"rank": hvd.rank(), "hostname": socket.gethostname()}), flush=True)
+        """))
+    (d / "dump_env.py").write_text(textwrap.dedent("""\
+        # Each rank reports the names of its environment variables.
+        import json, os, socket
+        import horovod.tensorflow as hvd
+        hvd.init()
+        print("APPLIANCE_RESULT " + json.dumps({"rank": hvd.rank(), "hostname": socket.gethostname(),
+              "env": sorted(os.environ)}), flush=True)
+        """))
+    return d
+
+
+@pytest.fixture
+def python_exe():
+    return sys.executable

@@ -1,0 +1,55 @@
+"""The environment horovodrun forwards to ranks carries no credentials."""
+
+import pytest
+
+from appliance.cluster import Cluster, Node
+from appliance.spec import parse_spec
+from appliance.train.environment import denied_names, is_denied, rank_environment
+from appliance.train.launch import horovodrun_command
+
+SECRETS = {
+    "OS_PASSWORD": "hunter2-pw", "OS_APPLICATION_CREDENTIAL_SECRET": "s3cr3t-appcred", "OS_TOKEN": "tok-8812",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-77", "AWS_ACCESS_KEY_ID": "AKIA4242", "GITHUB_TOKEN": "ghp-1234",
+    "DB_PASSWORD": "db-pw-99", "MY_SECRET": "my-secret-55", "ST_KEY": "swiftkey-31",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SECRETS))
+def test_deny_list(name):
+    assert is_denied(name)
+
+
+@pytest.mark.parametrize("name", ["PATH", "HOME", "LANG", "TF_USE_LEGACY_KERAS", "GLOO_SOCKET_IFNAME", "EPOCHS"])
+def test_allowed(name):
+    assert not is_denied(name)
+
+
+def test_rank_environment_is_built_from_an_allow_list():
+    launcher = {**SECRETS, "LANG": "en_US.UTF-8", "SOMETHING_ELSE": "1", "PATH": "/evil"}
+    env = rank_environment(path="/venv/bin:/usr/bin", home="/root", nic="eth0", launcher_env=launcher)
+    assert not denied_names(env)
+    assert "SOMETHING_ELSE" not in env
+    assert env["PATH"] == "/venv/bin:/usr/bin"
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["TF_USE_LEGACY_KERAS"] == "1"
+
+
+def test_rank_environment_refuses_credentials_in_extra():
+    with pytest.raises(ValueError, match="OS_PASSWORD"):
+        rank_environment(path="/usr/bin", home="/root", nic="eth0", extra={"OS_PASSWORD": "x"})
+
+
+def test_horovodrun_command_scrubs_the_launcher_environment(monkeypatch):
+    for k, v in SECRETS.items():
+        monkeypatch.setenv(k, v)
+    spec = parse_spec({"name": "t", "train": {"command": "python train.py --lr 0.1", "env": {"EPOCHS": "3"}}},
+                      path="/x/t.yaml")
+    cl = Cluster(name="c", cloud="testbed", python="/venv/bin/python", nodes=[
+        Node(name="node1", private_ip="10.0.0.1", address="10.0.0.1", workdir="/mnt/local"),
+        Node(name="node2", private_ip="10.0.0.2", address="10.0.0.2", workdir="/mnt/local")])
+    cmd, env = horovodrun_command(cl, spec, job_id="j1", nic="eth0", pkg_dir="/pkg")
+    assert not denied_names(env)
+    for value in SECRETS.values():
+        assert value not in cmd
+    assert "env -i " in cmd and "-H node1:1,node2:1" in cmd and "--network-interface eth0" in cmd
+    assert "--start-timeout 60" in cmd and env["EPOCHS"] == "3" and env["APPLIANCE_JOB_ID"] == "j1"
+    assert env["PATH"].startswith("/mnt/local/appliance/etc/bin:/venv/bin:")

@@ -1,0 +1,88 @@
+"""Spec parsing and validation: every problem is one line naming the field and the fix, exit code 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance.errors import SpecError
+from appliance.spec import load_spec, parse_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = {"name": "digits", "train": {"command": "python train.py"}}
+
+
+def test_example_spec_is_valid():
+    s = load_spec(ROOT / "examples" / "digits.yaml")
+    assert s.name == "digits" and s.cloud == "local"
+    assert s.nodes.count == 2 and s.world_size == 2
+    assert s.code_dir == (ROOT / "examples" / "digits").resolve()
+    assert len(s.digest) == 16
+
+
+def test_defaults_fill_in():
+    s = parse_spec(GOOD)
+    assert s.nodes.slots == 1 and s.checkpoint.keep == 3 and s.dataset is None
+
+
+@pytest.mark.parametrize("data, field, words", [
+    ({**GOOD, "nodez": {}}, "nodez", "unknown key"),
+    ({**GOOD, "nodes": {"count": "two"}}, "nodes.count", "expected an integer"),
+    ({**GOOD, "nodes": {"count": 0}}, "nodes.count", "at least 1"),
+    ({**GOOD, "nodes": {"cont": 2}}, "nodes.cont", "unknown key"),
+    ({"name": "x"}, "train", "missing required field"),
+    ({**GOOD, "train": {}}, "train.command", "missing required field"),
+    ({**GOOD, "cloud": "aws"}, "cloud", "one of 'local', 'chameleon'"),
+    ({**GOOD, "name": "Bad Name"}, "name", "not a valid run name"),
+    ({**GOOD, "lease": {"duration": "1w"}}, "lease.duration", "not a duration"),
+    ({**GOOD, "cloud": "chameleon", "lease": {"duration": "8d"}}, "lease.duration", "7-day"),
+    ({**GOOD, "cloud": "chameleon", "site": "CHI@Mars"}, "site", "CHI@UC"),
+    ({**GOOD, "train": {"command": "x", "env": {"OS_PASSWORD": "p"}}}, "train.env", "credential"),
+    ({**GOOD, "train": {"command": "x", "env": {"MY_API_TOKEN": "p"}}}, "train.env", "credential"),
+    ({**GOOD, "train": {"command": "x", "env": ["A=1"]}}, "train.env", "mapping"),
+    ({**GOOD, "dataset": {"source": "http://x/y"}}, "dataset.source", "swift://"),
+    ({**GOOD, "dataset": {"source": "swift://c/p", "dest": "../etc"}}, "dataset.dest", "relative path"),
+    ({**GOOD, "dataset": {"source": "swift://c/p", "mode": "half"}}, "dataset.mode", "one of"),
+    ({**GOOD, "checkpoint": {"keep": 0}}, "checkpoint.keep", "at least 1"),
+    ({**GOOD, "lease": {"extend": "yes"}}, "lease.extend", "true or false"),
+    (["not", "a", "mapping"], "spec", "expected a mapping"),
+])
+def test_bad_specs_name_the_field_and_the_fix(data, field, words):
+    with pytest.raises(SpecError) as ei:
+        parse_spec(data)
+    msg = str(ei.value)
+    assert msg.startswith(field), msg
+    assert words in msg, msg
+    assert "(fix: " in msg, msg
+    assert "\n" not in msg
+    assert ei.value.exit_code == 2
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("name: x\ntrain:\n  command: [unclosed\n")
+    with pytest.raises(SpecError, match=r"line \d+ is not valid YAML"):
+        load_spec(p)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(SpecError, match="no such spec file"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def test_cli_exit_code_2_and_one_line(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("name: x\nnodes: {count: two}\ntrain: {command: python t.py}\n")
+    r = subprocess.run([sys.executable, "-m", "appliance.cli", "check", str(p)], capture_output=True, text=True)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ") and "nodes.count" in lines[0] and "fix:" in lines[0]
+
+
+def test_cli_check_ok():
+    r = subprocess.run([sys.executable, "-m", "appliance.cli", "check", str(ROOT / "examples" / "digits.yaml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "2 rank(s)" in r.stdout

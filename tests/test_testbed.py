@@ -1,0 +1,90 @@
+"""The testbed: real namespaces, real sshd, pinned host keys, and a `down` that leaves nothing behind."""
+
+import os
+import subprocess
+
+import pytest
+
+from appliance import testbed
+from appliance.cluster import from_testbed
+from appliance.errors import ApplianceError
+from appliance.remote import Session, connect
+from conftest import needs_netns
+
+
+def _netns_names():
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _link_exists(name):
+    return subprocess.run(["ip", "link", "show", name], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@needs_netns
+def test_lifecycle_idempotent_and_clean():
+    tb = testbed.up("lc", 2, log=lambda m: None)
+    try:
+        pids = [n.sshd_pid for n in tb.nodes]
+        st = testbed.status("lc")
+        assert st["up"] and [n["name"] for n in st["nodes"]] == ["node1", "node2"]
+        # a second `up` of the same size is a no-op
+        again = testbed.up("lc", 2, log=lambda m: None)
+        assert [n.sshd_pid for n in again.nodes] == pids
+        # a different size while up is a clear error, not a mess
+        with pytest.raises(ApplianceError, match="is up with 2 nodes"):
+            testbed.up("lc", 3, log=lambda m: None)
+        # each node: own hostname, own /etc/hosts, own disk, reachable over SSH with the pinned key
+        cl = from_testbed(tb, name="lc-cluster")
+        with Session(cl) as s:
+            outs = s.each(lambda r: r.run("hostname; cat /etc/hosts; touch /mnt/local/mine; ls /mnt/local", check=True).out)
+        assert outs["node1"].splitlines()[0] == "node1" and outs["node2"].splitlines()[0] == "node2"
+        assert "10.77." in outs["node1"] and outs["node1"] != outs["node2"]
+        assert os.path.exists(os.path.join(tb.nodes[0].disk, "mine"))
+        host_hosts = open("/etc/hosts").read()
+        assert "node1" not in host_hosts  # the host's own /etc/hosts is untouched
+    finally:
+        removed = testbed.down("lc", log=lambda m: None)
+    assert any("bridge" in r for r in removed)
+    assert "apl-lc-" not in _netns_names()
+    assert not _link_exists("apl-lc")
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert "apllcv" not in links
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "sshd" not in open(f"/proc/{pid}/cmdline").read()
+    assert testbed.load("lc") is None
+    assert testbed.down("lc", log=lambda m: None) == []  # idempotent
+
+
+@pytest.mark.slow
+@needs_netns
+def test_changed_host_key_is_rejected(cluster2, tmp_path):
+    bad = tmp_path / "known_hosts"
+    lines = open(cluster2.known_hosts).read().splitlines()
+    # pin node1's name/address to node2's key
+    k2 = lines[1].split(" ", 1)[1]
+    bad.write_text(f"{lines[0].split(' ', 1)[0]} {k2}\n")
+    import dataclasses
+
+    wrong = dataclasses.replace(cluster2, known_hosts=str(bad))
+    with pytest.raises(ApplianceError, match="does not match the pinned one"):
+        connect(wrong, wrong.nodes[0])
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    with pytest.raises(ApplianceError, match="no pinned host key"):
+        connect(dataclasses.replace(cluster2, known_hosts=str(empty)), cluster2.nodes[0])
+
+
+def test_single_host_fallback_when_not_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    ok, why = testbed.namespaces_available()
+    assert not ok and "root" in why
+    msgs = []
+    tb = testbed.up("sh", 2, log=msgs.append)
+    try:
+        assert tb.mode == "single-host" and len(tb.nodes) == 1 and tb.nodes[0].slots == 2
+        assert any("single-host mode" in m and "root" in m for m in msgs)
+        cl = from_testbed(tb)
+        assert cl.single_host and cl.world_size == 2
+    finally:
+        testbed.down("sh", log=lambda m: None)

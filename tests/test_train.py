@@ -1,0 +1,110 @@
+"""Real Horovod jobs over SSH across testbed nodes: the digits example, failures, the rank environment."""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from appliance import testbed
+from appliance.cluster import from_testbed
+from appliance.provision.contextualize import cluster_key, contextualize
+from appliance.remote import Session
+from appliance.spec import load_spec
+from appliance.train.environment import denied_names
+from appliance.train.launch import train
+from conftest import ROOT, needs_netns, write_spec
+
+pytestmark = [pytest.mark.slow, needs_netns]
+
+
+def test_digits_across_two_nodes(cluster2, tmp_path):
+    spec = load_spec(write_spec(tmp_path, "python train.py --epochs 20", code=ROOT / "examples" / "digits",
+                                name="digits"))
+    lines = []
+    res = train(spec, cluster2, out=lines.append)
+    assert res.exit_code == 0, "\n".join(lines[-30:])
+    assert sorted(res.results) == [0, 1]
+    assert res.hostnames == ["node1", "node2"]  # both ranks ran, on two distinct hosts
+    assert len({r["weights_sha256"] for r in res.results.values()}) == 1  # identical final weights
+    assert res.results[0]["val_accuracy"] >= 0.95
+    assert any(line.startswith("[1|node2] ") for line in lines)  # rank-prefixed streaming
+
+
+def test_contextualize_is_idempotent_and_ssh_is_strict(cluster2):
+    contextualize(cluster2, log=lambda m: None)
+    contextualize(cluster2, log=lambda m: None)
+    _, pub = cluster_key(cluster2)
+    with Session(cluster2) as s:
+        r = s["node1"].run("grep -c 'BEGIN appliance cluster' /etc/hosts; grep -cxF %r /root/.ssh/authorized_keys; "
+                           "PATH=/mnt/local/appliance/etc/bin:$PATH ssh -o StrictHostKeyChecking=no node2 hostname; "
+                           "cat /mnt/local/appliance/etc/hostfile" % pub, check=True)
+    out = r.out.splitlines()
+    assert out[0] == "1" and out[1] == "1"  # one managed block, key authorized once
+    assert out[2] == "node2"  # node-to-node SSH with the cluster key and pinned host keys
+    assert out[3:] == ["node1 slots=1", "node2 slots=1"]
+
+
+def test_ranks_get_no_credentials(cluster2, jobs_dir, tmp_path, monkeypatch):
+    secrets = {"OS_PASSWORD": "pw-123456", "AWS_SECRET_ACCESS_KEY": "aws-987654", "OS_TOKEN": "tok-55555",
+               "SERVICE_TOKEN": "svc-4444", "DB_PASSWORD": "db-3333"}
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    spec = load_spec(write_spec(tmp_path, "python dump_env.py", code=jobs_dir, name="envdump"))
+    lines = []
+    res = train(spec, cluster2, out=lines.append)
+    assert res.exit_code == 0, "\n".join(lines[-30:])
+    assert sorted(res.results) == [0, 1]
+    for r in res.results.values():
+        assert not denied_names(dict.fromkeys(r["env"], "")), r["env"]
+        assert "HOROVOD_RANK" in r["env"] and "TF_USE_LEGACY_KERAS" in r["env"]
+    log = Path(res.log_path).read_text()
+    for v in secrets.values():
+        assert v not in log
+
+
+def test_rank_crash_stops_job_and_names_rank(cluster2, jobs_dir, tmp_path):
+    spec = load_spec(write_spec(tmp_path, "python loop.py --crash-rank 1 --crash-step 20", code=jobs_dir,
+                                name="crash"))
+    t0 = time.monotonic()
+    res = train(spec, cluster2, out=lambda line: None)
+    assert res.exit_code != 0
+    assert time.monotonic() - t0 < 120
+    assert "rank 1 on node2" in res.failure
+
+
+def test_killed_node_stops_job_within_60s(jobs_dir, tmp_path):
+    tb = testbed.up("pk", 2, log=lambda m: None)
+    try:
+        cl = from_testbed(tb, name="pk-cluster")
+        spec = load_spec(write_spec(tmp_path, "python loop.py", code=jobs_dir, name="killnode"))
+        killed_at = {}
+
+        def out(line):
+            if "step 30 " in line and "t" not in killed_at:
+                killed_at["t"] = time.monotonic()
+                threading.Thread(target=testbed.kill_node, args=("pk", "node2")).start()
+
+        res = train(spec, cl, out=out)
+        ended = time.monotonic()
+        assert "t" in killed_at, "the job never reached step 30"
+        assert res.exit_code != 0
+        assert ended - killed_at["t"] < 60
+        assert "node2" in res.failure
+    finally:
+        testbed.down("pk", log=lambda m: None)
+    assert not testbed.status("pk")["nodes"]
+
+
+def test_single_host_mode_trains(tmp_path):
+    tb = testbed.up("sh", 2, mode="single-host", log=lambda m: None)
+    try:
+        cl = from_testbed(tb, name="sh-cluster")
+        spec = load_spec(write_spec(tmp_path, "python train.py --epochs 3", code=ROOT / "examples" / "digits",
+                                    name="single"))
+        res = train(spec, cl, out=lambda line: None)
+        assert res.exit_code == 0
+        assert sorted(res.results) == [0, 1]
+        assert len({r["weights_sha256"] for r in res.results.values()}) == 1
+    finally:
+        testbed.down("sh", log=lambda m: None)
