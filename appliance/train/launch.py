@@ -40,6 +40,9 @@ from .environment import rank_environment
 RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 EXIT_LINE = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
 RESULT_PREFIX = "APPLIANCE_RESULT "
+# Output of a rank that failed *because another rank did* (so it is not the one to blame).
+COLLATERAL = re.compile(r"Horovod has been shut down|HorovodInternalError|Connection closed by peer|"
+                        r"Connection reset by peer|Broken pipe|gloo/transport|Read error \[")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 REAP_SCRIPT = r"""
@@ -135,6 +138,8 @@ class _Watch:
         self.grace, self.heartbeat, self.say = grace, heartbeat, say
         self.failure: str | None = None
         self.failed_at: float | None = None
+        self.exits: list[tuple[int, int]] = []  # (rank, status) in the order horovodrun reported them
+        self.collateral: set[int] = set()  # ranks whose output shows they failed because a peer did
         self.dead_nodes: set[str] = set()
         self.stop = threading.Event()  # set to abandon the head channel
         self.done = threading.Event()
@@ -148,13 +153,31 @@ class _Watch:
                 self.failed_at = time.monotonic()
                 self.say(f"[appliance] {msg}; stopping the job")
 
-    def rank_exit(self, rank: int, code: int) -> None:
+    def _describe(self, rank: int, code: int) -> str:
         hosts = self.cluster.rank_hosts()
         host = hosts[rank] if rank < len(hosts) else "?"
         why = f"rank {rank} on {host} exited with status {code}"
         if code == 255:
             why += f" (lost the SSH connection to {host})"
-        self.fail(why)
+        return why
+
+    def rank_exit(self, rank: int, code: int) -> None:
+        self.exits.append((rank, code))
+        self.fail(self._describe(rank, code))
+
+    def verdict(self) -> str | None:
+        """The failure to report: the first rank that failed on its own, then the others."""
+        if not self.exits:
+            return self.failure
+        own = [e for e in self.exits if e[0] not in self.collateral] or self.exits
+        first = own[0]
+        rest = [e for e in self.exits if e != first]
+        msg = self._describe(*first)
+        if self.failure and self.failure.startswith("node "):
+            msg = f"{self.failure}; {msg}"
+        if rest:
+            msg += " (then " + ", ".join(f"rank {r}: status {c}" for r, c in rest) + ")"
+        return msg
 
     def _node_alive(self, node: Node) -> bool:
         if node.address is None:
@@ -246,6 +269,8 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 if m:
                     rank, text = int(m.group(1)), m.group(3)
                     host = rank_hosts[rank] if rank < len(rank_hosts) else "?"
+                    if COLLATERAL.search(text):
+                        watch.collateral.add(rank)
                     if text.startswith(RESULT_PREFIX):
                         try:
                             results[rank] = json.loads(text[len(RESULT_PREFIX):])
@@ -275,6 +300,8 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 wt.join(timeout=5)
             if watch.failure and not watch.reaped:
                 watch.reap()  # leave nothing behind on the nodes that answer
+            if watch.failure:
+                watch.failure = watch.verdict()
             if watch.failure and rc == 0:
                 rc = 1
             if rc < 0:
