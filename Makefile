@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 .PHONY: help install system-deps deploy test test-fast clean lock
 
 help:
-	@echo "make deploy   install, bring up a 2-node testbed, train the digits example across it"
+	@echo "make deploy   install, start the local cloud, lease + up 2 nodes, train the digits example, down"
 	@echo "make test     install, then run every test (multi-node ones included)"
 	@echo "make install  only install (.venv with the pinned stack, Debian packages for the testbed)"
 	@echo "make clean    remove the testbed and .venv"
@@ -55,8 +55,15 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 	touch $@
 
 deploy: install
-	$(APPLIANCE) testbed up --nodes 2
+	$(APPLIANCE) up examples/digits.yaml
 	$(APPLIANCE) train examples/digits.yaml
+	$(APPLIANCE) down digits --yes
+	@echo ""
+	@echo "next:"
+	@echo "  appliance up examples/digits.yaml     # a new lease and cluster on the local cloud"
+	@echo "  appliance lease list --cloud local    # your leases"
+	@echo "  appliance cloud stop                  # stop the local cloud"
+	@echo "  OS_CLOUD=CHI@UC appliance up my.yaml  # the same on Chameleon (docs/chameleon.md)"
 
 test: install
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
@@ -71,4 +78,5 @@ lock:
 
 clean:
 	-test -x $(APPLIANCE) && $(APPLIANCE) testbed down
+	-test -x $(APPLIANCE) && $(APPLIANCE) cloud stop
 	rm -rf $(VENV) build *.egg-info

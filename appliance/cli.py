@@ -39,10 +39,12 @@ def main():
 
     \b
     The flow: spec -> lease -> cluster -> stage -> train -> checkpoint -> resume.
-    Start here:
-      appliance testbed up --nodes 2           # two local nodes (netns + sshd)
-      appliance train examples/digits.yaml     # train across them with horovodrun
-      appliance testbed down                   # remove everything the testbed made
+    Start here (the local cloud stands in for Chameleon; `cloud: chameleon` + OS_CLOUD for the real one):
+      appliance up examples/digits.yaml        # lease, 2 servers, floating IP, SSH, contextualize
+      appliance train examples/digits.yaml     # horovodrun on the head node, every rank streamed
+      appliance status digits                  # lease time left, nodes
+      appliance down digits                    # servers, floating IP, lease: gone
+    Without any cloud: `appliance testbed up --nodes 2`, then `appliance train SPEC`.
     """
 
 
@@ -120,6 +122,230 @@ def _print_testbed(st: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# the local cloud
+
+
+@main.group()
+def cloud():
+    """The local cloud: Keystone, Blazar, Nova, Neutron and Glance on 127.0.0.1, behaving like Chameleon.
+
+    \b
+    Its servers are testbed nodes; at a lease's end it deletes them, as Chameleon does.
+    `cloud: local` in a spec starts it automatically; credentials are in its clouds.yaml
+    (entry appliance-local), so the openstack CLI works against it too:
+      OS_CLIENT_CONFIG_FILE=~/.appliance/localcloud/clouds.yaml OS_CLOUD=appliance-local openstack server list
+    """
+
+
+@cloud.command("start")
+@click.option("--time-scale", default=1.0, show_default=True,
+              help="Cloud seconds per real second (60: a 1 h lease ends in 1 min).")
+@click.option("--json", "as_json", is_flag=True)
+def cloud_start(time_scale, as_json):
+    """Start the local cloud (no-op if it runs)."""
+    from . import localcloud
+
+    st = localcloud.start(time_scale=time_scale, log=_quiet if as_json else click.echo)
+    _json_out(st) if as_json else click.echo(f"local cloud at {st['endpoint']}, clock {st.get('now')} UTC")
+
+
+@cloud.command("stop")
+def cloud_stop():
+    """Stop the local cloud; its servers (testbed nodes) are deleted."""
+    from . import localcloud
+
+    localcloud.stop(log=click.echo)
+
+
+@cloud.command("status")
+@click.option("--json", "as_json", is_flag=True)
+def cloud_status(as_json):
+    """Whether the local cloud runs, where, and its clock. Exit 1 if it is not running."""
+    from . import localcloud
+
+    st = localcloud.status()
+    if as_json:
+        _json_out(st)
+    elif st["running"]:
+        click.echo(f"local cloud running at {st['endpoint']} (pid {st['pid']}), clock {st['now']} UTC "
+                   f"x{st['time_scale']:g}; clouds.yaml {st['clouds_yaml']}")
+    else:
+        click.echo("local cloud not running (start it with `appliance cloud start`)")
+    if not st["running"]:
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# leases
+
+
+def _default_cloud() -> str:
+    import os
+
+    return "chameleon" if os.environ.get("OS_CLOUD") or os.environ.get("OS_AUTH_URL") else "local"
+
+
+_cloud_opt = click.option("--cloud", "cloud_kind", type=click.Choice(["chameleon", "local"]), default=None,
+                          help="Default: chameleon if OS_CLOUD or OS_AUTH_URL is set, else local.")
+_site_opt = click.option("--site", default=None, help="Chameleon site (region), e.g. CHI@UC or CHI@TACC.")
+
+
+@main.group()
+def lease():
+    """Blazar leases: create, show, list, extend, delete.
+
+    \b
+    Chameleon's rules apply: at most 7 days; an active lease can be extended only within
+    48 h of its end, by at most 7 days past it. Dates are UTC.
+    """
+
+
+def _print_lease(d: dict) -> None:
+    left = f", {d['seconds_left'] // 3600}h{d['seconds_left'] % 3600 // 60:02d}m left" if "seconds_left" in d else ""
+    click.echo(f"{d['name']}  {d['id']}  {d['status']}  {d['start']} -> {d['end']}{left}"
+               f"\n  reservation (for Nova): {d['reservation_id']}")
+
+
+@lease.command("create")
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--start", default="now", show_default=True, help="'now' or 'YYYY-MM-DD HH:MM' (UTC).")
+@click.option("--json", "as_json", is_flag=True)
+def lease_create(spec, start, as_json):
+    """Reserve the spec's nodes (nodes.count x nodes.node_type) for lease.duration."""
+    from .provision import lifecycle
+
+    d = lifecycle.lease_create(spec, start=start, log=_quiet if as_json else click.echo)
+    _json_out(d) if as_json else _print_lease(d)
+
+
+@lease.command("show")
+@click.argument("lease_id")
+@_cloud_opt
+@_site_opt
+@click.option("--json", "as_json", is_flag=True)
+def lease_show(lease_id, cloud_kind, site, as_json):
+    """Status, dates, time left and the reservation id of one lease."""
+    from .provision import lifecycle
+
+    d = lifecycle.lease_show(lease_id, cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    _json_out(d) if as_json else _print_lease(d)
+
+
+@lease.command("list")
+@_cloud_opt
+@_site_opt
+@click.option("--json", "as_json", is_flag=True)
+def lease_list(cloud_kind, site, as_json):
+    """Your leases on the site."""
+    from .provision import lifecycle
+
+    items = lifecycle.lease_list(cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    if as_json:
+        _json_out(items)
+    else:
+        for d in items:
+            _print_lease(d)
+        if not items:
+            click.echo("no leases")
+
+
+@lease.command("extend")
+@click.argument("lease_id")
+@click.option("--by", default=None, help="Duration to add, e.g. 1d, 12h.")
+@click.option("--to", "to", default=None, help="New end 'YYYY-MM-DD HH:MM' (UTC).")
+@_cloud_opt
+@_site_opt
+@click.option("--json", "as_json", is_flag=True)
+def lease_extend(lease_id, by, to, cloud_kind, site, as_json):
+    """Move the lease's end (an absolute end date is sent). Refused outside the 48 h window, with when it opens."""
+    from .provision import lifecycle
+
+    d = lifecycle.lease_extend(lease_id, by=by, to=to, cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    _json_out(d) if as_json else _print_lease(d)
+
+
+@lease.command("delete")
+@click.argument("lease_id")
+@_cloud_opt
+@_site_opt
+@click.option("--yes", is_flag=True, help="Do not ask.")
+def lease_delete(lease_id, cloud_kind, site, yes):
+    """Delete a lease: its servers are deleted with it."""
+    from .provision import lifecycle
+
+    if not yes:
+        click.confirm(f"delete lease {lease_id} and every server on it?", abort=True)
+    ok = lifecycle.lease_delete(lease_id, cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    click.echo(f"lease {lease_id} deleted" if ok else f"no lease {lease_id} (already gone)")
+
+
+# ---------------------------------------------------------------------------------------------
+# clusters
+
+
+def _cluster_name(name_or_spec: str) -> str:
+    if name_or_spec.endswith((".yaml", ".yml")):
+        from .spec import load_spec
+
+        return load_spec(name_or_spec).name
+    return name_or_spec
+
+
+@main.command("up")
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--lease", "lease_id", default=None, help="Use this existing lease instead of creating one.")
+@click.option("--json", "as_json", is_flag=True)
+def up_cmd(spec, lease_id, as_json):
+    """Lease -> servers on the reservation -> floating IP on the head -> pinned host keys -> SSH -> contextualize.
+
+    \b
+    Idempotent and resumable: every step is recorded in the cluster's state file, so running it
+    again after a failure makes only what is missing (servers in ERROR are replaced); after the
+    lease has ended it makes a new lease.
+    """
+    from .provision import lifecycle
+
+    cl = lifecycle.up(spec, lease_id=lease_id, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
+    if as_json:
+        import dataclasses
+
+        _json_out(dataclasses.asdict(cl))
+
+
+@main.command("status")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True)
+def status_cmd(name, as_json):
+    """Lease time left, nodes and addresses of a cluster (NAME, or the SPEC that made it)."""
+    from .provision import lifecycle
+
+    st = lifecycle.status(_cluster_name(name))
+    if as_json:
+        _json_out(st)
+        return
+    left = st.get("seconds_left", 0)
+    click.echo(f"cluster {st['name']} ({st['cloud']}): lease {st['lease_id']} {st['lease_status']}, "
+               f"{left // 3600}h{left % 3600 // 60:02d}m left" + (f", FIP {st['floating_ip']}" if st['floating_ip'] else ""))
+    for n in st["nodes"]:
+        click.echo(f"  {n['name']:<16} {n['state']:<8} {n['private_ip']:<15} ssh via {n['address']}")
+    if st.get("message"):
+        click.echo(st["message"])
+
+
+@main.command("down")
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="Do not ask.")
+def down_cmd(name, yes):
+    """Delete a cluster's servers, release its floating IP, delete its lease (NAME, or its SPEC)."""
+    from .provision import lifecycle
+
+    cname = _cluster_name(name)
+    if not yes:
+        click.confirm(f"delete cluster {cname}: its servers (and their local disks) and its lease?", abort=True)
+    lifecycle.down(cname, log=click.echo)
+
+
+# ---------------------------------------------------------------------------------------------
 # spec and training
 
 
@@ -157,6 +383,10 @@ def train_cmd(spec, cluster, as_json):
     out = (lambda line: click.echo(line, err=True)) if as_json else None
     res = train_spec(spec, cluster, out=out, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
     summary = job_summary(res)
+    if res.cluster_cloud in ("local", "chameleon"):
+        summary["next"] = [f"  appliance status {res.run}        # lease time left, nodes",
+                           f"  appliance down {res.run} --yes   # delete servers, FIP and lease",
+                           "  appliance cloud stop              # stop the local cloud" if res.cluster_cloud == "local" else ""]
     if as_json:
         _json_out(summary)
     else:
@@ -194,7 +424,8 @@ def format_summary(s: dict) -> list[str]:
     lines.append(f"  log       {s['log']}")
     if not ok:
         lines.append(f"  failure   {s['failure']}")
-    lines += ["", "next:", "  appliance testbed status     # the nodes", "  appliance testbed down       # remove them"]
+    lines += ["", "next:"] + s.get("next", ["  appliance testbed status     # the nodes",
+                                             "  appliance testbed down       # remove them"])
     return lines
 
 

@@ -84,7 +84,8 @@ class Spec:
     nodes: Nodes = field(default_factory=Nodes)
     image: str = "appliance-cpu"
     network: str = "sharednet1"
-    key_name: str | None = None
+    key_name: str | None = None  # Nova key pair the nodes get (chameleon)
+    key_file: str | None = None  # its private key on this machine (default ~/.ssh/id_ed25519 or id_rsa)
     lease: Lease = field(default_factory=Lease)
     dataset: Dataset | None = None
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
@@ -217,6 +218,8 @@ def _semantic_checks(spec: Spec) -> None:
         if spec.site is not None and spec.site not in SITES:
             raise SpecError(f"site: {spec.site!r} is not a Chameleon bare-metal site with GPUs",
                             "use CHI@UC or CHI@TACC")
+    if spec.cloud == "chameleon" and not spec.key_name:
+        raise SpecError("key_name: missing for cloud: chameleon", "set key_name to your Nova key pair's name")
     if not spec.train.command.strip():
         raise SpecError("train.command: is empty", "give the command every rank runs, e.g. python train.py")
     if spec.train.start_timeout < 1:

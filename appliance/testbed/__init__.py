@@ -8,6 +8,10 @@ the testbed falls back to single-host mode: every slot on this machine, no SSH.
 
 from .netns import (  # noqa: F401
     Testbed,
+    add_node,
+    ensure_bridge,
+    node_exec,
+    remove_node,
     TestbedNode,
     down,
     kill_node,

@@ -200,7 +200,7 @@ def _kill_pids(pids: list[int], wait: float = 5.0) -> None:
 def _sshd_config(node: TestbedNode) -> str:
     d = node.dir
     return "\n".join([
-        f"ListenAddress {node.ip}",
+        "ListenAddress 0.0.0.0",  # every address of the node: its fixed IP and a floating IP
         "Port 22",
         f"HostKey {d}/ssh_host_ed25519_key",
         f"PidFile {d}/sshd.pid",
@@ -282,82 +282,174 @@ def _up_single(name: str, base: Path, slots: int, reason: str) -> Testbed:
     return tb
 
 
-def _up_netns(name: str, base: Path, count: int, slots: int, ready_timeout: float, log) -> Testbed:
+def _make_bridge(name: str, base: Path) -> Testbed:
     net = _pick_subnet(name)
     host_ip = str(net.network_address + 1)
     bridge = f"apl-{name}"
     tb = Testbed(name=name, mode="netns", base=str(base), bridge=bridge, host_ip=host_ip, prefix=net.prefixlen)
     _keygen(base / "id_ed25519", f"appliance-testbed-{name}")
-    pub = (base / "id_ed25519.pub").read_text()
     root_home = Path(pwd.getpwuid(0).pw_dir)
     for mnt in (Path(NODE_MOUNT), root_home / ".ssh"):
         if not mnt.exists():
             mnt.mkdir(mode=0o700, parents=True)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-
+    Path(tb.known_hosts).touch()
     tb.save()  # record early so a failure half-way can be torn down
     _run("ip", "link", "add", bridge, "type", "bridge")
     _run("ip", "addr", "add", f"{host_ip}/{net.prefixlen}", "dev", bridge)
     _run("ip", "link", "set", bridge, "up")
-    for i in range(1, count + 1):
-        node_name = f"node{i}"
-        d = base / node_name
-        (d / "disk").mkdir(parents=True, exist_ok=True)
-        (d / "ssh").mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(d / "ssh", 0o700)
-        node = TestbedNode(name=node_name, ip=str(net.network_address + 10 + i), dir=str(d),
-                           netns=f"apl-{name}-{node_name}", veth=f"apl{name}v{i}", slots=slots)
-        tb.nodes.append(node)
-        tb.save()
-        _keygen(d / "ssh_host_ed25519_key", f"root@{node_name}")
-        (d / "ssh" / "authorized_keys").write_text(pub)
-        os.chmod(d / "ssh" / "authorized_keys", 0o600)
-        (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n{node.ip}\t{node_name}\n")
-        (d / "sshd_config").write_text(_sshd_config(node))
-        ns = node.netns
-        _run("ip", "netns", "add", ns)
-        _run("ip", "link", "add", node.veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _run("ip", "link", "set", node.veth, "master", bridge, "up")
-        _run("ip", "-n", ns, "addr", "add", f"{node.ip}/{net.prefixlen}", "dev", "eth0")
-        _run("ip", "-n", ns, "link", "set", "eth0", "up")
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
-        _run("ip", "-n", ns, "route", "add", "default", "via", host_ip)
-        script = (
-            f"hostname {node_name} && mount --bind {d}/hosts /etc/hosts && "
-            f"mount --bind {d}/disk {NODE_MOUNT} && mount --bind {d}/ssh {root_home}/.ssh && "
-            f"exec {SSHD} -D -f {d}/sshd_config -E {d}/sshd.log"
-        )
-        with open(d / "boot.log", "wb") as out:
-            proc = subprocess.Popen(
-                ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation", "private",
-                 "sh", "-c", script],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        node.sshd_pid = proc.pid
-        tb.save()
-    # known_hosts: pin each node's host key under its name and address
-    lines = []
-    for n in tb.nodes:
-        keytype, key = (Path(n.dir) / "ssh_host_ed25519_key.pub").read_text().split()[:2]
-        lines.append(f"{n.name},{n.ip} {keytype} {key}\n")
-    Path(tb.known_hosts).write_text("".join(lines))
-    # wait for every sshd to answer
-    deadline = time.monotonic() + ready_timeout
-    pending = list(tb.nodes)
+    return tb
+
+
+def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, slots: int = 1,
+                ip: str | None = None) -> TestbedNode:
+    """Create one node (namespace, veth, sshd) on the testbed's bridge; does not wait for sshd."""
+    base = Path(tb.base)
+    net = ipaddress.IPv4Network(f"{tb.host_ip}/{tb.prefix}", strict=False)
+    root_home = Path(pwd.getpwuid(0).pw_dir)
+    d = base / node_name
+    (d / "disk").mkdir(parents=True, exist_ok=True)
+    (d / "ssh").mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(d / "ssh", 0o700)
+    node = TestbedNode(name=node_name, ip=ip or str(net.network_address + 10 + index), dir=str(d),
+                       netns=f"apl-{tb.name}-{node_name}", veth=f"apl{tb.name}v{index}", slots=slots)
+    tb.nodes.append(node)
+    tb.save()
+    _keygen(d / "ssh_host_ed25519_key", f"root@{node_name}")
+    (d / "ssh" / "authorized_keys").write_text(authorized_keys)
+    os.chmod(d / "ssh" / "authorized_keys", 0o600)
+    (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n{node.ip}\t{node_name}\n")
+    (d / "sshd_config").write_text(_sshd_config(node))
+    ns = node.netns
+    _run("ip", "netns", "add", ns)
+    _run("ip", "link", "add", node.veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+    _run("ip", "link", "set", node.veth, "master", tb.bridge, "up")
+    _run("ip", "-n", ns, "addr", "add", f"{node.ip}/{tb.prefix}", "dev", "eth0")
+    _run("ip", "-n", ns, "link", "set", "eth0", "up")
+    _run("ip", "-n", ns, "link", "set", "lo", "up")
+    _run("ip", "-n", ns, "route", "add", "default", "via", tb.host_ip)
+    script = (
+        f"hostname {node_name} && mount --bind {d}/hosts /etc/hosts && "
+        f"mount --bind {d}/disk {NODE_MOUNT} && mount --bind {d}/ssh {root_home}/.ssh && "
+        f"exec {SSHD} -D -f {d}/sshd_config -E {d}/sshd.log"
+    )
+    with open(d / "boot.log", "wb") as out:
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation", "private",
+             "sh", "-c", script],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    node.sshd_pid = proc.pid
+    keytype, key = (d / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+    with open(tb.known_hosts, "a") as fh:
+        fh.write(f"{node.name},{node.ip} {keytype} {key}\n")
+    tb.save()
+    return node
+
+
+def _wait_ready(tb: Testbed, nodes: list[TestbedNode], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(nodes)
     while pending:
         for n in list(pending):
             if _tcp_open(n.ip):
                 pending.remove(n)
             elif not _alive(n.sshd_pid, ""):
-                logtxt = (Path(n.dir) / "boot.log").read_text()[-500:] + (Path(n.dir) / "sshd.log").read_text()[-500:] \
-                    if (Path(n.dir) / "sshd.log").exists() else (Path(n.dir) / "boot.log").read_text()[-500:]
-                raise ApplianceError(f"testbed: sshd on {n.name} exited at start: {logtxt.strip()}")
+                logs = [Path(n.dir) / "boot.log", Path(n.dir) / "sshd.log"]
+                text = " ".join(p.read_text()[-400:] for p in logs if p.exists())
+                raise ApplianceError(f"testbed: sshd on {n.name} exited at start: {text.strip()}")
         if pending and time.monotonic() > deadline:
             raise ApplianceError(f"testbed: sshd on {', '.join(n.name for n in pending)} did not answer within "
-                                 f"{ready_timeout:.0f}s", "see sshd.log under " + tb.base)
+                                 f"{timeout:.0f}s", "see sshd.log under " + tb.base)
         if pending:
             time.sleep(0.05)  # readiness poll of a local port
-    log(f"testbed {name}: {count} node(s) up on {bridge} ({net})")
+
+
+def _up_netns(name: str, base: Path, count: int, slots: int, ready_timeout: float, log) -> Testbed:
+    tb = _make_bridge(name, base)
+    pub = (base / "id_ed25519.pub").read_text()
+    for i in range(1, count + 1):
+        _start_node(tb, i, f"node{i}", pub, slots=slots)
+    _wait_ready(tb, tb.nodes, ready_timeout)
+    log(f"testbed {name}: {count} node(s) up on {tb.bridge} ({tb.host_ip}/{tb.prefix})")
     return tb
+
+
+def _stop_node(node: TestbedNode) -> list[str]:
+    removed = []
+    if node.netns:
+        pids = _netns_pids(node.netns)
+        if node.sshd_pid and node.sshd_pid not in pids and _alive(node.sshd_pid, "sshd"):
+            pids.append(node.sshd_pid)
+        if pids:
+            _kill_pids(pids)
+            removed.append(f"{len(pids)} process(es) in {node.netns}")
+        if _run("ip", "netns", "del", node.netns, check=False).returncode == 0:
+            removed.append(f"namespace {node.netns}")
+    if node.veth and _run("ip", "link", "del", node.veth, check=False).returncode == 0:
+        removed.append(f"link {node.veth}")
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# single nodes on a bridge-only testbed (the local cloud's servers)
+
+
+def ensure_bridge(name: str) -> Testbed:
+    """A testbed with a bridge and no nodes yet (idempotent); nodes come and go with add/remove_node."""
+    with _locked(name):
+        tb = load(name)
+        if tb is not None and _run("ip", "link", "show", tb.bridge or "", check=False).returncode == 0:
+            return tb
+        if tb is not None:
+            _teardown(name, tb)
+        base = _base(name)
+        base.mkdir(parents=True, exist_ok=True)
+        return _make_bridge(name, base)
+
+
+def add_node(name: str, node_name: str, authorized_keys: str, *, ready_timeout: float = 20.0) -> TestbedNode:
+    """Boot one node on testbed ``name`` and wait for its sshd. Returns the node record."""
+    with _locked(name):
+        tb = load(name)
+        if tb is None:
+            raise ApplianceError(f"testbed {name} does not exist")
+        used = {int(n.veth.rsplit("v", 1)[1]) for n in tb.nodes if n.veth}
+        index = next(i for i in range(1, 200) if i not in used)
+        node = _start_node(tb, index, node_name, authorized_keys)
+    _wait_ready(tb, [node], ready_timeout)
+    return node
+
+
+def remove_node(name: str, node_name: str) -> list[str]:
+    """Delete one node: its processes, namespace, link, disk and pinned key."""
+    with _locked(name):
+        tb = load(name)
+        if tb is None:
+            return []
+        keep, removed = [], []
+        for n in tb.nodes:
+            if n.name == node_name:
+                removed += _stop_node(n)
+                shutil.rmtree(n.dir, ignore_errors=True)
+            else:
+                keep.append(n)
+        tb.nodes = keep
+        tb.save()
+        kh = Path(tb.known_hosts)
+        if kh.exists():
+            kh.write_text("".join(line for line in kh.read_text().splitlines(True)
+                                  if not line.startswith(f"{node_name},")))
+        return removed
+
+
+def node_exec(name: str, node_name: str, script: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Run a shell script inside a node (its network, UTS and mount namespaces), as cloud-init would."""
+    tb = load(name)
+    node = next((n for n in (tb.nodes if tb else []) if n.name == node_name), None)
+    if node is None or not _alive(node.sshd_pid):
+        raise ApplianceError(f"testbed {name}: node {node_name} is not running")
+    return subprocess.run(["nsenter", "-t", str(node.sshd_pid), "-n", "-u", "-m", "--", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _teardown(name: str, tb: Testbed | None) -> list[str]:
@@ -365,15 +457,12 @@ def _teardown(name: str, tb: Testbed | None) -> list[str]:
     namespaces = set()
     if tb is not None:
         for n in tb.nodes:
-            if n.netns:
-                namespaces.add(n.netns)
-            if n.sshd_pid and _alive(n.sshd_pid, "sshd") or (n.sshd_pid and _alive(n.sshd_pid, n.netns or "@@")):
-                _kill_pids([n.sshd_pid])
+            removed += _stop_node(n)
     # sweep anything of this testbed that the record may have missed
     listing = _run("ip", "netns", "list", check=False).stdout
     for line in listing.splitlines():
         ns = line.split()[0] if line.strip() else ""
-        if ns.startswith(f"apl-{name}-node"):
+        if ns.startswith(f"apl-{name}-"):
             namespaces.add(ns)
     for ns in sorted(namespaces):
         pids = _netns_pids(ns)

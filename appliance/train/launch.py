@@ -67,6 +67,8 @@ class JobResult:
     failure: str | None = None
     wall_s: float = 0.0
     log_path: str = ""
+    run: str = ""
+    cluster_cloud: str = ""
 
     @property
     def hostnames(self) -> list[str]:
@@ -310,7 +312,8 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 watch.failure = f"horovodrun exited with status {rc}"
             wall = time.monotonic() - t0
             res = JobResult(job_id=job_id, exit_code=rc, world_size=cluster.world_size, rank_hosts=rank_hosts,
-                            results=results, failure=watch.failure, wall_s=wall, log_path=str(log_path))
+                            results=results, failure=watch.failure, wall_s=wall, log_path=str(log_path),
+                            run=spec.name, cluster_cloud=cluster.cloud)
             say(f"[appliance] job {job_id} ended with exit code {rc} after {wall:.1f}s"
                 + (f": {watch.failure}" if watch.failure else ""))
             return res

@@ -1,0 +1,173 @@
+"""Start, stop and inspect the local cloud (see server.py for what it simulates).
+
+State lives in $APPLIANCE_HOME/localcloud: credentials.json and clouds.yaml (both 0600, the
+secrets never on a command line), the server's pid, endpoint and log. ``cloud: local`` in a spec
+uses the clouds.yaml entry ``appliance-local`` (an application credential, as on Chameleon).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import yaml
+
+from .. import paths, testbed
+from ..errors import ApplianceError
+
+CLOUD_NAME = "appliance-local"
+
+
+def state_dir() -> Path:
+    d = paths.home() / "localcloud"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _write_private(p: Path, text: str) -> None:
+    tmp = p.with_name(f".{p.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    tmp.replace(p)
+
+
+def _credentials(d: Path) -> dict:
+    p = d / "credentials.json"
+    if not p.exists():
+        creds = {"username": "researcher", "user_id": uuid.uuid4().hex, "password": secrets.token_urlsafe(16),
+                 "project_name": "appliance-local", "project_id": uuid.uuid4().hex,
+                 "app_cred_name": "appliance", "app_cred_id": uuid.uuid4().hex,
+                 "app_cred_secret": secrets.token_urlsafe(24)}
+        _write_private(p, json.dumps(creds, indent=2))
+    return json.loads(p.read_text())
+
+
+def _pid() -> int | None:
+    p = state_dir() / "pid"
+    if not p.exists():
+        return None
+    pid = int(p.read_text())
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return pid if b"appliance.localcloud.server" in cmd else None
+
+
+def endpoint() -> str | None:
+    p = state_dir() / "endpoint"
+    return p.read_text().strip() if p.exists() and _pid() else None
+
+
+def clouds_yaml() -> Path:
+    return state_dir() / "clouds.yaml"
+
+
+def _write_clouds_yaml(d: Path, base: str, creds: dict) -> None:
+    common = {"region_name": "CHI@local", "interface": "public", "identity_api_version": 3}
+    doc = {"clouds": {
+        CLOUD_NAME: {"auth_type": "v3applicationcredential",
+                     "auth": {"auth_url": f"{base}/identity/v3", "application_credential_id": creds["app_cred_id"],
+                              "application_credential_secret": creds["app_cred_secret"]}, **common},
+        f"{CLOUD_NAME}-password": {"auth_type": "password",
+                                   "auth": {"auth_url": f"{base}/identity/v3", "username": creds["username"],
+                                            "password": creds["password"], "project_name": creds["project_name"],
+                                            "user_domain_name": "Default", "project_domain_name": "Default"},
+                                   **common},
+    }}
+    _write_private(d / "clouds.yaml", yaml.safe_dump(doc, sort_keys=False))
+
+
+def _health(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/_admin/health", timeout=2) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0, log=print,
+          timeout: float = 30.0) -> dict:
+    """Start the local cloud if it is not running. Idempotent."""
+    d = state_dir()
+    if endpoint() and _health(endpoint()):
+        return status()
+    ok, why = testbed.namespaces_available()
+    if not ok:
+        raise ApplianceError(f"the local cloud needs network namespaces for its servers: {why}",
+                             "run as root on Linux (make deploy / make test do)")
+    creds = _credentials(d)
+    (d / "endpoint").unlink(missing_ok=True)
+    with open(d / "server.log", "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "appliance.localcloud.server", "--state", str(d),
+                                 "--port", str(port), "--time-scale", str(time_scale),
+                                 "--boot-seconds", str(boot_seconds)],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    (d / "pid").write_text(str(proc.pid))
+    deadline = time.monotonic() + timeout
+    while True:
+        ep = d / "endpoint"
+        if ep.exists() and _health(ep.read_text().strip()):
+            break
+        if proc.poll() is not None:
+            tail = (d / "server.log").read_text()[-600:]
+            raise ApplianceError(f"the local cloud exited at start: {tail.strip()}", f"see {d / 'server.log'}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise ApplianceError("the local cloud did not answer within 30 s", f"see {d / 'server.log'}")
+        time.sleep(0.05)  # readiness poll of a local port
+    base = (d / "endpoint").read_text().strip()
+    _write_clouds_yaml(d, base, creds)
+    log(f"local cloud up at {base} (time x{time_scale:g}); clouds.yaml entry {CLOUD_NAME!r} in {clouds_yaml()}")
+    return status()
+
+
+def stop(log=print, timeout: float = 30.0) -> bool:
+    """Stop the local cloud: its servers (testbed nodes) are deleted. Idempotent."""
+    pid = _pid()
+    d = state_dir()
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _pid() and time.monotonic() < deadline:
+            time.sleep(0.05)  # bounded wait for its clean shutdown
+        if _pid():
+            os.kill(pid, signal.SIGKILL)
+    testbed.down("cloud", log=lambda m: None)  # whatever a crashed server left
+    for name in ("pid", "endpoint"):
+        (d / name).unlink(missing_ok=True)
+    log("local cloud stopped" if pid else "local cloud was not running")
+    return bool(pid)
+
+
+def status() -> dict:
+    base = endpoint()
+    info = {"running": bool(base and _health(base)), "endpoint": base, "pid": _pid(),
+            "clouds_yaml": str(clouds_yaml()), "cloud": CLOUD_NAME}
+    if info["running"]:
+        info.update(admin("GET", "/clock"))
+    return info
+
+
+def admin(method: str, path: str, body: dict | None = None) -> dict:
+    """Call the local cloud's test hooks (/_admin): advance the clock, inject faults, read requests."""
+    base = endpoint()
+    if not base:
+        raise ApplianceError("the local cloud is not running", "run `appliance cloud start`")
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"{base}/_admin{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else {}

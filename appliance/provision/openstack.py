@@ -1,0 +1,388 @@
+"""Chameleon (OpenStack + Blazar) through the real clients: keystoneauth/openstacksdk, python-blazarclient.
+
+No hand-written HTTP to OpenStack. The facts this follows (docs/chameleon.md, shared/docs/chameleon.md):
+- lease dates are UTC, "YYYY-MM-DD HH:MM"; resource_properties is a JSON *string* of string triples, with `=`
+  (accepted by both Chameleon's docs and Blazar's code); hypervisor_properties is required (may be "");
+- the *reservation* id (not the lease id) goes to Nova as the `reservation` scheduler hint;
+- an extension is a PUT of an absolute end_date, allowed only within 48 h of the current end, at most
+  7 days past it; a lease lasts at most 7 days;
+- waiting fails fast on ERROR or `degraded`.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import email.utils
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+
+from ..errors import ApplianceError
+
+API_DATE = "%Y-%m-%d %H:%M"
+MAX_LEASE = dt.timedelta(days=7)
+EXTENSION_WINDOW = dt.timedelta(hours=48)
+
+
+# ---------------------------------------------------------------------------------------------
+# auth
+
+
+def connect(*, cloud: str | None = None, config_file: str | None = None, region: str | None = None):
+    """An openstacksdk Connection from clouds.yaml (+ OS_CLOUD) or OS_* variables (openrc).
+
+    Raises ApplianceError naming the variable or clouds.yaml entry to fix.
+    """
+    import keystoneauth1.exceptions as ksa
+    import openstack
+    import openstack.config
+    import openstack.exceptions
+
+    cloud = cloud or os.environ.get("OS_CLOUD")
+    where = f"clouds.yaml entry {cloud!r}" if cloud else "the OS_* variables (openrc)"
+    if not cloud and not os.environ.get("OS_AUTH_URL"):
+        raise ApplianceError("no OpenStack credentials: neither OS_CLOUD nor OS_AUTH_URL is set",
+                             "export OS_CLOUD=<your clouds.yaml entry>, or source your site's openrc "
+                             "(see docs/chameleon.md)")
+    try:
+        files = [config_file] if config_file else None
+        cfg = openstack.config.OpenStackConfig(config_files=files) if files else openstack.config.OpenStackConfig()
+        region_cfg = cfg.get_one(cloud=cloud, region_name=region) if cloud else \
+            cfg.get_one(region_name=region, load_envvars=True)
+        conn = openstack.connection.Connection(config=region_cfg)
+        conn.authorize()
+    except openstack.exceptions.ConfigException as e:
+        raise ApplianceError(f"OpenStack configuration: {e}",
+                             f"check OS_CLOUD={cloud} names an entry in clouds.yaml" if cloud
+                             else "check OS_AUTH_URL, OS_REGION_NAME and the other OS_* variables") from None
+    except (ksa.Unauthorized, openstack.exceptions.SDKException) as e:
+        text = str(e)
+        if isinstance(e, ksa.Unauthorized) or "401" in text or "requires authentication" in text:
+            raise ApplianceError(f"OpenStack rejected the credentials in {where} (401 Unauthorized)",
+                                 "check the application credential id/secret (or password); on Chameleon create an "
+                                 "*unrestricted* application credential (docs/chameleon.md)") from None
+        if "Unable to establish connection" in text or "Connection" in text:
+            raise ApplianceError(f"cannot reach Keystone for {where}: {text}",
+                                 "check auth_url / OS_AUTH_URL and the network") from None
+        raise ApplianceError(f"OpenStack authentication with {where} failed: {text}") from None
+    except ksa.MissingRequiredOptions as e:
+        names = ", ".join(o.dest for o in e.options)
+        raise ApplianceError(f"{where} lacks {names}", "add it to clouds.yaml or export the OS_* variable") from None
+    except ksa.ConnectFailure as e:
+        raise ApplianceError(f"cannot reach Keystone for {where}: {e}", "check auth_url / OS_AUTH_URL and the network") from None
+    except ksa.EndpointNotFound as e:
+        raise ApplianceError(f"{where}: {e}", "check region_name / OS_REGION_NAME (e.g. CHI@UC, CHI@TACC)") from None
+    return conn
+
+
+def blazar_client(conn):
+    from blazarclient import client
+
+    return client.Client(session=conn.session, region_name=conn.config.get_region_name(), interface="public")
+
+
+# ---------------------------------------------------------------------------------------------
+# dates and request bodies
+
+
+def fmt_date(t: dt.datetime) -> str:
+    return t.strftime(API_DATE)
+
+
+def parse_lease_date(value: str) -> dt.datetime:
+    """Blazar answers with ISO dates (with microseconds); accept both forms. Naive UTC."""
+    for f in ("%Y-%m-%dT%H:%M:%S.%f", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", API_DATE):
+        try:
+            return dt.datetime.strptime(value, f)
+        except ValueError:
+            continue
+    raise ValueError(f"unrecognised date {value!r}")
+
+
+def resource_properties(node_type: str) -> str:
+    return json.dumps(["=", "$node_type", node_type])
+
+
+def host_reservation(node_type: str, count: int) -> dict:
+    return {"resource_type": "physical:host", "min": count, "max": count, "hypervisor_properties": "",
+            "resource_properties": resource_properties(node_type), "before_end": "default"}
+
+
+def fip_reservation(public_network_id: str, amount: int = 1) -> dict:
+    return {"resource_type": "virtual:floatingip", "network_id": public_network_id, "amount": amount}
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+def blazar_error(e: Exception) -> tuple[int | None, str]:
+    """(HTTP status, message) of a BlazarClientException: the text is args[0], the status kwargs['code']."""
+    code = (getattr(e, "kwargs", None) or {}).get("code")
+    msg = str(e.args[0]) if e.args else str(e)
+    return code, re.sub(r"^ERROR: ", "", msg).strip()
+
+
+def _not_found(e: Exception) -> bool:
+    code, msg = blazar_error(e)
+    return code == 404 or "not found" in msg.lower()
+
+
+def explain_blazar(e: Exception, *, node_type: str = "", count: int = 0, end: str = "") -> ApplianceError:
+    code, msg = blazar_error(e)
+    low = msg.lower()
+    if "not enough hosts" in low or "notenoughhosts" in low:
+        what = f"{count} x {node_type}" if node_type else "the reserved hosts"
+        return ApplianceError(f"not enough hosts available for {what} in that window (Blazar: {msg.strip()})",
+                              "ask for fewer nodes or a later start, or see the site's host calendar "
+                              "(Reservations > Host Calendar); an extension fails this way when someone "
+                              "booked your hosts after your end")
+    if "within" in low and ("extend" in low or "window" in low) or "updatewindow" in low:
+        return ApplianceError(f"Chameleon allows an extension only within 48 h of the lease end (Blazar: {msg.strip()})",
+                              f"extend after {end} (UTC)" if end else "extend later, within 48 h of the end")
+    if "duration" in low and ("exceed" in low or "max" in low):
+        return ApplianceError(f"the lease would be longer than Chameleon's 7-day maximum (Blazar: {msg.strip()})",
+                              "ask for at most 7d; near the end, extend (within 48 h of it) or resume on a new lease")
+    if "quota" in low or code == 403 or "allocation" in low or "budget" in low:
+        return ApplianceError(f"refused by quota or allocation (Blazar: {msg.strip()})",
+                              "check your project's allocation / SU budget with your PI")
+    if code == 401:
+        return ApplianceError("Blazar rejected the token (401)", "check your credentials (application credential must be unrestricted)")
+    return ApplianceError(f"Blazar: {msg.strip()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the cloud
+
+
+@dataclass
+class LeaseInfo:
+    id: str
+    name: str
+    status: str
+    start: dt.datetime
+    end: dt.datetime
+    reservation_id: str | None
+    fip_reservation_id: str | None
+    degraded: bool
+
+    @classmethod
+    def from_api(cls, lease: dict) -> LeaseInfo:
+        host = next((r for r in lease.get("reservations", []) if r.get("resource_type") == "physical:host"), None)
+        fip = next((r for r in lease.get("reservations", []) if r.get("resource_type") == "virtual:floatingip"), None)
+        return cls(id=lease["id"], name=lease["name"], status=lease["status"],
+                   start=parse_lease_date(lease["start_date"]), end=parse_lease_date(lease["end_date"]),
+                   reservation_id=host["id"] if host else None, fip_reservation_id=fip["id"] if fip else None,
+                   degraded=bool(lease.get("degraded")))
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "name": self.name, "status": self.status, "start": self.start.isoformat() + "Z",
+                "end": self.end.isoformat() + "Z", "reservation_id": self.reservation_id,
+                "fip_reservation_id": self.fip_reservation_id, "degraded": self.degraded}
+
+
+class OpenStackCloud:
+    """Leases, servers and floating IPs on one OpenStack site (Chameleon, or the local cloud)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.blazar = blazar_client(conn)
+
+    # -- time -------------------------------------------------------------------------------------
+
+    def now(self) -> dt.datetime:
+        """The cloud's current UTC time (its HTTP Date header), so lease dates do not depend on our clock."""
+        resp, _ = self.blazar.lease.request_manager.get("/leases")
+        date = resp.headers.get("Date")
+        if date:
+            return email.utils.parsedate_to_datetime(date).astimezone(dt.timezone.utc).replace(tzinfo=None)
+        return dt.datetime.utcnow()
+
+    # -- leases -----------------------------------------------------------------------------------
+
+    def public_network_id(self) -> str:
+        net = self.conn.network.find_network("public")
+        if net is None:
+            raise ApplianceError("no external network named 'public' on this site", "check the site / region")
+        return net.id
+
+    def create_lease(self, name: str, node_type: str, count: int, duration: dt.timedelta, *,
+                     start: dt.datetime | None = None, floating_ip: bool = False) -> LeaseInfo:
+        if duration > MAX_LEASE:
+            raise ApplianceError(f"a {duration} lease is longer than Chameleon's 7-day maximum",
+                                 "ask for at most 7d; extend later, within 48 h of the end")
+        begin = start or self.now()
+        end = begin + duration
+        reservations = [host_reservation(node_type, count)]
+        if floating_ip:
+            reservations.append(fip_reservation(self.public_network_id()))
+        try:
+            lease = self.blazar.lease.create(name, "now" if start is None else fmt_date(begin), fmt_date(end),
+                                             reservations, [])
+        except Exception as e:  # BlazarClientException
+            raise explain_blazar(e, node_type=node_type, count=count) from None
+        return LeaseInfo.from_api(lease)
+
+    def get_lease(self, lease_id: str) -> LeaseInfo | None:
+        try:
+            return LeaseInfo.from_api(self.blazar.lease.get(lease_id))
+        except Exception as e:
+            if _not_found(e):
+                return None
+            raise explain_blazar(e) from None
+
+    def list_leases(self) -> list[LeaseInfo]:
+        try:
+            return [LeaseInfo.from_api(x) for x in self.blazar.lease.list()]
+        except Exception as e:
+            raise explain_blazar(e) from None
+
+    def wait_lease(self, lease_id: str, *, timeout: float = 600.0, poll: float = 2.0, log=print) -> LeaseInfo:
+        """Until ACTIVE. Fails fast on ERROR or degraded; real timeout."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while True:
+            info = self.get_lease(lease_id)
+            if info is None:
+                raise ApplianceError(f"lease {lease_id} disappeared while waiting for it", "create a new one")
+            if info.status != last:
+                log(f"lease {info.name}: {info.status}")
+                last = info.status
+            if info.status == "ERROR":
+                raise ApplianceError(f"lease {info.name} ({lease_id}) is in ERROR",
+                                     "delete it (`appliance lease delete`) and create another")
+            if info.degraded:
+                raise ApplianceError(f"lease {info.name} is degraded: a reserved host failed",
+                                     f"`openstack reservation host reallocate --lease-id {lease_id} <host>`, or a new lease")
+            if info.status == "ACTIVE":
+                return info
+            if info.status in ("TERMINATED", "DELETED"):
+                raise ApplianceError(f"lease {info.name} has ended ({info.status})", "create a new lease")
+            if time.monotonic() > deadline:
+                raise ApplianceError(f"lease {info.name} not ACTIVE after {timeout:.0f}s (status {info.status}, "
+                                     f"starts {info.start:%Y-%m-%d %H:%M} UTC)", "wait, or pass --timeout")
+            time.sleep(poll)  # polling a remote API
+
+    def extend_lease(self, lease_id: str, *, by: dt.timedelta | None = None, to: dt.datetime | None = None) -> LeaseInfo:
+        """PUT an absolute end date, after checking Chameleon's 48 h window and 7-day cap ourselves."""
+        info = self.get_lease(lease_id)
+        if info is None:
+            raise ApplianceError(f"no lease {lease_id}", "see `appliance lease list`")
+        new_end = to or (info.end + (by or dt.timedelta(0)))
+        now = self.now()
+        if new_end <= info.end:
+            raise ApplianceError(f"the new end {fmt_date(new_end)} is not after the current end {fmt_date(info.end)}",
+                                 "give a positive duration, e.g. --by 1d")
+        if info.status == "ACTIVE" and info.end - now > EXTENSION_WINDOW:
+            opens = info.end - EXTENSION_WINDOW
+            raise ApplianceError(f"lease {info.name} ends {fmt_date(info.end)} UTC; Chameleon allows extending only "
+                                 f"within 48 h of the end", f"extend after {fmt_date(opens)} UTC")
+        if new_end - info.end > MAX_LEASE:
+            raise ApplianceError("an extension may add at most 7 days past the current end",
+                                 f"extend to {fmt_date(info.end + MAX_LEASE)} UTC or earlier")
+        try:
+            lease = self.blazar.lease.update(lease_id, end_date=fmt_date(new_end))
+        except Exception as e:
+            raise explain_blazar(e, end=fmt_date(info.end - EXTENSION_WINDOW)) from None
+        return LeaseInfo.from_api(lease)
+
+    def delete_lease(self, lease_id: str) -> bool:
+        try:
+            self.blazar.lease.delete(lease_id)
+            return True
+        except Exception as e:
+            if _not_found(e):
+                return False
+            raise explain_blazar(e) from None
+
+    # -- servers ----------------------------------------------------------------------------------
+
+    def ensure_keypair(self, name: str, public_key: str | None) -> None:
+        kp = self.conn.compute.find_keypair(name)
+        if kp is not None:
+            if public_key and kp.public_key.split()[:2] != public_key.split()[:2]:
+                raise ApplianceError(f"key pair {name!r} exists with a different public key",
+                                     "use another key_name, or delete the old key pair")
+            return
+        if not public_key:
+            raise ApplianceError(f"no key pair named {name!r} on this site", "create it in the dashboard, or set key_name")
+        self.conn.compute.create_keypair(name=name, public_key=public_key)
+
+    def create_server(self, name: str, *, reservation_id: str, image: str, key_name: str, network: str,
+                      user_data: str | None = None, flavor: str = "baremetal") -> str:
+        img = self.conn.image.find_image(image)
+        if img is None:
+            raise ApplianceError(f"no image named {image!r} on this site", "see `openstack image list`; set image in the spec")
+        flv = self.conn.compute.find_flavor(flavor)
+        if flv is None:
+            raise ApplianceError(f"no flavor {flavor!r}", "bare-metal sites use 'baremetal'")
+        net = self.conn.network.find_network(network)
+        if net is None:
+            raise ApplianceError(f"no network named {network!r}", "Chameleon's shared network is sharednet1")
+        kwargs = dict(name=name, flavor_id=flv.id, image_id=img.id, key_name=key_name,
+                      networks=[{"uuid": net.id}], scheduler_hints={"reservation": reservation_id})
+        if user_data:
+            kwargs["user_data"] = base64.b64encode(user_data.encode()).decode()
+        srv = self.conn.compute.create_server(**kwargs)
+        return srv.id
+
+    def get_server(self, server_id: str):
+        return self.conn.compute.find_server(server_id)
+
+    def delete_server(self, server_id: str) -> bool:
+        srv = self.conn.compute.find_server(server_id)
+        if srv is None:
+            return False
+        self.conn.compute.delete_server(srv)
+        return True
+
+    def server_ip(self, srv) -> str:
+        for addrs in (srv.addresses or {}).values():
+            for a in addrs:
+                if a.get("OS-EXT-IPS:type", "fixed") == "fixed" and a.get("version", 4) == 4:
+                    return a["addr"]
+        raise ApplianceError(f"server {srv.name} has no fixed IPv4 address")
+
+    def console_host_keys(self, server_id: str) -> list[str]:
+        """Host public keys that cloud-init printed to the console (the way to pin them without trust on first use)."""
+        try:
+            out = self.conn.compute.get_server_console_output(server_id).get("output", "")
+        except Exception:
+            return []
+        m = re.search(r"-----BEGIN SSH HOST KEY KEYS-----\n(.*?)-----END SSH HOST KEY KEYS-----", out or "", re.S)
+        return [line.strip() for line in m.group(1).splitlines() if line.strip()] if m else []
+
+    # -- floating IPs -----------------------------------------------------------------------------
+
+    def reserved_floating_ip(self, fip_reservation_id: str):
+        for ip in self.conn.network.ips(tags=f"reservation:{fip_reservation_id}"):
+            return ip
+        return None
+
+    def attach_floating_ip(self, server_id: str, *, fip_reservation_id: str | None = None):
+        """Prefer the lease's reserved FIP (by tag); else allocate one from 'public'. Returns the FIP."""
+        fip = self.reserved_floating_ip(fip_reservation_id) if fip_reservation_id else None
+        if fip is None:
+            fip = self.conn.network.create_ip(floating_network_id=self.public_network_id())
+        ports = list(self.conn.network.ports(device_id=server_id))
+        if not ports:
+            raise ApplianceError(f"server {server_id} has no port to attach a floating IP to")
+        last = None
+        for port in ports:  # try each port, as on multi-NIC bare metal
+            try:
+                return self.conn.network.update_ip(fip, port_id=port.id)
+            except Exception as e:
+                last = e
+        raise ApplianceError(f"could not attach floating IP {fip.floating_ip_address}: {last}")
+
+    def release_floating_ip(self, fip_id: str) -> None:
+        ip = self.conn.network.get_ip(fip_id)
+        if ip is None:
+            return
+        if "blazar" in (ip.tags or []):
+            self.conn.network.update_ip(ip, port_id=None)  # a reserved FIP goes back with its lease
+        else:
+            self.conn.network.delete_ip(ip)

@@ -1,0 +1,235 @@
+"""Provisioning against the local cloud, over HTTP, with the real clients (openstacksdk, blazarclient).
+
+Covers the lease -> up -> train -> down cycle, the exact request bodies the clients send (so the
+Chameleon path cannot drift from the documented API), lease-end deletion, and failure paths.
+"""
+
+import datetime as dt
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from appliance import localcloud, testbed
+from appliance.cluster import find_cluster
+from appliance.errors import ApplianceError
+from appliance.provision import lifecycle
+from appliance.provision.openstack import OpenStackCloud, connect, explain_blazar
+from appliance.train.launch import train
+from appliance.spec import load_spec
+from conftest import ROOT, needs_netns
+
+pytestmark = [pytest.mark.slow, needs_netns]
+
+
+@pytest.fixture(scope="module")
+def cloud():
+    localcloud.start(log=lambda m: None)
+    try:
+        yield localcloud
+    finally:
+        localcloud.stop(log=lambda m: None)
+
+
+def spec_file(tmp_path, name, *, count=1, duration="2h", epochs=3, node_type="compute_local"):
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(textwrap.dedent(f"""\
+        name: {name}
+        cloud: local
+        nodes: {{count: {count}, node_type: {node_type}, slots: 1}}
+        image: appliance-cpu
+        lease: {{duration: {duration}}}
+        train:
+          code: {ROOT / 'examples' / 'digits'}
+          command: python train.py --epochs {epochs}
+        """))
+    return str(p)
+
+
+def os_cloud() -> OpenStackCloud:
+    return OpenStackCloud(connect(cloud=localcloud.CLOUD_NAME, config_file=str(localcloud.clouds_yaml())))
+
+
+def requests(method, pattern):
+    return [r for r in localcloud.admin("GET", "/requests")["requests"]
+            if r["method"] == method and re.fullmatch(pattern, r["path"])]
+
+
+def test_full_cycle_lease_up_train_down(cloud, tmp_path):
+    spec = spec_file(tmp_path, "cycle", count=2, epochs=12)
+    cl = lifecycle.up(spec, log=lambda m: None)
+    assert len(cl.nodes) == 2 and cl.lease_id and cl.reservation_id and cl.floating_ip
+    assert cl.nodes[1].via_head  # workers are reached through the head, as on Chameleon
+    st = lifecycle.status("cycle")
+    assert st["lease_status"] == "ACTIVE" and [n["state"] for n in st["nodes"]] == ["ACTIVE", "ACTIVE"]
+    assert st["seconds_left"] > 3600
+    res = train(load_spec(spec), cl, out=lambda line: None)
+    assert res.exit_code == 0, res.failure
+    assert res.hostnames == ["cycle-0", "cycle-1"]
+    assert len({r["weights_sha256"] for r in res.results.values()}) == 1
+    # idempotent: a second `up` creates nothing new
+    before = len(requests("POST", r"/compute/v2.1/servers"))
+    lifecycle.up(spec, log=lambda m: None)
+    assert len(requests("POST", r"/compute/v2.1/servers")) == before
+    assert len(requests("POST", r"/reservation/v1/leases")) >= 1
+    done = lifecycle.down("cycle", log=lambda m: None)
+    assert any(d.startswith("lease ") for d in done) and sum(d.startswith("server ") for d in done) == 2
+    assert find_cluster("cycle") is None
+    c = os_cloud()
+    assert c.get_lease(cl.lease_id) is None
+    assert all(c.get_server(n.server_id) is None for n in cl.nodes)
+    assert not [n for n in (testbed.load("cloud").nodes) if n.name.startswith("cycle-")]
+    assert lifecycle.down("cycle", log=lambda m: None) == []  # idempotent
+
+
+def test_request_shapes(cloud, tmp_path):
+    """The exact JSON the clients send for lease create, server create and extend."""
+    localcloud.admin("DELETE", "/requests")
+    spec = spec_file(tmp_path, "shapes", count=1, duration="1d")
+    cl = lifecycle.up(spec, log=lambda m: None)
+    try:
+        (create,) = requests("POST", r"/reservation/v1/leases")
+        body = create["body"]
+        assert body["name"].startswith("shapes-")
+        assert body["start_date"] == "now"
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", body["end_date"])  # UTC, minute resolution
+        assert body["events"] == []
+        host = body["reservations"][0]
+        assert host == {"resource_type": "physical:host", "min": 1, "max": 1, "hypervisor_properties": "",
+                        "resource_properties": '["=", "$node_type", "compute_local"]', "before_end": "default"}
+        assert isinstance(host["resource_properties"], str)  # a JSON *string*, not nested JSON
+        assert all(isinstance(x, str) for x in json.loads(host["resource_properties"]))
+        (srv,) = requests("POST", r"/compute/v2.1/servers")
+        # openstacksdk sends Nova's extension alias of os:scheduler_hints; Nova takes both at the top level
+        assert srv["body"]["OS-SCH-HNT:scheduler_hints"] == {"reservation": cl.reservation_id}
+        assert cl.reservation_id != cl.lease_id  # the reservation id, not the lease id, goes to Nova
+        s = srv["body"]["server"]
+        assert s["name"] == "shapes-0" and s["key_name"] == "appliance-local"
+        assert s["flavorRef"] == "baremetal" and s["networks"] == [{"uuid": s["networks"][0]["uuid"]}]
+        # extension: a PUT of an absolute end date (a 1-day lease is inside the 48 h window)
+        old_end = os_cloud().get_lease(cl.lease_id).end
+        info = lifecycle.lease_extend(cl.lease_id, by="6h", cloud="local", log=lambda m: None)
+        (put,) = requests("PUT", r"/reservation/v1/leases/.*")
+        assert put["body"] == {"end_date": (old_end + dt.timedelta(hours=6)).strftime("%Y-%m-%d %H:%M")}
+        assert info["end"].startswith((old_end + dt.timedelta(hours=6)).strftime("%Y-%m-%dT%H:%M"))
+    finally:
+        lifecycle.down("shapes", log=lambda m: None)
+
+
+def test_lease_end_deletes_servers_and_up_makes_a_new_lease(cloud, tmp_path):
+    spec = spec_file(tmp_path, "ending", count=1, duration="1h")
+    cl = lifecycle.up(spec, log=lambda m: None)
+    try:
+        node = testbed.load("cloud").nodes[-1]
+        assert node.name == "ending-0" and Path(node.disk).exists()
+        localcloud.admin("POST", "/advance", {"seconds": 3700})  # the cloud's clock passes the lease end
+        st = lifecycle.status("ending")
+        assert st["lease_status"] == "TERMINATED"
+        assert st["nodes"][0]["state"] == "GONE"
+        assert "deleted" in st["message"] and "appliance up" in st["message"]
+        assert not Path(node.disk).exists()  # the node's local disk is gone with it
+        assert "ending-0" not in [n.name for n in testbed.load("cloud").nodes]
+        msgs = []
+        cl2 = lifecycle.up(spec, log=msgs.append)
+        assert cl2.lease_id != cl.lease_id
+        assert any("has ended" in m and "new lease" in m for m in msgs)
+        assert lifecycle.status("ending")["lease_status"] == "ACTIVE"
+    finally:
+        lifecycle.down("ending", log=lambda m: None)
+
+
+def test_not_enough_hosts(cloud, tmp_path):
+    with pytest.raises(ApplianceError, match=r"not enough hosts available for 9 x compute_local.*fix: ask for fewer"):
+        lifecycle.up(spec_file(tmp_path, "toomany", count=9), log=lambda m: None)
+    assert find_cluster("toomany") is None or find_cluster("toomany").lease_id is None
+
+
+def test_extension_refused_outside_window(cloud, tmp_path):
+    c = os_cloud()
+    info = c.create_lease("farend", "compute_local", 1, dt.timedelta(days=5))
+    try:
+        with pytest.raises(ApplianceError, match=r"only within 48 h of the end.*fix: extend after \d{4}-\d\d-\d\d"):
+            c.extend_lease(info.id, by=dt.timedelta(days=1))
+        # the cloud enforces it too, and its error maps to the same advice
+        try:
+            c.blazar.lease.update(info.id, end_date=(info.end + dt.timedelta(days=1)).strftime("%Y-%m-%d %H:%M"))
+        except Exception as e:
+            assert "48 h" in str(explain_blazar(e))
+        else:
+            pytest.fail("the cloud accepted an extension outside the 48 h window")
+        with pytest.raises(ApplianceError, match="7-day"):
+            c.create_lease("toolong", "compute_local", 1, dt.timedelta(days=8))
+    finally:
+        c.delete_lease(info.id)
+
+
+def test_lease_in_error(cloud, tmp_path):
+    localcloud.admin("POST", "/faults", {"lease_error": 1})
+    with pytest.raises(ApplianceError, match=r"is in ERROR"):
+        lifecycle.up(spec_file(tmp_path, "lerr"), log=lambda m: None)
+    lifecycle.down("lerr", log=lambda m: None)
+
+
+def test_server_in_error_then_up_replaces_it(cloud, tmp_path):
+    spec = spec_file(tmp_path, "serr")
+    localcloud.admin("POST", "/faults", {"server_error": 1})
+    try:
+        with pytest.raises(ApplianceError, match=r"server serr-0 .* is in ERROR: Failure prepping"):
+            lifecycle.up(spec, log=lambda m: None)
+        msgs = []
+        cl = lifecycle.up(spec, log=msgs.append)  # re-run: the ERROR server is replaced
+        assert any("replacing a server in ERROR" in m for m in msgs)
+        assert lifecycle.status("serr")["nodes"][0]["state"] == "ACTIVE" and cl.nodes[0].private_ip
+    finally:
+        lifecycle.down("serr", log=lambda m: None)
+
+
+def test_ssh_never_comes_up_names_the_node(cloud, tmp_path):
+    localcloud.admin("POST", "/faults", {"ssh_never": 1})
+    try:
+        with pytest.raises(ApplianceError, match=r"SSH never came up within 3s: cannot reach nossh-0"):
+            lifecycle.up(spec_file(tmp_path, "nossh"), ssh_timeout=3, log=lambda m: None)
+    finally:
+        lifecycle.down("nossh", log=lambda m: None)
+
+
+def test_credentials_missing_or_wrong(cloud, tmp_path, monkeypatch):
+    for k in ("OS_CLOUD", "OS_AUTH_URL", "OS_CLIENT_CONFIG_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ApplianceError, match="neither OS_CLOUD nor OS_AUTH_URL is set"):
+        connect()
+    bad = tmp_path / "clouds.yaml"
+    doc = yaml.safe_load(localcloud.clouds_yaml().read_text())
+    doc["clouds"][localcloud.CLOUD_NAME]["auth"]["application_credential_secret"] = "wrong"
+    bad.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ApplianceError, match=r"rejected the credentials in clouds.yaml entry 'appliance-local'"):
+        connect(cloud=localcloud.CLOUD_NAME, config_file=str(bad))
+    with pytest.raises(ApplianceError, match=r"OS_CLOUD=no-such-cloud"):
+        connect(cloud="no-such-cloud", config_file=str(bad))
+    # the password entry works too (openrc-style users)
+    c = connect(cloud=f"{localcloud.CLOUD_NAME}-password", config_file=str(localcloud.clouds_yaml()))
+    assert c.current_project_id
+
+
+def test_cli_lease_verbs(cloud, tmp_path):
+    spec = spec_file(tmp_path, "clilease", duration="1d")
+    cli = [sys.executable, "-m", "appliance.cli"]
+    r = subprocess.run(cli + ["lease", "create", spec, "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lease = json.loads(r.stdout)
+    assert lease["status"] == "ACTIVE" and lease["reservation_id"] != lease["id"]
+    r = subprocess.run(cli + ["lease", "extend", lease["id"], "--by", "2h", "--cloud", "local", "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(cli + ["lease", "extend", lease["id"], "--by", "8d", "--cloud", "local"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "7 days" in r.stderr
+    r = subprocess.run(cli + ["lease", "delete", lease["id"], "--cloud", "local", "--yes"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "deleted" in r.stdout
