@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NETNS_OK, NETNS_WHY = testbed.namespaces_available()
 needs_netns = pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable: {NETNS_WHY}")
 # Testbed names the tests use; swept before the session in case an earlier run was killed.
-TEST_TESTBEDS = ("pt", "pk", "lc", "sh", "cloud")
+TEST_TESTBEDS = ("pt", "pk", "lc", "sh")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -65,6 +65,8 @@ def test_full_cycle_lease_up_train_down(cloud, tmp_path):
     cl = lifecycle.up(spec, log=lambda m: None)
     assert len(cl.nodes) == 2 and cl.lease_id and cl.reservation_id and cl.floating_ip
     assert cl.nodes[1].via_head  # workers are reached through the head, as on Chameleon
+    fip = os_cloud().conn.network.get_ip(cl.extra["fip_id"])
+    assert f"reservation:{cl.extra['fip_reservation_id']}" in fip.tags  # the lease's reserved FIP was used
     st = lifecycle.status("cycle")
     assert st["lease_status"] == "ACTIVE" and [n["state"] for n in st["nodes"]] == ["ACTIVE", "ACTIVE"]
     assert st["seconds_left"] > 3600
@@ -83,7 +85,7 @@ def test_full_cycle_lease_up_train_down(cloud, tmp_path):
     c = os_cloud()
     assert c.get_lease(cl.lease_id) is None
     assert all(c.get_server(n.server_id) is None for n in cl.nodes)
-    assert not [n for n in (testbed.load("cloud").nodes) if n.name.startswith("cycle-")]
+    assert not [n for n in (testbed.load(localcloud.testbed_name()).nodes) if n.name.startswith("cycle-")]
     assert lifecycle.down("cycle", log=lambda m: None) == []  # idempotent
 
 
@@ -125,7 +127,7 @@ def test_lease_end_deletes_servers_and_up_makes_a_new_lease(cloud, tmp_path):
     spec = spec_file(tmp_path, "ending", count=1, duration="1h")
     cl = lifecycle.up(spec, log=lambda m: None)
     try:
-        node = testbed.load("cloud").nodes[-1]
+        node = testbed.load(localcloud.testbed_name()).nodes[-1]
         assert node.name == "ending-0" and Path(node.disk).exists()
         localcloud.admin("POST", "/advance", {"seconds": 3700})  # the cloud's clock passes the lease end
         st = lifecycle.status("ending")
@@ -133,7 +135,7 @@ def test_lease_end_deletes_servers_and_up_makes_a_new_lease(cloud, tmp_path):
         assert st["nodes"][0]["state"] == "GONE"
         assert "deleted" in st["message"] and "appliance up" in st["message"]
         assert not Path(node.disk).exists()  # the node's local disk is gone with it
-        assert "ending-0" not in [n.name for n in testbed.load("cloud").nodes]
+        assert "ending-0" not in [n.name for n in testbed.load(localcloud.testbed_name()).nodes]
         msgs = []
         cl2 = lifecycle.up(spec, log=msgs.append)
         assert cl2.lease_id != cl.lease_id
@@ -233,3 +235,48 @@ def test_cli_lease_verbs(cloud, tmp_path):
     r = subprocess.run(cli + ["lease", "delete", lease["id"], "--cloud", "local", "--yes"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "deleted" in r.stdout
+
+
+def test_user_data_runs_at_boot(cloud, tmp_path):
+    c = os_cloud()
+    info = c.create_lease("udata", "compute_local", 1, dt.timedelta(hours=1))
+    try:
+        sid = c.create_server("udata-0", reservation_id=info.reservation_id, image="appliance-cpu",
+                              key_name="appliance-local", network="sharednet1",
+                              user_data="#!/bin/sh\necho booted-$(hostname) > /mnt/local/cloud-init.txt\n")
+        node = None
+        for _ in range(200):
+            srv = c.get_server(sid)
+            if srv.status == "ACTIVE":
+                node = next(n for n in testbed.load(localcloud.testbed_name()).nodes if n.name == "udata-0")
+                break
+            assert srv.status != "ERROR", srv.fault
+            __import__("time").sleep(0.1)  # polling the cloud's API, as a client does
+        assert node is not None
+        assert (Path(node.disk) / "cloud-init.txt").read_text().strip() == "booted-udata-0"
+    finally:
+        c.delete_lease(info.id)
+
+
+def test_extension_refused_when_a_host_is_booked_after_the_end(cloud):
+    c = os_cloud()
+    a = c.create_lease("first", "gpu_local", 2, dt.timedelta(hours=20))
+    b = c.create_lease("second", "gpu_local", 2, dt.timedelta(hours=5), start=a.end + dt.timedelta(hours=1))
+    try:
+        with pytest.raises(ApplianceError, match=r"not enough hosts available.*booked your hosts after your end"):
+            c.extend_lease(a.id, by=dt.timedelta(hours=3))
+        assert c.get_lease(a.id).status == "ACTIVE"  # a failed extension is not fatal (Blazar PR #119)
+        assert c.get_lease(a.id).end == a.end
+        c.extend_lease(a.id, by=dt.timedelta(minutes=30))  # up to the next booking is fine
+    finally:
+        c.delete_lease(a.id)
+        c.delete_lease(b.id)
+
+
+def test_degraded_lease_fails_fast(cloud, tmp_path):
+    localcloud.admin("POST", "/faults", {"lease_degraded": 1})
+    try:
+        with pytest.raises(ApplianceError, match=r"degraded: a reserved host failed.*reallocate"):
+            lifecycle.up(spec_file(tmp_path, "degr"), log=lambda m: None)
+    finally:
+        lifecycle.down("degr", log=lambda m: None)

@@ -52,6 +52,17 @@ def _credentials(d: Path) -> dict:
     return json.loads(p.read_text())
 
 
+def testbed_name() -> str:
+    """The testbed the local cloud's servers live on: `cloud` for ~/.appliance, else one per APPLIANCE_HOME,
+    so a test run's cloud never touches a user's."""
+    import zlib
+
+    home = paths.home().resolve()
+    if home == (Path.home() / ".appliance").resolve():
+        return "cloud"
+    return f"c{zlib.crc32(str(home).encode()) & 0xFFFFF:05x}"
+
+
 def _pid() -> int | None:
     p = state_dir() / "pid"
     if not p.exists():
@@ -111,7 +122,7 @@ def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0, 
     with open(d / "server.log", "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "appliance.localcloud.server", "--state", str(d),
                                  "--port", str(port), "--time-scale", str(time_scale),
-                                 "--boot-seconds", str(boot_seconds)],
+                                 "--boot-seconds", str(boot_seconds), "--testbed", testbed_name()],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     (d / "pid").write_text(str(proc.pid))
@@ -144,7 +155,7 @@ def stop(log=print, timeout: float = 30.0) -> bool:
             time.sleep(0.05)  # bounded wait for its clean shutdown
         if _pid():
             os.kill(pid, signal.SIGKILL)
-    testbed.down("cloud", log=lambda m: None)  # whatever a crashed server left
+    testbed.down(testbed_name(), log=lambda m: None)  # whatever a crashed server left
     for name in ("pid", "endpoint"):
         (d / name).unlink(missing_ok=True)
     log("local cloud stopped" if pid else "local cloud was not running")

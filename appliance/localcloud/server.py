@@ -48,7 +48,6 @@ EXTENSION_WINDOW_SECONDS = 48 * 3600
 API_DATE = "%Y-%m-%d %H:%M"
 ISO = "%Y-%m-%dT%H:%M:%S.%f"
 REGION = "CHI@local"
-TESTBED = "cloud"
 DEFAULT_POOLS = {"compute_local": 4, "gpu_local": 2}
 
 
@@ -142,8 +141,9 @@ def _compile(req, text):
 
 class Cloud:
     def __init__(self, state_dir: Path, *, time_scale: float = 1.0, pools: dict[str, int] | None = None,
-                 boot_seconds: float = 0.0, base_url: str = ""):
+                 boot_seconds: float = 0.0, base_url: str = "", testbed_name: str = "cloud"):
         self.dir = state_dir
+        self.tb_name = testbed_name
         self.clock = Clock(time_scale)
         self.boot_seconds = boot_seconds
         self.base_url = base_url
@@ -176,7 +176,7 @@ class Cloud:
                        for name in ("appliance-cpu", "CC-Ubuntu22.04", "CC-Ubuntu22.04-CUDA")]
         self.faults: dict[str, int] = {}
         self.requests: list[dict] = []
-        self.tb = testbed.ensure_bridge(TESTBED)
+        self.tb = testbed.ensure_bridge(testbed_name)
         self.fip_next = 200
 
     # -- engine -----------------------------------------------------------------------------------
@@ -307,6 +307,10 @@ class Cloud:
             if self.faults.get("lease_error", 0) > 0:
                 self.faults["lease_error"] -= 1
                 lease["status"] = "ERROR"
+            if self.faults.get("lease_degraded", 0) > 0:
+                self.faults["lease_degraded"] -= 1
+                lease["degraded"] = True
+                reservations[0]["missing_resources"] = True
             self.leases[lease_id] = lease
         self.tick()
         return self.lease_view(lease)
@@ -453,7 +457,7 @@ class Cloud:
                 self.faults["ssh_never"] -= 1
                 pub = ""
                 srv["_no_ssh"] = True
-            node = testbed.add_node(TESTBED, hostname, pub + "\n" if pub else "")
+            node = testbed.add_node(self.tb_name, hostname, pub + "\n" if pub else "")
             if srv.get("_no_ssh"):
                 testbed.netns._kill_pids([node.sshd_pid])  # boots, but sshd never answers
             hostkey = (Path(node.dir) / "ssh_host_ed25519_key.pub").read_text().strip()
@@ -464,12 +468,12 @@ class Cloud:
             if ud and not srv.get("_no_ssh"):
                 script = base64.b64decode(ud).decode(errors="replace")
                 if script.startswith("#!"):
-                    r = testbed.node_exec(TESTBED, hostname, script)
+                    r = testbed.node_exec(self.tb_name, hostname, script)
                     console.append(f"cloud-init: user_data exited {r.returncode}")
                     (Path(node.dir) / "user_data.log").write_text(r.stdout + r.stderr)
             with self.lock:
                 if srv["status"] == "DELETED":
-                    testbed.remove_node(TESTBED, hostname)
+                    testbed.remove_node(self.tb_name, hostname)
                     return
                 srv["_node"] = hostname
                 srv["_console"] = "\n".join(console) + "\n"
@@ -499,7 +503,7 @@ class Cloud:
             if srv.get("_port") and fip["port_id"] == srv["_port"]["id"]:
                 self._disassociate(fip)
         if srv.get("_node"):
-            testbed.remove_node(TESTBED, srv["_node"])
+            testbed.remove_node(self.tb_name, srv["_node"])
             srv["_node"] = None
 
     # -- Neutron ----------------------------------------------------------------------------------
@@ -538,7 +542,7 @@ class Cloud:
             if srv is None:
                 raise ApiError(404, f"Port {port_id} could not be found.", "PortNotFound")
             self._disassociate(fip)
-            tb = testbed.load(TESTBED)
+            tb = testbed.load(self.tb_name)
             node = next(n for n in tb.nodes if n.name == srv["_node"])
             testbed.netns._run("ip", "-n", node.netns, "addr", "add", f"{fip['floating_ip_address']}/32", "dev", "eth0")
             fip.update(port_id=port_id, fixed_ip_address=srv["_port"]["fixed_ips"][0]["ip_address"], status="ACTIVE",
@@ -563,7 +567,7 @@ class Cloud:
             for srv in list(self.servers.values()):
                 if srv["status"] != "DELETED":
                     self._delete_server(srv)
-        testbed.down(TESTBED, log=lambda m: None)
+        testbed.down(self.tb_name, log=lambda m: None)
 
 
 def _versions(vid: str, href: str) -> dict:
@@ -927,10 +931,11 @@ class Handler(BaseHTTPRequestHandler):
         raise ApiError(404, f"not found: {path}", "NotFound")
 
 
-def serve(state_dir: Path, port: int, time_scale: float, boot_seconds: float) -> None:
+def serve(state_dir: Path, port: int, time_scale: float, boot_seconds: float, testbed_name: str) -> None:
     httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     base = f"http://127.0.0.1:{httpd.server_address[1]}"
-    cloud = Cloud(state_dir, time_scale=time_scale, boot_seconds=boot_seconds, base_url=base)
+    cloud = Cloud(state_dir, time_scale=time_scale, boot_seconds=boot_seconds, base_url=base,
+                  testbed_name=testbed_name)
     Handler.cloud = cloud
     stop = threading.Event()
 
@@ -960,8 +965,9 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--boot-seconds", type=float, default=0.0)
+    ap.add_argument("--testbed", default="cloud", help="name of the testbed its servers live on")
     a = ap.parse_args(argv)
-    serve(Path(a.state), a.port, a.time_scale, a.boot_seconds)
+    serve(Path(a.state), a.port, a.time_scale, a.boot_seconds, a.testbed)
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def lease_create(spec_path: str, *, start: str | None = None, log=print) -> dict
     begin = dt.datetime.strptime(start, "%Y-%m-%d %H:%M") if start and start != "now" else None
     info = prof.cloud.create_lease(_lease_name(spec), spec.nodes.node_type, spec.nodes.count,
                                    dt.timedelta(seconds=duration_seconds(spec.lease.duration)), start=begin,
-                                   floating_ip=spec.lease.floating_ip and prof.kind == "chameleon")
+                                   floating_ip=spec.lease.floating_ip)
     return info.as_dict()
 
 
@@ -220,7 +220,7 @@ def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None
     if lid is None:
         info = c.create_lease(_lease_name(spec), spec.nodes.node_type, spec.nodes.count,
                               dt.timedelta(seconds=duration_seconds(spec.lease.duration)),
-                              floating_ip=spec.lease.floating_ip and prof.kind == "chameleon")
+                              floating_ip=spec.lease.floating_ip)
         log(f"lease {info.name} ({info.id}) created: {spec.nodes.count} x {spec.nodes.node_type} until "
             f"{fmt_date(info.end)} UTC")
     else:
