@@ -14,13 +14,13 @@ TF_VERSION := $(shell sed -n 's/^tensorflow_cpu==//p' requirements.lock)
 WHEEL_CACHE ?= $(HOME)/.cache/appliance/wheels/tf-$(TF_VERSION)
 HOROVOD_BUILD_ENV := HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
 	HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 MAKEFLAGS=-j2
-DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux
+DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached
 PYTEST_ARGS ?=
 
 .PHONY: help install system-deps deploy test test-fast clean lock
 
 help:
-	@echo "make deploy   install, start the local cloud, lease + up 2 nodes, train the digits example, down"
+	@echo "make deploy   install, start the local cloud, upload digits to its Swift, up 2 nodes, stage, train, down"
 	@echo "make test     install, then run every test (multi-node ones included)"
 	@echo "make install  only install (.venv with the pinned stack, Debian packages for the testbed)"
 	@echo "make clean    remove the testbed and .venv"
@@ -55,7 +55,10 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 	touch $@
 
 deploy: install
+	$(PY) examples/digits/make_dataset.py build/digits-data
+	$(APPLIANCE) data upload build/digits-data swift://digits-data/v1/ --cloud local
 	$(APPLIANCE) up examples/digits.yaml
+	$(APPLIANCE) stage examples/digits.yaml
 	$(APPLIANCE) train examples/digits.yaml
 	$(APPLIANCE) down digits --yes
 	@echo ""

@@ -366,6 +366,79 @@ def check_spec(spec, as_json):
                    f"{s.world_size} rank(s)")
 
 
+@main.command("stage")
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--cluster", default=None, help="Cluster to use (default: the run's own, or the local testbed).")
+@click.option("--concurrency", default=16, show_default=True, help="Parallel transfers per node.")
+@click.option("--json", "as_json", is_flag=True, help="Print each node's result as JSON.")
+def stage_cmd(spec, cluster, concurrency, as_json):
+    """Download the spec's dataset to every node's local disk, in parallel, verified, resumable.
+
+    \b
+    dataset.mode full: every node gets everything; shard: node r gets every n-th object (sorted
+    names), so rank r's input pipeline reads only what is local. A re-run fetches only what is
+    missing or changed (a manifest on each node). Free space is checked before starting.
+    """
+    from .data import stage_spec
+
+    say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    res = stage_spec(spec, cluster, out=say, log=say, concurrency=concurrency)
+    if as_json:
+        _json_out(res)
+
+
+@main.group()
+def data():
+    """Object-store basics: upload, ls, rm (swift://, s3://, file:// URLs)."""
+
+
+@data.command("upload")
+@click.argument("src", type=click.Path(exists=True))
+@click.argument("url")
+@_cloud_opt
+@_site_opt
+@click.option("--segment-size", default=5 * 1024**3, show_default=True,
+              help="Bytes; larger files become SLOs of segments this size (Swift caps one object at 5 GiB).")
+def data_upload(src, url, cloud_kind, site, segment_size):
+    """Upload a file or a directory tree to URL/<relative path>."""
+    from .data import upload
+
+    upload(src, url, cloud=cloud_kind or _default_cloud(), site=site, segment_size=segment_size, log=click.echo)
+
+
+@data.command("ls")
+@click.argument("url")
+@_cloud_opt
+@_site_opt
+@click.option("--json", "as_json", is_flag=True)
+def data_ls(url, cloud_kind, site, as_json):
+    """List objects under URL (every page: no 10,000-name cap)."""
+    from .data import listing
+
+    items = listing(url, cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    if as_json:
+        _json_out(items)
+    else:
+        for o in items:
+            click.echo(f"{o['size']:>12}  {o['etag']}  {o['name']}")
+        click.echo(f"{len(items)} object(s), {sum(o['size'] for o in items)} bytes")
+
+
+@data.command("rm")
+@click.argument("url")
+@_cloud_opt
+@_site_opt
+@click.option("--yes", is_flag=True)
+def data_rm(url, cloud_kind, site, yes):
+    """Delete every object under URL (SLO segments too)."""
+    from .data import remove
+
+    if not yes:
+        click.confirm(f"delete every object under {url}?", abort=True)
+    n = remove(url, cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    click.echo(f"deleted {n} object(s)")
+
+
 @main.command("train")
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--cluster", default=None, help="Cluster to use (default: the run's own, or the local testbed).")

@@ -144,10 +144,37 @@ def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0, 
     return status()
 
 
+def swift(log=print) -> dict:
+    """The local cloud's object store: a real Swift, started on first use. Returns its credentials."""
+    from .swift import SwiftServer
+
+    d = state_dir()
+    start(log=log)  # its servers must reach it: the proxy listens on the cloud's bridge address
+    sw = SwiftServer(d / "swift", bind_ip=testbed.load(testbed_name()).host_ip)
+    creds_file = d / "swift.json"
+    if creds_file.exists() and (d / "swift" / "pids.json").exists():
+        creds = json.loads(creds_file.read_text())
+        try:
+            with urllib.request.urlopen(creds["s3_endpoint"] + "/healthcheck", timeout=2) as r:
+                if r.status == 200:
+                    return creds
+        except OSError:
+            pass
+    sw.start()
+    creds = sw.credentials()
+    _write_private(creds_file, json.dumps(creds))
+    log(f"local object store (Swift) at {creds['s3_endpoint']}")
+    return creds
+
+
 def stop(log=print, timeout: float = 30.0) -> bool:
-    """Stop the local cloud: its servers (testbed nodes) are deleted. Idempotent."""
+    """Stop the local cloud: its servers (testbed nodes) are deleted, its Swift stopped. Idempotent."""
+    from .swift import SwiftServer
+
     pid = _pid()
     d = state_dir()
+    if (d / "swift").exists():
+        SwiftServer(d / "swift").stop()
     if pid:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout

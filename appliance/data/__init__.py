@@ -1,0 +1,153 @@
+"""Data: object-store access (store.py), the per-node stager (stage.py, node_stage.py), and the
+cluster-wide `appliance stage` that runs the stager on every node in parallel over SSH."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..cluster import Cluster
+from ..errors import ApplianceError
+from .stage import _fmt_bytes
+
+
+def _bar(p: dict) -> str:
+    tot = p.get("bytes_total") or 0
+    pct = 100.0 * p["bytes"] / tot if tot else 100.0
+    eta = f"{p['eta']:.0f}s" if p.get("eta") is not None else "-"
+    return (f"{p['files']}/{p['files_total']} files {_fmt_bytes(p['bytes'])}/{_fmt_bytes(tot)} "
+            f"({pct:.0f}%) {_fmt_bytes(p['rate'])}/s ETA {eta}")
+
+
+def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", creds=None, concurrency: int = 16,
+                  keep_names: bool = False, out: Callable[[str], None] | None = None) -> dict[str, dict]:
+    """Run the stager on every node in parallel; returns each node's result. Raises on any node's failure."""
+    from ..remote import Session
+
+    say = out or (lambda m: print(m, flush=True))
+    scoped = creds.scoped() if creds is not None else None
+    progress: dict[str, dict] = {}
+    results: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def show():
+        while not stop.wait(1.0):
+            with lock:
+                if progress:
+                    say("[stage] " + " | ".join(f"{n}: {_bar(p)}" for n, p in sorted(progress.items())))
+
+    def run(node_index: int, remote) -> None:
+        node = remote.node
+        job = {"url": url, "dest": f"{node.workdir}/{dest}", "mode": mode, "rank": node_index,
+               "nodes": len(cluster.nodes), "concurrency": concurrency, "keep_names": keep_names,
+               "creds": scoped.__dict__ if scoped else None}
+
+        def on_line(stream, line):
+            if line.startswith("APPLIANCE_PROGRESS "):
+                with lock:
+                    progress[node.name] = json.loads(line.split(" ", 1)[1])
+            elif line.startswith("APPLIANCE_STAGED "):
+                results[node.name] = json.loads(line.split(" ", 1)[1])
+            elif line.startswith("APPLIANCE_ERROR "):
+                e = json.loads(line.split(" ", 1)[1])
+                errors[node.name] = e["message"] + (f" (fix: {e['fix']})" if e.get("fix") else "")
+            elif line.startswith("APPLIANCE_NOTE "):
+                say(f"[stage] {node.name}: {line.split(' ', 1)[1]}")
+
+        cmd = f"{shlex.quote(cluster.python)} -m appliance.data.node_stage"
+        r = remote.run(cmd, stdin=json.dumps(job).encode(), on_line=on_line)
+        if r.rc != 0 and node.name not in errors:
+            errors[node.name] = f"stager exited {r.rc}: {r.err.strip()[-300:]}"
+
+    t0 = time.monotonic()
+    shower = threading.Thread(target=show, daemon=True)
+    shower.start()
+    try:
+        with Session(cluster) as s:
+            remotes = [s[n.name] for n in cluster.nodes]
+            with ThreadPoolExecutor(max_workers=len(remotes)) as ex:
+                for f in [ex.submit(run, i, r) for i, r in enumerate(remotes)]:
+                    f.result()
+    finally:
+        stop.set()
+        shower.join(timeout=2)
+    if errors:
+        name, msg = sorted(errors.items())[0]
+        raise ApplianceError(f"staging failed on {name}: {msg}"
+                             + (f" (and on {len(errors) - 1} other node(s))" if len(errors) > 1 else ""))
+    wall = time.monotonic() - t0
+    for name, r in sorted(results.items()):
+        say(f"[stage] {name}: {r['files_fetched']} fetched, {r['files_skipped']} already here, "
+            f"{_fmt_bytes(r['bytes_fetched'])} in {r['seconds']:.1f}s ({r['mb_per_s']} MB/s), "
+            f"{r['retries']} retries, {r['corrupt_refetched']} corrupt re-fetched -> {r['dest']}")
+    say(f"[stage] done in {wall:.1f}s on {len(results)} node(s)")
+    return results
+
+
+def stage_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None,
+               log=print, concurrency: int = 16) -> dict[str, dict]:
+    """`appliance stage SPEC`: the spec's dataset to every node's local disk."""
+    from ..spec import load_spec
+    from ..train.launch import resolve_cluster
+    from . import creds as creds_mod
+    from .store import parse_url
+
+    spec = load_spec(spec_path)
+    if spec.dataset is None:
+        raise ApplianceError(f"{spec_path}: no dataset to stage", "add a dataset: {source: swift://..., dest: data}")
+    cluster = resolve_cluster(spec, cluster_name, log=log)
+    scheme = parse_url(spec.dataset.source)[0]
+    cr = None if scheme == "file" else creds_mod.resolve(spec.cloud, spec.site, log=log)
+    return stage_cluster(cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, creds=cr,
+                         concurrency=concurrency, out=out)
+
+
+def upload(src: str, url: str, *, cloud: str = "local", site: str | None = None, segment_size: int = 5 * 1024**3,
+           concurrency: int = 16, log=print) -> int:
+    """`appliance data upload DIR URL`: every file under DIR to URL/<relative path>, in parallel."""
+    from . import creds as creds_mod
+    from .store import SwiftStore, open_store, parse_url
+
+    scheme = parse_url(url)[0]
+    store, prefix = open_store(url, None if scheme == "file" else creds_mod.resolve(cloud, site, log=log))
+    if isinstance(store, SwiftStore):
+        store.ensure_container()
+    root = Path(src)
+    files = [p for p in sorted(root.rglob("*")) if p.is_file()] if root.is_dir() else [root]
+    if not files:
+        raise ApplianceError(f"{src}: nothing to upload", "give a file or a non-empty directory")
+    base = root if root.is_dir() else root.parent
+    names = [(p, f"{prefix.rstrip('/') + '/' if prefix else ''}{p.relative_to(base).as_posix()}") for p in files]
+    with ThreadPoolExecutor(max_workers=concurrency) as ex:
+        list(ex.map(lambda pn: store.put(pn[1], pn[0], segment_size=segment_size), names))
+    log(f"uploaded {len(names)} file(s) to {url}")
+    return len(names)
+
+
+def listing(url: str, *, cloud: str = "local", site: str | None = None, log=print) -> list[dict]:
+    from . import creds as creds_mod
+    from .store import open_store, parse_url
+
+    scheme = parse_url(url)[0]
+    store, prefix = open_store(url, None if scheme == "file" else creds_mod.resolve(cloud, site, log=log))
+    return [o.__dict__ for o in store.list(prefix)]
+
+
+def remove(url: str, *, cloud: str = "local", site: str | None = None, log=print) -> int:
+    from . import creds as creds_mod
+    from .store import open_store, parse_url
+
+    scheme = parse_url(url)[0]
+    store, prefix = open_store(url, None if scheme == "file" else creds_mod.resolve(cloud, site, log=log))
+    names = [o.name for o in store.list(prefix)]
+    with ThreadPoolExecutor(max_workers=16) as ex:
+        list(ex.map(store.delete, names))
+    return len(names)

@@ -1,0 +1,51 @@
+"""Runs on a node: stage one node's part of a dataset. Driven by `appliance stage` over SSH.
+
+The job (URL, destination, shard, and the scoped credentials) arrives as JSON on stdin, so the
+credentials are never on a command line, in the environment or on the node's disk. Progress goes
+to stdout as `APPLIANCE_PROGRESS {json}` lines, the result as `APPLIANCE_STAGED {json}`, a failure
+as `APPLIANCE_ERROR {json}` with exit code 1.
+"""
+
+import json
+import sys
+
+from ..errors import ApplianceError
+from .stage import stage
+from .store import StoreCreds, open_store, swift_fallback
+
+
+def main() -> int:
+    job = json.loads(sys.stdin.read())
+    creds = StoreCreds(**job["creds"]) if job.get("creds") else None
+
+    def progress(p):
+        print("APPLIANCE_PROGRESS " + json.dumps(p), flush=True)
+
+    try:
+        store, prefix = open_store(job["url"], creds)
+        try:
+            res = stage(store, prefix, job["dest"], mode=job["mode"], rank=job["rank"], nodes=job["nodes"],
+                        concurrency=job.get("concurrency", 16), progress=progress,
+                        keep_names=job.get("keep_names", False))
+        except ApplianceError:
+            raise
+        except Exception as e:
+            fb = swift_fallback(job["url"], creds) if creds else None
+            if fb is None:
+                raise
+            print(f"APPLIANCE_NOTE S3 failed ({type(e).__name__}: {e}); falling back to Swift", flush=True)
+            res = stage(fb[0], fb[1], job["dest"], mode=job["mode"], rank=job["rank"], nodes=job["nodes"],
+                        concurrency=job.get("concurrency", 16), progress=progress,
+                        keep_names=job.get("keep_names", False))
+    except ApplianceError as e:
+        print("APPLIANCE_ERROR " + json.dumps({"message": e.message, "fix": e.fix}), flush=True)
+        return 1
+    except Exception as e:
+        print("APPLIANCE_ERROR " + json.dumps({"message": f"{type(e).__name__}: {e}", "fix": None}), flush=True)
+        return 1
+    print("APPLIANCE_STAGED " + json.dumps(res.as_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

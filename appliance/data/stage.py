@@ -1,0 +1,314 @@
+"""Stage a dataset from an object store to a local directory: fast, verified, resumable.
+
+``stage(store, prefix, dest, ...)`` runs on one node:
+1. list the objects (paged through any number), keep this node's shard (``mode='shard'``: the
+   sorted names, every ``nodes``-th one from ``rank``; union over ranks = the dataset, no overlap);
+2. refuse names that would escape ``dest`` (``..``, absolute paths, NUL) before writing anything;
+3. skip what the manifest (``dest/.appliance-manifest.json``: name -> size, ETag) says is already
+   here and unchanged; check free space for the rest *before* starting (fail with the numbers);
+4. download in parallel: one GET per small object, parallel ranged GETs for large ones; an SLO is
+   fetched segment by segment and each segment checked against its MD5; everything else is checked
+   against its ETag (MD5). A file appears under its name only once verified (``.part`` + rename);
+5. retry with backoff; record each verified file in the manifest, so a killed run resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from ..errors import ApplianceError
+from .store import ObjectInfo, Store, _md5_file as _md5_path
+
+MANIFEST = ".appliance-manifest.json"
+JOURNAL = ".appliance-manifest.journal"  # one line per verified file, so a killed run loses nothing
+LARGE = 64 * 1024**2  # objects above this are fetched as parallel ranged GETs
+RANGE = 16 * 1024**2
+DISK_MARGIN = 256 * 1024**2  # leave this much free
+
+
+class Corrupt(Exception):
+    pass
+
+
+@dataclass
+class StageResult:
+    files_total: int = 0
+    files_fetched: int = 0
+    files_skipped: int = 0
+    bytes_total: int = 0
+    bytes_fetched: int = 0
+    retries: int = 0
+    corrupt_refetched: int = 0
+    seconds: float = 0.0
+    dest: str = ""
+    names: list[str] = field(default_factory=list)  # this node's names (kept only when asked)
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["mb_per_s"] = round(self.bytes_fetched / 1e6 / self.seconds, 1) if self.seconds else 0.0
+        d["files_per_s"] = round(self.files_fetched / self.seconds, 1) if self.seconds else 0.0
+        return d
+
+
+def safe_relpath(name: str, prefix: str = "") -> PurePosixPath:
+    """The path an object is written to, relative to dest; raises on a name that would escape it."""
+    rel = name[len(prefix):] if prefix and name.startswith(prefix) else name
+    rel = rel.lstrip("/") if prefix else rel
+    p = PurePosixPath(rel)
+    if not rel or "\x00" in rel or name.startswith("/") or p.is_absolute() or any(part in ("..",) for part in p.parts) \
+            or rel.endswith("/") or any(part == "" for part in rel.split("/")):
+        raise ValueError(name)
+    return p
+
+
+def select(objects: list[ObjectInfo], *, mode: str, rank: int, nodes: int) -> list[ObjectInfo]:
+    objects = sorted(objects, key=lambda o: o.name)
+    if mode == "shard":
+        return objects[rank::nodes]
+    return objects
+
+
+def load_manifest(dest: Path) -> dict[str, list]:
+    try:
+        m = json.loads((dest / MANIFEST).read_text())
+    except (OSError, ValueError):
+        m = {}
+    try:
+        with open(dest / JOURNAL) as fh:
+            for line in fh:
+                try:
+                    name, size, etag = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a kill
+                m[name] = [size, etag]
+    except OSError:
+        pass
+    return m
+
+
+def _save_manifest(dest: Path, m: dict) -> None:
+    tmp = dest / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(m, separators=(",", ":")))
+    tmp.replace(dest / MANIFEST)
+    (dest / JOURNAL).unlink(missing_ok=True)
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+class _Progress:
+    def __init__(self, total_files: int, total_bytes: int, cb: Callable[[dict], None] | None, every: float = 0.5):
+        self.files = self.bytes = 0
+        self.total_files, self.total_bytes = total_files, total_bytes
+        self.cb, self.every = cb, every
+        self.t0 = time.monotonic()
+        self.last = 0.0
+        self.lock = threading.Lock()
+
+    def add(self, nbytes: int = 0, files: int = 0, force: bool = False) -> None:
+        with self.lock:
+            self.bytes += nbytes
+            self.files += files
+            now = time.monotonic()
+            if self.cb and (force or now - self.last >= self.every):
+                self.last = now
+                el = max(now - self.t0, 1e-6)
+                rate = self.bytes / el
+                left = self.total_bytes - self.bytes
+                self.cb({"files": self.files, "files_total": self.total_files, "bytes": self.bytes,
+                         "bytes_total": self.total_bytes, "rate": rate,
+                         "eta": left / rate if rate > 0 else None, "elapsed": el})
+
+
+def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", rank: int = 0, nodes: int = 1,
+          concurrency: int = 16, retries: int = 4, progress: Callable[[dict], None] | None = None,
+          keep_names: bool = False) -> StageResult:
+    t0 = time.monotonic()
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    listing = list(store.list(prefix))
+    mine = select(listing, mode=mode, rank=rank, nodes=nodes)
+    bad = []
+    paths: dict[str, PurePosixPath] = {}
+    for o in mine:
+        try:
+            paths[o.name] = safe_relpath(o.name, prefix)
+        except ValueError:
+            bad.append(o.name)
+    if bad:
+        shown = ", ".join(repr(b) for b in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ApplianceError(f"refusing {len(bad)} object name(s) that would escape {dest}: {shown}; nothing was written",
+                             "rename those objects in the store (no '..', no leading '/')")
+    manifest = load_manifest(dest)
+    todo, skipped = [], 0
+    for o in mine:
+        rec = manifest.get(o.name)
+        target = dest / paths[o.name]
+        if rec and rec[0] == o.size and rec[1] == o.etag and target.is_file() and target.stat().st_size == o.size:
+            skipped += 1
+        else:
+            todo.append(o)
+    need = sum(o.size for o in todo)
+    free = free_bytes(dest)
+    if need > free - DISK_MARGIN:
+        raise ApplianceError(f"not enough disk on {dest}: the dataset needs {_fmt_bytes(need)} more, "
+                             f"{_fmt_bytes(free)} free (keeping {_fmt_bytes(DISK_MARGIN)} spare)",
+                             "stage a shard per node (dataset.mode: shard), pack small files, or use the node's "
+                             "NVMe disk")
+    res = StageResult(files_total=len(mine), files_skipped=skipped, bytes_total=sum(o.size for o in mine),
+                      dest=str(dest))
+    if keep_names:
+        res.names = [o.name for o in mine]
+    prog = _Progress(len(todo), need, progress)
+    mlock = threading.Lock()
+    journal = open(dest / JOURNAL, "a", buffering=1)
+
+    def record(o: ObjectInfo) -> None:
+        with mlock:
+            manifest[o.name] = [o.size, o.etag]
+            journal.write(json.dumps([o.name, o.size, o.etag]) + "\n")
+
+    big_pool = ThreadPoolExecutor(max_workers=concurrency)  # ranged parts of large objects
+
+    def fetch(o: ObjectInfo) -> None:
+        target = dest / paths[o.name]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        part = target.with_name(target.name + ".part")
+        for attempt in range(retries + 1):
+            try:
+                _fetch_one(store, o, part, big_pool, prog)
+                part.replace(target)
+                record(o)
+                prog.add(files=1)
+                res.files_fetched += 1
+                res.bytes_fetched += o.size
+                return
+            except Corrupt:
+                res.corrupt_refetched += 1
+                err = "checksum mismatch"
+            except FileNotFoundError:
+                raise ApplianceError(f"object {o.name!r} vanished from the store while staging", "re-run stage") from None
+            except ApplianceError:
+                raise
+            except Exception as e:  # network errors, 5xx: retry with backoff
+                err = f"{type(e).__name__}: {e}"
+            res.retries += 1
+            part.unlink(missing_ok=True)
+            if attempt == retries:
+                raise ApplianceError(f"could not fetch {o.name!r} after {retries + 1} tries ({err})",
+                                     "check the object store; re-running stage resumes where it stopped")
+            time.sleep(min(8.0, 0.2 * 2 ** attempt) * (0.5 + random.random()))  # backoff before a retry
+
+    try:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            futs = [pool.submit(fetch, o) for o in sorted(todo, key=lambda o: -o.size)]
+            done, pending = wait(futs, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception():
+                    for p in pending:
+                        p.cancel()
+                    raise f.exception()
+    finally:
+        big_pool.shutdown(wait=True)
+        with mlock:
+            journal.close()
+            _save_manifest(dest, manifest)
+    prog.add(force=True)
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def _slo_etag(segments: list[dict]) -> str:
+    return hashlib.md5("".join(s["hash"] for s in segments).encode()).hexdigest()
+
+
+def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress) -> None:
+    etag = o.etag.strip('"')
+    if o.size >= LARGE:
+        segments = store.slo_segments(o.name) if store.scheme == "swift" else None
+        if segments:  # one ranged GET per segment, each checked against the segment's MD5
+            _fetch_ranges(store, o, part, pool, prog, [(s["bytes"], s["hash"]) for s in segments])
+            if _slo_etag(segments) != etag:
+                raise Corrupt(o.name)
+            return
+        _fetch_ranges(store, o, part, pool, prog, [(min(RANGE, o.size - off), None) for off in range(0, o.size, RANGE)])
+        if "-" not in etag and _md5_path(part) != etag:  # "-": an S3 multipart ETag, not an MD5
+            raise Corrupt(o.name)
+        return
+    h = hashlib.md5()
+    n = 0
+    with open(part, "wb") as fh:
+        def write(b: bytes) -> None:
+            nonlocal n
+            fh.write(b)
+            h.update(b)
+            n += len(b)
+            prog.add(len(b))
+
+        headers = store.get(o.name, write)
+    if n != o.size:
+        raise Corrupt(o.name)
+    if str(headers.get("x-static-large-object", "")).lower() == "true":
+        segments = store.slo_segments(o.name) or []
+        off = 0
+        with open(part, "rb") as fh:
+            for seg in segments:
+                if hashlib.md5(fh.read(seg["bytes"])).hexdigest() != seg["hash"]:
+                    raise Corrupt(o.name)
+                off += seg["bytes"]
+        if _slo_etag(segments) != etag or off != o.size:
+            raise Corrupt(o.name)
+    elif "-" not in etag and h.hexdigest() != etag:
+        raise Corrupt(o.name)
+
+
+def _fetch_ranges(store, o, part, pool, prog, pieces: list[tuple[int, str | None]]) -> None:
+    """Fetch consecutive byte ranges in parallel into ``part``; check each against its MD5 when given."""
+    with open(part, "wb") as fh:
+        fh.truncate(o.size)
+    offsets = []
+    off = 0
+    for size, md5 in pieces:
+        offsets.append((off, size, md5))
+        off += size
+
+    def one(off, size, md5):
+        h = hashlib.md5()
+        fd = os.open(part, os.O_WRONLY)
+        pos = off
+        try:
+            def write(b: bytes) -> None:
+                nonlocal pos
+                os.pwrite(fd, b, pos)
+                pos += len(b)
+                h.update(b)
+                prog.add(len(b))
+
+            store.get(o.name, write, start=off, end=off + size - 1)
+        finally:
+            os.close(fd)
+        if pos - off != size or (md5 and h.hexdigest() != md5):
+            raise Corrupt(o.name)
+
+    futs = [pool.submit(one, *x) for x in offsets]
+    for f in futs:
+        f.result()

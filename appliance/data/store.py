@@ -1,0 +1,334 @@
+"""Object stores by URL: swift://container/prefix, s3://bucket/prefix, file:///path.
+
+One small interface, ``Store``: ``list`` (paged with markers through any number of objects),
+``get`` (streamed, optionally a byte range), ``put`` (SLO-segmented above a size), ``delete``.
+Swift goes through python-swiftclient (one connection per thread), S3 through boto3.
+
+Credentials (``StoreCreds``) come from the same place as provisioning: a Keystone session
+(storage URL + token, both scoped and expiring), or Swift v1 auth (the local cloud's tempauth), and
+EC2-style keys for S3. They are never logged and never put on a command line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote, urlparse
+
+from ..errors import ApplianceError
+
+SWIFT_PAGE = 10000  # Swift returns at most 10,000 names per listing request
+MAX_OBJECT = 5 * 1024**3  # a single PUT is capped at 5 GiB
+
+
+@dataclass
+class ObjectInfo:
+    name: str  # full object name (with the prefix)
+    size: int
+    etag: str  # MD5 hex for plain objects; for SLO, md5 of the segments' etags
+
+
+@dataclass
+class StoreCreds:
+    """How to reach the object store. Serialisable (sent to nodes on stdin for staging)."""
+
+    storage_url: str | None = None  # Swift: preauthenticated URL + token (from Keystone or v1 auth)
+    token: str | None = None
+    auth_url: str | None = None  # Swift v1 auth (tempauth), used to get a token
+    user: str | None = None
+    key: str | None = None
+    s3_endpoint: str | None = None
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    s3_region: str = "us-east-1"
+    extra: dict = field(default_factory=dict)
+
+    def redacted(self) -> dict:
+        return {k: ("***" if k in ("token", "key", "s3_secret_key") and v else v) for k, v in self.__dict__.items()}
+
+    def scoped(self) -> StoreCreds:
+        """What nodes get: a token (expires) instead of a password, when we can make one."""
+        if self.auth_url and self.user and self.key and not self.token:
+            import swiftclient
+
+            url, tok = swiftclient.get_auth(self.auth_url, self.user, self.key)
+            return StoreCreds(storage_url=url, token=tok, s3_endpoint=self.s3_endpoint,
+                              s3_access_key=self.s3_access_key, s3_secret_key=self.s3_secret_key,
+                              s3_region=self.s3_region)
+        return self
+
+
+def parse_url(url: str) -> tuple[str, str, str]:
+    """(scheme, container_or_bucket_or_root, prefix)."""
+    u = urlparse(url)
+    if u.scheme == "file":
+        return "file", u.path, ""
+    if u.scheme not in ("swift", "s3") or not u.netloc:
+        raise ApplianceError(f"{url!r} is not a swift://container/prefix, s3://bucket/prefix or file:///path URL",
+                             "write e.g. swift://datasets/imagenet/")
+    return u.scheme, u.netloc, u.path.lstrip("/")
+
+
+class Store:
+    scheme = ""
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        raise NotImplementedError
+
+    def get(self, name: str, write: Callable[[bytes], None], *, start: int | None = None,
+            end: int | None = None) -> dict:
+        """Stream an object (or bytes start..end inclusive) to ``write``. Returns its headers (lower-case)."""
+        raise NotImplementedError
+
+    def slo_segments(self, name: str) -> list[dict] | None:
+        """For an SLO: [{bytes, hash}] in order; None for a plain object."""
+        return None
+
+    def put(self, name: str, path: Path, *, segment_size: int = MAX_OBJECT) -> str:
+        raise NotImplementedError
+
+    def delete(self, name: str) -> None:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------------------------
+# Swift
+
+
+class SwiftStore(Store):
+    scheme = "swift"
+
+    def __init__(self, container: str, creds: StoreCreds):
+        self.container = container
+        self.creds = creds
+        self._local = threading.local()
+        if not (creds.storage_url and creds.token) and not (creds.auth_url and creds.user and creds.key):
+            raise ApplianceError("no Swift credentials", "set OS_CLOUD (Keystone) or ST_AUTH/ST_USER/ST_KEY")
+
+    def conn(self):
+        c = getattr(self._local, "conn", None)
+        if c is None:
+            import swiftclient
+
+            if self.creds.storage_url and self.creds.token:
+                c = swiftclient.Connection(preauthurl=self.creds.storage_url, preauthtoken=self.creds.token,
+                                           retries=0, timeout=60)
+            else:
+                c = swiftclient.Connection(authurl=self.creds.auth_url, user=self.creds.user, key=self.creds.key,
+                                           retries=0, timeout=60)
+            self._local.conn = c
+        return c
+
+    def _call(self, fn, *args, **kwargs):
+        import swiftclient
+
+        try:
+            return fn(*args, **kwargs)
+        except swiftclient.ClientException as e:
+            if e.http_status == 404:
+                raise FileNotFoundError(f"swift://{self.container}/{args[1] if len(args) > 1 else ''}") from None
+            if e.http_status in (401, 403):
+                raise ApplianceError(f"Swift refused access to container {self.container!r} ({e.http_status})",
+                                     "check the credentials and that the container is yours at this site") from None
+            raise
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        marker = ""
+        while True:
+            _, page = self._call(self.conn().get_container, self.container, prefix=prefix or None,
+                                 marker=marker or None, limit=SWIFT_PAGE)
+            if not page:
+                return
+            for o in page:
+                if "subdir" in o:
+                    continue
+                yield ObjectInfo(o["name"], int(o["bytes"]), (o.get("slo_etag") or o["hash"]).strip('"'))
+            marker = page[-1].get("name") or page[-1].get("subdir")
+            if len(page) < SWIFT_PAGE:
+                return
+
+    def get(self, name, write, *, start=None, end=None) -> dict:
+        headers = {}
+        if start is not None:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end}"
+        hdrs, body = self._call(self.conn().get_object, self.container, name, resp_chunk_size=1 << 20,
+                                headers=headers)
+        for chunk in body:
+            write(chunk)
+        return {k.lower(): v for k, v in hdrs.items()}
+
+    def slo_segments(self, name):
+        hdrs, body = self._call(self.conn().get_object, self.container, name,
+                                query_string="multipart-manifest=get")
+        if str(hdrs.get("x-static-large-object", "")).lower() != "true":
+            return None
+        return [{"bytes": int(s["bytes"]), "hash": s["hash"]} for s in json.loads(body)]
+
+    def put(self, name, path, *, segment_size=MAX_OBJECT) -> str:
+        path = Path(path)
+        size = path.stat().st_size
+        conn = self.conn()
+        if size <= segment_size:
+            with open(path, "rb") as fh:
+                return self._call(conn.put_object, self.container, name, fh, content_length=size)
+        seg_container = f"{self.container}_segments"
+        conn.put_container(seg_container)
+        manifest = []
+        with open(path, "rb") as fh:
+            i = 0
+            while True:
+                data = fh.read(segment_size)
+                if not data:
+                    break
+                seg = f"{name}/{size}/{segment_size}/{i:08d}"
+                etag = conn.put_object(seg_container, seg, data)
+                manifest.append({"path": f"/{seg_container}/{seg}", "etag": etag, "size_bytes": len(data)})
+                i += 1
+        return self._call(conn.put_object, self.container, name, json.dumps(manifest),
+                          query_string="multipart-manifest=put")
+
+    def delete(self, name) -> None:
+        try:
+            self._call(self.conn().delete_object, self.container, name, query_string="multipart-manifest=delete")
+        except FileNotFoundError:
+            pass
+
+    def ensure_container(self) -> None:
+        self.conn().put_container(self.container)
+
+
+# ---------------------------------------------------------------------------------------------
+# S3 (Chameleon's Ceph RGW, or Swift's s3api)
+
+
+class S3Store(Store):
+    scheme = "s3"
+
+    def __init__(self, bucket: str, creds: StoreCreds):
+        if not (creds.s3_endpoint and creds.s3_access_key and creds.s3_secret_key):
+            raise ApplianceError("no S3 credentials or endpoint",
+                                 "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and APPLIANCE_S3_ENDPOINT "
+                                 "(`openstack ec2 credentials create` makes the keys)")
+        self.bucket = bucket
+        self.creds = creds
+        self._local = threading.local()
+
+    def client(self):
+        c = getattr(self._local, "client", None)
+        if c is None:
+            import boto3
+            from botocore.config import Config
+
+            c = boto3.client("s3", endpoint_url=self.creds.s3_endpoint, aws_access_key_id=self.creds.s3_access_key,
+                             aws_secret_access_key=self.creds.s3_secret_key, region_name=self.creds.s3_region,
+                             config=Config(retries={"max_attempts": 1}, s3={"addressing_style": "path"},
+                                           max_pool_connections=64))
+            self._local.client = c
+        return c
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        for page in pages:
+            for o in page.get("Contents", []):
+                yield ObjectInfo(o["Key"], int(o["Size"]), o["ETag"].strip('"'))
+
+    def get(self, name, write, *, start=None, end=None) -> dict:
+        kw = {"Range": f"bytes={start}-{'' if end is None else end}"} if start is not None else {}
+        r = self.client().get_object(Bucket=self.bucket, Key=name, **kw)
+        for chunk in r["Body"].iter_chunks(1 << 20):
+            write(chunk)
+        return {k.lower(): v for k, v in r["ResponseMetadata"]["HTTPHeaders"].items()}
+
+    def put(self, name, path, *, segment_size=MAX_OBJECT) -> str:
+        from boto3.s3.transfer import TransferConfig
+
+        self.client().upload_file(str(path), self.bucket, name,
+                                  Config=TransferConfig(multipart_threshold=segment_size, multipart_chunksize=segment_size))
+        return ""
+
+    def delete(self, name) -> None:
+        self.client().delete_object(Bucket=self.bucket, Key=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# file://
+
+
+class FileStore(Store):
+    scheme = "file"
+
+    def __init__(self, root: str):
+        self.root = Path(root)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = self.root
+        for dirpath, _dirs, files in sorted(os.walk(base)):
+            for f in sorted(files):
+                p = Path(dirpath) / f
+                name = str(p.relative_to(base))
+                if name.startswith(prefix):
+                    yield ObjectInfo(name, p.stat().st_size, _md5_file(p))
+
+    def get(self, name, write, *, start=None, end=None) -> dict:
+        with open(self.root / name, "rb") as fh:
+            if start:
+                fh.seek(start)
+            left = None if end is None else end - (start or 0) + 1
+            while left is None or left > 0:
+                chunk = fh.read(1 << 20 if left is None else min(1 << 20, left))
+                if not chunk:
+                    break
+                write(chunk)
+                if left is not None:
+                    left -= len(chunk)
+        return {}
+
+    def put(self, name, path, *, segment_size=MAX_OBJECT) -> str:
+        dst = self.root / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".part")
+        with open(path, "rb") as src, open(tmp, "wb") as out:
+            while chunk := src.read(1 << 20):
+                out.write(chunk)
+        tmp.replace(dst)
+        return _md5_file(dst)
+
+    def delete(self, name) -> None:
+        (self.root / name).unlink(missing_ok=True)
+
+
+def _md5_file(p: Path) -> str:
+    h = hashlib.md5()
+    with open(p, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def open_store(url: str, creds: StoreCreds | None) -> tuple[Store, str]:
+    """(store, prefix) for a URL."""
+    scheme, where, prefix = parse_url(url)
+    if scheme == "file":
+        return FileStore(where), prefix
+    if creds is None:
+        raise ApplianceError(f"no credentials for {url}", "see docs/staging.md (OS_CLOUD, or the local cloud)")
+    if scheme == "swift":
+        return SwiftStore(where, creds), prefix
+    return S3Store(where, creds), prefix
+
+
+def swift_fallback(url: str, creds: StoreCreds) -> tuple[Store, str] | None:
+    """s3://bucket/prefix -> swift://bucket/prefix (same data on Chameleon's Ceph), if Swift creds exist."""
+    scheme, where, prefix = parse_url(url)
+    if scheme != "s3" or not (creds.storage_url or creds.auth_url):
+        return None
+    return SwiftStore(where, creds), prefix
+
+
+def quote_name(name: str) -> str:
+    return quote(name)
