@@ -17,12 +17,13 @@ HOROVOD_BUILD_ENV := HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD
 DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached
 PYTEST_ARGS ?=
 
-.PHONY: help install system-deps deploy test test-fast clean lock
+.PHONY: help install system-deps deploy test test-fast clean lock bench bench-stage
 
 help:
 	@echo "make deploy   install, start the local cloud, upload digits to its Swift, up 2 nodes, stage, train, down"
 	@echo "make test     install, then run every test (multi-node ones included)"
 	@echo "make install  only install (.venv with the pinned stack, Debian packages for the testbed)"
+	@echo "make bench    benchmarks (bench-stage: staging vs rclone/s5cmd/aws/swift); results in bench/results"
 	@echo "make clean    remove the testbed and .venv"
 
 install: system-deps $(VENV)/.installed
@@ -73,6 +74,17 @@ test: install
 
 test-fast: install
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+
+bench/.venv-tools/.installed: bench/requirements-tools.txt
+	test -x bench/.venv-tools/bin/python || $(PYTHON) -m venv bench/.venv-tools
+	bench/.venv-tools/bin/pip install -q -r bench/requirements-tools.txt
+	touch $@
+
+# Staging: our stager vs rclone (swift, s3), s5cmd, aws s3 cp, swift download; bench/results/stage.{json,md,png}
+bench-stage: install bench/.venv-tools/.installed
+	$(PY) bench/stage_bench.py --tools-venv bench/.venv-tools
+
+bench: bench-stage
 
 lock:
 	@echo "regenerating requirements.lock from .venv (check the diff)"

@@ -406,6 +406,30 @@ def data_upload(src, url, cloud_kind, site, segment_size):
     upload(src, url, cloud=cloud_kind or _default_cloud(), site=site, segment_size=segment_size, log=click.echo)
 
 
+@data.command("pack")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("url")
+@click.option("--shard-size", default=64 * 1024**2, show_default=True, help="Bytes per shard (about).")
+@click.option("--format", "fmt", type=click.Choice(["tar", "tfrecord"]), default="tar", show_default=True,
+              help="tar: WebDataset layout; tfrecord: one tf.train.Example per sample.")
+@_cloud_opt
+@_site_opt
+@click.option("--json", "as_json", is_flag=True, help="Print the index.")
+def data_pack(src, url, shard_size, fmt, cloud_kind, site, as_json):
+    """Pack many small files into shards + index.json, uploaded in parallel (index last).
+
+    \b
+    Files sharing a key (the name up to the first dot: 0001.jpg, 0001.cls) form one sample and
+    stay in one shard. Read them back with examples/packed/input_pipeline.py.
+    """
+    from .data import pack_dir
+
+    idx = pack_dir(src, url, shard_size=shard_size, fmt=fmt, cloud=cloud_kind or _default_cloud(), site=site,
+                   log=_quiet if as_json else click.echo)
+    if as_json:
+        _json_out(idx)
+
+
 @data.command("ls")
 @click.argument("url")
 @_cloud_opt

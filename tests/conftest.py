@@ -19,7 +19,22 @@ TEST_TESTBEDS = ("pt", "pk", "lc", "sh")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def appliance_home(tmp_path_factory):
+def one_session_at_a_time():
+    """Testbed names are machine-wide: two test sessions at once would sweep each other's nodes."""
+    import fcntl
+
+    fh = open("/tmp/appliance-tests.lock", "w")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pytest.exit("another appliance test session is running on this machine (testbeds share names); "
+                    "wait for it to finish", returncode=3)
+    yield
+    fh.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def appliance_home(tmp_path_factory, one_session_at_a_time):
     home = tmp_path_factory.mktemp("appliance-home")
     old = os.environ.get("APPLIANCE_HOME")
     os.environ["APPLIANCE_HOME"] = str(home)

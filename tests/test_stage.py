@@ -256,3 +256,75 @@ def test_sharded_staging_across_two_nodes(cluster2, creds, tb2):
         for p in Path(node.disk).rglob("*"):
             if p.is_file() and p.stat().st_size < 1_000_000:
                 assert token.encode() not in p.read_bytes()  # nor left on the node's disk
+
+
+def _pipeline():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("input_pipeline", Path(__file__).resolve().parents[1]
+                                                  / "examples" / "packed" / "input_pipeline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _small_files(root: Path, n: int) -> dict[str, dict[str, bytes]]:
+    want = {}
+    for i in range(n):
+        key = f"class{i % 3}/{i:04d}"
+        parts = {"bin": os.urandom(900 + i), "cls": str(i % 10).encode()}
+        for ext, data in parts.items():
+            p = root / f"{key}.{ext}"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+        want[key] = parts
+    return want
+
+
+def _read_all(data_dir: Path, exts, size: int = 1) -> dict[str, dict[str, bytes]]:
+    pl = _pipeline()
+    got = {}
+    for rank in range(size):
+        for ex in pl.dataset(str(data_dir), exts, rank, size).as_numpy_iterator():
+            key = ex["__key__"].decode()
+            assert key not in got  # every sample once, whole, in one shard
+            got[key] = {e: bytes(ex[e]) for e in exts}
+    return got
+
+
+def test_pack_tar_shards_stage_and_read(creds, tmp_path):
+    from appliance.data.pack import pack
+
+    want = _small_files(tmp_path / "src", 300)
+    st = SwiftStore("packed", creds)
+    st.ensure_container()
+    index = pack(tmp_path / "src", st, "p", shard_size=50_000, log=lambda m: None)
+    assert index["samples"] == 300 and index["files"] == 600 and len(index["shards"]) > 3
+    names = [o.name for o in st.list("p/")]
+    assert names[-1] == "p/shard-%06d.tar" % (len(index["shards"]) - 1) and "p/index.json" in names
+    res = stage(st, "p/", tmp_path / "staged")
+    assert res.files_fetched == len(index["shards"]) + 1  # a handful of objects instead of 600
+    for s in index["shards"]:
+        assert hashlib.md5((tmp_path / "staged" / s["name"]).read_bytes()).hexdigest() == s["md5"]
+    assert _read_all(tmp_path / "staged", ["bin", "cls"], size=2) == want  # split over 2 ranks: all, once
+
+
+def test_pack_tfrecord_round_trip(tmp_path):
+    from appliance.data.pack import pack
+    from appliance.data.store import FileStore
+
+    want = _small_files(tmp_path / "src", 120)
+    index = pack(tmp_path / "src", FileStore(str(tmp_path / "out")), "p", shard_size=40_000, fmt="tfrecord",
+                 log=lambda m: None)
+    assert index["format"] == "tfrecord" and len(index["shards"]) > 1
+    assert _read_all(tmp_path / "out" / "p", ["bin", "cls"]) == want
+
+
+def test_pack_refuses_files_without_extension(tmp_path):
+    from appliance.data.pack import pack
+    from appliance.data.store import FileStore
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "README").write_text("x")
+    with pytest.raises(ApplianceError, match="needs a name and an extension"):
+        pack(tmp_path / "src", FileStore(str(tmp_path / "out")), "p", log=lambda m: None)

@@ -113,13 +113,7 @@ def stage_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[s
 def upload(src: str, url: str, *, cloud: str = "local", site: str | None = None, segment_size: int = 5 * 1024**3,
            concurrency: int = 16, log=print) -> int:
     """`appliance data upload DIR URL`: every file under DIR to URL/<relative path>, in parallel."""
-    from . import creds as creds_mod
-    from .store import SwiftStore, open_store, parse_url
-
-    scheme = parse_url(url)[0]
-    store, prefix = open_store(url, None if scheme == "file" else creds_mod.resolve(cloud, site, log=log))
-    if isinstance(store, SwiftStore):
-        store.ensure_container()
+    store, prefix = _open(url, cloud, site, log, create=True)
     root = Path(src)
     files = [p for p in sorted(root.rglob("*")) if p.is_file()] if root.is_dir() else [root]
     if not files:
@@ -132,21 +126,33 @@ def upload(src: str, url: str, *, cloud: str = "local", site: str | None = None,
     return len(names)
 
 
-def listing(url: str, *, cloud: str = "local", site: str | None = None, log=print) -> list[dict]:
+def _open(url: str, cloud: str, site: str | None, log, *, create: bool = False):
     from . import creds as creds_mod
-    from .store import open_store, parse_url
+    from .store import SwiftStore, open_store, parse_url
 
     scheme = parse_url(url)[0]
     store, prefix = open_store(url, None if scheme == "file" else creds_mod.resolve(cloud, site, log=log))
+    if create and isinstance(store, SwiftStore):
+        store.ensure_container()
+    return store, prefix
+
+
+def pack_dir(src: str, url: str, *, shard_size: int = 64 * 1024**2, fmt: str = "tar", cloud: str = "local",
+             site: str | None = None, log=print) -> dict:
+    """`appliance data pack DIR URL`: shards + index.json under URL."""
+    from .pack import pack
+
+    store, prefix = _open(url, cloud, site, log, create=True)
+    return pack(src, store, prefix, shard_size=shard_size, fmt=fmt, log=log)
+
+
+def listing(url: str, *, cloud: str = "local", site: str | None = None, log=print) -> list[dict]:
+    store, prefix = _open(url, cloud, site, log)
     return [o.__dict__ for o in store.list(prefix)]
 
 
 def remove(url: str, *, cloud: str = "local", site: str | None = None, log=print) -> int:
-    from . import creds as creds_mod
-    from .store import open_store, parse_url
-
-    scheme = parse_url(url)[0]
-    store, prefix = open_store(url, None if scheme == "file" else creds_mod.resolve(cloud, site, log=log))
+    store, prefix = _open(url, cloud, site, log)
     names = [o.name for o in store.list(prefix)]
     with ThreadPoolExecutor(max_workers=16) as ex:
         list(ex.map(store.delete, names))
