@@ -41,6 +41,7 @@ def main():
     The flow: spec -> lease -> cluster -> stage -> train -> checkpoint -> resume.
     Start here (the local cloud stands in for Chameleon; `cloud: chameleon` + OS_CLOUD for the real one):
       appliance up examples/digits.yaml        # lease, 2 servers, floating IP, SSH, contextualize
+      appliance stage examples/digits.yaml     # the dataset to every node's local disk
       appliance train examples/digits.yaml     # horovodrun on the head node, every rank streamed
       appliance status digits                  # lease time left, nodes
       appliance down digits                    # servers, floating IP, lease: gone
@@ -389,7 +390,7 @@ def stage_cmd(spec, cluster, concurrency, as_json):
 
 @main.group()
 def data():
-    """Object-store basics: upload, ls, rm (swift://, s3://, file:// URLs)."""
+    """Object stores (swift://, s3://, file:// URLs): upload, ls, rm, and pack small files into shards."""
 
 
 @data.command("upload")

@@ -40,6 +40,10 @@ from .environment import rank_environment
 RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 EXIT_LINE = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
 RESULT_PREFIX = "APPLIANCE_RESULT "
+RANK_EXIT = re.compile(r"^APPLIANCE_RANK_EXIT (-?\d+)$")
+# Each rank's command runs under this wrapper, which prints the rank's own exit status as it exits: when one
+# rank fails, horovodrun kills the other ranks' ssh, and ssh's 255 would hide the real status.
+RANK_WRAPPER = '"$@"; rc=$?; echo "APPLIANCE_RANK_EXIT $rc"; exit $rc'
 # Output of a rank that failed *because another rank did* (so it is not the one to blame).
 COLLATERAL = re.compile(r"Horovod has been shut down|HorovodInternalError|Connection closed by peer|"
                         r"Connection reset by peer|Broken pipe|gloo/transport|Read error \[")
@@ -122,7 +126,8 @@ def horovodrun_command(cluster: Cluster, spec: Spec, *, job_id: str, nic: str, p
         hosts = f"localhost:{cluster.world_size}"
     else:
         hosts = ",".join(f"{n.name}:{n.slots}" for n in cluster.nodes)
-    user_cmd = " ".join(shlex.quote(a) for a in shlex.split(spec.train.command))
+    user_cmd = "sh -c " + shlex.quote(RANK_WRAPPER) + " rank " + \
+        " ".join(shlex.quote(a) for a in shlex.split(spec.train.command))
     assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     cmd = (f"cd {shlex.quote(code_dir(cluster, spec.name))} && exec env -i {assigns} "
            f"{shlex.quote(venv_bin + '/horovodrun')} -np {cluster.world_size} -H {hosts} "
@@ -142,6 +147,7 @@ class _Watch:
         self.failed_at: float | None = None
         self.exits: list[tuple[int, int]] = []  # (rank, status) in the order horovodrun reported them
         self.collateral: set[int] = set()  # ranks whose output shows they failed because a peer did
+        self.own_status: dict[int, int] = {}  # exit status each rank reported itself (RANK_WRAPPER)
         self.dead_nodes: set[str] = set()
         self.stop = threading.Event()  # set to abandon the head channel
         self.done = threading.Event()
@@ -158,8 +164,9 @@ class _Watch:
     def _describe(self, rank: int, code: int) -> str:
         hosts = self.cluster.rank_hosts()
         host = hosts[rank] if rank < len(hosts) else "?"
+        code = self.own_status.get(rank, code)
         why = f"rank {rank} on {host} exited with status {code}"
-        if code == 255:
+        if code == 255 and rank not in self.own_status:
             why += f" (lost the SSH connection to {host})"
         return why
 
@@ -271,6 +278,10 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 if m:
                     rank, text = int(m.group(1)), m.group(3)
                     host = rank_hosts[rank] if rank < len(rank_hosts) else "?"
+                    x = RANK_EXIT.match(text)
+                    if x:
+                        watch.own_status[rank] = int(x.group(1))
+                        return
                     if COLLATERAL.search(text):
                         watch.collateral.add(rank)
                     if text.startswith(RESULT_PREFIX):
