@@ -154,6 +154,7 @@ def _wait_servers(prof: Profile, cluster: Cluster, log) -> dict[str, object]:
     t0 = time.monotonic()
     last: dict[str, str] = {}
     servers: dict[str, object] = {}
+    next_note = t0 + 60
     while True:
         for node in cluster.nodes:
             srv = prof.cloud.get_server(node.server_id)
@@ -171,6 +172,11 @@ def _wait_servers(prof: Profile, cluster: Cluster, log) -> dict[str, object]:
             servers[node.name] = srv
         if all(s.status == "ACTIVE" for s in servers.values()):
             return servers
+        if time.monotonic() >= next_note:  # a line a minute while bare metal deploys, not silence
+            waiting = ", ".join(f"{n} {s.status}" for n, s in servers.items() if s.status != "ACTIVE")
+            log(f"  still booting after {time.monotonic() - t0:.0f}s: {waiting} "
+                f"(timeout {prof.boot_timeout:.0f}s)")
+            next_note += 60
         if time.monotonic() > deadline:
             slow = [n for n, s in servers.items() if s.status != "ACTIVE"]
             raise ApplianceError(f"servers {', '.join(slow)} not ACTIVE after {prof.boot_timeout:.0f}s",
