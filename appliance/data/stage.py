@@ -64,7 +64,7 @@ def safe_relpath(name: str, prefix: str = "") -> PurePosixPath:
     rel = name[len(prefix):] if prefix and name.startswith(prefix) else name
     rel = rel.lstrip("/") if prefix else rel
     p = PurePosixPath(rel)
-    if not rel or "\x00" in rel or name.startswith("/") or p.is_absolute() or any(part in ("..",) for part in p.parts) \
+    if not rel or "\x00" in rel or name.startswith("/") or p.is_absolute() or ".." in p.parts \
             or rel.endswith("/") or any(part == "" for part in rel.split("/")):
         raise ValueError(name)
     return p

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, urlparse
+from urllib.parse import urlparse
 
 from ..errors import ApplianceError
 
@@ -328,7 +328,3 @@ def swift_fallback(url: str, creds: StoreCreds) -> tuple[Store, str] | None:
     if scheme != "s3" or not (creds.storage_url or creds.auth_url):
         return None
     return SwiftStore(where, creds), prefix
-
-
-def quote_name(name: str) -> str:
-    return quote(name)
