@@ -148,6 +148,7 @@ class _Watch:
         self.exits: list[tuple[int, int]] = []  # (rank, status) in the order horovodrun reported them
         self.collateral: set[int] = set()  # ranks whose output shows they failed because a peer did
         self.own_status: dict[int, int] = {}  # exit status each rank reported itself (RANK_WRAPPER)
+        self.own_order: list[int] = []  # ranks in the order their own exit reports arrived
         self.dead_nodes: set[str] = set()
         self.stop = threading.Event()  # set to abandon the head channel
         self.done = threading.Event()
@@ -174,16 +175,40 @@ class _Watch:
         self.exits.append((rank, code))
         self.fail(self._describe(rank, code))
 
+    def own_exit(self, rank: int, code: int) -> None:
+        self.own_status[rank] = code
+        self.own_order.append(rank)
+
     def verdict(self) -> str | None:
-        """The failure to report: the first rank that failed on its own, then the others."""
+        """The failure to report: the first rank that failed on its own, then the others.
+
+        A rank's own report (RANK_WRAPPER) arrives before horovodrun's exit line for it, so the first nonzero own
+        report from a rank that did not fail because of a peer names the culprit. When every rank we heard from
+        failed because of a peer, the culprit is a rank horovodrun stopped before it could report: name it.
+        """
         if not self.exits:
             return self.failure
-        own = [e for e in self.exits if e[0] not in self.collateral] or self.exits
-        first = own[0]
-        rest = [e for e in self.exits if e != first]
-        msg = self._describe(*first)
+        failing = [r for r in self.own_order if self.own_status[r] != 0] + [r for r, _ in self.exits]
+        failing = list(dict.fromkeys(failing))
+        own = [r for r in failing if r not in self.collateral]
+        codes = dict((r, c) for r, c in reversed(self.exits))
+        if own:
+            first = own[0]
+            msg = self._describe(first, codes.get(first, self.own_status.get(first, 1)))
+        else:
+            quiet = [r for r in range(self.cluster.world_size)
+                     if r not in self.collateral and self.own_status.get(r, 1) != 0]
+            first = failing[0]
+            msg = self._describe(first, codes.get(first, 1))
+            if quiet:
+                hosts = self.cluster.rank_hosts()
+                first = quiet[0]
+                host = hosts[first] if first < len(hosts) else "?"
+                msg = (f"rank {first} on {host} failed first (its exit status was lost when horovodrun stopped "
+                       f"it; the other ranks failed because of it)")
         if self.failure and self.failure.startswith("node "):
             msg = f"{self.failure}; {msg}"
+        rest = [(r, c) for r, c in self.exits if r != first]
         if rest:
             msg += " (then " + ", ".join(f"rank {r}: status {c}" for r, c in rest) + ")"
         return msg
@@ -280,7 +305,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                     host = rank_hosts[rank] if rank < len(rank_hosts) else "?"
                     x = RANK_EXIT.match(text)
                     if x:
-                        watch.own_status[rank] = int(x.group(1))
+                        watch.own_exit(rank, int(x.group(1)))
                         return
                     if COLLATERAL.search(text):
                         watch.collateral.add(rank)
