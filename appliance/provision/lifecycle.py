@@ -20,6 +20,8 @@ from .. import paths
 from ..cluster import Cluster, Node, delete_cluster, find_cluster, load_cluster, state_path
 from ..errors import ApplianceError
 from ..spec import Spec, duration_seconds, load_spec
+from ..remote import Session
+from . import local_disk
 from .contextualize import contextualize
 from .openstack import OpenStackCloud, connect, fmt_date
 
@@ -294,6 +296,11 @@ def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None
     # 5. SSH, then 6. contextualize
     log("waiting for SSH")
     _wait_ssh(prof, cluster, log)
+    if prof.kind == "chameleon":  # 7. the fast local disk (NVMe) for code, data and local checkpoints
+        with Session(cluster) as session:
+            plans = session.each(lambda r: local_disk.prepare(r, prof.workdir, prof.user, log=log))
+        for node in cluster.nodes:
+            node.workdir = plans[node.name].workdir
     contextualize(cluster, log=log)
     cluster.save()
     log(f"cluster {cluster.name} ready: {len(cluster.nodes)} node(s), head {head.name} at {head.address}")
