@@ -494,6 +494,78 @@ def train_cmd(spec, cluster, as_json):
     check(res)
 
 
+@main.command("resume")
+@click.argument("run")
+@click.option("--spec", "spec_path", default=None, type=click.Path(dir_okay=False),
+              help="The run's spec (default: the one recorded when it started, or the copy beside its checkpoints).")
+@click.option("--cluster", default=None, help="Resume on this existing cluster instead of the run's own.")
+@click.option("--nodes", type=int, default=None, help="Resume on this many nodes (the spec's resize policy applies).")
+@click.option("--url", default=None, help="Checkpoint URL, to find the spec when this machine has no record of RUN.")
+@click.option("--json", "as_json", is_flag=True, help="Print the job summary as JSON.")
+def resume_cmd(run, spec_path, cluster, nodes, url, as_json):
+    """Continue RUN from its newest committed checkpoint, on a new lease if needed.
+
+    
+    1. the newest committed checkpoint that matches its manifest (older ones if not, said so)
+    2. a cluster: the run's own if its lease still runs, else a new lease + servers
+    3. the dataset and the checkpoint staged to every node, verified
+    4. the job, restored: same world size = bit-exact continuation; another world size
+       continues with the spec's checkpoint.resize policy (lr or batch) and says so
+    Exit codes as `appliance train`: 0 done, 75 stopped again before a lease end (resume again).
+    """
+    from .checkpoint.resume import resume
+    from .train.launch import check
+
+    log = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    res = resume(run, spec_path=spec_path, cluster_name=cluster, nodes=nodes, url=url,
+                 out=(lambda line: click.echo(line, err=True)) if as_json else None, log=log)
+    if res is None:
+        if as_json:
+            _json_out({"run": run, "complete": True})
+        return
+    summary = job_summary(res)
+    if as_json:
+        _json_out(summary)
+    else:
+        click.echo("")
+        for line in format_summary(summary):
+            click.echo(line)
+    check(res)
+
+
+@main.command("runs")
+@click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
+def runs_cmd(as_json):
+    """List runs: status, step, last committed checkpoint and its age, lease time left, node-hours.
+
+    
+    status: running | stopped (resumable: `appliance resume RUN`) | complete | failed
+    node-hours lost: node time spent after the last commit of a job that then failed.
+    """
+    from .checkpoint.resume import list_runs
+
+    rows = list_runs()
+    if as_json:
+        _json_out(rows)
+        return
+    if not rows:
+        click.echo("no runs yet (start one with `appliance train SPEC`)")
+        return
+
+    def age(v):
+        if v is None:
+            return "-"
+        v = int(v)
+        return f"{v}s" if v < 120 else (f"{v // 60}m" if v < 7200 else f"{v // 3600}h{(v % 3600) // 60:02d}m")
+
+    click.echo(f"{'RUN':<20} {'STATUS':<9} {'STEP':>7} {'CHECKPOINT':<16} {'AGE':>6} {'LEASE LEFT':>10} "
+               f"{'NODE-H USED':>11} {'LOST':>6}")
+    for r in rows:
+        click.echo(f"{r['run']:<20} {r['status']:<9} {r['step']:>7} {r['last_checkpoint'] or '-':<16} "
+                   f"{age(r['checkpoint_age_s']):>6} {age(r['lease_left_s']):>10} {r['node_hours_used']:>11.3f} "
+                   f"{r['node_hours_lost']:>6.3f}")
+
+
 def job_summary(res) -> dict:
     r0 = res.results.get(0, {})
     return {
@@ -503,13 +575,28 @@ def job_summary(res) -> dict:
         "val_accuracy": r0.get("val_accuracy"),
         "same_weights_on_all_ranks": len({r.get("weights_sha256") for r in res.results.values()}) == 1
         if res.results else None,
-        "wall_seconds": round(res.wall_s, 1), "log": res.log_path,
+        "wall_seconds": round(res.wall_s, 1), "log": res.log_path, "run": res.run,
+        "stopped": res.stopped, "resumed": res.resumed,
+        "checkpoints_committed": len(res.commits),
+        "last_checkpoint": res.commits[-1]["name"] if res.commits else None,
     }
 
 
 def format_summary(s: dict) -> list[str]:
     ok = s["exit_code"] == 0
-    lines = [f"== {'done' if ok else 'FAILED'}: job {s['job_id']} =="]
+    stopped = bool(s.get("stopped") and s["stopped"].get("committed"))
+    head = "done" if ok else ("STOPPED (resumable)" if stopped else "FAILED")
+    lines = [f"== {head}: job {s['job_id']} =="]
+    if s.get("resumed"):
+        r = s["resumed"]
+        lines.append(f"  resumed   from step {r['step']} (epoch {r['epoch']}, batch {r['batch']})"
+                     + ("" if r.get("bit_exact") else f", world size {r['checkpoint_world_size']} -> {r['world_size']}"))
+    if stopped:
+        st = s["stopped"]
+        lines.append(f"  stopped   after step {st['step']}: {st['reason']}")
+        lines.append(f"  committed {st['checkpoint']} ({st['seconds']} s from the stop request to the commit)")
+    elif s.get("last_checkpoint"):
+        lines.append(f"  committed {s['checkpoints_committed']} checkpoint(s), the last {s['last_checkpoint']}")
     lines.append(f"  nodes     {len(s['nodes'])} ({', '.join(s['nodes'])})")
     lines.append(f"  ranks     {s['ranks']} (reported from {', '.join(s['hostnames_reported']) or 'none'})")
     if s.get("epochs") is not None:
@@ -520,8 +607,10 @@ def format_summary(s: dict) -> list[str]:
         lines.append(f"  weights   {'identical on all ranks' if s['same_weights_on_all_ranks'] else 'DIFFER between ranks'}")
     lines.append(f"  wall time {s['wall_seconds']:.1f} s")
     lines.append(f"  log       {s['log']}")
-    if not ok:
+    if not ok and not stopped:
         lines.append(f"  failure   {s['failure']}")
+    if stopped or (not ok and s.get("last_checkpoint")):
+        s.setdefault("next", []).insert(0, f"  appliance resume {s['run']}        # continue from the last commit")
     lines += ["", "next:"] + s.get("next", ["  appliance testbed status     # the nodes",
                                              "  appliance testbed down       # remove them"])
     return lines

@@ -50,6 +50,7 @@ class Lease:
     lease_id: str | None = None  # reuse an existing lease instead of creating one
     extend: bool = False  # let the watchdog extend the lease near its end
     floating_ip: bool = True
+    stop_margin: str = "5m"  # the least time before the lease end at which the watchdog acts
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Checkpoint:
     every_steps: int | None = None
     every_minutes: float | None = None
     keep: int = 3
+    resize: Literal["lr", "batch"] = "lr"  # on resume with another world size: scale lr, or keep the global batch
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,7 @@ def _semantic_checks(spec: Spec) -> None:
         if spec.site is not None and spec.site not in SITES:
             raise SpecError(f"site: {spec.site!r} is not a Chameleon bare-metal site with GPUs",
                             "use CHI@UC or CHI@TACC")
+    _check_duration(spec.lease.stop_margin, "lease.stop_margin")
     if spec.cloud == "chameleon" and not spec.key_name:
         raise SpecError("key_name: missing for cloud: chameleon", "set key_name to your Nova key pair's name")
     if not spec.train.command.strip():

@@ -40,6 +40,14 @@ class Profile:
     boot_timeout: float
     ssh_timeout: float
 
+    def time_scale(self) -> float:
+        """Cloud seconds per real second: 1 on Chameleon; the local cloud's clock can run faster."""
+        if self.kind != "local":
+            return 1.0
+        from .. import localcloud
+
+        return float(localcloud.admin("GET", "/clock").get("time_scale", 1.0))
+
 
 def _local_key() -> tuple[str, str]:
     from ..localcloud import state_dir
@@ -202,9 +210,10 @@ def _wait_ssh(prof: Profile, cluster: Cluster, log) -> None:
                          "check the key pair and image; `appliance status` shows the nodes")
 
 
-def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None = None, log=print) -> Cluster:
+def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None = None, log=print,
+       spec: Spec | None = None) -> Cluster:
     """Lease (or reuse) -> servers on the reservation -> floating IP -> host keys -> SSH -> contextualize."""
-    spec = load_spec(spec_path)
+    spec = spec or load_spec(spec_path)
     prof = open_cloud(spec.cloud, spec.site, spec.key_name, spec.key_file, log=log)
     if ssh_timeout is not None:
         prof.ssh_timeout = ssh_timeout

@@ -73,6 +73,10 @@ class JobResult:
     log_path: str = ""
     run: str = ""
     cluster_cloud: str = ""
+    stopped: dict | None = None  # rank 0's APPLIANCE_STOPPED report: stopped before the lease end
+    commits: list[dict] = field(default_factory=list)  # checkpoints committed during the job
+    resumed: dict | None = None  # where the job resumed from
+    started_at: float = 0.0
 
     @property
     def hostnames(self) -> list[str]:
@@ -266,8 +270,13 @@ class _Watch:
 
 
 def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = None, grace: float = 10.0,
-          heartbeat: float = 5.0, extra_env: dict[str, str] | None = None) -> JobResult:
-    """Run the spec's training command across the cluster. Returns when the job has ended."""
+          heartbeat: float = 5.0, extra_env: dict[str, str] | None = None, restore: str | None = None) -> JobResult:
+    """Run the spec's training command across the cluster. Returns when the job has ended.
+
+    ``restore``: the checkpoint directory (same path on every node) the ranks resume from."""
+    from ..checkpoint import runs
+    from ..checkpoint.job import EXIT_STOPPED, JobCheckpoints
+
     job_id = f"{spec.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     log_dir = paths.home() / "runs" / spec.name
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -292,8 +301,13 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             cdir = code_dir(cluster, spec.name)
             session.each(lambda r: r.put_dir(spec.code_dir, cdir))
             say(f"[appliance] copied {spec.code_dir} to {cdir} on {len(cluster.nodes)} node(s)")
+            ckpts = JobCheckpoints(spec, cluster, session.head, run_dir(cluster, spec.name), say)
+            env_more = ckpts.prepare()
+            if restore:
+                env_more["APPLIANCE_RESTORE"] = restore
+            env_more.update(extra_env or {})
             cmd, _env = horovodrun_command(cluster, spec, job_id=job_id, nic=nic, pkg_dir=pkg_dir,
-                                           extra_env=extra_env)
+                                           extra_env=env_more)
             say(f"[appliance] job {job_id}: {cluster.world_size} rank(s) on "
                 f"{', '.join(dict.fromkeys(rank_hosts))}, NIC {nic}")
             watch = _Watch(cluster, session, job_id, grace, heartbeat, say)
@@ -306,6 +320,8 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                     x = RANK_EXIT.match(text)
                     if x:
                         watch.own_exit(rank, int(x.group(1)))
+                        return
+                    if rank == 0 and ckpts.on_rank_line(rank, text):
                         return
                     if COLLATERAL.search(text):
                         watch.collateral.add(rank)
@@ -323,6 +339,8 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
 
             wt = threading.Thread(target=watch.run, daemon=True)
             wt.start()
+            runs.job_started(spec, cluster, job_id, restore=restore)
+            ckpts.start()
             try:
                 r = session.head.run(cmd, on_line=on_line, stop=watch.stop)
                 rc = r.rc
@@ -336,6 +354,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             finally:
                 watch.done.set()
                 wt.join(timeout=5)
+                ckpts.close()
             if watch.failure and not watch.reaped:
                 watch.reap()  # leave nothing behind on the nodes that answer
             if watch.failure:
@@ -346,10 +365,20 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 rc = 1
             if rc != 0 and watch.failure is None:
                 watch.failure = f"horovodrun exited with status {rc}"
+            if ckpts.stopped is not None and watch.failure is None:
+                if ckpts.stopped.get("committed"):
+                    rc = EXIT_STOPPED
+                else:
+                    rc = rc or 1
+                    watch.failure = (f"stopped after step {ckpts.stopped['step']} ({ckpts.stopped['reason']}) but the "
+                                     f"checkpoint was NOT committed: {ckpts.stopped.get('error')}; it is kept on "
+                                     f"{cluster.head.name} at {ckpts.stopped.get('local')}")
             wall = time.monotonic() - t0
             res = JobResult(job_id=job_id, exit_code=rc, world_size=cluster.world_size, rank_hosts=rank_hosts,
                             results=results, failure=watch.failure, wall_s=wall, log_path=str(log_path),
-                            run=spec.name, cluster_cloud=cluster.cloud)
+                            run=spec.name, cluster_cloud=cluster.cloud, stopped=ckpts.stopped,
+                            commits=ckpts.commits, resumed=ckpts.resumed, started_at=time.time() - wall)
+            runs.job_ended(spec, cluster, res)
             say(f"[appliance] job {job_id} ended with exit code {rc} after {wall:.1f}s"
                 + (f": {watch.failure}" if watch.failure else ""))
             return res
@@ -363,7 +392,13 @@ def _stdout(line: str) -> None:
 
 
 def check(result: JobResult) -> JobResult:
-    """Raise JobFailed (with the job's exit code) if the job failed."""
+    """Raise JobFailed (with the job's exit code) if the job failed; exit 75 when it stopped for the lease end."""
+    from ..checkpoint.job import EXIT_STOPPED
+
+    if result.exit_code == EXIT_STOPPED and result.stopped:
+        raise JobFailed(f"stopped after step {result.stopped['step']} ({result.stopped['reason']}) with checkpoint "
+                        f"{result.stopped['checkpoint']} committed", f"continue with `appliance resume {result.run}`",
+                        exit_code=EXIT_STOPPED)
     if result.exit_code != 0:
         raise JobFailed(f"training job failed: {result.failure}", f"full log: {result.log_path}",
                         exit_code=result.exit_code)

@@ -8,6 +8,11 @@ learning rate scaled by the number of ranks with a warm-up, metric averaging, an
 by rank: each epoch's permutation comes from (seed, epoch) and rank r takes perm[r::size], so a
 run is reproducible for a given seed and world size.
 
+Checkpoints (appliance.checkpoint.keras.Checkpointer): with ``checkpoint.url`` in the spec, rank 0
+commits the full state every N steps / M minutes; before the lease ends every rank stops after the
+same step, and `appliance resume digits` continues bit-exactly (the warm-up is a function of the
+optimizer's step counter, which the checkpoint restores).
+
 Run with ``appliance train examples/digits.yaml``; each rank prints one APPLIANCE_RESULT line.
 """
 
@@ -21,6 +26,8 @@ import time
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow.keras as hvd
+
+from appliance.checkpoint.keras import Checkpointer
 
 
 def load_data(data_dir, seed):
@@ -56,6 +63,22 @@ def weights_digest(model):
     return h.hexdigest()
 
 
+@tf.keras.utils.register_keras_serializable(package="digits")
+class Warmup(tf.keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up to ``lr`` over ``steps`` optimizer steps, then constant. A function of the optimizer's
+    step counter, which checkpoints restore, so a resumed run gets exactly the same learning rates."""
+
+    def __init__(self, lr, steps):
+        self.lr, self.steps = float(lr), max(1, int(steps))
+
+    def __call__(self, step):
+        frac = tf.minimum(1.0, (tf.cast(step, tf.float32) + 1.0) / self.steps)
+        return self.lr / hvd.size() + (self.lr - self.lr / hvd.size()) * frac
+
+    def get_config(self):
+        return {"lr": self.lr, "steps": self.steps}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=30)
@@ -74,42 +97,46 @@ def main():
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
+    # checkpoints, restore, and the collective stop before the lease end (settings from the spec)
+    ckpt = Checkpointer(seed=args.seed, batch_size=args.batch_size)
+    bs = ckpt.batch_size  # differs from --batch-size only after a resize with checkpoint.resize: batch
+
     (x_tr, y_tr), (x_val, y_val), source = load_data(args.data, args.seed)
     per_rank = len(x_tr) // size
-    steps = per_rank // args.batch_size
+    steps = per_rank // bs
     if rank == 0:
         print(f"digits: {len(x_tr)} train / {len(x_val)} val images from {source}; "
-              f"{size} rank(s) x {args.batch_size} per step, {steps} steps per epoch", flush=True)
+              f"{size} rank(s) x {bs} per step, {steps} steps per epoch", flush=True)
 
     model = build_model(args.seed)
-    lr = args.lr * size
-    opt = hvd.DistributedOptimizer(tf.keras.optimizers.Adam(learning_rate=lr))
+    lr = args.lr * ckpt.lr_scale  # the number of ranks (Horovod's rule), kept across a resize if the spec says
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.Adam(learning_rate=Warmup(lr, args.warmup_epochs * steps)))
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     callbacks = [
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
         hvd.callbacks.MetricAverageCallback(),
-        hvd.callbacks.LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=args.warmup_epochs,
-                                                 steps_per_epoch=steps, verbose=0),
+        ckpt.callback,
     ]
 
     t0 = time.time()
-    for epoch in range(args.epochs):
+    for epoch, first in ckpt.epochs(model, args.epochs, steps):
         perm = np.random.RandomState(args.seed + epoch).permutation(len(x_tr))
-        mine = perm[rank::size][: steps * args.batch_size]
-        hist = model.fit(x_tr[mine], y_tr[mine], batch_size=args.batch_size, epochs=epoch + 1,
+        mine = perm[rank::size][: steps * bs][first * bs:]  # this rank's share, minus what is already done
+        hist = model.fit(x_tr[mine], y_tr[mine], batch_size=bs, epochs=epoch + 1,
                          initial_epoch=epoch, shuffle=False, verbose=0, callbacks=callbacks,
                          validation_data=(x_val, y_val))
-        if rank == 0:
+        if rank == 0 and not ckpt.stopped:
             h = {k: v[-1] for k, v in hist.history.items()}
             print(f"epoch {epoch + 1}/{args.epochs} loss={h['loss']:.4f} acc={h['accuracy']:.4f} "
                   f"val_acc={h['val_accuracy']:.4f}", flush=True)
+    ckpt.close()
 
     val_loss, val_acc = model.evaluate(x_val, y_val, verbose=0)
     digest = weights_digest(model)
     if rank == 0 and args.save_weights:
         np.savez(args.save_weights, *model.get_weights())
     result = {"rank": rank, "size": size, "hostname": socket.gethostname(), "epochs": args.epochs,
-              "val_accuracy": round(float(val_acc), 4), "val_loss": round(float(val_loss), 4),
+              "steps": ckpt.step, "val_accuracy": round(float(val_acc), 4), "val_loss": round(float(val_loss), 4),
               "weights_sha256": digest, "train_seconds": round(time.time() - t0, 2)}
     print("APPLIANCE_RESULT " + json.dumps(result), flush=True)
 

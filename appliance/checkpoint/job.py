@@ -1,0 +1,164 @@
+"""The launcher's side of checkpointing, for one job (used by train/launch.py).
+
+Before the job: the ranks' settings go into their environment (URL, interval, keep, resize policy, STOP file,
+spec and code hashes: never a secret); the object-store credentials, scoped (a token, not a password), go
+into a 0600 file on the head node that only rank 0 reads, removed when the job ends; a stale STOP file is
+removed; the spec is saved next to the checkpoints so `appliance resume` works from any machine.
+During the job: the lease watchdog runs, rank 0's ``APPLIANCE_CKPT`` / ``APPLIANCE_STOPPED`` /
+``APPLIANCE_RESUMED`` lines are collected (and feed the watchdog's margin), SIGTERM becomes a stop request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..cluster import Cluster
+from ..errors import ApplianceError
+from ..spec import Spec
+from .keras import CKPT_PREFIX, RESUMED_PREFIX, STOPPED_PREFIX
+
+EXIT_STOPPED = 75  # "stopped before the lease end, checkpoint committed: resumable" (EX_TEMPFAIL)
+
+
+def code_hash(code_dir: str) -> str:
+    h = hashlib.sha256()
+    root = Path(code_dir)
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts:
+            h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+class JobCheckpoints:
+    def __init__(self, spec: Spec, cluster: Cluster, head, run_dir: str, say: Callable[[str], None]):
+        self.spec, self.cluster, self.head, self.run_dir, self.say = spec, cluster, head, run_dir, say
+        self.stop_file = f"{run_dir}/STOP"
+        self.creds_file: str | None = None
+        self.commits: list[dict] = []
+        self.stopped: dict | None = None
+        self.resumed: dict | None = None
+        self.stop_requested: dict | None = None
+        self.watch = None
+        self._old_sigterm = None
+        self._lock = threading.Lock()
+
+    def prepare(self) -> dict[str, str]:
+        """Set up the head node; returns the ranks' extra environment."""
+        spec, ck = self.spec, self.spec.checkpoint
+        env = {"APPLIANCE_STOP_FILE": self.stop_file, "APPLIANCE_SPEC_HASH": spec.digest or "",
+               "APPLIANCE_CODE_HASH": code_hash(spec.code_dir)}
+        self.head.run(f"mkdir -p {shlex.quote(self.run_dir)} && rm -f {shlex.quote(self.stop_file)}", check=True)
+        if not ck.url:
+            return env
+        env.update({"APPLIANCE_CKPT_URL": ck.url, "APPLIANCE_CKPT_KEEP": str(ck.keep),
+                    "APPLIANCE_CKPT_RESIZE": ck.resize})
+        if ck.every_steps:
+            env["APPLIANCE_CKPT_EVERY_STEPS"] = str(ck.every_steps)
+        if ck.every_minutes:
+            env["APPLIANCE_CKPT_EVERY_MINUTES"] = str(ck.every_minutes)
+        from ..data.store import parse_url
+        from .store import CheckpointStore
+
+        creds = None
+        if parse_url(ck.url)[0] != "file":
+            from ..data import creds as creds_mod
+
+            creds = creds_mod.resolve(spec.cloud, spec.site, log=lambda m: None).scoped()
+            self.creds_file = f"{self.run_dir}/.store-creds.json"
+            body = json.dumps({k: v for k, v in creds.__dict__.items() if v not in (None, {})}).encode()
+            self.head.run(f"umask 077 && cat > {shlex.quote(self.creds_file)}", stdin=body, check=True)
+            env["APPLIANCE_CKPT_CREDS"] = self.creds_file
+        try:
+            cs = CheckpointStore(ck.url, spec.name, creds)
+            if hasattr(cs.store, "ensure_container"):
+                cs.store.ensure_container()
+            if spec.path and Path(spec.path).exists():
+                cs.put_text("spec.yaml", Path(spec.path).read_text(), Path(spec.path).parent)
+        except Exception as e:  # the job can still run; rank 0 retries its uploads
+            self.say(f"[appliance] warning: could not write the spec to {ck.url} ({type(e).__name__}: {e})")
+        return env
+
+    def start(self) -> None:
+        if self.cluster.lease_id and self.cluster.cloud in ("local", "chameleon"):
+            from .watchdog import LeaseWatch
+
+            try:
+                self.watch = LeaseWatch(self.spec, self.cluster, self.request_stop, self.say).start()
+            except ApplianceError as e:
+                self.say(f"[watchdog] not watching the lease: {e}")
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, lambda *a: threading.Thread(
+                target=self.request_stop, args=({"reason": "SIGTERM to appliance train"},), daemon=True).start())
+
+    def request_stop(self, req: dict) -> None:
+        """Ask the job to stop at the next step: the STOP file on the head node."""
+        with self._lock:
+            if self.stop_requested:
+                return
+            self.stop_requested = req
+        req = dict(req)
+        req.setdefault("deadline", time.time() + 600)
+        self.say(f"[appliance] asking the job to stop: {req['reason']}")
+        try:
+            self.head.run(f"cat > {shlex.quote(self.stop_file)}.tmp && mv {shlex.quote(self.stop_file)}.tmp "
+                          f"{shlex.quote(self.stop_file)}", stdin=json.dumps(req).encode(), timeout=30, check=True)
+        except ApplianceError as e:
+            self.say(f"[appliance] could not ask the job to stop: {e}")
+
+    def on_rank_line(self, rank: int, text: str) -> bool:
+        """Consume rank 0's checkpoint lines; True if the line was one."""
+        for prefix, kind in ((CKPT_PREFIX, "ckpt"), (STOPPED_PREFIX, "stopped"), (RESUMED_PREFIX, "resumed")):
+            if text.startswith(prefix):
+                try:
+                    body = json.loads(text[len(prefix):])
+                except json.JSONDecodeError:
+                    return False
+                if kind == "ckpt":
+                    body["at"] = time.time()
+                    self.commits.append(body)
+                    if self.watch is not None:
+                        self.watch.commit_s.append(body.get("save_s", 0) + body.get("upload_s", 0))
+                    self.say(f"[checkpoint] step {body['step']} committed ({body['bytes']} bytes, "
+                             f"save {body['save_s']}s + upload {body['upload_s']}s)")
+                elif kind == "stopped":
+                    self.stopped = body
+                    if body.get("committed"):
+                        self.say(f"[checkpoint] stopped after step {body['step']} ({body['reason']}); "
+                                 f"checkpoint {body['checkpoint']} committed in {body['seconds']}s")
+                    else:
+                        self.say(f"[checkpoint] STOPPED AFTER STEP {body['step']} BUT THE CHECKPOINT WAS NOT "
+                                 f"COMMITTED: {body.get('error')}; it is kept on the head node at {body.get('local')}"
+                                 " — copy it off before the lease ends")
+                else:
+                    self.resumed = body
+                    msg = (f"[checkpoint] resumed at step {body['step']} (epoch {body['epoch']}, batch "
+                           f"{body['batch']}) on {body['world_size']} rank(s)")
+                    if not body.get("bit_exact"):
+                        msg += (f"; the checkpoint was made on {body['checkpoint_world_size']}: policy "
+                                f"{body.get('policy')}, global batch {body.get('old_global_batch')} -> "
+                                f"{body.get('global_batch')}, learning-rate factor {body.get('old_lr_scale')} -> "
+                                f"{body.get('lr_scale')} (not bit-exact across world sizes)")
+                    for k in ("spec_hash_changed", "code_hash_changed"):
+                        if body.get(k):
+                            msg += f"; note: the {k.split('_')[0]} changed since the checkpoint"
+                    self.say(msg)
+                return True
+        return False
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+        if self.creds_file:
+            try:
+                self.head.run(f"rm -f {shlex.quote(self.creds_file)}", timeout=15)
+            except ApplianceError:
+                self.say(f"[appliance] warning: could not remove {self.creds_file} on the head node")

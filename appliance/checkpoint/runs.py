@@ -1,0 +1,122 @@
+"""Run records: ~/.appliance/runs/RUN/run.json, one per run, updated by every job of the run.
+
+A run is a spec's ``name``; it may span several jobs (the first, then each `appliance resume`), several leases
+and clusters. The record keeps what `appliance runs` shows: status, step, last committed checkpoint, the
+spec, and node-hours used vs lost (lost = node time spent after the last commit of a job that then failed,
+i.e. work that has to be redone).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import time
+from pathlib import Path
+
+from .. import paths
+from ..cluster import Cluster
+from ..spec import Spec
+
+
+def run_dir(run: str) -> Path:
+    return paths.home() / "runs" / run
+
+
+def load(run: str) -> dict | None:
+    p = run_dir(run) / "run.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save(rec: dict) -> None:
+    d = run_dir(rec["run"])
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / "run.json.tmp"
+    tmp.write_text(json.dumps(rec, indent=1, sort_keys=True))
+    os.replace(tmp, d / "run.json")
+
+
+def _new(spec: Spec) -> dict:
+    return {"run": spec.name, "spec_path": str(Path(spec.path).resolve()) if spec.path else None,
+            "checkpoint_url": spec.checkpoint.url, "status": "new", "step": 0, "last_checkpoint": None,
+            "jobs": [], "node_seconds_used": 0.0, "node_seconds_lost": 0.0}
+
+
+def job_started(spec: Spec, cluster: Cluster, job_id: str, restore: str | None = None) -> None:
+    rec = load(spec.name) or _new(spec)
+    if spec.path:
+        rec["spec_path"] = str(Path(spec.path).resolve())
+    rec["checkpoint_url"] = spec.checkpoint.url
+    rec["status"] = "running"
+    rec["cluster"] = cluster.name
+    rec["lease_id"] = cluster.lease_id
+    rec["lease_end"] = cluster.lease_end
+    rec["jobs"].append({"job_id": job_id, "started": time.time(), "nodes": len(cluster.nodes),
+                        "world_size": cluster.world_size, "restore": restore, "status": "running"})
+    save(rec)
+
+
+def job_ended(spec: Spec, cluster: Cluster, res) -> dict:
+    rec = load(spec.name) or _new(spec)
+    job = next((j for j in rec["jobs"] if j["job_id"] == res.job_id), None)
+    if job is None:
+        job = {"job_id": res.job_id, "started": res.started_at, "nodes": len(cluster.nodes)}
+        rec["jobs"].append(job)
+    ended = time.time()
+    nodes = len(cluster.nodes)
+    used = res.wall_s * nodes
+    if res.stopped:
+        status = "stopped" if res.stopped.get("committed") else "failed"
+        rec["step"] = res.stopped["step"]
+    elif res.exit_code == 0:
+        status = "complete"
+    else:
+        status = "failed"
+    lost = 0.0
+    if status == "failed":
+        last_commit = max((c.get("at", 0) for c in res.commits), default=0) or res.started_at
+        lost = max(0.0, ended - max(last_commit, res.started_at)) * nodes
+    for c in res.commits:
+        rec["last_checkpoint"] = {"name": c["name"], "step": c["step"], "committed_at": c.get("at", ended)}
+        rec["step"] = max(rec.get("step") or 0, c["step"])
+    job.update({"ended": ended, "status": status, "exit_code": res.exit_code, "failure": res.failure,
+                "node_seconds": round(used, 1), "node_seconds_lost": round(lost, 1)})
+    rec["status"] = status
+    rec["node_seconds_used"] = round(rec.get("node_seconds_used", 0) + used, 1)
+    rec["node_seconds_lost"] = round(rec.get("node_seconds_lost", 0) + lost, 1)
+    rec["lease_end"] = cluster.lease_end
+    save(rec)
+    return rec
+
+
+def list_runs() -> list[dict]:
+    d = paths.home() / "runs"
+    out = []
+    for p in sorted(d.glob("*/run.json")) if d.exists() else []:
+        rec = load(p.parent.name)
+        if rec:
+            out.append(summarize(rec))
+    return out
+
+
+def summarize(rec: dict) -> dict:
+    """The row `appliance runs` shows."""
+    now = time.time()
+    last = rec.get("last_checkpoint") or {}
+    age = now - last["committed_at"] if last.get("committed_at") else None
+    left = None
+    if rec.get("lease_end") and rec.get("status") in ("running", "stopped"):
+        try:
+            end = dt.datetime.fromisoformat(rec["lease_end"].replace("Z", ""))
+            left = (end.replace(tzinfo=dt.timezone.utc).timestamp() - now) if end.tzinfo is None else \
+                end.timestamp() - now
+        except ValueError:
+            left = None
+    return {"run": rec["run"], "status": rec.get("status"), "step": rec.get("step", 0),
+            "last_checkpoint": last.get("name"), "checkpoint_age_s": None if age is None else round(age),
+            "lease_left_s": None if left is None else round(left), "jobs": len(rec.get("jobs", [])),
+            "node_hours_used": round(rec.get("node_seconds_used", 0) / 3600, 3),
+            "node_hours_lost": round(rec.get("node_seconds_lost", 0) / 3600, 3)}

@@ -1,0 +1,249 @@
+"""Checkpoints in the object store: upload, commit, verify, prune, find.
+
+Layout under the spec's ``checkpoint.url`` (swift://, s3:// or file://)::
+
+    <url>/<run>/ckpt-000000420/state.index             files of one checkpoint ...
+    <url>/<run>/ckpt-000000420/state.data-00000-of-00001
+    <url>/<run>/ckpt-000000420/meta.json
+    <url>/<run>/ckpt-000000420/metrics/...
+    <url>/<run>/ckpt-000000420/MANIFEST.json           ... and its commit point, written last
+    <url>/<run>/spec.yaml                              the run's spec, for `appliance resume` elsewhere
+
+The rules that make "committed" mean something:
+- a checkpoint is committed once its MANIFEST.json exists; the manifest is written only after every
+  file was uploaded and the store's listing showed each one with the expected size and MD5;
+- resume uses only committed checkpoints, and checks each against its manifest again (size and ETag of
+  every file, and the manifest's own digest) before using it, falling back to the next older one;
+- pruning keeps the newest ``keep`` committed checkpoints and runs only after a new one is committed;
+  it removes a checkpoint's manifest first, so a half-deleted checkpoint is never taken as committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..data.store import ObjectInfo, Store, StoreCreds, _md5_file, open_store
+from ..errors import ApplianceError
+
+MANIFEST = "MANIFEST.json"
+CKPT_DIR = re.compile(r"^ckpt-(\d{9,})$")
+FORMAT = 1
+
+
+def ckpt_name(step: int) -> str:
+    return f"ckpt-{step:09d}"
+
+
+@dataclass
+class Committed:
+    """A committed checkpoint as the store lists it."""
+
+    name: str  # ckpt-000000420
+    step: int
+    manifest: dict | None = None  # read on demand
+
+    @property
+    def epoch(self) -> int:
+        return int((self.manifest or {}).get("meta", {}).get("epoch", 0))
+
+
+class StoreUnavailable(ApplianceError):
+    """The object store did not answer (or answered 5xx) after the retries allowed."""
+
+
+def manifest_digest(body: dict) -> str:
+    rest = {k: v for k, v in body.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def retrying(fn: Callable, *, what: str, until: float | None = None, attempts: int | None = None,
+             log: Callable[[str], None] = lambda m: None, stop: Callable[[], bool] = lambda: False):
+    """Call fn() until it succeeds: exponential backoff with jitter (0.5 s .. 30 s), bounded by a wall-clock
+    deadline (time.time() value) and/or a number of attempts. Errors other than I/O and HTTP are raised."""
+    delay, n = 0.5, 0
+    while True:
+        n += 1
+        try:
+            return fn()
+        except (FileNotFoundError, json.JSONDecodeError):
+            raise
+        except Exception as e:  # network errors, 5xx from swiftclient/botocore
+            if isinstance(e, ApplianceError) and not isinstance(e, StoreUnavailable) and "refused access" in str(e):
+                raise
+            left = None if until is None else until - time.time()
+            if (attempts is not None and n >= attempts) or (left is not None and left <= 0) or stop():
+                raise StoreUnavailable(f"{what}: the object store failed {n} time(s), last: "
+                                       f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+                                       "check the object store; the checkpoint is kept on the node's disk") from None
+            wait = min(delay, 30.0) * (0.75 + random.random() / 2)
+            if left is not None:
+                wait = max(0.05, min(wait, left))
+            log(f"{what}: {type(e).__name__}; retrying in {wait:.1f}s (attempt {n})")
+            time.sleep(wait)  # backoff between retries of a failed request, not synchronisation
+            delay *= 2
+
+
+class CheckpointStore:
+    """The checkpoints of one run in one object store."""
+
+    def __init__(self, url: str, run: str, creds: StoreCreds | None):
+        self.url = url.rstrip("/") + "/"
+        self.run = run
+        self.store, base = open_store(self.url, creds)
+        self.prefix = f"{base}{run}/" if base else f"{run}/"
+
+    # -- listing -------------------------------------------------------------------------------------------
+    def _objects(self, sub: str = "") -> list[ObjectInfo]:
+        return list(self.store.list(self.prefix + sub))
+
+    def committed(self) -> list[Committed]:
+        """Committed checkpoints, newest first (from one listing)."""
+        found = []
+        for o in self._objects():
+            rel = o.name[len(self.prefix):]
+            parts = rel.split("/")
+            if len(parts) == 2 and parts[1] == MANIFEST:
+                m = CKPT_DIR.match(parts[0])
+                if m:
+                    found.append(Committed(parts[0], int(m.group(1))))
+        return sorted(found, key=lambda c: c.step, reverse=True)
+
+    def read_json(self, rel: str) -> dict:
+        buf = bytearray()
+        self.store.get(self.prefix + rel, buf.extend)
+        return json.loads(bytes(buf))
+
+    def read_manifest(self, c: Committed) -> dict:
+        if c.manifest is None:
+            c.manifest = self.read_json(f"{c.name}/{MANIFEST}")
+        return c.manifest
+
+    def verify(self, c: Committed) -> str | None:
+        """None if the checkpoint matches its manifest in the store, else what is wrong (one line)."""
+        try:
+            m = self.read_manifest(c)
+        except json.JSONDecodeError:
+            return f"{c.name}: its manifest is not valid JSON"
+        except FileNotFoundError:
+            return f"{c.name}: its manifest is gone"
+        if m.get("digest") != manifest_digest(m):
+            return f"{c.name}: its manifest does not match its own digest"
+        listed = {o.name[len(self.prefix) + len(c.name) + 1:]: o for o in self._objects(c.name + "/")}
+        for rel, f in sorted(m.get("files", {}).items()):
+            o = listed.get(rel)
+            if o is None:
+                return f"{c.name}: {rel} is missing"
+            if o.size != f["size"]:
+                return f"{c.name}: {rel} has {o.size} bytes, the manifest says {f['size']}"
+            if f.get("etag") and o.etag != f["etag"]:
+                return f"{c.name}: {rel} has checksum {o.etag}, the manifest says {f['etag']} (corrupted)"
+        return None
+
+    def newest_good(self, log: Callable[[str], None] = print) -> tuple[Committed | None, list[str]]:
+        """The newest committed checkpoint that verifies, and the problems met on the way."""
+        problems = []
+        for c in self.committed():
+            why = self.verify(c)
+            if why is None:
+                return c, problems
+            problems.append(why)
+            log(f"checkpoint {why}; trying the previous one")
+        return None, problems
+
+    # -- writing -------------------------------------------------------------------------------------------
+    def put_text(self, rel: str, text: str, tmp_dir: Path) -> None:
+        tmp = Path(tmp_dir) / f".upload-{os.getpid()}-{random.randrange(1 << 30)}"
+        tmp.write_text(text)
+        try:
+            self.store.put(self.prefix + rel, tmp)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def upload(self, local: Path, meta: dict, *, until: float | None = None,
+               log: Callable[[str], None] = lambda m: None, stop: Callable[[], bool] = lambda: False,
+               fault: Callable[[int], None] | None = None) -> dict:
+        """Upload one local checkpoint directory, verify it in the store, then commit it (manifest last).
+        Returns the manifest. Raises StoreUnavailable when the store stays down past ``until``."""
+        local = Path(local)
+        name = local.name
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+        record: dict[str, dict] = {}
+        for i, p in enumerate(files):
+            rel = p.relative_to(local).as_posix()
+            md5 = _md5_file(p)
+            size = p.stat().st_size
+            retrying(lambda: self.store.put(f"{self.prefix}{name}/{rel}", p), what=f"upload {name}/{rel}",
+                     until=until, log=log, stop=stop)
+            record[rel] = {"size": size, "md5": md5}
+            if fault:
+                fault(i)
+        # verify what the store now holds before committing
+        listed = {}
+        for o in retrying(lambda: self._objects(name + "/"), what=f"list {name}", until=until, log=log, stop=stop):
+            listed[o.name[len(self.prefix) + len(name) + 1:]] = o
+        for rel, f in record.items():
+            o = listed.get(rel)
+            if o is None or o.size != f["size"]:
+                raise StoreUnavailable(f"{name}/{rel} did not arrive intact in the store",
+                                       "the checkpoint is kept on the node's disk")
+            if len(o.etag) == 32 and "-" not in o.etag and o.etag != f["md5"]:
+                raise StoreUnavailable(f"{name}/{rel}: the store holds MD5 {o.etag}, we sent {f['md5']}",
+                                       "the checkpoint is kept on the node's disk")
+            f["etag"] = o.etag
+        body = {"format": FORMAT, "run": self.run, "name": name, "step": meta["step"], "meta": meta,
+                "files": record, "committed_at": time.time()}
+        body["digest"] = manifest_digest(body)
+        text = json.dumps(body, indent=1, sort_keys=True)
+        retrying(lambda: self.put_text(f"{name}/{MANIFEST}", text, local.parent), what=f"commit {name}",
+                 until=until, log=log, stop=stop)
+        return body
+
+    def prune(self, keep: int, log: Callable[[str], None] = lambda m: None) -> list[str]:
+        """Keep the newest ``keep`` committed checkpoints (at least 1); delete older ones, manifest first, and
+        uncommitted leftovers older than the newest committed one."""
+        keep = max(1, keep)
+        committed = self.committed()
+        if not committed:
+            return []
+        newest = committed[0].step
+        doomed = {c.name for c in committed[keep:]}
+        kept = {c.name for c in committed[:keep]}
+        by_dir: dict[str, list[str]] = {}
+        for o in self._objects():
+            top = o.name[len(self.prefix):].split("/", 1)[0]
+            m = CKPT_DIR.match(top)
+            if m and top not in kept and (top in doomed or int(m.group(1)) < newest):
+                by_dir.setdefault(top, []).append(o.name)
+        for top, names in sorted(by_dir.items()):
+            names.sort(key=lambda n: not n.endswith("/" + MANIFEST))  # un-commit first
+            for n in names:
+                self.store.delete(n)
+            log(f"pruned {top}")
+        return sorted(by_dir)
+
+    def download(self, c: Committed, dest: Path) -> Path:
+        """Fetch a committed checkpoint into dest/<name> and check every file's MD5 against the manifest."""
+        m = self.read_manifest(c)
+        out = Path(dest) / c.name
+        for rel, f in m["files"].items():
+            p = out / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            with open(p, "wb") as fh:
+                self.store.get(f"{self.prefix}{c.name}/{rel}", fh.write)
+            if _md5_file(p) != f["md5"]:
+                raise ApplianceError(f"{c.name}/{rel}: downloaded bytes do not match the manifest",
+                                     "retry; if it persists the object is corrupted in the store")
+        (out / MANIFEST).write_text(json.dumps(m, indent=1, sort_keys=True))
+        return out
+
+
+def open_run(url: str, run: str, creds: StoreCreds | None) -> CheckpointStore:
+    return CheckpointStore(url, run, creds)

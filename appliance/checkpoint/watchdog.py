@@ -1,0 +1,121 @@
+"""The lease watchdog: acts before the lease end, while the job runs.
+
+It runs beside the job in `appliance train` (on the head node when the CLI runs there, as with the Heat
+template; on the user's machine otherwise) and polls the lease: Blazar's end date, read against the cloud's own
+clock (HTTP Date), converted to real seconds (the local cloud's clock can run faster). At ``end - margin`` it
+
+1. extends the lease, when the spec says ``lease.extend: true`` and Chameleon's rules allow it (within 48 h
+   of the end, at most 7 days added), and keeps watching; otherwise
+2. asks the job to stop: it writes ``$APPLIANCE_RUN_DIR/STOP`` on the head node with the reason and a deadline;
+   rank 0 sees it after its current step, the ranks agree with one allreduce to stop after the same step, rank 0
+   saves, uploads and commits before the deadline, and the job exits as "stopped, resumable" (exit 75).
+
+The margin is measured, not guessed: ``max(lease.stop_margin, 3 x the slowest save+upload seen so far +
+2 polls)``. Rank 0 also reads Chameleon's vendordata lease end on the node (checkpoint/keras.py), so a run
+whose launcher went away still stops in time; SIGTERM to `appliance train` or to any rank takes the same path.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from collections.abc import Callable
+
+from ..cluster import Cluster
+from ..errors import ApplianceError
+from ..spec import Spec, duration_seconds
+
+
+class LeaseWatch:
+    def __init__(self, spec: Spec, cluster: Cluster, request_stop: Callable[[dict], None],
+                 say: Callable[[str], None], *, poll: float | None = None):
+        from ..provision.lifecycle import profile_for
+
+        self.spec, self.cluster, self.request_stop, self.say = spec, cluster, request_stop, say
+        self.prof = profile_for(cluster, log=lambda m: None)
+        self.scale = self.prof.time_scale()
+        self.poll = poll if poll is not None else (60.0 if self.prof.kind == "chameleon" else 1.0)
+        self.floor = float(duration_seconds(spec.lease.stop_margin))
+        self.commit_s: list[float] = []  # save+upload durations reported by rank 0
+        self.done = threading.Event()
+        self.stopped_at: float | None = None
+        self.extended: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="lease-watch", daemon=True)
+
+    def margin(self) -> float:
+        return max(self.floor, 3 * max(self.commit_s or [0.0]) + 2 * self.poll)
+
+    def start(self) -> LeaseWatch:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.done.set()
+        self._thread.join(timeout=5)
+
+    def left(self) -> tuple[float, dt.datetime] | None:
+        """(real seconds left, end) or None when the lease is gone."""
+        info = self.prof.cloud.get_lease(self.cluster.lease_id)
+        if info is None or info.status in ("TERMINATED", "DELETED", "ERROR"):
+            return None
+        now = self.prof.cloud.now()
+        return (info.end - now).total_seconds() / self.scale, info.end
+
+    def _run(self) -> None:
+        first = True
+        while not self.done.is_set():
+            try:
+                got = self.left()
+            except ApplianceError as e:
+                self.say(f"[watchdog] could not read the lease ({e}); retrying")
+                got = ()
+            except Exception as e:  # the cloud API is down: keep trying, the vendordata path still runs
+                self.say(f"[watchdog] could not read the lease ({type(e).__name__}); retrying")
+                got = ()
+            if got is None:
+                self.say(f"[watchdog] lease {self.cluster.lease_id} is gone")
+                return
+            if got:
+                left, end = got
+                if first:
+                    self.say(f"[watchdog] lease ends {end:%Y-%m-%d %H:%M} UTC, in {_human(left)} of real time; "
+                             f"the job will stop {_human(self.margin())} before that")
+                    first = False
+                if left <= self.margin():
+                    if self.spec.lease.extend and self._extend(end):
+                        continue
+                    deadline = time.time() + max(5.0, left - 2 * self.poll)
+                    self.say(f"[watchdog] lease ends in {_human(left)}: asking the job to stop and checkpoint "
+                             f"(margin {_human(self.margin())})")
+                    self.stopped_at = time.time()
+                    self.request_stop({"reason": f"lease {self.cluster.lease_id} ends {end:%Y-%m-%d %H:%M} UTC",
+                                       "deadline": deadline})
+                    return
+                wait = min(self.poll, max(0.2, (left - self.margin()) / 2))
+            else:
+                wait = self.poll
+            self.done.wait(wait)
+
+    def _extend(self, end: dt.datetime) -> bool:
+        by = dt.timedelta(seconds=duration_seconds(self.spec.lease.duration))
+        try:
+            info = self.prof.cloud.extend_lease(self.cluster.lease_id, by=by)
+        except ApplianceError as e:
+            self.say(f"[watchdog] could not extend the lease: {e}; stopping the job instead")
+            return False
+        self.extended.append(f"{info.end:%Y-%m-%d %H:%M}")
+        self.cluster.lease_end = info.end.isoformat()
+        if self.cluster.name:
+            self.cluster.save()
+        self.say(f"[watchdog] extended lease {self.cluster.lease_id} to {info.end:%Y-%m-%d %H:%M} UTC")
+        return True
+
+
+def _human(s: float) -> str:
+    s = max(0, int(s))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"

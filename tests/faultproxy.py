@@ -1,0 +1,82 @@
+"""An HTTP proxy that sits between clients and the real Swift proxy and injects faults.
+
+Modes: ``pass`` (forward everything), ``fail_puts = N`` (answer the next N PUTs with 503, then pass),
+``down`` (answer every request with 503). The Host header is forwarded as the client sent it, so Swift's
+tempauth hands out storage URLs that point back at this proxy: every later request goes through it too.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, bind_ip: str = "127.0.0.1"):
+        u = urlparse(upstream)
+        self.up_host, self.up_port = u.hostname, u.port or 80
+        self.fail_puts = 0
+        self.down = False
+        self.failed: list[str] = []  # "METHOD path" of every request we failed on purpose
+        self.forwarded = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _fail(self) -> bool:
+                with proxy._lock:
+                    if proxy.down or (self.command == "PUT" and proxy.fail_puts > 0):
+                        if not proxy.down:
+                            proxy.fail_puts -= 1
+                        proxy.failed.append(f"{self.command} {self.path}")
+                        return True
+                return False
+
+            def _any(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                if self._fail():
+                    msg = b"503 Service Unavailable (injected)"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                conn = http.client.HTTPConnection(proxy.up_host, proxy.up_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status, r.reason)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+                with proxy._lock:
+                    proxy.forwarded += 1
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_COPY = _any
+
+        self.server = ThreadingHTTPServer((bind_ip, 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://{bind_ip}:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def start(self) -> FaultProxy:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
