@@ -476,10 +476,17 @@ def train_cmd(spec, cluster, as_json):
     If a rank crashes or a node dies the job is stopped (within ~30 s) and the message
     names the rank and node. The full log is kept under ~/.appliance/runs/RUN/.
     """
-    from .train.launch import check, train_spec
+    from .train.launch import train_spec
 
     out = (lambda line: click.echo(line, err=True)) if as_json else None
     res = train_spec(spec, cluster, out=out, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
+    _report(res, as_json)
+
+
+def _report(res, as_json: bool) -> None:
+    """The job summary (text or JSON), then the job's exit code."""
+    from .train.launch import check
+
     summary = job_summary(res)
     if res.cluster_cloud in ("local", "chameleon"):
         summary["next"] = [f"  appliance status {res.run}        # lease time left, nodes",
@@ -505,7 +512,7 @@ def train_cmd(spec, cluster, as_json):
 def resume_cmd(run, spec_path, cluster, nodes, url, as_json):
     """Continue RUN from its newest committed checkpoint, on a new lease if needed.
 
-    
+    \b
     1. the newest committed checkpoint that matches its manifest (older ones if not, said so)
     2. a cluster: the run's own if its lease still runs, else a new lease + servers
     3. the dataset and the checkpoint staged to every node, verified
@@ -514,7 +521,6 @@ def resume_cmd(run, spec_path, cluster, nodes, url, as_json):
     Exit codes as `appliance train`: 0 done, 75 stopped again before a lease end (resume again).
     """
     from .checkpoint.resume import resume
-    from .train.launch import check
 
     log = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     res = resume(run, spec_path=spec_path, cluster_name=cluster, nodes=nodes, url=url,
@@ -523,14 +529,7 @@ def resume_cmd(run, spec_path, cluster, nodes, url, as_json):
         if as_json:
             _json_out({"run": run, "complete": True})
         return
-    summary = job_summary(res)
-    if as_json:
-        _json_out(summary)
-    else:
-        click.echo("")
-        for line in format_summary(summary):
-            click.echo(line)
-    check(res)
+    _report(res, as_json)
 
 
 @main.command("runs")
@@ -538,7 +537,7 @@ def resume_cmd(run, spec_path, cluster, nodes, url, as_json):
 def runs_cmd(as_json):
     """List runs: status, step, last committed checkpoint and its age, lease time left, node-hours.
 
-    
+    \b
     status: running | stopped (resumable: `appliance resume RUN`) | complete | failed
     node-hours lost: node time spent after the last commit of a job that then failed.
     """

@@ -299,7 +299,15 @@ class FileStore(Store):
         return _md5_file(dst)
 
     def delete(self, name) -> None:
-        (self.root / name).unlink(missing_ok=True)
+        p = self.root / name
+        p.unlink(missing_ok=True)
+        for d in p.parents:  # no empty pseudo-directories left behind, as in an object store
+            if d == self.root or self.root not in d.parents:
+                break
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
 
 def _md5_file(p: Path) -> str:
