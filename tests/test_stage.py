@@ -186,6 +186,11 @@ def test_slo_round_trip_small_segments(creds, tmp_path):
     finally:
         sm.LARGE = old
     assert (tmp_path / "d2" / "big file ü.bin").read_bytes() == data
+    # delete: a plain object goes; an SLO goes with its segments
+    st.delete("x/small.txt")
+    st.delete("x/big file ü.bin")
+    assert [o.name for o in st.list("x/")] == []
+    assert [o.name for o in SwiftStore("slo_segments", creds).list("x/big file")] == []
 
 
 def test_hostile_names_rejected(creds, tmp_path):

@@ -193,8 +193,13 @@ class SwiftStore(Store):
                           query_string="multipart-manifest=put")
 
     def delete(self, name) -> None:
+        """Delete an object; for an SLO, its segments too. (``multipart-manifest=delete`` on a plain object
+        answers 200 and deletes nothing, so it is used only for SLO manifests.)"""
         try:
-            self._call(self.conn().delete_object, self.container, name, query_string="multipart-manifest=delete")
+            hdrs = self._call(self.conn().head_object, self.container, name)
+            slo = str(hdrs.get("x-static-large-object", "")).lower() == "true"
+            self._call(self.conn().delete_object, self.container, name,
+                       query_string="multipart-manifest=delete" if slo else None)
         except FileNotFoundError:
             pass
 

@@ -1,0 +1,321 @@
+"""Checkpoints, the lease watchdog and `appliance resume`.
+
+Real parts throughout: the digits example (TensorFlow + Horovod on 2 testbed nodes), a real Swift server
+(with a fault-injecting HTTP proxy in front of it where the store must fail), and the local cloud (Blazar
+leases whose end deletes the servers). Every resumed run is compared with an uninterrupted run of the same
+seed and world size: the final weights must be bit-identical.
+"""
+
+import csv
+import io
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from appliance import localcloud, testbed
+from appliance.checkpoint import runs
+from appliance.checkpoint.resume import choose_checkpoint, resume
+from appliance.checkpoint.store import CheckpointStore
+from appliance.cluster import Cluster
+from appliance.data.store import StoreCreds
+from appliance.localcloud.swift import SwiftServer
+from appliance.provision import lifecycle
+from appliance.spec import load_spec
+from appliance.train.launch import train
+from conftest import ROOT, NETNS_OK
+from faultproxy import FaultProxy
+
+pytestmark = pytest.mark.skipif(not NETNS_OK, reason="needs network namespaces")
+
+DIGITS = ROOT / "examples" / "digits"
+EPOCHS = 4  # 22 steps per epoch on 2 ranks: 88 steps
+
+
+def digits_spec(tmp_path: Path, name: str, *, url: str | None, every: int = 20, env: dict | None = None,
+                extra: str = "", fname: str | None = None) -> str:
+    lines = [f"name: {name}", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
+             "image: appliance-cpu", "train:", f"  code: {DIGITS}", f"  command: python train.py --epochs {EPOCHS}"]
+    if env:
+        lines.append("  env: " + json.dumps(env))
+    if url:
+        lines.append(f"checkpoint: {{url: {json.dumps(url)}, every_steps: {every}, keep: 2}}")
+    p = tmp_path / (fname or f"{name}.yaml")
+    p.write_text("\n".join(lines) + "\n" + extra)
+    return str(p)
+
+
+def sha(res) -> str:
+    shas = {r["weights_sha256"] for r in res.results.values()}
+    assert len(shas) == 1, res.results
+    return shas.pop()
+
+
+class Lines:
+    """Collects job output; calls hooks on lines that match (from the launcher's output thread)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.hooks: list[tuple[str, object]] = []
+
+    def on(self, text: str, fn) -> None:
+        self.hooks.append((text, fn))
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        for i, (text, fn) in enumerate(list(self.hooks)):
+            if text in line:
+                self.hooks.remove((text, fn))
+                fn(line)
+
+    def has(self, text: str) -> bool:
+        return any(text in x for x in self.lines)
+
+
+@pytest.fixture(scope="module")
+def swift(tb2, tmp_path_factory):
+    sw = SwiftServer(tmp_path_factory.mktemp("ckswift"), bind_ip=tb2.host_ip).start()
+    try:
+        yield sw
+    finally:
+        sw.stop()
+
+
+@pytest.fixture
+def st_env(swift, monkeypatch):
+    """Object-store credentials the way a user sets them (ST_*), for runs on the plain testbed."""
+    def use(auth_url):
+        monkeypatch.setenv("ST_AUTH", auth_url)
+        monkeypatch.setenv("ST_USER", swift.user)
+        monkeypatch.setenv("ST_KEY", swift.key)
+    use(swift.auth_url)
+    return use
+
+
+@pytest.fixture(scope="module")
+def reference(cluster2, tmp_path_factory):
+    """The uninterrupted run: same seed, same world size, no checkpoints."""
+    res = train(load_spec(digits_spec(tmp_path_factory.mktemp("ref"), "ckref", url=None)), cluster2,
+                out=lambda line: None)
+    assert res.exit_code == 0, res.failure
+    assert res.results[0]["steps"] == EPOCHS * 22
+    return sha(res)
+
+
+def store_for(swift, run) -> CheckpointStore:
+    return CheckpointStore("swift://ckpts/", run, StoreCreds(auth_url=swift.auth_url, user=swift.user, key=swift.key))
+
+
+def stop_file(tb, run: str) -> Path:
+    return Path(tb.nodes[0].disk) / "appliance" / "runs" / run / "STOP"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the store: commit, verify, prune, corruption
+
+
+def fake_ckpt(root: Path, step: int, payload: bytes) -> Path:
+    d = root / f"ckpt-{step:09d}"
+    (d / "metrics").mkdir(parents=True)
+    (d / "state.data-00000-of-00001").write_bytes(payload)
+    (d / "meta.json").write_text(json.dumps({"step": step, "epoch": 0, "offset": step, "world_size": 2}))
+    (d / "metrics" / "metrics.csv").write_text("step,epoch,metric,value,time\n")
+    return d
+
+
+def test_commit_prune_and_a_corrupted_newest_checkpoint(swift, tmp_path, tb2):
+    cs = store_for(swift, "unit")
+    cs.store.ensure_container()
+    for step in (10, 20, 30):
+        local = fake_ckpt(tmp_path, step, bytes([step]) * 5000)
+        m = cs.upload(local, json.loads((local / "meta.json").read_text()))
+        assert m["files"]["state.data-00000-of-00001"]["md5"] == m["files"]["state.data-00000-of-00001"]["etag"]
+        cs.prune(keep=2)
+    assert [c.step for c in cs.committed()] == [30, 20]
+    assert not [o for o in cs.store.list(cs.prefix + "ckpt-000000010/")]  # pruned entirely, manifest first
+    # an upload that died before its manifest is not a checkpoint
+    partial = fake_ckpt(tmp_path, 40, b"x" * 5000)
+    cs.store.put(cs.prefix + "ckpt-000000040/state.data-00000-of-00001", partial / "state.data-00000-of-00001")
+    assert [c.step for c in cs.committed()] == [30, 20]
+    # corrupt the newest in the store (same size, other bytes): caught by the manifest, the previous one is used
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"\0" * 5000)
+    cs.store.put(cs.prefix + "ckpt-000000030/state.data-00000-of-00001", bad)
+    said = []
+    spec = load_spec(digits_spec(tmp_path, "unit", url="swift://ckpts/"))
+    import os
+    os.environ.update({"ST_AUTH": swift.auth_url, "ST_USER": swift.user, "ST_KEY": swift.key})
+    try:
+        _, good = choose_checkpoint(spec, log=said.append)
+    finally:
+        for k in ("ST_AUTH", "ST_USER", "ST_KEY"):
+            os.environ.pop(k, None)
+    assert good.step == 20
+    assert any("ckpt-000000030" in m and "corrupted" in m and "using ckpt-000000020" in m for m in said), said
+    # what a node downloads is checked against the manifest again
+    out = cs.download(good, tmp_path / "dl")
+    assert (out / "state.data-00000-of-00001").read_bytes() == bytes([20]) * 5000
+
+
+# ---------------------------------------------------------------------------------------------------------
+# faults during training, on the 2-node testbed
+
+
+@pytest.mark.slow
+def test_kill9_of_rank0_while_uploading_keeps_the_previous_commit(cluster2, tb2, swift, st_env, reference,
+                                                                   tmp_path):
+    spec = load_spec(digits_spec(tmp_path, "ckkill", url="swift://ckpts/",
+                                 env={"APPLIANCE_FAULT": "kill-during-upload:40"}))
+    res = train(spec, cluster2, out=lambda line: None)
+    assert res.exit_code != 0 and res.stopped is None
+    assert [c["step"] for c in res.commits] == [20]
+    cs = store_for(swift, "ckkill")
+    assert [c.step for c in cs.committed()] == [20]  # ckpt-40 was half uploaded: not committed
+    assert [o for o in cs.store.list(cs.prefix + "ckpt-000000040/")]
+    assert runs.load("ckkill")["status"] == "failed"
+    # resume on the same cluster, with the fault removed from the spec
+    cluster2.save()
+    fixed = digits_spec(tmp_path, "ckkill", url="swift://ckpts/", fname="fixed.yaml")
+    said = []
+    res2 = resume("ckkill", spec_path=fixed, cluster_name=cluster2.name, out=said.append, log=said.append)
+    assert res2.exit_code == 0, res2.failure
+    assert res2.resumed["step"] == 20 and res2.resumed["bit_exact"]
+    assert sha(res2) == reference
+    # metrics: one CSV, one step axis across both jobs; TensorBoard events from both
+    final = cs.committed()[0]
+    assert final.step == EPOCHS * 22
+    buf = bytearray()
+    cs.store.get(f"{cs.prefix}{final.name}/metrics/metrics.csv", buf.extend)
+    steps = [int(r["step"]) for r in csv.DictReader(io.StringIO(buf.decode()))]
+    assert steps == sorted(steps) and steps[-1] == EPOCHS * 22 and 20 in steps
+    events = [o.name for o in cs.store.list(f"{cs.prefix}{final.name}/metrics/tb/")]
+    assert len(events) == 2
+
+
+@pytest.mark.slow
+def test_store_5xx_is_retried_and_a_dead_store_is_reported_loudly(cluster2, tb2, swift, st_env, reference,
+                                                                   tmp_path):
+    proxy = FaultProxy(swift.s3_endpoint, bind_ip=tb2.host_ip).start()
+    try:
+        st_env(proxy.url + "/auth/v1.0")
+        proxy.fail_puts = 4  # the first checkpoint uploads meet 503s
+        res = train(load_spec(digits_spec(tmp_path, "ck5xx", url="swift://ckpts/")), cluster2,
+                    out=lambda line: None)
+        assert res.exit_code == 0, res.failure
+        assert len(proxy.failed) == 4 and all(f.startswith("PUT ") for f in proxy.failed)
+        assert sha(res) == reference  # training went on while uploads were retried
+        assert [c.step for c in store_for(swift, "ck5xx").committed()] == [88, 80]
+
+        # the store goes down for good after the first commit; a stop is requested with a short deadline
+        out = Lines()
+
+        def store_dies(line):
+            proxy.down = True
+            stop_file(tb2, "ckdown").write_text(json.dumps({"reason": "test: lease end", "deadline": time.time() + 6}))
+
+        out.on("[checkpoint] step 20 committed", store_dies)
+        res = train(load_spec(digits_spec(tmp_path, "ckdown", url="swift://ckpts/")), cluster2, out=out)
+        assert res.exit_code == 1
+        assert res.stopped and res.stopped["committed"] is False
+        assert "NOT committed" in res.failure and "kept on node1" in res.failure
+        local = Path(tb2.nodes[0].disk) / "appliance" / "runs" / "ckdown" / "checkpoints" / res.stopped["checkpoint"]
+        assert (local / "meta.json").exists()  # the local checkpoint is kept
+        proxy.down = False
+        assert [c.step for c in store_for(swift, "ckdown").committed()] == [20]  # nothing committed was lost
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.slow
+def test_resume_on_another_world_size_reports_the_rescaling(cluster2, swift, st_env, tmp_path):
+    # continues the run the previous test left stopped at its step-20 commit, on one node instead of two
+    one = Cluster(name="pt-one", cloud="testbed", nodes=[cluster2.nodes[0]], key_file=cluster2.key_file,
+                  known_hosts=cluster2.known_hosts, python=cluster2.python, etc_dir=cluster2.etc_dir,
+                  testbed=cluster2.testbed)
+    one.save()
+    said = []
+    res = resume("ckdown", cluster_name="pt-one", out=said.append, log=said.append)
+    assert res.exit_code == 0, res.failure
+    r = res.resumed
+    assert (r["checkpoint_world_size"], r["world_size"], r["bit_exact"], r["policy"]) == (2, 1, False, "lr")
+    assert (r["old_global_batch"], r["global_batch"]) == (64, 32)
+    assert r["batch"] == 40  # 20 steps x 64 samples = 40 steps x 32
+    assert any("not bit-exact across world sizes" in m for m in said)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the lease: the watchdog stops the job before the end; admin termination; both resume on a new lease
+
+
+@pytest.fixture(scope="module")
+def cloud():
+    localcloud.start(log=lambda m: None)
+    try:
+        yield localcloud
+    finally:
+        localcloud.stop(log=lambda m: None)
+
+
+def lease_left(cluster) -> float:
+    prof = lifecycle.profile_for(cluster, log=lambda m: None)
+    info = prof.cloud.get_lease(cluster.lease_id)
+    return (info.end - prof.cloud.now()).total_seconds()
+
+
+@pytest.mark.slow
+def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud, reference, tmp_path):
+    spec_path = digits_spec(tmp_path, "cklease", url="swift://ckpts/", every=30,
+                            extra="lease: {duration: 1h, stop_margin: 60s}\n")
+    cl = lifecycle.up(spec_path, log=lambda m: None)
+    try:
+        out = Lines()
+        at_epoch = random.choice([1, 2, 3])  # an arbitrary moment
+
+        def near_end(line):  # the cloud's clock jumps to 45 s before the lease end
+            localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45})
+
+        out.on(f"epoch {at_epoch}/{EPOCHS}", near_end)
+        res = train(load_spec(spec_path), cl, out=out)
+        assert res.exit_code == 75, res.failure
+        st = res.stopped
+        assert st["committed"] and "ends" in st["reason"]
+        assert out.has("[watchdog] lease ends in")
+        assert runs.load("cklease")["status"] == "stopped"
+        # the lease ends; its servers and their disks go
+        localcloud.admin("POST", "/advance", {"seconds": 120})
+        assert lifecycle.status("cklease")["lease_status"] == "TERMINATED"
+        said = []
+        res2 = resume("cklease", out=said.append, log=said.append)
+        assert res2.exit_code == 0, res2.failure
+        assert any("new lease" in m for m in said)
+        assert res2.resumed["step"] == st["step"]  # 0 steps lost beyond the stop step
+        assert sha(res2) == reference
+        assert runs.load("cklease")["status"] == "complete"
+        assert runs.load("cklease")["node_seconds_lost"] == 0
+    finally:
+        lifecycle.down("cklease", log=lambda m: None)
+
+
+@pytest.mark.slow
+def test_admin_termination_resumes_from_the_last_commit(cloud, reference, tmp_path):
+    spec_path = digits_spec(tmp_path, "ckgone", url="swift://ckpts/", every=20, extra="lease: {duration: 1h}\n")
+    cl = lifecycle.up(spec_path, log=lambda m: None)
+    try:
+        out = Lines()
+        out.on("[checkpoint] step 40 committed",
+               lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) + 60}))
+        res = train(load_spec(spec_path), cl, out=out, heartbeat=2.0)
+        assert res.exit_code != 0 and res.stopped is None
+        last = max(c["step"] for c in res.commits)
+        assert last >= 40
+        said = []
+        res2 = resume("ckgone", out=said.append, log=said.append)
+        assert res2.exit_code == 0, res2.failure
+        assert res2.resumed["step"] == last  # lost work <= one interval: what ran after the last commit
+        assert sha(res2) == reference
+        rec = runs.load("ckgone")
+        assert rec["node_seconds_lost"] > 0 and rec["status"] == "complete"
+    finally:
+        lifecycle.down("ckgone", log=lambda m: None)
