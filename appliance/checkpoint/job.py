@@ -64,7 +64,7 @@ class JobCheckpoints:
         if ck.every_minutes:
             env["APPLIANCE_CKPT_EVERY_MINUTES"] = str(ck.every_minutes)
         from ..data.store import parse_url
-        from .store import CheckpointStore
+        from .store import CheckpointStore, retrying
 
         creds = None
         if parse_url(ck.url)[0] != "file":
@@ -77,10 +77,11 @@ class JobCheckpoints:
             env["APPLIANCE_CKPT_CREDS"] = self.creds_file
         try:
             cs = CheckpointStore(ck.url, spec.name, creds)
-            if hasattr(cs.store, "ensure_container"):
-                cs.store.ensure_container()
+            retrying(cs.ensure_container, what="create the checkpoint container", attempts=4)
             if spec.path and Path(spec.path).exists():
-                cs.put_text("spec.yaml", Path(spec.path).read_text(), Path(spec.path).parent)
+                text = Path(spec.path).read_text()
+                retrying(lambda: cs.put_text("spec.yaml", text, Path(spec.path).parent), what="save the spec",
+                         attempts=4)
         except Exception as e:  # the job can still run; rank 0 retries its uploads
             self.say(f"[appliance] warning: could not write the spec to {ck.url} ({type(e).__name__}: {e})")
         return env

@@ -159,11 +159,22 @@ class CheckpointStore:
         return None, problems
 
     # -- writing -------------------------------------------------------------------------------------------
+    def ensure_container(self) -> None:
+        if hasattr(self.store, "ensure_container"):
+            self.store.ensure_container()
+
+    def _put(self, rel: str, path: Path) -> None:
+        try:
+            self.store.put(self.prefix + rel, path)
+        except FileNotFoundError:  # the container is not there (yet): make it, then put again
+            self.ensure_container()
+            self.store.put(self.prefix + rel, path)
+
     def put_text(self, rel: str, text: str, tmp_dir: Path) -> None:
         tmp = Path(tmp_dir) / f".upload-{os.getpid()}-{random.randrange(1 << 30)}"
         tmp.write_text(text)
         try:
-            self.store.put(self.prefix + rel, tmp)
+            self._put(rel, tmp)
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -180,7 +191,7 @@ class CheckpointStore:
             rel = p.relative_to(local).as_posix()
             md5 = _md5_file(p)
             size = p.stat().st_size
-            retrying(lambda: self.store.put(f"{self.prefix}{name}/{rel}", p), what=f"upload {name}/{rel}",
+            retrying(lambda: self._put(f"{name}/{rel}", p), what=f"upload {name}/{rel}",
                      until=until, log=log, stop=stop)
             record[rel] = {"size": size, "md5": md5}
             if fault:

@@ -133,9 +133,12 @@ def horovodrun_command(cluster: Cluster, spec: Spec, *, job_id: str, nic: str, p
     user_cmd = "sh -c " + shlex.quote(RANK_WRAPPER) + " rank " + \
         " ".join(shlex.quote(a) for a in shlex.split(spec.train.command))
     assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    # one node: horovodrun runs every rank locally and wants the loopback interface, which --network-interface
+    # (the peers' NIC) would exclude; ranks talk over loopback then
+    nic_arg = f"--network-interface {shlex.quote(nic)} " if len(cluster.nodes) > 1 and not cluster.single_host else ""
     cmd = (f"cd {shlex.quote(code_dir(cluster, spec.name))} && exec env -i {assigns} "
            f"{shlex.quote(venv_bin + '/horovodrun')} -np {cluster.world_size} -H {hosts} "
-           f"--network-interface {shlex.quote(nic)} --start-timeout {spec.train.start_timeout} --gloo "
+           f"{nic_arg}--start-timeout {spec.train.start_timeout} --gloo "
            f"{user_cmd}")
     return cmd, env
 
