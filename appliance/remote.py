@@ -187,8 +187,8 @@ class SSHRemote(Remote):
         return t
 
     def run(self, command, *, stdin=None, on_line=None, timeout=None, stop=None, check=False) -> Result:
-        try:
-            chan = self.transport.open_session()
+        try:  # bounded: on a node that vanished (lease end) the connection is dead but not closed
+            chan = self.transport.open_session(timeout=min(timeout or 30.0, 30.0))
         except (paramiko.SSHException, EOFError, OSError) as e:
             raise ConnectionLost(f"lost the SSH connection to {self.node.name} ({e})",
                                  f"check that {self.node.name} is up (`appliance status`)") from None

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from appliance.data.store import StoreCreds, SwiftStore  # noqa: E402
-from appliance.localcloud.swift import SwiftServer  # noqa: E402
+from appliance.localcloud.swift_server import SwiftServer  # noqa: E402
 
 
 def seed(sw: SwiftServer, args) -> dict:

@@ -21,7 +21,7 @@ from appliance.checkpoint.resume import choose_checkpoint, resume
 from appliance.checkpoint.store import CheckpointStore
 from appliance.cluster import Cluster
 from appliance.data.store import StoreCreds
-from appliance.localcloud.swift import SwiftServer
+from appliance.localcloud.swift_server import SwiftServer
 from appliance.provision import lifecycle
 from appliance.spec import load_spec
 from appliance.train.launch import train

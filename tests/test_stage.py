@@ -18,7 +18,7 @@ from appliance.data import stage_cluster, upload
 from appliance.data.stage import MANIFEST, safe_relpath, stage
 from appliance.data.store import S3Store, StoreCreds, SwiftStore
 from appliance.errors import ApplianceError
-from appliance.localcloud.swift import SwiftServer
+from appliance.localcloud.swift_server import SwiftServer
 from conftest import NETNS_OK
 
 pytestmark = pytest.mark.slow

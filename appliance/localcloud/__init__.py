@@ -146,7 +146,7 @@ def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0, 
 
 def swift(log=print) -> dict:
     """The local cloud's object store: a real Swift, started on first use. Returns its credentials."""
-    from .swift import SwiftServer
+    from .swift_server import SwiftServer
 
     d = state_dir()
     start(log=log)  # its servers must reach it: the proxy listens on the cloud's bridge address
@@ -169,7 +169,7 @@ def swift(log=print) -> dict:
 
 def stop(log=print, timeout: float = 30.0) -> bool:
     """Stop the local cloud: its servers (testbed nodes) are deleted, its Swift stopped. Idempotent."""
-    from .swift import SwiftServer
+    from .swift_server import SwiftServer
 
     pid = _pid()
     d = state_dir()
