@@ -17,13 +17,14 @@ HOROVOD_BUILD_ENV := HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD
 DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached
 PYTEST_ARGS ?=
 
-.PHONY: help install system-deps deploy test test-fast clean lock bench bench-stage
+.PHONY: help install system-deps deploy test test-fast clean lock bench bench-stage bench-ckpt
 
 help:
-	@echo "make deploy   install, start the local cloud, upload digits to its Swift, up 2 nodes, stage, train, down"
+	@echo "make deploy   install, local cloud, digits to its Swift, up 2 nodes, stage, train until the lease ends, resume, down"
 	@echo "make test     install, then run every test (multi-node ones included)"
 	@echo "make install  only install (.venv with the pinned stack, Debian packages for the testbed)"
-	@echo "make bench    benchmarks (bench-stage: staging vs rclone/s5cmd/aws/swift); results in bench/results"
+	@echo "make bench    benchmarks: bench-stage (staging vs rclone/s5cmd/aws/swift), bench-ckpt (checkpoint"
+	@echo "              overhead, deadline -> commit, steps lost at lease end); results in bench/results"
 	@echo "make clean    remove the testbed and .venv"
 
 install: system-deps $(VENV)/.installed
@@ -58,12 +59,11 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 deploy: install
 	$(PY) examples/digits/make_dataset.py build/digits-data
 	$(APPLIANCE) data upload build/digits-data swift://digits-data/v1/ --cloud local
-	$(APPLIANCE) up examples/digits.yaml
-	$(APPLIANCE) stage examples/digits.yaml
-	$(APPLIANCE) train examples/digits.yaml
-	$(APPLIANCE) down digits --yes
+	@# up, stage, train; the lease ends mid-training; resume on a new lease; compare with an uninterrupted run
+	$(PY) examples/lease_demo.py examples/digits.yaml
 	@echo ""
 	@echo "next:"
+	@echo "  appliance runs                        # runs, steps, checkpoints, node-hours"
 	@echo "  appliance up examples/digits.yaml     # a new lease and cluster on the local cloud"
 	@echo "  appliance lease list --cloud local    # your leases"
 	@echo "  appliance cloud stop                  # stop the local cloud"
@@ -84,7 +84,11 @@ bench/.venv-tools/.installed: bench/requirements-tools.txt
 bench-stage: install bench/.venv-tools/.installed
 	$(PY) bench/stage_bench.py --tools-venv bench/.venv-tools
 
-bench: bench-stage
+# Checkpoints: overhead (goal >= 0.98), deadline -> commit, steps lost at 20 random lease ends (goal 0)
+bench-ckpt: install bench/.venv-tools/.installed
+	$(PY) bench/ckpt_bench.py --tools-venv bench/.venv-tools
+
+bench: bench-stage bench-ckpt
 
 lock:
 	@echo "regenerating requirements.lock from .venv (check the diff)"
