@@ -106,7 +106,7 @@ def _tar_dir(path: Path, exclude: tuple[str, ...]) -> bytes:
 
     def filt(ti: tarfile.TarInfo):
         parts = Path(ti.name).parts
-        if any(p in exclude for p in parts):
+        if any(p in exclude or p.startswith(".venv") for p in parts):  # never ship a virtualenv
             return None
         ti.uid = ti.gid = 0
         ti.uname = ti.gname = "root"
@@ -114,7 +114,14 @@ def _tar_dir(path: Path, exclude: tuple[str, ...]) -> bytes:
 
     with tarfile.open(fileobj=bio, mode="w:gz") as tf:
         tf.add(str(path), arcname=".", filter=filt)
+    if bio.tell() > MAX_CODE_BYTES:
+        raise ApplianceError(f"{path} is {bio.tell() / 2**20:.0f} MB compressed: too big to copy as training code",
+                             "keep data out of train.code (use dataset: to stage it) or point train.code at a "
+                             "smaller directory")
     return bio.getvalue()
+
+
+MAX_CODE_BYTES = 256 * 2**20
 
 
 class LocalRemote(Remote):

@@ -1,6 +1,6 @@
 """`make bench-ckpt`: what checkpointing costs, and what a lease end costs.
 
-On the local cloud (2 nodes, a real Swift, the lease watchdog), with bench/ckpt_job.py (MLP, synthetic data):
+On the local cloud (2 nodes, a real Swift, the lease watchdog), with bench/ckpt_job/ckpt_job.py (MLP, synthetic data):
 1. overhead: steps/s with async checkpoint + upload every N steps / steps/s with no appliance code (goal
    >= 0.98); also with only the per-step collective stop check. Median of --repeats runs per cell.
 2. deadline -> commit: the cloud's clock jumps to 30 s before the lease end at a random moment; we time from
@@ -37,7 +37,7 @@ from appliance.train.launch import train  # noqa: E402
 def write_spec(d: Path, name: str, command: str, every: int | None) -> str:
     lines = [f"name: {name}", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
              "image: appliance-cpu", "lease: {duration: 1d, stop_margin: 20s}", "train:",
-             f"  code: {ROOT / 'bench'}", f"  command: {command}"]
+             f"  code: {ROOT / 'bench' / 'ckpt_job'}", f"  command: {command}"]
     if every:
         lines.append(f"checkpoint: {{url: swift://bench-ckpt/, every_steps: {every}, keep: 2}}")
     p = d / f"{name}-{abs(hash(command)) % 10**6}-{every}.yaml"
@@ -172,7 +172,7 @@ def main() -> int:
 def report(r: dict) -> str:
     s = r["summary"]
     lines = ["# Checkpoint benchmark (`make bench-ckpt`)", "",
-             f"Machine: {r['machine']}. Job: bench/ckpt_job.py (MLP, synthetic data, 2 ranks).", "",
+             f"Machine: {r['machine']}. Job: bench/ckpt_job/ckpt_job.py (MLP, synthetic data, 2 ranks).", "",
              "## Step rate with checkpoints / without (goal >= 0.98)", "",
              "| hidden | params | checkpoint | every | plain steps/s | stop check only | async ckpt+upload | "
              "ratio ckpt | ratio stop check |", "|---|---|---|---|---|---|---|---|---|"]

@@ -319,3 +319,20 @@ def test_admin_termination_resumes_from_the_last_commit(cloud, reference, tmp_pa
         assert rec["node_seconds_lost"] > 0 and rec["status"] == "complete"
     finally:
         lifecycle.down("ckgone", log=lambda m: None)
+
+
+@pytest.mark.slow
+def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference, tmp_path):
+    spec_path = digits_spec(tmp_path, "ckext", url="swift://ckpts/", every=40,
+                            extra="lease: {duration: 1h, stop_margin: 60s, extend: true}\n")
+    cl = lifecycle.up(spec_path, log=lambda m: None)
+    try:
+        out = Lines()
+        out.on(f"epoch 1/{EPOCHS}", lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45}))
+        res = train(load_spec(spec_path), cl, out=out)
+        assert res.exit_code == 0, res.failure  # not stopped: the lease was extended and the run finished
+        assert res.stopped is None and out.has("[watchdog] extended lease")
+        assert lease_left(cl) > 3000  # one more hour
+        assert sha(res) == reference
+    finally:
+        lifecycle.down("ckext", log=lambda m: None)

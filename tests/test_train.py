@@ -146,3 +146,16 @@ def test_single_host_mode_trains(tmp_path):
         assert len({r["weights_sha256"] for r in res.results.values()}) == 1
     finally:
         testbed.down("sh", log=lambda m: None)
+
+
+def test_code_copy_skips_virtualenvs_and_caches(tmp_path):
+    import io
+    import tarfile
+
+    from appliance.remote import _tar_dir
+    for rel in ("train.py", "pkg/mod.py", ".venv/lib/big.so", ".venv-tools/bin/x", "__pycache__/m.pyc", ".git/HEAD"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    names = tarfile.open(fileobj=io.BytesIO(_tar_dir(tmp_path, ("__pycache__", ".git")))).getnames()
+    assert sorted(n for n in names if n.endswith(".py")) == ["./pkg/mod.py", "./train.py"]
+    assert not [n for n in names if ".venv" in n or "__pycache__" in n or ".git" in n]

@@ -298,11 +298,10 @@ class Checkpointer:
         self._save_s = time.monotonic() - t0
         if self.url:
             with self._cv:
-                self._pending = final
+                self._pending = final  # replaces an older one still waiting: the newest state goes first
                 self._cv.notify_all()
             self._ensure_uploader()
-        else:
-            self._prune_local(keep_names={name})
+        self._prune_local()
         return final
 
     def _ensure_uploader(self) -> None:
@@ -361,13 +360,20 @@ class Checkpointer:
             self._store.prune(self.keep, log=self._log)
         except Exception as e:
             self._log(f"pruning old checkpoints failed ({type(e).__name__}); will retry after the next commit")
-        self._prune_local(keep_names={local.name})
+        self._prune_local()
 
-    def _prune_local(self, keep_names: set[str]) -> None:
-        """Keep the newest committed local checkpoint and anything newer (not yet uploaded)."""
-        newest = max(keep_names)
-        for p in self.local_dir.glob("ckpt-*"):
-            if p.name < newest and p != self._pending:
+    def _prune_local(self) -> None:
+        """Local checkpoints: keep the one uploading, the one waiting, and the newest committed; without a
+        store, only the newest. Superseded uncommitted ones go, so a long store outage cannot fill the disk."""
+        with self._cv:
+            keep = {p.name for p in (self._pending, self._uploading) if p is not None}
+            if self._last_commit:
+                keep.add(self._last_commit["name"])
+        local = sorted(self.local_dir.glob("ckpt-*"))
+        if not self.url and local:
+            keep = {local[-1].name}
+        for p in local:
+            if p.name not in keep:
                 shutil.rmtree(p, ignore_errors=True)
 
     def _wait_uploads(self, until: float | None) -> bool:

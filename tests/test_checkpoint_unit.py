@@ -1,0 +1,69 @@
+"""Checkpoint pieces that need no cluster: vendordata, retries, manifests, run records, the margin."""
+
+import json
+import time
+
+import pytest
+
+from appliance.checkpoint import runs
+from appliance.checkpoint.keras import vendordata_lease_end
+from appliance.checkpoint.store import StoreUnavailable, manifest_digest, retrying
+
+
+def test_vendordata_lease_end(tmp_path):
+    p = tmp_path / "vendordata2.json"
+    p.write_text(json.dumps({"chameleon": {"lease_id": "x", "lease_end": "2026-11-22T10:00:00.000000"}}))
+    assert vendordata_lease_end([str(p)]) == 1795341600.0
+    p.write_text(json.dumps({"chameleon": {"lease_end": "2026-11-22 10:00:00"}}))
+    assert vendordata_lease_end([str(p)]) == 1795341600.0
+    p.write_text("not json")
+    assert vendordata_lease_end([str(p), str(tmp_path / "missing")]) is None
+
+
+def test_retrying_retries_then_gives_up_at_the_deadline():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("503")
+        return "ok"
+
+    assert retrying(flaky, what="put") == "ok" and len(calls) == 3
+    t0 = time.time()
+    with pytest.raises(StoreUnavailable, match=r"put: the object store failed \d+ time\(s\), last: ConnectionError"):
+        retrying(lambda: (_ for _ in ()).throw(ConnectionError("down")), what="put", until=time.time() + 1.0)
+    assert time.time() - t0 < 5
+    with pytest.raises(FileNotFoundError):  # not an outage: no retry
+        retrying(lambda: (_ for _ in ()).throw(FileNotFoundError("x")), what="get", attempts=5)
+
+
+def test_manifest_digest_covers_every_field():
+    m = {"step": 10, "files": {"a": {"size": 1, "md5": "x"}}}
+    d = manifest_digest(m)
+    assert manifest_digest({**m, "digest": d}) == d  # the digest field itself is left out
+    assert manifest_digest({**m, "step": 11}) != d
+
+
+def test_run_record_counts_lost_node_time(appliance_home):
+    class Spec:
+        name, path, digest = "rec", "", ""
+
+        class checkpoint:
+            url = "swift://c/"
+
+    class Cl:
+        name, lease_id, lease_end, world_size = "rec", None, None, 2
+        nodes = [1, 2]
+
+    class Res:
+        job_id, wall_s, exit_code, failure, stopped = "j1", 100.0, 1, "node died", None
+        started_at = time.time() - 100
+        commits = [{"name": "ckpt-000000020", "step": 20, "at": time.time() - 40}]
+
+    runs.job_started(Spec, Cl, "j1")
+    rec = runs.job_ended(Spec, Cl, Res)
+    assert rec["status"] == "failed" and rec["step"] == 20
+    assert 70 < rec["node_seconds_lost"] < 100  # ~40 s after the last commit x 2 nodes
+    row = [r for r in runs.list_runs() if r["run"] == "rec"][0]
+    assert row["last_checkpoint"] == "ckpt-000000020" and row["node_hours_used"] == round(200 / 3600, 3)
