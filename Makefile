@@ -17,7 +17,7 @@ HOROVOD_BUILD_ENV := HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD
 DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached
 PYTEST_ARGS ?=
 
-.PHONY: help install system-deps deploy test test-fast clean lock bench bench-stage bench-ckpt
+.PHONY: help install system-deps deploy test test-fast clean lock bench bench-stage bench-ckpt heat-template
 
 help:
 	@echo "make deploy   install, local cloud, digits to its Swift, up 2 nodes, stage, train until the lease ends, resume, down"
@@ -89,6 +89,10 @@ bench-ckpt: install bench/.venv-tools/.installed
 	$(PY) bench/ckpt_bench.py --tools-venv bench/.venv-tools
 
 bench: bench-stage bench-ckpt
+
+# The Heat template is generated from appliance/provision/{heat_boot,contextualize}.sh (one source of truth)
+heat-template: install
+	$(PY) -m appliance.provision.heat
 
 lock:
 	@echo "regenerating requirements.lock from .venv (check the diff)"

@@ -313,6 +313,33 @@ def up_cmd(spec, lease_id, as_json):
         _json_out(dataclasses.asdict(cl))
 
 
+@main.command("adopt")
+@click.argument("stack")
+@click.option("--cloud", "cloud_kind", type=click.Choice(["chameleon", "local"]), default="chameleon",
+              show_default=True, help="Where the stack is (local: the local cloud).")
+@click.option("--site", default=None, help="CHI@UC or CHI@TACC (default: OS_REGION_NAME / clouds.yaml).")
+@click.option("--key-name", default=None, help="The key pair the stack was launched with.")
+@click.option("--key-file", default=None, help="Its private key here (default ~/.ssh/id_ed25519, then id_rsa).")
+@click.option("--slots", type=int, default=1, show_default=True, help="Horovod ranks per node (GPUs per node).")
+@click.option("--json", "as_json", is_flag=True)
+def adopt_cmd(stack, cloud_kind, site, key_name, key_file, slots, as_json):
+    """Take over a cluster launched from heat-templates/horovod-cluster.yaml (e.g. in Horizon).
+
+    \b
+    Reads the stack's outputs (head, workers, floating IP, reservation), finds the lease, pins every
+    node's host key from its console log, writes the cluster's state file and contextualizes it, so
+    that `appliance train SPEC --cluster STACK`, `stage`, `status` and `resume` work on it.
+    """
+    from .provision.heat import adopt
+
+    cl = adopt(stack, cloud=cloud_kind, site=site, key_name=key_name, key_file=key_file, slots=slots,
+               log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
+    if as_json:
+        import dataclasses
+
+        _json_out(dataclasses.asdict(cl))
+
+
 @main.command("status")
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True)

@@ -117,11 +117,11 @@ def lease_trial(d: Path, cluster, hidden: int, every: int, store: CheckpointStor
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--trials", type=int, default=20)
-    ap.add_argument("--every", type=int, default=25)
+    ap.add_argument("--every", type=int, default=250)
     ap.add_argument("--hidden", type=int, nargs="+", default=[512, 1536])
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tools-venv", default=str(ROOT / "bench" / ".venv-tools"))
     args = ap.parse_args()

@@ -87,6 +87,18 @@ def write_spec(dirpath: Path, command: str, *, code: Path, name: str = "t", node
     return p
 
 
+@pytest.fixture(scope="module")
+def cloud():
+    """The local cloud (Keystone, Blazar, Nova, Neutron, Glance, Heat + a real Swift), per test module."""
+    from appliance import localcloud
+
+    localcloud.start(log=lambda m: None)
+    try:
+        yield localcloud
+    finally:
+        localcloud.stop(log=lambda m: None)
+
+
 @pytest.fixture
 def jobs_dir(tmp_path):
     """Small Horovod programs used by the launch tests."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import localcloud, testbed
+from appliance import localcloud
 from appliance.checkpoint import runs
 from appliance.checkpoint.resume import choose_checkpoint, resume
 from appliance.checkpoint.store import CheckpointStore
@@ -38,8 +38,9 @@ def digits_spec(tmp_path: Path, name: str, *, url: str | None, every: int = 20, 
                 extra: str = "", fname: str | None = None) -> str:
     lines = [f"name: {name}", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
              "image: appliance-cpu", "train:", f"  code: {DIGITS}", f"  command: python train.py --epochs {EPOCHS}"]
-    if env:
-        lines.append("  env: " + json.dumps(env))
+    # a stop-check interval of ~5 digits steps (default 1 s, ~100 steps) so that these short runs can stop
+    env = {"APPLIANCE_STOP_CHECK_SECONDS": "0.05", **(env or {})}
+    lines.append("  env: " + json.dumps(env))
     if url:
         lines.append(f"checkpoint: {{url: {json.dumps(url)}, every_steps: {every}, keep: 2}}")
     p = tmp_path / (fname or f"{name}.yaml")
@@ -247,15 +248,6 @@ def test_resume_on_another_world_size_reports_the_rescaling(cluster2, swift, st_
 
 # ---------------------------------------------------------------------------------------------------------
 # the lease: the watchdog stops the job before the end; admin termination; both resume on a new lease
-
-
-@pytest.fixture(scope="module")
-def cloud():
-    localcloud.start(log=lambda m: None)
-    try:
-        yield localcloud
-    finally:
-        localcloud.stop(log=lambda m: None)
 
 
 def lease_left(cluster) -> float:

@@ -27,15 +27,6 @@ from conftest import ROOT, needs_netns
 pytestmark = [pytest.mark.slow, needs_netns]
 
 
-@pytest.fixture(scope="module")
-def cloud():
-    localcloud.start(log=lambda m: None)
-    try:
-        yield localcloud
-    finally:
-        localcloud.stop(log=lambda m: None)
-
-
 def spec_file(tmp_path, name, *, count=1, duration="2h", epochs=3, node_type="compute_local"):
     p = tmp_path / f"{name}.yaml"
     p.write_text(textwrap.dedent(f"""\

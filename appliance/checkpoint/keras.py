@@ -17,9 +17,9 @@ Use in a training script (see examples/digits/train.py)::
 What it does:
 - restores the newest committed checkpoint that `appliance resume` staged (``APPLIANCE_RESTORE``): model
   weights, optimizer slots and step, RNG states, data position (epoch, batch), metrics so far;
-- after every step, one tiny allreduce decides together whether to stop (a STOP request from the lease
-  watchdog, SIGTERM on any rank, or the lease end read from Chameleon's vendordata on the head node), so
-  every rank stops after the same step;
+- about once a second (every K steps, K calibrated at start) one tiny allreduce decides together whether to
+  stop (a STOP request from the lease watchdog, SIGTERM on any rank, or the lease end read from
+  Chameleon's vendordata on the head node), so every rank stops after the same step;
 - rank 0 saves every N steps / M minutes: a local write with an atomic rename, then a background upload
   committed by a manifest written last (appliance/checkpoint/store.py); training goes on meanwhile;
 - on a stop, rank 0 saves, uploads and verifies before the deadline, every rank waits for it, rank 0
@@ -48,6 +48,7 @@ STOPPED_PREFIX = "APPLIANCE_STOPPED "
 CKPT_PREFIX = "APPLIANCE_CKPT "
 RESUMED_PREFIX = "APPLIANCE_RESUMED "
 VENDORDATA = ("/var/cache/vendordata2.json",)
+CALIBRATION = 20  # steps timed after each start to pick the stop-check interval
 
 
 def _emit(prefix: str, body: dict) -> None:
@@ -157,6 +158,10 @@ class Checkpointer:
         self._fault = env.get("APPLIANCE_FAULT", "")
         self._deadline: float | None = None
         self._vd_next = 0.0
+        self.check_seconds = float(env.get("APPLIANCE_STOP_CHECK_SECONDS") or 1.0)
+        self.check_every = 1  # steps between collective stop checks, agreed after calibration
+        self._checked_at = -1
+        self._calib_from, self._calib_at, self._next_check, self._t_calib = 0, CALIBRATION, 0, time.monotonic()
         signal.signal(signal.SIGTERM, self._on_signal)
         self.callback = _make_callback(self)
 
@@ -188,8 +193,33 @@ class Checkpointer:
         return False
 
     def _collective_stop(self) -> bool:
+        """One allreduce (max of 0/1 flags) at agreed steps. The first CALIBRATION steps after a start check
+        every step while rank 0 times them; at the last of them the ranks agree (the same allreduce carries
+        rank 0's answer) on K, the number of steps per ``check_seconds``; from then on every K-th step checks.
+        Every rank reaches the same decision at the same step, and the check costs one tiny allreduce a second."""
         import tensorflow as tf
 
+        s = self.step
+        self._checked_at = s
+        if s == self._calib_from + 3 and self.rank == 0:
+            self._t_calib = time.monotonic()
+        if s < self._calib_at:
+            pass
+        elif s == self._calib_at:
+            k = 0
+            if self.rank == 0:
+                per_step = (time.monotonic() - self._t_calib) / max(1, s - self._calib_from - 3)
+                k = max(1, min(1000, int(self.check_seconds / max(per_step, 1e-6))))
+            v = self._hvd.allreduce(tf.constant([1 if self._local_stop() else 0, k], dtype=tf.int32),
+                                    op=self._hvd.Max, name="appliance.stop.calibrate")
+            self.check_every = int(v[1])
+            self._next_check = s + self.check_every
+            return int(v[0]) > 0
+        elif s < self._next_check:
+            self._checked_at = -1
+            return False
+        else:
+            self._next_check = s + self.check_every
         flag = tf.constant([1 if self._local_stop() else 0], dtype=tf.int32)
         return int(self._hvd.allreduce(flag, op=self._hvd.Max, name="appliance.stop")[0]) > 0
 
@@ -203,6 +233,7 @@ class Checkpointer:
         self.total_epochs = total_epochs
         self._tf_ckpt = tf.train.Checkpoint(model=model, optimizer=self.optimizer)
         epoch, first = self._restore()
+        self._calib_from, self._calib_at = self.step, self.step + CALIBRATION
         while epoch < total_epochs:
             self.epoch, self.first = epoch, first
             yield epoch, first
@@ -244,9 +275,9 @@ class Checkpointer:
     def after_step(self, batch: int, logs: dict | None) -> None:
         self.step += 1
         self.offset = self.first + batch + 1
-        if self.rank == 0:
-            self._log_metrics(logs or {}, every=10)
         stop = self._collective_stop()
+        if self.rank == 0 and (self._checked_at == self.step or stop):  # about once per check interval
+            self._log_metrics(logs or {}, every=1)
         if self.rank == 0:
             due = (self.every_steps and self.step % self.every_steps == 0) or \
                   (self.every_s and time.monotonic() - self._last_save >= self.every_s)
@@ -290,10 +321,10 @@ class Checkpointer:
         if self.metrics_dir.exists():
             shutil.copytree(self.metrics_dir, tmp / "metrics")
         (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True))
-        _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)  # atomic: a checkpoint directory is whole or absent
-        _fsync_dir(self.local_dir)
+        # atomic: a checkpoint directory is whole or absent, also after kill -9. Not fsynced: a node that loses
+        # power is gone with its disk at the lease end anyway; durability is the store's job (the commit)
+        os.rename(tmp, final)
         self._last_save = time.monotonic()
         self._save_s = time.monotonic() - t0
         if self.url:
@@ -469,25 +500,6 @@ class Checkpointer:
         if self._csv is not None:
             self._csv[0].close()
             self._csv = None
-
-
-def _fsync_tree(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(root)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _make_callback(owner: Checkpointer):

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.store import ObjectInfo, Store, StoreCreds, _md5_file, open_store
+from ..data.store import ObjectInfo, StoreCreds, _md5_file, open_store
 from ..errors import ApplianceError
 
 MANIFEST = "MANIFEST.json"

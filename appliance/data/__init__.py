@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 import threading
 import time
 from collections.abc import Callable

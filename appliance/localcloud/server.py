@@ -178,6 +178,9 @@ class Cloud:
         self.requests: list[dict] = []
         self.tb = testbed.ensure_bridge(testbed_name)
         self.fip_next = 200
+        from .heat import Heat
+
+        self.heat = Heat(self, _uuid)
 
     # -- engine -----------------------------------------------------------------------------------
 
@@ -633,7 +636,8 @@ class Handler(BaseHTTPRequestHandler):
         base = f"http://{self.headers.get('Host')}"
         service = path.split("/")[1] if path != "/" else ""
         route = {"identity": self._keystone, "reservation": self._blazar, "compute": self._nova,
-                 "network": self._neutron, "image": self._glance, "_admin": self._admin}.get(service)
+                 "network": self._neutron, "image": self._glance, "orchestration": self._heat,
+                 "_admin": self._admin}.get(service)
         if route is None:
             raise ApiError(404, f"no such service: {path}", "NotFound")
         return route(path[len(service) + 1:] or "/", query, body, base)
@@ -674,7 +678,8 @@ class Handler(BaseHTTPRequestHandler):
                svc("reservation", "blazar", f"{base}/reservation/v1"),
                svc("compute", "nova", f"{base}/compute/v2.1"),
                svc("network", "neutron", f"{base}/network"),
-               svc("image", "glance", f"{base}/image")]
+               svc("image", "glance", f"{base}/image"),
+               svc("orchestration", "heat", f"{base}/orchestration/v1/{self.cloud.project_id}")]
         extra = self.cloud.dir / "catalog-extra.json"
         if extra.exists():
             for e in json.loads(extra.read_text()):
@@ -887,6 +892,41 @@ class Handler(BaseHTTPRequestHandler):
                     c._release_fip(fid)
                 return 204, None
             return 200, {"floatingip": _public(c.fips[fid])}
+        raise ApiError(404, f"not found: {path}", "NotFound")
+
+    # -- Heat -------------------------------------------------------------------------------------
+
+    def _heat(self, path, query, body, base):
+        from .heat import HeatError
+
+        self._auth()
+        c = self.cloud
+        m = re.fullmatch(r"/v1/([0-9a-f]+)(/.*)?", path)
+        if not m:
+            return 300, {"versions": [{"id": "v1.0", "status": "CURRENT",
+                                       "links": [{"href": f"{base}/orchestration/v1/", "rel": "self"}]}]}
+        p, hbase = m.group(2) or "/", f"{base}/orchestration/v1/{m.group(1)}"
+        try:
+            if p == "/stacks" and self.command == "POST":
+                st = c.heat.create(body or {}, hbase)
+                return 201, {"stack": {"id": st.id, "links": [{"href": f"{hbase}/stacks/{st.name}/{st.id}",
+                                                                "rel": "self"}]}}
+            if p == "/stacks" and self.command == "GET":
+                return 200, {"stacks": [{k: v for k, v in s.view(hbase).items() if k not in ("outputs", "parameters")}
+                                        for s in c.heat.stacks.values() if s.status != "DELETE_COMPLETE"]}
+            m2 = re.fullmatch(r"/stacks/([^/]+)(?:/([^/]+))?(/outputs)?", p)
+            if m2:
+                st = c.heat.find(m2.group(2) or m2.group(1))
+                if self.command == "DELETE":
+                    c.heat.delete(st)
+                    return 204, None
+                if m2.group(3):
+                    return 200, {"outputs": [{"output_key": o["output_key"], "description": o["description"]}
+                                             for o in st.outputs]}
+                return 200, {"stack": st.view(hbase)}
+        except HeatError as e:
+            return e.code, {"code": e.code, "title": e.title, "explanation": e.message,
+                            "error": {"message": e.message, "type": "StackValidationFailed", "traceback": None}}
         raise ApiError(404, f"not found: {path}", "NotFound")
 
     # -- Glance -----------------------------------------------------------------------------------

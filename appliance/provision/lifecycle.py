@@ -283,6 +283,16 @@ def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None
         cluster.save()
         log(f"floating IP {cluster.floating_ip} on {head.name}")
     head.address = cluster.floating_ip
+    finish(prof, cluster, log)
+    log(f"cluster {cluster.name} ready: {len(cluster.nodes)} node(s), head {head.name} at {head.address}")
+    return cluster
+
+
+def finish(prof: Profile, cluster: Cluster, log=print) -> None:
+    """Pin every node's host key from its console log, wait for SSH, pick the local disk, contextualize.
+    Shared by `up` and `adopt` (a Heat stack made in Horizon)."""
+    c = prof.cloud
+    head = cluster.head
     # 4. host keys from the console (cloud-init prints them), pinned
     lines = []
     for node in cluster.nodes:
@@ -312,8 +322,6 @@ def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None
             node.workdir = plans[node.name].workdir
     contextualize(cluster, log=log)
     cluster.save()
-    log(f"cluster {cluster.name} ready: {len(cluster.nodes)} node(s), head {head.name} at {head.address}")
-    return cluster
 
 
 # ---------------------------------------------------------------------------------------------

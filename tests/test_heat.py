@@ -1,0 +1,178 @@
+"""The Heat template: static checks against Heat's resource schemas, then a real stack on the local cloud
+(python-heatclient -> the local cloud's Heat API -> testbed nodes running the template's user_data), adopted
+by the CLI and trained on."""
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from appliance import localcloud
+from appliance.provision import heat, lifecycle
+from appliance.spec import load_spec
+from appliance.train.launch import train
+from conftest import NETNS_OK, ROOT
+
+# Property and attribute names from Heat's resource plugins (openstack/heat, heat/engine/resources/openstack:
+# nova/server.py, nova/keypair.py, heat/resource_group.py, neutron/floatingip.py), the subset a template may use.
+SCHEMAS = {
+    "OS::Nova::Server": ({"name", "image", "flavor", "key_name", "networks", "scheduler_hints", "user_data",
+                          "user_data_format", "metadata", "security_groups", "availability_zone", "config_drive",
+                          "block_device_mapping_v2", "software_config_transport", "admin_pass", "tags"},
+                         {"first_address", "name", "addresses", "networks", "accessIPv4", "instance_name",
+                          "console_urls", "show"}),
+    "OS::Nova::KeyPair": ({"name", "save_private_key", "public_key", "type", "user"},
+                          {"private_key", "public_key", "show"}),
+    "OS::Heat::ResourceGroup": ({"count", "resource_def", "index_var", "removal_policies",
+                                 "removal_policies_mode"}, {"refs", "refs_map", "attributes", "removed_rsrc_list"}),
+    "OS::Neutron::FloatingIP": ({"floating_network", "floating_subnet", "port_id", "fixed_ip_address",
+                                 "floating_ip_address", "value_specs", "dns_name", "dns_domain"},
+                                {"floating_ip_address", "fixed_ip_address", "port_id", "router_id", "show"}),
+    "OS::Neutron::FloatingIPAssociation": ({"floatingip_id", "port_id", "fixed_ip_address"}, {"show"}),
+}
+PSEUDO = {"OS::stack_name", "OS::stack_id", "OS::project_id"}
+
+
+def tpl() -> dict:
+    return yaml.safe_load(heat.TEMPLATE.read_text())
+
+
+def walk(value, fn):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            fn(k, v)
+            walk(v, fn)
+    elif isinstance(value, list):
+        for v in value:
+            walk(v, fn)
+
+
+def test_committed_template_is_generated_from_the_shared_scripts():
+    heat.check_committed()  # heat_boot.sh + contextualize.sh, the script `appliance up` runs
+    ud = tpl()["resources"]["head"]["properties"]["user_data"]["str_replace"]["template"]
+    assert (ROOT / "appliance" / "provision" / "contextualize.sh").read_text().strip() in ud
+
+
+def test_template_uses_only_chameleon_types_and_real_property_names():
+    t = tpl()
+    assert t["heat_template_version"] == "2018-08-31"  # what Chameleon's own templates use (needs >= 2016-10-14 for yaql)
+    resources = t["resources"]
+    defs = dict(resources)
+    defs["workers.resource_def"] = resources["workers"]["properties"]["resource_def"]
+    for name, r in defs.items():
+        assert r["type"] in SCHEMAS, (name, r["type"])
+        assert set(r.get("properties", {})) <= SCHEMAS[r["type"]][0], (name, set(r["properties"]) - SCHEMAS[r["type"]][0])
+
+
+def test_every_reference_resolves():
+    t = tpl()
+    params, resources = set(t["parameters"]), t["resources"]
+    member = resources["workers"]["properties"]["resource_def"]["type"]
+    problems = []
+
+    def check(k, v):
+        if k == "get_param":
+            name = v[0] if isinstance(v, list) else v
+            if name not in params | PSEUDO:
+                problems.append(f"get_param {name}")
+        elif k == "get_resource" and v not in resources:
+            problems.append(f"get_resource {v}")
+        elif k == "get_attr":
+            res, attr = v[0], v[1]
+            if res not in resources:
+                problems.append(f"get_attr {res}")
+                return
+            rtype = resources[res]["type"]
+            allowed = SCHEMAS[rtype][1] | (SCHEMAS[member][1] if rtype == "OS::Heat::ResourceGroup" else set())
+            if attr not in allowed:
+                problems.append(f"get_attr {res}.{attr}")
+
+    walk(t["resources"], check)
+    walk(t["outputs"], check)
+    assert not problems
+    for name, p in t["parameters"].items():
+        assert p.get("label") and p.get("description"), name
+    assert {"custom_constraint": "blazar.reservation"} in t["parameters"]["reservation_id"]["constraints"]
+    assert {"head_ip", "worker_ips", "ssh_command"} <= set(t["outputs"])
+
+
+def test_boot_script_is_valid_sh_with_heats_values_in():
+    script = heat.boot_script()
+    for k, v in {"%%ROLE%%": "head", "%%STACK%%": "s", "%%WORKER_IPS%%": "10.0.0.2 10.0.0.3",
+                 "%%WORKER_NAMES%%": "s-worker-0 s-worker-1", "%%CLUSTER_PUB%%": "ssh-ed25519 AAAA c",
+                 "%%CLUSTER_KEY%%": "-----BEGIN OPENSSH PRIVATE KEY-----\nx\n-----END OPENSSH PRIVATE KEY-----"}.items():
+        script = script.replace(k, v)
+    assert "%%" not in script
+    r = subprocess.run(["sh", "-n"], input=script, text=True, capture_output=True)
+    assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a real stack on the local cloud
+
+
+def wait_stack(hc, sid, timeout=300):
+    deadline = time.monotonic() + timeout
+    while True:
+        st = hc.stacks.get(sid)
+        if st.stack_status != "CREATE_IN_PROGRESS" or time.monotonic() > deadline:
+            return st
+        time.sleep(1)  # polling the API for a status, as `openstack stack create --wait` does
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not NETNS_OK, reason="needs network namespaces")
+def test_stack_from_the_template_adopt_and_train(cloud, tmp_path):
+    import datetime as dt
+
+    prof = lifecycle.open_cloud("local", log=lambda m: None)
+    c = prof.cloud
+    lease = c.create_lease("heat-lease", "compute_local", 2, dt.timedelta(hours=2))
+    c.wait_lease(lease.id, log=lambda m: None)
+    hc = heat.heat_client(prof)
+    try:
+        # a bad parameter is refused the way Heat refuses it
+        with pytest.raises(Exception, match="node_count"):
+            hc.stacks.create(stack_name="hbad", template=tpl(), parameters={
+                "reservation_id": lease.reservation_id, "node_count": 0, "key_name": prof.key_name,
+                "image": "appliance-cpu"})
+        created = hc.stacks.create(stack_name="hs", template=tpl(), parameters={
+            "reservation_id": lease.reservation_id, "node_count": 2, "key_name": prof.key_name,
+            "image": "appliance-cpu"})
+        st = wait_stack(hc, created["stack"]["id"])
+        assert st.stack_status == "CREATE_COMPLETE", st.stack_status_reason
+        out = {o["output_key"]: o["output_value"] for o in st.outputs}
+        assert out["worker_names"] == ["hs-worker-0"] and len(out["worker_ips"]) == 1
+        assert out["ssh_command"] == f"ssh cc@{out['head_ip']}"
+        # the boot scripts ran: the head contextualized both nodes itself, before any CLI touched them
+        from appliance import testbed
+        tb = testbed.load(localcloud.testbed_name())
+        disks = {n.name: Path(n.disk) for n in tb.nodes}
+        for name in ("hs-head", "hs-worker-0"):
+            cj = disks[name] / "appliance" / "etc" / "cluster.json"
+            assert cj.exists(), name
+            assert [n["name"] for n in yaml.safe_load(cj.read_text())["nodes"]] == ["hs-head", "hs-worker-0"]
+            assert (disks[name] / "appliance" / "etc" / "hostfile").read_text().split() == \
+                ["hs-head", "slots=1", "hs-worker-0", "slots=1"]
+        console = c.conn.compute.get_server_console_output(
+            next(s.id for s in c.conn.compute.servers() if s.name == "hs-head"))["output"]
+        assert "user_data exited 0" in console
+
+        # adopt, then train the digits example on it
+        said = []
+        cl = heat.adopt("hs", cloud="local", log=said.append)
+        assert [n.name for n in cl.nodes] == ["hs-head", "hs-worker-0"] and cl.lease_id == lease.id
+        spec = load_spec(ROOT / "examples" / "digits.yaml")
+        import dataclasses
+        spec = dataclasses.replace(spec, name="heatdigits", dataset=None, checkpoint=dataclasses.replace(
+            spec.checkpoint, url=None), train=dataclasses.replace(spec.train, command="python train.py --epochs 2"))
+        res = train(spec, cl, out=lambda line: None)
+        assert res.exit_code == 0, res.failure
+        assert sorted(res.hostnames) == ["hs-head", "hs-worker-0"]
+    finally:
+        for s in hc.stacks.list():
+            hc.stacks.delete(s.id)
+        c.delete_lease(lease.id)
+    assert not [s for s in c.conn.compute.servers() if s.name.startswith("hs-")]
