@@ -113,3 +113,56 @@ def from_testbed(tb, name: str | None = None) -> Cluster:
                    key_file=None if tb.mode == "single-host" else tb.key_file,
                    known_hosts=None if tb.mode == "single-host" else tb.known_hosts,
                    python=sys.executable, testbed=tb.name)
+
+
+def node_config_path() -> Path | None:
+    """cluster.json written at boot by the Heat template (or by contextualize), if this machine has one."""
+    etc = os.environ.get("APPLIANCE_ETC") or "/etc/appliance"
+    p = Path(etc) / "cluster.json"
+    return p if p.exists() else None
+
+
+def from_node_config(path: Path | None = None) -> Cluster:
+    """The cluster this machine is the head of, from its contextualized files: `appliance` run on the head node
+    of a stack launched from heat-templates/horovod-cluster.yaml. Reuses the boot-time cluster key
+    (~/.ssh/id_appliance) and the host keys pinned in ~/.ssh/known_hosts."""
+    import getpass
+    import shutil
+    import socket
+
+    path = path or node_config_path()
+    if path is None:
+        raise ApplianceError("this machine has no /etc/appliance/cluster.json", "run on a contextualized head node")
+    cfg = json.loads(Path(path).read_text())
+    me = socket.gethostname()
+    if cfg.get("head") != me:
+        raise ApplianceError(f"this is {me}, not the head node {cfg.get('head')} of cluster {cfg.get('name')}",
+                             f"run appliance on {cfg.get('head')}, or `appliance adopt` from your own machine")
+    name = cfg["name"]
+    ssh = Path.home() / ".ssh"
+    d = paths.clusters_dir()
+    key = d / f"{name}.id_ed25519"
+    if (ssh / "id_appliance").exists():
+        shutil.copyfile(ssh / "id_appliance", key)
+        os.chmod(key, 0o600)
+        shutil.copyfile(ssh / "id_appliance.pub", d / f"{name}.id_ed25519.pub")
+    known = d / f"{name}.known_hosts"
+    lines, inside = [], False
+    for line in (ssh / "known_hosts").read_text().splitlines() if (ssh / "known_hosts").exists() else []:
+        if line.startswith("# BEGIN appliance"):
+            inside = True
+        elif line.startswith("# END appliance"):
+            inside = False
+        elif inside and line.strip():
+            lines.append(line)
+    known.write_text("\n".join(lines) + "\n")
+    etc = Path(path).parent
+    workdir = os.environ.get("APPLIANCE_WORKDIR") or (
+        str(etc.parent.parent) if etc.parts[-2:] == ("appliance", "etc") else str(Path.home()))
+    user = getpass.getuser()
+    nodes = [Node(name=n["name"], private_ip=n["ip"], address=None if n["name"] == me else n["ip"], workdir=workdir,
+                  slots=int(n.get("slots", 1)), user=user) for n in cfg["nodes"]]
+    nodes.sort(key=lambda n: n.name != me)  # the head first
+    return Cluster(name=name, cloud="node", nodes=nodes, key_file=str(key), known_hosts=str(known),
+                   python=sys.executable, etc_dir=str(etc), lease_id=cfg.get("lease_id"),
+                   lease_end=cfg.get("lease_end"))

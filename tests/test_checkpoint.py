@@ -32,12 +32,13 @@ pytestmark = pytest.mark.skipif(not NETNS_OK, reason="needs network namespaces")
 
 DIGITS = ROOT / "examples" / "digits"
 EPOCHS = 4  # 22 steps per epoch on 2 ranks: 88 steps
+LONG = 30  # the lease tests: 660 steps, so a stop asked for at an arbitrary epoch lands well before the end
 
 
 def digits_spec(tmp_path: Path, name: str, *, url: str | None, every: int = 20, env: dict | None = None,
-                extra: str = "", fname: str | None = None) -> str:
+                extra: str = "", fname: str | None = None, epochs: int = EPOCHS) -> str:
     lines = [f"name: {name}", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
-             "image: appliance-cpu", "train:", f"  code: {DIGITS}", f"  command: python train.py --epochs {EPOCHS}"]
+             "image: appliance-cpu", "train:", f"  code: {DIGITS}", f"  command: python train.py --epochs {epochs}"]
     # a stop-check interval of ~5 digits steps (default 1 s, ~100 steps) so that these short runs can stop
     env = {"APPLIANCE_STOP_CHECK_SECONDS": "0.05", **(env or {})}
     lines.append("  env: " + json.dumps(env))
@@ -102,6 +103,14 @@ def reference(cluster2, tmp_path_factory):
                 out=lambda line: None)
     assert res.exit_code == 0, res.failure
     assert res.results[0]["steps"] == EPOCHS * 22
+    return sha(res)
+
+
+@pytest.fixture(scope="module")
+def reference_long(cluster2, tmp_path_factory):
+    res = train(load_spec(digits_spec(tmp_path_factory.mktemp("ref30"), "ckref30", url=None, epochs=LONG)), cluster2,
+                out=lambda line: None)
+    assert res.exit_code == 0, res.failure
     return sha(res)
 
 
@@ -257,18 +266,18 @@ def lease_left(cluster) -> float:
 
 
 @pytest.mark.slow
-def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud, reference, tmp_path):
-    spec_path = digits_spec(tmp_path, "cklease", url="swift://ckpts/", every=30,
+def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud, reference_long, tmp_path):
+    spec_path = digits_spec(tmp_path, "cklease", url="swift://ckpts/", every=100, epochs=LONG,
                             extra="lease: {duration: 1h, stop_margin: 60s}\n")
     cl = lifecycle.up(spec_path, log=lambda m: None)
     try:
         out = Lines()
-        at_epoch = random.choice([1, 2, 3])  # an arbitrary moment
+        at_epoch = random.randint(1, 12)  # an arbitrary moment, with >= 18 epochs left for the watchdog to act
 
         def near_end(line):  # the cloud's clock jumps to 45 s before the lease end
             localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45})
 
-        out.on(f"epoch {at_epoch}/{EPOCHS}", near_end)
+        out.on(f"epoch {at_epoch}/{LONG} ", near_end)
         res = train(load_spec(spec_path), cl, out=out)
         assert res.exit_code == 75, res.failure
         st = res.stopped
@@ -283,7 +292,7 @@ def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud,
         assert res2.exit_code == 0, res2.failure
         assert any("new lease" in m for m in said)
         assert res2.resumed["step"] == st["step"]  # 0 steps lost beyond the stop step
-        assert sha(res2) == reference
+        assert sha(res2) == reference_long
         assert runs.load("cklease")["status"] == "complete"
         assert runs.load("cklease")["node_seconds_lost"] == 0
     finally:
@@ -291,22 +300,23 @@ def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud,
 
 
 @pytest.mark.slow
-def test_admin_termination_resumes_from_the_last_commit(cloud, reference, tmp_path):
-    spec_path = digits_spec(tmp_path, "ckgone", url="swift://ckpts/", every=20, extra="lease: {duration: 1h}\n")
+def test_admin_termination_resumes_from_the_last_commit(cloud, reference_long, tmp_path):
+    spec_path = digits_spec(tmp_path, "ckgone", url="swift://ckpts/", every=50, epochs=LONG,
+                            extra="lease: {duration: 1h}\n")
     cl = lifecycle.up(spec_path, log=lambda m: None)
     try:
         out = Lines()
-        out.on("[checkpoint] step 40 committed",
+        out.on("[checkpoint] step 100 committed",
                lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) + 60}))
         res = train(load_spec(spec_path), cl, out=out, heartbeat=2.0)
         assert res.exit_code != 0 and res.stopped is None
         last = max(c["step"] for c in res.commits)
-        assert last >= 40
+        assert 100 <= last < LONG * 22
         said = []
         res2 = resume("ckgone", out=said.append, log=said.append)
         assert res2.exit_code == 0, res2.failure
         assert res2.resumed["step"] == last  # lost work <= one interval: what ran after the last commit
-        assert sha(res2) == reference
+        assert sha(res2) == reference_long
         rec = runs.load("ckgone")
         assert rec["node_seconds_lost"] > 0 and rec["status"] == "complete"
     finally:
@@ -314,17 +324,17 @@ def test_admin_termination_resumes_from_the_last_commit(cloud, reference, tmp_pa
 
 
 @pytest.mark.slow
-def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference, tmp_path):
-    spec_path = digits_spec(tmp_path, "ckext", url="swift://ckpts/", every=40,
+def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference_long, tmp_path):
+    spec_path = digits_spec(tmp_path, "ckext", url="swift://ckpts/", every=200, epochs=LONG,
                             extra="lease: {duration: 1h, stop_margin: 60s, extend: true}\n")
     cl = lifecycle.up(spec_path, log=lambda m: None)
     try:
         out = Lines()
-        out.on(f"epoch 1/{EPOCHS}", lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45}))
+        out.on(f"epoch 1/{LONG} ", lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45}))
         res = train(load_spec(spec_path), cl, out=out)
         assert res.exit_code == 0, res.failure  # not stopped: the lease was extended and the run finished
         assert res.stopped is None and out.has("[watchdog] extended lease")
         assert lease_left(cl) > 3000  # one more hour
-        assert sha(res) == reference
+        assert sha(res) == reference_long
     finally:
         lifecycle.down("ckext", log=lambda m: None)

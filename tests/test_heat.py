@@ -2,14 +2,16 @@
 (python-heatclient -> the local cloud's Heat API -> testbed nodes running the template's user_data), adopted
 by the CLI and trained on."""
 
+import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from appliance import localcloud
+from appliance import localcloud, testbed
 from appliance.provision import heat, lifecycle
 from appliance.spec import load_spec
 from appliance.train.launch import train
@@ -147,7 +149,6 @@ def test_stack_from_the_template_adopt_and_train(cloud, tmp_path):
         assert out["worker_names"] == ["hs-worker-0"] and len(out["worker_ips"]) == 1
         assert out["ssh_command"] == f"ssh cc@{out['head_ip']}"
         # the boot scripts ran: the head contextualized both nodes itself, before any CLI touched them
-        from appliance import testbed
         tb = testbed.load(localcloud.testbed_name())
         disks = {n.name: Path(n.disk) for n in tb.nodes}
         for name in ("hs-head", "hs-worker-0"):
@@ -171,6 +172,18 @@ def test_stack_from_the_template_adopt_and_train(cloud, tmp_path):
         res = train(spec, cl, out=lambda line: None)
         assert res.exit_code == 0, res.failure
         assert sorted(res.hostnames) == ["hs-head", "hs-worker-0"]
+
+        # or, on the head node itself: `appliance train` finds the cluster from the files the boot script wrote
+        spec_file = tmp_path / "onhead.yaml"
+        spec_file.write_text(f"name: onhead\ncloud: local\nnodes: {{count: 2}}\ntrain:\n"
+                             f"  code: {ROOT / 'examples' / 'digits'}\n  command: python train.py --epochs 1\n")
+        cli = Path(sys.executable).parent / "appliance"
+        r = testbed.node_exec(localcloud.testbed_name(), "hs-head",
+                              "export APPLIANCE_HOME=/mnt/local/appliance/home APPLIANCE_ETC=/mnt/local/appliance/etc; "
+                              f"{cli} train {spec_file} --json", timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        summary = json.loads(r.stdout)
+        assert summary["hostnames_reported"] == ["hs-head", "hs-worker-0"], summary
     finally:
         for s in hc.stacks.list():
             hc.stacks.delete(s.id)

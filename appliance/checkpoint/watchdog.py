@@ -35,7 +35,7 @@ class LeaseWatch:
         self.spec, self.cluster, self.request_stop, self.say = spec, cluster, request_stop, say
         self.prof = profile_for(cluster, log=lambda m: None)
         self.scale = self.prof.time_scale()
-        self.poll = poll if poll is not None else (60.0 if self.prof.kind == "chameleon" else 1.0)
+        self.poll = poll if poll is not None else (60.0 if self.prof.kind == "chameleon" else 0.5)
         self.floor = float(duration_seconds(spec.lease.stop_margin))
         self.commit_s: list[float] = []  # save+upload durations reported by rank 0
         self.done = threading.Event()

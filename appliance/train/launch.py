@@ -409,15 +409,17 @@ def check(result: JobResult) -> JobResult:
 
 
 def resolve_cluster(spec: Spec, cluster_name: str | None = None, log=print) -> Cluster:
-    """The cluster a spec runs on: one named explicitly, the run's own (made by `appliance up`),
-    or, for ``cloud: local`` with neither, the default testbed (brought up if needed)."""
-    from ..cluster import find_cluster, from_testbed, load_cluster
+    """The cluster a spec runs on: one named explicitly, the run's own (made by `appliance up`), the one this
+    machine heads (a Heat stack's head node), or, for ``cloud: local``, the default testbed (brought up if needed)."""
+    from ..cluster import find_cluster, from_node_config, from_testbed, load_cluster, node_config_path
 
     if cluster_name:
         return load_cluster(cluster_name)
     own = find_cluster(spec.name)
     if own is not None:
         return own
+    if node_config_path() is not None:  # on the head node of a cluster contextualized at boot (Heat)
+        return from_node_config()
     if spec.cloud != "local":
         raise ApplianceError(f"no cluster for run {spec.name!r}", f"run `appliance up {spec.path}` first")
     from .. import testbed
