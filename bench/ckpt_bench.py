@@ -2,7 +2,8 @@
 
 On the local cloud (2 nodes, a real Swift, the lease watchdog), with bench/ckpt_job/ckpt_job.py (MLP, synthetic data):
 1. overhead: steps/s with async checkpoint + upload every N steps / steps/s with no appliance code (goal
-   >= 0.98); also with only the per-step collective stop check. Median of --repeats runs per cell.
+   >= 0.98); also with only the collective stop check. Best of --repeats interleaved runs per cell (the
+   run-to-run spread is reported too).
 2. deadline -> commit: the cloud's clock jumps to 30 s before the lease end at a random moment; we time from
    that jump to rank 0's committed checkpoint (watchdog poll + the step in flight + save + upload + verify).
 3. steps lost at the lease end over --trials random end times: the last step any rank ran minus the step
@@ -68,12 +69,15 @@ def overhead(d: Path, cluster, hidden: int, every: int, repeats: int, epochs: in
             if mode == "ckpt" and res.commits:
                 ckpt_bytes = res.commits[-1]["bytes"]
                 params = r0["params"]
-    med = {m: statistics.median(v) for m, v in rates.items()}
+    # best of the runs: on this 2-core machine other processes (the co-located Swift, the launcher) only ever
+    # slow a run down, so the fastest run of each mode is the least disturbed measurement of it
+    best = {m: max(v) for m, v in rates.items()}
     return {"hidden": hidden, "params": params, "checkpoint_bytes": ckpt_bytes, "every_steps": every,
-            "steps_per_s": {m: round(v, 2) for m, v in med.items()},
+            "steps_per_s": {m: round(v, 2) for m, v in best.items()},
             "runs": {m: [round(x, 2) for x in v] for m, v in rates.items()},
-            "ratio_ckpt": round(med["ckpt"] / med["plain"], 4),
-            "ratio_stopcheck": round(med["stopcheck"] / med["plain"], 4)}
+            "spread": {m: round((max(v) - min(v)) / max(v), 3) for m, v in rates.items()},
+            "ratio_ckpt": round(best["ckpt"] / best["plain"], 4),
+            "ratio_stopcheck": round(best["stopcheck"] / best["plain"], 4)}
 
 
 def lease_trial(d: Path, cluster, hidden: int, every: int, store: CheckpointStore, rng: random.Random) -> dict:
@@ -146,6 +150,13 @@ def main() -> int:
             print(f"trial {i + 1}/{args.trials}: {json.dumps(tr)}", flush=True)
     finally:
         lifecycle.down("bench", log=print)
+    prev = Path(args.out) / "ckpt.json"
+    if prev.exists():  # a partial re-run (--trials 0, or --hidden ...) keeps the other half of the last results
+        old = json.loads(prev.read_text())
+        if not result["trials"]:
+            result["trials"] = old.get("trials", [])
+        if not result["overhead"]:
+            result["overhead"] = old.get("overhead", [])
     trials = result["trials"]
     lost = [t["steps_lost"] for t in trials if t["steps_lost"] is not None]
     result["summary"] = {
@@ -155,7 +166,7 @@ def main() -> int:
         "steps_lost_max": max(lost) if lost else None, "steps_lost_total": sum(lost) if lost else None,
         "deadline_to_commit_s": {h: sorted(t["deadline_to_commit_s"] for t in trials
                                            if t["hidden"] == h and t["deadline_to_commit_s"] is not None)
-                                 for h in args.hidden},
+                                 for h in sorted({t["hidden"] for t in trials})},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,13 +185,15 @@ def report(r: dict) -> str:
     lines = ["# Checkpoint benchmark (`make bench-ckpt`)", "",
              f"Machine: {r['machine']}. Job: bench/ckpt_job/ckpt_job.py (MLP, synthetic data, 2 ranks).", "",
              "## Step rate with checkpoints / without (goal >= 0.98)", "",
+             "Best of the interleaved runs of each mode; `spread` is (max - min) / max over a mode's runs.", "",
              "| hidden | params | checkpoint | every | plain steps/s | stop check only | async ckpt+upload | "
-             "ratio ckpt | ratio stop check |", "|---|---|---|---|---|---|---|---|---|"]
+             "ratio ckpt | ratio stop check | spread (plain/stop/ckpt) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for o in r["overhead"]:
         sp = o["steps_per_s"]
         lines.append(f"| {o['hidden']} | {o['params']:,} | {(o['checkpoint_bytes'] or 0) / 1e6:.1f} MB | "
                      f"{o['every_steps']} | {sp['plain']} | {sp['stopcheck']} | {sp['ckpt']} | "
-                     f"**{o['ratio_ckpt']}** | {o['ratio_stopcheck']} |")
+                     f"**{o['ratio_ckpt']}** | {o['ratio_stopcheck']} | "
+                     f"{' / '.join(str(o.get('spread', {}).get(m, '-')) for m in ('plain', 'stopcheck', 'ckpt'))} |")
     lines += ["", "## Lease end: deadline signal -> committed checkpoint, steps lost (goal 0)", "",
               f"{s['trials']} trials at random moments; {s['stopped_and_committed']} stopped with a committed "
               f"checkpoint; steps lost: max **{s['steps_lost_max']}**, total {s['steps_lost_total']}.", "",
