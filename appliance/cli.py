@@ -295,8 +295,15 @@ def _cluster_name(name_or_spec: str) -> str:
 @main.command("up")
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--lease", "lease_id", default=None, help="Use this existing lease instead of creating one.")
+@click.option("--install", is_flag=True,
+              help="Install the training stack on every node (for stock CC-Ubuntu22.04-CUDA images; not needed "
+                   "with the appliance image). Horovod's built wheel is cached in --wheel-cache.")
+@click.option("--variant", type=click.Choice(["cpu", "gpu"]), default=None,
+              help="With --install: default gpu for gpu_* node types, else cpu.")
+@click.option("--wheel-cache", default=None, help="With --install: where built wheels are cached "
+              "(default swift://appliance-wheels/).")
 @click.option("--json", "as_json", is_flag=True)
-def up_cmd(spec, lease_id, as_json):
+def up_cmd(spec, lease_id, install, variant, wheel_cache, as_json):
     """Lease -> servers on the reservation -> floating IP on the head -> pinned host keys -> SSH -> contextualize.
 
     \b
@@ -306,7 +313,8 @@ def up_cmd(spec, lease_id, as_json):
     """
     from .provision import lifecycle
 
-    cl = lifecycle.up(spec, lease_id=lease_id, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
+    cl = lifecycle.up(spec, lease_id=lease_id, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo,
+                      install=install, variant=variant, wheel_cache=wheel_cache)
     if as_json:
         import dataclasses
 
@@ -557,6 +565,196 @@ def resume_cmd(run, spec_path, cluster, nodes, url, as_json):
             _json_out({"run": run, "complete": True})
         return
     _report(res, as_json)
+
+
+def _command_line() -> str:
+    """This command as typed (for result files: every number says the command that produced it)."""
+    import shlex
+
+    return "appliance " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _csv(kind):
+    def parse(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return [kind(v.strip()) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected comma-separated {kind.__name__}s, got {value!r}") from None
+    return parse
+
+
+@main.command("bench")
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--cluster", default=None, help="Cluster to use (default: the run's own, or the local testbed).")
+@click.option("--models", default="cnn,mlp", show_default=True, callback=_csv(str),
+              help="resnet50, cnn (CIFAR-sized), mlp (MNIST-sized), comma-separated.")
+@click.option("--batch-sizes", default="16,32", show_default=True, callback=_csv(int), help="Per-rank batch sizes.")
+@click.option("--nodes", default=None, callback=_csv(int),
+              help="Node counts to run on, e.g. 1,2,4 (default: 1, powers of two, all).")
+@click.option("--steps", default=20, show_default=True, help="Measured steps per cell.")
+@click.option("--warmup", default=5, show_default=True, help="Unmeasured warm-up steps per cell.")
+@click.option("--precision", type=click.Choice(["fp32", "mixed"]), default="fp32", show_default=True,
+              help="mixed = float16 compute on GPUs (refused on CPU nodes).")
+@click.option("--image-size", default=224, show_default=True, help="ResNet-50 input size (smaller = faster on CPU).")
+@click.option("--overhead", is_flag=True,
+              help="Instead: the same job through `appliance train` vs bare horovodrun on all nodes (ratio, goal >= 0.98).")
+@click.option("--repeats", default=3, show_default=True, help="With --overhead: alternating runs of each path.")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Results folder (default: ~/.appliance/runs/RUN-bench/TIME/).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (rank output goes to stderr).")
+def bench_cmd(spec, cluster, models, batch_sizes, nodes, steps, warmup, precision, image_size, overhead, repeats,
+              out_dir, as_json):
+    """Measure training throughput on synthetic data before you spend a lease on it.
+
+    \b
+    Runs through the same path as `appliance train` (horovodrun on the head node), on 1..N nodes
+    of SPEC's cluster. For every model x batch size: the measured aggregate samples/s (all ranks'
+    samples / wall time between barriers), per-rank spread, speedup and scaling efficiency against
+    1 node, and the allreduce share of a step. Writes bench.json, bench.md and PNG plots.
+    \b
+    Examples:
+      appliance bench examples/digits.yaml                                   # testbed: cnn, mlp on 1, 2 nodes
+      appliance bench my.yaml --models resnet50 --batch-sizes 8,16,32,64 --precision mixed   # GPU nodes
+      appliance bench examples/digits.yaml --overhead --models cnn --batch-sizes 32
+    On the CPU testbed every node shares this machine's cores: the numbers measure the path, not the hardware.
+    """
+    from pathlib import Path
+
+    from .bench import BenchConfig
+    from .bench import overhead as measure_overhead
+    from .bench import report, run_bench
+    from .spec import load_spec
+    from .train.launch import resolve_cluster
+
+    log = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    out = (lambda line: click.echo(line, err=True)) if as_json else None
+    cfg = BenchConfig(models=models, batch_sizes=batch_sizes, nodes=nodes, steps=steps, warmup=warmup,
+                      precision=precision, image_size=image_size)
+    s = load_spec(spec)
+    cl = resolve_cluster(s, cluster, log=log)
+    if overhead:
+        rep = measure_overhead(s, cl, cfg, repeats=repeats, out=out, log=log)
+        rep["command"] = _command_line()
+        if out_dir:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / "overhead.json").write_text(json.dumps(rep, indent=1) + "\n")
+            (Path(out_dir) / "overhead.md").write_text(
+                f"# Launch overhead\n\nCommand: `{rep['command']}`\n\n" + "\n".join(report.overhead_lines(rep)) + "\n")
+        if as_json:
+            _json_out(rep)
+        else:
+            click.echo("")
+            for line in report.overhead_lines(rep):
+                click.echo(line)
+        return
+    rep = run_bench(s, cl, cfg, out_dir=Path(out_dir) if out_dir else None, out=out, log=log,
+                    command=_command_line())
+    if as_json:
+        _json_out(rep)
+        return
+    click.echo("")
+    if rep.get("note"):
+        click.echo(f"note: {rep['note']}")
+    for line in report.table(rep):
+        click.echo(line)
+    click.echo(f"\nresults: {rep['out_dir']}/bench.md, bench.json" + "".join(f", {Path(p).name}" for p in rep["plots"]))
+
+
+@main.group()
+def image():
+    """The appliance image: a GPU training stack on Chameleon's CC-Ubuntu22.04-CUDA (docs/image.md).
+
+    \b
+      make image                                    # build it with diskimage-builder
+      appliance image upload build/appliance-gpu.qcow2 --name appliance-gpu --site CHI@UC
+    Then `image: appliance-gpu` in your spec. Or stay on the stock image: `appliance up SPEC --install`.
+    """
+
+
+@image.command("upload")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--name", required=True, help="Glance image name, e.g. appliance-gpu.")
+@click.option("--disk-format", type=click.Choice(["qcow2", "raw"]), default=None,
+              help="Default: from the file name (.qcow2, .raw/.img).")
+@_cloud_opt
+@_site_opt
+@click.option("--json", "as_json", is_flag=True)
+def image_upload_cmd(path, name, disk_format, cloud_kind, site, as_json):
+    """Upload a built image to the site's Glance (private). Re-running with the same file is a no-op."""
+    from .provision.lifecycle import image_upload
+
+    img = image_upload(path, name, cloud=cloud_kind or _default_cloud(), site=site, disk_format=disk_format,
+                       log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
+    if as_json:
+        _json_out(img)
+    else:
+        click.echo(f"image {img['name']} ({img['id']}): {img['status']}, {img['size']} bytes, md5 {img['checksum']}")
+
+
+@main.command("doctor")
+@click.option("--cluster", default=None, help="Check every node of this cluster over SSH (default: this machine).")
+@click.option("--python", "python", default=None, help="The venv's Python to check (default: this one).")
+@click.option("--etc", default=None, help="The node's appliance config dir (default: $APPLIANCE_ETC or /etc/appliance).")
+@click.option("--no-allreduce", is_flag=True, help="Skip the 2-rank horovodrun allreduce (~10 s).")
+@click.option("--json", "as_json", is_flag=True)
+def doctor_cmd(cluster, python, etc, no_allreduce, as_json):
+    """Is this node (or every node of a cluster) ready to train? One line per check, with the fix.
+
+    \b
+    Python, TensorFlow, tf-keras, Horovod (built with TensorFlow + Gloo; NCCL on GPU nodes), the NVIDIA
+    driver, CUDA, NCCL, TensorFlow sees every GPU, a 2-rank allreduce, the NIC, firewalld's trusted peers.
+    GPU checks are skipped on nodes without NVIDIA GPUs. Exit 1 if any check fails.
+    \b
+      appliance doctor                    # on a node, e.g. after `ssh cc@HEAD`
+      appliance doctor --cluster digits   # every node of a cluster, from your machine
+    """
+    from . import doctor as dr
+
+    if cluster:
+        from .cluster import load_cluster
+
+        per_node = dr.doctor_cluster(load_cluster(cluster), allreduce=not no_allreduce)
+    else:
+        import socket
+
+        per_node = {socket.gethostname(): dr.run_checks(python, etc, allreduce=not no_allreduce)}
+    failed = any(c.status == "fail" for checks in per_node.values() for c in checks)
+    if as_json:
+        _json_out({node: dr.as_dicts(checks) for node, checks in per_node.items()})
+    else:
+        for node, checks in per_node.items():
+            click.echo(f"{node}:")
+            for line in dr.format_checks(checks):
+                click.echo(f"  {line}")
+    if failed:
+        sys.exit(1)
+
+
+@main.command("watchdog")
+@click.option("--node", "on_node", is_flag=True, required=True,
+              help="Watch this node's lease end (Chameleon vendordata); the image runs this as a systemd unit.")
+@click.option("--margin", default="10m", show_default=True, help="Act this long before the lease end.")
+@click.option("--poll", default=60.0, show_default=True, help="Seconds between looks.")
+@click.option("--once", is_flag=True, help="Look once and exit (prints the runs it asked to stop).")
+def watchdog_cmd(on_node, margin, poll, once):
+    """On a node: before the lease ends, ask every running training job to stop with a committed checkpoint.
+
+    \b
+    `appliance train` watches the lease itself (and can extend it); this covers jobs whose launcher
+    went away. It writes the job's STOP file; rank 0 stops every rank after the same step and commits.
+    """
+    from .checkpoint.watchdog import node_watch
+    from .spec import duration_seconds
+
+    try:
+        margin_s = float(duration_seconds(margin))
+    except Exception:
+        raise click.BadParameter(f"{margin!r} is not a duration like 10m or 1h", param_hint="--margin") from None
+    stopped = node_watch(margin=margin_s, poll=poll, once=once, log=click.echo)
+    if once:
+        _json_out({"stopped": stopped})
 
 
 @main.command("runs")

@@ -62,6 +62,19 @@ class Cluster:
     def world_size(self) -> int:
         return sum(n.slots for n in self.nodes)
 
+    @property
+    def is_subset(self) -> bool:
+        return "subset_of" in self.extra
+
+    def subset(self, n: int) -> Cluster:
+        """The first n nodes (the head first) as a cluster of their own, for a job on part of the cluster
+        (`appliance bench` on 1..N nodes). It keeps the name (and so the cluster key); saving it saves the
+        whole cluster's record with this view's other fields (a lease extended meanwhile, the NIC)."""
+        if not 1 <= n <= len(self.nodes):
+            raise ApplianceError(f"cluster {self.name!r} has {len(self.nodes)} node(s), not {n}",
+                                 f"ask for 1 to {len(self.nodes)} nodes")
+        return dataclasses.replace(self, nodes=list(self.nodes[:n]), extra={**self.extra, "subset_of": len(self.nodes)})
+
     def config_dir(self, node: Node) -> str:
         return self.etc_dir or f"{node.workdir}/appliance/etc"
 
@@ -73,8 +86,14 @@ class Cluster:
 
     def save(self) -> Path:
         p = state_path(self.name)
+        d = dataclasses.asdict(self)
+        if self.is_subset:
+            if not p.exists():
+                return p
+            full = json.loads(p.read_text())
+            d["nodes"], d["extra"] = full["nodes"], full.get("extra", {})
         tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        tmp.write_text(json.dumps(d, indent=2))
         os.chmod(tmp, 0o600)
         tmp.replace(p)
         return p

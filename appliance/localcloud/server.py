@@ -630,7 +630,8 @@ class Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         path = url.path.rstrip("/") or "/"
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
-        body = self._body() if self.command in ("POST", "PUT", "PATCH") else None
+        raw_upload = self.command == "PUT" and path.startswith("/image/") and path.endswith("/file")
+        body = self._body() if self.command in ("POST", "PUT", "PATCH") and not raw_upload else None
         self.cloud.requests.append({"method": self.command, "path": url.path, "query": query, "body": body})
         self.cloud.tick()
         base = f"http://{self.headers.get('Host')}"
@@ -936,17 +937,77 @@ class Handler(BaseHTTPRequestHandler):
             return 300, _versions("v2.15", f"{base}/image/v2/")
         self._auth()
         imgs = self.cloud.images
+        if path == "/v2/images" and self.command == "POST":  # create: queued until its data is uploaded
+            b = dict(body or {})
+            if not b.get("name"):
+                raise ApiError(400, "an image needs a name", "BadRequest")
+            if b.get("disk_format") not in (None, "qcow2", "raw", "vmdk", "vdi", "iso", "ami", "ari", "aki"):
+                raise ApiError(400, f"Invalid disk format '{b.get('disk_format')}'", "BadRequest")
+            now = _fmt(self.cloud.clock.now(), "%Y-%m-%dT%H:%M:%SZ")
+            img = {**b, "id": b.get("id") or _uuid(), "status": "queued", "visibility": b.get("visibility", "shared"),
+                   "size": None, "checksum": None, "os_hash_algo": None, "os_hash_value": None, "tags": b.get("tags", []),
+                   "created_at": now, "updated_at": now, "min_disk": 0, "min_ram": 0, "owner": self.cloud.project_id,
+                   "protected": False, "file": None}
+            img["file"] = f"/v2/images/{img['id']}/file"
+            imgs.append(img)
+            return 201, img
         if path == "/v2/images":
             if "name" in query:
                 imgs = [i for i in imgs if i["name"] == query["name"]]
             return 200, {"images": imgs, "first": "/v2/images", "schema": "/v2/schemas/images"}
-        m = re.fullmatch(r"/v2/images/([^/]+)", path)
+        m = re.fullmatch(r"/v2/images/([^/]+)(/file)?", path)
         if m:
-            for i in imgs:
-                if i["id"] == m.group(1):
-                    return 200, i
-            raise ApiError(404, f"No image found with ID {m.group(1)}", "NotFound")
+            img = next((i for i in imgs if i["id"] == m.group(1)), None)
+            if img is None:
+                raise ApiError(404, f"No image found with ID {m.group(1)}", "NotFound")
+            if m.group(2) and self.command == "PUT":
+                return self._glance_upload(img)
+            if self.command == "DELETE" and not m.group(2):
+                imgs.remove(img)
+                (self.cloud.dir / "images" / img["id"]).unlink(missing_ok=True)
+                return 204, None
+            if self.command == "GET" and not m.group(2):
+                return 200, img
         raise ApiError(404, f"not found: {path}", "NotFound")
+
+    def _upload_chunks(self):
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    self.rfile.readline()
+                    return
+                yield self.rfile.read(size)
+                self.rfile.readline()
+        left = int(self.headers.get("Content-Length") or 0)
+        while left > 0:
+            chunk = self.rfile.read(min(left, 1 << 20))
+            if not chunk:
+                raise ApiError(400, "the image data ended early", "BadRequest")
+            left -= len(chunk)
+            yield chunk
+
+    def _glance_upload(self, img):
+        """PUT /v2/images/ID/file: store the data, then the image is active with Glance's checksums."""
+        import hashlib
+
+        if img["status"] != "queued":
+            raise ApiError(409, f"Image status transition from {img['status']} to saving is not allowed", "Conflict")
+        d = self.cloud.dir / "images"
+        d.mkdir(parents=True, exist_ok=True)
+        md5, sha512, size = hashlib.md5(), hashlib.sha512(), 0
+        tmp = d / f".{img['id']}.part"
+        with open(tmp, "wb") as fh:
+            for chunk in self._upload_chunks():
+                fh.write(chunk)
+                md5.update(chunk)
+                sha512.update(chunk)
+                size += len(chunk)
+        tmp.replace(d / img["id"])
+        img.update({"status": "active", "size": size, "checksum": md5.hexdigest(), "os_hash_algo": "sha512",
+                    "os_hash_value": sha512.hexdigest(),
+                    "updated_at": _fmt(self.cloud.clock.now(), "%Y-%m-%dT%H:%M:%SZ")})
+        return 204, None
 
     # -- admin (tests and demos) --------------------------------------------------------------------
 

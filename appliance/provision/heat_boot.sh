@@ -79,12 +79,11 @@ done
 
 lease_id=null
 lease_end=null
-for vd in /var/cache/vendordata2.json; do
-    if [ -r "$vd" ] && command -v python3 >/dev/null; then
-        lease_id=$(python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["chameleon"].get("lease_id")))' "$vd" 2>/dev/null || echo null)
-        lease_end=$(python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["chameleon"].get("lease_end")))' "$vd" 2>/dev/null || echo null)
-    fi
-done
+vd=/var/cache/vendordata2.json
+if [ -r "$vd" ] && command -v python3 >/dev/null; then
+    lease_id=$(python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["chameleon"].get("lease_id")))' "$vd" 2>/dev/null || echo null)
+    lease_end=$(python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["chameleon"].get("lease_end")))' "$vd" 2>/dev/null || echo null)
+fi
 nodes_json=$(printf '%s\n' "$peers" | awk 'BEGIN{s=""} NF>=3{s=s (s?", ":"") "{\"name\": \""$1"\", \"ip\": \""$2"\", \"slots\": "$3"}"} END{print s}')
 cluster_json="{\"name\": \"$STACK\", \"cloud\": \"heat\", \"stack\": \"$STACK\", \"head\": \"$me\", \"nodes\": [$nodes_json], \"lease_id\": $lease_id, \"lease_end\": $lease_end}"
 

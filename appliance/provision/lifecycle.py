@@ -126,6 +126,27 @@ def _cloud_for(cloud: str, site: str | None, log) -> OpenStackCloud:
     return OpenStackCloud(connect(region=site))
 
 
+def image_upload(path: str, name: str, *, cloud: str = "chameleon", site: str | None = None,
+                 disk_format: str | None = None, log=print) -> dict:
+    """`appliance image upload`: a built image (make image) into the site's Glance, tagged with the lock it was
+    built from. Glance images are per site: upload once per site you lease at."""
+    import hashlib
+
+    p = Path(path)
+    if not p.is_file():
+        raise ApplianceError(f"no image file {path}", "build one with `make image` (docs/image.md)")
+    fmt = disk_format or {".qcow2": "qcow2", ".raw": "raw", ".img": "raw"}.get(p.suffix)
+    if fmt is None:
+        raise ApplianceError(f"cannot tell the disk format of {p.name}", "pass --disk-format qcow2 or raw")
+    lock = Path(__file__).resolve().parents[2] / "requirements.lock"
+    props = {"appliance_lock_sha256": hashlib.sha256(lock.read_bytes()).hexdigest()[:16] if lock.exists() else "",
+             "appliance_stack": "tensorflow 2.18.1, tf-keras 2.18.0, horovod 0.28.1 (NCCL, Gloo)"}
+    c = _cloud_for(cloud, site, log)
+    log(f"uploading {p} ({p.stat().st_size / 1e9:.2f} GB, {fmt}) to Glance as {name!r}"
+        + (f" at {site}" if site else ""))
+    return c.upload_image(str(p), name, disk_format=fmt, properties=props)
+
+
 def lease_show(lease_id: str, *, cloud: str = "chameleon", site: str | None = None, log=print) -> dict:
     c = _cloud_for(cloud, site, log)
     info = c.get_lease(lease_id)
@@ -211,8 +232,10 @@ def _wait_ssh(prof: Profile, cluster: Cluster, log) -> None:
 
 
 def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None = None, log=print,
-       spec: Spec | None = None) -> Cluster:
-    """Lease (or reuse) -> servers on the reservation -> floating IP -> host keys -> SSH -> contextualize."""
+       spec: Spec | None = None, install: bool = False, variant: str | None = None,
+       wheel_cache: str | None = None) -> Cluster:
+    """Lease (or reuse) -> servers on the reservation -> floating IP -> host keys -> SSH -> contextualize
+    [-> the training stack installed on every node, `install`: for stock images]."""
     spec = spec or load_spec(spec_path)
     prof = open_cloud(spec.cloud, spec.site, spec.key_name, spec.key_file, log=log)
     if ssh_timeout is not None:
@@ -284,8 +307,31 @@ def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None
         log(f"floating IP {cluster.floating_ip} on {head.name}")
     head.address = cluster.floating_ip
     finish(prof, cluster, log)
+    if install:
+        install_on(prof, cluster, spec, variant=variant, wheel_cache=wheel_cache, log=log)
     log(f"cluster {cluster.name} ready: {len(cluster.nodes)} node(s), head {head.name} at {head.address}")
     return cluster
+
+
+def install_on(prof: Profile, cluster: Cluster, spec: Spec, *, variant: str | None = None,
+               wheel_cache: str | None = None, log=print) -> None:
+    """The boot-time installer on every node (provision/install.py); the cluster then trains with that venv."""
+    from ..data import creds as creds_mod
+    from . import install
+
+    variant = variant or ("gpu" if spec.nodes.node_type.startswith("gpu") else "cpu")
+    if prof.kind == "local":  # nodes are namespaces here: no PyPI, the host's packages, a per-node venv
+        opts = dict(venv=f"{prof.workdir}/appliance/venv", system_deps=False, sudo=False,
+                    python=getattr(sys, "_base_executable", sys.executable),
+                    pip_env={"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(install.local_wheelhouse(log=log))})
+    else:
+        opts = dict(venv=str(Path(CHAMELEON_PYTHON).parent.parent), system_deps=True, sudo=prof.user != "root")
+    log(f"installing the training stack ({variant}) on {len(cluster.nodes)} node(s) into {opts['venv']}")
+    res = install.install_stack(cluster, variant=variant, cache_url=wheel_cache or install.DEFAULT_CACHE,
+                                creds=creds_mod.resolve(prof.kind, spec.site, log=log), log=log, **opts)
+    cluster.python = res["python"]
+    cluster.extra["installed"] = {k: v for k, v in res.items() if k != "python"}
+    cluster.save()
 
 
 def finish(prof: Profile, cluster: Cluster, log=print) -> None:

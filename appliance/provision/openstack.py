@@ -357,6 +357,23 @@ class OpenStackCloud:
 
     # -- floating IPs -----------------------------------------------------------------------------
 
+    def upload_image(self, path: str, name: str, *, disk_format: str = "qcow2", properties: dict | None = None,
+                     timeout: float = 3600) -> dict:
+        """Upload a disk image to Glance (private), or return the image of that name with the same checksum.
+        Glance checks the data's MD5 on arrival; a second upload of the same file is a no-op."""
+        import openstack.exceptions
+
+        try:
+            img = self.conn.image.create_image(name, filename=path, disk_format=disk_format, container_format="bare",
+                                               visibility="private", wait=True, timeout=timeout,
+                                               validate_checksum=True, allow_duplicates=False,
+                                               meta=dict(properties or {}))
+        except openstack.exceptions.SDKException as e:
+            raise ApplianceError(f"image upload of {path} as {name!r} failed: {e}",
+                                 "check the file is a valid image and your image quota") from None
+        return {"id": img.id, "name": img.name, "status": img.status, "size": img.size, "checksum": img.checksum,
+                "disk_format": img.disk_format}
+
     def reserved_floating_ip(self, fip_reservation_id: str):
         for ip in self.conn.network.ips(tags=f"reservation:{fip_reservation_id}"):
             return ip

@@ -1,0 +1,264 @@
+"""`appliance doctor`: is this node ready to train? One line per check, with the fix.
+
+Checks, in order: Python, TensorFlow, tf-keras, Horovod (version, built with TensorFlow + Gloo, NCCL on GPU
+nodes), the NVIDIA driver, CUDA, NCCL, TensorFlow sees every GPU, a 2-rank allreduce through horovodrun on
+this node, the NIC the cluster uses, firewalld's trusted peers. GPU checks are skipped (not failed) on a node
+without NVIDIA GPUs; everything else must pass. The stack is probed in a child process with the venv's
+Python, so the doctor still reports when TensorFlow or Horovod is broken or missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# the checkout's lock (make install: editable), or the copy install-stack.sh leaves in the venv
+LOCKS = (Path(__file__).resolve().parent.parent / "requirements.lock", Path(sys.prefix) / "appliance-requirements.lock")
+INSTALL_FIX = "install the stack: images/install-stack.sh (docs/image.md), or use the appliance image"
+
+PROBE = r"""
+import json, os, sys
+out = {"python": sys.version.split()[0], "executable": sys.executable}
+try:
+    import tensorflow as tf
+    out["tensorflow"] = tf.__version__
+    out["tf_gpus"] = len(tf.config.list_physical_devices("GPU"))
+    out["tf_cuda"] = bool(tf.test.is_built_with_cuda())
+except Exception as e:
+    out["tensorflow_error"] = f"{type(e).__name__}: {e}"
+try:
+    import tf_keras
+    out["tf_keras"] = tf_keras.__version__
+except Exception as e:
+    out["tf_keras_error"] = f"{type(e).__name__}: {e}"
+try:
+    import horovod
+    import horovod.tensorflow as hvd
+    out["horovod"] = horovod.__version__
+    out["hvd_gloo"] = bool(hvd.gloo_built()); out["hvd_nccl"] = bool(hvd.nccl_built())
+    out["hvd_mpi"] = bool(hvd.mpi_built())
+except Exception as e:
+    out["horovod_error"] = f"{type(e).__name__}: {e}"
+print("APPLIANCE_PROBE " + json.dumps(out))
+"""
+
+ALLREDUCE = r"""
+import horovod.tensorflow as hvd, tensorflow as tf
+hvd.init()
+v = hvd.allreduce(tf.constant([float(hvd.rank() + 1)] * 4), op=hvd.Sum).numpy().tolist()
+print("APPLIANCE_ALLREDUCE", hvd.rank(), hvd.size(), v)
+"""
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | fail | skip
+    detail: str
+    fix: str | None = None
+
+
+def _pins(locks=LOCKS) -> dict[str, str]:
+    pins = {}
+    lock = next((p for p in locks if p.exists()), None)
+    if lock is not None:
+        for line in lock.read_text().splitlines():
+            m = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)", line)
+            if m:
+                pins[m.group(1).lower().replace("-", "_")] = m.group(2)
+    return pins
+
+
+def _run(cmd: list[str], timeout: float = 60, env: dict | None = None) -> tuple[int, str]:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        return p.returncode, p.stdout + p.stderr
+    except FileNotFoundError:
+        return 127, f"{cmd[0]}: not found"
+    except subprocess.TimeoutExpired:
+        return 124, f"timed out after {timeout:.0f} s"
+
+
+def probe(python: str) -> dict:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1"}
+    rc, out = _run([python, "-c", PROBE], timeout=120, env=env)
+    for line in out.splitlines():
+        if line.startswith("APPLIANCE_PROBE "):
+            return json.loads(line[len("APPLIANCE_PROBE "):])
+    return {"error": (out.strip().splitlines() or [f"exit {rc}"])[-1]}
+
+
+def gpu_checks(p: dict) -> list[Check]:
+    rc, out = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], timeout=30)
+    if rc == 127 and not Path("/dev/nvidia0").exists():
+        why = "no NVIDIA GPU on this node (CPU node)"
+        return [Check(n, "skip", why) for n in ("nvidia driver", "cuda", "nccl", "tensorflow sees the GPUs")]
+    checks = []
+    gpus = [g.strip() for g in out.strip().splitlines() if g.strip()] if rc == 0 else []
+    if rc == 0 and gpus:
+        checks.append(Check("nvidia driver", "ok", f"{len(gpus)} GPU(s): {'; '.join(gpus)}"))
+    else:
+        checks.append(Check("nvidia driver", "fail", f"nvidia-smi: {out.strip()[-200:] or 'no GPU listed'}",
+                            "use a CC-Ubuntu*-CUDA image (the driver comes with it); gpu_k80 needs the CUDA 11 image"))
+    cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    rc, out = _run([f"{cuda}/bin/nvcc", "--version"], timeout=30)
+    m = re.search(r"release ([\d.]+)", out)
+    checks.append(Check("cuda", "ok", f"CUDA {m.group(1)} at {cuda}") if rc == 0 and m else
+                  Check("cuda", "fail", f"no nvcc at {cuda}", "use a CC-Ubuntu*-CUDA image or set CUDA_HOME"))
+    if p.get("hvd_nccl"):
+        checks.append(Check("nccl", "ok", "Horovod built with NCCL"))
+    else:
+        checks.append(Check("nccl", "fail", "Horovod was built without NCCL: GPU allreduce falls back to Gloo",
+                            "rebuild: images/install-stack.sh --variant gpu (needs libnccl-dev)"))
+    seen = p.get("tf_gpus", 0)
+    if gpus and seen == len(gpus):
+        checks.append(Check("tensorflow sees the GPUs", "ok", f"{seen} of {len(gpus)}"))
+    else:
+        checks.append(Check("tensorflow sees the GPUs", "fail", f"{seen} of {len(gpus)}"
+                            + ("" if p.get("tf_cuda") else " (this TensorFlow is a CPU build)"),
+                            "install the GPU variant (images/install-stack.sh --variant gpu): tensorflow + its "
+                            "CUDA/cuDNN wheels"))
+    return checks
+
+
+def stack_checks(p: dict, pins: dict[str, str]) -> list[Check]:
+    if "error" in p:
+        return [Check("python", "fail", p["error"], "check the venv's python (`--python`)")]
+    checks = [Check("python", "ok" if p["python"].startswith("3.11.") else "fail", f"{p['python']} ({p['executable']})",
+                    None if p["python"].startswith("3.11.") else "the stack is pinned for Python 3.11")]
+    for key, pin_names, label in (("tensorflow", ("tensorflow_cpu", "tensorflow"), "tensorflow"),
+                                  ("tf_keras", ("tf_keras",), "tf-keras"), ("horovod", ("horovod",), "horovod")):
+        have = p.get(key)
+        pin = next((pins[n] for n in pin_names if n in pins), None)
+        if have is None:
+            checks.append(Check(label, "fail", p.get(f"{key}_error", "not importable"), INSTALL_FIX))
+        elif pin and have != pin:
+            checks.append(Check(label, "fail", f"{have}, the lock pins {pin}", INSTALL_FIX))
+        else:
+            checks.append(Check(label, "ok", have))
+    if "horovod" in p:
+        built = [n for n, k in (("Gloo", "hvd_gloo"), ("NCCL", "hvd_nccl"), ("MPI", "hvd_mpi")) if p.get(k)]
+        ok = p.get("hvd_gloo") and "tensorflow" in p
+        checks.append(Check("horovod build", "ok" if ok else "fail", f"TensorFlow, {', '.join(built) or 'no controller'}",
+                            None if ok else "rebuild Horovod with HOROVOD_WITH_GLOO=1 (images/install-stack.sh)"))
+    return checks
+
+
+def allreduce_check(python: str, timeout: float = 120) -> Check:
+    hr = Path(python).parent / "horovodrun"
+    if not hr.exists():
+        return Check("allreduce (2 ranks)", "fail", f"no horovodrun beside {python}", INSTALL_FIX)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1",
+           "PATH": f"{Path(python).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    rc, out = _run([str(hr), "-np", "2", "-H", "localhost:2", "--gloo", python, "-c", ALLREDUCE],
+                   timeout=timeout, env=env)
+    got = re.findall(r"APPLIANCE_ALLREDUCE (\d) 2 \[([\d., ]+)\]", out)
+    if rc == 0 and len(got) == 2 and all(v.split(",")[0].strip() == "3.0" for _, v in got):
+        return Check("allreduce (2 ranks)", "ok", "horovodrun -np 2 on this node: sum = 3.0 on both ranks")
+    tail = " | ".join(out.strip().splitlines()[-2:])[-300:]
+    return Check("allreduce (2 ranks)", "fail", f"exit {rc}: {tail}",
+                 "run `horovodrun --check-build`; rebuild with images/install-stack.sh if Gloo is missing")
+
+
+def nic_checks(etc: Path | None) -> list[Check]:
+    cfg_p = etc / "cluster.json" if etc else None
+    if not cfg_p or not cfg_p.exists():
+        return [Check("nic", "skip", "no cluster.json here: not a contextualized cluster node"),
+                Check("firewalld", "skip", "no cluster.json here")]
+    cfg = json.loads(cfg_p.read_text())
+    env = etc / "env"
+    m = re.search(r"^GLOO_SOCKET_IFNAME=(\S+)", env.read_text(), re.M) if env.exists() else None
+    checks, my_ip = [], None
+    if m is None:
+        checks.append(Check("nic", "fail", f"{env} names no NIC", "re-run contextualize: `appliance train` or `up`"))
+    else:
+        nic = m.group(1)
+        rc, out = _run(["ip", "-o", "-4", "addr", "show", "dev", nic], timeout=10)
+        addr = re.search(r"inet ([\d.]+)", out)
+        my_ip = addr.group(1) if rc == 0 and addr else None
+        checks.append(Check("nic", "ok", f"{nic} {my_ip} (Gloo/NCCL)") if my_ip else
+                      Check("nic", "fail", f"{nic} has no IPv4 address here", "re-run contextualize"))
+    peers = [n["ip"] for n in cfg.get("nodes", []) if n["ip"] != my_ip]
+    fw = shutil.which("firewall-cmd")
+    state = _run([fw, "--state"], timeout=10)[1].strip() if fw else "not installed"
+    if state != "running":
+        checks.append(Check("firewalld", "ok", f"{state}: peers are not filtered"))
+    else:
+        rc, out = _run([fw, "--zone=trusted", "--list-sources"], timeout=10)
+        trusted = {src.split("/")[0] for src in out.split()}
+        missing = [ip for ip in peers if ip not in trusted]
+        checks.append(Check("firewalld", "ok", f"running; all {len(peers)} peers trusted") if not missing else
+                      Check("firewalld", "fail", f"running; peers not in the trusted zone: {', '.join(missing)}",
+                            "re-run contextualize, or `sudo firewall-cmd --zone=trusted --add-source=IP --permanent "
+                            "&& sudo firewall-cmd --reload`"))
+    return checks
+
+
+def run_checks(python: str | None = None, etc: str | None = None, allreduce: bool = True) -> list[Check]:
+    python = python or sys.executable
+    etc_p = Path(etc or os.environ.get("APPLIANCE_ETC") or "/etc/appliance")
+    p = probe(python)
+    checks = stack_checks(p, _pins())
+    checks += gpu_checks(p)
+    if allreduce:
+        checks.append(allreduce_check(python) if "horovod" in p else
+                      Check("allreduce (2 ranks)", "skip", "horovod is not importable"))
+    checks += nic_checks(etc_p)
+    return checks
+
+
+def as_dicts(checks: list[Check]) -> list[dict]:
+    return [asdict(c) for c in checks]
+
+
+def format_checks(checks: list[Check]) -> list[str]:
+    mark = {"ok": "ok  ", "fail": "FAIL", "skip": "skip"}
+    return [f"{mark[c.status]} {c.name:<26} {c.detail}" + (f"  (fix: {c.fix})" if c.fix else "") for c in checks]
+
+
+def doctor_cluster(cluster, allreduce: bool = True) -> dict[str, list[Check]]:
+    """Run the doctor on every node of ``cluster`` over SSH (in parallel), with the cluster's Python."""
+    import shlex
+
+    from .remote import Session
+
+    def one(remote) -> list[Check]:
+        node = remote.node
+        cmd = (f"{shlex.quote(cluster.python)} -m appliance.doctor --python {shlex.quote(cluster.python)} "
+               f"--etc {shlex.quote(cluster.config_dir(node))}" + ("" if allreduce else " --no-allreduce"))
+        r = remote.run(cmd, timeout=300)
+        for line in r.out.splitlines():
+            if line.startswith("APPLIANCE_DOCTOR "):
+                return [Check(**c) for c in json.loads(line[len("APPLIANCE_DOCTOR "):])]
+        tail = (r.err.strip().splitlines() or [f"exit {r.rc}"])[-1]
+        return [Check("appliance", "fail", f"the doctor did not run on {node.name}: {tail}",
+                      "the node lacks the appliance package: use the appliance image or `appliance up --install`")]
+
+    if cluster.single_host:
+        return {cluster.head.name: run_checks(cluster.python, cluster.config_dir(cluster.head), allreduce)}
+    with Session(cluster) as session:
+        return session.each(one)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Node-side entry (`python -m appliance.doctor`), used by `appliance doctor --cluster` over SSH."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--python")
+    ap.add_argument("--etc")
+    ap.add_argument("--no-allreduce", action="store_true")
+    a = ap.parse_args(argv)
+    checks = run_checks(a.python, a.etc, allreduce=not a.no_allreduce)
+    print("APPLIANCE_DOCTOR " + json.dumps(as_dicts(checks)))
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The boot-time installer (`appliance up SPEC --install`): the appliance image's stack on stock nodes.
+
+For users who stay on Chameleon's stock CC-Ubuntu22.04-CUDA image. Every node runs
+``images/install-stack.sh`` (the same steps ``make install`` and the image build run), in parallel, into the
+venv the cluster then trains with. Building Horovod takes minutes, so its wheel is cached in the object store
+under ``CACHE_URL/TAG/`` (TAG = TensorFlow version, variant, Python): the first cluster builds it once, on the
+head node, and uploads it; every later cluster (and every other node) installs that wheel, no build.
+
+The launcher mediates the cache (download, push to nodes over SSH; pull from the head, upload), so nodes never
+hold object-store credentials for it.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ..cluster import Cluster
+from ..errors import ApplianceError
+from ..remote import Remote, Session
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCK = ROOT / "requirements.lock"
+DEFAULT_CACHE = "swift://appliance-wheels/"
+
+
+def stack_tag(variant: str, lock: Path = LOCK) -> str:
+    tf = re.search(r"^tensorflow_cpu==(\S+)", lock.read_text(), re.M)
+    if not tf:
+        raise ApplianceError(f"{lock} lacks the tensorflow_cpu pin")
+    return f"tf{tf.group(1)}-{variant}-py3.11"
+
+
+def bundle(dest: Path) -> Path:
+    """What a node needs to install the stack: the package, the lock, the install script."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(ROOT / "appliance", dest / "appliance", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("pyproject.toml", "README.md", "requirements.lock"):
+        shutil.copy2(ROOT / f, dest / f)
+    (dest / "images").mkdir(exist_ok=True)
+    shutil.copy2(ROOT / "images" / "install-stack.sh", dest / "images" / "install-stack.sh")
+    return dest
+
+
+def local_wheelhouse(log=print) -> Path:
+    """The local cloud's nodes have no route to PyPI: fill a wheelhouse here (from pip's cache after the first
+    time) that they read through the shared filesystem. Chameleon nodes use PyPI directly."""
+    wh = Path.home() / ".cache" / "appliance" / "wheelhouse"
+    wh.mkdir(parents=True, exist_ok=True)
+    reqs = [line for line in LOCK.read_text().splitlines() if line and not line.startswith("#")
+            and not line.startswith("horovod==")]
+    def norm(name: str) -> str:  # PEP 503
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    have = {norm(p.name.split("-")[0]) for p in wh.iterdir()}
+    missing = [r for r in reqs + ["pip", "setuptools", "wheel"] if norm(r.split("==")[0]) not in have]
+    if missing or "horovod" not in have:
+        log(f"filling the local wheelhouse {wh} ({len(missing)} package(s), from PyPI or pip's cache)")
+        pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "--no-deps", "-d", str(wh)]
+        cmds = ([pip + missing] if missing else []) + [pip + ["--no-binary", ":all:", "horovod==" + _pin("horovod")]]
+        for cmd in cmds:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise ApplianceError(f"pip download failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}",
+                                     "check this machine reaches PyPI")
+    return wh
+
+
+def _pin(name: str) -> str:
+    m = re.search(rf"^{name}==(\S+)", LOCK.read_text(), re.M)
+    return m.group(1) if m else ""
+
+
+def install_stack(cluster: Cluster, *, variant: str, venv: str, cache_url: str = DEFAULT_CACHE, creds=None,
+                  system_deps: bool = True, pip_env: dict[str, str] | None = None, sudo: bool = False,
+                  python: str = "python3.11", log=print) -> dict:
+    """Install the stack on every node into ``venv``; returns {"python", "tag", "built", "cached"}."""
+    from ..data.store import SwiftStore, open_store
+
+    tag = stack_tag(variant)
+    store, prefix = open_store(cache_url, creds)
+    if isinstance(store, SwiftStore):
+        store.ensure_container()
+    key = f"{prefix.rstrip('/') + '/' if prefix else ''}{tag}/"
+    cached = sorted(o.name for o in store.list(key) if o.name.endswith(".whl"))
+    work = Path(tempfile.mkdtemp(prefix="appliance-install-"))
+    try:
+        src = bundle(work / "bundle")
+        wheels_here = work / "wheels"
+        (wheels_here / tag).mkdir(parents=True)
+        if cached:
+            name = cached[-1]
+            with open(wheels_here / tag / Path(name).name, "wb") as fh:
+                store.get(name, fh.write)
+            log(f"[install] horovod: the wheel cache has {Path(name).name} ({tag}); no build")
+        else:
+            log(f"[install] horovod: no wheel for {tag} in {cache_url}; the head node builds it once (~5 min on "
+                f"a 2-core machine, less on a GPU node) and it is cached for every later cluster")
+        with Session(cluster) as session:
+            def inst(r: Remote) -> str:
+                return f"{r.node.workdir}/appliance/installer"
+
+            session.each(lambda r: r.put_dir(src, inst(r)))
+            session.each(lambda r: r.put_dir(wheels_here, f"{inst(r)}-wheels"))
+
+            def run(r: Remote) -> str:
+                d = inst(r)
+                env = " ".join(f"{k}={shlex.quote(v)}" for k, v in (pip_env or {}).items())
+                cmd = (f"{'sudo -n ' if sudo else ''}env {env} bash {d}/images/install-stack.sh --variant {variant} "
+                       f"--venv {shlex.quote(venv)} --lock {d}/requirements.lock --appliance {d} "
+                       f"--wheels {d}-wheels --python {shlex.quote(python)}" + (" --system-deps" if system_deps else ""))
+                res = r.run(cmd, on_line=lambda _s, line: log(f"[install|{r.node.name}] {line}")
+                            if line.startswith("install-stack") else None, timeout=3600)
+                m = re.search(r"^APPLIANCE_STACK ok .* wheel=(\S+)$", res.out, re.M)
+                if res.rc != 0 or not m:
+                    tail = (res.err.strip().splitlines() or res.out.strip().splitlines() or [f"exit {res.rc}"])[-1]
+                    raise ApplianceError(f"installing the stack on {r.node.name} failed: {tail}",
+                                         "re-run `appliance up SPEC --install` (it is idempotent); "
+                                         "`appliance doctor --cluster NAME` shows what is missing")
+                return m.group(1)
+
+            built = None
+            if not cached:  # the head builds; its wheel goes to the cache and to the other nodes
+                wheel = run(session.head)
+                r = session.head.run(f"base64 -w0 {shlex.quote(wheel)}", timeout=600)
+                if r.rc != 0:
+                    raise ApplianceError(f"cannot read the built wheel {wheel} on {cluster.head.name}")
+                local = wheels_here / tag / Path(wheel).name
+                local.write_bytes(base64.b64decode(r.out.strip()))
+                store.put(f"{key}{local.name}", local)
+                built = local.name
+                log(f"[install] horovod wheel {local.name} cached in {cache_url}{tag}/")
+                rest = [n for n in cluster.nodes if n is not cluster.head]
+                for n in rest:
+                    session[n.name].put_dir(wheels_here, f"{inst(session[n.name])}-wheels")
+                others = {n.name: session[n.name] for n in rest}
+            else:
+                others = dict(session.remotes)
+            if others:
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(max_workers=min(16, len(others))) as ex:
+                    list(ex.map(run, others.values()))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"python": f"{venv}/bin/python", "tag": tag, "built": built, "cached": bool(cached)}

@@ -1,0 +1,204 @@
+"""The appliance image: element scripts lint, `make image` refusals, `appliance doctor`, the node watchdog,
+`appliance image upload` to the local cloud's Glance, and the boot-time installer (`appliance up --install`)."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from appliance import doctor
+from appliance.checkpoint.watchdog import node_watch
+from appliance.cli import main
+from appliance.errors import ApplianceError
+from conftest import ROOT, needs_netns
+
+ELEMENT = ROOT / "images" / "elements" / "appliance-stack"
+SCRIPTS = [ROOT / "images" / "install-stack.sh", ROOT / "images" / "build.sh",
+           ROOT / "appliance" / "provision" / "contextualize.sh", ROOT / "appliance" / "provision" / "heat_boot.sh",
+           ELEMENT / "static" / "etc" / "profile.d" / "appliance.sh",
+           *sorted(p for d in ("extra-data.d", "install.d", "post-install.d") for p in (ELEMENT / d).iterdir())]
+
+
+def test_shell_scripts_pass_shellcheck():
+    sc = shutil.which("shellcheck")
+    assert sc, "shellcheck is missing: `make install` installs it (Debian package shellcheck)"
+    r = subprocess.run([sc, "-x", *map(str, SCRIPTS)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_element_layout_and_one_set_of_steps():
+    for d in ("extra-data.d", "install.d", "post-install.d"):
+        for hook in (ELEMENT / d).iterdir():
+            assert os.access(hook, os.X_OK), f"{hook} is not executable (DIB skips it)"
+    install = (ELEMENT / "install.d" / "50-appliance-stack").read_text()
+    # the image runs the same script as `make install` (cpu) and `appliance up --install`, with the gpu variant
+    assert "images/install-stack.sh" in install and '"${DIB_APPLIANCE_VARIANT:-gpu}"' in install
+    assert "images/install-stack.sh --variant cpu" in (ROOT / "Makefile").read_text()
+    copied = (ELEMENT / "extra-data.d" / "50-appliance-source").read_text()
+    for f in ("appliance", "pyproject.toml", "README.md", "requirements.lock", "images/install-stack.sh"):
+        assert f in copied and (ROOT / f).exists()
+    unit = (ELEMENT / "static" / "etc" / "systemd" / "system" / "appliance-watchdog.service").read_text()
+    assert "ExecStart=/opt/appliance/venv/bin/appliance watchdog --node" in unit
+    lock = (ROOT / "requirements.lock").read_text()
+    assert "# gpu: tensorflow==2.18.1" in lock and "# gpu: nvidia-nccl-cu12==" in lock
+
+
+def test_make_image_refuses_clearly_where_dib_cannot_run(tmp_path):
+    env = {**os.environ, "PATH": f"{tmp_path}:/usr/bin:/bin", "CC_IMAGES": ""}
+    r = subprocess.run(["bash", str(ROOT / "images" / "build.sh"), str(tmp_path / "img")], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode != 0
+    assert r.stderr.startswith("make image: error: "), r.stderr
+    assert "diskimage-builder is not installed (fix: pip install diskimage-builder" in r.stderr
+    assert not list(tmp_path.glob("img*")), "nothing is written when the build cannot run"
+
+
+def test_install_stack_rejects_bad_arguments(tmp_path):
+    script = ROOT / "images" / "install-stack.sh"
+    r = subprocess.run(["bash", str(script), "--variant", "tpu"], capture_output=True, text=True)
+    assert r.returncode == 1 and "--variant must be cpu or gpu" in r.stderr
+    r = subprocess.run(["bash", str(script), "--venv", str(tmp_path / "v")], capture_output=True, text=True)
+    assert r.returncode == 1 and "are required" in r.stderr
+    r = subprocess.run(["bash", str(script), "--venv", str(tmp_path / "v"), "--lock", str(tmp_path / "nope"),
+                        "--appliance", str(ROOT)], capture_output=True, text=True)
+    assert r.returncode == 1 and "not found" in r.stderr
+    assert not (tmp_path / "v").exists()
+
+
+def test_doctor_fails_clearly_when_the_stack_is_missing(tmp_path):
+    bare = tmp_path / "bare"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(bare)],
+                   check=True)
+    checks = {c.name: c for c in doctor.run_checks(str(bare / "bin" / "python"), str(tmp_path / "etc"))}
+    assert checks["python"].status == "ok"
+    for name in ("tensorflow", "tf-keras", "horovod"):
+        assert checks[name].status == "fail" and "install-stack.sh" in checks[name].fix, checks[name]
+    assert checks["allreduce (2 ranks)"].status == "skip"
+    assert checks["nic"].status == "skip"  # no cluster.json: not a cluster node
+    r = CliRunner().invoke(main, ["doctor", "--python", str(bare / "bin" / "python"), "--no-allreduce",
+                                  "--etc", str(tmp_path / "etc")])
+    assert r.exit_code == 1
+    assert any(line.strip().startswith("FAIL tensorflow") and "(fix: " in line for line in r.output.splitlines())
+
+
+def test_doctor_passes_on_this_machine(tmp_path):
+    checks = doctor.run_checks(sys.executable, str(tmp_path))
+    bad = [c for c in checks if c.status == "fail"]
+    assert not bad, doctor.format_checks(bad)
+    by = {c.name: c for c in checks}
+    assert by["horovod build"].status == "ok" and "Gloo" in by["horovod build"].detail
+    assert by["allreduce (2 ranks)"].status == "ok"
+    if not Path("/dev/nvidia0").exists():
+        assert by["nvidia driver"].status == "skip" and "CPU node" in by["nvidia driver"].detail
+
+
+def test_node_watchdog_stops_running_jobs_before_the_vendordata_lease_end(tmp_path):
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    vd = tmp_path / "vendordata2.json"
+    now = time.time()
+
+    def lease_end_in(seconds):
+        end = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now + seconds))
+        vd.write_text(json.dumps({"chameleon": {"lease_id": "L", "lease_end": end}}))
+
+    # a process table: a training rank (APPLIANCE_RUN_DIR in its environment) and an unrelated process
+    proc = tmp_path / "proc"
+    for pid, env in (("101", {"PATH": "/bin", "APPLIANCE_RUN_DIR": str(run_dir)}), ("102", {"PATH": "/bin"})):
+        (proc / pid).mkdir(parents=True)
+        (proc / pid / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
+    watch = dict(margin=600, once=True, vendordata=[str(vd)], proc=str(proc))
+    lease_end_in(3600)  # far away: nothing to do
+    assert node_watch(**watch, log=lambda m: None) == []
+    assert not (run_dir / "STOP").exists()
+    lease_end_in(300)  # within the margin
+    said = []
+    assert node_watch(**watch, log=said.append) == [str(run_dir)]
+    req = json.loads((run_dir / "STOP").read_text())
+    assert req["reason"] == "lease end (node watchdog)" and req["deadline"] < now + 300
+    assert "asked the job" in said[0]
+    assert node_watch(**watch, log=lambda m: None) == []  # an existing request is left as it is
+    vd.write_text("{}")  # not a Chameleon node: says so, does nothing
+    said = []
+    assert node_watch(**watch, log=said.append) == []
+    assert "no lease end" in said[0]
+
+
+def test_running_run_dirs_reads_the_real_process_table(tmp_path):
+    from appliance.checkpoint.watchdog import running_run_dirs
+
+    job = subprocess.Popen(["sleep", "60"], env={**os.environ, "APPLIANCE_RUN_DIR": str(tmp_path)})
+    try:
+        assert str(tmp_path) in running_run_dirs()
+    finally:
+        job.kill()
+        job.wait()
+    assert str(tmp_path) not in running_run_dirs()
+
+
+@pytest.mark.slow
+@needs_netns
+def test_image_upload_to_the_local_glance(cloud, tmp_path):
+    from appliance.provision.lifecycle import image_upload
+
+    img = tmp_path / "appliance-test.qcow2"
+    img.write_bytes(os.urandom(3 * 1024 * 1024 + 17))
+    md5 = hashlib.md5(img.read_bytes()).hexdigest()
+    first = image_upload(str(img), "appliance-test", cloud="local", log=lambda m: None)
+    assert first["status"] == "active" and first["size"] == img.stat().st_size and first["checksum"] == md5
+    stored = Path(os.environ["APPLIANCE_HOME"]) / "localcloud" / "images" / first["id"]
+    assert stored.exists() and hashlib.md5(stored.read_bytes()).hexdigest() == md5
+    again = image_upload(str(img), "appliance-test", cloud="local", log=lambda m: None)
+    assert again["id"] == first["id"]  # the same file again: no second image
+    r = CliRunner().invoke(main, ["image", "upload", str(tmp_path / "missing.qcow2"), "--name", "x", "--cloud", "local"])
+    assert r.exit_code != 0 and "no image file" in r.output
+    r = CliRunner().invoke(main, ["image", "upload", str(img), "--name", "x", "--cloud", "local",
+                                  "--disk-format", "vhdx"])
+    assert r.exit_code == 2
+
+
+@pytest.mark.slow
+@needs_netns
+def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path):
+    """The boot-time installer on a stock node: a fresh venv on the node's own disk, Horovod from the object
+    store's wheel cache (no build), horovodrun --check-build checked by the script, then the doctor there."""
+    from appliance.data import creds as creds_mod
+    from appliance.data.store import open_store
+    from appliance.provision import install, lifecycle
+
+    tag = install.stack_tag("cpu")
+    built = sorted((Path.home() / ".cache" / "appliance" / "wheels" / tag).glob("horovod-*.whl"))
+    assert built, f"make install builds Horovod into ~/.cache/appliance/wheels/{tag}/"
+    store, _ = open_store("swift://appliance-wheels/", creds_mod.resolve("local", log=lambda m: None))
+    store.ensure_container()
+    store.put(f"{tag}/{built[-1].name}", built[-1])  # as if an earlier cluster had built it
+    spec = tmp_path / "inst.yaml"
+    spec.write_text(textwrap.dedent(f"""\
+        name: inst
+        cloud: local
+        nodes: {{count: 1}}
+        lease: {{duration: 2h}}
+        train: {{code: {ROOT / 'examples' / 'digits'}, command: python train.py}}
+        """))
+    said = []
+    cl = lifecycle.up(str(spec), install=True, log=said.append)
+    try:
+        assert cl.python == "/mnt/local/appliance/venv/bin/python"
+        assert cl.extra["installed"] == {"tag": tag, "built": None, "cached": True}, said
+        assert any("the wheel cache has" in m for m in said)
+        assert not any("building horovod" in m for m in said)
+        results = doctor.doctor_cluster(cl)
+        checks = {c.name: c for c in results[cl.head.name]}
+        assert not [c for c in checks.values() if c.status == "fail"], doctor.format_checks(list(checks.values()))
+        assert "/mnt/local/appliance/venv" in checks["python"].detail  # the node's own new venv
+        assert checks["nic"].status == "ok"
+    finally:
+        lifecycle.down("inst", log=lambda m: None)
