@@ -96,7 +96,10 @@ heat-template: install
 
 lock:
 	@echo "regenerating requirements.lock from .venv (check the diff)"
-	{ sed -n '/^#/p' requirements.lock; $(PIP) freeze --exclude-editable | grep -v -E '^(tensorflow==|appliance)'; } > requirements.lock.new
+	@# keeps the header comments first and the `# gpu:` block (comments after the packages) last
+	{ awk '!/^#/{p=1} /^#/ && !p' requirements.lock; \
+	  $(PIP) freeze --exclude-editable | grep -v -E '^(tensorflow==|appliance)'; \
+	  awk '!/^#/{p=1} /^#/ && p' requirements.lock; } > requirements.lock.new
 	mv requirements.lock.new requirements.lock
 
 clean:

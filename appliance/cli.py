@@ -46,6 +46,7 @@ def main():
       appliance status digits                  # lease time left, nodes
       appliance down digits                    # servers, floating IP, lease: gone
     Without any cloud: `appliance testbed up --nodes 2`, then `appliance train SPEC`.
+    Before spending a lease: `appliance bench SPEC` (throughput, scaling); is a node ready: `appliance doctor`.
     """
 
 
