@@ -14,6 +14,7 @@ Results: bench/results/ckpt.json, ckpt.md, ckpt.png.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import random
 import statistics
@@ -30,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 from appliance import localcloud  # noqa: E402
 from appliance.checkpoint.store import CheckpointStore  # noqa: E402
 from appliance.data import creds as creds_mod  # noqa: E402
+from appliance.data import remove  # noqa: E402
+from appliance.errors import ApplianceError  # noqa: E402
 from appliance.provision import lifecycle  # noqa: E402
 from appliance.spec import load_spec  # noqa: E402
 from appliance.train.launch import train  # noqa: E402
@@ -52,7 +55,10 @@ def lease_left(cluster) -> float:
 
 
 def run(spec_path: str, cluster, out=None):
-    res = train(load_spec(spec_path), cluster, out=out or (lambda line: None))
+    spec = load_spec(spec_path)
+    if spec.checkpoint.url:  # every job starts the run over at step 0: remove the last job's checkpoints first
+        remove(f"{spec.checkpoint.url.rstrip('/')}/{spec.name}/", cloud="local", log=lambda m: None)
+    res = train(spec, cluster, out=out or (lambda line: None))
     return res
 
 
@@ -105,12 +111,9 @@ def lease_trial(d: Path, cluster, hidden: int, every: int, store: CheckpointStor
     t.join()
     st = res.stopped or {}
     last_run = max(r["steps"] for r in res.results.values()) if res.results else None
-    newest = store.committed()[0].step if store.committed() else None
-    # the next trial gets a fresh day of lease
-    prof = lifecycle.profile_for(cluster, log=lambda m: None)
-    import datetime as dt
-
-    prof.cloud.extend_lease(cluster.lease_id, by=dt.timedelta(days=1))
+    # the checkpoint this job committed when it stopped, as the store has it (the run's older checkpoints, from
+    # the overhead runs or earlier trials, are not this trial's)
+    newest = next((c.step for c in store.committed() if c.name == st.get("checkpoint")), None)
     return {"delay_s": round(delay, 2), "exit_code": res.exit_code, "stop_step": st.get("step"),
             "committed": st.get("committed"), "last_step_run": last_run, "newest_committed": newest,
             "steps_lost": None if last_run is None or newest is None else last_run - newest,
@@ -126,6 +129,7 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=250)
     ap.add_argument("--hidden", type=int, nargs="+", default=[512, 1536])
     ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--skip-overhead", action="store_true", help="only the lease-end trials (keeps the last overhead)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tools-venv", default=str(ROOT / "bench" / ".venv-tools"))
     args = ap.parse_args()
@@ -135,10 +139,11 @@ def main() -> int:
     base = write_spec(d, "bench", "python ckpt_job.py", None)
     cluster = lifecycle.up(base, log=print)
     store = CheckpointStore("swift://bench-ckpt/", "bench", creds_mod.resolve("local", log=lambda m: None))
-    result = {"command": "make bench-ckpt", "machine": "2 cores, co-located Swift + 2 netns nodes",
+    result = {"command": "make bench-ckpt" if not args.skip_overhead else
+              "make bench-ckpt for the overhead; the trials: python bench/ckpt_bench.py --skip-overhead", "machine": "2 cores, co-located Swift + 2 netns nodes",
               "overhead": [], "trials": []}
     try:
-        for h in args.hidden:
+        for h in [] if args.skip_overhead else args.hidden:
             print(f"overhead, hidden {h}", flush=True)
             result["overhead"].append(overhead(d, cluster, h, args.every, args.repeats, args.epochs))
             print(json.dumps(result["overhead"][-1]), flush=True)
@@ -148,6 +153,12 @@ def main() -> int:
             tr["hidden"] = h
             result["trials"].append(tr)
             print(f"trial {i + 1}/{args.trials}: {json.dumps(tr)}", flush=True)
+            try:  # the next trial gets a fresh day of lease
+                lifecycle.profile_for(cluster, log=lambda m: None).cloud.extend_lease(
+                    cluster.lease_id, by=dt.timedelta(days=1))
+            except ApplianceError as e:  # the job's teardown outlasted the 30 s left: the lease ended, re-lease
+                print(f"({e}; a new lease for the next trial)", flush=True)
+                cluster = lifecycle.up(base, log=print)
     finally:
         lifecycle.down("bench", log=print)
     prev = Path(args.out) / "ckpt.json"
@@ -182,7 +193,7 @@ def main() -> int:
 
 def report(r: dict) -> str:
     s = r["summary"]
-    lines = ["# Checkpoint benchmark (`make bench-ckpt`)", "",
+    lines = ["# Checkpoint benchmark", "", f"Command: {r['command']}.", "",
              f"Machine: {r['machine']}. Job: bench/ckpt_job/ckpt_job.py (MLP, synthetic data, 2 ranks).", "",
              "## Step rate with checkpoints / without (goal >= 0.98)", "",
              "Best of the interleaved runs of each mode; `spread` is (max - min) / max over a mode's runs.", "",

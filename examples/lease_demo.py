@@ -22,7 +22,7 @@ import yaml
 
 from appliance import localcloud
 from appliance.checkpoint.resume import resume
-from appliance.data import stage_spec
+from appliance.data import remove, stage_spec
 from appliance.provision import lifecycle
 from appliance.spec import load_spec
 from appliance.train.launch import train
@@ -40,6 +40,10 @@ def weights(res) -> str:
 def main() -> int:
     spec_path = sys.argv[1] if len(sys.argv) > 1 else "examples/digits.yaml"
     spec = load_spec(spec_path)
+    if spec.checkpoint.url:  # the demo starts its run over: an earlier demo's checkpoints would be resumed
+        n = remove(f"{spec.checkpoint.url.rstrip('/')}/{spec.name}/", cloud=spec.cloud, log=lambda m: None)
+        if n:
+            print(f"removed {n} object(s) of an earlier run of {spec.name} from {spec.checkpoint.url}")
     say(f"1. up + stage: {spec_path}")
     cluster = lifecycle.up(spec_path)
     stage_spec(spec_path)

@@ -67,3 +67,27 @@ def test_run_record_counts_lost_node_time(appliance_home):
     assert 70 < rec["node_seconds_lost"] < 100  # ~40 s after the last commit x 2 nodes
     row = [r for r in runs.list_runs() if r["run"] == "rec"][0]
     assert row["last_checkpoint"] == "ckpt-000000020" and row["node_hours_used"] == round(200 / 3600, 3)
+
+
+def test_a_fresh_job_refuses_a_run_that_has_committed_checkpoints(tmp_path):
+    """Its checkpoints (from step 0) would sort behind the old ones and be pruned as soon as committed."""
+    from appliance.checkpoint.job import JobCheckpoints
+    from appliance.cluster import Cluster, Node
+    from appliance.errors import ApplianceError
+    from appliance.remote import LocalRemote
+    from appliance.spec import load_spec
+    from conftest import write_spec
+
+    store = tmp_path / "store"
+    (store / "guard" / "ckpt-000000100").mkdir(parents=True)
+    (store / "guard" / "ckpt-000000100" / "MANIFEST.json").write_text("{}")
+    spec = load_spec(write_spec(tmp_path, "python x.py", code=tmp_path, name="guard",
+                                extra=f"checkpoint: {{url: 'file://{store}/', every_steps: 5}}\n"))
+    node = Node("local", "127.0.0.1", None, str(tmp_path / "work"))
+    cl = Cluster(name="", cloud="testbed", nodes=[node])
+    jc = JobCheckpoints(spec, cl, LocalRemote(node), str(tmp_path / "run"), lambda m: None)
+    with pytest.raises(ApplianceError) as e:
+        jc.prepare()
+    assert "already has 1 committed checkpoint" in str(e.value) and "appliance resume guard" in str(e.value)
+    assert not (store / "guard" / "spec.yaml").exists()  # a refused job writes nothing
+    assert jc.prepare(fresh=False)["APPLIANCE_CKPT_URL"] == f"file://{store}/"  # a resume goes ahead

@@ -49,8 +49,10 @@ class JobCheckpoints:
         self._old_sigterm = None
         self._lock = threading.Lock()
 
-    def prepare(self) -> dict[str, str]:
-        """Set up the head node; returns the ranks' extra environment."""
+    def prepare(self, fresh: bool = True) -> dict[str, str]:
+        """Set up the head node; returns the ranks' extra environment. ``fresh``: the job starts at step 0 (not a
+        resume), so the run must not have committed checkpoints already: its own would sort (by step) behind
+        them and be pruned as soon as they were committed."""
         spec, ck = self.spec, self.spec.checkpoint
         env = {"APPLIANCE_STOP_FILE": self.stop_file, "APPLIANCE_SPEC_HASH": spec.digest or "",
                "APPLIANCE_CODE_HASH": code_hash(spec.code_dir)}
@@ -71,19 +73,33 @@ class JobCheckpoints:
             from ..data import creds as creds_mod
 
             creds = creds_mod.resolve(spec.cloud, spec.site, log=lambda m: None).scoped()
+        old, cs = [], None
+        try:
+            cs = CheckpointStore(ck.url, spec.name, creds)
+            retrying(cs.ensure_container, what="create the checkpoint container", attempts=4)
+            old = cs.committed() if fresh else []
+        except Exception as e:  # the job can still run; rank 0 retries its uploads
+            self.say(f"[appliance] warning: cannot reach {ck.url} yet ({type(e).__name__}: {e})")
+            cs = None
+        if old:  # checked before anything is written, so a refused job changes nothing
+            where = f"{ck.url.rstrip('/')}/{spec.name}/"
+            raise ApplianceError(f"run {spec.name!r} already has {len(old)} committed checkpoint(s) in {where} "
+                                 f"(newest {old[0].name}); a new job would start at step 0 and its checkpoints would "
+                                 f"be pruned behind those",
+                                 f"continue the run with `appliance resume {spec.name}`, or start it over: "
+                                 f"`appliance data rm {where} --yes`, or give the spec a new name")
+        if creds is not None:
             self.creds_file = f"{self.run_dir}/.store-creds.json"
             body = json.dumps({k: v for k, v in creds.__dict__.items() if v not in (None, {})}).encode()
             self.head.run(f"umask 077 && cat > {shlex.quote(self.creds_file)}", stdin=body, check=True)
             env["APPLIANCE_CKPT_CREDS"] = self.creds_file
-        try:
-            cs = CheckpointStore(ck.url, spec.name, creds)
-            retrying(cs.ensure_container, what="create the checkpoint container", attempts=4)
-            if spec.path and Path(spec.path).exists():
-                text = Path(spec.path).read_text()
+        if cs is not None and spec.path and Path(spec.path).exists():
+            text = Path(spec.path).read_text()
+            try:
                 retrying(lambda: cs.put_text("spec.yaml", text, Path(spec.path).parent), what="save the spec",
                          attempts=4)
-        except Exception as e:  # the job can still run; rank 0 retries its uploads
-            self.say(f"[appliance] warning: could not write the spec to {ck.url} ({type(e).__name__}: {e})")
+            except Exception as e:
+                self.say(f"[appliance] warning: could not write the spec to {ck.url} ({type(e).__name__}: {e})")
         return env
 
     def start(self) -> None:

@@ -396,7 +396,12 @@ class OpenStackCloud:
         raise ApplianceError(f"could not attach floating IP {fip.floating_ip_address}: {last}")
 
     def release_floating_ip(self, fip_id: str) -> None:
-        ip = self.conn.network.get_ip(fip_id)
+        import openstack.exceptions
+
+        try:
+            ip = self.conn.network.get_ip(fip_id)
+        except openstack.exceptions.NotFoundException:  # released already (a reserved FIP goes at the lease end)
+            return
         if ip is None:
             return
         if "blazar" in (ip.tags or []):

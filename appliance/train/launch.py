@@ -305,7 +305,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             session.each(lambda r: r.put_dir(spec.code_dir, cdir))
             say(f"[appliance] copied {spec.code_dir} to {cdir} on {len(cluster.nodes)} node(s)")
             ckpts = JobCheckpoints(spec, cluster, session.head, run_dir(cluster, spec.name), say)
-            env_more = ckpts.prepare()
+            env_more = ckpts.prepare(fresh=restore is None)
             if restore:
                 env_more["APPLIANCE_RESTORE"] = restore
             env_more.update(extra_env or {})
