@@ -109,13 +109,20 @@ def _base(name: str) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(name: str):
+def _locked(name: str, wait: float = 0.0):
+    """The testbed's lock. ``wait``: seconds to wait for it (the local cloud boots and deletes servers in
+    parallel threads, one node at a time each); 0 = fail at once (two CLI commands on one testbed)."""
     with open(paths.testbeds_dir() / f".{name}.lock", "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ApplianceError(f"testbed {name}: another `appliance testbed up/down` is running on it",
-                                 "wait for it to finish, then run the command again") from None
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ApplianceError(f"testbed {name}: another `appliance testbed up/down` is running on it",
+                                         "wait for it to finish, then run the command again") from None
+                time.sleep(0.05)
         yield
 
 
@@ -409,7 +416,7 @@ def ensure_bridge(name: str) -> Testbed:
 
 def add_node(name: str, node_name: str, authorized_keys: str, *, ready_timeout: float = 20.0) -> TestbedNode:
     """Boot one node on testbed ``name`` and wait for its sshd. Returns the node record."""
-    with _locked(name):
+    with _locked(name, wait=120):
         tb = load(name)
         if tb is None:
             raise ApplianceError(f"testbed {name} does not exist")
@@ -422,7 +429,7 @@ def add_node(name: str, node_name: str, authorized_keys: str, *, ready_timeout: 
 
 def remove_node(name: str, node_name: str) -> list[str]:
     """Delete one node: its processes, namespace, link, disk and pinned key."""
-    with _locked(name):
+    with _locked(name, wait=120):
         tb = load(name)
         if tb is None:
             return []
