@@ -212,7 +212,7 @@ def report(r: dict) -> str:
     for h, v in s["deadline_to_commit_s"].items():
         if v:
             lines.append(f"| {h} | {v[0]:.2f} / {statistics.median(v):.2f} / {v[-1]:.2f} |")
-    lines += ["", "Deadline -> commit includes the watchdog's poll (1 s on the local cloud, 60 s on Chameleon), "
+    lines += ["", "Deadline -> commit includes the watchdog's poll (0.5 s on the local cloud, up to 60 s on Chameleon), "
               "the step in flight, the save, the upload to Swift and its verification.", ""]
     return "\n".join(lines) + "\n"
 
