@@ -151,8 +151,12 @@ def listing(url: str, *, cloud: str = "local", site: str | None = None, log=prin
 
 
 def remove(url: str, *, cloud: str = "local", site: str | None = None, log=print) -> int:
+    """Delete every object under URL; returns how many (0 when the container does not exist)."""
     store, prefix = _open(url, cloud, site, log)
-    names = [o.name for o in store.list(prefix)]
+    try:
+        names = [o.name for o in store.list(prefix)]
+    except FileNotFoundError:
+        return 0
     with ThreadPoolExecutor(max_workers=16) as ex:
         list(ex.map(store.delete, names))
     return len(names)
