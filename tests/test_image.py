@@ -135,7 +135,10 @@ def test_node_watchdog_stops_running_jobs_before_the_vendordata_lease_end(tmp_pa
 def test_running_run_dirs_reads_the_real_process_table(tmp_path):
     from appliance.checkpoint.watchdog import running_run_dirs
 
-    job = subprocess.Popen(["sleep", "60"], env={**os.environ, "APPLIANCE_RUN_DIR": str(tmp_path)})
+    # the child says when it runs: before its exec, /proc shows the parent's environment
+    job = subprocess.Popen(["sh", "-c", "echo ready; exec sleep 60"], stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "APPLIANCE_RUN_DIR": str(tmp_path)})
+    assert job.stdout.readline().strip() == "ready"
     try:
         assert str(tmp_path) in running_run_dirs()
     finally:
