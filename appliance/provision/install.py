@@ -30,11 +30,12 @@ LOCK = ROOT / "requirements.lock"
 DEFAULT_CACHE = "swift://appliance-wheels/"
 
 
-def stack_tag(variant: str, lock: Path = LOCK) -> str:
-    tf = re.search(r"^tensorflow_cpu==(\S+)", lock.read_text(), re.M)
+def stack_tag(variant: str) -> str:
+    """The wheel-cache key install-stack.sh uses: TF version, variant, Python."""
+    tf = _pin("tensorflow_cpu")
     if not tf:
-        raise ApplianceError(f"{lock} lacks the tensorflow_cpu pin")
-    return f"tf{tf.group(1)}-{variant}-py3.11"
+        raise ApplianceError(f"{LOCK} lacks the tensorflow_cpu pin")
+    return f"tf{tf}-{variant}-py3.11"
 
 
 def bundle(dest: Path) -> Path:
