@@ -18,7 +18,8 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make deploy   install, local cloud, digits to its Swift, up 2 nodes, stage, train until the lease ends, resume, down"
-	@echo "make test     install, then run every test (multi-node ones included)"
+	@echo "make test     install, then the import-layers contract and every test (multi-node ones included)"
+	@echo "make test-fast  the contract and the fast tier only (pytest -m \"not e2e\", under a minute)"
 	@echo "make install  only install (.venv with the pinned stack, Debian packages for the testbed)"
 	@echo "make bench    benchmarks: bench-train (appliance bench: throughput, scaling, launch overhead),"
 	@echo "              bench-stage (staging vs rclone/s5cmd/aws/swift), bench-ckpt (checkpoint overhead,"
@@ -58,11 +59,15 @@ deploy: install
 	@echo "  appliance cloud stop                  # stop the local cloud"
 	@echo "  OS_CLOUD=CHI@UC appliance up my.yaml  # the same on Chameleon (docs/chameleon.md)"
 
+# The import-layers contract first (.importlinter, docs/architecture.md), then both tiers.
 test: install
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
+# The fast tier: no root, no namespaces, no stores, under a minute.
 test-fast: install
-	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/pytest -m "not e2e" $(PYTEST_ARGS)
 
 bench/.venv-tools/.installed: bench/requirements-tools.txt
 	test -x bench/.venv-tools/bin/python || $(PYTHON) -m venv bench/.venv-tools

@@ -75,10 +75,10 @@ def testbed_up(nodes, slots, name, mode, as_json):
       ssh -i ~/.appliance/testbeds/tb/id_ed25519 \\
           -o UserKnownHostsFile=~/.appliance/testbeds/tb/known_hosts root@10.77.0.11
     """
-    from . import testbed as tbm
+    from . import flows
 
-    tbm.up(name, nodes, slots=slots, mode=mode, log=_quiet if as_json else click.echo)
-    st = tbm.status(name)
+    flows.testbed_up(name, nodes, slots=slots, mode=mode, log=_quiet if as_json else click.echo)
+    st = flows.testbed_status(name)
     if as_json:
         _json_out(st)
     else:
@@ -90,9 +90,9 @@ def testbed_up(nodes, slots, name, mode, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def testbed_down(name, as_json):
     """Remove the testbed: its processes (by PID), namespaces, bridge and state. Safe to repeat."""
-    from . import testbed as tbm
+    from . import flows
 
-    removed = tbm.down(name, log=_quiet if as_json else click.echo)
+    removed = flows.testbed_down(name, log=_quiet if as_json else click.echo)
     if as_json:
         _json_out({"name": name, "removed": removed})
 
@@ -102,9 +102,9 @@ def testbed_down(name, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def testbed_status(name, as_json):
     """Show the testbed's nodes, addresses and whether each sshd answers. Exit 1 if a node is down."""
-    from . import testbed as tbm
+    from . import flows
 
-    st = tbm.status(name)
+    st = flows.testbed_status(name)
     if as_json:
         _json_out(st)
     else:
@@ -145,27 +145,27 @@ def cloud():
 @click.option("--json", "as_json", is_flag=True)
 def cloud_start(time_scale, as_json):
     """Start the local cloud (no-op if it runs)."""
-    from . import localcloud
+    from . import flows
 
-    st = localcloud.start(time_scale=time_scale, log=_quiet if as_json else click.echo)
+    st = flows.cloud_start(time_scale=time_scale, log=_quiet if as_json else click.echo)
     _json_out(st) if as_json else click.echo(f"local cloud at {st['endpoint']}, clock {st.get('now')} UTC")
 
 
 @cloud.command("stop")
 def cloud_stop():
     """Stop the local cloud; its servers (testbed nodes) are deleted."""
-    from . import localcloud
+    from . import flows
 
-    localcloud.stop(log=click.echo)
+    flows.cloud_stop(log=click.echo)
 
 
 @cloud.command("status")
 @click.option("--json", "as_json", is_flag=True)
 def cloud_status(as_json):
     """Whether the local cloud runs, where, and its clock. Exit 1 if it is not running."""
-    from . import localcloud
+    from . import flows
 
-    st = localcloud.status()
+    st = flows.cloud_status()
     if as_json:
         _json_out(st)
     elif st["running"]:
@@ -214,9 +214,9 @@ def _print_lease(d: dict) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def lease_create(spec, start, as_json):
     """Reserve the spec's nodes (nodes.count x nodes.node_type) for lease.duration."""
-    from .provision import lifecycle
+    from . import flows
 
-    d = lifecycle.lease_create(spec, start=start, log=_quiet if as_json else click.echo)
+    d = flows.lease_create(spec, start=start, log=_quiet if as_json else click.echo)
     _json_out(d) if as_json else _print_lease(d)
 
 
@@ -227,9 +227,9 @@ def lease_create(spec, start, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def lease_show(lease_id, cloud_kind, site, as_json):
     """Status, dates, time left and the reservation id of one lease."""
-    from .provision import lifecycle
+    from . import flows
 
-    d = lifecycle.lease_show(lease_id, cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    d = flows.lease("show", lease_id, cloud=cloud_kind or _default_cloud(), site_name=site)
     _json_out(d) if as_json else _print_lease(d)
 
 
@@ -239,9 +239,9 @@ def lease_show(lease_id, cloud_kind, site, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def lease_list(cloud_kind, site, as_json):
     """Your leases on the site."""
-    from .provision import lifecycle
+    from . import flows
 
-    items = lifecycle.lease_list(cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    items = flows.lease("list", cloud=cloud_kind or _default_cloud(), site_name=site)
     if as_json:
         _json_out(items)
     else:
@@ -260,9 +260,9 @@ def lease_list(cloud_kind, site, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def lease_extend(lease_id, by, to, cloud_kind, site, as_json):
     """Move the lease's end (an absolute end date is sent). Refused outside the 48 h window, with when it opens."""
-    from .provision import lifecycle
+    from . import flows
 
-    d = lifecycle.lease_extend(lease_id, by=by, to=to, cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    d = flows.lease("extend", lease_id, by=by, to=to, cloud=cloud_kind or _default_cloud(), site_name=site)
     _json_out(d) if as_json else _print_lease(d)
 
 
@@ -273,11 +273,11 @@ def lease_extend(lease_id, by, to, cloud_kind, site, as_json):
 @click.option("--yes", is_flag=True, help="Do not ask.")
 def lease_delete(lease_id, cloud_kind, site, yes):
     """Delete a lease: its servers are deleted with it."""
-    from .provision import lifecycle
+    from . import flows
 
     if not yes:
         click.confirm(f"delete lease {lease_id} and every server on it?", abort=True)
-    ok = lifecycle.lease_delete(lease_id, cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    ok = flows.lease("delete", lease_id, cloud=cloud_kind or _default_cloud(), site_name=site)
     click.echo(f"lease {lease_id} deleted" if ok else f"no lease {lease_id} (already gone)")
 
 
@@ -287,7 +287,7 @@ def lease_delete(lease_id, cloud_kind, site, yes):
 
 def _cluster_name(name_or_spec: str) -> str:
     if name_or_spec.endswith((".yaml", ".yml")):
-        from .spec import load_spec
+        from .sites import load_spec
 
         return load_spec(name_or_spec).name
     return name_or_spec
@@ -312,9 +312,9 @@ def up_cmd(spec, lease_id, install, variant, wheel_cache, as_json):
     again after a failure makes only what is missing (servers in ERROR are replaced); after the
     lease has ended it makes a new lease.
     """
-    from .provision import lifecycle
+    from . import flows
 
-    cl = lifecycle.up(spec, lease_id=lease_id, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo,
+    cl = flows.up(spec, lease_id=lease_id, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo,
                       install=install, variant=variant, wheel_cache=wheel_cache)
     if as_json:
         import dataclasses
@@ -339,9 +339,9 @@ def adopt_cmd(stack, cloud_kind, site, key_name, key_file, slots, as_json):
     node's host key from its console log, writes the cluster's state file and contextualizes it, so
     that `appliance train SPEC --cluster STACK`, `stage`, `status` and `resume` work on it.
     """
-    from .provision.heat import adopt
+    from . import flows
 
-    cl = adopt(stack, cloud=cloud_kind, site=site, key_name=key_name, key_file=key_file, slots=slots,
+    cl = flows.adopt(stack, cloud=cloud_kind, site_name=site, key_name=key_name, key_file=key_file, slots=slots,
                log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
     if as_json:
         import dataclasses
@@ -354,9 +354,9 @@ def adopt_cmd(stack, cloud_kind, site, key_name, key_file, slots, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def status_cmd(name, as_json):
     """Lease time left, nodes and addresses of a cluster (NAME, or the SPEC that made it)."""
-    from .provision import lifecycle
+    from . import flows
 
-    st = lifecycle.status(_cluster_name(name))
+    st = flows.status(_cluster_name(name))
     if as_json:
         _json_out(st)
         return
@@ -374,12 +374,12 @@ def status_cmd(name, as_json):
 @click.option("--yes", is_flag=True, help="Do not ask.")
 def down_cmd(name, yes):
     """Delete a cluster's servers, release its floating IP, delete its lease (NAME, or its SPEC)."""
-    from .provision import lifecycle
+    from . import flows
 
     cname = _cluster_name(name)
     if not yes:
         click.confirm(f"delete cluster {cname}: its servers (and their local disks) and its lease?", abort=True)
-    lifecycle.down(cname, log=click.echo)
+    flows.down(cname, log=click.echo)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,7 +393,7 @@ def check_spec(spec, as_json):
     """Validate a run spec; print it as the appliance understands it. Exit 2 if invalid."""
     import dataclasses
 
-    from .spec import load_spec
+    from .sites import load_spec
 
     s = load_spec(spec)
     if as_json:
@@ -416,10 +416,10 @@ def stage_cmd(spec, cluster, concurrency, as_json):
     names), so rank r's input pipeline reads only what is local. A re-run fetches only what is
     missing or changed (a manifest on each node). Free space is checked before starting.
     """
-    from .data import stage_spec
+    from . import flows
 
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
-    res = stage_spec(spec, cluster, out=say, log=say, concurrency=concurrency)
+    res = flows.stage_spec(spec, cluster, out=say, log=say, concurrency=concurrency)
     if as_json:
         _json_out(res)
 
@@ -438,9 +438,10 @@ def data():
               help="Bytes; larger files become SLOs of segments this size (Swift caps one object at 5 GiB).")
 def data_upload(src, url, cloud_kind, site, segment_size):
     """Upload a file or a directory tree to URL/<relative path>."""
-    from .data import upload
+    from . import flows
 
-    upload(src, url, cloud=cloud_kind or _default_cloud(), site=site, segment_size=segment_size, log=click.echo)
+    flows.data_upload(src, url, cloud=cloud_kind or _default_cloud(), site_name=site, segment_size=segment_size,
+                      log=click.echo)
 
 
 @data.command("pack")
@@ -459,10 +460,10 @@ def data_pack(src, url, shard_size, fmt, cloud_kind, site, as_json):
     Files sharing a key (the name up to the first dot: 0001.jpg, 0001.cls) form one sample and
     stay in one shard. Read them back with examples/packed/input_pipeline.py.
     """
-    from .data import pack_dir
+    from . import flows
 
-    idx = pack_dir(src, url, shard_size=shard_size, fmt=fmt, cloud=cloud_kind or _default_cloud(), site=site,
-                   log=_quiet if as_json else click.echo)
+    idx = flows.data_pack(src, url, shard_size=shard_size, fmt=fmt, cloud=cloud_kind or _default_cloud(),
+                          site_name=site, log=_quiet if as_json else click.echo)
     if as_json:
         _json_out(idx)
 
@@ -474,9 +475,9 @@ def data_pack(src, url, shard_size, fmt, cloud_kind, site, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def data_ls(url, cloud_kind, site, as_json):
     """List objects under URL (every page: no 10,000-name cap)."""
-    from .data import listing
+    from . import flows
 
-    items = listing(url, cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    items = flows.data_list(url, cloud=cloud_kind or _default_cloud(), site_name=site)
     if as_json:
         _json_out(items)
     else:
@@ -492,11 +493,11 @@ def data_ls(url, cloud_kind, site, as_json):
 @click.option("--yes", is_flag=True)
 def data_rm(url, cloud_kind, site, yes):
     """Delete every object under URL (SLO segments too)."""
-    from .data import remove
+    from . import flows
 
     if not yes:
         click.confirm(f"delete every object under {url}?", abort=True)
-    n = remove(url, cloud=cloud_kind or _default_cloud(), site=site, log=_quiet)
+    n = flows.data_remove(url, cloud=cloud_kind or _default_cloud(), site_name=site)
     click.echo(f"deleted {n} object(s)")
 
 
@@ -512,22 +513,19 @@ def train_cmd(spec, cluster, as_json):
     If a rank crashes or a node dies the job is stopped (within ~30 s) and the message
     names the rank and node. The full log is kept under ~/.appliance/runs/RUN/.
     """
-    from .train.launch import train_spec
+    from . import flows
 
     out = (lambda line: click.echo(line, err=True)) if as_json else None
-    res = train_spec(spec, cluster, out=out, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
+    res = flows.train_spec(spec, cluster, out=out, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
     _report(res, as_json)
 
 
 def _report(res, as_json: bool) -> None:
     """The job summary (text or JSON), then the job's exit code."""
+    from .flows import job_summary
     from .train.launch import check
 
     summary = job_summary(res)
-    if res.cluster_cloud in ("local", "chameleon"):
-        summary["next"] = [f"  appliance status {res.run}        # lease time left, nodes",
-                           f"  appliance down {res.run} --yes   # delete servers, FIP and lease",
-                           "  appliance cloud stop              # stop the local cloud" if res.cluster_cloud == "local" else ""]
     if as_json:
         _json_out(summary)
     else:
@@ -556,10 +554,10 @@ def resume_cmd(run, spec_path, cluster, nodes, url, as_json):
        continues with the spec's checkpoint.resize policy (lr or batch) and says so
     Exit codes as `appliance train`: 0 done, 75 stopped again before a lease end (resume again).
     """
-    from .checkpoint.resume import resume
+    from . import flows
 
     log = (lambda m: click.echo(m, err=True)) if as_json else click.echo
-    res = resume(run, spec_path=spec_path, cluster_name=cluster, nodes=nodes, url=url,
+    res = flows.resume(run, spec_path=spec_path, cluster_name=cluster, nodes=nodes, url=url,
                  out=(lambda line: click.echo(line, err=True)) if as_json else None, log=log)
     if res is None:
         if as_json:
@@ -623,26 +621,16 @@ def bench_cmd(spec, cluster, models, batch_sizes, nodes, steps, warmup, precisio
     """
     from pathlib import Path
 
-    from .bench import BenchConfig
-    from .bench import overhead as measure_overhead
-    from .bench import report, run_bench
-    from .spec import load_spec
-    from .train.launch import resolve_cluster
+    from . import flows
+    from .bench import BenchConfig, report
 
     log = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     out = (lambda line: click.echo(line, err=True)) if as_json else None
     cfg = BenchConfig(models=models, batch_sizes=batch_sizes, nodes=nodes, steps=steps, warmup=warmup,
                       precision=precision, image_size=image_size)
-    s = load_spec(spec)
-    cl = resolve_cluster(s, cluster, log=log)
+    rep = flows.bench(spec, cluster, cfg, overhead=overhead, repeats=repeats, out_dir=out_dir,
+                      command=_command_line(), out=out, log=log)
     if overhead:
-        rep = measure_overhead(s, cl, cfg, repeats=repeats, out=out, log=log)
-        rep["command"] = _command_line()
-        if out_dir:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            (Path(out_dir) / "overhead.json").write_text(json.dumps(rep, indent=1) + "\n")
-            (Path(out_dir) / "overhead.md").write_text(
-                f"# Launch overhead\n\nCommand: `{rep['command']}`\n\n" + "\n".join(report.overhead_lines(rep)) + "\n")
         if as_json:
             _json_out(rep)
         else:
@@ -650,8 +638,6 @@ def bench_cmd(spec, cluster, models, batch_sizes, nodes, steps, warmup, precisio
             for line in report.overhead_lines(rep):
                 click.echo(line)
         return
-    rep = run_bench(s, cl, cfg, out_dir=Path(out_dir) if out_dir else None, out=out, log=log,
-                    command=_command_line())
     if as_json:
         _json_out(rep)
         return
@@ -684,9 +670,9 @@ def image():
 @click.option("--json", "as_json", is_flag=True)
 def image_upload_cmd(path, name, disk_format, cloud_kind, site, as_json):
     """Upload a built image to the site's Glance (private). Re-running with the same file is a no-op."""
-    from .provision.lifecycle import image_upload
+    from . import flows
 
-    img = image_upload(path, name, cloud=cloud_kind or _default_cloud(), site=site, disk_format=disk_format,
+    img = flows.image_upload(path, name, cloud=cloud_kind or _default_cloud(), site_name=site, disk_format=disk_format,
                        log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
     if as_json:
         _json_out(img)
@@ -711,16 +697,10 @@ def doctor_cmd(cluster, python, etc, no_allreduce, as_json):
       appliance doctor                    # on a node, e.g. after `ssh cc@HEAD`
       appliance doctor --cluster digits   # every node of a cluster, from your machine
     """
-    from . import doctor as dr
+    from . import flows
+    from .node import doctor as dr
 
-    if cluster:
-        from .cluster import load_cluster
-
-        per_node = dr.doctor_cluster(load_cluster(cluster), allreduce=not no_allreduce)
-    else:
-        import socket
-
-        per_node = {socket.gethostname(): dr.run_checks(python, etc, allreduce=not no_allreduce)}
+    per_node = flows.doctor(cluster, python, etc, allreduce=not no_allreduce)
     failed = any(c.status == "fail" for checks in per_node.values() for c in checks)
     if as_json:
         _json_out({node: dr.as_dicts(checks) for node, checks in per_node.items()})
@@ -746,7 +726,7 @@ def watchdog_cmd(on_node, margin, poll, once):
     `appliance train` watches the lease itself (and can extend it); this covers jobs whose launcher
     went away. It writes the job's STOP file; rank 0 stops every rank after the same step and commits.
     """
-    from .checkpoint.watchdog import node_watch
+    from .flows import node_watch
     from .spec import duration_seconds
 
     try:
@@ -767,7 +747,7 @@ def runs_cmd(as_json):
     status: running | stopped (resumable: `appliance resume RUN`) | complete | failed
     node-hours lost: node time spent after the last commit of a job that then failed.
     """
-    from .checkpoint.resume import list_runs
+    from .flows import list_runs
 
     rows = list_runs()
     if as_json:
@@ -789,22 +769,6 @@ def runs_cmd(as_json):
         click.echo(f"{r['run']:<20} {r['status']:<9} {r['step']:>7} {r['last_checkpoint'] or '-':<16} "
                    f"{age(r['checkpoint_age_s']):>6} {age(r['lease_left_s']):>10} {r['node_hours_used']:>11.3f} "
                    f"{r['node_hours_lost']:>6.3f}")
-
-
-def job_summary(res) -> dict:
-    r0 = res.results.get(0, {})
-    return {
-        "job_id": res.job_id, "exit_code": res.exit_code, "failure": res.failure,
-        "ranks": res.world_size, "nodes": sorted(set(res.rank_hosts)), "hostnames_reported": res.hostnames,
-        "ranks_reported": sorted(res.results), "epochs": r0.get("epochs"),
-        "val_accuracy": r0.get("val_accuracy"),
-        "same_weights_on_all_ranks": len({r.get("weights_sha256") for r in res.results.values()}) == 1
-        if res.results else None,
-        "wall_seconds": round(res.wall_s, 1), "log": res.log_path, "run": res.run,
-        "stopped": res.stopped, "resumed": res.resumed,
-        "checkpoints_committed": len(res.commits),
-        "last_checkpoint": res.commits[-1]["name"] if res.commits else None,
-    }
 
 
 def format_summary(s: dict) -> list[str]:

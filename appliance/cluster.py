@@ -33,9 +33,35 @@ class Node:
 
 
 @dataclass
+class SiteRecord:
+    """What a site made for a cluster, so `up` can resume and `down` finds everything (no secrets)."""
+
+    region: str | None = None  # CHI@UC, CHI@TACC (None: the default of clouds.yaml / OS_REGION_NAME)
+    key_name: str | None = None  # the Nova key pair the servers were booted with
+    key_file: str | None = None  # its private key on the launcher
+    spec_path: str | None = None
+    servers: dict[str, str] = field(default_factory=dict)  # node name -> server id, as soon as asked for
+    fip_reservation_id: str | None = None  # the lease's reserved floating IP, if any
+    fip_id: str | None = None  # the floating IP attached to the head
+    installed: dict = field(default_factory=dict)  # `up --install`: the stack tag, built or from the cache
+    stack: str | None = None  # `adopt`: the Heat stack
+    stack_id: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SiteRecord:
+        d = dict(d)
+        if "site" in d:  # the `extra` bag of state files written before 0.2
+            d["region"] = d.pop("site")
+        if "spec" in d:
+            d["spec_path"] = d.pop("spec")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
 class Cluster:
     name: str
-    cloud: str  # "testbed", "local" or "chameleon"
+    cloud: str  # the site ("local", "chameleon"), or "testbed" / "node" (machines no site made)
     nodes: list[Node]
     key_file: str | None = None  # private key the launcher logs in with
     known_hosts: str | None = None  # pinned host keys of every node
@@ -48,7 +74,8 @@ class Cluster:
     floating_ip: str | None = None
     spec_digest: str | None = None
     testbed: str | None = None
-    extra: dict = field(default_factory=dict)
+    site: SiteRecord = field(default_factory=SiteRecord)
+    subset_of: int | None = None  # a view of the first nodes of a cluster this many nodes big (never saved)
 
     @property
     def head(self) -> Node:
@@ -64,7 +91,7 @@ class Cluster:
 
     @property
     def is_subset(self) -> bool:
-        return "subset_of" in self.extra
+        return self.subset_of is not None
 
     def subset(self, n: int) -> Cluster:
         """The first n nodes (the head first) as a cluster of their own, for a job on part of the cluster
@@ -73,7 +100,7 @@ class Cluster:
         if not 1 <= n <= len(self.nodes):
             raise ApplianceError(f"cluster {self.name!r} has {len(self.nodes)} node(s), not {n}",
                                  f"ask for 1 to {len(self.nodes)} nodes")
-        return dataclasses.replace(self, nodes=list(self.nodes[:n]), extra={**self.extra, "subset_of": len(self.nodes)})
+        return dataclasses.replace(self, nodes=list(self.nodes[:n]), subset_of=len(self.nodes))
 
     def config_dir(self, node: Node) -> str:
         return self.etc_dir or f"{node.workdir}/appliance/etc"
@@ -91,7 +118,7 @@ class Cluster:
             if not p.exists():
                 return p
             full = json.loads(p.read_text())
-            d["nodes"], d["extra"] = full["nodes"], full.get("extra", {})
+            d["nodes"], d["site"], d["subset_of"] = full["nodes"], full.get("site", full.get("extra", {})), None
         tmp = p.with_suffix(".tmp")
         tmp.write_text(json.dumps(d, indent=2))
         os.chmod(tmp, 0o600)
@@ -102,6 +129,8 @@ class Cluster:
     def from_dict(cls, d: dict) -> Cluster:
         d = dict(d)
         d["nodes"] = [Node(**n) for n in d["nodes"]]
+        d["site"] = SiteRecord.from_dict(d.pop("site", None) or d.pop("extra", None) or {})
+        d.pop("extra", None)
         return cls(**d)
 
 

@@ -29,13 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from appliance import localcloud  # noqa: E402
-from appliance.checkpoint.store import CheckpointStore  # noqa: E402
-from appliance.data import creds as creds_mod  # noqa: E402
-from appliance.data import remove  # noqa: E402
+from appliance.store.checkpoints import CheckpointStore  # noqa: E402
+from appliance import flows, sites  # noqa: E402
 from appliance.errors import ApplianceError  # noqa: E402
-from appliance.provision import lifecycle  # noqa: E402
-from appliance.spec import load_spec  # noqa: E402
-from appliance.train.launch import train  # noqa: E402
+from appliance.sites import load_spec  # noqa: E402
+from appliance.flows import run_job as train  # noqa: E402
 
 
 def write_spec(d: Path, name: str, command: str, every: int | None) -> str:
@@ -50,14 +48,14 @@ def write_spec(d: Path, name: str, command: str, every: int | None) -> str:
 
 
 def lease_left(cluster) -> float:
-    prof = lifecycle.profile_for(cluster, log=lambda m: None)
+    prof = sites.for_cluster(cluster, log=lambda m: None)
     return (prof.cloud.get_lease(cluster.lease_id).end - prof.cloud.now()).total_seconds()
 
 
 def run(spec_path: str, cluster, out=None):
     spec = load_spec(spec_path)
     if spec.checkpoint.url:  # every job starts the run over at step 0: remove the last job's checkpoints first
-        remove(f"{spec.checkpoint.url.rstrip('/')}/{spec.name}/", cloud="local", log=lambda m: None)
+        flows.data_remove(f"{spec.checkpoint.url.rstrip('/')}/{spec.name}/", cloud="local")
     res = train(spec, cluster, out=out or (lambda line: None))
     return res
 
@@ -137,8 +135,8 @@ def main() -> int:
     d = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
     localcloud.start(log=print)
     base = write_spec(d, "bench", "python ckpt_job.py", None)
-    cluster = lifecycle.up(base, log=print)
-    store = CheckpointStore("swift://bench-ckpt/", "bench", creds_mod.resolve("local", log=lambda m: None))
+    cluster = flows.up(base, log=print)
+    store = CheckpointStore("swift://bench-ckpt/", "bench", sites.open_site("local", log=lambda m: None).store_creds())
     result = {"command": "make bench-ckpt" if not args.skip_overhead else
               "make bench-ckpt for the overhead; the trials: python bench/ckpt_bench.py --skip-overhead", "machine": "2 cores, co-located Swift + 2 netns nodes",
               "overhead": [], "trials": []}
@@ -154,13 +152,13 @@ def main() -> int:
             result["trials"].append(tr)
             print(f"trial {i + 1}/{args.trials}: {json.dumps(tr)}", flush=True)
             try:  # the next trial gets a fresh day of lease
-                lifecycle.profile_for(cluster, log=lambda m: None).cloud.extend_lease(
+                sites.for_cluster(cluster, log=lambda m: None).cloud.extend_lease(
                     cluster.lease_id, by=dt.timedelta(days=1))
             except ApplianceError as e:  # the job's teardown outlasted the 30 s left: the lease ended, re-lease
                 print(f"({e}; a new lease for the next trial)", flush=True)
-                cluster = lifecycle.up(base, log=print)
+                cluster = flows.up(base, log=print)
     finally:
-        lifecycle.down("bench", log=print)
+        flows.down("bench", log=print)
     prev = Path(args.out) / "ckpt.json"
     if prev.exists():  # a partial re-run (--trials 0, or --hidden ...) keeps the other half of the last results
         old = json.loads(prev.read_text())

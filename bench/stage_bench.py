@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from appliance.data.store import StoreCreds, SwiftStore  # noqa: E402
+from appliance.store.objects import StoreCreds, SwiftStore  # noqa: E402
 from appliance.localcloud.swift_server import SwiftServer  # noqa: E402
 
 
@@ -111,13 +111,13 @@ def tools(sw: SwiftServer, tv: Path, c: int) -> dict:
     def ours(cont, dest):
         job = {"url": f"swift://{cont}/", "dest": dest, "mode": "full", "rank": 0, "nodes": 1, "concurrency": c,
                "creds": creds.__dict__}
-        return [sys.executable, "-m", "appliance.data.node_stage"], {**base_env, "PYTHONPATH": str(ROOT)}, json.dumps(job)
+        return [sys.executable, "-m", "appliance.node.stage_main"], {**base_env, "PYTHONPATH": str(ROOT)}, json.dumps(job)
 
     def ours_s3(cont, dest):
         s3 = StoreCreds(s3_endpoint=sw.s3_endpoint, s3_access_key=sw.user, s3_secret_key=sw.key)
         job = {"url": f"s3://{cont}/", "dest": dest, "mode": "full", "rank": 0, "nodes": 1, "concurrency": c,
                "creds": s3.__dict__}
-        return [sys.executable, "-m", "appliance.data.node_stage"], {**base_env, "PYTHONPATH": str(ROOT)}, json.dumps(job)
+        return [sys.executable, "-m", "appliance.node.stage_main"], {**base_env, "PYTHONPATH": str(ROOT)}, json.dumps(job)
 
     return {
         "appliance (swift)": ours,

@@ -21,11 +21,10 @@ from pathlib import Path
 import yaml
 
 from appliance import localcloud
-from appliance.checkpoint.resume import resume
-from appliance.data import remove, stage_spec
-from appliance.provision import lifecycle
-from appliance.spec import load_spec
-from appliance.train.launch import train
+from appliance.flows import resume
+from appliance import flows, sites
+from appliance.sites import load_spec
+from appliance.flows import run_job as train
 
 
 def say(msg: str) -> None:
@@ -41,12 +40,12 @@ def main() -> int:
     spec_path = sys.argv[1] if len(sys.argv) > 1 else "examples/digits.yaml"
     spec = load_spec(spec_path)
     if spec.checkpoint.url:  # the demo starts its run over: an earlier demo's checkpoints would be resumed
-        n = remove(f"{spec.checkpoint.url.rstrip('/')}/{spec.name}/", cloud=spec.cloud, log=lambda m: None)
+        n = flows.data_remove(f"{spec.checkpoint.url.rstrip('/')}/{spec.name}/", cloud=spec.cloud)
         if n:
             print(f"removed {n} object(s) of an earlier run of {spec.name} from {spec.checkpoint.url}")
     say(f"1. up + stage: {spec_path}")
-    cluster = lifecycle.up(spec_path)
-    stage_spec(spec_path)
+    cluster = flows.up(spec_path)
+    flows.stage_spec(spec_path)
 
     epochs = 30
     at_epoch = random.randint(8, 20)  # an arbitrary moment mid-training
@@ -54,7 +53,7 @@ def main() -> int:
     def near_end(line: str) -> None:
         print(line, flush=True)
         if f"epoch {at_epoch}/{epochs} " in line:
-            prof = lifecycle.profile_for(cluster, log=lambda m: None)
+            prof = sites.for_cluster(cluster, log=lambda m: None)
             left = (prof.cloud.get_lease(cluster.lease_id).end - prof.cloud.now()).total_seconds()
             print(f"[demo] the cloud's clock jumps {left - 90:.0f} s ahead: the lease now ends in 90 s", flush=True)
             localcloud.admin("POST", "/advance", {"seconds": left - 90})
@@ -68,7 +67,7 @@ def main() -> int:
 
     say("3. the lease ends: the local cloud deletes its servers and their disks")
     localcloud.admin("POST", "/advance", {"seconds": 180})
-    st = lifecycle.status(spec.name, log=lambda m: None)
+    st = flows.status(spec.name, log=lambda m: None)
     print(f"lease {st['lease_status']}; nodes: " + ", ".join(f"{n['name']} {n['state']}" for n in st["nodes"]))
 
     say(f"4. appliance resume {spec.name}")
@@ -85,9 +84,9 @@ def main() -> int:
     raw["train"]["code"] = str(Path(spec.code_dir).resolve())
     ref_spec = ref_dir / "reference.yaml"
     ref_spec.write_text(yaml.safe_dump(raw))
-    cluster = lifecycle.up(spec_path, log=lambda m: None)  # the resumed run's cluster (no-op)
+    cluster = flows.up(spec_path, log=lambda m: None)  # the resumed run's cluster (no-op)
     ref = train(load_spec(str(ref_spec)), cluster, out=lambda line: None)
-    lifecycle.down(spec.name)
+    flows.down(spec.name)
 
     r0, ref0 = second.results.get(0, {}), ref.results.get(0, {})
     same = weights(second) == weights(ref) and ref.exit_code == 0

@@ -139,3 +139,16 @@ def jobs_dir(tmp_path):
 @pytest.fixture
 def python_exe():
     return sys.executable
+
+
+# The two tiers. e2e: real parts (network namespaces with sshd, the local cloud, real Swift, horovodrun, TensorFlow
+# jobs); everything else is the fast tier (`pytest -m "not e2e"`, no root, well under a minute).
+E2E_FIXTURES = {"tb2", "cluster2", "cloud", "swift", "st_env", "reference", "reference_long", "creds"}
+E2E_TESTS = {"test_doctor_passes_on_this_machine"}  # a real 2-rank horovodrun allreduce
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (item.get_closest_marker("slow") or item.get_closest_marker("root")
+                or E2E_FIXTURES & set(getattr(item, "fixturenames", ())) or item.originalname in E2E_TESTS):
+            item.add_marker(pytest.mark.e2e)

@@ -17,14 +17,15 @@ import pytest
 
 from appliance import localcloud
 from appliance.checkpoint import runs
-from appliance.checkpoint.resume import choose_checkpoint, resume
-from appliance.checkpoint.store import CheckpointStore
+from appliance.checkpoint.resume import choose_checkpoint
+from appliance.flows import resume
+from appliance.store.checkpoints import CheckpointStore
 from appliance.cluster import Cluster
-from appliance.data.store import StoreCreds
+from appliance.store.objects import StoreCreds
 from appliance.localcloud.swift_server import SwiftServer
-from appliance.provision import lifecycle
+from appliance import flows, sites
 from appliance.spec import load_spec
-from appliance.train.launch import train
+from appliance.flows import run_job as train
 from conftest import ROOT, NETNS_OK
 from faultproxy import FaultProxy
 
@@ -260,7 +261,7 @@ def test_resume_on_another_world_size_reports_the_rescaling(cluster2, swift, st_
 
 
 def lease_left(cluster) -> float:
-    prof = lifecycle.profile_for(cluster, log=lambda m: None)
+    prof = sites.for_cluster(cluster, log=lambda m: None)
     info = prof.cloud.get_lease(cluster.lease_id)
     return (info.end - prof.cloud.now()).total_seconds()
 
@@ -269,7 +270,7 @@ def lease_left(cluster) -> float:
 def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud, reference_long, tmp_path):
     spec_path = digits_spec(tmp_path, "cklease", url="swift://ckpts/", every=100, epochs=LONG,
                             extra="lease: {duration: 1h, stop_margin: 60s}\n")
-    cl = lifecycle.up(spec_path, log=lambda m: None)
+    cl = flows.up(spec_path, log=lambda m: None)
     try:
         out = Lines()
         at_epoch = random.randint(1, 12)  # an arbitrary moment, with >= 18 epochs left for the watchdog to act
@@ -286,7 +287,7 @@ def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud,
         assert runs.load("cklease")["status"] == "stopped"
         # the lease ends; its servers and their disks go
         localcloud.admin("POST", "/advance", {"seconds": 120})
-        assert lifecycle.status("cklease")["lease_status"] == "TERMINATED"
+        assert flows.status("cklease")["lease_status"] == "TERMINATED"
         said = []
         res2 = resume("cklease", out=said.append, log=said.append)
         assert res2.exit_code == 0, res2.failure
@@ -296,14 +297,14 @@ def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud,
         assert runs.load("cklease")["status"] == "complete"
         assert runs.load("cklease")["node_seconds_lost"] == 0
     finally:
-        lifecycle.down("cklease", log=lambda m: None)
+        flows.down("cklease", log=lambda m: None)
 
 
 @pytest.mark.slow
 def test_admin_termination_resumes_from_the_last_commit(cloud, reference_long, tmp_path):
     spec_path = digits_spec(tmp_path, "ckgone", url="swift://ckpts/", every=50, epochs=LONG,
                             extra="lease: {duration: 1h}\n")
-    cl = lifecycle.up(spec_path, log=lambda m: None)
+    cl = flows.up(spec_path, log=lambda m: None)
     try:
         out = Lines()
         out.on("[checkpoint] step 100 committed",
@@ -320,14 +321,14 @@ def test_admin_termination_resumes_from_the_last_commit(cloud, reference_long, t
         rec = runs.load("ckgone")
         assert rec["node_seconds_lost"] > 0 and rec["status"] == "complete"
     finally:
-        lifecycle.down("ckgone", log=lambda m: None)
+        flows.down("ckgone", log=lambda m: None)
 
 
 @pytest.mark.slow
 def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference_long, tmp_path):
     spec_path = digits_spec(tmp_path, "ckext", url="swift://ckpts/", every=200, epochs=LONG,
                             extra="lease: {duration: 1h, stop_margin: 60s, extend: true}\n")
-    cl = lifecycle.up(spec_path, log=lambda m: None)
+    cl = flows.up(spec_path, log=lambda m: None)
     try:
         out = Lines()
         out.on(f"epoch 1/{LONG} ", lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45}))
@@ -337,4 +338,4 @@ def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference_long, 
         assert lease_left(cl) > 3000  # one more hour
         assert sha(res) == reference_long
     finally:
-        lifecycle.down("ckext", log=lambda m: None)
+        flows.down("ckext", log=lambda m: None)

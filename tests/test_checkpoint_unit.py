@@ -7,7 +7,7 @@ import pytest
 
 from appliance.checkpoint import runs
 from appliance.checkpoint.keras import vendordata_lease_end
-from appliance.checkpoint.store import StoreUnavailable, manifest_digest, retrying
+from appliance.store.checkpoints import StoreUnavailable, manifest_digest, retrying
 
 
 def test_vendordata_lease_end(tmp_path):
@@ -72,6 +72,7 @@ def test_run_record_counts_lost_node_time(appliance_home):
 def test_a_fresh_job_refuses_a_run_that_has_committed_checkpoints(tmp_path):
     """Its checkpoints (from step 0) would sort behind the old ones and be pruned as soon as committed."""
     from appliance.checkpoint.job import JobCheckpoints
+    from appliance.train.launch import JobContext
     from appliance.cluster import Cluster, Node
     from appliance.errors import ApplianceError
     from appliance.remote import LocalRemote
@@ -85,9 +86,12 @@ def test_a_fresh_job_refuses_a_run_that_has_committed_checkpoints(tmp_path):
                                 extra=f"checkpoint: {{url: 'file://{store}/', every_steps: 5}}\n"))
     node = Node("local", "127.0.0.1", None, str(tmp_path / "work"))
     cl = Cluster(name="", cloud="testbed", nodes=[node])
-    jc = JobCheckpoints(spec, cl, LocalRemote(node), str(tmp_path / "run"), lambda m: None)
+    def ctx(restore):
+        return JobContext(spec, cl, LocalRemote(node), str(tmp_path / "run"), "job", restore, lambda m: None)
+
+    jc = JobCheckpoints()
     with pytest.raises(ApplianceError) as e:
-        jc.prepare()
+        jc.prepare(ctx(None))
     assert "already has 1 committed checkpoint" in str(e.value) and "appliance resume guard" in str(e.value)
     assert not (store / "guard" / "spec.yaml").exists()  # a refused job writes nothing
-    assert jc.prepare(fresh=False)["APPLIANCE_CKPT_URL"] == f"file://{store}/"  # a resume goes ahead
+    assert JobCheckpoints().prepare(ctx("/restore"))["APPLIANCE_CKPT_URL"] == f"file://{store}/"  # a resume goes ahead

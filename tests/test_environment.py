@@ -4,7 +4,7 @@ import pytest
 
 from appliance.cluster import Cluster, Node
 from appliance.spec import parse_spec
-from appliance.train.environment import denied_names, is_denied, rank_environment
+from appliance.protocol import denied_names, is_denied, rank_environment
 from appliance.train.launch import horovodrun_command
 
 SECRETS = {

@@ -12,9 +12,10 @@ import pytest
 import yaml
 
 from appliance import localcloud, testbed
-from appliance.provision import heat, lifecycle
+from appliance import sites
+from appliance.provision import heat
 from appliance.spec import load_spec
-from appliance.train.launch import train
+from appliance.flows import run_job as train
 from conftest import NETNS_OK, ROOT
 
 # Property and attribute names from Heat's resource plugins (openstack/heat, heat/engine/resources/openstack:
@@ -129,19 +130,20 @@ def wait_stack(hc, sid, timeout=300):
 def test_stack_from_the_template_adopt_and_train(cloud, tmp_path):
     import datetime as dt
 
-    prof = lifecycle.open_cloud("local", log=lambda m: None)
-    c = prof.cloud
+    site = sites.open_site("local", log=lambda m: None)
+    key = site.login_key(None, None)
+    c = site.cloud
     lease = c.create_lease("heat-lease", "compute_local", 2, dt.timedelta(hours=2))
     c.wait_lease(lease.id, log=lambda m: None)
-    hc = heat.heat_client(prof)
+    hc = heat.heat_client(site)
     try:
         # a bad parameter is refused the way Heat refuses it
         with pytest.raises(Exception, match="node_count"):
             hc.stacks.create(stack_name="hbad", template=tpl(), parameters={
-                "reservation_id": lease.reservation_id, "node_count": 0, "key_name": prof.key_name,
+                "reservation_id": lease.reservation_id, "node_count": 0, "key_name": key.name,
                 "image": "appliance-cpu"})
         created = hc.stacks.create(stack_name="hs", template=tpl(), parameters={
-            "reservation_id": lease.reservation_id, "node_count": 2, "key_name": prof.key_name,
+            "reservation_id": lease.reservation_id, "node_count": 2, "key_name": key.name,
             "image": "appliance-cpu"})
         st = wait_stack(hc, created["stack"]["id"])
         assert st.stack_status == "CREATE_COMPLETE", st.stack_status_reason

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from appliance import doctor
-from appliance.checkpoint.watchdog import node_watch
+from appliance.node import doctor
+from appliance.node.watchdog import node_watch
 from appliance.cli import main
 from appliance.errors import ApplianceError
 from conftest import ROOT, needs_netns
@@ -133,7 +133,7 @@ def test_node_watchdog_stops_running_jobs_before_the_vendordata_lease_end(tmp_pa
 
 
 def test_running_run_dirs_reads_the_real_process_table(tmp_path):
-    from appliance.checkpoint.watchdog import running_run_dirs
+    from appliance.node.watchdog import running_run_dirs
 
     # the child says when it runs: before its exec, /proc shows the parent's environment
     job = subprocess.Popen(["sh", "-c", "echo ready; exec sleep 60"], stdout=subprocess.PIPE, text=True,
@@ -150,7 +150,7 @@ def test_running_run_dirs_reads_the_real_process_table(tmp_path):
 @pytest.mark.slow
 @needs_netns
 def test_image_upload_to_the_local_glance(cloud, tmp_path):
-    from appliance.provision.lifecycle import image_upload
+    from appliance.flows import image_upload
 
     img = tmp_path / "appliance-test.qcow2"
     img.write_bytes(os.urandom(3 * 1024 * 1024 + 17))
@@ -173,14 +173,14 @@ def test_image_upload_to_the_local_glance(cloud, tmp_path):
 def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path):
     """The boot-time installer on a stock node: a fresh venv on the node's own disk, Horovod from the object
     store's wheel cache (no build), horovodrun --check-build checked by the script, then the doctor there."""
-    from appliance.data import creds as creds_mod
-    from appliance.data.store import open_store
-    from appliance.provision import install, lifecycle
+    from appliance import flows, sites
+    from appliance.provision import install
+    from appliance.store.objects import open_store
 
     tag = install.stack_tag("cpu")
     built = sorted((Path.home() / ".cache" / "appliance" / "wheels" / tag).glob("horovod-*.whl"))
     assert built, f"make install builds Horovod into ~/.cache/appliance/wheels/{tag}/"
-    store, _ = open_store("swift://appliance-wheels/", creds_mod.resolve("local", log=lambda m: None))
+    store, _ = open_store("swift://appliance-wheels/", sites.open_site("local", log=lambda m: None).store_creds())
     store.ensure_container()
     store.put(f"{tag}/{built[-1].name}", built[-1])  # as if an earlier cluster had built it
     spec = tmp_path / "inst.yaml"
@@ -192,16 +192,16 @@ def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path):
         train: {{code: {ROOT / 'examples' / 'digits'}, command: python train.py}}
         """))
     said = []
-    cl = lifecycle.up(str(spec), install=True, log=said.append)
+    cl = flows.up(str(spec), install=True, log=said.append)
     try:
         assert cl.python == "/mnt/local/appliance/venv/bin/python"
-        assert cl.extra["installed"] == {"tag": tag, "built": None, "cached": True}, said
+        assert cl.site.installed == {"tag": tag, "built": None, "cached": True}, said
         assert any("the wheel cache has" in m for m in said)
         assert not any("building horovod" in m for m in said)
-        results = doctor.doctor_cluster(cl)
+        results = flows.doctor_cluster(cl)
         checks = {c.name: c for c in results[cl.head.name]}
         assert not [c for c in checks.values() if c.status == "fail"], doctor.format_checks(list(checks.values()))
         assert "/mnt/local/appliance/venv" in checks["python"].detail  # the node's own new venv
         assert checks["nic"].status == "ok"
     finally:
-        lifecycle.down("inst", log=lambda m: None)
+        flows.down("inst", log=lambda m: None)

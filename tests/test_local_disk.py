@@ -2,8 +2,8 @@
 
 import json
 
-from appliance.provision import local_disk
-from appliance.provision.local_disk import choose
+from appliance.sites import local_disk
+from appliance.sites.local_disk import choose
 
 TB = 10**12
 

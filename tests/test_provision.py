@@ -18,9 +18,9 @@ import yaml
 from appliance import localcloud, testbed
 from appliance.cluster import find_cluster
 from appliance.errors import ApplianceError
-from appliance.provision import lifecycle
-from appliance.provision.openstack import OpenStackCloud, connect, explain_blazar
-from appliance.train.launch import train
+from appliance import flows
+from appliance.sites.openstack import OpenStackCloud, connect, explain_blazar
+from appliance.flows import run_job as train
 from appliance.spec import load_spec
 from conftest import ROOT, needs_netns
 
@@ -53,12 +53,12 @@ def requests(method, pattern):
 
 def test_full_cycle_lease_up_train_down(cloud, tmp_path):
     spec = spec_file(tmp_path, "cycle", count=2, epochs=12)
-    cl = lifecycle.up(spec, log=lambda m: None)
+    cl = flows.up(spec, log=lambda m: None)
     assert len(cl.nodes) == 2 and cl.lease_id and cl.reservation_id and cl.floating_ip
     assert cl.nodes[1].via_head  # workers are reached through the head, as on Chameleon
-    fip = os_cloud().conn.network.get_ip(cl.extra["fip_id"])
-    assert f"reservation:{cl.extra['fip_reservation_id']}" in fip.tags  # the lease's reserved FIP was used
-    st = lifecycle.status("cycle")
+    fip = os_cloud().conn.network.get_ip(cl.site.fip_id)
+    assert f"reservation:{cl.site.fip_reservation_id}" in fip.tags  # the lease's reserved FIP was used
+    st = flows.status("cycle")
     assert st["lease_status"] == "ACTIVE" and [n["state"] for n in st["nodes"]] == ["ACTIVE", "ACTIVE"]
     assert st["seconds_left"] > 3600
     res = train(load_spec(spec), cl, out=lambda line: None)
@@ -67,24 +67,24 @@ def test_full_cycle_lease_up_train_down(cloud, tmp_path):
     assert len({r["weights_sha256"] for r in res.results.values()}) == 1
     # idempotent: a second `up` creates nothing new
     before = len(requests("POST", r"/compute/v2.1/servers"))
-    lifecycle.up(spec, log=lambda m: None)
+    flows.up(spec, log=lambda m: None)
     assert len(requests("POST", r"/compute/v2.1/servers")) == before
     assert len(requests("POST", r"/reservation/v1/leases")) >= 1
-    done = lifecycle.down("cycle", log=lambda m: None)
+    done = flows.down("cycle", log=lambda m: None)
     assert any(d.startswith("lease ") for d in done) and sum(d.startswith("server ") for d in done) == 2
     assert find_cluster("cycle") is None
     c = os_cloud()
     assert c.get_lease(cl.lease_id) is None
     assert all(c.get_server(n.server_id) is None for n in cl.nodes)
     assert not [n for n in (testbed.load(localcloud.testbed_name()).nodes) if n.name.startswith("cycle-")]
-    assert lifecycle.down("cycle", log=lambda m: None) == []  # idempotent
+    assert flows.down("cycle", log=lambda m: None) == []  # idempotent
 
 
 def test_request_shapes(cloud, tmp_path):
     """The exact JSON the clients send for lease create, server create and extend."""
     localcloud.admin("DELETE", "/requests")
     spec = spec_file(tmp_path, "shapes", count=1, duration="1d")
-    cl = lifecycle.up(spec, log=lambda m: None)
+    cl = flows.up(spec, log=lambda m: None)
     try:
         (create,) = requests("POST", r"/reservation/v1/leases")
         body = create["body"]
@@ -106,39 +106,39 @@ def test_request_shapes(cloud, tmp_path):
         assert s["flavorRef"] == "baremetal" and s["networks"] == [{"uuid": s["networks"][0]["uuid"]}]
         # extension: a PUT of an absolute end date (a 1-day lease is inside the 48 h window)
         old_end = os_cloud().get_lease(cl.lease_id).end
-        info = lifecycle.lease_extend(cl.lease_id, by="6h", cloud="local", log=lambda m: None)
+        info = flows.lease("extend", cl.lease_id, by="6h", cloud="local")
         (put,) = requests("PUT", r"/reservation/v1/leases/.*")
         assert put["body"] == {"end_date": (old_end + dt.timedelta(hours=6)).strftime("%Y-%m-%d %H:%M")}
         assert info["end"].startswith((old_end + dt.timedelta(hours=6)).strftime("%Y-%m-%dT%H:%M"))
     finally:
-        lifecycle.down("shapes", log=lambda m: None)
+        flows.down("shapes", log=lambda m: None)
 
 
 def test_lease_end_deletes_servers_and_up_makes_a_new_lease(cloud, tmp_path):
     spec = spec_file(tmp_path, "ending", count=1, duration="1h")
-    cl = lifecycle.up(spec, log=lambda m: None)
+    cl = flows.up(spec, log=lambda m: None)
     try:
         node = testbed.load(localcloud.testbed_name()).nodes[-1]
         assert node.name == "ending-0" and Path(node.disk).exists()
         localcloud.admin("POST", "/advance", {"seconds": 3700})  # the cloud's clock passes the lease end
-        st = lifecycle.status("ending")
+        st = flows.status("ending")
         assert st["lease_status"] == "TERMINATED"
         assert st["nodes"][0]["state"] == "GONE"
         assert "deleted" in st["message"] and "appliance up" in st["message"]
         assert not Path(node.disk).exists()  # the node's local disk is gone with it
         assert "ending-0" not in [n.name for n in testbed.load(localcloud.testbed_name()).nodes]
         msgs = []
-        cl2 = lifecycle.up(spec, log=msgs.append)
+        cl2 = flows.up(spec, log=msgs.append)
         assert cl2.lease_id != cl.lease_id
         assert any("has ended" in m and "new lease" in m for m in msgs)
-        assert lifecycle.status("ending")["lease_status"] == "ACTIVE"
+        assert flows.status("ending")["lease_status"] == "ACTIVE"
     finally:
-        lifecycle.down("ending", log=lambda m: None)
+        flows.down("ending", log=lambda m: None)
 
 
 def test_not_enough_hosts(cloud, tmp_path):
     with pytest.raises(ApplianceError, match=r"not enough hosts available for 9 x compute_local.*fix: ask for fewer"):
-        lifecycle.up(spec_file(tmp_path, "toomany", count=9), log=lambda m: None)
+        flows.up(spec_file(tmp_path, "toomany", count=9), log=lambda m: None)
     assert find_cluster("toomany") is None or find_cluster("toomany").lease_id is None
 
 
@@ -164,8 +164,8 @@ def test_extension_refused_outside_window(cloud, tmp_path):
 def test_lease_in_error(cloud, tmp_path):
     localcloud.admin("POST", "/faults", {"lease_error": 1})
     with pytest.raises(ApplianceError, match=r"is in ERROR"):
-        lifecycle.up(spec_file(tmp_path, "lerr"), log=lambda m: None)
-    lifecycle.down("lerr", log=lambda m: None)
+        flows.up(spec_file(tmp_path, "lerr"), log=lambda m: None)
+    flows.down("lerr", log=lambda m: None)
 
 
 def test_server_in_error_then_up_replaces_it(cloud, tmp_path):
@@ -173,22 +173,22 @@ def test_server_in_error_then_up_replaces_it(cloud, tmp_path):
     localcloud.admin("POST", "/faults", {"server_error": 1})
     try:
         with pytest.raises(ApplianceError, match=r"server serr-0 .* is in ERROR: Failure prepping"):
-            lifecycle.up(spec, log=lambda m: None)
+            flows.up(spec, log=lambda m: None)
         msgs = []
-        cl = lifecycle.up(spec, log=msgs.append)  # re-run: the ERROR server is replaced
+        cl = flows.up(spec, log=msgs.append)  # re-run: the ERROR server is replaced
         assert any("replacing a server in ERROR" in m for m in msgs)
-        assert lifecycle.status("serr")["nodes"][0]["state"] == "ACTIVE" and cl.nodes[0].private_ip
+        assert flows.status("serr")["nodes"][0]["state"] == "ACTIVE" and cl.nodes[0].private_ip
     finally:
-        lifecycle.down("serr", log=lambda m: None)
+        flows.down("serr", log=lambda m: None)
 
 
 def test_ssh_never_comes_up_names_the_node(cloud, tmp_path):
     localcloud.admin("POST", "/faults", {"ssh_never": 1})
     try:
         with pytest.raises(ApplianceError, match=r"SSH never came up within 3s: cannot reach nossh-0"):
-            lifecycle.up(spec_file(tmp_path, "nossh"), ssh_timeout=3, log=lambda m: None)
+            flows.up(spec_file(tmp_path, "nossh"), ssh_timeout=3, log=lambda m: None)
     finally:
-        lifecycle.down("nossh", log=lambda m: None)
+        flows.down("nossh", log=lambda m: None)
 
 
 def test_credentials_missing_or_wrong(cloud, tmp_path, monkeypatch):
@@ -268,6 +268,6 @@ def test_degraded_lease_fails_fast(cloud, tmp_path):
     localcloud.admin("POST", "/faults", {"lease_degraded": 1})
     try:
         with pytest.raises(ApplianceError, match=r"degraded: a reserved host failed.*reallocate"):
-            lifecycle.up(spec_file(tmp_path, "degr"), log=lambda m: None)
+            flows.up(spec_file(tmp_path, "degr"), log=lambda m: None)
     finally:
-        lifecycle.down("degr", log=lambda m: None)
+        flows.down("degr", log=lambda m: None)

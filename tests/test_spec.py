@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from appliance.errors import SpecError
-from appliance.spec import load_spec, parse_spec
+from appliance.sites import load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"name": "digits", "train": {"command": "python train.py"}}

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from appliance.data import stage_cluster, upload
-from appliance.data.stage import MANIFEST, safe_relpath, stage
-from appliance.data.store import S3Store, StoreCreds, SwiftStore
+from appliance.node.stage import MANIFEST, safe_relpath, stage
+from appliance.store.objects import S3Store, StoreCreds, SwiftStore
 from appliance.errors import ApplianceError
 from appliance.localcloud.swift_server import SwiftServer
 from conftest import NETNS_OK
@@ -105,7 +105,7 @@ def test_resume_after_kill(creds, tmp_path):
     dest = tmp_path / "d"
     job = {"url": "swift://resume/r/", "dest": str(dest), "mode": "full", "rank": 0, "nodes": 1,
            "concurrency": 2, "creds": st.creds.scoped().__dict__}
-    p = subprocess.Popen([sys.executable, "-m", "appliance.data.node_stage"], stdin=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "appliance.node.stage_main"], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     p.stdin.write(json.dumps(job))
     p.stdin.close()
@@ -163,21 +163,14 @@ def test_slo_round_trip_small_segments(creds, tmp_path):
     data = os.urandom(3_500_000)
     (src / "big file ü.bin").write_bytes(data)
     (src / "small.txt").write_bytes(b"small")
-    import appliance.data.creds as cm
-
-    orig = cm.resolve
-    cm.resolve = lambda *a, **k: creds
-    try:
-        assert upload(str(src), "swift://slo/x/", segment_size=1_000_000, log=lambda m: None) == 2
-    finally:
-        cm.resolve = orig
+    assert upload(str(src), "swift://slo/x/", creds=creds, segment_size=1_000_000, log=lambda m: None) == 2
     st = SwiftStore("slo", creds)
     segs = st.slo_segments("x/big file ü.bin")
     assert segs is not None and len(segs) == 4  # an SLO of 1 MB segments
     res = stage(st, "x/", tmp_path / "d")
     assert res.files_fetched == 2
     assert (tmp_path / "d" / "big file ü.bin").read_bytes() == data
-    import appliance.data.stage as sm
+    import appliance.node.stage as sm
 
     old = sm.LARGE
     sm.LARGE = 1_000_000  # the ranged, per-segment path
@@ -216,7 +209,7 @@ def test_disk_space_refused_before_starting(creds, tmp_path):
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
     try:
-        import appliance.data.stage as sm
+        import appliance.node.stage as sm
 
         old = sm.DISK_MARGIN
         sm.DISK_MARGIN = 0
@@ -236,7 +229,7 @@ def test_s3_failure_falls_back_to_swift(creds, tmp_path):
     broken = StoreCreds(**{**creds.scoped().__dict__, "s3_secret_key": "wrong"})
     job = {"url": "s3://fallback/f/", "dest": str(tmp_path / "d"), "mode": "full", "rank": 0, "nodes": 1,
            "creds": broken.__dict__}
-    r = subprocess.run([sys.executable, "-m", "appliance.data.node_stage"], input=json.dumps(job),
+    r = subprocess.run([sys.executable, "-m", "appliance.node.stage_main"], input=json.dumps(job),
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "falling back to Swift" in r.stdout
@@ -316,7 +309,7 @@ def test_pack_tar_shards_stage_and_read(creds, tmp_path):
 
 def test_pack_tfrecord_round_trip(tmp_path):
     from appliance.data.pack import pack
-    from appliance.data.store import FileStore
+    from appliance.store.objects import FileStore
 
     want = _small_files(tmp_path / "src", 120)
     index = pack(tmp_path / "src", FileStore(str(tmp_path / "out")), "p", shard_size=40_000, fmt="tfrecord",
@@ -327,7 +320,7 @@ def test_pack_tfrecord_round_trip(tmp_path):
 
 def test_pack_refuses_files_without_extension(tmp_path):
     from appliance.data.pack import pack
-    from appliance.data.store import FileStore
+    from appliance.store.objects import FileStore
 
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "README").write_text("x")

@@ -11,8 +11,8 @@ from appliance.cluster import from_testbed
 from appliance.provision.contextualize import cluster_key, contextualize
 from appliance.remote import Session
 from appliance.spec import load_spec
-from appliance.train.environment import denied_names
-from appliance.train.launch import train
+from appliance.protocol import denied_names
+from appliance.flows import run_job as train
 from conftest import ROOT, needs_netns, write_spec
 
 pytestmark = [pytest.mark.slow, needs_netns]

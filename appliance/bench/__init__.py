@@ -1,6 +1,6 @@
 """`appliance bench`: synthetic-data training throughput on 1..N nodes of a cluster, before a lease is spent.
 
-The job (``job/synthetic.py``) runs through the same launch path as training (``train.launch.train``:
+The job (``job/synthetic.py``) runs through the same launch path as training (``flows.run_job``:
 contextualize, code copy, horovodrun on the head node, scrubbed environment), once per node count, with
 every (model, batch size) cell inside that one launch. Each cell's throughput is *measured*: all ranks'
 samples over the wall time between two barriers. From the cells:
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..cluster import Cluster
 from ..errors import ApplianceError
+from ..train.launch import train as train_job
 from ..spec import Checkpoint, Spec
 
 JOB_DIR = Path(__file__).with_name("job")
@@ -122,10 +123,11 @@ def scaling(runs: list[dict]) -> list[dict]:
 
 def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | None = None,
               out: Callable[[str], None] | None = None, log: Callable[[str], None] = print,
-              command: str = "appliance bench") -> dict:
+              command: str = "appliance bench", run_job: Callable | None = None) -> dict:
     """Run the synthetic benchmark on 1..N nodes of ``cluster``; write bench.json, bench.md and the plots to
-    ``out_dir`` (default: the run's results folder); return the report."""
-    from ..train.launch import train
+    ``out_dir`` (default: the run's results folder); return the report. ``run_job``: how a job runs (flows.run_job:
+    the appliance's hooks included, as `appliance train`; default train.launch.train alone)."""
+    train = run_job or train_job
 
     from .. import paths
     from . import report
@@ -208,11 +210,13 @@ def bare_horovodrun(cluster: Cluster, spec: Spec, session, on_line=None) -> tupl
 
 
 def overhead(spec: Spec, cluster: Cluster, cfg: BenchConfig, repeats: int = 3,
-             out: Callable[[str], None] | None = None, log: Callable[[str], None] = print) -> dict:
+             out: Callable[[str], None] | None = None, log: Callable[[str], None] = print,
+             run_job: Callable | None = None) -> dict:
     """The same synthetic job through `appliance train` and through bare horovodrun on the same nodes,
     alternately ``repeats`` times each; best throughput of each path, ratio = appliance / bare."""
     from ..remote import Session
-    from ..train.launch import train
+
+    train = run_job or train_job
 
     if len(cfg.models) != 1 or len(cfg.batch_sizes) != 1:
         raise ApplianceError("--overhead measures one cell", "give one --models and one --batch-sizes", exit_code=2)

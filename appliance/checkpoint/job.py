@@ -1,11 +1,11 @@
-"""The launcher's side of checkpointing, for one job (used by train/launch.py).
+"""The launcher's side of checkpointing, for one job: a `train` hook (flows.run_job adds it).
 
 Before the job: the ranks' settings go into their environment (URL, interval, keep, resize policy, STOP file,
 spec and code hashes: never a secret); the object-store credentials, scoped (a token, not a password), go
 into a 0600 file on the head node that only rank 0 reads, removed when the job ends; a stale STOP file is
 removed; the spec is saved next to the checkpoints so `appliance resume` works from any machine.
-During the job: the lease watchdog runs, rank 0's ``APPLIANCE_CKPT`` / ``APPLIANCE_STOPPED`` /
-``APPLIANCE_RESUMED`` lines are collected (and feed the watchdog's margin), SIGTERM becomes a stop request.
+During the job: the lease watchdog runs, rank 0's ``Line.CKPT`` / ``Line.STOPPED`` / ``Line.RESUMED`` lines
+(appliance.protocol) are collected (and feed the watchdog's margin), SIGTERM becomes a stop request.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..cluster import Cluster
 from ..errors import ApplianceError
-from ..spec import Spec
-from .keras import CKPT_PREFIX, RESUMED_PREFIX, STOPPED_PREFIX
-
-EXIT_STOPPED = 75  # "stopped before the lease end, checkpoint committed: resumable" (EX_TEMPFAIL)
+from ..protocol import EXIT_STOPPED, Env, Line, parse
+from ..sites import for_cluster, for_spec
+from ..store.checkpoints import CheckpointStore, retrying
+from ..store.objects import parse_url
+from ..train.launch import JobContext, JobHooks, JobResult
 
 
 def code_hash(code_dir: str) -> str:
@@ -36,10 +36,9 @@ def code_hash(code_dir: str) -> str:
     return h.hexdigest()[:16]
 
 
-class JobCheckpoints:
-    def __init__(self, spec: Spec, cluster: Cluster, head, run_dir: str, say: Callable[[str], None]):
-        self.spec, self.cluster, self.head, self.run_dir, self.say = spec, cluster, head, run_dir, say
-        self.stop_file = f"{run_dir}/STOP"
+class JobCheckpoints(JobHooks):
+    def __init__(self):
+        self.say: Callable[[str], None] = print
         self.creds_file: str | None = None
         self.commits: list[dict] = []
         self.stopped: dict | None = None
@@ -49,30 +48,27 @@ class JobCheckpoints:
         self._old_sigterm = None
         self._lock = threading.Lock()
 
-    def prepare(self, fresh: bool = True) -> dict[str, str]:
-        """Set up the head node; returns the ranks' extra environment. ``fresh``: the job starts at step 0 (not a
-        resume), so the run must not have committed checkpoints already: its own would sort (by step) behind
-        them and be pruned as soon as they were committed."""
+    def prepare(self, ctx: JobContext) -> dict[str, str]:
+        """Set up the head node; returns the ranks' extra environment. A fresh job (no ``ctx.restore``) starts at
+        step 0, so the run must not have committed checkpoints already: its own would sort (by step) behind them
+        and be pruned as soon as they were committed."""
+        self.spec, self.cluster, self.head, self.run_dir, self.say = ctx.spec, ctx.cluster, ctx.head, ctx.run_dir, ctx.say
+        self.stop_file = f"{ctx.run_dir}/STOP"
+        fresh = ctx.restore is None
         spec, ck = self.spec, self.spec.checkpoint
-        env = {"APPLIANCE_STOP_FILE": self.stop_file, "APPLIANCE_SPEC_HASH": spec.digest or "",
-               "APPLIANCE_CODE_HASH": code_hash(spec.code_dir)}
+        env = {Env.STOP_FILE: self.stop_file, Env.SPEC_HASH: spec.digest or "",
+               Env.CODE_HASH: code_hash(spec.code_dir)}
         self.head.run(f"mkdir -p {shlex.quote(self.run_dir)} && rm -f {shlex.quote(self.stop_file)}", check=True)
         if not ck.url:
             return env
-        env.update({"APPLIANCE_CKPT_URL": ck.url, "APPLIANCE_CKPT_KEEP": str(ck.keep),
-                    "APPLIANCE_CKPT_RESIZE": ck.resize})
+        env.update({Env.CKPT_URL: ck.url, Env.CKPT_KEEP: str(ck.keep), Env.CKPT_RESIZE: ck.resize})
         if ck.every_steps:
-            env["APPLIANCE_CKPT_EVERY_STEPS"] = str(ck.every_steps)
+            env[Env.CKPT_EVERY_STEPS] = str(ck.every_steps)
         if ck.every_minutes:
-            env["APPLIANCE_CKPT_EVERY_MINUTES"] = str(ck.every_minutes)
-        from ..data.store import parse_url
-        from .store import CheckpointStore, retrying
-
+            env[Env.CKPT_EVERY_MINUTES] = str(ck.every_minutes)
         creds = None
         if parse_url(ck.url)[0] != "file":
-            from ..data import creds as creds_mod
-
-            creds = creds_mod.resolve(spec.cloud, spec.site, log=lambda m: None).scoped()
+            creds = store_creds(spec).scoped()
         old, cs = [], None
         try:
             cs = CheckpointStore(ck.url, spec.name, creds)
@@ -92,7 +88,7 @@ class JobCheckpoints:
             self.creds_file = f"{self.run_dir}/.store-creds.json"
             body = json.dumps({k: v for k, v in creds.__dict__.items() if v not in (None, {})}).encode()
             self.head.run(f"umask 077 && cat > {shlex.quote(self.creds_file)}", stdin=body, check=True)
-            env["APPLIANCE_CKPT_CREDS"] = self.creds_file
+            env[Env.CKPT_CREDS] = self.creds_file
         if cs is not None and spec.path and Path(spec.path).exists():
             text = Path(spec.path).read_text()
             try:
@@ -102,12 +98,13 @@ class JobCheckpoints:
                 self.say(f"[appliance] warning: could not write the spec to {ck.url} ({type(e).__name__}: {e})")
         return env
 
-    def start(self) -> None:
-        if self.cluster.lease_id and self.cluster.cloud in ("local", "chameleon"):
+    def started(self, ctx: JobContext) -> None:
+        site = for_cluster(self.cluster, log=lambda m: None) if self.cluster.lease_id else None
+        if site is not None:
             from .watchdog import LeaseWatch
 
             try:
-                self.watch = LeaseWatch(self.spec, self.cluster, self.request_stop, self.say).start()
+                self.watch = LeaseWatch(self.spec, self.cluster, self.request_stop, self.say, site=site).start()
             except ApplianceError as e:
                 self.say(f"[watchdog] not watching the lease: {e}")
         if threading.current_thread() is threading.main_thread():
@@ -129,44 +126,41 @@ class JobCheckpoints:
         except ApplianceError as e:
             self.say(f"[appliance] could not ask the job to stop: {e}")
 
-    def on_rank_line(self, rank: int, text: str) -> bool:
+    def rank_line(self, rank: int, text: str) -> bool:
         """Consume rank 0's checkpoint lines; True if the line was one."""
-        for prefix, kind in ((CKPT_PREFIX, "ckpt"), (STOPPED_PREFIX, "stopped"), (RESUMED_PREFIX, "resumed")):
-            if text.startswith(prefix):
-                try:
-                    body = json.loads(text[len(prefix):])
-                except json.JSONDecodeError:
-                    return False
-                if kind == "ckpt":
-                    body["at"] = time.time()
-                    self.commits.append(body)
-                    if self.watch is not None:
-                        self.watch.commit_s.append(body.get("save_s", 0) + body.get("upload_s", 0))
-                    self.say(f"[checkpoint] step {body['step']} committed ({body['bytes']} bytes, "
-                             f"save {body['save_s']}s + upload {body['upload_s']}s)")
-                elif kind == "stopped":
-                    self.stopped = body
-                    if body.get("committed"):
-                        self.say(f"[checkpoint] stopped after step {body['step']} ({body['reason']}); "
-                                 f"checkpoint {body['checkpoint']} committed in {body['seconds']}s")
-                    else:
-                        self.say(f"[checkpoint] STOPPED AFTER STEP {body['step']} BUT THE CHECKPOINT WAS NOT "
-                                 f"COMMITTED: {body.get('error')}; it is kept on the head node at {body.get('local')}"
-                                 " — copy it off before the lease ends")
+        got = parse(text, (Line.CKPT, Line.STOPPED, Line.RESUMED)) if rank == 0 else None
+        if got is not None:
+            kind, body = got
+            if kind == Line.CKPT:
+                body["at"] = time.time()
+                self.commits.append(body)
+                if self.watch is not None:
+                    self.watch.commit_s.append(body.get("save_s", 0) + body.get("upload_s", 0))
+                self.say(f"[checkpoint] step {body['step']} committed ({body['bytes']} bytes, "
+                         f"save {body['save_s']}s + upload {body['upload_s']}s)")
+            elif kind == Line.STOPPED:
+                self.stopped = body
+                if body.get("committed"):
+                    self.say(f"[checkpoint] stopped after step {body['step']} ({body['reason']}); "
+                             f"checkpoint {body['checkpoint']} committed in {body['seconds']}s")
                 else:
-                    self.resumed = body
-                    msg = (f"[checkpoint] resumed at step {body['step']} (epoch {body['epoch']}, batch "
-                           f"{body['batch']}) on {body['world_size']} rank(s)")
-                    if not body.get("bit_exact"):
-                        msg += (f"; the checkpoint was made on {body['checkpoint_world_size']}: policy "
-                                f"{body.get('policy')}, global batch {body.get('old_global_batch')} -> "
-                                f"{body.get('global_batch')}, learning-rate factor {body.get('old_lr_scale')} -> "
-                                f"{body.get('lr_scale')} (not bit-exact across world sizes)")
-                    for k in ("spec_hash_changed", "code_hash_changed"):
-                        if body.get(k):
-                            msg += f"; note: the {k.split('_')[0]} changed since the checkpoint"
-                    self.say(msg)
-                return True
+                    self.say(f"[checkpoint] STOPPED AFTER STEP {body['step']} BUT THE CHECKPOINT WAS NOT "
+                             f"COMMITTED: {body.get('error')}; it is kept on the head node at {body.get('local')}"
+                             " — copy it off before the lease ends")
+            else:
+                self.resumed = body
+                msg = (f"[checkpoint] resumed at step {body['step']} (epoch {body['epoch']}, batch "
+                       f"{body['batch']}) on {body['world_size']} rank(s)")
+                if not body.get("bit_exact"):
+                    msg += (f"; the checkpoint was made on {body['checkpoint_world_size']}: policy "
+                            f"{body.get('policy')}, global batch {body.get('old_global_batch')} -> "
+                            f"{body.get('global_batch')}, learning-rate factor {body.get('old_lr_scale')} -> "
+                            f"{body.get('lr_scale')} (not bit-exact across world sizes)")
+                for k in ("spec_hash_changed", "code_hash_changed"):
+                    if body.get(k):
+                        msg += f"; note: the {k.split('_')[0]} changed since the checkpoint"
+                self.say(msg)
+            return True
         return False
 
     def close(self) -> None:
@@ -179,3 +173,20 @@ class JobCheckpoints:
                 self.head.run(f"rm -f {shlex.quote(self.creds_file)}", timeout=15)
             except ApplianceError:
                 self.say(f"[appliance] warning: could not remove {self.creds_file} on the head node")
+
+    def finish(self, result: JobResult) -> None:
+        """A stop before the lease end is exit 75 (resumable) when its checkpoint was committed, a failure if not."""
+        result.stopped, result.commits, result.resumed = self.stopped, self.commits, self.resumed
+        if self.stopped is not None and result.failure is None:
+            if self.stopped.get("committed"):
+                result.exit_code = EXIT_STOPPED
+            else:
+                result.exit_code = result.exit_code or 1
+                result.failure = (f"stopped after step {self.stopped['step']} ({self.stopped['reason']}) but the "
+                                  f"checkpoint was NOT committed: {self.stopped.get('error')}; it is kept on "
+                                  f"{self.cluster.head.name} at {self.stopped.get('local')}")
+
+
+def store_creds(spec):
+    """The object-store credentials of the spec's site."""
+    return for_spec(spec, log=lambda m: None).store_creds()

@@ -17,6 +17,18 @@ from pathlib import Path
 from .. import paths
 from ..cluster import Cluster
 from ..spec import Spec
+from ..train.launch import JobContext, JobHooks, JobResult
+
+
+class RunRecords(JobHooks):
+    """The `train` hook that keeps the run record of each job (flows.run_job adds it)."""
+
+    def started(self, ctx: JobContext) -> None:
+        self.spec, self.cluster = ctx.spec, ctx.cluster
+        job_started(ctx.spec, ctx.cluster, ctx.job_id, restore=ctx.restore)
+
+    def finish(self, result: JobResult) -> None:
+        job_ended(self.spec, self.cluster, result)
 
 
 def run_dir(run: str) -> Path:

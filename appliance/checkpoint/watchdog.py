@@ -11,7 +11,7 @@ clock (HTTP Date), converted to real seconds (the local cloud's clock can run fa
    saves, uploads and commits before the deadline, and the job exits as "stopped, resumable" (exit 75).
 
 The margin is measured, not guessed: ``max(lease.stop_margin, 3 x the slowest save+upload seen so far +
-2 polls)``. Rank 0 also reads Chameleon's vendordata lease end on the node (checkpoint/keras.py), so a run
+2 polls)``. Rank 0 also reads Chameleon's vendordata lease end on the node (node/checkpointer.py), so a run
 whose launcher went away still stops in time; SIGTERM to `appliance train` or to any rank takes the same path.
 """
 
@@ -24,18 +24,17 @@ from collections.abc import Callable
 
 from ..cluster import Cluster
 from ..errors import ApplianceError
+from ..sites import Site
 from ..spec import Spec, duration_seconds
 
 
 class LeaseWatch:
     def __init__(self, spec: Spec, cluster: Cluster, request_stop: Callable[[dict], None],
-                 say: Callable[[str], None], *, poll: float | None = None):
-        from ..provision.lifecycle import profile_for
-
+                 say: Callable[[str], None], *, site: Site, poll: float | None = None):
         self.spec, self.cluster, self.request_stop, self.say = spec, cluster, request_stop, say
-        self.prof = profile_for(cluster, log=lambda m: None)
-        self.scale = self.prof.time_scale()
-        self.poll = poll if poll is not None else (60.0 if self.prof.kind == "chameleon" else 0.5)
+        self.site = site
+        self.scale = site.time_scale()
+        self.poll = poll if poll is not None else site.lease_poll
         self.floor = float(duration_seconds(spec.lease.stop_margin))
         self.commit_s: list[float] = []  # save+upload durations reported by rank 0
         self.done = threading.Event()
@@ -56,10 +55,10 @@ class LeaseWatch:
 
     def left(self) -> tuple[float, dt.datetime] | None:
         """(real seconds left, end) or None when the lease is gone."""
-        info = self.prof.cloud.get_lease(self.cluster.lease_id)
+        info = self.site.cloud.get_lease(self.cluster.lease_id)
         if info is None or info.status in ("TERMINATED", "DELETED", "ERROR"):
             return None
-        now = self.prof.cloud.now()
+        now = self.site.cloud.now()
         return (info.end - now).total_seconds() / self.scale, info.end
 
     def _run(self) -> None:
@@ -100,7 +99,7 @@ class LeaseWatch:
     def _extend(self, end: dt.datetime) -> bool:
         by = dt.timedelta(seconds=duration_seconds(self.spec.lease.duration))
         try:
-            info = self.prof.cloud.extend_lease(self.cluster.lease_id, by=by)
+            info = self.site.cloud.extend_lease(self.cluster.lease_id, by=by)
         except ApplianceError as e:
             self.say(f"[watchdog] could not extend the lease: {e}; stopping the job instead")
             return False
@@ -119,59 +118,3 @@ def _human(s: float) -> str:
     if s < 7200:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-
-
-# ---------------------------------------------------------------------------------------------
-# The node-side watchdog (`appliance watchdog --node`, the image's appliance-watchdog.service)
-
-
-def running_run_dirs(proc: str = "/proc") -> set[str]:
-    """Run directories of the training processes running on this node (their APPLIANCE_RUN_DIR)."""
-    import glob
-
-    found = set()
-    for env_path in glob.glob(f"{proc}/[0-9]*/environ"):
-        try:
-            raw = open(env_path, "rb").read()
-        except OSError:
-            continue
-        for item in raw.split(b"\0"):
-            if item.startswith(b"APPLIANCE_RUN_DIR="):
-                found.add(item.split(b"=", 1)[1].decode(errors="replace"))
-    return found
-
-
-def node_watch(*, margin: float = 600.0, poll: float = 60.0, once: bool = False, vendordata=None,
-               proc: str = "/proc", log: Callable[[str], None] = print, now: Callable[[], float] = time.time) -> list[str]:
-    """Watch Chameleon's on-node lease end (vendordata, cached hourly by the CC images) and, ``margin`` seconds
-    before it, write the STOP file of every training job running on this node, as the launcher-side watchdog
-    does: rank 0 then stops every rank after the same step and commits a checkpoint. This covers jobs whose
-    launcher went away (a laptop closed). The node has no cloud credentials, so it cannot extend the lease.
-    Returns the run directories it asked to stop (with ``once``: after one look)."""
-    import json
-    from pathlib import Path
-
-    from .keras import VENDORDATA, vendordata_lease_end
-
-    stopped: list[str] = []
-    said_none = False
-    while True:
-        end = vendordata_lease_end(vendordata or VENDORDATA)
-        if end is None:
-            if not said_none:
-                log("no lease end in vendordata (not a Chameleon node, or the cache is not written yet)")
-                said_none = True
-        elif now() >= end - margin:
-            for d in sorted(running_run_dirs(proc)):
-                stop = Path(d) / "STOP"
-                if d in stopped or stop.exists() or not Path(d).is_dir():
-                    continue
-                tmp = stop.with_name(".STOP.tmp")
-                tmp.write_text(json.dumps({"reason": "lease end (node watchdog)", "deadline": end - 30}))
-                tmp.replace(stop)
-                stopped.append(d)
-                log(f"lease ends at {dt.datetime.fromtimestamp(end, dt.timezone.utc):%Y-%m-%d %H:%M} UTC: "
-                    f"asked the job in {d} to stop and checkpoint")
-        if once:
-            return stopped
-        time.sleep(poll)

@@ -1,5 +1,6 @@
-"""Data: object-store access (store.py), the per-node stager (stage.py, node_stage.py), and the
-cluster-wide `appliance stage` that runs the stager on every node in parallel over SSH."""
+"""Data, the launcher's side: the cluster-wide stage that runs the per-node stager (appliance.node.stage_main) on
+every node in parallel over SSH, and the `appliance data` verbs (upload, pack, ls, rm). Object-store access is
+appliance.store; credentials come from the caller (flows asks the site)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from pathlib import Path
 
 from ..cluster import Cluster
 from ..errors import ApplianceError
-from .stage import _fmt_bytes
+from ..node.stage import _fmt_bytes
+from ..protocol import Line, parse
+from ..remote import Session
+from ..store.objects import StoreCreds, SwiftStore, open_store
 
 
 def _bar(p: dict) -> str:
@@ -27,8 +31,6 @@ def _bar(p: dict) -> str:
 def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", creds=None, concurrency: int = 16,
                   keep_names: bool = False, out: Callable[[str], None] | None = None) -> dict[str, dict]:
     """Run the stager on every node in parallel; returns each node's result. Raises on any node's failure."""
-    from ..remote import Session
-
     say = out or (lambda m: print(m, flush=True))
     scoped = creds.scoped() if creds is not None else None
     progress: dict[str, dict] = {}
@@ -50,18 +52,21 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
                "creds": scoped.__dict__ if scoped else None}
 
         def on_line(stream, line):
-            if line.startswith("APPLIANCE_PROGRESS "):
+            got = parse(line, (Line.PROGRESS, Line.STAGED, Line.ERROR, Line.NOTE))
+            if got is None:
+                return
+            kind, body = got
+            if kind == Line.PROGRESS:
                 with lock:
-                    progress[node.name] = json.loads(line.split(" ", 1)[1])
-            elif line.startswith("APPLIANCE_STAGED "):
-                results[node.name] = json.loads(line.split(" ", 1)[1])
-            elif line.startswith("APPLIANCE_ERROR "):
-                e = json.loads(line.split(" ", 1)[1])
-                errors[node.name] = e["message"] + (f" (fix: {e['fix']})" if e.get("fix") else "")
-            elif line.startswith("APPLIANCE_NOTE "):
-                say(f"[stage] {node.name}: {line.split(' ', 1)[1]}")
+                    progress[node.name] = body
+            elif kind == Line.STAGED:
+                results[node.name] = body
+            elif kind == Line.ERROR:
+                errors[node.name] = body["message"] + (f" (fix: {body['fix']})" if body.get("fix") else "")
+            else:
+                say(f"[stage] {node.name}: {body}")
 
-        cmd = f"{shlex.quote(cluster.python)} -m appliance.data.node_stage"
+        cmd = f"{shlex.quote(cluster.python)} -m appliance.node.stage_main"
         r = remote.run(cmd, stdin=json.dumps(job).encode(), on_line=on_line)
         if r.rc != 0 and node.name not in errors:
             errors[node.name] = f"stager exited {r.rc}: {r.err.strip()[-300:]}"
@@ -91,28 +96,10 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
     return results
 
 
-def stage_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None,
-               log=print, concurrency: int = 16) -> dict[str, dict]:
-    """`appliance stage SPEC`: the spec's dataset to every node's local disk."""
-    from ..spec import load_spec
-    from ..train.launch import resolve_cluster
-    from . import creds as creds_mod
-    from .store import parse_url
-
-    spec = load_spec(spec_path)
-    if spec.dataset is None:
-        raise ApplianceError(f"{spec_path}: no dataset to stage", "add a dataset: {source: swift://..., dest: data}")
-    cluster = resolve_cluster(spec, cluster_name, log=log)
-    scheme = parse_url(spec.dataset.source)[0]
-    cr = None if scheme == "file" else creds_mod.resolve(spec.cloud, spec.site, log=log)
-    return stage_cluster(cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, creds=cr,
-                         concurrency=concurrency, out=out)
-
-
-def upload(src: str, url: str, *, cloud: str = "local", site: str | None = None, segment_size: int = 5 * 1024**3,
+def upload(src: str, url: str, *, creds: StoreCreds | None, segment_size: int = 5 * 1024**3,
            concurrency: int = 16, log=print) -> int:
     """`appliance data upload DIR URL`: every file under DIR to URL/<relative path>, in parallel."""
-    store, prefix = _open(url, cloud, site, log, create=True)
+    store, prefix = _open(url, creds, create=True)
     root = Path(src)
     files = [p for p in sorted(root.rglob("*")) if p.is_file()] if root.is_dir() else [root]
     if not files:
@@ -125,34 +112,30 @@ def upload(src: str, url: str, *, cloud: str = "local", site: str | None = None,
     return len(names)
 
 
-def _open(url: str, cloud: str, site: str | None, log, *, create: bool = False):
-    from . import creds as creds_mod
-    from .store import SwiftStore, open_store, parse_url
-
-    scheme = parse_url(url)[0]
-    store, prefix = open_store(url, None if scheme == "file" else creds_mod.resolve(cloud, site, log=log))
+def _open(url: str, creds: StoreCreds | None, *, create: bool = False):
+    store, prefix = open_store(url, creds)
     if create and isinstance(store, SwiftStore):
         store.ensure_container()
     return store, prefix
 
 
-def pack_dir(src: str, url: str, *, shard_size: int = 64 * 1024**2, fmt: str = "tar", cloud: str = "local",
-             site: str | None = None, log=print) -> dict:
+def pack_dir(src: str, url: str, *, creds: StoreCreds | None, shard_size: int = 64 * 1024**2, fmt: str = "tar",
+             log=print) -> dict:
     """`appliance data pack DIR URL`: shards + index.json under URL."""
     from .pack import pack
 
-    store, prefix = _open(url, cloud, site, log, create=True)
+    store, prefix = _open(url, creds, create=True)
     return pack(src, store, prefix, shard_size=shard_size, fmt=fmt, log=log)
 
 
-def listing(url: str, *, cloud: str = "local", site: str | None = None, log=print) -> list[dict]:
-    store, prefix = _open(url, cloud, site, log)
+def listing(url: str, *, creds: StoreCreds | None) -> list[dict]:
+    store, prefix = _open(url, creds)
     return [o.__dict__ for o in store.list(prefix)]
 
 
-def remove(url: str, *, cloud: str = "local", site: str | None = None, log=print) -> int:
+def remove(url: str, *, creds: StoreCreds | None) -> int:
     """Delete every object under URL; returns how many (0 when the container does not exist)."""
-    store, prefix = _open(url, cloud, site, log)
+    store, prefix = _open(url, creds)
     try:
         names = [o.name for o in store.list(prefix)]
     except FileNotFoundError:

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ApplianceError
-from .store import Store, _md5_file as _md5
+from ..store.objects import Store, md5_file as _md5
 
 
 def sample_key(rel: str) -> tuple[str, str]:

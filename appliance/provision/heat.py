@@ -148,22 +148,23 @@ if __name__ == "__main__":
     print(write())
 
 
-def heat_client(prof):
+def heat_client(site):
     from heatclient import client as heat_client_mod
 
-    conn = prof.cloud.conn
+    conn = site.cloud.conn
     return heat_client_mod.Client("1", session=conn.session, region_name=conn.config.region_name)
 
 
-def adopt(stack: str, *, cloud: str = "chameleon", site: str | None = None, key_name: str | None = None,
-          key_file: str | None = None, slots: int = 1, log=print):
-    """`appliance adopt STACK`: a cluster record for a stack made from heat-templates/horovod-cluster.yaml."""
+def adopt(site, stack: str, *, key_name: str | None = None, key_file: str | None = None, slots: int = 1,
+          log=print):
+    """`appliance adopt STACK`: a cluster record for a stack made from heat-templates/horovod-cluster.yaml on
+    ``site`` (appliance.sites.Site)."""
     from .. import paths
-    from ..cluster import Cluster, Node
-    from .lifecycle import finish, open_cloud
+    from ..cluster import Cluster, Node, SiteRecord
+    from .lifecycle import finish
 
-    prof = open_cloud(cloud, site, key_name, key_file, log=log)
-    hc = heat_client(prof)
+    key = site.login_key(key_name, key_file)
+    hc = heat_client(site)
     try:
         st = hc.stacks.get(stack)
     except Exception as e:
@@ -180,25 +181,25 @@ def adopt(stack: str, *, cloud: str = "chameleon", site: str | None = None, key_
         raise ApplianceError(f"stack {stack} was not made from heat-templates/horovod-cluster.yaml "
                              f"(missing outputs: {', '.join(sorted(need - set(out)))})",
                              "launch the stack from heat-templates/horovod-cluster.yaml")
-    lease = next((x for x in prof.cloud.list_leases() if x.reservation_id == out["reservation_id"]), None)
-    servers = {s.name: s.id for s in prof.cloud.conn.compute.servers()}
+    lease = next((x for x in site.cloud.list_leases() if x.reservation_id == out["reservation_id"]), None)
+    servers = {s.name: s.id for s in site.cloud.conn.compute.servers()}
     nodes = [Node(name=out["head_name"], private_ip=out["head_private_ip"], address=out["head_ip"],
-                  workdir=prof.workdir, slots=slots, user=prof.user, server_id=servers.get(out["head_name"]))]
+                  workdir=site.workdir, slots=slots, user=site.user, server_id=servers.get(out["head_name"]))]
     for name, ip in zip(out["worker_names"], out["worker_ips"]):
-        nodes.append(Node(name=name, private_ip=ip, address=ip, workdir=prof.workdir, slots=slots, user=prof.user,
+        nodes.append(Node(name=name, private_ip=ip, address=ip, workdir=site.workdir, slots=slots, user=site.user,
                           via_head=True, server_id=servers.get(name)))
     missing = [n.name for n in nodes if n.server_id is None]
     if missing:
         raise ApplianceError(f"stack {stack}: no server named {', '.join(missing)}", "is the stack still there?")
-    cluster = Cluster(name=stack, cloud=prof.kind, nodes=nodes, key_file=prof.key_file,
-                      known_hosts=str(paths.clusters_dir() / f"{stack}.known_hosts"), python=prof.python,
+    cluster = Cluster(name=stack, cloud=site.kind, nodes=nodes, key_file=key.file,
+                      known_hosts=str(paths.clusters_dir() / f"{stack}.known_hosts"), python=site.python,
                       lease_id=lease.id if lease else None, reservation_id=out["reservation_id"],
                       lease_end=(lease.end.isoformat() + "Z") if lease else None, floating_ip=out["head_ip"],
-                      extra={"site": site, "key_name": prof.key_name, "key_file": prof.key_file, "stack": stack,
-                             "stack_id": st.id, "servers": {n.name: n.server_id for n in nodes}})
+                      site=SiteRecord(region=site.region, key_name=key.name, key_file=key.file, stack=stack,
+                                      stack_id=st.id, servers={n.name: n.server_id for n in nodes}))
     cluster.save()
     log(f"stack {stack}: head {nodes[0].name} at {nodes[0].address}, {len(nodes) - 1} worker(s)"
         + (f", lease {lease.name} until {lease.end:%Y-%m-%d %H:%M} UTC" if lease else ", no lease found"))
-    finish(prof, cluster, log)
+    finish(site, cluster, log)
     log(f"cluster {stack} adopted: `appliance train SPEC --cluster {stack}` runs on it")
     return cluster

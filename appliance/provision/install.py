@@ -16,8 +16,6 @@ import base64
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -49,30 +47,6 @@ def bundle(dest: Path) -> Path:
     return dest
 
 
-def local_wheelhouse(log=print) -> Path:
-    """The local cloud's nodes have no route to PyPI: fill a wheelhouse here (from pip's cache after the first
-    time) that they read through the shared filesystem. Chameleon nodes use PyPI directly."""
-    wh = Path.home() / ".cache" / "appliance" / "wheelhouse"
-    wh.mkdir(parents=True, exist_ok=True)
-    reqs = [line for line in LOCK.read_text().splitlines() if line and not line.startswith("#")
-            and not line.startswith("horovod==")]
-    def norm(name: str) -> str:  # PEP 503
-        return re.sub(r"[-_.]+", "-", name).lower()
-
-    have = {norm(p.name.split("-")[0]) for p in wh.iterdir()}
-    missing = [r for r in reqs + ["pip", "setuptools", "wheel"] if norm(r.split("==")[0]) not in have]
-    if missing or "horovod" not in have:
-        log(f"filling the local wheelhouse {wh} ({len(missing)} package(s), from PyPI or pip's cache)")
-        pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "--no-deps", "-d", str(wh)]
-        cmds = ([pip + missing] if missing else []) + [pip + ["--no-binary", ":all:", "horovod==" + _pin("horovod")]]
-        for cmd in cmds:
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise ApplianceError(f"pip download failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}",
-                                     "check this machine reaches PyPI")
-    return wh
-
-
 def _pin(name: str) -> str:
     m = re.search(rf"^{name}==(\S+)", LOCK.read_text(), re.M)
     return m.group(1) if m else ""
@@ -82,7 +56,7 @@ def install_stack(cluster: Cluster, *, variant: str, venv: str, cache_url: str =
                   system_deps: bool = True, pip_env: dict[str, str] | None = None, sudo: bool = False,
                   python: str = "python3.11", log=print) -> dict:
     """Install the stack on every node into ``venv``; returns {"python", "tag", "built", "cached"}."""
-    from ..data.store import SwiftStore, open_store
+    from ..store.objects import SwiftStore, open_store
 
     tag = stack_tag(variant)
     store, prefix = open_store(cache_url, creds)

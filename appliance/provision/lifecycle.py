@@ -1,8 +1,7 @@
 """Cluster verbs: `appliance up`, `status`, `down`, and the lease verbs. One function per verb.
 
-The cloud sits behind one small interface (``OpenStackCloud``: leases, servers, floating IPs), with
-two profiles: ``chameleon`` (a real site, from clouds.yaml/OS_CLOUD or openrc) and ``local`` (the
-local cloud on 127.0.0.1, started on demand, whose servers are testbed nodes). Every step records
+Each verb takes a ``Site`` (appliance.sites: Chameleon, or the local cloud whose servers are testbed nodes) and
+asks it for everything that differs between them; nothing here branches on which site it is. Every step records
 what it made in the cluster's state file before the next one starts, so a re-run after a failure
 creates only what is missing, and `down` finds everything.
 """
@@ -10,104 +9,25 @@ creates only what is missing, and `down` finds everything.
 from __future__ import annotations
 
 import datetime as dt
-import os
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from .. import paths
-from ..cluster import Cluster, Node, delete_cluster, find_cluster, load_cluster, state_path
+from ..cluster import Cluster, Node, SiteRecord, delete_cluster, find_cluster, load_cluster, state_path
 from ..errors import ApplianceError
-from ..spec import Spec, duration_seconds, load_spec
 from ..remote import Session
-from . import local_disk
+from ..sites import Site, for_cluster
+from ..sites.openstack import fmt_date
+from ..spec import Spec, duration_seconds
 from .contextualize import contextualize
-from .openstack import OpenStackCloud, connect, fmt_date
-
-CHAMELEON_PYTHON = "/opt/appliance/venv/bin/python"  # the appliance image's venv (images/)
-
-
-@dataclass
-class Profile:
-    kind: str  # "chameleon" or "local"
-    cloud: OpenStackCloud
-    user: str
-    workdir: str
-    python: str
-    key_name: str
-    key_file: str
-    boot_timeout: float
-    ssh_timeout: float
-
-    def time_scale(self) -> float:
-        """Cloud seconds per real second: 1 on Chameleon; the local cloud's clock can run faster."""
-        if self.kind != "local":
-            return 1.0
-        from .. import localcloud
-
-        return float(localcloud.admin("GET", "/clock").get("time_scale", 1.0))
-
-
-def _local_key() -> tuple[str, str]:
-    from ..localcloud import state_dir
-
-    d = state_dir()
-    priv = d / "id_ed25519"
-    if not priv.exists():
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ed25519
-
-        key = ed25519.Ed25519PrivateKey.generate()
-        fd = os.open(priv, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                       serialization.NoEncryption()))
-        pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-        (d / "id_ed25519.pub").write_text(pub.decode() + " appliance-local\n")
-    return str(priv), (d / "id_ed25519.pub").read_text().strip()
-
-
-def open_cloud(spec_cloud: str, site: str | None = None, key_name: str | None = None,
-               key_file: str | None = None, log=print) -> Profile:
-    if spec_cloud == "local":
-        from .. import localcloud
-
-        localcloud.start(log=log)
-        conn = connect(cloud=localcloud.CLOUD_NAME, config_file=str(localcloud.clouds_yaml()))
-        cloud = OpenStackCloud(conn)
-        priv, pub = _local_key()
-        cloud.ensure_keypair("appliance-local", pub)
-        return Profile("local", cloud, user="root", workdir="/mnt/local", python=sys.executable,
-                       key_name="appliance-local", key_file=priv, boot_timeout=120, ssh_timeout=60)
-    conn = connect(region=site)
-    if not key_file:
-        for cand in ("~/.ssh/id_ed25519", "~/.ssh/id_rsa"):
-            if Path(cand).expanduser().exists():
-                key_file = str(Path(cand).expanduser())
-                break
-    if not key_file or not Path(key_file).expanduser().exists():
-        raise ApplianceError(f"no private key for key pair {key_name!r} on this machine",
-                             "set key_file in the spec to the private key of key_name")
-    return Profile("chameleon", OpenStackCloud(conn), user="cc", workdir="/home/cc", python=CHAMELEON_PYTHON,
-                   key_name=key_name or "", key_file=str(Path(key_file).expanduser()), boot_timeout=1800,
-                   ssh_timeout=900)
-
-
-def profile_for(cluster: Cluster, log=print) -> Profile:
-    x = cluster.extra
-    return open_cloud(cluster.cloud, x.get("site"), x.get("key_name"), x.get("key_file"), log=log)
-
 
 # ---------------------------------------------------------------------------------------------
 # lease verbs
 
 
-def lease_create(spec_path: str, *, start: str | None = None, log=print) -> dict:
-    spec = load_spec(spec_path)
-    prof = open_cloud(spec.cloud, spec.site, spec.key_name, spec.key_file, log=log)
+def lease_create(site: Site, spec: Spec, *, start: str | None = None) -> dict:
     begin = dt.datetime.strptime(start, "%Y-%m-%d %H:%M") if start and start != "now" else None
-    info = prof.cloud.create_lease(_lease_name(spec), spec.nodes.node_type, spec.nodes.count,
+    info = site.cloud.create_lease(_lease_name(spec), spec.nodes.node_type, spec.nodes.count,
                                    dt.timedelta(seconds=duration_seconds(spec.lease.duration)), start=begin,
                                    floating_ip=spec.lease.floating_ip)
     return info.as_dict()
@@ -117,17 +37,7 @@ def _lease_name(spec: Spec) -> str:
     return f"{spec.name}-{time.strftime('%m%d%H%M%S')}"
 
 
-def _cloud_for(cloud: str, site: str | None, log) -> OpenStackCloud:
-    if cloud == "local":
-        from .. import localcloud
-
-        localcloud.start(log=log)
-        return OpenStackCloud(connect(cloud=localcloud.CLOUD_NAME, config_file=str(localcloud.clouds_yaml())))
-    return OpenStackCloud(connect(region=site))
-
-
-def image_upload(path: str, name: str, *, cloud: str = "chameleon", site: str | None = None,
-                 disk_format: str | None = None, log=print) -> dict:
+def image_upload(site: Site, path: str, name: str, *, disk_format: str | None = None) -> dict:
     """`appliance image upload`: a built image (make image) into the site's Glance, tagged with the lock it was
     built from. Glance images are per site: upload once per site you lease at."""
     import hashlib
@@ -141,14 +51,13 @@ def image_upload(path: str, name: str, *, cloud: str = "chameleon", site: str | 
     lock = Path(__file__).resolve().parents[2] / "requirements.lock"
     props = {"appliance_lock_sha256": hashlib.sha256(lock.read_bytes()).hexdigest()[:16] if lock.exists() else "",
              "appliance_stack": "tensorflow 2.18.1, tf-keras 2.18.0, horovod 0.28.1 (NCCL, Gloo)"}
-    c = _cloud_for(cloud, site, log)
-    log(f"uploading {p} ({p.stat().st_size / 1e9:.2f} GB, {fmt}) to Glance as {name!r}"
-        + (f" at {site}" if site else ""))
-    return c.upload_image(str(p), name, disk_format=fmt, properties=props)
+    site.log(f"uploading {p} ({p.stat().st_size / 1e9:.2f} GB, {fmt}) to Glance as {name!r}"
+             + (f" at {site.region}" if site.region else ""))
+    return site.cloud.upload_image(str(p), name, disk_format=fmt, properties=props)
 
 
-def lease_show(lease_id: str, *, cloud: str = "chameleon", site: str | None = None, log=print) -> dict:
-    c = _cloud_for(cloud, site, log)
+def lease_show(site: Site, lease_id: str) -> dict:
+    c = site.cloud
     info = c.get_lease(lease_id)
     if info is None:
         raise ApplianceError(f"no lease {lease_id}", "see `appliance lease list`")
@@ -157,13 +66,12 @@ def lease_show(lease_id: str, *, cloud: str = "chameleon", site: str | None = No
     return d
 
 
-def lease_list(*, cloud: str = "chameleon", site: str | None = None, log=print) -> list[dict]:
-    return [x.as_dict() for x in _cloud_for(cloud, site, log).list_leases()]
+def lease_list(site: Site) -> list[dict]:
+    return [x.as_dict() for x in site.cloud.list_leases()]
 
 
-def lease_extend(lease_id: str, *, by: str | None = None, to: str | None = None, cloud: str = "chameleon",
-                 site: str | None = None, log=print) -> dict:
-    c = _cloud_for(cloud, site, log)
+def lease_extend(site: Site, lease_id: str, *, by: str | None = None, to: str | None = None) -> dict:
+    c = site.cloud
     delta = dt.timedelta(seconds=duration_seconds(by)) if by else None
     end = dt.datetime.strptime(to, "%Y-%m-%d %H:%M") if to else None
     if not delta and not end:
@@ -171,24 +79,24 @@ def lease_extend(lease_id: str, *, by: str | None = None, to: str | None = None,
     return c.extend_lease(lease_id, by=delta, to=end).as_dict()
 
 
-def lease_delete(lease_id: str, *, cloud: str = "chameleon", site: str | None = None, log=print) -> bool:
-    return _cloud_for(cloud, site, log).delete_lease(lease_id)
+def lease_delete(site: Site, lease_id: str) -> bool:
+    return site.cloud.delete_lease(lease_id)
 
 
 # ---------------------------------------------------------------------------------------------
 # up
 
 
-def _wait_servers(prof: Profile, cluster: Cluster, log) -> dict[str, object]:
+def _wait_servers(site: Site, cluster: Cluster, log) -> dict[str, object]:
     """Until every server is ACTIVE; fail fast on ERROR; progress, not silence."""
-    deadline = time.monotonic() + prof.boot_timeout
+    deadline = time.monotonic() + site.boot_timeout
     t0 = time.monotonic()
     last: dict[str, str] = {}
     servers: dict[str, object] = {}
     next_note = t0 + 60
     while True:
         for node in cluster.nodes:
-            srv = prof.cloud.get_server(node.server_id)
+            srv = site.cloud.get_server(node.server_id)
             if srv is None:
                 raise ApplianceError(f"server {node.name} ({node.server_id}) disappeared while booting",
                                      "run `appliance status`; the lease may have ended")
@@ -206,19 +114,17 @@ def _wait_servers(prof: Profile, cluster: Cluster, log) -> dict[str, object]:
         if time.monotonic() >= next_note:  # a line a minute while bare metal deploys, not silence
             waiting = ", ".join(f"{n} {s.status}" for n, s in servers.items() if s.status != "ACTIVE")
             log(f"  still booting after {time.monotonic() - t0:.0f}s: {waiting} "
-                f"(timeout {prof.boot_timeout:.0f}s)")
+                f"(timeout {site.boot_timeout:.0f}s)")
             next_note += 60
         if time.monotonic() > deadline:
             slow = [n for n, s in servers.items() if s.status != "ACTIVE"]
-            raise ApplianceError(f"servers {', '.join(slow)} not ACTIVE after {prof.boot_timeout:.0f}s",
+            raise ApplianceError(f"servers {', '.join(slow)} not ACTIVE after {site.boot_timeout:.0f}s",
                                  "bare metal can take 20 min; run `appliance up` again to keep waiting")
-        time.sleep(2 if prof.kind == "chameleon" else 0.2)  # polling a remote API
+        time.sleep(site.poll)  # polling a remote API
 
 
-def _wait_ssh(prof: Profile, cluster: Cluster, log) -> None:
-    from ..remote import Session
-
-    deadline = time.monotonic() + prof.ssh_timeout
+def _wait_ssh(site: Site, cluster: Cluster, log) -> None:
+    deadline = time.monotonic() + site.ssh_timeout
     last_err: ApplianceError | None = None
     while time.monotonic() < deadline:
         try:
@@ -226,21 +132,19 @@ def _wait_ssh(prof: Profile, cluster: Cluster, log) -> None:
                 return
         except ApplianceError as e:
             last_err = e
-        time.sleep(2 if prof.kind == "chameleon" else 0.2)  # waiting for sshd on remote machines
-    raise ApplianceError(f"SSH never came up within {prof.ssh_timeout:.0f}s: {last_err.message if last_err else ''}",
+        time.sleep(site.poll)  # waiting for sshd on remote machines
+    raise ApplianceError(f"SSH never came up within {site.ssh_timeout:.0f}s: {last_err.message if last_err else ''}",
                          "check the key pair and image; `appliance status` shows the nodes")
 
 
-def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None = None, log=print,
-       spec: Spec | None = None, install: bool = False, variant: str | None = None,
-       wheel_cache: str | None = None) -> Cluster:
+def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: float | None = None, log=print,
+       install: bool = False, variant: str | None = None, wheel_cache: str | None = None) -> Cluster:
     """Lease (or reuse) -> servers on the reservation -> floating IP -> host keys -> SSH -> contextualize
     [-> the training stack installed on every node, `install`: for stock images]."""
-    spec = spec or load_spec(spec_path)
-    prof = open_cloud(spec.cloud, spec.site, spec.key_name, spec.key_file, log=log)
     if ssh_timeout is not None:
-        prof.ssh_timeout = ssh_timeout
-    c = prof.cloud
+        site.ssh_timeout = ssh_timeout
+    c = site.cloud
+    key = site.login_key(spec.key_name, spec.key_file)
     cluster = find_cluster(spec.name)
     if cluster is not None and cluster.lease_id:
         info = c.get_lease(cluster.lease_id)
@@ -250,11 +154,11 @@ def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None
             delete_cluster(spec.name)
             cluster = None
     if cluster is None:
-        cluster = Cluster(name=spec.name, cloud=prof.kind, nodes=[], key_file=prof.key_file,
-                          known_hosts=str(paths.clusters_dir() / f"{spec.name}.known_hosts"), python=prof.python,
+        cluster = Cluster(name=spec.name, cloud=site.kind, nodes=[], key_file=key.file,
+                          known_hosts=str(paths.clusters_dir() / f"{spec.name}.known_hosts"), python=site.python,
                           spec_digest=spec.digest,
-                          extra={"site": spec.site, "key_name": prof.key_name, "key_file": prof.key_file,
-                                 "spec": spec.path, "servers": {}})
+                          site=SiteRecord(region=spec.site, key_name=key.name, key_file=key.file,
+                                          spec_path=spec.path))
     # 1. lease
     lid = lease_id or spec.lease.lease_id or cluster.lease_id
     if lid is None:
@@ -268,13 +172,13 @@ def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None
         if info is None:
             raise ApplianceError(f"no lease {lid}", "see `appliance lease list`")
     cluster.lease_id, cluster.reservation_id = info.id, info.reservation_id
-    cluster.extra["fip_reservation_id"] = info.fip_reservation_id
+    cluster.site.fip_reservation_id = info.fip_reservation_id
     cluster.save()
     info = c.wait_lease(info.id, log=log)
     cluster.lease_end = info.end.isoformat() + "Z"
     cluster.save()
     # 2. servers: one per node, recorded as soon as it is asked for; ERROR ones are replaced
-    servers: dict = cluster.extra.setdefault("servers", {})
+    servers = cluster.site.servers
     for i in range(spec.nodes.count):
         name = f"{spec.name}-{i}"
         sid = servers.get(name)
@@ -286,70 +190,63 @@ def up(spec_path: str, *, lease_id: str | None = None, ssh_timeout: float | None
                 log(f"  {name}: replacing a server in ERROR")
                 c.delete_server(sid)
         servers[name] = c.create_server(name, reservation_id=info.reservation_id, image=spec.image,
-                                        key_name=prof.key_name, network=spec.network)
+                                        key_name=key.name, network=spec.network)
         cluster.save()
-    log(f"waiting for {spec.nodes.count} server(s) to boot"
-        + (" (bare metal: 10-20 min)" if prof.kind == "chameleon" else ""))
-    cluster.nodes = [Node(name=n, private_ip="", address=None, workdir=prof.workdir, slots=spec.nodes.slots,
-                          user=prof.user, server_id=sid) for n, sid in servers.items()]
-    srvs = _wait_servers(prof, cluster, log)
+    log(f"waiting for {spec.nodes.count} server(s) to boot{site.boot_note}")
+    cluster.nodes = [Node(name=n, private_ip="", address=None, workdir=site.workdir, slots=spec.nodes.slots,
+                          user=site.user, server_id=sid) for n, sid in servers.items()]
+    srvs = _wait_servers(site, cluster, log)
     for node in cluster.nodes:
-        node.private_ip = prof.cloud.server_ip(srvs[node.name])
+        node.private_ip = c.server_ip(srvs[node.name])
         node.address = node.private_ip
         node.via_head = node is not cluster.nodes[0]
     # 3. floating IP on the head
     head = cluster.nodes[0]
     if not cluster.floating_ip:
-        fip = c.attach_floating_ip(head.server_id, fip_reservation_id=cluster.extra.get("fip_reservation_id"))
+        fip = c.attach_floating_ip(head.server_id, fip_reservation_id=cluster.site.fip_reservation_id)
         cluster.floating_ip = fip.floating_ip_address
-        cluster.extra["fip_id"] = fip.id
+        cluster.site.fip_id = fip.id
         cluster.save()
         log(f"floating IP {cluster.floating_ip} on {head.name}")
     head.address = cluster.floating_ip
-    finish(prof, cluster, log)
+    finish(site, cluster, log)
     if install:
-        install_on(prof, cluster, spec, variant=variant, wheel_cache=wheel_cache, log=log)
+        install_on(site, cluster, spec, variant=variant, wheel_cache=wheel_cache, log=log)
     log(f"cluster {cluster.name} ready: {len(cluster.nodes)} node(s), head {head.name} at {head.address}")
     return cluster
 
 
-def install_on(prof: Profile, cluster: Cluster, spec: Spec, *, variant: str | None = None,
+def install_on(site: Site, cluster: Cluster, spec: Spec, *, variant: str | None = None,
                wheel_cache: str | None = None, log=print) -> None:
     """The boot-time installer on every node (provision/install.py); the cluster then trains with that venv."""
-    from ..data import creds as creds_mod
     from . import install
 
     variant = variant or ("gpu" if spec.nodes.node_type.startswith("gpu") else "cpu")
-    if prof.kind == "local":  # nodes are namespaces here: no PyPI, the host's packages, a per-node venv
-        opts = dict(venv=f"{prof.workdir}/appliance/venv", system_deps=False, sudo=False,
-                    python=getattr(sys, "_base_executable", sys.executable),
-                    pip_env={"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(install.local_wheelhouse(log=log))})
-    else:
-        opts = dict(venv=str(Path(CHAMELEON_PYTHON).parent.parent), system_deps=True, sudo=prof.user != "root")
+    opts = site.install_options()
     log(f"installing the training stack ({variant}) on {len(cluster.nodes)} node(s) into {opts['venv']}")
     res = install.install_stack(cluster, variant=variant, cache_url=wheel_cache or install.DEFAULT_CACHE,
-                                creds=creds_mod.resolve(prof.kind, spec.site, log=log), log=log, **opts)
+                                creds=site.store_creds(), log=log, **opts)
     cluster.python = res["python"]
-    cluster.extra["installed"] = {k: v for k, v in res.items() if k != "python"}
+    cluster.site.installed = {k: v for k, v in res.items() if k != "python"}
     cluster.save()
 
 
-def finish(prof: Profile, cluster: Cluster, log=print) -> None:
+def finish(site: Site, cluster: Cluster, log=print) -> None:
     """Pin every node's host key from its console log, wait for SSH, pick the local disk, contextualize.
     Shared by `up` and `adopt` (a Heat stack made in Horizon)."""
-    c = prof.cloud
+    c = site.cloud
     head = cluster.head
     # 4. host keys from the console (cloud-init prints them), pinned
     lines = []
     for node in cluster.nodes:
         keys = []
-        deadline = time.monotonic() + prof.ssh_timeout
+        deadline = time.monotonic() + site.ssh_timeout
         while not keys and time.monotonic() < deadline:
             keys = c.console_host_keys(node.server_id)
             if not keys:
-                time.sleep(2 if prof.kind == "chameleon" else 0.2)  # console log fills during boot
+                time.sleep(site.poll)  # console log fills during boot
         if not keys:
-            raise ApplianceError(f"no SSH host keys in {node.name}'s console log after {prof.ssh_timeout:.0f}s",
+            raise ApplianceError(f"no SSH host keys in {node.name}'s console log after {site.ssh_timeout:.0f}s",
                                  "the image must run cloud-init (CC images do); or pin keys by hand in "
                                  f"{cluster.known_hosts}")
         names = ",".join(dict.fromkeys([node.name, node.private_ip] + ([node.address] if node is head else [])))
@@ -360,12 +257,9 @@ def finish(prof: Profile, cluster: Cluster, log=print) -> None:
     cluster.save()
     # 5. SSH, then 6. contextualize
     log("waiting for SSH")
-    _wait_ssh(prof, cluster, log)
-    if prof.kind == "chameleon":  # 7. the fast local disk (NVMe) for code, data and local checkpoints
-        with Session(cluster) as session:
-            plans = session.each(lambda r: local_disk.prepare(r, prof.workdir, prof.user, log=log))
-        for node in cluster.nodes:
-            node.workdir = plans[node.name].workdir
+    _wait_ssh(site, cluster, log)
+    with Session(cluster) as session:  # 7. the site's fast local disk (Chameleon: NVMe) for code, data, checkpoints
+        site.prepare_nodes(cluster, session)
     contextualize(cluster, log=log)
     cluster.save()
 
@@ -376,8 +270,7 @@ def finish(prof: Profile, cluster: Cluster, log=print) -> None:
 
 def status(name: str, log=print) -> dict:
     cluster = load_cluster(name)
-    prof = profile_for(cluster, log=lambda m: None)
-    c = prof.cloud
+    c = _site_of(cluster).cloud
     info = c.get_lease(cluster.lease_id) if cluster.lease_id else None
     now = c.now()
     out = {"name": name, "cloud": cluster.cloud, "lease_id": cluster.lease_id,
@@ -404,17 +297,16 @@ def down(name: str, log=print) -> list[str]:
         log(f"no cluster named {name!r}; nothing to do")
         return []
     cluster = load_cluster(name)
-    prof = profile_for(cluster, log=lambda m: None)
-    c = prof.cloud
+    c = _site_of(cluster).cloud
     done = []
     for node in cluster.nodes or []:
         if node.server_id and c.delete_server(node.server_id):
             done.append(f"server {node.name}")
-    for sid in (cluster.extra.get("servers") or {}).values():
+    for sid in cluster.site.servers.values():
         if sid not in {n.server_id for n in cluster.nodes} and c.delete_server(sid):
             done.append(f"server {sid}")
-    if cluster.extra.get("fip_id"):
-        c.release_floating_ip(cluster.extra["fip_id"])
+    if cluster.site.fip_id:
+        c.release_floating_ip(cluster.site.fip_id)
         done.append(f"floating IP {cluster.floating_ip}")
     if cluster.lease_id and c.delete_lease(cluster.lease_id):
         done.append(f"lease {cluster.lease_id}")
@@ -423,3 +315,11 @@ def down(name: str, log=print) -> list[str]:
         (paths.clusters_dir() / f"{name}{suffix}").unlink(missing_ok=True)
     log(f"cluster {name}: removed " + (", ".join(done) if done else "its record (nothing left in the cloud)"))
     return done
+
+
+def _site_of(cluster: Cluster) -> Site:
+    site = for_cluster(cluster, log=lambda m: None)
+    if site is None:
+        raise ApplianceError(f"cluster {cluster.name!r} was not made on a cloud ({cluster.cloud})",
+                             "`appliance testbed down` removes a testbed; a Heat stack is deleted in Horizon")
+    return site

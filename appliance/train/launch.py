@@ -17,7 +17,6 @@ The command's exit code is the job's.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -32,18 +31,16 @@ from pathlib import Path
 from .. import paths
 from ..cluster import Cluster, Node
 from ..errors import ApplianceError, JobFailed
+from ..protocol import EXIT_STOPPED, Env, Line, parse, rank_environment
 from ..provision.contextualize import contextualize
 from ..remote import ConnectionLost, Remote, Session, SSHRemote
 from ..spec import Spec
-from .environment import rank_environment
 
 RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 EXIT_LINE = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
-RESULT_PREFIX = "APPLIANCE_RESULT "
-RANK_EXIT = re.compile(r"^APPLIANCE_RANK_EXIT (-?\d+)$")
 # Each rank's command runs under this wrapper, which prints the rank's own exit status as it exits: when one
 # rank fails, horovodrun kills the other ranks' ssh, and ssh's 255 would hide the real status.
-RANK_WRAPPER = '"$@"; rc=$?; echo "APPLIANCE_RANK_EXIT $rc"; exit $rc'
+RANK_WRAPPER = f'"$@"; rc=$?; echo "{Line.RANK_EXIT} $rc"; exit $rc'
 # Output of a rank that failed *because another rank did* (so it is not the one to blame).
 COLLATERAL = re.compile(r"Horovod has been shut down|HorovodInternalError|Connection closed by peer|"
                         r"Connection reset by peer|Broken pipe|gloo/transport|Read error \[")
@@ -53,12 +50,12 @@ REAP_SCRIPT = r"""
 id="$1"
 for d in /proc/[0-9]*; do
   pid=${d#/proc/}
-  if tr '\0' '\n' < "$d/environ" 2>/dev/null | grep -qxF "APPLIANCE_JOB_ID=$id"; then
+  if tr '\0' '\n' < "$d/environ" 2>/dev/null | grep -qxF "%s=$id"; then
     kill -9 "$pid" 2>/dev/null && echo "$pid"
   fi
 done
 true
-"""
+""" % Env.JOB_ID
 
 
 @dataclass
@@ -73,7 +70,7 @@ class JobResult:
     log_path: str = ""
     run: str = ""
     cluster_cloud: str = ""
-    stopped: dict | None = None  # rank 0's APPLIANCE_STOPPED report: stopped before the lease end
+    stopped: dict | None = None  # rank 0's Line.STOPPED report: stopped before the lease end
     commits: list[dict] = field(default_factory=list)  # checkpoints committed during the job
     resumed: dict | None = None  # where the job resumed from
     started_at: float = 0.0
@@ -81,6 +78,42 @@ class JobResult:
     @property
     def hostnames(self) -> list[str]:
         return sorted({r.get("hostname", "?") for r in self.results.values()})
+
+
+@dataclass
+class JobContext:
+    """What a hook sees of the job it is added to."""
+
+    spec: Spec
+    cluster: Cluster
+    head: Remote
+    run_dir: str  # on the head node
+    job_id: str
+    restore: str | None  # the checkpoint directory the ranks resume from (None: a fresh start)
+    say: Callable[[str], None]
+
+
+class JobHooks:
+    """Behaviour other steps add to a job, so that `train` imports none of them (as Horovod's gloo_run takes its
+    behaviour as callables). Checkpoints and run records are hooks (appliance.checkpoint); `flows.run_job` adds
+    them. Hooks are called in list order."""
+
+    def prepare(self, ctx: JobContext) -> dict[str, str]:
+        """Before the job: set up the head node; returns variables for the ranks. Raise to refuse the job."""
+        return {}
+
+    def started(self, ctx: JobContext) -> None:
+        """The job is about to start."""
+
+    def rank_line(self, rank: int, text: str) -> bool:
+        """A line a rank printed; True when the hook consumed it (it is then not shown)."""
+        return False
+
+    def close(self) -> None:
+        """The job's processes have ended (always called, also on failure)."""
+
+    def finish(self, result: JobResult) -> None:
+        """The job's result, before it is returned; a hook may fill in or change it (exit code, failure)."""
 
 
 def run_dir(cluster: Cluster, run: str) -> str:
@@ -110,14 +143,14 @@ def horovodrun_command(cluster: Cluster, spec: Spec, *, job_id: str, nic: str, p
     etc = cluster.config_dir(head)
     env_extra = dict(spec.train.env)
     env_extra.update({
-        "APPLIANCE_JOB_ID": job_id,
-        "APPLIANCE_RUN": spec.name,
-        "APPLIANCE_RUN_DIR": run_dir(cluster, spec.name),
-        "APPLIANCE_WORKDIR": head.workdir,
-        "PYTHONPATH": f"{pkg_dir}/train/shim",
+        Env.JOB_ID: job_id,
+        Env.RUN: spec.name,
+        Env.RUN_DIR: run_dir(cluster, spec.name),
+        Env.WORKDIR: head.workdir,
+        "PYTHONPATH": f"{pkg_dir}/node/shim",
     })
     if spec.dataset is not None:
-        env_extra["APPLIANCE_DATA_DIR"] = f"{head.workdir}/{spec.dataset.dest}"
+        env_extra[Env.DATA_DIR] = f"{head.workdir}/{spec.dataset.dest}"
     if extra_env:
         env_extra.update(extra_env)
     path = f"{venv_bin}:{SYSTEM_PATH}" if cluster.single_host else f"{etc}/bin:{venv_bin}:{SYSTEM_PATH}"
@@ -273,12 +306,12 @@ class _Watch:
 
 
 def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = None, grace: float = 10.0,
-          heartbeat: float = 5.0, extra_env: dict[str, str] | None = None, restore: str | None = None) -> JobResult:
+          heartbeat: float = 5.0, extra_env: dict[str, str] | None = None, restore: str | None = None,
+          hooks: list[JobHooks] | tuple = ()) -> JobResult:
     """Run the spec's training command across the cluster. Returns when the job has ended.
 
-    ``restore``: the checkpoint directory (same path on every node) the ranks resume from."""
-    from ..checkpoint import runs
-    from ..checkpoint.job import EXIT_STOPPED, JobCheckpoints
+    ``restore``: the checkpoint directory (same path on every node) the ranks resume from. ``hooks``: what other
+    steps add to the job (checkpoints, run records: `flows.run_job` adds them)."""
 
     job_id = f"{spec.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     log_dir = paths.home() / "runs" / spec.name
@@ -304,10 +337,12 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             cdir = code_dir(cluster, spec.name)
             session.each(lambda r: r.put_dir(spec.code_dir, cdir))
             say(f"[appliance] copied {spec.code_dir} to {cdir} on {len(cluster.nodes)} node(s)")
-            ckpts = JobCheckpoints(spec, cluster, session.head, run_dir(cluster, spec.name), say)
-            env_more = ckpts.prepare(fresh=restore is None)
+            ctx = JobContext(spec, cluster, session.head, run_dir(cluster, spec.name), job_id, restore, say)
+            env_more: dict[str, str] = {}
+            for h in hooks:
+                env_more.update(h.prepare(ctx))
             if restore:
-                env_more["APPLIANCE_RESTORE"] = restore
+                env_more[Env.RESTORE] = restore
             env_more.update(extra_env or {})
             cmd, _env = horovodrun_command(cluster, spec, job_id=job_id, nic=nic, pkg_dir=pkg_dir,
                                            extra_env=env_more)
@@ -320,19 +355,17 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 if m:
                     rank, text = int(m.group(1)), m.group(3)
                     host = rank_hosts[rank] if rank < len(rank_hosts) else "?"
-                    x = RANK_EXIT.match(text)
-                    if x:
-                        watch.own_exit(rank, int(x.group(1)))
+                    x = parse(text, (Line.RANK_EXIT,))
+                    if x and x[1].lstrip("-").isdigit():
+                        watch.own_exit(rank, int(x[1]))
                         return
-                    if rank == 0 and ckpts.on_rank_line(rank, text):
+                    if any(h.rank_line(rank, text) for h in hooks):
                         return
                     if COLLATERAL.search(text):
                         watch.collateral.add(rank)
-                    if text.startswith(RESULT_PREFIX):
-                        try:
-                            results[rank] = json.loads(text[len(RESULT_PREFIX):])
-                        except json.JSONDecodeError:
-                            pass
+                    r = parse(text, (Line.RESULT,))
+                    if r and isinstance(r[1], dict):
+                        results[rank] = r[1]
                     say(f"[{rank}|{host}] {text}")
                     return
                 e = EXIT_LINE.match(line)
@@ -342,8 +375,8 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
 
             wt = threading.Thread(target=watch.run, daemon=True)
             wt.start()
-            runs.job_started(spec, cluster, job_id, restore=restore)
-            ckpts.start()
+            for h in hooks:
+                h.started(ctx)
             try:
                 r = session.head.run(cmd, on_line=on_line, stop=watch.stop)
                 rc = r.rc
@@ -357,7 +390,8 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             finally:
                 watch.done.set()
                 wt.join(timeout=5)
-                ckpts.close()
+                for h in hooks:
+                    h.close()
             if watch.failure and not watch.reaped:
                 watch.reap()  # leave nothing behind on the nodes that answer
             if watch.failure:
@@ -368,22 +402,15 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 rc = 1
             if rc != 0 and watch.failure is None:
                 watch.failure = f"horovodrun exited with status {rc}"
-            if ckpts.stopped is not None and watch.failure is None:
-                if ckpts.stopped.get("committed"):
-                    rc = EXIT_STOPPED
-                else:
-                    rc = rc or 1
-                    watch.failure = (f"stopped after step {ckpts.stopped['step']} ({ckpts.stopped['reason']}) but the "
-                                     f"checkpoint was NOT committed: {ckpts.stopped.get('error')}; it is kept on "
-                                     f"{cluster.head.name} at {ckpts.stopped.get('local')}")
             wall = time.monotonic() - t0
             res = JobResult(job_id=job_id, exit_code=rc, world_size=cluster.world_size, rank_hosts=rank_hosts,
                             results=results, failure=watch.failure, wall_s=wall, log_path=str(log_path),
-                            run=spec.name, cluster_cloud=cluster.cloud, stopped=ckpts.stopped,
-                            commits=ckpts.commits, resumed=ckpts.resumed, started_at=time.time() - wall)
-            runs.job_ended(spec, cluster, res)
+                            run=spec.name, cluster_cloud=cluster.cloud, started_at=time.time() - wall)
+            for h in hooks:
+                h.finish(res)
+            rc = res.exit_code
             say(f"[appliance] job {job_id} ended with exit code {rc} after {wall:.1f}s"
-                + (f": {watch.failure}" if watch.failure else ""))
+                + (f": {res.failure}" if res.failure else ""))
             return res
     finally:
         logf.close()
@@ -396,8 +423,6 @@ def _stdout(line: str) -> None:
 
 def check(result: JobResult) -> JobResult:
     """Raise JobFailed (with the job's exit code) if the job failed; exit 75 when it stopped for the lease end."""
-    from ..checkpoint.job import EXIT_STOPPED
-
     if result.exit_code == EXIT_STOPPED and result.stopped:
         raise JobFailed(f"stopped after step {result.stopped['step']} ({result.stopped['reason']}) with checkpoint "
                         f"{result.stopped['checkpoint']} committed", f"continue with `appliance resume {result.run}`",
@@ -406,39 +431,3 @@ def check(result: JobResult) -> JobResult:
         raise JobFailed(f"training job failed: {result.failure}", f"full log: {result.log_path}",
                         exit_code=result.exit_code)
     return result
-
-
-def resolve_cluster(spec: Spec, cluster_name: str | None = None, log=print) -> Cluster:
-    """The cluster a spec runs on: one named explicitly, the run's own (made by `appliance up`), the one this
-    machine heads (a Heat stack's head node), or, for ``cloud: local``, the default testbed (brought up if needed)."""
-    from ..cluster import find_cluster, from_node_config, from_testbed, load_cluster, node_config_path
-
-    if cluster_name:
-        return load_cluster(cluster_name)
-    own = find_cluster(spec.name)
-    if own is not None:
-        return own
-    if node_config_path() is not None:  # on the head node of a cluster contextualized at boot (Heat)
-        return from_node_config()
-    if spec.cloud != "local":
-        raise ApplianceError(f"no cluster for run {spec.name!r}", f"run `appliance up {spec.path}` first")
-    from .. import testbed
-
-    tb = testbed.load("tb")
-    if tb is None or not testbed.status("tb")["up"]:
-        tb = testbed.up("tb", spec.nodes.count, slots=spec.nodes.slots, log=log)
-    cl = from_testbed(tb)
-    if cl.world_size != spec.world_size and not cl.single_host:
-        raise ApplianceError(f"the testbed has {cl.world_size} slot(s) but {spec.path} asks for {spec.world_size}",
-                             f"run `appliance testbed down` and `appliance testbed up --nodes {spec.nodes.count}`")
-    return cl
-
-
-def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None,
-               log=print) -> JobResult:
-    """`appliance train SPEC`: validate the spec, find its cluster, run the job."""
-    from ..spec import load_spec
-
-    spec = load_spec(spec_path)
-    cluster = resolve_cluster(spec, cluster_name, log=log)
-    return train(spec, cluster, out=out)

@@ -18,8 +18,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..protocol import Env, Line, emit
+
 # the checkout's lock (make install: editable), or the copy install-stack.sh leaves in the venv
-LOCKS = (Path(__file__).resolve().parent.parent / "requirements.lock", Path(sys.prefix) / "appliance-requirements.lock")
+LOCKS = (Path(__file__).resolve().parents[2] / "requirements.lock", Path(sys.prefix) / "appliance-requirements.lock")
 INSTALL_FIX = "install the stack: images/install-stack.sh (docs/image.md), or use the appliance image"
 
 PROBE = r"""
@@ -202,7 +204,7 @@ def nic_checks(etc: Path | None) -> list[Check]:
 
 def run_checks(python: str | None = None, etc: str | None = None, allreduce: bool = True) -> list[Check]:
     python = python or sys.executable
-    etc_p = Path(etc or os.environ.get("APPLIANCE_ETC") or "/etc/appliance")
+    etc_p = Path(etc or os.environ.get(Env.ETC) or "/etc/appliance")
     p = probe(python)
     checks = stack_checks(p, _pins())
     checks += gpu_checks(p)
@@ -222,32 +224,8 @@ def format_checks(checks: list[Check]) -> list[str]:
     return [f"{mark[c.status]} {c.name:<26} {c.detail}" + (f"  (fix: {c.fix})" if c.fix else "") for c in checks]
 
 
-def doctor_cluster(cluster, allreduce: bool = True) -> dict[str, list[Check]]:
-    """Run the doctor on every node of ``cluster`` over SSH (in parallel), with the cluster's Python."""
-    import shlex
-
-    from .remote import Session
-
-    def one(remote) -> list[Check]:
-        node = remote.node
-        cmd = (f"{shlex.quote(cluster.python)} -m appliance.doctor --python {shlex.quote(cluster.python)} "
-               f"--etc {shlex.quote(cluster.config_dir(node))}" + ("" if allreduce else " --no-allreduce"))
-        r = remote.run(cmd, timeout=300)
-        for line in r.out.splitlines():
-            if line.startswith("APPLIANCE_DOCTOR "):
-                return [Check(**c) for c in json.loads(line[len("APPLIANCE_DOCTOR "):])]
-        tail = (r.err.strip().splitlines() or [f"exit {r.rc}"])[-1]
-        return [Check("appliance", "fail", f"the doctor did not run on {node.name}: {tail}",
-                      "the node lacks the appliance package: use the appliance image or `appliance up --install`")]
-
-    if cluster.single_host:
-        return {cluster.head.name: run_checks(cluster.python, cluster.config_dir(cluster.head), allreduce)}
-    with Session(cluster) as session:
-        return session.each(one)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Node-side entry (`python -m appliance.doctor`), used by `appliance doctor --cluster` over SSH."""
+    """Node-side entry (`python -m appliance.node.doctor`), used by `appliance doctor --cluster` over SSH."""
     import argparse
 
     ap = argparse.ArgumentParser()
@@ -256,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-allreduce", action="store_true")
     a = ap.parse_args(argv)
     checks = run_checks(a.python, a.etc, allreduce=not a.no_allreduce)
-    print("APPLIANCE_DOCTOR " + json.dumps(as_dicts(checks)))
+    emit(Line.DOCTOR, as_dicts(checks))
     return 1 if any(c.status == "fail" for c in checks) else 0
 
 

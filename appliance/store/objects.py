@@ -277,7 +277,7 @@ class FileStore(Store):
                 p = Path(dirpath) / f
                 name = str(p.relative_to(base))
                 if name.startswith(prefix):
-                    yield ObjectInfo(name, p.stat().st_size, _md5_file(p))
+                    yield ObjectInfo(name, p.stat().st_size, md5_file(p))
 
     def get(self, name, write, *, start=None, end=None) -> dict:
         with open(self.root / name, "rb") as fh:
@@ -301,7 +301,7 @@ class FileStore(Store):
             while chunk := src.read(1 << 20):
                 out.write(chunk)
         tmp.replace(dst)
-        return _md5_file(dst)
+        return md5_file(dst)
 
     def delete(self, name) -> None:
         p = self.root / name
@@ -315,7 +315,7 @@ class FileStore(Store):
                 break
 
 
-def _md5_file(p: Path) -> str:
+def md5_file(p: Path) -> str:
     h = hashlib.md5()
     with open(p, "rb") as fh:
         while chunk := fh.read(1 << 20):

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.store import ObjectInfo, StoreCreds, _md5_file, open_store
+from .objects import ObjectInfo, StoreCreds, md5_file, open_store
 from ..errors import ApplianceError
 
 MANIFEST = "MANIFEST.json"
@@ -189,7 +189,7 @@ class CheckpointStore:
         record: dict[str, dict] = {}
         for i, p in enumerate(files):
             rel = p.relative_to(local).as_posix()
-            md5 = _md5_file(p)
+            md5 = md5_file(p)
             size = p.stat().st_size
             retrying(lambda: self._put(f"{name}/{rel}", p), what=f"upload {name}/{rel}",
                      until=until, log=log, stop=stop)
@@ -249,7 +249,7 @@ class CheckpointStore:
             p.parent.mkdir(parents=True, exist_ok=True)
             with open(p, "wb") as fh:
                 self.store.get(f"{self.prefix}{c.name}/{rel}", fh.write)
-            if _md5_file(p) != f["md5"]:
+            if md5_file(p) != f["md5"]:
                 raise ApplianceError(f"{c.name}/{rel}: downloaded bytes do not match the manifest",
                                      "retry; if it persists the object is corrupted in the store")
         (out / MANIFEST).write_text(json.dumps(m, indent=1, sort_keys=True))

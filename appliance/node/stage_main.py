@@ -10,8 +10,9 @@ import json
 import sys
 
 from ..errors import ApplianceError
+from ..protocol import Line, emit
+from ..store.objects import StoreCreds, open_store, swift_fallback
 from .stage import stage
-from .store import StoreCreds, open_store, swift_fallback
 
 
 def main() -> int:
@@ -19,7 +20,7 @@ def main() -> int:
     creds = StoreCreds(**job["creds"]) if job.get("creds") else None
 
     def progress(p):
-        print("APPLIANCE_PROGRESS " + json.dumps(p), flush=True)
+        emit(Line.PROGRESS, p)
 
     try:
         store, prefix = open_store(job["url"], creds)
@@ -33,17 +34,17 @@ def main() -> int:
             fb = swift_fallback(job["url"], creds) if creds else None
             if fb is None:
                 raise
-            print(f"APPLIANCE_NOTE S3 failed ({type(e).__name__}: {e}); falling back to Swift", flush=True)
+            emit(Line.NOTE, f"S3 failed ({type(e).__name__}: {e}); falling back to Swift")
             res = stage(fb[0], fb[1], job["dest"], mode=job["mode"], rank=job["rank"], nodes=job["nodes"],
                         concurrency=job.get("concurrency", 16), progress=progress,
                         keep_names=job.get("keep_names", False))
     except ApplianceError as e:
-        print("APPLIANCE_ERROR " + json.dumps({"message": e.message, "fix": e.fix}), flush=True)
+        emit(Line.ERROR, {"message": e.message, "fix": e.fix})
         return 1
     except Exception as e:
-        print("APPLIANCE_ERROR " + json.dumps({"message": f"{type(e).__name__}: {e}", "fix": None}), flush=True)
+        emit(Line.ERROR, {"message": f"{type(e).__name__}: {e}", "fix": None})
         return 1
-    print("APPLIANCE_STAGED " + json.dumps(res.as_dict()), flush=True)
+    emit(Line.STAGED, res.as_dict())
     return 0
 
 

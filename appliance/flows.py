@@ -1,0 +1,263 @@
+"""Workflows: the one place that composes steps. Each CLI verb parses its arguments and calls one function here.
+
+Data flows one way, spec -> lease -> cluster -> stage -> train -> checkpoint -> resume; the steps below this module
+(sites, provision, data, train, checkpoint, bench) do not import each other upwards, and none of them decides
+which cluster a run uses or strings steps together: that is here (resolve_cluster, run_job, resume, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from .checkpoint.job import JobCheckpoints
+from .checkpoint.resume import choose_checkpoint, creds_for, find_spec
+from .checkpoint.runs import RunRecords, list_runs  # noqa: F401 (re-exported for the CLI)
+from .cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
+from .data import listing, pack_dir, remove, stage_cluster, upload
+from .errors import ApplianceError
+from .node import doctor as node_doctor
+from .node.watchdog import node_watch  # noqa: F401 (re-exported for the CLI)
+from .provision import heat, lifecycle
+from .remote import Session
+from .sites import Site, for_spec, load_spec, open_site
+from .sites.local import (  # noqa: F401 (the simulator's verbs, for the CLI)
+    cloud_start, cloud_status, cloud_stop, testbed_down, testbed_status, testbed_up)
+from .spec import Spec
+from .store.objects import parse_url
+from .train.launch import JobResult, train
+
+__all__ = ["resolve_cluster", "run_job", "train_spec", "stage_spec", "resume", "up", "down", "status", "adopt",
+           "site", "data_creds", "doctor", "job_summary", "list_runs", "node_watch"]
+
+
+# -- sites and credentials --------------------------------------------------------------------------
+
+
+def site(kind: str, region: str | None = None, log=print) -> Site:
+    return open_site(kind, region, log=log)
+
+
+def data_creds(url: str, kind: str, region: str | None = None, log=print):
+    """Credentials for an object-store URL on a site (none for file://)."""
+    return None if parse_url(url)[0] == "file" else open_site(kind, region, log=log).store_creds()
+
+
+# -- clusters -------------------------------------------------------------------------------------
+
+
+def resolve_cluster(spec: Spec, cluster_name: str | None = None, log=print) -> Cluster:
+    """The cluster a spec runs on: one named explicitly, the run's own (made by `appliance up`), the one this
+    machine heads (a Heat stack's head node), or the site's default (the local testbed, brought up if needed)."""
+    if cluster_name:
+        return load_cluster(cluster_name)
+    own = find_cluster(spec.name)
+    if own is not None:
+        return own
+    if node_config_path() is not None:  # on the head node of a cluster contextualized at boot (Heat)
+        return from_node_config()
+    cl = for_spec(spec, log=log).default_cluster(spec)
+    if cl is None:
+        raise ApplianceError(f"no cluster for run {spec.name!r}", f"run `appliance up {spec.path}` first")
+    return cl
+
+
+def up(spec_path: str, *, spec: Spec | None = None, log=print, **kw) -> Cluster:
+    spec = spec or load_spec(spec_path)
+    return lifecycle.up(for_spec(spec, log=log), spec, log=log, **kw)
+
+
+def down(name: str, log=print) -> list[str]:
+    return lifecycle.down(name, log=log)
+
+
+def status(name: str, log=print) -> dict:
+    return lifecycle.status(name, log=log)
+
+
+def adopt(stack: str, *, cloud: str = "chameleon", site_name: str | None = None, log=print, **kw) -> Cluster:
+    return heat.adopt(open_site(cloud, site_name, log=log), stack, log=log, **kw)
+
+
+def lease_create(spec_path: str, *, start: str | None = None, log=print) -> dict:
+    spec = load_spec(spec_path)
+    return lifecycle.lease_create(for_spec(spec, log=log), spec, start=start)
+
+
+# -- data -----------------------------------------------------------------------------------------
+
+
+def stage_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None,
+               log=print, concurrency: int = 16) -> dict[str, dict]:
+    """`appliance stage SPEC`: the spec's dataset to every node's local disk."""
+    spec = load_spec(spec_path)
+    if spec.dataset is None:
+        raise ApplianceError(f"{spec_path}: no dataset to stage", "add a dataset: {source: swift://..., dest: data}")
+    cluster = resolve_cluster(spec, cluster_name, log=log)
+    cr = None if parse_url(spec.dataset.source)[0] == "file" else for_spec(spec, log=log).store_creds()
+    return stage_cluster(cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, creds=cr,
+                         concurrency=concurrency, out=out)
+
+
+def data_upload(src: str, url: str, *, cloud: str, site_name: str | None = None, log=print, **kw) -> int:
+    return upload(src, url, creds=data_creds(url, cloud, site_name, log=log), log=log, **kw)
+
+
+def data_pack(src: str, url: str, *, cloud: str, site_name: str | None = None, log=print, **kw) -> dict:
+    return pack_dir(src, url, creds=data_creds(url, cloud, site_name, log=log), log=log, **kw)
+
+
+def data_list(url: str, *, cloud: str, site_name: str | None = None) -> list[dict]:
+    return listing(url, creds=data_creds(url, cloud, site_name, log=lambda m: None))
+
+
+def data_remove(url: str, *, cloud: str, site_name: str | None = None) -> int:
+    return remove(url, creds=data_creds(url, cloud, site_name, log=lambda m: None))
+
+
+# -- training -------------------------------------------------------------------------------------
+
+
+def run_job(spec: Spec, cluster: Cluster, **kw) -> JobResult:
+    """A training job with the appliance's hooks: checkpoints (settings, credentials file, lease watchdog, rank 0's
+    reports) and the run record."""
+    return train(spec, cluster, hooks=[JobCheckpoints(), RunRecords()], **kw)
+
+
+def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None,
+               log=print) -> JobResult:
+    """`appliance train SPEC`: validate the spec, find its cluster, run the job."""
+    spec = load_spec(spec_path)
+    return run_job(spec, resolve_cluster(spec, cluster_name, log=log), out=out)
+
+
+def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
+           url: str | None = None, out: Callable[[str], None] | None = None, log=print) -> JobResult | None:
+    """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
+    new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
+    what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete."""
+    spec = find_spec(run, spec_path, url)
+    if nodes is not None and nodes != spec.nodes.count:
+        spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
+    cs, ck = choose_checkpoint(spec, log=log)
+    meta = cs.read_manifest(ck)["meta"]
+    log(f"[resume] run {run}: checkpoint {ck.name} (step {ck.step}, epoch {meta['epoch']}, batch {meta['offset']}, "
+        f"made on {meta['world_size']} rank(s))")
+    if meta.get("complete"):
+        log(f"[resume] run {run} already finished at step {ck.step}; nothing to do")
+        return None
+    if cluster_name:
+        cluster = load_cluster(cluster_name)
+    else:
+        site_ = for_spec(spec, log=log)
+        default = None if find_cluster(spec.name) is not None else site_.default_cluster(spec)
+        cluster = default if default is not None else lifecycle.up(site_, spec, log=log)
+    if cluster.world_size != spec.world_size and not cluster_name:
+        log(f"[resume] note: cluster {cluster.name} has {cluster.world_size} rank(s), the spec asks for "
+            f"{spec.world_size}")
+    if spec.dataset is not None:
+        stage_cluster(cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
+                      creds=creds_for(spec, spec.dataset.source), out=out or log)
+    rel = f"appliance/runs/{run}/restore/{ck.name}"
+    stage_cluster(cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
+                  creds=creds_for(spec, spec.checkpoint.url), out=out or log)
+    return run_job(spec, cluster, out=out, restore=f"{cluster.head.workdir}/{rel}")
+
+
+def job_summary(res: JobResult) -> dict:
+    """The job's summary as data (the CLI formats it)."""
+    r0 = res.results.get(0, {})
+    summary = {
+        "job_id": res.job_id, "exit_code": res.exit_code, "failure": res.failure,
+        "ranks": res.world_size, "nodes": sorted(set(res.rank_hosts)), "hostnames_reported": res.hostnames,
+        "ranks_reported": sorted(res.results), "epochs": r0.get("epochs"),
+        "val_accuracy": r0.get("val_accuracy"),
+        "same_weights_on_all_ranks": len({r.get("weights_sha256") for r in res.results.values()}) == 1
+        if res.results else None,
+        "wall_seconds": round(res.wall_s, 1), "log": res.log_path, "run": res.run,
+        "stopped": res.stopped, "resumed": res.resumed,
+        "checkpoints_committed": len(res.commits),
+        "last_checkpoint": res.commits[-1]["name"] if res.commits else None,
+    }
+    if res.cluster_cloud in ("local", "chameleon"):  # a cluster on a site: its lease and how to end it
+        summary["next"] = [f"  appliance status {res.run}        # lease time left, nodes",
+                           f"  appliance down {res.run} --yes   # delete servers, FIP and lease",
+                           "  appliance cloud stop              # stop the local cloud" if res.cluster_cloud == "local" else ""]
+    return summary
+
+
+# -- bench, doctor --------------------------------------------------------------------------------
+
+
+def bench(spec_path: str, cluster_name: str | None, cfg, *, overhead: bool = False, repeats: int = 3,
+          out_dir: str | None = None, command: str = "", out=None, log=print) -> dict:
+    """`appliance bench`: throughput and scaling (or, with ``overhead``, appliance train vs bare horovodrun)."""
+    from . import bench as bench_mod
+    from .bench import report
+
+    spec = load_spec(spec_path)
+    cl = resolve_cluster(spec, cluster_name, log=log)
+    if not overhead:
+        return bench_mod.run_bench(spec, cl, cfg, out_dir=Path(out_dir) if out_dir else None, out=out, log=log,
+                                   command=command, run_job=run_job)
+    rep = bench_mod.overhead(spec, cl, cfg, repeats=repeats, out=out, log=log, run_job=run_job)
+    rep["command"] = command
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "overhead.json").write_text(json.dumps(rep, indent=1) + "\n")
+        (Path(out_dir) / "overhead.md").write_text(
+            f"# Launch overhead\n\nCommand: `{rep['command']}`\n\n" + "\n".join(report.overhead_lines(rep)) + "\n")
+    return rep
+
+
+def doctor(cluster_name: str | None = None, python: str | None = None, etc: str | None = None,
+           allreduce: bool = True) -> dict[str, list]:
+    """`appliance doctor`: this node's checks, or every node's of a cluster (over SSH, in parallel)."""
+    if not cluster_name:
+        return {socket.gethostname(): node_doctor.run_checks(python, etc, allreduce=allreduce)}
+    return doctor_cluster(load_cluster(cluster_name), allreduce=allreduce)
+
+
+def doctor_cluster(cluster: Cluster, allreduce: bool = True) -> dict[str, list]:
+    """Run the node doctor (`python -m appliance.node.doctor`) on every node with the cluster's Python."""
+    import shlex
+
+    from .protocol import Line, parse
+
+    Check = node_doctor.Check
+
+    def one(remote) -> list:
+        node = remote.node
+        cmd = (f"{shlex.quote(cluster.python)} -m appliance.node.doctor --python {shlex.quote(cluster.python)} "
+               f"--etc {shlex.quote(cluster.config_dir(node))}" + ("" if allreduce else " --no-allreduce"))
+        r = remote.run(cmd, timeout=300)
+        for line in r.out.splitlines():
+            got = parse(line, (Line.DOCTOR,))
+            if got is not None:
+                return [Check(**c) for c in got[1]]
+        tail = (r.err.strip().splitlines() or [f"exit {r.rc}"])[-1]
+        return [Check("appliance", "fail", f"the doctor did not run on {node.name}: {tail}",
+                      "the node lacks the appliance package: use the appliance image or `appliance up --install`")]
+
+    if cluster.single_host:
+        return {cluster.head.name: node_doctor.run_checks(cluster.python, cluster.config_dir(cluster.head), allreduce)}
+    with Session(cluster) as session:
+        return session.each(one)
+
+
+
+
+# -- leases and images (the site's verbs) -----------------------------------------------------------
+
+
+def lease(verb: str, *args, cloud: str, site_name: str | None = None, log=lambda m: None, **kw):
+    """`appliance lease show|list|extend|delete` on a site."""
+    return getattr(lifecycle, f"lease_{verb}")(open_site(cloud, site_name, log=log), *args, **kw)
+
+
+def image_upload(path: str, name: str, *, cloud: str, site_name: str | None = None, disk_format: str | None = None,
+                 log=print) -> dict:
+    return lifecycle.image_upload(open_site(cloud, site_name, log=log), path, name, disk_format=disk_format)

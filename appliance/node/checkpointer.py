@@ -1,0 +1,492 @@
+"""The training side: checkpoints and the collective stop, for tf.keras + Horovod scripts.
+
+Use in a training script (see examples/digits/train.py)::
+
+    from appliance.checkpoint.keras import Checkpointer
+
+    ckpt = Checkpointer(seed=args.seed, batch_size=args.batch_size)   # reads the run's settings from the env
+    bs, lr = ckpt.batch_size, args.lr * ckpt.lr_scale                  # as the resize policy says
+    ... build model and optimizer ...
+    for epoch, first in ckpt.epochs(model, args.epochs, steps_per_epoch):
+        perm = np.random.RandomState(args.seed + epoch).permutation(n)   # epoch order from (seed, epoch)
+        mine = perm[rank::size][: steps_per_epoch * bs][first * bs:]      # skip what was done
+        model.fit(x[mine], y[mine], batch_size=bs, epochs=epoch + 1, initial_epoch=epoch, shuffle=False,
+                  callbacks=[..., ckpt.callback])
+    ckpt.close()                                                         # final checkpoint, committed
+
+What it does:
+- restores the newest committed checkpoint that `appliance resume` staged (``APPLIANCE_RESTORE``): model
+  weights, optimizer slots and step, RNG states, data position (epoch, batch), metrics so far;
+- about once a second (every K steps, K calibrated at start) one tiny allreduce decides together whether to
+  stop (a STOP request from the lease watchdog, SIGTERM on any rank, or the lease end read from
+  Chameleon's vendordata on the head node), so every rank stops after the same step;
+- rank 0 saves every N steps / M minutes: a local write with an atomic rename, then a background upload
+  committed by a manifest written last (appliance/checkpoint/store.py); training goes on meanwhile;
+- on a stop, rank 0 saves, uploads and verifies before the deadline, every rank waits for it, rank 0
+  prints ``APPLIANCE_STOPPED {...}`` and the process exits 0 (`appliance train` then exits 75).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..protocol import Env, Line, emit
+from ..store.checkpoints import CheckpointStore, StoreUnavailable, ckpt_name
+from ..store.objects import StoreCreds
+from .vendordata import vendordata_lease_end
+
+CALIBRATION = 20  # steps timed after each start to pick the stop-check interval
+
+
+def _rng_state() -> dict:
+    import tensorflow as tf
+
+    v, st, g = random.getstate()
+    n = np.random.get_state()
+    out = {"python": [v, list(st), g], "numpy": [n[0], n[1].tolist(), int(n[2]), int(n[3]), float(n[4])]}
+    try:  # refused under op determinism unless the script set a global generator itself
+        out["tf_global"] = tf.random.get_global_generator().state.numpy().tolist()
+    except RuntimeError:
+        pass
+    return out
+
+
+def _set_rng_state(s: dict) -> None:
+    import tensorflow as tf
+
+    v, st, g = s["python"]
+    random.setstate((v, tuple(st), g))
+    n = s["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    if "tf_global" in s:
+        tf.random.get_global_generator().state.assign(np.array(s["tf_global"], dtype=np.int64))
+
+
+class Checkpointer:
+    """Checkpoint/restore/stop for one rank. Settings come from the environment `appliance train` sets;
+    arguments override them."""
+
+    def __init__(self, *, seed: int, batch_size: int, url: str | None = None, every_steps: int | None = None,
+                 every_minutes: float | None = None, keep: int | None = None, run_dir: str | None = None,
+                 restore_dir: str | None = None, resize: str | None = None, exit_on_stop: bool = True):
+        import horovod.tensorflow as hvd_tf
+
+        env = os.environ
+        self._hvd = hvd_tf
+        self.rank, self.size = hvd_tf.rank(), hvd_tf.size()
+        self.seed = seed
+        self.url = url if url is not None else env.get(Env.CKPT_URL) or None
+        self.every_steps = every_steps if every_steps is not None else int(env.get(Env.CKPT_EVERY_STEPS) or 0)
+        self.every_s = 60 * (every_minutes if every_minutes is not None
+                             else float(env.get(Env.CKPT_EVERY_MINUTES) or 0))
+        self.keep = keep if keep is not None else int(env.get(Env.CKPT_KEEP) or 3)
+        self.run = env.get(Env.RUN, "run")
+        self.run_dir = Path(run_dir or env.get(Env.RUN_DIR) or f"./appliance-run-{self.run}")
+        self.local_dir = self.run_dir / "checkpoints"
+        self.metrics_dir = self.run_dir / "metrics"
+        self.stop_file = Path(env.get(Env.STOP_FILE) or self.run_dir / "STOP")
+        self.exit_on_stop = exit_on_stop
+        self.resize = resize or env.get(Env.CKPT_RESIZE) or "lr"
+        restore = restore_dir if restore_dir is not None else env.get(Env.RESTORE)
+        self.restore_dir = Path(restore) if restore else None
+        self.meta = None
+        if self.restore_dir:
+            self.meta = json.loads((self.restore_dir / "meta.json").read_text())
+        self.requested_batch = batch_size
+        old = (self.meta or {}).get("world_size", self.size)
+        self.resized = bool(self.meta) and old != self.size
+        if self.meta and self.resize == "batch":
+            g = self.meta["global_batch"]
+            if g % self.size:
+                raise SystemExit(f"checkpoint.resize: batch keeps the global batch {g}, which {self.size} ranks "
+                                 "cannot split evenly; use resize: lr or another node count")
+            self.batch_size, self.lr_scale = g // self.size, float(self.meta.get("lr_scale", old))
+        else:
+            self.batch_size, self.lr_scale = batch_size, float(self.size)
+        self.step = 0
+        self.epoch, self.first, self.offset = 0, 0, 0
+        self.stopped = False
+        self.stop_reason: str | None = None
+        self._local_reason: str | None = None
+        self._last_save = time.monotonic()
+        self._store: CheckpointStore | None = None
+        self._pending: Path | None = None
+        self._cv = threading.Condition()
+        self._uploader: threading.Thread | None = None
+        self._uploading: Path | None = None
+        self._last_commit: dict | None = None
+        self._upload_error: str | None = None
+        self._commit_s: list[float] = []
+        self._writer = None
+        self._csv = None
+        self._fault = env.get("APPLIANCE_FAULT", "")
+        self._deadline: float | None = None
+        self._vd_next = 0.0
+        self.check_seconds = float(env.get(Env.STOP_CHECK_SECONDS) or 1.0)
+        self.check_every = 1  # steps between collective stop checks, agreed after calibration
+        self._checked_at = -1
+        self._calib_from, self._calib_at, self._next_check, self._t_calib = 0, CALIBRATION, 0, time.monotonic()
+        signal.signal(signal.SIGTERM, self._on_signal)
+        self.callback = _make_callback(self)
+
+    # -- stop requests -------------------------------------------------------------------------------------
+    def _on_signal(self, signum, frame):
+        self._local_reason = "SIGTERM"
+
+    def _local_stop(self) -> bool:
+        if self._local_reason:
+            return True
+        if self.stop_file.exists():
+            try:
+                req = json.loads(self.stop_file.read_text() or "{}")
+            except (OSError, ValueError):
+                req = {}
+            self._local_reason = req.get("reason") or "stop requested"
+            if req.get("deadline"):
+                self._deadline = float(req["deadline"])
+            return True
+        if self.rank == 0 and time.monotonic() >= self._vd_next:  # Chameleon's own lease end, on the node
+            self._vd_next = time.monotonic() + 60
+            end = vendordata_lease_end()
+            if end is not None:
+                margin = max(300.0, 3 * max(self._commit_s or [0.0]))
+                if time.time() >= end - margin:
+                    self._local_reason = "lease end (vendordata)"
+                    self._deadline = end - 30
+                    return True
+        return False
+
+    def _collective_stop(self) -> bool:
+        """One allreduce (max of 0/1 flags) at agreed steps. The first CALIBRATION steps after a start check
+        every step while rank 0 times them; at the last of them the ranks agree (the same allreduce carries
+        rank 0's answer) on K, the number of steps per ``check_seconds``; from then on every K-th step checks.
+        Every rank reaches the same decision at the same step, and the check costs one tiny allreduce a second."""
+        import tensorflow as tf
+
+        s = self.step
+        self._checked_at = s
+        if s == self._calib_from + 3 and self.rank == 0:
+            self._t_calib = time.monotonic()
+        if s < self._calib_at:
+            pass
+        elif s == self._calib_at:
+            k = 0
+            if self.rank == 0:
+                per_step = (time.monotonic() - self._t_calib) / max(1, s - self._calib_from - 3)
+                k = max(1, min(1000, int(self.check_seconds / max(per_step, 1e-6))))
+            v = self._hvd.allreduce(tf.constant([1 if self._local_stop() else 0, k], dtype=tf.int32),
+                                    op=self._hvd.Max, name="appliance.stop.calibrate")
+            self.check_every = int(v[1])
+            self._next_check = s + self.check_every
+            return int(v[0]) > 0
+        elif s < self._next_check:
+            self._checked_at = -1
+            return False
+        else:
+            self._next_check = s + self.check_every
+        flag = tf.constant([1 if self._local_stop() else 0], dtype=tf.int32)
+        return int(self._hvd.allreduce(flag, op=self._hvd.Max, name="appliance.stop")[0]) > 0
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def epochs(self, model, total_epochs: int, steps_per_epoch: int, optimizer=None):
+        """Yield (epoch, first_batch) from the restored position to the end; handles a stop."""
+        import tensorflow as tf
+
+        self.model, self.optimizer = model, optimizer or model.optimizer
+        self.steps_per_epoch = steps_per_epoch
+        self.total_epochs = total_epochs
+        self._tf_ckpt = tf.train.Checkpoint(model=model, optimizer=self.optimizer)
+        epoch, first = self._restore()
+        self._calib_from, self._calib_at = self.step, self.step + CALIBRATION
+        while epoch < total_epochs:
+            self.epoch, self.first = epoch, first
+            yield epoch, first
+            if self.stopped:
+                self._finish_stop()
+                return
+            epoch, first = epoch + 1, 0
+
+    def _restore(self) -> tuple[int, int]:
+        if self.rank == 0:
+            self._open_metrics(restore=self.restore_dir)
+        if not self.meta:
+            return 0, 0
+        m = self.meta
+        opt = self.optimizer
+        if hasattr(opt, "build"):
+            opt.build(self.model.trainable_variables)
+        self._tf_ckpt.read(str(self.restore_dir / "state")).assert_existing_objects_matched()
+        _set_rng_state(m["rng"])
+        self.step = int(m["step"])
+        epoch, first = int(m["epoch"]), int(m["offset"])
+        info = {"step": self.step, "epoch": epoch, "batch": first, "world_size": self.size,
+                "checkpoint_world_size": m["world_size"], "bit_exact": not self.resized}
+        if self.resized:
+            done = first * m["global_batch"]  # samples of this epoch already trained on
+            first = min(done // (self.batch_size * self.size), self.steps_per_epoch)
+            info.update({"batch": first, "policy": self.resize, "batch_size": self.batch_size,
+                         "global_batch": self.batch_size * self.size, "old_global_batch": m["global_batch"],
+                         "lr_scale": self.lr_scale, "old_lr_scale": m.get("lr_scale")})
+        if first >= self.steps_per_epoch:
+            epoch, first = epoch + 1, 0
+        for k in ("spec_hash", "code_hash"):
+            if m.get(k) and os.environ.get(f"APPLIANCE_{k.upper()}") not in (None, "", m.get(k)):
+                info[f"{k}_changed"] = True
+        if self.rank == 0:
+            emit(Line.RESUMED, info)
+        return epoch, first
+
+    def after_step(self, batch: int, logs: dict | None) -> None:
+        self.step += 1
+        self.offset = self.first + batch + 1
+        stop = self._collective_stop()
+        if self.rank == 0 and (self._checked_at == self.step or stop):  # about once per check interval
+            self._log_metrics(logs or {}, every=1)
+        if self.rank == 0:
+            due = (self.every_steps and self.step % self.every_steps == 0) or \
+                  (self.every_s and time.monotonic() - self._last_save >= self.every_s)
+            if due and not stop:
+                self.save()
+        if stop:
+            self.stopped = True
+            self.stop_reason = self._local_reason or "a peer asked to stop"
+            self.model.stop_training = True
+
+    def epoch_end(self, epoch: int, logs: dict | None) -> None:
+        if self.rank == 0 and not self.stopped:  # a stopped epoch is not a finished one
+            self._log_metrics({k: v for k, v in (logs or {}).items()}, every=1, epoch_end=True)
+
+    # -- saving --------------------------------------------------------------------------------------------
+    def _position(self) -> tuple[int, int]:
+        if self.offset >= self.steps_per_epoch:
+            return self.epoch + 1, 0
+        return self.epoch, self.offset
+
+    def save(self, *, complete: bool = False) -> Path:
+        """Rank 0: write the full state locally (atomic rename) and queue it for upload."""
+        t0 = time.monotonic()
+        epoch, offset = self._position()
+        name = ckpt_name(self.step)
+        final = self.local_dir / name
+        tmp = self.local_dir / f".tmp-{name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self._tf_ckpt.write(str(tmp / "state"))
+        meta = {"step": self.step, "epoch": epoch, "offset": offset, "seed": self.seed,
+                "world_size": self.size, "batch_size": self.batch_size, "global_batch": self.batch_size * self.size,
+                "lr_scale": self.lr_scale, "steps_per_epoch": self.steps_per_epoch, "total_epochs": self.total_epochs,
+                "complete": complete, "run": self.run, "saved_at": time.time(),
+                "spec_hash": os.environ.get(Env.SPEC_HASH, ""),
+                "code_hash": os.environ.get(Env.CODE_HASH, ""), "rng": _rng_state()}
+        if self._writer is not None:
+            self._writer.flush()
+        if self._csv is not None:
+            self._csv[0].flush()
+        if self.metrics_dir.exists():
+            shutil.copytree(self.metrics_dir, tmp / "metrics")
+        (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True))
+        shutil.rmtree(final, ignore_errors=True)
+        # atomic: a checkpoint directory is whole or absent, also after kill -9. Not fsynced: a node that loses
+        # power is gone with its disk at the lease end anyway; durability is the store's job (the commit)
+        os.rename(tmp, final)
+        self._last_save = time.monotonic()
+        self._save_s = time.monotonic() - t0
+        if self.url:
+            with self._cv:
+                self._pending = final  # replaces an older one still waiting: the newest state goes first
+                self._cv.notify_all()
+            self._ensure_uploader()
+        self._prune_local()
+        return final
+
+    def _ensure_uploader(self) -> None:
+        if self._uploader is None:
+            self._uploader = threading.Thread(target=self._upload_loop, name="appliance-upload", daemon=True)
+            self._uploader.start()
+
+    def _creds(self) -> StoreCreds | None:
+        path = os.environ.get(Env.CKPT_CREDS)
+        if not path or not os.path.exists(path):
+            return None
+        return StoreCreds(**json.loads(Path(path).read_text()))
+
+    def _upload_loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._pending is None:
+                    self._cv.wait()
+                local, self._pending = self._pending, None
+                self._uploading = local
+            self._upload(local)
+            with self._cv:
+                self._uploading = None
+                self._cv.notify_all()
+
+    def _upload(self, local: Path) -> None:
+        t0 = time.monotonic()
+        meta = json.loads((local / "meta.json").read_text())
+        try:
+            if self._store is None:
+                self._store = CheckpointStore(self.url, self.run, self._creds())
+            fault = None
+            if self._fault == f"kill-during-upload:{meta['step']}":
+                def fault(i):  # test hook: a real SIGKILL of rank 0 with half a checkpoint uploaded
+                    if i == 0:
+                        os.kill(os.getpid(), signal.SIGKILL)
+            newer = lambda: self._pending is not None  # noqa: E731  (a newer checkpoint supersedes this one)
+            manifest = self._store.upload(local, meta, until=self._deadline, log=self._log, stop=newer,
+                                          fault=fault)
+        except StoreUnavailable as e:
+            self._upload_error = str(e)
+            self._log(f"checkpoint {local.name} NOT committed: {e}")
+            return
+        except Exception as e:  # never let the uploader kill training
+            self._upload_error = f"{type(e).__name__}: {e}"
+            self._log(f"checkpoint {local.name} NOT committed: {self._upload_error}")
+            return
+        upload_s = time.monotonic() - t0
+        self._commit_s.append(getattr(self, "_save_s", 0.0) + upload_s)
+        self._last_commit = manifest
+        self._upload_error = None
+        size = sum(f["size"] for f in manifest["files"].values())
+        emit(Line.CKPT, {"step": meta["step"], "name": local.name, "bytes": size, "committed": True,
+                            "save_s": round(getattr(self, "_save_s", 0.0), 3), "upload_s": round(upload_s, 3)})
+        try:
+            self._store.prune(self.keep, log=self._log)
+        except Exception as e:
+            self._log(f"pruning old checkpoints failed ({type(e).__name__}); will retry after the next commit")
+        self._prune_local()
+
+    def _prune_local(self) -> None:
+        """Local checkpoints: keep the one uploading, the one waiting, and the newest committed; without a
+        store, only the newest. Superseded uncommitted ones go, so a long store outage cannot fill the disk."""
+        with self._cv:
+            keep = {p.name for p in (self._pending, self._uploading) if p is not None}
+            if self._last_commit:
+                keep.add(self._last_commit["name"])
+        local = sorted(self.local_dir.glob("ckpt-*"))
+        if not self.url and local:
+            keep = {local[-1].name}
+        for p in local:
+            if p.name not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _wait_uploads(self, until: float | None) -> bool:
+        """Rank 0: wait until nothing is queued or uploading; False on timeout."""
+        with self._cv:
+            while self._pending is not None or self._uploading is not None:
+                left = None if until is None else until - time.time()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(timeout=left)
+        return True
+
+    def _log(self, msg: str) -> None:
+        print(f"[checkpoint] {msg}", flush=True)
+
+    def _finish_stop(self) -> None:
+        """Every rank: rank 0 saves + commits; all wait for it; rank 0 reports; exit 0."""
+        import tensorflow as tf
+
+        if self.rank == 0:
+            if self._deadline is None:
+                self._deadline = time.time() + 600
+            t0 = time.monotonic()
+            local = self.save()
+            committed = True
+            if self.url:
+                committed = self._wait_uploads(self._deadline) and self._last_commit is not None and \
+                    self._last_commit["step"] == self.step
+            body = {"step": self.step, "epoch": self._position()[0], "reason": self.stop_reason,
+                    "committed": committed, "checkpoint": local.name, "seconds": round(time.monotonic() - t0, 2)}
+            if not committed:
+                body.update({"local": str(local), "error": self._upload_error or "upload did not finish in time"})
+            emit(Line.STOPPED, body)
+        self._hvd.allreduce(tf.constant([0]), name="appliance.stopped")  # everyone waits for rank 0's commit
+        self._close_metrics()
+        if self.exit_on_stop:
+            sys.stdout.flush()
+            sys.exit(0)
+
+    def close(self) -> None:
+        """After the last epoch: a final checkpoint (marked complete), committed before returning."""
+        import tensorflow as tf
+
+        if self.rank == 0:
+            self.save(complete=True)
+            if self.url and not self._wait_uploads(time.time() + 600):
+                self._log("the final checkpoint did not commit within 10 minutes")
+        self._hvd.allreduce(tf.constant([0]), name="appliance.closed")
+        self._close_metrics()
+
+    # -- metrics: one CSV and TensorBoard events, one step axis across resumes -----------------------------
+    def _open_metrics(self, restore: Path | None) -> None:
+        import tensorflow as tf
+
+        if restore is not None:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            if (restore / "metrics").exists():
+                shutil.copytree(restore / "metrics", self.metrics_dir)
+        elif self.metrics_dir.exists():
+            shutil.rmtree(self.metrics_dir)  # a fresh run starts a fresh step axis
+        self.metrics_dir.mkdir(parents=True, exist_ok=True)
+        path = self.metrics_dir / "metrics.csv"
+        new = not path.exists()
+        fh = open(path, "a", newline="")
+        w = csv.writer(fh)
+        if new:
+            w.writerow(["step", "epoch", "metric", "value", "time"])
+        self._csv = (fh, w)
+        self._writer = tf.summary.create_file_writer(str(self.metrics_dir / "tb"))
+
+    def _log_metrics(self, logs: dict, every: int, epoch_end: bool = False) -> None:
+        import tensorflow as tf
+
+        if self._csv is None or (self.step % every and not epoch_end):
+            return
+        now = time.time()
+        epoch = self.epoch + (1 if epoch_end else 0)
+        with self._writer.as_default(step=self.step):
+            for k, v in sorted(logs.items()):
+                try:
+                    v = float(v)
+                except (TypeError, ValueError):
+                    continue
+                name = f"epoch/{k}" if epoch_end else f"step/{k}"
+                self._csv[1].writerow([self.step, epoch, name, f"{v:.6g}", f"{now:.3f}"])
+                tf.summary.scalar(name, v)
+
+    def _close_metrics(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+        if self._csv is not None:
+            self._csv[0].close()
+            self._csv = None
+
+
+def _make_callback(owner: Checkpointer):
+    import tensorflow as tf
+
+    class ApplianceCheckpoint(tf.keras.callbacks.Callback):
+        """Keras side of the Checkpointer: after each step, and at each epoch end."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            owner.after_step(batch, logs)
+
+        def on_epoch_end(self, epoch, logs=None):
+            owner.epoch_end(epoch, logs)
+
+    return ApplianceCheckpoint()

@@ -1,0 +1,103 @@
+"""The site interface: everything that differs between Chameleon and the local cloud lives behind ``Site``.
+
+A site knows how to connect (``cloud``: the OpenStack client for leases, servers, floating IPs, images), who the
+nodes' login user is and where their work directory and Python are, how long to wait for bare metal or
+namespaces, how often to poll, how fast the cloud's clock runs, how to get object-store credentials, how to
+prepare a node (the NVMe drive on Chameleon), how to install the stack, which spec rules apply (Chameleon's 7-day
+cap), and which cluster a run uses when none was brought up (the local testbed). The steps above (provision,
+data, train, checkpoint, flows) ask the site; none of them branches on which site it is.
+
+Modelled on SkyPilot's `sky/provision` (one implementation per cloud behind the same verbs) and Ray's
+`NodeProvider` (one interface, a local implementation, and an in-process fake for tests: tests/fakes.py).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from ..cluster import Cluster
+from ..spec import Spec
+from ..store.objects import StoreCreds
+
+
+@dataclass
+class LoginKey:
+    name: str  # the Nova key pair
+    file: str  # its private key on this machine
+
+
+class Site(ABC):
+    kind: str = ""  # the spec's `cloud:` value
+    user: str = "root"  # the nodes' login user
+    workdir: str = "/tmp"  # node-local disk, before prepare_nodes() picks a better one
+    python: str = ""  # the stack's Python on the nodes
+    boot_timeout: float = 120.0  # servers ACTIVE within
+    ssh_timeout: float = 60.0  # SSH (and the host keys in the console log) within
+    poll: float = 0.2  # seconds between API polls while waiting (servers, console, SSH)
+    lease_poll: float = 0.5  # the lease watchdog's poll
+    boot_note: str = ""  # said while waiting for servers
+
+    def __init__(self, region: str | None = None, log=print):
+        self.region = region
+        self.log = log
+        self._cloud = None
+
+    # -- connection -------------------------------------------------------------------------------
+    @property
+    def cloud(self):
+        """The site's OpenStack client (appliance.sites.openstack.OpenStackCloud), connected on first use."""
+        if self._cloud is None:
+            self._cloud = self.connect()
+        return self._cloud
+
+    @abstractmethod
+    def connect(self):
+        ...
+
+    @abstractmethod
+    def login_key(self, key_name: str | None, key_file: str | None) -> LoginKey:
+        """The key pair servers are booted with and its private key here (checked or made)."""
+
+    def time_scale(self) -> float:
+        """Cloud seconds per real second (1 on a real site)."""
+        return 1.0
+
+    # -- object store ----------------------------------------------------------------------------
+    def store_creds(self) -> StoreCreds:
+        """Object-store credentials. Swift v1 variables (ST_AUTH, ST_USER, ST_KEY) win when set; otherwise the
+        site's own (`_site_store_creds`). S3 keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY with
+        APPLIANCE_S3_ENDPOINT (on Chameleon: `openstack ec2 credentials create`, endpoint
+        https://chi.uc.chameleoncloud.org:7480)."""
+        env = os.environ
+        if env.get("ST_AUTH") and env.get("ST_USER") and env.get("ST_KEY"):
+            creds = StoreCreds(auth_url=env["ST_AUTH"], user=env["ST_USER"], key=env["ST_KEY"])
+        else:
+            creds = self._site_store_creds()
+        if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+            creds.s3_access_key = env["AWS_ACCESS_KEY_ID"]
+            creds.s3_secret_key = env["AWS_SECRET_ACCESS_KEY"]
+            creds.s3_endpoint = env.get("APPLIANCE_S3_ENDPOINT") or creds.s3_endpoint
+            creds.s3_region = env.get("AWS_DEFAULT_REGION", creds.s3_region)
+        return creds
+
+    @abstractmethod
+    def _site_store_creds(self) -> StoreCreds:
+        ...
+
+    # -- spec rules, nodes, install --------------------------------------------------------------
+    @classmethod
+    def check_spec(cls, spec: Spec) -> None:
+        """The site's own rules beyond the spec's (raise SpecError)."""
+
+    def prepare_nodes(self, cluster: Cluster, session) -> None:
+        """Bring each node's work directory to the site's fast local disk (updates ``node.workdir``)."""
+
+    @abstractmethod
+    def install_options(self) -> dict:
+        """Options for provision.install.install_stack on this site's nodes (venv, system deps, sudo, pip)."""
+
+    def default_cluster(self, spec: Spec) -> Cluster | None:
+        """The cluster a run uses when it has none of its own and none was named (None: bring one up)."""
+        return None

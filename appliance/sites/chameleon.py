@@ -1,0 +1,68 @@
+"""Chameleon Cloud (CHI@UC, CHI@TACC): OpenStack + Blazar, bare-metal nodes booted from the appliance image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..cluster import Cluster
+from ..errors import ApplianceError, SpecError
+from ..spec import Spec, duration_seconds
+from ..store.objects import StoreCreds
+from . import local_disk
+from .base import LoginKey, Site
+from .openstack import OpenStackCloud, connect
+
+CHAMELEON_PYTHON = "/opt/appliance/venv/bin/python"  # the appliance image's venv (images/)
+SITES = ("CHI@UC", "CHI@TACC")  # bare-metal sites with GPU nodes
+MAX_LEASE_S = 7 * 86400  # Chameleon's lease cap
+
+
+class ChameleonSite(Site):
+    kind = "chameleon"
+    user = "cc"  # CC images' login user
+    workdir = "/home/cc"
+    python = CHAMELEON_PYTHON
+    boot_timeout = 1800.0  # bare metal deploys in 10-20 min
+    ssh_timeout = 900.0
+    poll = 2.0  # polling a remote API
+    lease_poll = 60.0
+    boot_note = " (bare metal: 10-20 min)"
+
+    def connect(self):
+        return OpenStackCloud(connect(region=self.region))
+
+    def login_key(self, key_name, key_file) -> LoginKey:
+        if not key_file:
+            for cand in ("~/.ssh/id_ed25519", "~/.ssh/id_rsa"):
+                if Path(cand).expanduser().exists():
+                    key_file = str(Path(cand).expanduser())
+                    break
+        if not key_file or not Path(key_file).expanduser().exists():
+            raise ApplianceError(f"no private key for key pair {key_name!r} on this machine",
+                                 "set key_file in the spec to the private key of key_name")
+        return LoginKey(key_name or "", str(Path(key_file).expanduser()))
+
+    def _site_store_creds(self) -> StoreCreds:
+        """Keystone (OS_CLOUD / OS_*): the object-store endpoint from the catalog and a token."""
+        conn = self.cloud.conn
+        return StoreCreds(storage_url=conn.object_store.get_endpoint(), token=conn.session.get_token())
+
+    @classmethod
+    def check_spec(cls, spec: Spec) -> None:
+        if duration_seconds(spec.lease.duration) > MAX_LEASE_S:
+            raise SpecError(f"lease.duration: {spec.lease.duration} is longer than Chameleon's 7-day maximum",
+                            "use at most 7d and let the watchdog extend or resume")
+        if spec.site is not None and spec.site not in SITES:
+            raise SpecError(f"site: {spec.site!r} is not a Chameleon bare-metal site with GPUs",
+                            "use CHI@UC or CHI@TACC")
+        if not spec.key_name:
+            raise SpecError("key_name: missing for cloud: chameleon", "set key_name to your Nova key pair's name")
+
+    def prepare_nodes(self, cluster: Cluster, session) -> None:
+        """The fast local disk (NVMe) for code, data and local checkpoints (sites/local_disk.py)."""
+        plans = session.each(lambda r: local_disk.prepare(r, self.workdir, self.user, log=self.log))
+        for node in cluster.nodes:
+            node.workdir = plans[node.name].workdir
+
+    def install_options(self) -> dict:
+        return dict(venv=str(Path(CHAMELEON_PYTHON).parent.parent), system_deps=True, sudo=self.user != "root")

@@ -1,0 +1,119 @@
+"""The local cloud (appliance/localcloud on 127.0.0.1, servers are testbed namespaces): Chameleon's stand-in.
+
+The only module of the appliance's steps that imports the simulator (`appliance.localcloud`, `appliance.testbed`);
+the import-layers contract (.importlinter) keeps it so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from .. import localcloud, testbed
+from ..cluster import Cluster, from_testbed
+from ..errors import ApplianceError
+from ..spec import Spec
+from ..store.objects import StoreCreds
+from .base import LoginKey, Site
+from .openstack import OpenStackCloud, connect
+
+KEY_NAME = "appliance-local"
+LOCK = Path(__file__).resolve().parents[2] / "requirements.lock"
+
+
+class LocalSite(Site):
+    kind = "local"
+    user = "root"
+    workdir = "/mnt/local"  # each testbed node's private "local SSD"
+    python = sys.executable  # nodes share this machine's file system
+    boot_timeout = 120.0
+    ssh_timeout = 60.0
+    poll = 0.2
+    lease_poll = 0.5
+
+    def connect(self):
+        localcloud.start(log=self.log)
+        return OpenStackCloud(connect(cloud=localcloud.CLOUD_NAME, config_file=str(localcloud.clouds_yaml())))
+
+    def login_key(self, key_name=None, key_file=None) -> LoginKey:
+        priv, pub = _local_key()
+        self.cloud.ensure_keypair(KEY_NAME, pub)
+        return LoginKey(KEY_NAME, priv)
+
+    def time_scale(self) -> float:
+        """The local cloud's clock can run faster than real time (tests, the demo)."""
+        return float(localcloud.admin("GET", "/clock").get("time_scale", 1.0))
+
+    def _site_store_creds(self) -> StoreCreds:
+        return StoreCreds(**localcloud.swift(log=self.log))
+
+    def install_options(self) -> dict:
+        """Nodes are namespaces here: no PyPI, the host's packages, a per-node venv."""
+        return dict(venv=f"{self.workdir}/appliance/venv", system_deps=False, sudo=False,
+                    python=getattr(sys, "_base_executable", sys.executable),
+                    pip_env={"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(local_wheelhouse(log=self.log))})
+
+    def default_cluster(self, spec: Spec) -> Cluster:
+        """The default testbed `tb` (brought up if needed), for runs with no cluster of their own."""
+        tb = testbed.load("tb")
+        if tb is None or not testbed.status("tb")["up"]:
+            tb = testbed.up("tb", spec.nodes.count, slots=spec.nodes.slots, log=self.log)
+        cl = from_testbed(tb)
+        if cl.world_size != spec.world_size and not cl.single_host:
+            raise ApplianceError(f"the testbed has {cl.world_size} slot(s) but {spec.path} asks for {spec.world_size}",
+                                 f"run `appliance testbed down` and `appliance testbed up --nodes {spec.nodes.count}`")
+        return cl
+
+
+def _local_key() -> tuple[str, str]:
+    d = localcloud.state_dir()
+    priv = d / "id_ed25519"
+    if not priv.exists():
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+
+        key = ed25519.Ed25519PrivateKey.generate()
+        fd = os.open(priv, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                       serialization.NoEncryption()))
+        pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        (d / "id_ed25519.pub").write_text(pub.decode() + " appliance-local\n")
+    return str(priv), (d / "id_ed25519.pub").read_text().strip()
+
+
+def local_wheelhouse(log=print) -> Path:
+    """The local cloud's nodes have no route to PyPI: fill a wheelhouse here (from pip's cache after the first
+    time) that they read through the shared filesystem. Chameleon nodes use PyPI directly."""
+    wh = Path.home() / ".cache" / "appliance" / "wheelhouse"
+    wh.mkdir(parents=True, exist_ok=True)
+    reqs = [line for line in LOCK.read_text().splitlines() if line and not line.startswith("#")
+            and not line.startswith("horovod==")]
+    def norm(name: str) -> str:  # PEP 503
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    have = {norm(p.name.split("-")[0]) for p in wh.iterdir()}
+    missing = [r for r in reqs + ["pip", "setuptools", "wheel"] if norm(r.split("==")[0]) not in have]
+    if missing or "horovod" not in have:
+        log(f"filling the local wheelhouse {wh} ({len(missing)} package(s), from PyPI or pip's cache)")
+        pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "--no-deps", "-d", str(wh)]
+        cmds = ([pip + missing] if missing else []) + [pip + ["--no-binary", ":all:", "horovod==" + _horovod_pin()]]
+        for cmd in cmds:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise ApplianceError(f"pip download failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}",
+                                     "check this machine reaches PyPI")
+    return wh
+
+
+def _horovod_pin() -> str:
+    m = re.search(r"^horovod==(\S+)", LOCK.read_text(), re.M)
+    return m.group(1) if m else ""
+
+
+# `appliance cloud` and `appliance testbed`: the simulator itself, reached through the local site
+cloud_start, cloud_stop, cloud_status = localcloud.start, localcloud.stop, localcloud.status
+testbed_up, testbed_down, testbed_status = testbed.up, testbed.down, testbed.status
