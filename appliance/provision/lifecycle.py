@@ -9,6 +9,7 @@ creates only what is missing, and `down` finds everything.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 import time
 from pathlib import Path
 
@@ -138,9 +139,12 @@ def _wait_ssh(site: Site, cluster: Cluster, log) -> None:
 
 
 def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: float | None = None, log=print,
-       install: bool = False, variant: str | None = None, wheel_cache: str | None = None) -> Cluster:
+       install: bool = False, variant: str | None = None, wheel_cache: str | None = None,
+       finish_nodes: Callable | None = None) -> Cluster:
     """Lease (or reuse) -> servers on the reservation -> floating IP -> host keys -> SSH -> contextualize
-    [-> the training stack installed on every node, `install`: for stock images]."""
+    [-> the training stack installed on every node, `install`: for stock images]. ``finish_nodes(site, cluster,
+    log)``: the steps on the booted machines (default `finish`; the fast tests pass their own, as Horovod's runner
+    takes its behaviour as callables)."""
     if ssh_timeout is not None:
         site.ssh_timeout = ssh_timeout
     c = site.cloud
@@ -209,7 +213,7 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
         cluster.save()
         log(f"floating IP {cluster.floating_ip} on {head.name}")
     head.address = cluster.floating_ip
-    finish(site, cluster, log)
+    (finish_nodes or finish)(site, cluster, log)
     if install:
         install_on(site, cluster, spec, variant=variant, wheel_cache=wheel_cache, log=log)
     log(f"cluster {cluster.name} ready: {len(cluster.nodes)} node(s), head {head.name} at {head.address}")
@@ -268,9 +272,9 @@ def finish(site: Site, cluster: Cluster, log=print) -> None:
 # status and down
 
 
-def status(name: str, log=print) -> dict:
+def status(name: str, log=print, site: Site | None = None) -> dict:
     cluster = load_cluster(name)
-    c = _site_of(cluster).cloud
+    c = (site or _site_of(cluster)).cloud
     info = c.get_lease(cluster.lease_id) if cluster.lease_id else None
     now = c.now()
     out = {"name": name, "cloud": cluster.cloud, "lease_id": cluster.lease_id,
@@ -291,13 +295,13 @@ def status(name: str, log=print) -> dict:
     return out
 
 
-def down(name: str, log=print) -> list[str]:
+def down(name: str, log=print, site: Site | None = None) -> list[str]:
     """Delete servers, release the floating IP, delete the lease, forget the cluster. Idempotent."""
     if not state_path(name).exists():
         log(f"no cluster named {name!r}; nothing to do")
         return []
     cluster = load_cluster(name)
-    c = _site_of(cluster).cloud
+    c = (site or _site_of(cluster)).cloud
     done = []
     for node in cluster.nodes or []:
         if node.server_id and c.delete_server(node.server_id):

@@ -1,0 +1,159 @@
+"""In-process fakes for the fast tier (after ray's fake_multi_node provider and openstacksdk's unit-test base):
+a cloud with a settable clock, fault switches and a record of every call, and a site over it. Never the only test
+of a behaviour: the local cloud + testbed tests exercise the same paths end to end."""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import itertools
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from appliance.errors import ApplianceError
+from appliance.sites.base import LoginKey, Site
+from appliance.sites.openstack import LeaseInfo
+from appliance.store.objects import StoreCreds
+
+
+def _effect(fn):
+    """Sets ``called[verb]`` once the call has taken effect (tests wait on it instead of sleeping)."""
+    @functools.wraps(fn)
+    def wrapper(self, *a, **k):
+        out = fn(self, *a, **k)
+        self.called[fn.__name__].set()
+        return out
+    return wrapper
+
+
+@dataclass
+class FakeCloud:
+    """The OpenStackCloud surface the steps use, in memory."""
+
+    clock: dt.datetime = field(default_factory=lambda: dt.datetime(2026, 11, 23, 12, 0))
+    faults: dict = field(default_factory=dict)  # verb -> ApplianceError to raise (once) or a status to boot into
+    calls: list = field(default_factory=list)  # (verb, args) in order
+    leases: dict = field(default_factory=dict)
+    servers: dict = field(default_factory=dict)
+    fips: dict = field(default_factory=dict)
+    called: defaultdict = field(default_factory=lambda: defaultdict(threading.Event))  # verb -> set once it took effect
+    _ids: itertools.count = field(default_factory=itertools.count)
+
+    def _call(self, verb: str, *args):
+        self.calls.append((verb, args))
+        fault = self.faults.pop(verb, None)
+        if isinstance(fault, Exception):
+            raise fault
+        return fault
+
+    def _id(self, kind: str) -> str:
+        return f"{kind}-{next(self._ids)}"
+
+    def verbs(self, verb: str) -> list:
+        return [a for v, a in self.calls if v == verb]
+
+    def now(self) -> dt.datetime:
+        return self.clock
+
+    @_effect
+    def create_lease(self, name, node_type, count, duration, *, start=None, floating_ip=False):
+        self._call("create_lease", name, node_type, count)
+        lid = self._id("lease")
+        self.leases[lid] = LeaseInfo(lid, name, "ACTIVE", self.clock, self.clock + duration, self._id("res"),
+                                     self._id("fipres") if floating_ip else None, False)
+        return self.leases[lid]
+
+    @_effect
+    def get_lease(self, lease_id):
+        self._call("get_lease", lease_id)
+        return self.leases.get(lease_id)
+
+    def list_leases(self):
+        return list(self.leases.values())
+
+    def wait_lease(self, lease_id, *, log=print, **kw):
+        return self.leases[lease_id]
+
+    @_effect
+    def extend_lease(self, lease_id, *, by=None, to=None):
+        self._call("extend_lease", lease_id, by, to)
+        info = self.leases[lease_id]
+        info.end = to or info.end + by
+        return info
+
+    @_effect
+    def delete_lease(self, lease_id) -> bool:
+        self._call("delete_lease", lease_id)
+        return self.leases.pop(lease_id, None) is not None
+
+    @_effect
+    def ensure_keypair(self, name, public_key):
+        self._call("ensure_keypair", name)
+
+    @_effect
+    def create_server(self, name, *, reservation_id, image, key_name, network, **kw):
+        status = self._call("create_server", name) or "ACTIVE"
+        sid = self._id("srv")
+        self.servers[sid] = SimpleNamespace(id=sid, name=name, status=status, ip=f"10.0.0.{len(self.servers) + 10}")
+        return sid
+
+    def get_server(self, server_id):
+        return self.servers.get(server_id)
+
+    @_effect
+    def delete_server(self, server_id) -> bool:
+        self._call("delete_server", server_id)
+        return self.servers.pop(server_id, None) is not None
+
+    def server_ip(self, srv) -> str:
+        return srv.ip
+
+    @_effect
+    def attach_floating_ip(self, server_id, *, fip_reservation_id=None):
+        self._call("attach_floating_ip", server_id, fip_reservation_id)
+        fid = self._id("fip")
+        self.fips[fid] = SimpleNamespace(id=fid, floating_ip_address=f"192.0.2.{len(self.fips) + 1}")
+        return self.fips[fid]
+
+    @_effect
+    def release_floating_ip(self, fip_id):
+        self._call("release_floating_ip", fip_id)
+        self.fips.pop(fip_id, None)
+
+
+class FakeSite(Site):
+    kind = "local"  # records say "local" so sites.for_cluster can route them; tests pass the site in directly
+    user, workdir, python = "cc", "/work", "/venv/bin/python"
+    poll = 0.0
+    lease_poll = 0.01
+
+    def __init__(self, cloud: FakeCloud | None = None, scale: float = 1.0):
+        super().__init__(None, log=lambda m: None)
+        self._cloud = cloud or FakeCloud()
+        self.scale = scale
+
+    def connect(self):
+        return self._cloud
+
+    def login_key(self, key_name, key_file) -> LoginKey:
+        return LoginKey("fake-key", "/dev/null")
+
+    def time_scale(self) -> float:
+        return self.scale
+
+    def _site_store_creds(self) -> StoreCreds:
+        return StoreCreds(storage_url="http://store.invalid/v1/AUTH_x", token="t")
+
+    def install_options(self) -> dict:
+        return {}
+
+
+def no_nodes(site, cluster, log):
+    """The booted-machine steps of `up` (host keys, SSH, disk, contextualize), skipped in the fast tier."""
+    cluster.save()
+
+
+def fault(msg: str) -> ApplianceError:
+    return ApplianceError(msg)

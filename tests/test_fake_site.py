@@ -1,0 +1,136 @@
+"""The fast tier's view of provisioning and the lease watchdog: an in-process site (tests/fakes.py) with a settable
+clock, fault switches and recorded calls. The same behaviours run end to end in test_provision.py and
+test_checkpoint.py against the local cloud."""
+
+import datetime as dt
+import threading
+
+import pytest
+
+from appliance.checkpoint.watchdog import LeaseWatch
+from appliance.cluster import Cluster, find_cluster
+from appliance.errors import ApplianceError
+from appliance.provision import lifecycle
+from appliance.sites import load_spec
+from conftest import write_spec
+from fakes import FakeSite, fault, no_nodes
+
+
+def spec_of(tmp_path, name="fk", nodes=2, lease="lease: {duration: 2h}\n"):
+    return load_spec(write_spec(tmp_path, "python x.py", code=tmp_path, name=name, nodes=nodes, extra=lease))
+
+
+def up(site, spec, **kw):
+    return lifecycle.up(site, spec, log=lambda m: None, finish_nodes=no_nodes, **kw)
+
+
+def test_up_records_everything_and_a_rerun_makes_nothing_new(tmp_path):
+    site, spec = FakeSite(), spec_of(tmp_path)
+    cl = up(site, spec)
+    c = site.cloud
+    assert len(c.verbs("create_lease")) == 1 and len(c.verbs("create_server")) == 2
+    assert set(cl.site.servers) == {"fk-0", "fk-1"} and cl.site.fip_id in c.fips
+    assert cl.nodes[1].via_head and not cl.nodes[0].via_head and cl.head.address == cl.floating_ip
+    saved = find_cluster("fk")
+    assert saved.site.servers == cl.site.servers and saved.lease_id == cl.lease_id  # typed record round-trips
+    up(site, spec)
+    assert len(c.verbs("create_lease")) == 1 and len(c.verbs("create_server")) == 2  # idempotent
+    assert len(c.verbs("attach_floating_ip")) == 1
+    lifecycle.down("fk", log=lambda m: None, site=site)
+
+
+def test_a_server_in_error_fails_up_and_a_rerun_replaces_only_it(tmp_path):
+    site, spec = FakeSite(), spec_of(tmp_path, "fe")
+    site.cloud.faults["create_server"] = "ERROR"  # the first server boots into ERROR
+    with pytest.raises(ApplianceError, match="is in ERROR"):
+        up(site, spec)
+    bad = find_cluster("fe").site.servers["fe-0"]
+    cl = up(site, spec)
+    assert site.cloud.verbs("delete_server") == [(bad,)]
+    assert cl.site.servers["fe-0"] != bad and len(site.cloud.verbs("create_server")) == 3
+    lifecycle.down("fe", log=lambda m: None, site=site)
+
+
+def test_an_ended_lease_gets_a_new_lease_and_servers(tmp_path):
+    site, spec = FakeSite(), spec_of(tmp_path, "fl")
+    first = up(site, spec)
+    site.cloud.leases[first.lease_id].status = "TERMINATED"
+    said = []
+    second = lifecycle.up(site, spec, log=said.append, finish_nodes=no_nodes)
+    assert second.lease_id != first.lease_id and any("Making a new lease" in m for m in said)
+    assert len(site.cloud.verbs("create_server")) == 4
+    lifecycle.down("fl", log=lambda m: None, site=site)
+
+
+def test_down_removes_everything_once_and_is_idempotent(tmp_path):
+    site, spec = FakeSite(), spec_of(tmp_path, "fd")
+    cl = up(site, spec)
+    done = lifecycle.down("fd", log=lambda m: None, site=site)
+    assert len(done) == 4 and not site.cloud.servers and not site.cloud.fips and cl.lease_id not in site.cloud.leases
+    assert find_cluster("fd") is None
+    assert lifecycle.down("fd", log=lambda m: None, site=site) == []
+
+
+def test_a_lease_error_leaves_nothing_behind(tmp_path):
+    site, spec = FakeSite(), spec_of(tmp_path, "fx")
+    site.cloud.faults["create_lease"] = fault("not enough hosts available")
+    with pytest.raises(ApplianceError, match="not enough hosts"):
+        up(site, spec)
+    assert not site.cloud.servers and find_cluster("fx") is None
+
+
+# -- the lease watchdog's decisions ------------------------------------------------------------------
+
+
+def watch(tmp_path, site, *, ends_in_s: float, lease: str):
+    spec = spec_of(tmp_path, "fw", lease=lease)
+    cloud = site.cloud
+    info = cloud.create_lease("w", "compute_local", 1, dt.timedelta(seconds=ends_in_s))
+    cl = Cluster(name="", cloud="local", nodes=[], lease_id=info.id)
+    asked, said = [], []
+    stopped = threading.Event()
+
+    def request_stop(req):
+        asked.append(req)
+        stopped.set()
+
+    w = LeaseWatch(spec, cl, request_stop, said.append, site=site, poll=0.01)
+    return w, cloud, info, asked, said, stopped
+
+
+def test_the_watchdog_stops_the_job_at_the_margin_not_before(tmp_path):
+    site = FakeSite()
+    w, cloud, info, asked, said, stopped = watch(tmp_path, site, ends_in_s=600,
+                                                 lease="lease: {duration: 2h, stop_margin: 60s}\n")
+    w.start()
+    try:
+        assert not stopped.wait(0.2)  # 600 s left, margin 60 s: keep training
+        cloud.clock += dt.timedelta(seconds=545)  # 55 s left
+        assert stopped.wait(10)
+    finally:
+        w.close()
+    assert info.id in asked[0]["reason"] and not cloud.verbs("extend_lease")
+
+
+def test_the_watchdog_extends_when_the_spec_says_so_and_stops_when_it_cannot(tmp_path):
+    site = FakeSite()
+    w, cloud, info, asked, said, stopped = watch(tmp_path, site, ends_in_s=30,
+                                                 lease="lease: {duration: 1h, stop_margin: 60s, extend: true}\n")
+    end0 = info.end
+    w.start()
+    try:
+        assert cloud.called["extend_lease"].wait(10)
+        assert info.end == end0 + dt.timedelta(hours=1) and not stopped.is_set()
+        cloud.faults["extend_lease"] = fault("Blazar: extension refused")
+        cloud.clock = info.end - dt.timedelta(seconds=30)
+        assert stopped.wait(10)
+    finally:
+        w.close()
+    assert any("could not extend" in m for m in said)
+
+
+def test_the_watchdog_reads_the_clock_in_real_seconds(tmp_path):
+    """The local cloud's clock can run 60x: 600 cloud seconds left is 10 real seconds, inside a 60 s margin."""
+    w, *_ = watch(tmp_path, FakeSite(scale=60.0), ends_in_s=600, lease="lease: {duration: 2h, stop_margin: 60s}\n")
+    left, _end = w.left()
+    assert left == pytest.approx(10.0)
