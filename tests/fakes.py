@@ -157,3 +157,28 @@ def no_nodes(site, cluster, log):
 
 def fault(msg: str) -> ApplianceError:
     return ApplianceError(msg)
+
+
+class FakeRemote:
+    """A node that records the commands it is given (and their stdin) and answers from a script of replies:
+    ``replies`` maps a substring of the command to (rc, out, err); ``fail`` makes every command raise (a node gone)."""
+
+    def __init__(self, node, replies: dict | None = None):
+        self.node = node
+        self.replies = replies or {}
+        self.commands: list[tuple[str, bytes | None]] = []
+        self.fail: Exception | None = None
+
+    def run(self, command, *, stdin=None, on_line=None, timeout=None, stop=None, check=False):
+        from appliance.remote import Result
+
+        self.commands.append((command, stdin))
+        if self.fail is not None:
+            raise self.fail
+        rc, out, err = next((v for k, v in self.replies.items() if k in command), (0, "", ""))
+        for line in out.splitlines():
+            if on_line:
+                on_line("stdout", line)
+        if check and rc != 0:
+            raise ApplianceError(f"{command!r} failed on {self.node.name}: {err}")
+        return Result(rc, out, err)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LINT = Path(sys.executable).with_name("lint-imports")
 
@@ -26,25 +28,17 @@ def copy_tree(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_an_upward_import_breaks_it(tmp_path):
+@pytest.mark.parametrize("path, line, contract", [
+    # the bottom layer reaching up to the workflows
+    ("store/objects.py", "from .. import flows", "Data flows one way"),
+    # a step importing the simulator instead of asking the local site
+    ("provision/lifecycle.py", "from .. import localcloud", "Only the local site imports the simulator"),
+    # node-side code reaching the launcher's records
+    ("node/stage.py", "from ..cluster import Cluster", "Node-side code imports only"),
+])
+def test_a_forbidden_import_breaks_it(tmp_path, path, line, contract):
     d = copy_tree(tmp_path)
-    p = d / "appliance" / "store" / "objects.py"  # the bottom layer reaching up to the workflows
-    p.write_text(p.read_text() + "\n\ndef _up():\n    from .. import flows  # noqa\n")
+    p = d / "appliance" / path
+    p.write_text(p.read_text() + f"\n\ndef _injected():\n    {line}  # noqa\n")
     r = lint(d, d)
-    assert r.returncode != 0 and "Data flows one way" in r.stdout and "BROKEN" in r.stdout, r.stdout
-
-
-def test_the_simulator_outside_the_local_site_breaks_it(tmp_path):
-    d = copy_tree(tmp_path)
-    p = d / "appliance" / "provision" / "lifecycle.py"
-    p.write_text(p.read_text() + "\n\ndef _sim():\n    from .. import localcloud  # noqa\n")
-    r = lint(d, d)
-    assert r.returncode != 0 and "Only the local site imports the simulator" in r.stdout, r.stdout
-
-
-def test_node_code_reaching_the_launcher_breaks_it(tmp_path):
-    d = copy_tree(tmp_path)
-    p = d / "appliance" / "node" / "stage.py"
-    p.write_text(p.read_text() + "\n\ndef _launcher():\n    from ..cluster import Cluster  # noqa\n")
-    r = lint(d, d)
-    assert r.returncode != 0 and "Node-side code imports only" in r.stdout, r.stdout
+    assert r.returncode != 0 and contract in r.stdout and "BROKEN" in r.stdout, r.stdout

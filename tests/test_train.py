@@ -76,41 +76,6 @@ def test_rank_crash_stops_job_and_names_rank(cluster2, jobs_dir, tmp_path):
     assert not res.failure.startswith("rank 0"), res.failure
 
 
-def _watch(ranks=3):
-    from appliance.cluster import Cluster, Node
-    from appliance.train.launch import _Watch
-    nodes = [Node(name=f"n{i}", private_ip=f"10.0.0.{i}", address=None, workdir="/w") for i in range(ranks)]
-    return _Watch(Cluster(name="x", cloud="testbed", nodes=nodes), None, "job", 1, 1, lambda m: None)
-
-
-def test_verdict_names_the_rank_that_failed_on_its_own():
-    # horovodrun reports the collateral rank first; the rank's own report says who failed first
-    w = _watch()
-    w.collateral.add(0)
-    w.own_exit(2, 3)
-    w.rank_exit(0, 1)
-    w.own_exit(0, 1)
-    w.rank_exit(2, 3)
-    assert w.verdict() == "rank 2 on n2 exited with status 3 (then rank 0: status 1)"
-
-
-def test_verdict_when_the_culprit_never_reported():
-    # the culprit was stopped by horovodrun before its own report or exit line came through (seen in CI)
-    w = _watch(2)
-    w.collateral.add(0)
-    w.own_exit(0, 1)
-    w.rank_exit(0, 1)
-    v = w.verdict()
-    assert v.startswith("rank 1 on n1 failed first"), v
-    assert v.endswith("(then rank 0: status 1)"), v
-
-
-def test_verdict_without_collateral_is_the_first_exit():
-    w = _watch(2)
-    w.rank_exit(1, 255)
-    assert w.verdict().startswith("rank 1 on n1 exited with status 255 (lost the SSH connection"), w.verdict()
-
-
 def test_killed_node_stops_job_within_60s(jobs_dir, tmp_path):
     tb = testbed.up("pk", 2, log=lambda m: None)
     try:

@@ -218,20 +218,34 @@ class CheckpointStore:
         return body
 
     def prune(self, keep: int, log: Callable[[str], None] = lambda m: None) -> list[str]:
-        """Keep the newest ``keep`` committed checkpoints (at least 1); delete older ones, manifest first, and
-        uncommitted leftovers older than the newest committed one."""
+        """Keep the newest ``keep`` committed checkpoints that verify (at least 1); delete older ones, manifest
+        first, and uncommitted leftovers older than the newest good one. A committed checkpoint that fails
+        verification holds no slot and is never what makes a good one go: one newer than the newest good one is
+        left in place (said so; resume skips it), one older than the kept ones goes with them. So the newest
+        checkpoint that verifies is never deleted, whatever happened to the ones after it."""
         keep = max(1, keep)
-        committed = self.committed()
-        if not committed:
+        committed = self.committed()  # newest first
+        good: list[Committed] = []
+        bad: list[Committed] = []
+        for c in committed:
+            if len(good) >= keep:
+                break
+            why = self.verify(c)
+            if why is None:
+                good.append(c)
+            else:
+                bad.append(c)
+                log(f"checkpoint {why}: it does not count towards checkpoint.keep and is not pruned")
+        if not good:  # nothing verifies: delete nothing
             return []
-        newest = committed[0].step
-        doomed = {c.name for c in committed[keep:]}
-        kept = {c.name for c in committed[:keep]}
+        kept = {c.name for c in good + bad}
+        doomed = {c.name for c in committed if c.name not in kept}  # all older than the oldest good one kept
+        newest_good = good[0].step
         by_dir: dict[str, list[str]] = {}
         for o in self._objects():
             top = o.name[len(self.prefix):].split("/", 1)[0]
             m = CKPT_DIR.match(top)
-            if m and top not in kept and (top in doomed or int(m.group(1)) < newest):
+            if m and top not in kept and (top in doomed or int(m.group(1)) < newest_good):
                 by_dir.setdefault(top, []).append(o.name)
         for top, names in sorted(by_dir.items()):
             names.sort(key=lambda n: not n.endswith("/" + MANIFEST))  # un-commit first

@@ -15,6 +15,8 @@ from .netns import (  # noqa: F401
     TestbedNode,
     down,
     kill_node,
+    kill_pids,
+    node_address,
     load,
     namespaces_available,
     status,

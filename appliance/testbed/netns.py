@@ -535,3 +535,16 @@ def kill_node(name: str, node: str) -> int:
             _kill_pids(pids)
             return len(pids)
     raise ApplianceError(f"testbed {name} has no node {node!r}", "see `appliance testbed status`")
+
+
+# -- what the local cloud's node backend uses (appliance/localcloud/nodes.py) ---------------------------------
+
+
+def kill_pids(pids: list[int], wait: float = 5.0) -> None:
+    """SIGKILL each PID and wait (bounded) until they are gone."""
+    _kill_pids(pids, wait)
+
+
+def node_address(netns: str, address: str, *, add: bool) -> None:
+    """Add (or remove) an extra /32 address on a node's eth0: a floating IP associated with it."""
+    _run("ip", "-n", netns, "addr", "add" if add else "del", f"{address}/32", "dev", "eth0", check=add)

@@ -1,0 +1,40 @@
+"""/_admin: the simulator's own hooks for tests and demos (no real service has these)."""
+
+from __future__ import annotations
+
+from .api import Request, Route, nova_style_error
+from .cloud import _fmt
+
+PREFIX = "_admin"
+
+
+error_body = nova_style_error
+
+
+def advance(req: Request):
+    c = req.cloud
+    c.clock.advance(float((req.body or {}).get("seconds", 0)))
+    c.tick()
+    return 200, {"now": _fmt(c.clock.now())}
+
+
+def faults(req: Request):
+    req.cloud.faults.update({k: int(v) for k, v in (req.body or {}).items()})
+    return 200, req.cloud.faults
+
+
+def requests(req: Request):
+    if req.method == "DELETE":
+        req.cloud.requests.clear()
+        return 204, None
+    return 200, {"requests": req.cloud.requests}
+
+
+ROUTES = [
+    Route("POST", "/advance", advance, auth=False),
+    Route("POST", "/faults", faults, auth=False),
+    Route(None, "/requests", requests, auth=False),
+    Route(None, "/clock", lambda req: (200, {"now": _fmt(req.cloud.clock.now()), "time_scale": req.cloud.clock.scale}),
+          auth=False),
+    Route(None, "/health", lambda req: (200, {"ok": True}), auth=False),
+]

@@ -1,0 +1,72 @@
+"""The local cloud's request routing: each service is a module with a route table (``ROUTES``: method(s), a
+path pattern matched in full, a handler, whether it needs a token), an optional path normalisation, and the error
+body shape of the real service. server.py holds the HTTP plumbing and the table of services."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .cloud import ApiError, Cloud
+
+
+@dataclass
+class Request:
+    method: str
+    path: str  # below the service's prefix, e.g. /v3/auth/tokens
+    query: dict
+    body: object
+    base: str  # http://host:port
+    cloud: Cloud
+    handler: object  # the BaseHTTPRequestHandler, for streamed bodies (Glance uploads) and headers
+
+    def auth(self) -> None:
+        tok = self.handler.headers.get("X-Auth-Token")
+        if not self.cloud.token_valid(tok):
+            raise ApiError(401, "The request you have made requires authentication.", "Unauthorized")
+
+
+@dataclass
+class Route:
+    methods: str | tuple | None  # None: any method
+    pattern: str
+    fn: Callable
+    auth: bool = True
+
+
+def dispatch(routes: list[Route], req: Request, *, normalize: Callable[[str], str] = lambda p: p,
+             not_found: str = "NotFound"):
+    """The first route whose pattern matches the path in full and whose method fits. Routes that need a token are
+    tried after a token check (made once, before the first of them, as the services check it before routing); they
+    match the normalised path (a version prefix or a project id removed)."""
+    checked = False
+    for r in routes:
+        path = req.path
+        if r.auth:
+            if not checked:
+                req.auth()
+                checked = True
+            path = normalize(req.path)
+        m = re.fullmatch(r.pattern, path)
+        if m and (r.methods is None or req.method == r.methods or req.method in (r.methods if isinstance(
+                r.methods, tuple) else ())):
+            return r.fn(req, *m.groups())
+    if not checked and any(r.auth for r in routes):
+        req.auth()
+    raise ApiError(404, f"not found: {req.path}", not_found)
+
+
+def versions(vid: str, href: str) -> dict:
+    return {"versions": [{"id": vid, "status": "CURRENT", "links": [{"rel": "self", "href": href}]}]}
+
+
+def public(d: dict) -> dict:
+    """A record without its simulator-private fields (leading underscore)."""
+    return {k: v for k, v in d.items() if not k.startswith("_")}
+
+
+def nova_style_error(e: ApiError) -> dict:
+    """The error body of Nova, Glance and Heat's WSGI layer (webob faults)."""
+    key = {400: "badRequest", 401: "unauthorized", 404: "itemNotFound", 409: "conflict"}.get(e.code, "error")
+    return {key: {"code": e.code, "message": e.message}}

@@ -1,0 +1,39 @@
+"""Blazar v1 (/reservation): leases of physical hosts and floating IPs; the host list. The lease rules themselves
+(dates, pools, the 7-day cap, the 48 h extension window) are in cloud.py."""
+
+from __future__ import annotations
+
+from .api import Request, Route, versions
+from .cloud import ApiError
+
+PREFIX = "reservation"
+
+
+def error_body(e: ApiError) -> dict:
+    return {"error_code": e.code, "error_message": e.message, "error_name": e.name or "BlazarException"}
+
+
+def list_leases(req: Request):
+    c = req.cloud
+    return 200, {"leases": [c.lease_view(x) for x in c.leases.values() if x["status"] != "DELETED"]}
+
+
+def delete_lease(req: Request, lid: str):
+    req.cloud.delete_lease(lid)
+    return 204, None
+
+
+def hosts(req: Request):
+    return 200, {"hosts": [{"id": h["id"], "hypervisor_hostname": h["hypervisor_hostname"], **h["capabilities"]}
+                           for h in req.cloud.hosts]}
+
+
+ROUTES = [
+    Route(None, "/", lambda req: (300, versions("v1.0", f"{req.base}/reservation/v1/")), auth=False),
+    Route("GET", "/v1/leases", list_leases),
+    Route("POST", "/v1/leases", lambda req: (201, {"lease": req.cloud.create_lease(req.body or {})})),
+    Route("GET", "/v1/leases/([^/]+)", lambda req, lid: (200, {"lease": req.cloud.lease_view(req.cloud.get_lease(lid))})),
+    Route("PUT", "/v1/leases/([^/]+)", lambda req, lid: (200, {"lease": req.cloud.update_lease(lid, req.body or {})})),
+    Route("DELETE", "/v1/leases/([^/]+)", delete_lease),
+    Route("GET", "/v1/os-hosts", hosts),
+]

@@ -1,0 +1,95 @@
+"""Neutron v2.0 (/network): networks, ports, floating IPs (tags, association)."""
+
+from __future__ import annotations
+
+import re
+
+from .api import Request, Route, public, versions
+from .cloud import ApiError
+
+PREFIX = "network"
+
+
+def error_body(e: ApiError) -> dict:
+    return {"NeutronError": {"type": e.name or "NeutronError", "message": e.message, "detail": ""}}
+
+
+def normalize(path: str) -> str:
+    p = path[len("/v2.0"):] if path.startswith("/v2.0") else path
+    return re.sub(r"\.json$", "", p)
+
+
+def networks(req: Request):
+    c, q = req.cloud, req.query
+    nets = [c.sharednet, c.public]
+    for k in ("name", "id"):
+        if k in q:
+            nets = [n for n in nets if n[k] == q[k]]
+    if "router:external" in q:
+        nets = [n for n in nets if str(n["router:external"]).lower() == q["router:external"].lower()]
+    return 200, {"networks": nets}
+
+
+def network(req: Request, nid: str):
+    for n in (req.cloud.sharednet, req.cloud.public):
+        if n["id"] == nid:
+            return 200, {"network": n}
+    raise ApiError(404, f"Network {nid} could not be found.", "NetworkNotFound")
+
+
+def ports(req: Request):
+    out = [s["_port"] for s in req.cloud.servers.values() if s.get("_port") and s["status"] != "DELETED"]
+    if "device_id" in req.query:
+        out = [x for x in out if x["device_id"] == req.query["device_id"]]
+    return 200, {"ports": out}
+
+
+def create_fip(req: Request):
+    c = req.cloud
+    f = (req.body or {}).get("floatingip") or {}
+    if f.get("floating_network_id") != c.public["id"]:
+        raise ApiError(400, "floating_network_id must be the external network", "BadRequest")
+    with c.lock:
+        fip = c._new_fip()
+        if f.get("port_id"):
+            c.associate(fip["id"], f["port_id"])
+    return 201, {"floatingip": public(fip)}
+
+
+def list_fips(req: Request):
+    q = req.query
+    fips = [public(f) for f in req.cloud.fips.values()]
+    for k in ("floating_ip_address", "port_id", "id", "floating_network_id"):
+        if k in q:
+            fips = [f for f in fips if str(f[k]) == q[k]]
+    if "tags" in q:
+        want = set(q["tags"].split(","))
+        fips = [f for f in fips if want <= set(f["tags"])]
+    return 200, {"floatingips": fips}
+
+
+def fip(req: Request, fid: str):
+    c = req.cloud
+    if fid not in c.fips:
+        raise ApiError(404, f"Floating IP {fid} could not be found", "FloatingIPNotFound")
+    if req.method == "PUT":
+        f = (req.body or {}).get("floatingip") or {}
+        return 200, {"floatingip": public(c.associate(fid, f.get("port_id")))}
+    if req.method == "DELETE":
+        if any(t == "blazar" for t in c.fips[fid]["tags"]):
+            raise ApiError(409, "A reserved floating IP is released by its lease", "Conflict")
+        with c.lock:
+            c._release_fip(fid)
+        return 204, None
+    return 200, {"floatingip": public(c.fips[fid])}
+
+
+ROUTES = [
+    Route(None, "/", lambda req: (200, versions("v2.0", f"{req.base}/network/v2.0/")), auth=False),
+    Route(None, "/networks", networks),
+    Route(None, "/networks/([^/]+)", network),
+    Route(None, "/ports", ports),
+    Route("POST", "/floatingips", create_fip),
+    Route(None, "/floatingips", list_fips),
+    Route(None, "/floatingips/([^/]+)", fip),
+]

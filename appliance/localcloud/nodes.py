@@ -1,0 +1,79 @@
+"""The local cloud's node backend: where its servers run. Nova's side (appliance/localcloud/cloud.py) asks this
+interface and nothing else, so the simulator's services do not reach into the testbed's internals.
+
+``TestbedNodes`` runs each server as a testbed node (a network namespace with its own sshd on the cloud's bridge,
+appliance/testbed); a floating IP is an extra address on the node's interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from .. import testbed
+
+
+class NodeBackend(ABC):
+    @property
+    @abstractmethod
+    def host_ip(self) -> str:
+        """This machine's address on the nodes' network (the floating-IP range is next to it)."""
+
+    @abstractmethod
+    def add(self, hostname: str, authorized_keys: str):
+        """Boot a node; returns it (``.ip``, ``.dir`` with its host keys, ``.sshd_pid``, ``.netns``)."""
+
+    @abstractmethod
+    def stop_sshd(self, node) -> None:
+        """The node runs, but its sshd never answers (fault injection)."""
+
+    @abstractmethod
+    def run(self, hostname: str, script: str):
+        """Run a script on the node as its boot does (user_data); returns a CompletedProcess."""
+
+    @abstractmethod
+    def remove(self, hostname: str) -> None:
+        ...
+
+    @abstractmethod
+    def netns_of(self, hostname: str) -> str:
+        ...
+
+    @abstractmethod
+    def address(self, netns: str, address: str, *, add: bool) -> None:
+        """Add or remove a floating IP on a node."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        ...
+
+
+class TestbedNodes(NodeBackend):
+    def __init__(self, testbed_name: str):
+        self.name = testbed_name
+        self.bridge = testbed.ensure_bridge(testbed_name)
+
+    @property
+    def host_ip(self) -> str:
+        return self.bridge.host_ip
+
+    def add(self, hostname: str, authorized_keys: str):
+        return testbed.add_node(self.name, hostname, authorized_keys)
+
+    def stop_sshd(self, node) -> None:
+        testbed.kill_pids([node.sshd_pid])
+
+    def run(self, hostname: str, script: str):
+        return testbed.node_exec(self.name, hostname, script)
+
+    def remove(self, hostname: str) -> None:
+        testbed.remove_node(self.name, hostname)
+
+    def netns_of(self, hostname: str) -> str:
+        tb = testbed.load(self.name)
+        return next(n for n in tb.nodes if n.name == hostname).netns
+
+    def address(self, netns: str, address: str, *, add: bool) -> None:
+        testbed.node_address(netns, address, add=add)
+
+    def shutdown(self) -> None:
+        testbed.down(self.name, log=lambda m: None)

@@ -1,0 +1,107 @@
+"""Nova v2.1 (/compute): servers (booted on the node backend), key pairs, the flavor, console output, interfaces."""
+
+from __future__ import annotations
+
+import re
+
+from .api import Request, Route, nova_style_error, public
+from .cloud import ApiError
+
+PREFIX = "compute"
+NOT_FOUND = "itemNotFound"
+
+
+error_body = nova_style_error
+
+
+def normalize(path: str) -> str:
+    p = path[len("/v2.1"):] if path.startswith("/v2.1") else path
+    return re.sub(r"^/[0-9a-f]{32}(?=/|$)", "", p)  # a project id in the path (old style)
+
+
+def _version(base: str) -> dict:
+    return {"id": "v2.1", "status": "CURRENT", "version": "2.79", "min_version": "2.1",
+            "updated": "2013-07-23T11:33:21Z", "links": [{"rel": "self", "href": f"{base}/compute/v2.1/"}]}
+
+
+def flavor(req: Request, fid: str):
+    c = req.cloud
+    if fid not in (c.flavor["id"], c.flavor["name"]):
+        raise ApiError(404, f"Flavor {fid} could not be found.", "itemNotFound")
+    return 200, {"flavor": c.flavor}
+
+
+def create_keypair(req: Request):
+    c = req.cloud
+    kp = (req.body or {}).get("keypair") or {}
+    name = kp.get("name", "")
+    if not re.fullmatch(r"[A-Za-z0-9_. -]{1,255}", name or ""):
+        raise ApiError(400, "Keypair data is invalid: name", "BadRequest")
+    if name in c.keypairs:
+        raise ApiError(409, f"Key pair '{name}' already exists.", "conflict")
+    if not kp.get("public_key"):
+        raise ApiError(400, "Generating key pairs is not supported here: give public_key", "BadRequest")
+    rec = {"name": name, "public_key": kp["public_key"].strip(), "fingerprint": "", "type": "ssh",
+           "user_id": c.user_id}
+    c.keypairs[name] = rec
+    return 200, {"keypair": rec}
+
+
+def keypair(req: Request, name: str):
+    c = req.cloud
+    if name not in c.keypairs:
+        raise ApiError(404, f"Keypair {name} not found", "itemNotFound")
+    if req.method == "DELETE":
+        del c.keypairs[name]
+        return 202, None
+    return 200, {"keypair": c.keypairs[name]}
+
+
+def list_servers(req: Request, detail: str | None):
+    out = [req.cloud.server_view(s) for s in req.cloud.servers.values() if s["status"] != "DELETED"]
+    if "name" in req.query:
+        out = [s for s in out if re.search(req.query["name"], s["name"])]
+    if not detail:
+        out = [{"id": s["id"], "name": s["name"], "links": []} for s in out]
+    return 200, {"servers": out}
+
+
+def server(req: Request, sid: str):
+    c = req.cloud
+    srv = c.get_server(sid)
+    if req.method == "DELETE":
+        with c.lock:
+            c._delete_server(srv)
+        return 204, None
+    return 200, {"server": c.server_view(srv)}
+
+
+def action(req: Request, sid: str):
+    srv = req.cloud.get_server(sid)
+    if "os-getConsoleOutput" in (req.body or {}):
+        return 200, {"output": srv["_console"]}
+    raise ApiError(400, "unsupported action", "BadRequest")
+
+
+def interfaces(req: Request, sid: str):
+    srv = req.cloud.get_server(sid)
+    ports = [srv["_port"]] if srv.get("_port") else []
+    return 200, {"interfaceAttachments": [{"port_id": x["id"], "net_id": x["network_id"], "mac_addr": x["mac_address"],
+                                           "port_state": "ACTIVE", "fixed_ips": x["fixed_ips"]} for x in ports]}
+
+
+ROUTES = [
+    Route(None, "/", lambda req: (200, {"versions": [_version(req.base)]}), auth=False),
+    Route("GET", "/v2.1", lambda req: (200, {"version": _version(req.base)}), auth=False),
+    Route(None, "/flavors(?:/detail)?", lambda req: (200, {"flavors": [req.cloud.flavor]})),
+    Route(None, "/flavors/([^/]+)", flavor),
+    Route("GET", "/os-keypairs",
+          lambda req: (200, {"keypairs": [{"keypair": public(k)} for k in req.cloud.keypairs.values()]})),
+    Route(None, "/os-keypairs", create_keypair),
+    Route(None, "/os-keypairs/([^/]+)", keypair),
+    Route("POST", "/servers", lambda req: (202, req.cloud.create_servers(req.body or {}))),
+    Route("GET", "/servers(/detail)?", list_servers),
+    Route(None, "/servers/([^/]+)", server),
+    Route("POST", "/servers/([^/]+)/action", action),
+    Route(None, "/servers/([^/]+)/os-interface", interfaces),
+]

@@ -1,0 +1,64 @@
+"""Pruning never loses the newest checkpoint that verifies (issue 14, item 1), on a file:// store (fast tier; the
+commit protocol itself runs against a real Swift in test_checkpoint.py)."""
+
+import json
+from pathlib import Path
+
+from appliance.store.checkpoints import CheckpointStore
+
+
+def commit(cs: CheckpointStore, root: Path, step: int) -> None:
+    d = root / f"ckpt-{step:09d}"
+    d.mkdir(parents=True)
+    (d / "state.data").write_bytes(bytes([step % 256]) * 4000)
+    (d / "meta.json").write_text(json.dumps({"step": step}))
+    cs.upload(d, {"step": step})
+
+
+def corrupt(store_root: Path, step: int) -> None:
+    p = store_root / "run" / f"ckpt-{step:09d}" / "state.data"
+    p.write_bytes(b"\0" * p.stat().st_size)  # same size, other bytes
+
+
+def test_prune_after_a_fallback_keeps_the_newest_good_checkpoint(tmp_path):
+    """Reproduced: commit 300 and 400, corrupt 400, resume falls back to 300, commit 310 and 320 with keep: 1.
+    Before the fix only the corrupt 400 remained and newest_good() found nothing."""
+    store_root = tmp_path / "store"
+    cs = CheckpointStore(f"file://{store_root}/", "run", None)
+    for step in (300, 400):
+        commit(cs, tmp_path / "local", step)
+    corrupt(store_root, 400)
+    said = []
+    for step in (310, 320):
+        commit(cs, tmp_path / "local", step)
+        cs.prune(keep=1, log=said.append)
+    good, problems = cs.newest_good(log=lambda m: None)
+    assert good is not None and good.step == 320, problems
+    assert any("ckpt-000000400" in m and "does not count" in m for m in said), said
+
+
+def test_a_checkpoint_that_fails_verification_holds_no_slot(tmp_path):
+    store_root = tmp_path / "store"
+    cs = CheckpointStore(f"file://{store_root}/", "run", None)
+    for step in (10, 20, 30):
+        commit(cs, tmp_path / "local", step)
+    corrupt(store_root, 30)
+    cs.prune(keep=2)
+    # the two newest that verify are kept; the corrupt one is set aside, not counted
+    assert [c.step for c in cs.committed()] == [30, 20, 10]
+    commit(cs, tmp_path / "local", 40)
+    cs.prune(keep=2)
+    steps = [c.step for c in cs.committed()]
+    assert 40 in steps and 20 in steps and 10 not in steps
+    assert cs.newest_good(log=lambda m: None)[0].step == 40
+
+
+def test_prune_keeps_the_newest_good_even_if_every_newer_one_is_bad(tmp_path):
+    store_root = tmp_path / "store"
+    cs = CheckpointStore(f"file://{store_root}/", "run", None)
+    for step in (1, 2, 3):
+        commit(cs, tmp_path / "local", step)
+    corrupt(store_root, 2)
+    corrupt(store_root, 3)
+    cs.prune(keep=1)
+    assert cs.newest_good(log=lambda m: None)[0].step == 1

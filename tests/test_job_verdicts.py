@@ -1,0 +1,117 @@
+"""A job's verdicts in the fast tier: which rank failed (train.launch._Watch), and what the checkpoint hook makes of
+rank 0's reports (exit 75 for a committed stop, a failure for an uncommitted one), with a fake head node
+(tests/fakes.py). The same paths run end to end in test_train.py and test_checkpoint.py."""
+
+import json
+
+from appliance.checkpoint.job import JobCheckpoints
+from appliance.cluster import Cluster, Node
+from appliance.errors import ApplianceError
+from appliance.protocol import EXIT_STOPPED, Line, format_line
+from appliance.train.launch import JobResult
+from fakes import FakeRemote
+
+
+def _watch(ranks=3):
+    from appliance.cluster import Cluster, Node
+    from appliance.train.launch import _Watch
+    nodes = [Node(name=f"n{i}", private_ip=f"10.0.0.{i}", address=None, workdir="/w") for i in range(ranks)]
+    return _Watch(Cluster(name="x", cloud="testbed", nodes=nodes), None, "job", 1, 1, lambda m: None)
+
+
+def test_verdict_names_the_rank_that_failed_on_its_own():
+    # horovodrun reports the collateral rank first; the rank's own report says who failed first
+    w = _watch()
+    w.collateral.add(0)
+    w.own_exit(2, 3)
+    w.rank_exit(0, 1)
+    w.own_exit(0, 1)
+    w.rank_exit(2, 3)
+    assert w.verdict() == "rank 2 on n2 exited with status 3 (then rank 0: status 1)"
+
+
+def test_verdict_when_the_culprit_never_reported():
+    # the culprit was stopped by horovodrun before its own report or exit line came through (seen in CI)
+    w = _watch(2)
+    w.collateral.add(0)
+    w.own_exit(0, 1)
+    w.rank_exit(0, 1)
+    v = w.verdict()
+    assert v.startswith("rank 1 on n1 failed first"), v
+    assert v.endswith("(then rank 0: status 1)"), v
+
+
+def test_verdict_without_collateral_is_the_first_exit():
+    w = _watch(2)
+    w.rank_exit(1, 255)
+    assert w.verdict().startswith("rank 1 on n1 exited with status 255 (lost the SSH connection"), w.verdict()
+
+
+def _hook(tmp_path):
+    node = Node("head", "10.0.0.1", "10.0.0.1", "/w")
+    head = FakeRemote(node)
+    hook = JobCheckpoints()
+    hook.cluster, hook.head, hook.say = Cluster(name="", cloud="testbed", nodes=[node]), head, lambda m: None
+    hook.stop_file = "/w/appliance/runs/r/STOP"
+    return hook, head
+
+
+def _result(rc=0, failure=None):
+    return JobResult(job_id="j", exit_code=rc, world_size=2, rank_hosts=["head", "head"], failure=failure)
+
+
+def test_a_committed_stop_is_exit_75(tmp_path):
+    hook, _ = _hook(tmp_path)
+    body = {"step": 40, "reason": "lease end", "committed": True, "checkpoint": "ckpt-000000040", "seconds": 0.4}
+    assert hook.rank_line(0, format_line(Line.STOPPED, body))
+    res = _result()
+    hook.finish(res)
+    assert res.exit_code == EXIT_STOPPED and res.failure is None and res.stopped["step"] == 40
+
+
+def test_an_uncommitted_stop_is_a_failure_that_says_where_the_checkpoint_is(tmp_path):
+    hook, _ = _hook(tmp_path)
+    body = {"step": 40, "reason": "lease end", "committed": False, "error": "store unreachable",
+            "local": "/w/appliance/runs/r/ckpt-000000040"}
+    hook.rank_line(0, format_line(Line.STOPPED, body))
+    res = _result()
+    hook.finish(res)
+    assert res.exit_code == 1 and "NOT committed" in res.failure and body["local"] in res.failure
+
+
+def test_only_rank_0s_well_formed_reports_are_consumed(tmp_path):
+    hook, _ = _hook(tmp_path)
+    assert not hook.rank_line(1, format_line(Line.CKPT, {"step": 1}))  # another rank: shown, not consumed
+    assert not hook.rank_line(0, Line.CKPT + " {not json")  # shown as is
+    assert hook.rank_line(0, format_line(Line.CKPT, {"step": 5, "name": "c", "bytes": 1, "save_s": 0.1,
+                                                     "upload_s": 0.2}))
+    res = _result()
+    hook.finish(res)
+    assert [c["step"] for c in res.commits] == [5] and res.exit_code == 0
+
+
+def test_a_failed_job_keeps_its_own_verdict(tmp_path):
+    hook, _ = _hook(tmp_path)
+    hook.rank_line(0, format_line(Line.STOPPED, {"step": 3, "reason": "x", "committed": True, "checkpoint": "c",
+                                                 "seconds": 1}))
+    res = _result(rc=1, failure="rank 1 on head exited with status 1")
+    hook.finish(res)
+    assert res.exit_code == 1 and res.failure.startswith("rank 1")
+
+
+def test_a_stop_request_is_written_atomically_once(tmp_path):
+    hook, head = _hook(tmp_path)
+    hook.request_stop({"reason": "lease ends"})
+    hook.request_stop({"reason": "again"})
+    assert len(head.commands) == 1
+    cmd, stdin = head.commands[0]
+    assert "STOP.tmp" in cmd and "mv " in cmd and json.loads(stdin)["reason"] == "lease ends"
+
+
+def test_an_unreachable_head_is_said_not_raised(tmp_path):
+    hook, head = _hook(tmp_path)
+    said = []
+    hook.say = said.append
+    head.fail = ApplianceError("node head stopped answering")
+    hook.request_stop({"reason": "lease ends"})
+    assert any("could not ask the job to stop" in m for m in said)
