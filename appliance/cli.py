@@ -30,11 +30,21 @@ class _Group(click.Group):
         except ApplianceError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, KeyboardInterrupt):
+            raise
+        except Exception as e:  # anything else: one line, the traceback only with --debug
+            if ctx.params.get("debug"):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            click.echo(f"error: {type(e).__name__}: {first} (fix: run again with `appliance --debug ...` for the "
+                       "traceback, and report it if it is not about your input)", err=True)
+            sys.exit(1)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="appliance")
-def main():
+@click.option("--debug", is_flag=True, help="On an unexpected error, show the Python traceback.")
+def main(debug):
     """Train Horovod/Keras jobs on leased GPU nodes (Chameleon Cloud), or on a local testbed.
 
     \b
@@ -390,12 +400,18 @@ def down_cmd(name, yes):
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True)
 def check_spec(spec, as_json):
-    """Validate a run spec; print it as the appliance understands it. Exit 2 if invalid."""
+    """Validate a run spec before a lease is paid for; print it as the appliance understands it.
+
+    \b
+    Checks the spec's fields, its site's rules (Chameleon: at most 7 days, CHI@UC or CHI@TACC, key_name; the local
+    cloud: its node types and pool sizes) and the training code (train.code exists, small enough to copy).
+    Exit 2 if the spec is invalid, 1 if the code is not usable.
+    """
     import dataclasses
 
-    from .sites import load_spec
+    from . import flows
 
-    s = load_spec(spec)
+    s = flows.check(spec)
     if as_json:
         _json_out(dataclasses.asdict(s))
     else:
@@ -407,19 +423,24 @@ def check_spec(spec, as_json):
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--cluster", default=None, help="Cluster to use (default: the run's own, or the local testbed).")
 @click.option("--concurrency", default=16, show_default=True, help="Parallel transfers per node.")
+@click.option("--keep-extra", is_flag=True,
+              help="Keep files staged earlier whose objects are no longer in the store (default: remove them).")
 @click.option("--json", "as_json", is_flag=True, help="Print each node's result as JSON.")
-def stage_cmd(spec, cluster, concurrency, as_json):
+def stage_cmd(spec, cluster, concurrency, keep_extra, as_json):
     """Download the spec's dataset to every node's local disk, in parallel, verified, resumable.
 
     \b
     dataset.mode full: every node gets everything; shard: node r gets every n-th object (sorted
     names), so rank r's input pipeline reads only what is local. A re-run fetches only what is
-    missing or changed (a manifest on each node). Free space is checked before starting.
+    missing or changed (a manifest on each node), and removes files whose objects left the store
+    (--keep-extra keeps them). Zero-byte `folder/` objects are directories. Names that would escape
+    the destination or name one path twice are refused before anything is written. Free space is
+    checked before starting.
     """
     from . import flows
 
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
-    res = flows.stage_spec(spec, cluster, out=say, log=say, concurrency=concurrency)
+    res = flows.stage_spec(spec, cluster, out=say, log=say, concurrency=concurrency, keep_extra=keep_extra)
     if as_json:
         _json_out(res)
 
@@ -542,8 +563,10 @@ def _report(res, as_json: bool) -> None:
 @click.option("--cluster", default=None, help="Resume on this existing cluster instead of the run's own.")
 @click.option("--nodes", type=int, default=None, help="Resume on this many nodes (the spec's resize policy applies).")
 @click.option("--url", default=None, help="Checkpoint URL, to find the spec when this machine has no record of RUN.")
+@_cloud_opt
+@_site_opt
 @click.option("--json", "as_json", is_flag=True, help="Print the job summary as JSON.")
-def resume_cmd(run, spec_path, cluster, nodes, url, as_json):
+def resume_cmd(run, spec_path, cluster, nodes, url, cloud_kind, site, as_json):
     """Continue RUN from its newest committed checkpoint, on a new lease if needed.
 
     \b
@@ -558,6 +581,7 @@ def resume_cmd(run, spec_path, cluster, nodes, url, as_json):
 
     log = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     res = flows.resume(run, spec_path=spec_path, cluster_name=cluster, nodes=nodes, url=url,
+                       cloud=cloud_kind or _default_cloud(), site_name=site,
                  out=(lambda line: click.echo(line, err=True)) if as_json else None, log=log)
     if res is None:
         if as_json:

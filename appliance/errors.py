@@ -16,7 +16,9 @@ class ApplianceError(Exception):
             self.exit_code = exit_code
 
     def __str__(self) -> str:
-        return self.message if not self.fix else f"{self.message} (fix: {self.fix})"
+        """One line, always (a path or name with a newline in it is shown escaped)."""
+        text = self.message if not self.fix else f"{self.message} (fix: {self.fix})"
+        return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 class SpecError(ApplianceError):

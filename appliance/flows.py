@@ -18,11 +18,11 @@ from .checkpoint.resume import choose_checkpoint, creds_for, find_spec
 from .checkpoint.runs import RunRecords, list_runs  # noqa: F401 (re-exported for the CLI)
 from .cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
 from .data import listing, pack_dir, remove, stage_cluster, upload
-from .errors import ApplianceError
+from .errors import ApplianceError, SpecError
 from .node import doctor as node_doctor
 from .node.watchdog import node_watch  # noqa: F401 (re-exported for the CLI)
 from .provision import heat, lifecycle
-from .remote import Session
+from .remote import Session, pack_code
 from .sites import Site, for_spec, load_spec, open_site
 from .sites.local import (  # noqa: F401 (the simulator's verbs, for the CLI)
     cloud_start, cloud_status, cloud_stop, testbed_down, testbed_status, testbed_up)
@@ -65,8 +65,20 @@ def resolve_cluster(spec: Spec, cluster_name: str | None = None, log=print) -> C
     return cl
 
 
+def check(spec_path: str) -> Spec:
+    """`appliance check`: everything that can be checked before a lease is paid for: the spec's own rules, its
+    site's (Chameleon's 7-day cap and sites; the local cloud's node types and pool sizes), and the training code
+    (it exists and is small enough to copy to the nodes)."""
+    spec = load_spec(spec_path)
+    try:
+        pack_code(spec.code_dir)
+    except ApplianceError as e:
+        raise SpecError(f"train.code: {e.message}", e.fix) from None
+    return spec
+
+
 def up(spec_path: str, *, spec: Spec | None = None, log=print, **kw) -> Cluster:
-    spec = spec or load_spec(spec_path)
+    spec = spec or check(spec_path)
     return lifecycle.up(for_spec(spec, log=log), spec, log=log, **kw)
 
 
@@ -91,15 +103,16 @@ def lease_create(spec_path: str, *, start: str | None = None, log=print) -> dict
 
 
 def stage_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None,
-               log=print, concurrency: int = 16) -> dict[str, dict]:
-    """`appliance stage SPEC`: the spec's dataset to every node's local disk."""
+               log=print, concurrency: int = 16, keep_extra: bool = False) -> dict[str, dict]:
+    """`appliance stage SPEC`: the spec's dataset to every node's local disk (files of objects no longer in the
+    store are removed unless ``keep_extra``)."""
     spec = load_spec(spec_path)
     if spec.dataset is None:
         raise ApplianceError(f"{spec_path}: no dataset to stage", "add a dataset: {source: swift://..., dest: data}")
     cluster = resolve_cluster(spec, cluster_name, log=log)
     cr = None if parse_url(spec.dataset.source)[0] == "file" else for_spec(spec, log=log).store_creds()
     return stage_cluster(cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, creds=cr,
-                         concurrency=concurrency, out=out)
+                         concurrency=concurrency, keep_extra=keep_extra, out=out)
 
 
 def data_upload(src: str, url: str, *, cloud: str, site_name: str | None = None, log=print, **kw) -> int:
@@ -135,11 +148,12 @@ def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[s
 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
-           url: str | None = None, out: Callable[[str], None] | None = None, log=print) -> JobResult | None:
+           url: str | None = None, cloud: str = "local", site_name: str | None = None,
+           out: Callable[[str], None] | None = None, log=print) -> JobResult | None:
     """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
     new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
     what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete."""
-    spec = find_spec(run, spec_path, url)
+    spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name, log=log) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
         spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
     cs, ck = choose_checkpoint(spec, log=log)

@@ -124,6 +124,11 @@ def _tar_dir(path: Path, exclude: tuple[str, ...]) -> bytes:
 MAX_CODE_BYTES = 256 * 2**20
 
 
+def pack_code(path: Path) -> bytes:
+    """The training code directory as it will be copied to the nodes (refused when missing or too big)."""
+    return _tar_dir(Path(path), ("__pycache__", ".git"))
+
+
 class LocalRemote(Remote):
     """This machine (single-host mode): commands run with bash, no SSH."""
 

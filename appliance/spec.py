@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 import types
 import typing
@@ -31,8 +32,12 @@ import yaml
 from .errors import SpecError
 from .protocol import denied_names
 
-NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}$")
-DURATION_RE = re.compile(r"^(\d+)([smhd])$")
+NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,38}")  # used with fullmatch: `$` would accept a trailing newline
+DURATION_RE = re.compile(r"(\d{1,9})([smhd])")
+MAX_DURATION_S = 366 * 86400  # no lease or margin is longer than a year (Chameleon's cap is 7 days)
+MAX_NODES, MAX_SLOTS = 1024, 64
+URL_RE = re.compile(r"(swift|s3)://[A-Za-z0-9][A-Za-z0-9._-]{0,254}(/[^\x00-\x1f]*)?|file:///[^\x00-\x1f]*")
+DEST_PART_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # no hidden directories, no `.` or `..`
 
 
 @dataclass(frozen=True)
@@ -193,25 +198,42 @@ def _build(cls: Any, data: Any, where: str) -> Any:
 
 
 def _check_duration(value: str, where: str) -> int:
-    m = DURATION_RE.match(value)
+    m = DURATION_RE.fullmatch(value)
     if not m:
         raise SpecError(f"{where}: {value!r} is not a duration", "write it as e.g. 90m, 4h or 2d (units s, m, h, d)")
     n, unit = int(m.group(1)), m.group(2)
-    return n * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+    secs = n * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+    if secs > MAX_DURATION_S:
+        raise SpecError(f"{where}: {value} is longer than a year", "give a duration such as 4h or 2d")
+    return secs
 
 
 def duration_seconds(value: str) -> int:
     return _check_duration(value, "duration")
 
 
+def _no_control_chars(obj, where: str = "") -> None:
+    """Names, paths and URLs hold no control characters (a NUL or a newline in a path is never meant)."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        at = f"{where}{f.name}"
+        if dataclasses.is_dataclass(v):
+            _no_control_chars(v, at + ".")
+        elif isinstance(v, str) and at not in ("train.command",) and re.search(r"[\x00-\x1f\x7f]", v):
+            raise SpecError(f"{at}: {v!r} contains a control character", f"remove it from {at}")
+
+
 def _semantic_checks(spec: Spec) -> None:
-    if not NAME_RE.match(spec.name):
+    _no_control_chars(spec)
+    if not NAME_RE.fullmatch(spec.name):
         raise SpecError(f"name: {spec.name!r} is not a valid run name",
                         "use 1-39 lowercase letters, digits and '-', starting with a letter")
-    if spec.nodes.count < 1:
-        raise SpecError(f"nodes.count: must be at least 1, got {spec.nodes.count}", "set nodes.count: 1 or more")
-    if spec.nodes.slots < 1:
-        raise SpecError(f"nodes.slots: must be at least 1, got {spec.nodes.slots}", "set nodes.slots: 1 or more")
+    if not 1 <= spec.nodes.count <= MAX_NODES:
+        raise SpecError(f"nodes.count: must be at least 1 and at most {MAX_NODES}, got {spec.nodes.count}",
+                        "set nodes.count: 1 or more")
+    if not 1 <= spec.nodes.slots <= MAX_SLOTS:
+        raise SpecError(f"nodes.slots: must be at least 1 and at most {MAX_SLOTS}, got {spec.nodes.slots}",
+                        "set nodes.slots to the GPUs per node (1 on CPU nodes)")
     _check_duration(spec.lease.duration, "lease.duration")
     _check_duration(spec.lease.stop_margin, "lease.stop_margin")
     if not spec.train.command.strip():
@@ -222,18 +244,23 @@ def _semantic_checks(spec: Spec) -> None:
     if bad:
         raise SpecError(f"train.env: {', '.join(sorted(bad))} looks like a credential and would be forwarded to every rank",
                         "remove it; credentials are pushed to nodes separately, never through the job environment")
-    if spec.dataset is not None and not re.match(r"^(swift|s3|file)://", spec.dataset.source):
+    if spec.dataset is not None and not URL_RE.fullmatch(spec.dataset.source):
         raise SpecError(f"dataset.source: {spec.dataset.source!r} is not a swift://, s3:// or file:// URL",
                         "write e.g. swift://my-container/imagenet/")
-    if spec.dataset is not None and (spec.dataset.dest.startswith("/") or ".." in Path(spec.dataset.dest).parts):
-        raise SpecError(f"dataset.dest: {spec.dataset.dest!r} must be a relative path inside the node's local disk",
-                        "use a plain name such as data")
+    if spec.dataset is not None:
+        parts = spec.dataset.dest.split("/")
+        if spec.dataset.dest.startswith("/") or not all(DEST_PART_RE.fullmatch(x) for x in parts):
+            raise SpecError(f"dataset.dest: {spec.dataset.dest!r} must be a relative path inside the node's local disk "
+                            "(no '.', '..', hidden or empty parts)", "use a plain name such as data")
+    if spec.checkpoint.url is not None and not URL_RE.fullmatch(spec.checkpoint.url):
+        raise SpecError(f"checkpoint.url: {spec.checkpoint.url!r} is not a swift://, s3:// or file:// URL",
+                        "write e.g. swift://checkpoints/")
     ck = spec.checkpoint
     if ck.keep < 1:
         raise SpecError("checkpoint.keep: must be at least 1", "set checkpoint.keep: 3")
     if ck.every_steps is not None and ck.every_steps < 1:
         raise SpecError("checkpoint.every_steps: must be at least 1", "set it to a positive step count or remove it")
-    if ck.every_minutes is not None and ck.every_minutes <= 0:
+    if ck.every_minutes is not None and not (math.isfinite(ck.every_minutes) and ck.every_minutes > 0):
         raise SpecError("checkpoint.every_minutes: must be positive", "set it to e.g. 10 or remove it")
 
 

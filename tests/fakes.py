@@ -182,3 +182,35 @@ class FakeRemote:
         if check and rc != 0:
             raise ApplianceError(f"{command!r} failed on {self.node.name}: {err}")
         return Result(rc, out, err)
+
+
+class DictStore:
+    """An object store in memory (the Store interface the stager uses): name -> bytes; ``slow[name]`` is an Event a
+    GET of that object waits on after its first chunk (to order concurrent downloads without sleeping)."""
+
+    scheme = "mem"
+
+    def __init__(self, objects: dict[str, bytes]):
+        import hashlib
+
+        self.objects = dict(objects)
+        self.slow: dict[str, threading.Event] = {}
+        self.got: dict[str, threading.Event] = defaultdict(threading.Event)  # set when a GET has returned
+        self._md5 = hashlib.md5
+
+    def list(self, prefix: str = ""):
+        from appliance.store.objects import ObjectInfo
+
+        for name in sorted(self.objects):
+            if name.startswith(prefix):
+                yield ObjectInfo(name, len(self.objects[name]), self._md5(self.objects[name]).hexdigest())
+
+    def get(self, name, write, *, start=None, end=None) -> dict:
+        data = self.objects[name][start or 0: None if end is None else end + 1]
+        half = len(data) // 2
+        write(data[:half])
+        if name in self.slow:
+            self.slow[name].wait(10)
+        write(data[half:])
+        self.got[name].set()
+        return {}

@@ -17,7 +17,7 @@ import pytest
 
 from appliance import localcloud
 from appliance.checkpoint import runs
-from appliance.checkpoint.resume import choose_checkpoint
+from appliance.checkpoint.resume import choose_checkpoint, find_spec
 from appliance.flows import resume
 from appliance.store.checkpoints import CheckpointStore
 from appliance.cluster import Cluster
@@ -168,6 +168,16 @@ def test_commit_prune_and_a_corrupted_newest_checkpoint(swift, tmp_path, tb2):
     # what a node downloads is checked against the manifest again
     out = cs.download(good, tmp_path / "dl")
     assert (out / "state.data-00000-of-00001").read_bytes() == bytes([20]) * 5000
+
+
+def test_resume_finds_the_spec_beside_swift_checkpoints(swift, st_env, tmp_path):
+    """`appliance resume RUN --url swift://...` from a machine with no record of RUN: the spec saved beside the
+    checkpoints is read with the site's credentials (issue 14, item 5: it was read with none, and always failed)."""
+    cs = store_for(swift, "urlspec")
+    cs.ensure_container()
+    cs.put_text("spec.yaml", Path(digits_spec(tmp_path, "urlspec", url="swift://ckpts/")).read_text(), tmp_path)
+    spec = find_spec("urlspec", url="swift://ckpts/", creds=flows.data_creds("swift://ckpts/", "local"))
+    assert spec.name == "urlspec" and spec.checkpoint.url == "swift://ckpts/"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -20,14 +20,20 @@ def corrupt(store_root: Path, step: int) -> None:
     p.write_bytes(b"\0" * p.stat().st_size)  # same size, other bytes
 
 
+def store_with(tmp_path: Path, steps, bad=()) -> CheckpointStore:
+    """A run's store with these checkpoints committed, then ``bad`` ones corrupted."""
+    cs = CheckpointStore(f"file://{tmp_path / 'store'}/", "run", None)
+    for step in steps:
+        commit(cs, tmp_path / "local", step)
+    for step in bad:
+        corrupt(tmp_path / "store", step)
+    return cs
+
+
 def test_prune_after_a_fallback_keeps_the_newest_good_checkpoint(tmp_path):
     """Reproduced: commit 300 and 400, corrupt 400, resume falls back to 300, commit 310 and 320 with keep: 1.
     Before the fix only the corrupt 400 remained and newest_good() found nothing."""
-    store_root = tmp_path / "store"
-    cs = CheckpointStore(f"file://{store_root}/", "run", None)
-    for step in (300, 400):
-        commit(cs, tmp_path / "local", step)
-    corrupt(store_root, 400)
+    cs = store_with(tmp_path, (300, 400), bad=(400,))
     said = []
     for step in (310, 320):
         commit(cs, tmp_path / "local", step)
@@ -38,11 +44,7 @@ def test_prune_after_a_fallback_keeps_the_newest_good_checkpoint(tmp_path):
 
 
 def test_a_checkpoint_that_fails_verification_holds_no_slot(tmp_path):
-    store_root = tmp_path / "store"
-    cs = CheckpointStore(f"file://{store_root}/", "run", None)
-    for step in (10, 20, 30):
-        commit(cs, tmp_path / "local", step)
-    corrupt(store_root, 30)
+    cs = store_with(tmp_path, (10, 20, 30), bad=(30,))
     cs.prune(keep=2)
     # the two newest that verify are kept; the corrupt one is set aside, not counted
     assert [c.step for c in cs.committed()] == [30, 20, 10]
@@ -54,11 +56,6 @@ def test_a_checkpoint_that_fails_verification_holds_no_slot(tmp_path):
 
 
 def test_prune_keeps_the_newest_good_even_if_every_newer_one_is_bad(tmp_path):
-    store_root = tmp_path / "store"
-    cs = CheckpointStore(f"file://{store_root}/", "run", None)
-    for step in (1, 2, 3):
-        commit(cs, tmp_path / "local", step)
-    corrupt(store_root, 2)
-    corrupt(store_root, 3)
+    cs = store_with(tmp_path, (1, 2, 3), bad=(2, 3))
     cs.prune(keep=1)
     assert cs.newest_good(log=lambda m: None)[0].step == 1

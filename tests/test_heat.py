@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from appliance import localcloud, testbed
-from appliance import sites
+from appliance import flows, sites
 from appliance.provision import heat
 from appliance.spec import load_spec
 from appliance.flows import run_job as train
@@ -165,7 +165,7 @@ def test_stack_from_the_template_adopt_and_train(cloud, tmp_path):
 
         # adopt, then train the digits example on it
         said = []
-        cl = heat.adopt("hs", cloud="local", log=said.append)
+        cl = flows.adopt("hs", cloud="local", log=said.append)
         assert [n.name for n in cl.nodes] == ["hs-head", "hs-worker-0"] and cl.lease_id == lease.id
         spec = load_spec(ROOT / "examples" / "digits.yaml")
         import dataclasses

@@ -27,7 +27,9 @@ def creds_for(spec: Spec, url: str):
     return None if parse_url(url)[0] == "file" else store_creds(spec)
 
 
-def find_spec(run: str, spec_path: str | None = None, url: str | None = None) -> Spec:
+def find_spec(run: str, spec_path: str | None = None, url: str | None = None, creds=None) -> Spec:
+    """The run's spec: ``spec_path``, else the one its run record names, else the copy saved beside its checkpoints
+    at ``url`` (read with ``creds``: the store of the site the user points at)."""
     if spec_path:
         spec = load_spec(spec_path)
         if spec.name != run:
@@ -38,7 +40,7 @@ def find_spec(run: str, spec_path: str | None = None, url: str | None = None) ->
     if rec and rec.get("spec_path") and Path(rec["spec_path"]).exists():
         return load_spec(rec["spec_path"])
     if url:  # the copy saved beside the checkpoints: resume from another machine
-        cs = CheckpointStore(url, run, None)
+        cs = CheckpointStore(url, run, creds)
         tmp = Path(tempfile.mkdtemp(prefix="appliance-spec-")) / f"{run}.yaml"
         buf = bytearray()
         cs.store.get(cs.prefix + "spec.yaml", buf.extend)

@@ -31,12 +31,14 @@ class RunRecords(JobHooks):
         job_ended(self.spec, self.cluster, result)
 
 
-def run_dir(run: str) -> Path:
+def record_dir(run: str) -> Path:
+    """~/.appliance/runs/RUN on this machine: the run record and the job logs (not the run directory on the
+    head node, train.launch.run_dir)."""
     return paths.home() / "runs" / run
 
 
 def load(run: str) -> dict | None:
-    p = run_dir(run) / "run.json"
+    p = record_dir(run) / "run.json"
     try:
         return json.loads(p.read_text())
     except (OSError, ValueError):
@@ -44,7 +46,7 @@ def load(run: str) -> dict | None:
 
 
 def save(rec: dict) -> None:
-    d = run_dir(rec["run"])
+    d = record_dir(rec["run"])
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / "run.json.tmp"
     tmp.write_text(json.dumps(rec, indent=1, sort_keys=True))

@@ -29,7 +29,8 @@ def _bar(p: dict) -> str:
 
 
 def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", creds=None, concurrency: int = 16,
-                  keep_names: bool = False, out: Callable[[str], None] | None = None) -> dict[str, dict]:
+                  keep_names: bool = False, keep_extra: bool = False,
+                  out: Callable[[str], None] | None = None) -> dict[str, dict]:
     """Run the stager on every node in parallel; returns each node's result. Raises on any node's failure."""
     say = out or (lambda m: print(m, flush=True))
     scoped = creds.scoped() if creds is not None else None
@@ -48,7 +49,7 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
     def run(node_index: int, remote) -> None:
         node = remote.node
         job = {"url": url, "dest": f"{node.workdir}/{dest}", "mode": mode, "rank": node_index,
-               "nodes": len(cluster.nodes), "concurrency": concurrency, "keep_names": keep_names,
+               "nodes": len(cluster.nodes), "concurrency": concurrency, "keep_names": keep_names, "keep_extra": keep_extra,
                "creds": scoped.__dict__ if scoped else None}
 
         def on_line(stream, line):
@@ -91,7 +92,9 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
     for name, r in sorted(results.items()):
         say(f"[stage] {name}: {r['files_fetched']} fetched, {r['files_skipped']} already here, "
             f"{_fmt_bytes(r['bytes_fetched'])} in {r['seconds']:.1f}s ({r['mb_per_s']} MB/s), "
-            f"{r['retries']} retries, {r['corrupt_refetched']} corrupt re-fetched -> {r['dest']}")
+            f"{r['retries']} retries, {r['corrupt_refetched']} corrupt re-fetched"
+            + (f", {r['files_removed']} no longer in the store removed" if r.get("files_removed") else "")
+            + f" -> {r['dest']}")
     say(f"[stage] done in {wall:.1f}s on {len(results)} node(s)")
     return results
 

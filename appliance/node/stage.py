@@ -8,7 +8,8 @@
    here and unchanged; check free space for the rest *before* starting (fail with the numbers);
 4. download in parallel: one GET per small object, parallel ranged GETs for large ones; an SLO is
    fetched segment by segment and each segment checked against its MD5; everything else is checked
-   against its ETag (MD5). A file appears under its name only once verified (``.part`` + rename);
+   against its ETag (MD5). A file appears under its name only once verified (downloaded into
+   ``.appliance-staging/`` in the destination, then renamed);
 5. retry with backoff; record each verified file in the manifest, so a killed run resumes.
 """
 
@@ -18,6 +19,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,8 @@ from ..store.objects import ObjectInfo, Store, md5_file as _md5_path
 
 MANIFEST = ".appliance-manifest.json"
 JOURNAL = ".appliance-manifest.journal"  # one line per verified file, so a killed run loses nothing
+STAGING = ".appliance-staging"  # downloads in progress, on the same file system; no object can be staged there
+RESERVED = {MANIFEST, JOURNAL, STAGING, f".{MANIFEST}.tmp"}
 LARGE = 64 * 1024**2  # objects above this are fetched as parallel ranged GETs
 RANGE = 16 * 1024**2
 DISK_MARGIN = 256 * 1024**2  # leave this much free
@@ -48,6 +52,7 @@ class StageResult:
     bytes_fetched: int = 0
     retries: int = 0
     corrupt_refetched: int = 0
+    files_removed: int = 0  # staged before, no longer in the store (or this node's shard): removed
     seconds: float = 0.0
     dest: str = ""
     names: list[str] = field(default_factory=list)  # this node's names (kept only when asked)
@@ -60,14 +65,49 @@ class StageResult:
 
 
 def safe_relpath(name: str, prefix: str = "") -> PurePosixPath:
-    """The path an object is written to, relative to dest; raises on a name that would escape it."""
+    """The path an object is written to, relative to dest; raises ValueError on a name that would escape it, that
+    names a path two ways (an empty or '.' part), that takes the stager's own files, or a part over 255 bytes."""
     rel = name[len(prefix):] if prefix and name.startswith(prefix) else name
     rel = rel.lstrip("/") if prefix else rel
-    p = PurePosixPath(rel)
-    if not rel or "\x00" in rel or name.startswith("/") or p.is_absolute() or ".." in p.parts \
-            or rel.endswith("/") or any(part == "" for part in rel.split("/")):
+    parts = rel.split("/")
+    if not rel or "\x00" in rel or name.startswith("/") or rel.endswith("/") \
+            or any(part in ("", ".", "..") for part in parts) or parts[0] in RESERVED \
+            or any(len(part.encode()) > 255 for part in parts):
         raise ValueError(name)
-    return p
+    return PurePosixPath(rel)
+
+
+def is_dir_marker(o: ObjectInfo, prefix: str = "") -> bool:
+    """A zero-byte object named like ``folder/``: what Horizon's "Create Folder" and many tools make. It is a
+    directory, as `swift download` and rclone treat it."""
+    return o.name.endswith("/") and o.size == 0 and len(o.name) > len(prefix)
+
+
+def plan_paths(objects: list[ObjectInfo], prefix: str) -> tuple[dict[str, PurePosixPath], list[PurePosixPath],
+                                                                list[str]]:
+    """(object -> path, directories to make, refused names). Refused: names safe_relpath refuses, and every name of
+    a group that maps to one path or to a path that is also a directory (decided before anything is written)."""
+    paths: dict[str, PurePosixPath] = {}
+    dirs: list[PurePosixPath] = []
+    bad: list[str] = []
+    for o in objects:
+        try:
+            if is_dir_marker(o, prefix):
+                dirs.append(safe_relpath(o.name.rstrip("/"), prefix))
+            else:
+                paths[o.name] = safe_relpath(o.name, prefix)
+        except ValueError:
+            bad.append(o.name)
+    owners: dict[PurePosixPath, list[str]] = {}
+    for name, p in paths.items():
+        owners.setdefault(p, []).append(name)
+    parents = {q for p in paths.values() for q in p.parents} | set(dirs)
+    for p, names in owners.items():
+        if len(names) > 1 or p in parents:
+            bad.extend(names)
+            for n in names:
+                paths.pop(n, None)
+    return paths, dirs, sorted(set(bad))
 
 
 def select(objects: list[ObjectInfo], *, mode: str, rank: int, nodes: int) -> list[ObjectInfo]:
@@ -141,24 +181,34 @@ class _Progress:
 
 def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", rank: int = 0, nodes: int = 1,
           concurrency: int = 16, retries: int = 4, progress: Callable[[dict], None] | None = None,
-          keep_names: bool = False) -> StageResult:
+          keep_names: bool = False, keep_extra: bool = False) -> StageResult:
     t0 = time.monotonic()
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    listing = list(store.list(prefix))
-    mine = select(listing, mode=mode, rank=rank, nodes=nodes)
-    bad = []
-    paths: dict[str, PurePosixPath] = {}
-    for o in mine:
-        try:
-            paths[o.name] = safe_relpath(o.name, prefix)
-        except ValueError:
-            bad.append(o.name)
+    listing = [o for o in store.list(prefix) if o.name != prefix]  # the prefix's own folder marker is dest itself
+    markers = [o for o in listing if is_dir_marker(o, prefix)]
+    mine = select([o for o in listing if not is_dir_marker(o, prefix)], mode=mode, rank=rank, nodes=nodes)
+    paths, dirs, bad = plan_paths(mine + markers, prefix)
     if bad:
         shown = ", ".join(repr(b) for b in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise ApplianceError(f"refusing {len(bad)} object name(s) that would escape {dest}: {shown}; nothing was written",
-                             "rename those objects in the store (no '..', no leading '/')")
+        raise ApplianceError(f"refusing {len(bad)} object name(s) that would escape {dest}, collide with another "
+                             f"object's path or with the stager's own files: {shown}; nothing was written",
+                             "rename those objects in the store (no '..', '.', '//', leading '/', or parts over "
+                             "255 bytes; no two names for one path)")
+    for d in dirs:
+        (dest / d).mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(dest)
+    removed = 0
+    if not keep_extra:  # objects deleted from the store (or now another node's shard) leave this node too
+        for name in [n for n in manifest if n not in paths]:
+            try:
+                old = dest / safe_relpath(name, prefix)
+                if old.is_file():
+                    old.unlink()
+                    removed += 1
+            except ValueError:
+                pass
+            del manifest[name]
     todo, skipped = [], 0
     for o in mine:
         rec = manifest.get(o.name)
@@ -178,6 +228,9 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
                       dest=str(dest))
     if keep_names:
         res.names = [o.name for o in mine]
+    staging = dest / STAGING
+    shutil.rmtree(staging, ignore_errors=True)  # leftovers of a killed run
+    staging.mkdir()
     prog = _Progress(len(todo), need, progress)
     mlock = threading.Lock()
     journal = open(dest / JOURNAL, "a", buffering=1)
@@ -192,7 +245,8 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
     def fetch(o: ObjectInfo) -> None:
         target = dest / paths[o.name]
         target.parent.mkdir(parents=True, exist_ok=True)
-        part = target.with_name(target.name + ".part")
+        # in the staging directory, under a name no object can have: `x` never writes over object `x.part`
+        part = staging / (hashlib.sha256(o.name.encode()).hexdigest() + ".part")
         for attempt in range(retries + 1):
             try:
                 _fetch_one(store, o, part, big_pool, prog)
@@ -232,6 +286,8 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
         with mlock:
             journal.close()
             _save_manifest(dest, manifest)
+        shutil.rmtree(staging, ignore_errors=True)
+    res.files_removed = removed
     prog.add(force=True)
     res.seconds = time.monotonic() - t0
     return res

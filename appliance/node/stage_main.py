@@ -27,7 +27,7 @@ def main() -> int:
         try:
             res = stage(store, prefix, job["dest"], mode=job["mode"], rank=job["rank"], nodes=job["nodes"],
                         concurrency=job.get("concurrency", 16), progress=progress,
-                        keep_names=job.get("keep_names", False))
+                        keep_names=job.get("keep_names", False), keep_extra=job.get("keep_extra", False))
         except ApplianceError:
             raise
         except Exception as e:
@@ -37,7 +37,7 @@ def main() -> int:
             emit(Line.NOTE, f"S3 failed ({type(e).__name__}: {e}); falling back to Swift")
             res = stage(fb[0], fb[1], job["dest"], mode=job["mode"], rank=job["rank"], nodes=job["nodes"],
                         concurrency=job.get("concurrency", 16), progress=progress,
-                        keep_names=job.get("keep_names", False))
+                        keep_names=job.get("keep_names", False), keep_extra=job.get("keep_extra", False))
     except ApplianceError as e:
         emit(Line.ERROR, {"message": e.message, "fix": e.fix})
         return 1

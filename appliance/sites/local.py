@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import localcloud, testbed
 from ..cluster import Cluster, from_testbed
-from ..errors import ApplianceError
+from ..errors import ApplianceError, SpecError
 from ..spec import Spec
 from ..store.objects import StoreCreds
 from .base import LoginKey, Site
@@ -42,6 +42,14 @@ class LocalSite(Site):
         priv, pub = _local_key()
         self.cloud.ensure_keypair(KEY_NAME, pub)
         return LoginKey(KEY_NAME, priv)
+
+    @classmethod
+    def check_spec(cls, spec: Spec) -> None:
+        from ..localcloud.cloud import DEFAULT_POOLS
+
+        if spec.nodes.node_type not in DEFAULT_POOLS:
+            raise SpecError(f"nodes.node_type: {spec.nodes.node_type!r} is not a node type of the local cloud",
+                            f"use one of {', '.join(DEFAULT_POOLS)}")
 
     def time_scale(self) -> float:
         """The local cloud's clock can run faster than real time (tests, the demo)."""

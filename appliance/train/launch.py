@@ -117,6 +117,7 @@ class JobHooks:
 
 
 def run_dir(cluster: Cluster, run: str) -> str:
+    """The run directory on the head node: <workdir>/appliance/runs/RUN (STOP file, credentials file, code)."""
     return f"{cluster.head.workdir}/appliance/runs/{run}"
 
 

@@ -1,0 +1,65 @@
+"""The stager's names and paths (issue 14, items 6 and 7), in the fast tier with an in-memory store
+(tests/fakes.py). The same stager runs against a real Swift and S3 in test_stage.py."""
+
+import threading
+
+import pytest
+
+from appliance.errors import ApplianceError
+from appliance.node import stage as stage_mod
+from appliance.node.stage import MANIFEST, stage
+from fakes import DictStore
+
+
+def test_x_and_x_part_do_not_collide(tmp_path, monkeypatch):
+    """Object `x` used to download to `x.part`, the final path of object `x.part`: with a slow GET of `x`,
+    `x` ended with `x.part`'s bytes and staging reported success."""
+    st = DictStore({"d/x": b"A" * 400_000, "d/x.part": b"B" * 1000})
+    parts = []
+    real = stage_mod._fetch_one
+    monkeypatch.setattr(stage_mod, "_fetch_one", lambda store, o, part, *a: (parts.append((o.name, part)),
+                                                                               real(store, o, part, *a))[1])
+    st.slow["d/x"] = threading.Event()
+    threading.Thread(target=lambda: (st.got["d/x.part"].wait(10), st.slow["d/x"].set()), daemon=True).start()
+    stage(st, "d/", tmp_path / "out", concurrency=4)
+    assert (tmp_path / "out" / "x").read_bytes() == b"A" * 400_000
+    assert (tmp_path / "out" / "x.part").read_bytes() == b"B" * 1000
+    targets = {tmp_path / "out" / n[len("d/"):] for n in st.objects}
+    assert not [p for _, p in parts if p in targets]  # no download ever writes where another object lands
+
+
+def test_folder_markers_are_directories(tmp_path):
+    st = DictStore({"d/": b"", "d/images/": b"", "d/images/a.jpg": b"jpg", "d/empty/": b""})
+    res = stage(st, "d/", tmp_path / "out")
+    assert (tmp_path / "out" / "images" / "a.jpg").read_bytes() == b"jpg"
+    assert (tmp_path / "out" / "empty").is_dir() and res.files_total == 1
+
+
+@pytest.mark.parametrize("names", [
+    ["d/p/x", "d/p/./x"],  # one path, two names
+    ["d/p/x", "d/p//x"],
+    ["d/a/.", "d/b"],
+    [f"d/{MANIFEST}"],  # the stager's own manifest
+    ["d/.appliance-staging/x"],
+    ["d/" + "n" * 256],  # a part over 255 bytes
+    ["d/p", "d/p/q"],  # a file and a directory at one path
+])
+def test_ambiguous_or_reserved_names_are_refused_before_anything_is_written(tmp_path, names):
+    st = DictStore({n: b"z" for n in names} | {"d/ok": b"ok"})
+    with pytest.raises(ApplianceError, match="refusing") as e:
+        stage(st, "d/", tmp_path / "out")
+    assert "nothing was written" in str(e.value)
+    assert not (tmp_path / "out" / "ok").exists()
+
+
+def test_objects_deleted_from_the_store_leave_the_node_unless_kept(tmp_path):
+    st = DictStore({"d/a": b"a", "d/b": b"b"})
+    out = tmp_path / "out"
+    stage(st, "d/", out)
+    (out / "mine.txt").write_text("not staged: never touched")
+    del st.objects["d/b"]
+    res = stage(st, "d/", out, keep_extra=True)
+    assert (out / "b").exists() and res.files_removed == 0
+    res = stage(st, "d/", out)
+    assert not (out / "b").exists() and (out / "a").exists() and res.files_removed == 1
+    assert (out / "mine.txt").exists()
