@@ -20,6 +20,7 @@ import json
 from collections.abc import Callable, Mapping
 
 EXIT_STOPPED = 75  # "stopped before the lease end, checkpoint committed: resumable" (EX_TEMPFAIL)
+RUN_MARKER = ".appliance-run"  # in every run directory the launcher made: the node watchdog acts on no other
 
 
 class Env:

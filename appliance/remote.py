@@ -41,6 +41,10 @@ class ConnectionLost(ApplianceError):
     pass
 
 
+class HostKeyMismatch(ApplianceError):
+    """A node presented a host key other than the pinned one: never retried, never accepted."""
+
+
 def _splitter(stream: str, fn: LineFn | None, sink: list[str]):
     buf = bytearray()
 
@@ -276,7 +280,7 @@ def _connect_ssh(cluster: Cluster, node: Node, sock=None, timeout: float = 15.0)
                        sock=sock, timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
                        allow_agent=False, look_for_keys=False)
     except paramiko.BadHostKeyException:
-        raise ApplianceError(f"{node.name} ({node.address}) presented a host key that does not match the pinned one",
+        raise HostKeyMismatch(f"{node.name} ({node.address}) presented a host key that does not match the pinned one",
                              "if the node was rebuilt, run `appliance up` again to re-pin; otherwise do not connect") from None
     except paramiko.AuthenticationException:
         raise ApplianceError(f"{node.name} ({node.address}) refused the key {cluster.key_file}",

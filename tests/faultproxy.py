@@ -1,7 +1,8 @@
 """An HTTP proxy that sits between clients and the real Swift proxy and injects faults.
 
 Modes: ``pass`` (forward everything), ``fail_puts = N`` (answer the next N PUTs with 503, then pass),
-``down`` (answer every request with 503). The Host header is forwarded as the client sent it, so Swift's
+``fail_gets = N`` (the next N GETs, listings included, answered 503), ``reset_gets = N`` (the next N GETs: the
+connection is closed without an answer), ``down`` (answer every request with 503). The Host header is forwarded as the client sent it, so Swift's
 tempauth hands out storage URLs that point back at this proxy: every later request goes through it too.
 """
 
@@ -18,6 +19,8 @@ class FaultProxy:
         u = urlparse(upstream)
         self.up_host, self.up_port = u.hostname, u.port or 80
         self.fail_puts = 0
+        self.fail_gets = 0
+        self.reset_gets = 0
         self.down = False
         self.failed: list[str] = []  # "METHOD path" of every request we failed on purpose
         self.forwarded = 0
@@ -32,16 +35,32 @@ class FaultProxy:
 
             def _fail(self) -> bool:
                 with proxy._lock:
-                    if proxy.down or (self.command == "PUT" and proxy.fail_puts > 0):
+                    if proxy.down or (self.command == "PUT" and proxy.fail_puts > 0) or \
+                            (self.command == "GET" and proxy.fail_gets > 0 and "/auth/" not in self.path):
                         if not proxy.down:
-                            proxy.fail_puts -= 1
+                            if self.command == "PUT":
+                                proxy.fail_puts -= 1
+                            else:
+                                proxy.fail_gets -= 1
                         proxy.failed.append(f"{self.command} {self.path}")
+                        return True
+                return False
+
+            def _reset(self) -> bool:
+                with proxy._lock:
+                    if self.command == "GET" and proxy.reset_gets > 0 and "/auth/" not in self.path:
+                        proxy.reset_gets -= 1
+                        proxy.failed.append(f"RESET {self.command} {self.path}")
                         return True
                 return False
 
             def _any(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
+                if self._reset():
+                    self.close_connection = True
+                    self.connection.close()  # no answer at all: the client sees a reset / a closed connection
+                    return
                 if self._fail():
                     msg = b"503 Service Unavailable (injected)"
                     self.send_response(503)

@@ -134,3 +134,22 @@ def test_the_watchdog_reads_the_clock_in_real_seconds(tmp_path):
     w, *_ = watch(tmp_path, FakeSite(scale=60.0), ends_in_s=600, lease="lease: {duration: 2h, stop_margin: 60s}\n")
     left, _end = w.left()
     assert left == pytest.approx(10.0)
+
+
+def test_a_host_key_mismatch_fails_at_once(tmp_path, monkeypatch):
+    """It used to be retried until the SSH timeout (900 s on Chameleon) like a node still booting."""
+    from appliance import remote
+
+    tries = []
+
+    class Mismatch:
+        def __init__(self, cluster, timeout=15.0):
+            tries.append(1)
+            raise remote.HostKeyMismatch("node presented a host key that does not match the pinned one")
+
+    site = FakeSite()
+    site.ssh_timeout = 2.0
+    monkeypatch.setattr(lifecycle, "Session", Mismatch)
+    with pytest.raises(ApplianceError, match="does not match the pinned one"):
+        lifecycle._wait_ssh(site, Cluster(name="", cloud="local", nodes=[]), lambda m: None)
+    assert len(tries) == 1

@@ -103,6 +103,7 @@ def test_doctor_passes_on_this_machine(tmp_path):
 def test_node_watchdog_stops_running_jobs_before_the_vendordata_lease_end(tmp_path):
     run_dir = tmp_path / "runs" / "r1"
     run_dir.mkdir(parents=True)
+    (run_dir / ".appliance-run").touch()  # the launcher marks the run directories it makes
     vd = tmp_path / "vendordata2.json"
     now = time.time()
 
@@ -135,9 +136,10 @@ def test_node_watchdog_stops_running_jobs_before_the_vendordata_lease_end(tmp_pa
 def test_running_run_dirs_reads_the_real_process_table(tmp_path):
     from appliance.node.watchdog import running_run_dirs
 
-    # the child says when it runs: before its exec, /proc shows the parent's environment
-    job = subprocess.Popen(["sh", "-c", "echo ready; exec sleep 60"], stdout=subprocess.PIPE, text=True,
-                           env={**os.environ, "APPLIANCE_RUN_DIR": str(tmp_path)})
+    # the child says when it runs: before its exec, /proc shows the parent's environment. It must not exec again
+    # after saying so (`sh -c 'echo ready; exec sleep'` did): while a process execs, its environ reads empty
+    job = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                           stdout=subprocess.PIPE, text=True, env={**os.environ, "APPLIANCE_RUN_DIR": str(tmp_path)})
     assert job.stdout.readline().strip() == "ready"
     try:
         assert str(tmp_path) in running_run_dirs()
@@ -183,6 +185,9 @@ def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path):
     store, _ = open_store("swift://appliance-wheels/", sites.open_site("local", log=lambda m: None).store_creds())
     store.ensure_container()
     store.put(f"{tag}/{built[-1].name}", built[-1])  # as if an earlier cluster had built it
+    digest = tmp_path / "digest"
+    digest.write_text(hashlib.sha256(built[-1].read_bytes()).hexdigest() + "\n")
+    store.put(f"{tag}/{built[-1].name}.sha256", digest)
     spec = tmp_path / "inst.yaml"
     spec.write_text(textwrap.dedent(f"""\
         name: inst

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shlex
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from ..cluster import Cluster
 from ..errors import ApplianceError
+from ..protocol import rank_environment
 from ..train.launch import train as train_job
 from ..spec import Checkpoint, Spec
 
@@ -193,7 +195,12 @@ def bare_horovodrun(cluster: Cluster, spec: Spec, session, on_line=None) -> tupl
     else:
         hosts = ",".join(f"{n.name}:{n.slots}" for n in cluster.nodes)
         nic = f"--network-interface {shlex.quote(cluster.nic)} " if len(cluster.nodes) > 1 and cluster.nic else ""
-    cmd = (f"cd {shlex.quote(code_dir(cluster, spec.name))} && PATH={shlex.quote(etc_bin + ':' + venv_bin + ':' + SYSTEM_PATH)} "
+    # horovodrun puts its whole environment on every rank's command line: the same allow-list as `train`
+    env = rank_environment(path=etc_bin + ":" + venv_bin + ":" + SYSTEM_PATH,
+                           home="/root" if cluster.head.user == "root" else f"/home/{cluster.head.user}", nic=None,
+                           launcher_env=os.environ)
+    assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    cmd = (f"cd {shlex.quote(code_dir(cluster, spec.name))} && exec env -i {assigns} "
            f"horovodrun -np {cluster.world_size} -H {hosts} {nic}--gloo {spec.train.command}")
     results: dict[int, dict] = {}
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ApplianceError
-from ..protocol import EXIT_STOPPED, Env, Line, parse
+from ..protocol import EXIT_STOPPED, RUN_MARKER, Env, Line, parse
 from ..sites import for_cluster, for_spec
 from ..store.checkpoints import CheckpointStore, retrying
 from ..store.objects import parse_url
@@ -58,7 +58,8 @@ class JobCheckpoints(JobHooks):
         spec, ck = self.spec, self.spec.checkpoint
         env = {Env.STOP_FILE: self.stop_file, Env.SPEC_HASH: spec.digest or "",
                Env.CODE_HASH: code_hash(spec.code_dir)}
-        self.head.run(f"mkdir -p {shlex.quote(self.run_dir)} && rm -f {shlex.quote(self.stop_file)}", check=True)
+        rd = shlex.quote(self.run_dir)
+        self.head.run(f"mkdir -p {rd} && touch {rd}/{RUN_MARKER} && rm -f {shlex.quote(self.stop_file)}", check=True)
         if not ck.url:
             return env
         env.update({Env.CKPT_URL: ck.url, Env.CKPT_KEEP: str(ck.keep), Env.CKPT_RESIZE: ck.resize})

@@ -57,6 +57,13 @@ def dispatch(routes: list[Route], req: Request, *, normalize: Callable[[str], st
     raise ApiError(404, f"not found: {req.path}", not_found)
 
 
+def get_or_404(table: dict, key: str, message: str, name: str):
+    """A record by id, or the service's 404 (``message`` and ``name`` as the real service words them)."""
+    if key not in table:
+        raise ApiError(404, message, name)
+    return table[key]
+
+
 def versions(vid: str, href: str) -> dict:
     return {"versions": [{"id": vid, "status": "CURRENT", "links": [{"rel": "self", "href": href}]}]}
 

@@ -1,6 +1,6 @@
 """The local cloud's state and the operations its services share: leases (Blazar), servers (Nova), floating IPs
 (Neutron), images (Glance), key pairs, tokens, the clock, and the engine that moves leases through their life.
-The HTTP side is one module per service (keystone, blazar, nova, neutron, glance, orchestration, admin); servers
+The HTTP side is one module per service (keystone, blazar, nova, neutron, glance, orchestration, admin_hooks); servers
 run on a node backend (nodes.py). See server.py for what is simulated and where each behaviour comes from.
 """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .api import Request, Route, public, versions
+from .api import Request, Route, get_or_404, public, versions
 from .cloud import ApiError
 
 PREFIX = "network"
@@ -70,18 +70,17 @@ def list_fips(req: Request):
 
 def fip(req: Request, fid: str):
     c = req.cloud
-    if fid not in c.fips:
-        raise ApiError(404, f"Floating IP {fid} could not be found", "FloatingIPNotFound")
+    rec = get_or_404(c.fips, fid, f"Floating IP {fid} could not be found", "FloatingIPNotFound")
     if req.method == "PUT":
         f = (req.body or {}).get("floatingip") or {}
         return 200, {"floatingip": public(c.associate(fid, f.get("port_id")))}
     if req.method == "DELETE":
-        if any(t == "blazar" for t in c.fips[fid]["tags"]):
+        if any(t == "blazar" for t in rec["tags"]):
             raise ApiError(409, "A reserved floating IP is released by its lease", "Conflict")
         with c.lock:
             c._release_fip(fid)
         return 204, None
-    return 200, {"floatingip": public(c.fips[fid])}
+    return 200, {"floatingip": public(rec)}
 
 
 ROUTES = [

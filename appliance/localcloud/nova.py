@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .api import Request, Route, nova_style_error, public
+from .api import Request, Route, get_or_404, nova_style_error, public
 from .cloud import ApiError
 
 PREFIX = "compute"
@@ -48,13 +48,11 @@ def create_keypair(req: Request):
 
 
 def keypair(req: Request, name: str):
-    c = req.cloud
-    if name not in c.keypairs:
-        raise ApiError(404, f"Keypair {name} not found", "itemNotFound")
+    kp = get_or_404(req.cloud.keypairs, name, f"Keypair {name} not found", "itemNotFound")
     if req.method == "DELETE":
-        del c.keypairs[name]
+        del req.cloud.keypairs[name]
         return 202, None
-    return 200, {"keypair": c.keypairs[name]}
+    return 200, {"keypair": kp}
 
 
 def list_servers(req: Request, detail: str | None):

@@ -11,7 +11,7 @@ One HTTP server, one port, the services under path prefixes listed in Keystone's
     /_admin          test hooks: advance the clock, inject faults, read the request log
 
 Layout: this module is the HTTP plumbing and the table of services; each service is a module with a route table
-(keystone.py, blazar.py, nova.py, neutron.py, glance.py, orchestration.py, admin.py; routing in api.py); the state
+(keystone.py, blazar.py, nova.py, neutron.py, glance.py, orchestration.py, admin_hooks.py; routing in api.py); the state
 and the operations they share are cloud.py; servers run on a node backend (nodes.py: testbed namespaces).
 
 The same client code that talks to Chameleon talks to this, over HTTP, with the real clients
@@ -38,11 +38,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-from . import admin, blazar, glance, keystone, neutron, nova, orchestration
+from . import admin_hooks, blazar, glance, keystone, neutron, nova, orchestration
 from .api import Request, dispatch
 from .cloud import ApiError, Cloud, _uuid
 
-SERVICES = {m.PREFIX: m for m in (keystone, blazar, nova, neutron, glance, orchestration, admin)}
+SERVICES = {m.PREFIX: m for m in (keystone, blazar, nova, neutron, glance, orchestration, admin_hooks)}
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -49,6 +49,15 @@ from .vendordata import vendordata_lease_end
 CALIBRATION = 20  # steps timed after each start to pick the stop-check interval
 
 
+def _is_io_error(e: BaseException) -> bool:
+    """An error of the node's disk: OSError (ENOSPC, EIO) or TensorFlow's I/O error types."""
+    if isinstance(e, OSError):
+        return True
+    names = {c.__name__ for c in type(e).__mro__}
+    return "OpError" in names and bool(names & {"ResourceExhaustedError", "UnknownError", "InternalError",
+                                                  "DataLossError", "PermissionDeniedError", "FailedPreconditionError"})
+
+
 def _rng_state() -> dict:
     import tensorflow as tf
 
@@ -120,6 +129,9 @@ class Checkpointer:
         self.stop_reason: str | None = None
         self._local_reason: str | None = None
         self._last_save = time.monotonic()
+        self.save_failures = 0  # periodic saves the node's disk refused (the run went on)
+        if self.rank == 0:
+            self._clean_tmp()  # partial directories of a run killed while saving
         self._store: CheckpointStore | None = None
         self._pending: Path | None = None
         self._cv = threading.Condition()
@@ -257,7 +269,7 @@ class Checkpointer:
             due = (self.every_steps and self.step % self.every_steps == 0) or \
                   (self.every_s and time.monotonic() - self._last_save >= self.every_s)
             if due and not stop:
-                self.save()
+                self._periodic_save()
         if stop:
             self.stopped = True
             self.stop_reason = self._local_reason or "a peer asked to stop"
@@ -272,6 +284,26 @@ class Checkpointer:
         if self.offset >= self.steps_per_epoch:
             return self.epoch + 1, 0
         return self.epoch, self.offset
+
+    def _periodic_save(self) -> None:
+        """A periodic save that fails on the node's disk (full, I/O error) does not end the run: say so loudly,
+        clean the partial directory, keep training, and try again at the next interval. Older checkpoints, local
+        and committed, are untouched."""
+        try:
+            self.save()
+        except Exception as e:
+            if not _is_io_error(e):
+                raise
+            self.save_failures += 1
+            self._last_save = time.monotonic()
+            self._clean_tmp()
+            self._log(f"CHECKPOINT NOT SAVED at step {self.step}: {type(e).__name__}: {str(e)[:200]}; training goes "
+                      f"on and the next save is tried at the next interval (free space in {self.local_dir})")
+
+    def _clean_tmp(self) -> None:
+        """Partial checkpoint directories (a failed save, or a run killed while saving)."""
+        for p in self.local_dir.glob(".tmp-ckpt-*"):
+            shutil.rmtree(p, ignore_errors=True)
 
     def save(self, *, complete: bool = False) -> Path:
         """Rank 0: write the full state locally (atomic rename) and queue it for upload."""
@@ -403,15 +435,24 @@ class Checkpointer:
             if self._deadline is None:
                 self._deadline = time.time() + 600
             t0 = time.monotonic()
-            local = self.save()
-            committed = True
-            if self.url:
+            save_error = None
+            try:
+                local = self.save()
+            except Exception as e:  # the disk refused the stop's save: report it, older checkpoints stand
+                if not _is_io_error(e):
+                    raise
+                self._clean_tmp()
+                local, save_error = None, f"the save failed on the node's disk: {type(e).__name__}: {e}"
+            committed = local is not None
+            if self.url and committed:
                 committed = self._wait_uploads(self._deadline) and self._last_commit is not None and \
                     self._last_commit["step"] == self.step
             body = {"step": self.step, "epoch": self._position()[0], "reason": self.stop_reason,
-                    "committed": committed, "checkpoint": local.name, "seconds": round(time.monotonic() - t0, 2)}
+                    "committed": committed, "checkpoint": local.name if local else None,
+                    "seconds": round(time.monotonic() - t0, 2)}
             if not committed:
-                body.update({"local": str(local), "error": self._upload_error or "upload did not finish in time"})
+                body.update({"local": str(local or self.local_dir),
+                             "error": save_error or self._upload_error or "upload did not finish in time"})
             emit(Line.STOPPED, body)
         self._hvd.allreduce(tf.constant([0]), name="appliance.stopped")  # everyone waits for rank 0's commit
         self._close_metrics()

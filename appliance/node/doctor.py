@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..protocol import Env, Line, emit
+from ..protocol import Env, Line, emit, rank_environment
 
 # the checkout's lock (make install: editable), or the copy install-stack.sh leaves in the venv
 LOCKS = (Path(__file__).resolve().parents[2] / "requirements.lock", Path(sys.prefix) / "appliance-requirements.lock")
@@ -156,8 +156,10 @@ def allreduce_check(python: str, timeout: float = 120) -> Check:
     hr = Path(python).parent / "horovodrun"
     if not hr.exists():
         return Check("allreduce (2 ranks)", "fail", f"no horovodrun beside {python}", INSTALL_FIX)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1",
-           "PATH": f"{Path(python).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    # horovodrun puts its whole environment on every rank's command line: the same allow-list as `train`
+    env = rank_environment(path=f"{Path(python).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+                           home=os.environ.get("HOME", "/root"), nic=None, launcher_env=os.environ)
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     rc, out = _run([str(hr), "-np", "2", "-H", "localhost:2", "--gloo", python, "-c", ALLREDUCE],
                    timeout=timeout, env=env)
     got = re.findall(r"APPLIANCE_ALLREDUCE (\d) 2 \[([\d., ]+)\]", out)

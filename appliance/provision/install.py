@@ -13,6 +13,7 @@ hold object-store credentials for it.
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 import shlex
 import shutil
@@ -52,6 +53,30 @@ def _pin(name: str) -> str:
     return m.group(1) if m else ""
 
 
+def fetch_cached_wheel(store, key: str, dest: Path, log=print) -> str | None:
+    """The newest cached Horovod wheel under ``key``, downloaded into ``dest`` if its recorded SHA-256 (the
+    ``.sha256`` object written beside it when it was cached) matches its bytes; None otherwise (the head node then
+    builds, and the entry is written again). Nodes install it as root, so no unchecked bytes are used."""
+    names = sorted(o.name for o in store.list(key))
+    for name in sorted((n for n in names if n.endswith(".whl")), reverse=True):
+        if name + ".sha256" not in names:
+            log(f"[install] horovod: {Path(name).name} in the wheel cache has no recorded SHA-256; not using it")
+            continue
+        want = bytearray()
+        store.get(name + ".sha256", want.extend)
+        local = dest / Path(name).name
+        h = hashlib.sha256()
+        with open(local, "wb") as fh:
+            store.get(name, lambda b: (fh.write(b), h.update(b)))
+        recorded = bytes(want).decode(errors="replace").split()
+        if recorded and h.hexdigest() == recorded[0]:
+            return local.name
+        local.unlink(missing_ok=True)
+        log(f"[install] horovod: {Path(name).name} in the wheel cache does not match its recorded SHA-256; "
+            "not using it")
+    return None
+
+
 def install_stack(cluster: Cluster, *, variant: str, venv: str, cache_url: str = DEFAULT_CACHE, creds=None,
                   system_deps: bool = True, pip_env: dict[str, str] | None = None, sudo: bool = False,
                   python: str = "python3.11", log=print) -> dict:
@@ -63,17 +88,14 @@ def install_stack(cluster: Cluster, *, variant: str, venv: str, cache_url: str =
     if isinstance(store, SwiftStore):
         store.ensure_container()
     key = f"{prefix.rstrip('/') + '/' if prefix else ''}{tag}/"
-    cached = sorted(o.name for o in store.list(key) if o.name.endswith(".whl"))
     work = Path(tempfile.mkdtemp(prefix="appliance-install-"))
     try:
         src = bundle(work / "bundle")
         wheels_here = work / "wheels"
         (wheels_here / tag).mkdir(parents=True)
+        cached = fetch_cached_wheel(store, key, wheels_here / tag, log=log)
         if cached:
-            name = cached[-1]
-            with open(wheels_here / tag / Path(name).name, "wb") as fh:
-                store.get(name, fh.write)
-            log(f"[install] horovod: the wheel cache has {Path(name).name} ({tag}); no build")
+            log(f"[install] horovod: the wheel cache has {cached} ({tag}, SHA-256 checked); no build")
         else:
             log(f"[install] horovod: no wheel for {tag} in {cache_url}; the head node builds it once (~5 min on "
                 f"a 2-core machine, less on a GPU node) and it is cached for every later cluster")
@@ -109,6 +131,9 @@ def install_stack(cluster: Cluster, *, variant: str, venv: str, cache_url: str =
                 local = wheels_here / tag / Path(wheel).name
                 local.write_bytes(base64.b64decode(r.out.strip()))
                 store.put(f"{key}{local.name}", local)
+                digest = work / "digest"
+                digest.write_text(hashlib.sha256(local.read_bytes()).hexdigest() + "\n")
+                store.put(f"{key}{local.name}.sha256", digest)  # written after the wheel: a cache entry is both
                 built = local.name
                 log(f"[install] horovod wheel {local.name} cached in {cache_url}{tag}/")
                 rest = [n for n in cluster.nodes if n is not cluster.head]

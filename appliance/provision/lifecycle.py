@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import paths
 from ..cluster import Cluster, Node, SiteRecord, delete_cluster, find_cluster, load_cluster, state_path
 from ..errors import ApplianceError
-from ..remote import Session
+from ..remote import HostKeyMismatch, Session
 from ..sites import Site, for_cluster
 from ..sites.openstack import fmt_date
 from ..spec import Spec, duration_seconds
@@ -131,6 +131,8 @@ def _wait_ssh(site: Site, cluster: Cluster, log) -> None:
         try:
             with Session(cluster, timeout=5):
                 return
+        except HostKeyMismatch:
+            raise  # not something waiting cures: another machine, or one that was rebuilt
         except ApplianceError as e:
             last_err = e
         time.sleep(site.poll)  # waiting for sshd on remote machines

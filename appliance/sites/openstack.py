@@ -158,6 +158,26 @@ def explain_blazar(e: Exception, *, node_type: str = "", count: int = 0, end: st
 # the cloud
 
 
+HOST_KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521", "ssh-rsa")
+
+
+def parse_console_host_keys(text: str) -> list[str]:
+    """The host keys cloud-init printed between its BEGIN/END SSH HOST KEY KEYS markers (cloud-init's
+    write-ssh-key-fingerprints), from the *last* complete block: a console log holds one block per boot, and a
+    re-provisioned node prints new keys. Serial consoles end lines with CRLF. Only well-formed public-key lines
+    (`TYPE BASE64 [comment]`) are kept."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    blocks = re.findall(r"-----BEGIN SSH HOST KEY KEYS-----\n(.*?)-----END SSH HOST KEY KEYS-----", text, re.S)
+    if not blocks:
+        return []
+    keys = []
+    for line in blocks[-1].splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in HOST_KEY_TYPES and re.fullmatch(r"[A-Za-z0-9+/]+={0,2}", parts[1]):
+            keys.append(" ".join(parts[:2]))
+    return keys
+
+
 @dataclass
 class LeaseInfo:
     id: str
@@ -352,8 +372,7 @@ class OpenStackCloud:
             out = self.conn.compute.get_server_console_output(server_id).get("output", "")
         except Exception:
             return []
-        m = re.search(r"-----BEGIN SSH HOST KEY KEYS-----\n(.*?)-----END SSH HOST KEY KEYS-----", out or "", re.S)
-        return [line.strip() for line in m.group(1).splitlines() if line.strip()] if m else []
+        return parse_console_host_keys(out or "")
 
     # -- floating IPs -----------------------------------------------------------------------------
 

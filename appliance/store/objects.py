@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,8 @@ from urllib.parse import urlparse
 
 from ..errors import ApplianceError
 
-SWIFT_PAGE = 10000  # Swift returns at most 10,000 names per listing request
+SWIFT_PAGE = 10000  # Swift returns at most 10,000 names per listing request; Ceph RGW caps it at 1,000
+LIST_DEADLINE = 120.0  # seconds a listing page is retried (5xx, resets, timeouts) before staging gives up
 MAX_OBJECT = 5 * 1024**3  # a single PUT is capped at 5 GiB
 
 
@@ -61,6 +64,37 @@ class StoreCreds:
                               s3_access_key=self.s3_access_key, s3_secret_key=self.s3_secret_key,
                               s3_region=self.s3_region)
         return self
+
+
+def _transient(e: BaseException) -> bool:
+    """A failure worth asking again: a 5xx or 429, a reset or a timeout; not a 4xx answer or our own refusal."""
+    if isinstance(e, (ApplianceError, FileNotFoundError)):
+        return False
+    status = getattr(e, "http_status", None)  # swiftclient.ClientException
+    if status is None:
+        status = (getattr(e, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode") \
+            if isinstance(getattr(e, "response", None), dict) else None  # botocore ClientError
+    if status is not None:
+        return status >= 500 or status == 429
+    return True  # no HTTP answer at all: connection reset, refused, timed out
+
+
+def transient_retry(fn: Callable, *, deadline: float | None = None, reset: Callable[[], None] | None = None,
+                    sleep: Callable[[float], None] = time.sleep):
+    """fn() until it succeeds, retrying transient failures with exponential backoff and jitter (0.2 s .. 8 s)
+    for up to ``deadline`` seconds (LIST_DEADLINE); the last failure is raised."""
+    t_end = time.monotonic() + (LIST_DEADLINE if deadline is None else deadline)
+    delay = 0.2
+    while True:
+        try:
+            return fn()
+        except Exception as e:
+            if not _transient(e) or time.monotonic() >= t_end:
+                raise
+            if reset is not None:
+                reset()
+            sleep(min(delay, 8.0, max(0.0, t_end - time.monotonic())) * (0.5 + random.random()))  # backoff
+            delay *= 2
 
 
 def parse_url(url: str) -> tuple[str, str, str]:
@@ -138,10 +172,15 @@ class SwiftStore(Store):
             raise
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object under ``prefix``: page after page until a page comes back empty. A short page is not the
+        end: Ceph RGW answers at most 1,000 names whatever ``limit`` asks for (../shared/docs/rgw.md). A page
+        that fails (5xx, a reset, a timeout) is asked again with backoff, for up to LIST_DEADLINE seconds."""
         marker = ""
         while True:
-            _, page = self._call(self.conn().get_container, self.container, prefix=prefix or None,
-                                 marker=marker or None, limit=SWIFT_PAGE)
+            _, page = transient_retry(lambda: self._call(self.conn().get_container, self.container,
+                                                         prefix=prefix or None, marker=marker or None,
+                                                         limit=SWIFT_PAGE),
+                                      reset=self._reset)
             if not page:
                 return
             for o in page:
@@ -149,8 +188,9 @@ class SwiftStore(Store):
                     continue
                 yield ObjectInfo(o["name"], int(o["bytes"]), (o.get("slo_etag") or o["hash"]).strip('"'))
             marker = page[-1].get("name") or page[-1].get("subdir")
-            if len(page) < SWIFT_PAGE:
-                return
+
+    def _reset(self) -> None:
+        self._local.conn = None  # a connection that failed is not reused
 
     def get(self, name, write, *, start=None, end=None) -> dict:
         headers = {}
@@ -237,10 +277,16 @@ class S3Store(Store):
         return c
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-        for page in pages:
+        """Every object under ``prefix``; a page that fails transiently is asked again (up to LIST_DEADLINE)."""
+        token = None
+        while True:
+            kw = {"Bucket": self.bucket, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
+            page = transient_retry(lambda: self.client().list_objects_v2(**kw))
             for o in page.get("Contents", []):
                 yield ObjectInfo(o["Key"], int(o["Size"]), o["ETag"].strip('"'))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
 
     def get(self, name, write, *, start=None, end=None) -> dict:
         kw = {"Range": f"bytes={start}-{'' if end is None else end}"} if start is not None else {}

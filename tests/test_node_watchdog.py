@@ -1,0 +1,82 @@
+"""The node watchdog runs as root and writes into run directories named by any process's environment (issue 14,
+item 9): it acts only on directories the launcher made, owned by the job's user, and follows no link."""
+
+import json
+import os
+import time
+
+from appliance.node.watchdog import node_watch, request_stop
+from appliance.protocol import RUN_MARKER
+
+
+def job(tmp_path, run_dir, name="101"):
+    """A fake process table with one process naming ``run_dir``, and a lease ending within the margin."""
+    proc = tmp_path / "proc"
+    (proc / name).mkdir(parents=True, exist_ok=True)
+    (proc / name / "environ").write_bytes(f"PATH=/bin\0APPLIANCE_RUN_DIR={run_dir}\0".encode())
+    vd = tmp_path / "vd.json"
+    end = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(time.time() + 60))
+    vd.write_text(json.dumps({"chameleon": {"lease_end": end}}))
+    return dict(margin=600, once=True, vendordata=[str(vd)], proc=str(proc))
+
+
+def run_dir(tmp_path, marked=True):
+    d = tmp_path / "home" / "appliance" / "runs" / "r"
+    d.mkdir(parents=True)
+    if marked:
+        (d / RUN_MARKER).touch()
+    return d
+
+
+def test_a_marked_run_directory_gets_its_stop_file(tmp_path):
+    d = run_dir(tmp_path)
+    assert node_watch(**job(tmp_path, d), log=lambda m: None) == [str(d)]
+    assert json.loads((d / "STOP").read_text())["reason"] == "lease end (node watchdog)"
+    assert [p.name for p in d.iterdir() if p.name.startswith(".STOP")] == []
+
+
+def test_a_symlinked_run_directory_is_not_followed(tmp_path):
+    d = run_dir(tmp_path)
+    link = tmp_path / "link"
+    link.symlink_to(d)
+    said = []
+    assert node_watch(**job(tmp_path, link), log=said.append) == []
+    assert not (d / "STOP").exists() and "without following links" in said[0]
+
+
+def test_a_planted_temporary_link_is_not_written_through(tmp_path):
+    d = run_dir(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    for name in (".STOP.tmp", f".STOP.{os.getpid()}.tmp"):
+        (d / name).symlink_to(victim)
+    assert request_stop(str(d), {os.getuid()}, {"reason": "x"}) is None
+    assert victim.read_text() == "precious" and json.loads((d / "STOP").read_text())["reason"] == "x"
+
+
+def test_a_planted_stop_link_is_left_alone(tmp_path):
+    d = run_dir(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (d / "STOP").symlink_to(victim)
+    assert request_stop(str(d), {os.getuid()}, {"reason": "x"}) == "a stop was already asked for"
+    assert victim.read_text() == "precious"
+
+
+def test_an_unmarked_directory_is_not_touched(tmp_path):
+    d = run_dir(tmp_path, marked=False)
+    said = []
+    assert node_watch(**job(tmp_path, d), log=said.append) == []
+    assert not (d / "STOP").exists() and "not a run directory the appliance made" in said[0]
+
+
+def test_a_directory_of_another_user_is_not_touched(tmp_path):
+    d = run_dir(tmp_path)
+    assert request_stop(str(d), {os.getuid() + 4242}, {"reason": "x"}).startswith("owned by uid")
+    assert not (d / "STOP").exists()
+
+
+def test_a_relative_or_dotted_path_is_refused(tmp_path):
+    d = run_dir(tmp_path)
+    assert request_stop("home/appliance/runs/r", {os.getuid()}, {}) == "not an absolute, normal path"
+    assert request_stop(f"{d}/../r", {os.getuid()}, {}) == "not an absolute, normal path"
