@@ -210,3 +210,18 @@ def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path):
         assert checks["nic"].status == "ok"
     finally:
         flows.down("inst", log=lambda m: None)
+
+
+def test_doctor_on_a_gpu_machine_without_the_stack(monkeypatch):
+    """As seen on an H100 with the driver and CUDA but no TensorFlow or Horovod: the GPU checks say the stack is
+    missing, not "built without NCCL" or "a CPU build" (which would send the user to the wrong fix)."""
+    replies = {"nvidia-smi": (0, "NVIDIA H100 80GB HBM3, 580.159.04\n"), "nvcc": (0, "Cuda compilation tools, "
+                                                                                    "release 13.0, V13.0.48\n")}
+    monkeypatch.setattr(doctor, "_run", lambda cmd, timeout=60, env=None: next(
+        (v for k, v in replies.items() if k in cmd[0]), (127, "")))
+    probe = {"python": "3.12.3", "tensorflow_error": "ModuleNotFoundError", "horovod_error": "ModuleNotFoundError"}
+    checks = {c.name: c for c in doctor.gpu_checks(probe)}
+    assert checks["nvidia driver"].status == "ok" and "H100" in checks["nvidia driver"].detail
+    assert checks["cuda"].status == "ok" and "13.0" in checks["cuda"].detail
+    assert "no Horovod" in checks["nccl"].detail and "no TensorFlow" in checks["tensorflow sees the GPUs"].detail
+    assert checks["nccl"].fix == doctor.INSTALL_FIX

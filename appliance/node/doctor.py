@@ -115,11 +115,16 @@ def gpu_checks(p: dict) -> list[Check]:
                   Check("cuda", "fail", f"no nvcc at {cuda}", "use a CC-Ubuntu*-CUDA image or set CUDA_HOME"))
     if p.get("hvd_nccl"):
         checks.append(Check("nccl", "ok", "Horovod built with NCCL"))
+    elif "horovod" not in p:  # no Horovod at all (seen on a bare GPU machine): not a build without NCCL
+        checks.append(Check("nccl", "fail", "no Horovod in this Python, so no NCCL allreduce", INSTALL_FIX))
     else:
         checks.append(Check("nccl", "fail", "Horovod was built without NCCL: GPU allreduce falls back to Gloo",
                             "rebuild: images/install-stack.sh --variant gpu (needs libnccl-dev)"))
     seen = p.get("tf_gpus", 0)
-    if gpus and seen == len(gpus):
+    if "tensorflow" not in p:
+        checks.append(Check("tensorflow sees the GPUs", "fail", f"no TensorFlow in this Python ({len(gpus)} GPU(s) "
+                            "unused)", INSTALL_FIX))
+    elif gpus and seen == len(gpus):
         checks.append(Check("tensorflow sees the GPUs", "ok", f"{seen} of {len(gpus)}"))
     else:
         checks.append(Check("tensorflow sees the GPUs", "fail", f"{seen} of {len(gpus)}"
