@@ -59,3 +59,27 @@ def test_prune_keeps_the_newest_good_even_if_every_newer_one_is_bad(tmp_path):
     cs = store_with(tmp_path, (1, 2, 3), bad=(2, 3))
     cs.prune(keep=1)
     assert cs.newest_good(log=lambda m: None)[0].step == 1
+
+
+def test_prune_lists_the_store_once_and_reads_only_new_manifests(tmp_path):
+    """It runs after every commit, in the uploader's thread: a slow prune delays the next upload (seen in the e2e
+    tier: a checkpoint superseded before it was uploaded)."""
+    cs = store_with(tmp_path, (10, 20, 30))
+    cs.prune(keep=2)
+    calls = {"list": 0, "get": 0}
+    real_list, real_get = cs.store.list, cs.store.get
+
+    def counting_list(prefix=""):
+        calls["list"] += 1
+        return real_list(prefix)
+
+    def counting_get(name, write, **kw):
+        calls["get"] += 1
+        return real_get(name, write, **kw)
+
+    cs.store.list, cs.store.get = counting_list, counting_get
+    commit(cs, tmp_path / "local", 40)
+    calls.update(list=0, get=0)
+    cs.prune(keep=2)
+    assert calls == {"list": 1, "get": 1}  # the new checkpoint's manifest; the others were read before
+    assert [c.step for c in cs.committed()] == [40, 30]

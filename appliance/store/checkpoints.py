@@ -98,16 +98,19 @@ class CheckpointStore:
         self.url = url.rstrip("/") + "/"
         self.run = run
         self.store, base = open_store(self.url, creds)
+        # every request here is retried by `retrying`, against the caller's deadline (a stop's), not the stager's
+        self.store.list_deadline = 0.0
         self.prefix = f"{base}{run}/" if base else f"{run}/"
+        self._manifests: dict[tuple[str, str], dict] = {}  # (name, the manifest object's ETag) -> its body
 
     # -- listing -------------------------------------------------------------------------------------------
     def _objects(self, sub: str = "") -> list[ObjectInfo]:
         return list(self.store.list(self.prefix + sub))
 
-    def committed(self) -> list[Committed]:
-        """Committed checkpoints, newest first (from one listing)."""
+    def committed(self, listing: list[ObjectInfo] | None = None) -> list[Committed]:
+        """Committed checkpoints, newest first (from one listing, or the one given)."""
         found = []
-        for o in self._objects():
+        for o in self._objects() if listing is None else listing:
             rel = o.name[len(self.prefix):]
             parts = rel.split("/")
             if len(parts) == 2 and parts[1] == MANIFEST:
@@ -126,8 +129,15 @@ class CheckpointStore:
             c.manifest = self.read_json(f"{c.name}/{MANIFEST}")
         return c.manifest
 
-    def verify(self, c: Committed) -> str | None:
-        """None if the checkpoint matches its manifest in the store, else what is wrong (one line)."""
+    def verify(self, c: Committed, listing: list[ObjectInfo] | None = None) -> str | None:
+        """None if the checkpoint matches its manifest in the store, else what is wrong (one line). With
+        ``listing`` (the run's objects, just listed) no other listing is made, and the manifest is read again only
+        when its ETag changed."""
+        if listing is not None and c.manifest is None:
+            mo = next((o for o in listing if o.name == f"{self.prefix}{c.name}/{MANIFEST}"), None)
+            key = (c.name, mo.etag if mo else "")
+            if key in self._manifests:
+                c.manifest = self._manifests[key]
         try:
             m = self.read_manifest(c)
         except json.JSONDecodeError:
@@ -136,7 +146,12 @@ class CheckpointStore:
             return f"{c.name}: its manifest is gone"
         if m.get("digest") != manifest_digest(m):
             return f"{c.name}: its manifest does not match its own digest"
-        listed = {o.name[len(self.prefix) + len(c.name) + 1:]: o for o in self._objects(c.name + "/")}
+        if listing is not None:
+            mo = next((o for o in listing if o.name == f"{self.prefix}{c.name}/{MANIFEST}"), None)
+            self._manifests[(c.name, mo.etag if mo else "")] = m
+        base = f"{self.prefix}{c.name}/"
+        objs = [o for o in listing if o.name.startswith(base)] if listing is not None else self._objects(c.name + "/")
+        listed = {o.name[len(base):]: o for o in objs}
         for rel, f in sorted(m.get("files", {}).items()):
             o = listed.get(rel)
             if o is None:
@@ -224,13 +239,14 @@ class CheckpointStore:
         left in place (said so; resume skips it), one older than the kept ones goes with them. So the newest
         checkpoint that verifies is never deleted, whatever happened to the ones after it."""
         keep = max(1, keep)
-        committed = self.committed()  # newest first
+        listing = self._objects()  # one listing: what is committed, and each candidate checked against it
+        committed = self.committed(listing)  # newest first
         good: list[Committed] = []
         bad: list[Committed] = []
         for c in committed:
             if len(good) >= keep:
                 break
-            why = self.verify(c)
+            why = self.verify(c, listing)
             if why is None:
                 good.append(c)
             else:
@@ -242,7 +258,7 @@ class CheckpointStore:
         doomed = {c.name for c in committed if c.name not in kept}  # all older than the oldest good one kept
         newest_good = good[0].step
         by_dir: dict[str, list[str]] = {}
-        for o in self._objects():
+        for o in listing:
             top = o.name[len(self.prefix):].split("/", 1)[0]
             m = CKPT_DIR.match(top)
             if m and top not in kept and (top in doomed or int(m.group(1)) < newest_good):

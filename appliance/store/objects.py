@@ -110,6 +110,7 @@ def parse_url(url: str) -> tuple[str, str, str]:
 
 class Store:
     scheme = ""
+    list_deadline: float | None = None  # seconds a failing listing page is retried (None: LIST_DEADLINE)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         raise NotImplementedError
@@ -180,7 +181,7 @@ class SwiftStore(Store):
             _, page = transient_retry(lambda: self._call(self.conn().get_container, self.container,
                                                          prefix=prefix or None, marker=marker or None,
                                                          limit=SWIFT_PAGE),
-                                      reset=self._reset)
+                                      deadline=self.list_deadline, reset=self._reset)
             if not page:
                 return
             for o in page:
@@ -281,7 +282,7 @@ class S3Store(Store):
         token = None
         while True:
             kw = {"Bucket": self.bucket, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
-            page = transient_retry(lambda: self.client().list_objects_v2(**kw))
+            page = transient_retry(lambda: self.client().list_objects_v2(**kw), deadline=self.list_deadline)
             for o in page.get("Contents", []):
                 yield ObjectInfo(o["Key"], int(o["Size"]), o["ETag"].strip('"'))
             token = page.get("NextContinuationToken")
