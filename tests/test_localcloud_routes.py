@@ -94,3 +94,16 @@ def test_unauthenticated_roots_and_normalised_paths(api):
     assert call("GET", "/orchestration", token=tok)[0] == 300  # Heat's version document needs a token
     assert call("GET", "/_admin/health")[1] == {"ok": True}
     assert call("GET", "/nowhere")[0] == 404
+
+
+def test_upstream_error_names_and_suffixes(api):
+    call, creds = api
+    tok = token(call, creds)
+    kp = {"keypair": {"name": "k", "public_key": "ssh-ed25519 AAAAC3Nza k"}}
+    assert call("POST", "/compute/v2.1/os-keypairs", kp, token=tok)[0] == 200
+    st, body, _ = call("POST", "/compute/v2.1/os-keypairs", kp, token=tok)
+    assert st == 409 and body["conflictingRequest"]["code"] == 409  # nova/api/openstack/wsgi.py Fault
+    assert call("GET", "/reservation/v1/leases.json", token=tok)[:2] == (200, {"leases": []})  # Rest.route
+    project = creds["project_id"]
+    st, body, _ = call("GET", f"/orchestration/v1/{project}/stacks/nope", token=tok)
+    assert st == 404 and body["explanation"] and body["error"]["type"]  # heat/api/middleware/fault.py

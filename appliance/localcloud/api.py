@@ -34,6 +34,10 @@ class Route:
     fn: Callable
     auth: bool = True
 
+    def __post_init__(self):
+        if isinstance(self.methods, str):
+            self.methods = (self.methods,)
+
 
 def dispatch(routes: list[Route], req: Request, *, normalize: Callable[[str], str] = lambda p: p,
              not_found: str = "NotFound"):
@@ -49,8 +53,7 @@ def dispatch(routes: list[Route], req: Request, *, normalize: Callable[[str], st
                 checked = True
             path = normalize(req.path)
         m = re.fullmatch(r.pattern, path)
-        if m and (r.methods is None or req.method == r.methods or req.method in (r.methods if isinstance(
-                r.methods, tuple) else ())):
+        if m and (r.methods is None or req.method in r.methods):
             return r.fn(req, *m.groups())
     if not checked and any(r.auth for r in routes):
         req.auth()
@@ -73,7 +76,14 @@ def public(d: dict) -> dict:
     return {k: v for k, v in d.items() if not k.startswith("_")}
 
 
+# openstack/nova nova/api/openstack/wsgi.py, class Fault: the body is {NAME: {"code", "message"}}, NAME from
+# _fault_names by status, "computeFault" for any other status.
+NOVA_FAULT_NAMES = {400: "badRequest", 401: "unauthorized", 403: "forbidden", 404: "itemNotFound", 405: "badMethod",
+                    409: "conflictingRequest", 413: "overLimit", 415: "badMediaType", 429: "overLimit",
+                    501: "notImplemented", 503: "serviceUnavailable"}
+
+
 def nova_style_error(e: ApiError) -> dict:
-    """The error body of Nova, Glance and Heat's WSGI layer (webob faults)."""
-    key = {400: "badRequest", 401: "unauthorized", 404: "itemNotFound", 409: "conflict"}.get(e.code, "error")
-    return {key: {"code": e.code, "message": e.message}}
+    """Nova's error body (openstack/nova nova/api/openstack/wsgi.py Fault). The local Glance and the /_admin hooks
+    answer in it too: a simplification (Glance's own errors are webob text pages), no client here reads them."""
+    return {NOVA_FAULT_NAMES.get(e.code, "computeFault"): {"code": e.code, "message": e.message}}

@@ -10,7 +10,13 @@ PREFIX = "reservation"
 
 
 def error_body(e: ApiError) -> dict:
+    """ChameleonCloud/blazar blazar/api/v1/utils.py render_error_message: error_code, error_message, error_name."""
     return {"error_code": e.code, "error_message": e.message, "error_name": e.name or "BlazarException"}
+
+
+def normalize(path: str) -> str:
+    """blazar/api/v1/utils.py Rest.route registers every rule also as RULE + '.json'."""
+    return path[:-len(".json")] if path.endswith(".json") else path
 
 
 def list_leases(req: Request):

@@ -14,6 +14,8 @@ PREFIX = "identity"
 
 
 def error_body(e: ApiError) -> dict:
+    """openstack/keystone keystone/server/flask/application.py _handle_keystone_exception: {"error": {code, message,
+    title}}."""
     return {"error": {"code": e.code, "message": e.message, "title": e.name or "Error"}}
 
 

@@ -11,10 +11,13 @@ PREFIX = "network"
 
 
 def error_body(e: ApiError) -> dict:
+    """openstack/neutron neutron/api/v2/resource.py: {'NeutronError': get_exception_data(e)} (type, message, detail)."""
     return {"NeutronError": {"type": e.name or "NeutronError", "message": e.message, "detail": ""}}
 
 
 def normalize(path: str) -> str:
+    """The version prefix, and a '.json' suffix (kept from the first version of the local cloud; not checked
+    against Neutron's router here)."""
     p = path[len("/v2.0"):] if path.startswith("/v2.0") else path
     return re.sub(r"\.json$", "", p)
 

@@ -15,6 +15,9 @@ error_body = nova_style_error
 
 
 def normalize(path: str) -> str:
+    """The version prefix, and the project id that old-style compute URLs carry: openstack/nova
+    nova/api/openstack/compute/routes.py ROUTE_LIST is mapped with `create_route` of the project mapper
+    (nova/api/openstack/__init__.py), which accepts each path with and without '/{project_id}'."""
     p = path[len("/v2.1"):] if path.startswith("/v2.1") else path
     return re.sub(r"^/[0-9a-f]{32}(?=/|$)", "", p)  # a project id in the path (old style)
 
@@ -38,7 +41,7 @@ def create_keypair(req: Request):
     if not re.fullmatch(r"[A-Za-z0-9_. -]{1,255}", name or ""):
         raise ApiError(400, "Keypair data is invalid: name", "BadRequest")
     if name in c.keypairs:
-        raise ApiError(409, f"Key pair '{name}' already exists.", "conflict")
+        raise ApiError(409, f"Key pair '{name}' already exists.", "conflictingRequest")
     if not kp.get("public_key"):
         raise ApiError(400, "Generating key pairs is not supported here: give public_key", "BadRequest")
     rec = {"name": name, "public_key": kp["public_key"].strip(), "fingerprint": "", "type": "ssh",

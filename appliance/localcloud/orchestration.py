@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import functools
 
-from .api import Request, Route, nova_style_error
+from .api import Request, Route
 from .heat import HeatError
 
 PREFIX = "orchestration"
 V1 = "/v1/([0-9a-f]+)"
 
 
-error_body = nova_style_error
+def error_body(e) -> dict:
+    """openstack/heat heat/api/middleware/fault.py FaultWrapper: code, title, explanation, and error {message, type,
+    traceback}, as for the validation errors below."""
+    return {"code": e.code, "title": e.name or "Error", "explanation": e.message,
+            "error": {"message": e.message, "type": e.name or "Error", "traceback": None}}
 
 
 def _heat_errors(fn):
