@@ -1,9 +1,18 @@
-"""Where the appliance keeps its state on the machine it runs on."""
+"""Where the appliance keeps its state on the machine it runs on, and the one lock of versions it ships with."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+LOCK = Path(__file__).resolve().parents[1] / "requirements.lock"
+
+
+def lock_pin(name: str) -> str:
+    """The version requirements.lock pins for a package (`name==VERSION`), or "" if it pins none."""
+    m = re.search(rf"^{re.escape(name)}==(\S+)", LOCK.read_text(), re.M)
+    return m.group(1) if m else ""
 
 
 def home() -> Path:

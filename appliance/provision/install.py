@@ -20,12 +20,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .. import paths
 from ..cluster import Cluster
 from ..errors import ApplianceError
 from ..remote import Remote, Session
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCK = ROOT / "requirements.lock"
+LOCK = paths.LOCK
 DEFAULT_CACHE = "swift://appliance-wheels/"
 
 
@@ -48,9 +49,7 @@ def bundle(dest: Path) -> Path:
     return dest
 
 
-def _pin(name: str) -> str:
-    m = re.search(rf"^{name}==(\S+)", LOCK.read_text(), re.M)
-    return m.group(1) if m else ""
+_pin = paths.lock_pin
 
 
 def fetch_cached_wheel(store, key: str, dest: Path, log=print) -> str | None:

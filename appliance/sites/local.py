@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .. import localcloud, testbed
+from .. import localcloud, paths, testbed
 from ..cluster import Cluster, from_testbed
 from ..errors import ApplianceError, SpecError
 from ..spec import Spec
@@ -21,7 +21,7 @@ from .base import LoginKey, Site
 from .openstack import OpenStackCloud, connect
 
 KEY_NAME = "appliance-local"
-LOCK = Path(__file__).resolve().parents[2] / "requirements.lock"
+LOCK = paths.LOCK
 
 
 class LocalSite(Site):
@@ -108,7 +108,7 @@ def local_wheelhouse(log=print) -> Path:
     if missing or "horovod" not in have:
         log(f"filling the local wheelhouse {wh} ({len(missing)} package(s), from PyPI or pip's cache)")
         pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "--no-deps", "-d", str(wh)]
-        cmds = ([pip + missing] if missing else []) + [pip + ["--no-binary", ":all:", "horovod==" + _horovod_pin()]]
+        cmds = ([pip + missing] if missing else []) + [pip + ["--no-binary", ":all:", "horovod==" + paths.lock_pin("horovod")]]
         for cmd in cmds:
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
@@ -116,10 +116,6 @@ def local_wheelhouse(log=print) -> Path:
                                      "check this machine reaches PyPI")
     return wh
 
-
-def _horovod_pin() -> str:
-    m = re.search(r"^horovod==(\S+)", LOCK.read_text(), re.M)
-    return m.group(1) if m else ""
 
 
 # `appliance cloud` and `appliance testbed`: the simulator itself, reached through the local site

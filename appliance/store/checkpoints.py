@@ -133,10 +133,11 @@ class CheckpointStore:
         """None if the checkpoint matches its manifest in the store, else what is wrong (one line). With
         ``listing`` (the run's objects, just listed) no other listing is made, and the manifest is read again only
         when its ETag changed."""
-        if listing is not None and c.manifest is None:
+        key = None
+        if listing is not None:
             mo = next((o for o in listing if o.name == f"{self.prefix}{c.name}/{MANIFEST}"), None)
             key = (c.name, mo.etag if mo else "")
-            if key in self._manifests:
+            if c.manifest is None and key in self._manifests:
                 c.manifest = self._manifests[key]
         try:
             m = self.read_manifest(c)
@@ -146,9 +147,8 @@ class CheckpointStore:
             return f"{c.name}: its manifest is gone"
         if m.get("digest") != manifest_digest(m):
             return f"{c.name}: its manifest does not match its own digest"
-        if listing is not None:
-            mo = next((o for o in listing if o.name == f"{self.prefix}{c.name}/{MANIFEST}"), None)
-            self._manifests[(c.name, mo.etag if mo else "")] = m
+        if key is not None:
+            self._manifests[key] = m
         base = f"{self.prefix}{c.name}/"
         objs = [o for o in listing if o.name.startswith(base)] if listing is not None else self._objects(c.name + "/")
         listed = {o.name[len(base):]: o for o in objs}
