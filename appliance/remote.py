@@ -186,6 +186,9 @@ def _killpg(proc: subprocess.Popen):
         pass
 
 
+EOF_GRACE = 5.0  # seconds to wait for the channel's EOF once the exit status is in
+
+
 class SSHRemote(Remote):
     """A node over SSH (paramiko)."""
 
@@ -219,6 +222,7 @@ class SSHRemote(Remote):
         fo = _splitter("out", on_line, out)
         fe = _splitter("err", on_line, err)
         deadline = time.monotonic() + timeout if timeout else None
+        eof_by = None
         while True:
             got = False
             while chan.recv_ready():
@@ -228,7 +232,15 @@ class SSHRemote(Remote):
                 fe(chan.recv_stderr(65536))
                 got = True
             if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
-                break
+                # sshd may send exit-status before the last of the output (openssh session.c
+                # session_exit_message runs at SIGCHLD while the pipe still holds data): the output
+                # is complete only at the channel's EOF. Bounded, for a command that left a
+                # background child holding stdout open.
+                if chan.eof_received or chan.closed:
+                    break
+                eof_by = eof_by or time.monotonic() + EOF_GRACE
+                if time.monotonic() > eof_by:
+                    break
             if not self.client.get_transport() or not self.client.get_transport().is_active() or chan.closed and not got:
                 if chan.exit_status_ready():
                     break
