@@ -10,7 +10,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 APPLIANCE := $(VENV)/bin/appliance
 # Built Horovod wheels are kept here, by TensorFlow version, variant and Python (a rebuild takes ~5 min).
 WHEEL_CACHE ?= $(HOME)/.cache/appliance/wheels
-DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached shellcheck
+DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached shellcheck curl
 PYTEST_ARGS ?=
 
 .PHONY: help install system-deps deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \

@@ -346,7 +346,7 @@ def adopt_cmd(stack, cloud_kind, site, key_name, key_file, slots, as_json):
 
     \b
     Reads the stack's outputs (head, workers, floating IP, reservation), finds the lease, pins every
-    node's host key from its console log, writes the cluster's state file and contextualizes it, so
+    node's host key (each node publishes it at boot through Nova's server password), writes the cluster's state file and contextualizes it, so
     that `appliance train SPEC --cluster STACK`, `stage`, `status` and `resume` work on it.
     """
     from . import flows

@@ -1,5 +1,6 @@
-"""Host keys pinned from a server's console log (issue 14, item 12): CRLF line ends, several boots' blocks,
-stray lines. The real console path runs in test_provision.py against the local cloud."""
+"""Host keys pinned from what a server published (issue 12 item 1: its metadata password; issue 14 item 12: a
+console log, where one exists): CRLF line ends, several boots' blocks,
+stray lines. The real path runs in test_provision.py against the local cloud (bare metal: no console log)."""
 
 from appliance.sites.openstack import parse_console_host_keys
 
@@ -29,3 +30,14 @@ def test_stray_lines_are_not_keys():
 
 def test_no_block_no_keys():
     assert parse_console_host_keys("no keys here\n") == []
+
+
+def test_published_host_keys_are_read_only_under_our_header():
+    from appliance.sites.openstack import parse_password_host_keys
+
+    assert parse_password_host_keys(f"appliance-hostkeys/1\n{ED}\n{EC}\n") == [ED, EC]
+    assert parse_password_host_keys(f"appliance-hostkeys/1\r\n{ED} root@node\r\n") == [ED]
+    # an image's own password (cloudbase-init posts an encrypted one) or nothing yet: no keys
+    assert parse_password_host_keys("aGVsbG8gZW5jcnlwdGVkIHBhc3N3b3Jk") == []
+    assert parse_password_host_keys("") == []
+    assert parse_password_host_keys(f"appliance-hostkeys/1\nnot a key\n{ED}\n") == [ED]

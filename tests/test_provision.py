@@ -228,6 +228,38 @@ def test_cli_lease_verbs(cloud, tmp_path):
     assert r.returncode == 0 and "deleted" in r.stdout
 
 
+def test_bare_metal_host_keys_come_from_the_node_not_the_console(cloud, tmp_path):
+    """Issue 12 item 1: Nova-Ironic has no console log (501), so `up` pins the host key each node published
+    through the metadata `password` at boot (provision/hostkeys.sh), and only that key."""
+    localcloud.admin("DELETE", "/requests")
+    cl = flows.up(spec_file(tmp_path, "hkeys", count=2), log=lambda m: None)
+    try:
+        c = os_cloud()
+        tb = {n.name: n for n in testbed.load(localcloud.testbed_name()).nodes}
+        with pytest.raises(Exception) as e:
+            c.conn.compute.get_server_console_output(cl.nodes[0].server_id)
+        assert getattr(e.value, "status_code", None) == 501
+        pinned = Path(cl.known_hosts).read_text().splitlines()
+        for node in cl.nodes:
+            key = " ".join(tb[node.name].host_key_pub.read_text().split()[:2])
+            assert c.conn.compute.get_server_password(node.server_id).splitlines() == ["appliance-hostkeys/1", key]
+            assert [ln.split(" ", 1)[1] for ln in pinned if ln.split()[0].split(",")[0] == node.name] == [key]
+        # every server was created with the publishing script as its user_data
+        import base64
+        for r in requests("POST", r"/compute/v2.1/servers"):
+            assert base64.b64decode(r["body"]["server"]["user_data"]).decode().startswith("#!/bin/sh\n# appliance: publish")
+        # the metadata password is written once, by the server itself (a second POST is refused: 409)
+        r = testbed.node_exec(localcloud.testbed_name(), cl.nodes[1].name,
+                              "curl -s -o /dev/null -w '%{http_code}' -X POST --data-binary x "
+                              "http://169.254.169.254/openstack/latest/password")
+        assert r.stdout == "409", r
+        # and the owner can clear it (DELETE os-server-password: 204), after which it is empty
+        c.conn.compute.clear_server_password(cl.nodes[1].server_id)
+        assert c.conn.compute.get_server_password(cl.nodes[1].server_id) == ""
+    finally:
+        flows.down("hkeys", log=lambda m: None)
+
+
 def test_user_data_runs_at_boot(cloud, tmp_path):
     c = os_cloud()
     info = c.create_lease("udata", "compute_local", 1, dt.timedelta(hours=1))

@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+from .metadata import MetadataService
 from .nodes import NodeBackend, TestbedNodes
 
 MAX_LEASE_SECONDS = 7 * 86400
@@ -154,6 +155,8 @@ class Cloud:
         self.faults: dict[str, int] = {}
         self.requests: list[dict] = []
         self.nodes: NodeBackend = nodes or TestbedNodes(testbed_name)
+        sock = self.nodes.metadata_socket()
+        self.metadata = MetadataService(self, sock) if sock is not None else None
         self.fip_next = 200
         from .heat import Heat
 
@@ -412,7 +415,7 @@ class Cloud:
                        "created": _fmt(self.clock.now(), "%Y-%m-%dT%H:%M:%SZ"), "hostId": "", "links": [],
                        "accessIPv4": "", "accessIPv6": "", "progress": 0, "config_drive": "",
                        "_host": hosts[i] if not fault else None, "_user_data": s.get("user_data"),
-                       "_console": "", "_node": None, "_lease": lease["id"] if lease else None}
+                       "_node": None, "_lease": lease["id"] if lease else None}
                 if fault:
                     srv["status"] = "ERROR"
                     srv["fault"] = {"code": 500, "message": fault, "created": srv["created"]}
@@ -442,25 +445,23 @@ class Cloud:
                 pub = ""
                 srv["_no_ssh"] = True
             node = self.nodes.add(hostname, pub + "\n" if pub else "")
-            if srv.get("_no_ssh"):
-                self.nodes.stop_sshd(node)  # boots, but sshd never answers
-            hostkey = (Path(node.dir) / "ssh_host_ed25519_key.pub").read_text().strip()
-            console = ["[    0.000000] Linux version (appliance local cloud)",
-                       f"cloud-init: hostname {hostname}",
-                       "-----BEGIN SSH HOST KEY KEYS-----", hostkey, "-----END SSH HOST KEY KEYS-----"]
+            srv["_ip"] = node.ip  # the metadata service finds the server by it, as Neutron's proxy does
             ud = srv.get("_user_data")
-            if ud and not srv.get("_no_ssh"):
+            if ud:
+                # cloud-init's scripts-user runs a user_data script once, late in the boot (after the SSH host
+                # keys exist and the network is up); its output goes to the node's log, not to the API:
+                # bare-metal servers have no console log (see nova.py `action`)
                 script = base64.b64decode(ud).decode(errors="replace")
                 if script.startswith("#!"):
                     r = self.nodes.run(hostname, script)
-                    console.append(f"cloud-init: user_data exited {r.returncode}")
-                    (Path(node.dir) / "user_data.log").write_text(r.stdout + r.stderr)
+                    (Path(node.dir) / "user_data.log").write_text(f"{r.stdout}{r.stderr}exit {r.returncode}\n")
+            if srv.get("_no_ssh"):
+                self.nodes.stop_sshd(node)  # booted (cloud-init ran), but sshd never answers
             with self.lock:
                 if srv["status"] == "DELETED":
                     self.nodes.remove(hostname)
                     return
                 srv["_node"] = hostname
-                srv["_console"] = "\n".join(console) + "\n"
                 mac = "fa:16:3e:%02x:%02x:%02x" % tuple(secrets.token_bytes(3))
                 srv["addresses"] = {"sharednet1": [{"addr": node.ip, "version": 4, "OS-EXT-IPS:type": "fixed",
                                                     "OS-EXT-IPS-MAC:mac_addr": mac}]}
@@ -544,7 +545,13 @@ class Cloud:
                                                   if a["addr"] != fip["floating_ip_address"]]
         fip.update(port_id=None, fixed_ip_address=None, status="DOWN", _netns=None)
 
+    def server_by_fixed_ip(self, ip: str) -> dict | None:
+        with self.lock:
+            return next((x for x in self.servers.values() if x.get("_ip") == ip and x["status"] != "DELETED"), None)
+
     def shutdown(self) -> None:
+        if self.metadata is not None:
+            self.metadata.close()
         with self.lock:
             for srv in list(self.servers.values()):
                 if srv["status"] != "DELETED":

@@ -46,11 +46,16 @@ class NodeBackend(ABC):
     def shutdown(self) -> None:
         ...
 
+    def metadata_socket(self, port: int = 80):
+        """A listening socket at 169.254.169.254:port as the nodes reach it, or None where nodes have no metadata."""
+        return None
+
 
 class TestbedNodes(NodeBackend):
     def __init__(self, testbed_name: str):
         self.name = testbed_name
         self.bridge = testbed.ensure_bridge(testbed_name)
+        self.metadata_netns = testbed.ensure_metadata(testbed_name)
 
     @property
     def host_ip(self) -> str:
@@ -74,6 +79,9 @@ class TestbedNodes(NodeBackend):
 
     def address(self, netns: str, address: str, *, add: bool) -> None:
         testbed.node_address(netns, address, add=add)
+
+    def metadata_socket(self, port: int = 80):
+        return testbed.listen_in_netns(self.metadata_netns, testbed.METADATA_IP, port)
 
     def shutdown(self) -> None:
         testbed.down(self.name, log=lambda m: None)

@@ -1,4 +1,5 @@
-"""Nova v2.1 (/compute): servers (booted on the node backend), key pairs, the flavor, console output, interfaces."""
+"""Nova v2.1 (/compute): servers (booted on the node backend), key pairs, the flavor, console output (none: bare metal),
+server password, interfaces."""
 
 from __future__ import annotations
 
@@ -78,10 +79,28 @@ def server(req: Request, sid: str):
 
 
 def action(req: Request, sid: str):
-    srv = req.cloud.get_server(sid)
+    req.cloud.get_server(sid)
     if "os-getConsoleOutput" in (req.body or {}):
-        return 200, {"output": srv["_console"]}
+        # Every server here is bare metal (flavor baremetal), and Nova's Ironic driver has no get_console_output
+        # (nova/virt/ironic/driver.py; the ComputeDriver default in nova/virt/driver.py raises
+        # NotImplementedError), which nova/api/openstack/compute/console_output.py turns into
+        # common.raise_feature_not_supported(): 501 with this message.
+        raise ApiError(501, "The requested functionality is not supported.", "notImplemented")
     raise ApiError(400, "unsupported action", "BadRequest")
+
+
+def server_password(req: Request, sid: str):
+    """nova/api/openstack/compute/server_password.py: GET shows what the server POSTed to its metadata
+    ``password`` (empty when nothing), DELETE clears it (204). See metadata.py for the server's side."""
+    c = req.cloud
+    srv = c.get_server(sid)
+    if req.method == "DELETE":
+        with c.lock:
+            srv["_password"] = ""
+        return 204, None
+    if req.method != "GET":
+        raise ApiError(405, "The method specified is not allowed for this resource.", "badMethod")
+    return 200, {"password": srv.get("_password") or ""}
 
 
 def interfaces(req: Request, sid: str):
@@ -105,4 +124,5 @@ ROUTES = [
     Route(None, "/servers/([^/]+)", server),
     Route("POST", "/servers/([^/]+)/action", action),
     Route(None, "/servers/([^/]+)/os-interface", interfaces),
+    Route(None, "/servers/([^/]+)/os-server-password", server_password),
 ]

@@ -7,7 +7,7 @@ differs). HOT version 2018-08-31: the version Chameleon's own templates use (jup
 2015-10-15", which lacks yaql; see docs/heat.md.
 
 adopt: read a stack's outputs (head and worker names and addresses, the floating IP, the reservation), find
-its lease, pin every node's host key from its console log (as `appliance up` does), write the cluster's state
+its lease, pin every node's host key from what the node published (as `appliance up` does), write the cluster's state
 file and contextualize with the CLI's own step, so that `appliance train/stage/status --cluster STACK` work.
 """
 
@@ -39,7 +39,8 @@ yaml.SafeDumper.add_representer(_Literal, _literal)
 
 def boot_script() -> str:
     ctx = (HERE / "contextualize.sh").read_text().rstrip("\n")
-    return (HERE / "heat_boot.sh").read_text().replace("%%CONTEXTUALIZE%%", ctx)
+    hostkeys = (HERE / "hostkeys.sh").read_text().rstrip("\n")
+    return (HERE / "heat_boot.sh").read_text().replace("%%CONTEXTUALIZE%%", ctx).replace("%%HOSTKEYS%%", hostkeys)
 
 
 def _server(name, role: str, extra_params: dict) -> dict:

@@ -5,7 +5,7 @@
 #
 # Heat's str_replace fills in the placeholder fields below. Information flows one way (user_data): workers boot first and know only
 # the cluster key; the head knows every worker's name and address, waits for their sshd, records their
-# host keys (first use, inside the private network: `appliance adopt` re-pins them from the console log),
+# host keys (first use, inside the private network: `appliance adopt` pins them from what each node published),
 # then contextualizes every node, itself included, over SSH with the cluster key.
 set -eu
 ROLE='%%ROLE%%'
@@ -22,6 +22,11 @@ say() { echo "APPLIANCE_BOOT $*"; echo "$(date -u +%FT%TZ) $*" >>"$LOG" 2>/dev/n
 
 mkdir -p "$LIB"
 chmod 755 "$LIB"
+# every node publishes its SSH host public keys to the stack's owner (`appliance adopt` pins them from there)
+cat >"$LIB/hostkeys.sh" <<'APPLIANCE_HOSTKEYS_EOF'
+%%HOSTKEYS%%
+APPLIANCE_HOSTKEYS_EOF
+sh "$LIB/hostkeys.sh" || say "could not publish the host keys"
 umask 077
 cat >"$LIB/cluster_key" <<'APPLIANCE_KEY_EOF'
 %%CLUSTER_KEY%%

@@ -22,6 +22,8 @@ from ..sites.openstack import fmt_date
 from ..spec import Spec, duration_seconds
 from .contextualize import contextualize
 
+HOSTKEYS_SCRIPT = (Path(__file__).with_name("hostkeys.sh")).read_text()  # every server's user_data
+
 # ---------------------------------------------------------------------------------------------
 # lease verbs
 
@@ -196,7 +198,7 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
                 log(f"  {name}: replacing a server in ERROR")
                 c.delete_server(sid)
         servers[name] = c.create_server(name, reservation_id=info.reservation_id, image=spec.image,
-                                        key_name=key.name, network=spec.network)
+                                        key_name=key.name, network=spec.network, user_data=HOSTKEYS_SCRIPT)
         cluster.save()
     log(f"waiting for {spec.nodes.count} server(s) to boot{site.boot_note}")
     cluster.nodes = [Node(name=n, private_ip="", address=None, workdir=site.workdir, slots=spec.nodes.slots,
@@ -238,23 +240,25 @@ def install_on(site: Site, cluster: Cluster, spec: Spec, *, variant: str | None 
 
 
 def finish(site: Site, cluster: Cluster, log=print) -> None:
-    """Pin every node's host key from its console log, wait for SSH, pick the local disk, contextualize.
+    """Pin every node's host key from what the node published (provision/hostkeys.sh through Nova's server
+    password; a console log where one exists), wait for SSH, pick the local disk, contextualize.
     Shared by `up` and `adopt` (a Heat stack made in Horizon)."""
     c = site.cloud
     head = cluster.head
-    # 4. host keys from the console (cloud-init prints them), pinned
+    # 4. host keys, pinned: published by the node itself at boot (bare metal has no console log)
     lines = []
     for node in cluster.nodes:
         keys = []
         deadline = time.monotonic() + site.ssh_timeout
         while not keys and time.monotonic() < deadline:
-            keys = c.console_host_keys(node.server_id)
+            keys = c.server_host_keys(node.server_id)
             if not keys:
-                time.sleep(site.poll)  # console log fills during boot
+                time.sleep(site.poll)  # published late in the boot (cloud-init runs user_data last): poll the API
         if not keys:
-            raise ApplianceError(f"no SSH host keys in {node.name}'s console log after {site.ssh_timeout:.0f}s",
-                                 "the image must run cloud-init (CC images do); or pin keys by hand in "
-                                 f"{cluster.known_hosts}")
+            raise ApplianceError(f"{node.name} published no SSH host keys within {site.ssh_timeout:.0f}s",
+                                 "the image must run cloud-init with our user_data (CC images do; see "
+                                 "`openstack server show` for the server's state); or pin keys by hand in "
+                                 f"{cluster.known_hosts} and run `appliance adopt`")
         names = ",".join(dict.fromkeys([node.name, node.private_ip] + ([node.address] if node is head else [])))
         for k in keys:
             kt, kb = k.split()[:2]

@@ -34,8 +34,8 @@ class Site(ABC):
     workdir: str = "/tmp"  # node-local disk, before prepare_nodes() picks a better one
     python: str = ""  # the stack's Python on the nodes
     boot_timeout: float = 120.0  # servers ACTIVE within
-    ssh_timeout: float = 60.0  # SSH (and the host keys in the console log) within
-    poll: float = 0.2  # seconds between API polls while waiting (servers, console, SSH)
+    ssh_timeout: float = 60.0  # the nodes' published host keys, then SSH, within
+    poll: float = 0.2  # seconds between API polls while waiting (servers, host keys, SSH)
     lease_poll: float = 0.5  # the lease watchdog's poll
     boot_note: str = ""  # said while waiting for servers
 

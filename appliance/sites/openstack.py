@@ -170,12 +170,29 @@ def parse_console_host_keys(text: str) -> list[str]:
     blocks = re.findall(r"-----BEGIN SSH HOST KEY KEYS-----\n(.*?)-----END SSH HOST KEY KEYS-----", text, re.S)
     if not blocks:
         return []
+    return _key_lines(blocks[-1].splitlines())
+
+
+HOSTKEYS_HEADER = "appliance-hostkeys/1"  # the first line appliance/provision/hostkeys.sh posts
+
+
+def _key_lines(lines) -> list[str]:
     keys = []
-    for line in blocks[-1].splitlines():
+    for line in lines:
         parts = line.split()
         if len(parts) >= 2 and parts[0] in HOST_KEY_TYPES and re.fullmatch(r"[A-Za-z0-9+/]+={0,2}", parts[1]):
             keys.append(" ".join(parts[:2]))
     return keys
+
+
+def parse_password_host_keys(text: str) -> list[str]:
+    """The host keys a node published through Nova's server password (appliance/provision/hostkeys.sh): the header
+    line, then `TYPE BASE64` lines. Anything else in the password (an image that posts an encrypted admin password,
+    as cloudbase-init does) is not ours: no keys."""
+    lines = (text or "").replace("\r\n", "\n").split("\n")
+    if lines[0].strip() != HOSTKEYS_HEADER:
+        return []
+    return _key_lines(lines[1:])
 
 
 @dataclass
@@ -366,11 +383,20 @@ class OpenStackCloud:
                     return a["addr"]
         raise ApplianceError(f"server {srv.name} has no fixed IPv4 address")
 
-    def console_host_keys(self, server_id: str) -> list[str]:
-        """Host public keys that cloud-init printed to the console (the way to pin them without trust on first use)."""
+    def server_host_keys(self, server_id: str) -> list[str]:
+        """A server's SSH host public keys from a channel only the server could have written, so that pinning them
+        is not trust on first use: first what our boot script (provision/hostkeys.sh) posted to the metadata
+        `password` (GET os-server-password); else what cloud-init printed to the console log. Bare metal has
+        only the first: Nova's Ironic driver has no console log (the API answers 501). [] until one has keys."""
+        try:
+            keys = parse_password_host_keys(self.conn.compute.get_server_password(server_id) or "")
+        except Exception:  # noqa: BLE001 - not yet there (or not allowed): try the console, then wait
+            keys = []
+        if keys:
+            return keys
         try:
             out = self.conn.compute.get_server_console_output(server_id).get("output", "")
-        except Exception:
+        except Exception:  # noqa: BLE001 - 501 on bare metal (no console log)
             return []
         return parse_console_host_keys(out or "")
 

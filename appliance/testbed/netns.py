@@ -5,11 +5,14 @@ Layout of a testbed named NAME (state under $APPLIANCE_HOME/testbeds/NAME):
     testbed.json            the record below (what exists, with PIDs)
     id_ed25519[.pub]        the key the launcher logs in with (the cloud's "key pair")
     known_hosts             every node's host key, pinned
-    node1/                  sshd_config, host key, hosts, sshd.log,
+    node1/                  sshd_config, hosts, sshd.log,
           disk/             bind-mounted at /mnt/local inside the node: its "local SSD"
           ssh/              bind-mounted at /root/.ssh inside the node
+          etc-ssh/          bind-mounted at /etc/ssh inside the node: its host keys where an image keeps them
 
-Host side: a bridge ``apl-NAME`` with 10.77.X.1/24; node i is 10.77.X.(10+i) on its eth0.
+Host side: a bridge ``apl-NAME`` with 10.77.X.1/24; node i is 10.77.X.(10+i) on its eth0. A testbed the local
+cloud uses also has a metadata namespace ``apl-NAME-md`` (10.77.X.2, and 169.254.169.254 on its eth0) where the
+local cloud's metadata service listens, and each node a host route to 169.254.169.254 through it.
 Every namespace, link and process is recorded and removed by ``down``, by PID.
 """
 
@@ -27,6 +30,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -37,6 +41,7 @@ from ..errors import ApplianceError
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")
 NODE_MOUNT = "/mnt/local"  # where a node sees its local disk
+METADATA_IP = "169.254.169.254"  # Nova's metadata address, as instances see it
 SSHD = "/usr/sbin/sshd"
 
 
@@ -60,6 +65,11 @@ class TestbedNode:
         """The node's local disk as seen from inside the node."""
         return NODE_MOUNT if self.netns else self.disk
 
+    @property
+    def host_key_pub(self) -> Path:
+        """The node's SSH host public key (seen as /etc/ssh/ssh_host_ed25519_key.pub inside the node)."""
+        return Path(self.dir) / "etc-ssh" / "ssh_host_ed25519_key.pub"
+
 
 @dataclass
 class Testbed:
@@ -71,6 +81,7 @@ class Testbed:
     host_ip: str | None = None
     prefix: int = 24
     reason: str = ""  # why single-host mode was chosen
+    metadata_ip: str | None = None  # the metadata namespace's address on the bridge (local cloud testbeds)
 
     @property
     def key_file(self) -> str:
@@ -209,7 +220,7 @@ def _sshd_config(node: TestbedNode) -> str:
     return "\n".join([
         "ListenAddress 0.0.0.0",  # every address of the node: its fixed IP and a floating IP
         "Port 22",
-        f"HostKey {d}/ssh_host_ed25519_key",
+        f"HostKey {d}/etc-ssh/ssh_host_ed25519_key",
         f"PidFile {d}/sshd.pid",
         "PasswordAuthentication no",
         "KbdInteractiveAuthentication no",
@@ -318,11 +329,16 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
     (d / "disk").mkdir(parents=True, exist_ok=True)
     (d / "ssh").mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(d / "ssh", 0o700)
+    etc_ssh = d / "etc-ssh"
+    etc_ssh.mkdir(mode=0o755, parents=True, exist_ok=True)
+    for f in ("ssh_config", "moduli"):  # the node's ssh client and sshd read these, as the host's do
+        if Path("/etc/ssh", f).is_file():
+            shutil.copy(Path("/etc/ssh", f), etc_ssh / f)
     node = TestbedNode(name=node_name, ip=ip or str(net.network_address + 10 + index), dir=str(d),
                        netns=f"apl-{tb.name}-{node_name}", veth=f"apl{tb.name}v{index}", slots=slots)
     tb.nodes.append(node)
     tb.save()
-    _keygen(d / "ssh_host_ed25519_key", f"root@{node_name}")
+    _keygen(etc_ssh / "ssh_host_ed25519_key", f"root@{node_name}")
     (d / "ssh" / "authorized_keys").write_text(authorized_keys)
     os.chmod(d / "ssh" / "authorized_keys", 0o600)
     (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n{node.ip}\t{node_name}\n")
@@ -332,11 +348,18 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
     _run("ip", "link", "add", node.veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
     _run("ip", "link", "set", node.veth, "master", tb.bridge, "up")
     _run("ip", "-n", ns, "addr", "add", f"{node.ip}/{tb.prefix}", "dev", "eth0")
+    # an address a deleted node had (servers come and go) may still sit in the bridge's neighbour cache with the
+    # old node's MAC, REACHABLE for up to 45 s: forget it here, and announce the new MAC (gratuitous ARP at link up)
+    # to the other namespaces on the bridge
+    _run("ip", "neigh", "flush", "to", node.ip, "dev", tb.bridge, check=False)
+    _run("ip", "netns", "exec", ns, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/conf/eth0/arp_notify")
     _run("ip", "-n", ns, "link", "set", "eth0", "up")
     _run("ip", "-n", ns, "link", "set", "lo", "up")
     _run("ip", "-n", ns, "route", "add", "default", "via", tb.host_ip)
+    if tb.metadata_ip:  # the host route Neutron's DHCP agent hands out for metadata (neutron/agent/linux/dhcp.py)
+        _run("ip", "-n", ns, "route", "add", f"{METADATA_IP}/32", "via", tb.metadata_ip)
     script = (
-        f"hostname {node_name} && mount --bind {d}/hosts /etc/hosts && "
+        f"hostname {node_name} && mount --bind {d}/hosts /etc/hosts && mount --bind {etc_ssh} /etc/ssh && "
         f"mount --bind {d}/disk {NODE_MOUNT} && mount --bind {d}/ssh {root_home}/.ssh && "
         f"exec {SSHD} -D -f {d}/sshd_config -E {d}/sshd.log"
     )
@@ -346,7 +369,7 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
              "sh", "-c", script],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     node.sshd_pid = proc.pid
-    keytype, key = (d / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+    keytype, key = node.host_key_pub.read_text().split()[:2]
     with open(tb.known_hosts, "a") as fh:
         fh.write(f"{node.name},{node.ip} {keytype} {key}\n")
     tb.save()
@@ -412,6 +435,70 @@ def ensure_bridge(name: str) -> Testbed:
         base = _base(name)
         base.mkdir(parents=True, exist_ok=True)
         return _make_bridge(name, base)
+
+
+def ensure_metadata(name: str) -> str:
+    """The testbed's metadata namespace (idempotent): ``apl-NAME-md`` on the bridge at the subnet's .2, carrying
+    169.254.169.254 as Neutron's metadata namespace does (neutron/agent/metadata/driver.py serves it from the
+    DHCP or router namespace). Nodes added afterwards get a host route to it. Returns the namespace's name."""
+    with _locked(name, wait=120):
+        tb = load(name)
+        if tb is None or not tb.bridge:
+            raise ApplianceError(f"testbed {name} has no bridge")
+        ns, veth = f"apl-{name}-md", f"apl{name}md"
+        net = ipaddress.IPv4Network(f"{tb.host_ip}/{tb.prefix}", strict=False)
+        ip = str(net.network_address + 2)
+        if tb.metadata_ip == ip and Path("/run/netns", ns).exists():
+            return ns
+        _run("ip", "netns", "del", ns, check=False)
+        _run("ip", "link", "del", veth, check=False)
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "link", "set", veth, "master", tb.bridge, "up")
+        _run("ip", "-n", ns, "addr", "add", f"{ip}/{tb.prefix}", "dev", "eth0")
+        _run("ip", "-n", ns, "addr", "add", f"{METADATA_IP}/32", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        tb.metadata_ip = ip
+        tb.save()
+        return ns
+
+
+def listen_in_netns(netns: str, address: str, port: int) -> socket.socket:
+    """A listening TCP socket bound inside namespace ``netns``, for a server in this process (a socket stays in the
+    namespace it was made in). setns(2) moves only the calling thread, so a short-lived thread makes it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newnet = 0x40000000
+    got: dict = {}
+
+    def make():
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        target = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+        try:
+            if libc.setns(target, clone_newnet) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {netns} failed")
+            try:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((address, port))
+                sock.listen(64)
+                got["sock"] = sock
+            finally:
+                libc.setns(own, clone_newnet)
+        except OSError as e:
+            got["error"] = e
+        finally:
+            os.close(own)
+            os.close(target)
+
+    t = threading.Thread(target=make, name=f"listen-in-{netns}")
+    t.start()
+    t.join()
+    if "error" in got:
+        raise ApplianceError(f"cannot listen on {address}:{port} in {netns}: {got['error']}")
+    return got["sock"]
 
 
 def add_node(name: str, node_name: str, authorized_keys: str, *, ready_timeout: float = 20.0) -> TestbedNode:
@@ -481,7 +568,7 @@ def _teardown(name: str, tb: Testbed | None) -> list[str]:
     # delete host-side veths explicitly: a namespace the kernel keeps alive would otherwise keep its pair
     veths = {n.veth for n in tb.nodes if n.veth} if tb is not None else set()
     for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
-        m = re.match(rf"^\d+: (apl{name}v\d+)[@:]", line)
+        m = re.match(rf"^\d+: (apl{name}(?:v\d+|md))[@:]", line)
         if m:
             veths.add(m.group(1))
     for veth in sorted(veths):
@@ -548,3 +635,5 @@ def kill_pids(pids: list[int], wait: float = 5.0) -> None:
 def node_address(netns: str, address: str, *, add: bool) -> None:
     """Add (or remove) an extra /32 address on a node's eth0: a floating IP associated with it."""
     _run("ip", "-n", netns, "addr", "add" if add else "del", f"{address}/32", "dev", "eth0", check=add)
+    if add:  # the address may have been another node's: forget its old neighbour entries on the bridge side
+        _run("ip", "neigh", "flush", "to", address, check=False)
