@@ -20,6 +20,9 @@ import json
 from collections.abc import Callable, Mapping
 
 EXIT_STOPPED = 75  # "stopped before the lease end, checkpoint committed: resumable" (EX_TEMPFAIL)
+NODE_WATCH_MARGIN = 600.0  # `appliance watchdog --node` stops jobs this many seconds before the vendordata end;
+# the launcher extends a lease (lease.extend) before that, so that no node-side stop comes first
+VENDORDATA_MARGIN = 300.0  # rank 0's own look at the vendordata end (at least; more when saves are slow)
 RUN_MARKER = ".appliance-run"  # in every run directory the launcher made: the node watchdog acts on no other
 
 

@@ -18,11 +18,19 @@ needs_netns = pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unava
 TEST_TESTBEDS = ("pt", "pk", "lc", "sh")
 
 
+def _has_e2e(session) -> bool:
+    return any(item.get_closest_marker("e2e") for item in session.items)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def one_session_at_a_time():
-    """Testbed names are machine-wide: two test sessions at once would sweep each other's nodes."""
+def one_session_at_a_time(request):
+    """Testbed names are machine-wide: two sessions with end-to-end tests at once would sweep each other's nodes.
+    A fast-tier session (`-m "not e2e"`) touches no testbed, so it runs beside one."""
     import fcntl
 
+    if not _has_e2e(request.session):
+        yield
+        return
     fh = open("/tmp/appliance-tests.lock", "w")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -34,11 +42,11 @@ def one_session_at_a_time():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def appliance_home(tmp_path_factory, one_session_at_a_time):
+def appliance_home(request, tmp_path_factory, one_session_at_a_time):
     home = tmp_path_factory.mktemp("appliance-home")
     old = os.environ.get("APPLIANCE_HOME")
     os.environ["APPLIANCE_HOME"] = str(home)
-    if NETNS_OK:
+    if NETNS_OK and _has_e2e(request.session):
         for name in TEST_TESTBEDS:
             testbed.down(name, log=lambda m: None)
     yield home

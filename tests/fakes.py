@@ -39,10 +39,12 @@ class FakeCloud:
     servers: dict = field(default_factory=dict)
     fips: dict = field(default_factory=dict)
     called: defaultdict = field(default_factory=lambda: defaultdict(threading.Event))  # verb -> set once it took effect
+    tried: defaultdict = field(default_factory=lambda: defaultdict(threading.Event))  # verb -> set once asked (faults too)
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def _call(self, verb: str, *args):
         self.calls.append((verb, args))
+        self.tried[verb].set()
         fault = self.faults.pop(verb, None)
         if isinstance(fault, Exception):
             raise fault

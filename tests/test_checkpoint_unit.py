@@ -13,11 +13,11 @@ from appliance.store.checkpoints import StoreUnavailable, manifest_digest, retry
 def test_vendordata_lease_end(tmp_path):
     p = tmp_path / "vendordata2.json"
     p.write_text(json.dumps({"chameleon": {"lease_id": "x", "lease_end": "2026-11-22T10:00:00.000000"}}))
-    assert vendordata_lease_end([str(p)]) == 1795341600.0
+    assert vendordata_lease_end([str(p)], live=None) == 1795341600.0
     p.write_text(json.dumps({"chameleon": {"lease_end": "2026-11-22 10:00:00"}}))
-    assert vendordata_lease_end([str(p)]) == 1795341600.0
+    assert vendordata_lease_end([str(p)], live=None) == 1795341600.0
     p.write_text("not json")
-    assert vendordata_lease_end([str(p), str(tmp_path / "missing")]) is None
+    assert vendordata_lease_end([str(p), str(tmp_path / "missing")], live=None) is None
 
 
 def test_retrying_retries_then_gives_up_at_the_deadline():

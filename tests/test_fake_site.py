@@ -153,3 +153,36 @@ def test_a_host_key_mismatch_fails_at_once(tmp_path, monkeypatch):
     with pytest.raises(ApplianceError, match="does not match the pinned one"):
         lifecycle._wait_ssh(site, Cluster(name="", cloud="local", nodes=[]), lambda m: None)
     assert len(tries) == 1
+
+
+def test_the_watchdog_extends_before_the_node_side_watchdog_would_stop(tmp_path):
+    """Issue 12 item 3: the node watchdog stops jobs NODE_WATCH_MARGIN (10 min) before the vendordata end; the
+    launcher used to extend only at its own margin (here 60 s), after the node had already stopped the job."""
+    from appliance.protocol import NODE_WATCH_MARGIN
+
+    site = FakeSite()
+    w, cloud, info, asked, said, stopped = watch(tmp_path, site, ends_in_s=NODE_WATCH_MARGIN + 30,
+                                                 lease="lease: {duration: 1h, stop_margin: 60s, extend: true}\n")
+    end0 = info.end
+    w.start()
+    try:
+        assert cloud.called["extend_lease"].wait(10)  # 10.5 min left: extended now, not at 60 s
+        assert info.end == end0 + dt.timedelta(hours=1) and not stopped.is_set()
+    finally:
+        w.close()
+
+
+def test_a_refused_extension_lets_the_job_run_until_the_margin(tmp_path):
+    site = FakeSite()
+    w, cloud, info, asked, said, stopped = watch(tmp_path, site, ends_in_s=600,
+                                                 lease="lease: {duration: 1h, stop_margin: 60s, extend: true}\n")
+    cloud.faults["extend_lease"] = fault("Blazar: extension refused")
+    w.start()
+    try:
+        assert cloud.tried["extend_lease"].wait(10)
+        assert not stopped.wait(0.3)  # refused at 600 s left: the job goes on
+        cloud.clock += dt.timedelta(seconds=545)
+        assert stopped.wait(10)
+    finally:
+        w.close()
+    assert len(cloud.verbs("extend_lease")) == 1  # asked once for that end, not at every poll

@@ -17,7 +17,7 @@ def job(tmp_path, run_dir, name="101"):
     vd = tmp_path / "vd.json"
     end = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(time.time() + 60))
     vd.write_text(json.dumps({"chameleon": {"lease_end": end}}))
-    return dict(margin=600, once=True, vendordata=[str(vd)], proc=str(proc))
+    return dict(margin=600, once=True, vendordata=[str(vd)], live=None, proc=str(proc))
 
 
 def run_dir(tmp_path, marked=True):
@@ -80,3 +80,69 @@ def test_a_relative_or_dotted_path_is_refused(tmp_path):
     d = run_dir(tmp_path)
     assert request_stop("home/appliance/runs/r", {os.getuid()}, {}) == "not an absolute, normal path"
     assert request_stop(f"{d}/../r", {os.getuid()}, {}) == "not an absolute, normal path"
+
+
+class _Vendordata:
+    """A metadata service on loopback serving ``vendor_data2.json`` with a settable lease end."""
+
+    def __init__(self, end: float | None):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+        self.end = end
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                doc = {"chameleon": {"lease_end": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(outer.end))}}
+                body = json.dumps(doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/openstack/latest/vendor_data2.json"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_an_extended_lease_is_read_live_not_from_the_hourly_cache(tmp_path):
+    """Issue 12 item 3: the CC images refresh the vendordata cache hourly; after an extension it still shows the
+    old end. The node watchdog must read the live document and leave the job running."""
+    from appliance.node.vendordata import reset_live_backoff
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / RUN_MARKER).write_text("")
+    kw = job(tmp_path, str(run_dir))  # the cache: the old end, within the margin
+    live = _Vendordata(time.time() + 7200)  # the extended end
+    try:
+        reset_live_backoff()
+        kw["live"] = live.url
+        assert node_watch(**kw, log=lambda m: None) == []
+        assert not (run_dir / "STOP").exists()
+        live.end = time.time() + 60  # the live end is near too: stop
+        reset_live_backoff()
+        assert node_watch(**kw, log=lambda m: None) == [str(run_dir)]
+    finally:
+        live.close()
+
+
+def test_the_cache_is_the_fallback_when_the_metadata_service_is_down(tmp_path):
+    from appliance.node.vendordata import reset_live_backoff
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / RUN_MARKER).write_text("")
+    kw = job(tmp_path, str(run_dir))
+    reset_live_backoff()
+    kw["live"] = "http://127.0.0.1:9/openstack/latest/vendor_data2.json"  # nothing listens (discard port)
+    assert node_watch(**kw, log=lambda m: None) == [str(run_dir)]
+    reset_live_backoff()

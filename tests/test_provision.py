@@ -299,7 +299,22 @@ def test_extension_refused_when_a_host_is_booked_after_the_end(cloud):
 def test_degraded_lease_fails_fast(cloud, tmp_path):
     localcloud.admin("POST", "/faults", {"lease_degraded": 1})
     try:
-        with pytest.raises(ApplianceError, match=r"degraded: a reserved host failed.*reallocate"):
+        with pytest.raises(ApplianceError, match=r"missing a reserved host.*reallocate"):
             flows.up(spec_file(tmp_path, "degr"), log=lambda m: None)
     finally:
         flows.down("degr", log=lambda m: None)
+
+
+def test_degraded_after_a_successful_reallocation_is_usable(cloud, tmp_path):
+    """Issue 12 item 6: Blazar marks a lease degraded after any reallocation and never clears it; up must go on
+    (with a note) when every host is there."""
+    localcloud.admin("POST", "/faults", {"lease_reallocated": 1})
+    said = []
+    try:
+        cl = flows.up(spec_file(tmp_path, "realloc"), log=said.append)
+        assert len(cl.nodes) == 1
+        lease = os_cloud().get_lease(cl.lease_id)
+        assert lease.degraded and not lease.missing_resources
+        assert any("degraded" in m and "replaced a failed host" in m for m in said)
+    finally:
+        flows.down("realloc", log=lambda m: None)

@@ -5,7 +5,9 @@ template; on the user's machine otherwise) and polls the lease: Blazar's end dat
 clock (HTTP Date), converted to real seconds (the local cloud's clock can run faster). At ``end - margin`` it
 
 1. extends the lease, when the spec says ``lease.extend: true`` and Chameleon's rules allow it (within 48 h
-   of the end, at most 7 days added), and keeps watching; otherwise
+   of the end, at most 7 days added), and keeps watching. It extends earlier than it would stop, before the
+   node-side watchdog's margin (``protocol.NODE_WATCH_MARGIN``, 10 min) as well, so that no node stops a job whose
+   lease is about to be extended; if the extension is refused, the job runs on until the margin; otherwise
 2. asks the job to stop: it writes ``$APPLIANCE_RUN_DIR/STOP`` on the head node with the reason and a deadline;
    rank 0 sees it after its current step, the ranks agree with one allreduce to stop after the same step, rank 0
    saves, uploads and commits before the deadline, and the job exits as "stopped, resumable" (exit 75).
@@ -24,6 +26,7 @@ from collections.abc import Callable
 
 from ..cluster import Cluster
 from ..errors import ApplianceError
+from ..protocol import NODE_WATCH_MARGIN
 from ..sites import Site
 from ..spec import Spec, duration_seconds
 
@@ -45,6 +48,10 @@ class LeaseWatch:
     def margin(self) -> float:
         return max(self.floor, 3 * max(self.commit_s or [0.0]) + 2 * self.poll)
 
+    def extend_at(self) -> float:
+        """Real seconds before the end at which `lease.extend` extends: ahead of every stop, the nodes' too."""
+        return max(self.margin(), NODE_WATCH_MARGIN) + 2 * self.poll + 60.0
+
     def start(self) -> LeaseWatch:
         self._thread.start()
         return self
@@ -63,6 +70,7 @@ class LeaseWatch:
 
     def _run(self) -> None:
         first = True
+        refused_for = None  # the end an extension was refused for: not asked again, the job stops at the margin
         while not self.done.is_set():
             try:
                 got = self.left()
@@ -81,9 +89,11 @@ class LeaseWatch:
                     self.say(f"[watchdog] lease ends {end:%Y-%m-%d %H:%M} UTC, in {_human(left)} of real time; "
                              f"the job will stop {_human(self.margin())} before that")
                     first = False
-                if left <= self.margin():
-                    if self.spec.lease.extend and self._extend(end):
+                if self.spec.lease.extend and left <= self.extend_at() and refused_for != end:
+                    if self._extend(end):
                         continue
+                    refused_for = end
+                if left <= self.margin():
                     deadline = time.time() + max(5.0, left - 2 * self.poll)
                     self.say(f"[watchdog] lease ends in {_human(left)}: asking the job to stop and checkpoint "
                              f"(margin {_human(self.margin())})")
@@ -91,17 +101,20 @@ class LeaseWatch:
                     self.request_stop({"reason": f"lease {self.cluster.lease_id} ends {end:%Y-%m-%d %H:%M} UTC",
                                        "deadline": deadline})
                     return
-                wait = min(self.poll, max(0.2, (left - self.margin()) / 2))
+                at = self.extend_at() if self.spec.lease.extend and refused_for != end else self.margin()
+                wait = min(self.poll, max(0.2, (left - at) / 2))
             else:
                 wait = self.poll
             self.done.wait(wait)
 
     def _extend(self, end: dt.datetime) -> bool:
-        by = dt.timedelta(seconds=duration_seconds(self.spec.lease.duration))
+        # by the spec's duration, and never by less than keeps the new end clear of the next extension point
+        by = dt.timedelta(seconds=max(duration_seconds(self.spec.lease.duration), 2 * self.extend_at() * self.scale))
         try:
             info = self.site.cloud.extend_lease(self.cluster.lease_id, by=by)
         except ApplianceError as e:
-            self.say(f"[watchdog] could not extend the lease: {e}; stopping the job instead")
+            self.say(f"[watchdog] could not extend the lease: {e}; the job will stop {_human(self.margin())} "
+                     "before the end instead")
             return False
         self.extended.append(f"{info.end:%Y-%m-%d %H:%M}")
         self.cluster.lease_end = info.end.isoformat()

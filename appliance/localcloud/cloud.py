@@ -294,10 +294,15 @@ class Cloud:
             if self.faults.get("lease_error", 0) > 0:
                 self.faults["lease_error"] -= 1
                 lease["status"] = "ERROR"
-            if self.faults.get("lease_degraded", 0) > 0:
-                self.faults["lease_degraded"] -= 1
-                lease["degraded"] = True
-                reservations[0]["missing_resources"] = True
+            # a host failed: Blazar's monitor updates the reservation's flags and marks the lease degraded, for a
+            # failed reallocation (missing_resources) and a successful one (resources_changed) alike, and never
+            # clears it (ChameleonCloud/blazar blazar/monitor/base.py `_update_flags`,
+            # blazar/plugins/oshosts/host_plugin.py `heal_reservations`)
+            for fault, flag in (("lease_degraded", "missing_resources"), ("lease_reallocated", "resources_changed")):
+                if self.faults.get(fault, 0) > 0:
+                    self.faults[fault] -= 1
+                    lease["degraded"] = True
+                    reservations[0][flag] = True
             self.leases[lease_id] = lease
         self.tick()
         return self.lease_view(lease)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..protocol import Env, Line, emit
+from ..protocol import VENDORDATA_MARGIN, Env, Line, emit
 from ..store.checkpoints import CheckpointStore, StoreUnavailable, ckpt_name
 from ..store.objects import StoreCreds
 from .vendordata import vendordata_lease_end
@@ -172,7 +172,7 @@ class Checkpointer:
             self._vd_next = time.monotonic() + 60
             end = vendordata_lease_end()
             if end is not None:
-                margin = max(300.0, 3 * max(self._commit_s or [0.0]))
+                margin = max(VENDORDATA_MARGIN, 3 * max(self._commit_s or [0.0]))
                 if time.time() >= end - margin:
                     self._local_reason = "lease end (vendordata)"
                     self._deadline = end - 30

@@ -1,26 +1,77 @@
-"""Chameleon's on-node lease end, from the vendordata the CC images cache (``chameleon.lease_end``)."""
+"""Chameleon's on-node lease end (vendordata ``chameleon.lease_end``): live from the metadata service, else the cache.
+
+CC images cache vendordata hourly in /var/cache/vendordata2.json (cache-vendordata.timer), so after a lease
+extension the cache can show the old end for up to an hour: a node that stopped on it would stop a job whose lease
+was just extended. The live document (Nova's metadata service, http://169.254.169.254/openstack/latest/
+vendor_data2.json) shows the end Blazar has now; the cache is the fallback when the metadata service does not
+answer (docs/chameleon.md B8).
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import time
+import urllib.request
 from pathlib import Path
 
 VENDORDATA = ("/var/cache/vendordata2.json",)
+LIVE_URL = "http://169.254.169.254/openstack/latest/vendor_data2.json"
+LIVE_TIMEOUT = 2.0
+LIVE_BACKOFF = 600.0  # after the live document failed, read only the cache for this long (not on Chameleon?)
+
+_live_down_until = 0.0
 
 
-def vendordata_lease_end(paths=VENDORDATA) -> float | None:
-    """Chameleon's on-node lease end (vendordata ``chameleon.lease_end``) as a Unix time, if readable."""
+def parse_lease_end(doc) -> float | None:
+    """``chameleon.lease_end`` of a vendordata document as a Unix time (UTC), or None."""
+    try:
+        end = doc["chameleon"]["lease_end"]
+    except (KeyError, TypeError):
+        return None
+    for fmt in ("%Y-%m-%dT%H:%M:%S.%f", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%SZ",
+                "%Y-%m-%d %H:%M"):
+        try:
+            return dt.datetime.strptime(str(end).replace("+00:00", ""), fmt).replace(
+                tzinfo=dt.timezone.utc).timestamp()
+        except ValueError:
+            pass
+    return None
+
+
+def live_lease_end(url: str = LIVE_URL, timeout: float = LIVE_TIMEOUT) -> float | None:
+    """The lease end from the metadata service now (no proxy: the address is link-local), or None."""
+    global _live_down_until
+    if time.monotonic() < _live_down_until:
+        return None
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as r:
+            end = parse_lease_end(json.loads(r.read(1 << 20)))
+    except (OSError, ValueError):
+        end = None
+    if end is None:
+        _live_down_until = time.monotonic() + LIVE_BACKOFF
+    return end
+
+
+def cached_lease_end(paths=VENDORDATA) -> float | None:
     for p in paths:
         try:
-            end = json.loads(Path(p).read_text())["chameleon"]["lease_end"]
-        except (OSError, KeyError, TypeError, ValueError):
+            end = parse_lease_end(json.loads(Path(p).read_text()))
+        except (OSError, ValueError):
             continue
-        for fmt in ("%Y-%m-%dT%H:%M:%S.%f", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%SZ",
-                    "%Y-%m-%d %H:%M"):
-            try:
-                return dt.datetime.strptime(str(end).replace("+00:00", ""), fmt).replace(
-                    tzinfo=dt.timezone.utc).timestamp()
-            except ValueError:
-                pass
+        if end is not None:
+            return end
     return None
+
+
+def vendordata_lease_end(paths=VENDORDATA, live: str | None = LIVE_URL) -> float | None:
+    """Chameleon's on-node lease end as a Unix time: the live document first, else the hourly cache."""
+    end = live_lease_end(live) if live else None
+    return end if end is not None else cached_lease_end(paths)
+
+
+def reset_live_backoff() -> None:
+    global _live_down_until
+    _live_down_until = 0.0

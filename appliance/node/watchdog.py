@@ -13,8 +13,8 @@ import os
 import time
 from collections.abc import Callable
 
-from ..protocol import RUN_MARKER, Env
-from .vendordata import VENDORDATA, vendordata_lease_end
+from ..protocol import NODE_WATCH_MARGIN, RUN_MARKER, Env
+from .vendordata import LIVE_URL, VENDORDATA, cached_lease_end, live_lease_end, reset_live_backoff
 
 
 
@@ -79,18 +79,26 @@ def request_stop(run_dir: str, uids: set[int], body: dict) -> str | None:
         os.close(fd)
 
 
-def node_watch(*, margin: float = 600.0, poll: float = 60.0, once: bool = False, vendordata=None,
-               proc: str = "/proc", log: Callable[[str], None] = print, now: Callable[[], float] = time.time) -> list[str]:
-    """Watch Chameleon's on-node lease end (vendordata, cached hourly by the CC images) and, ``margin`` seconds
-    before it, write the STOP file of every training job running on this node, as the launcher-side watchdog
-    does: rank 0 then stops every rank after the same step and commits a checkpoint. This covers jobs whose
-    launcher went away (a laptop closed). The node has no cloud credentials, so it cannot extend the lease.
-    Returns the run directories it asked to stop (with ``once``: after one look)."""
+def node_watch(*, margin: float = NODE_WATCH_MARGIN, poll: float = 60.0, once: bool = False, vendordata=None,
+               live: str | None = LIVE_URL, proc: str = "/proc", log: Callable[[str], None] = print,
+               now: Callable[[], float] = time.time) -> list[str]:
+    """Watch Chameleon's on-node lease end (vendordata: live from the metadata service, else the hourly cache of
+    the CC images) and, ``margin`` seconds before it, write the STOP file of every training job running on this
+    node, as the launcher-side watchdog does: rank 0 then stops every rank after the same step and commits a
+    checkpoint. This covers jobs whose launcher went away (a laptop closed). The node has no cloud credentials, so
+    it cannot extend the lease; the launcher extends before this margin (protocol.NODE_WATCH_MARGIN). An end read
+    from the cache is checked against the live document again before acting: the cache lags an extension by up
+    to an hour. Returns the run directories it asked to stop (with ``once``: after one look)."""
     stopped: list[str] = []
     refused: set[str] = set()
     said_none = False
     while True:
-        end = vendordata_lease_end(vendordata or VENDORDATA)
+        end = live_lease_end(live) if live else None
+        if end is None:
+            end = cached_lease_end(vendordata or VENDORDATA)
+            if end is not None and live and now() >= end - margin:
+                reset_live_backoff()  # about to act on the cache: ask the live document once more
+                end = live_lease_end(live) or end
         if end is None:
             if not said_none:
                 log("no lease end in vendordata (not a Chameleon node, or the cache is not written yet)")

@@ -6,7 +6,8 @@ No hand-written HTTP to OpenStack. The facts this follows (docs/chameleon.md, sh
 - the *reservation* id (not the lease id) goes to Nova as the `reservation` scheduler hint;
 - an extension is a PUT of an absolute end_date, allowed only within 48 h of the current end, at most
   7 days past it; a lease lasts at most 7 days;
-- waiting fails fast on ERROR or `degraded`.
+- waiting fails fast on ERROR or a host reservation with `missing_resources`; `degraded` alone (sticky after any
+  reallocation) is a note.
 """
 
 from __future__ import annotations
@@ -204,7 +205,8 @@ class LeaseInfo:
     end: dt.datetime
     reservation_id: str | None
     fip_reservation_id: str | None
-    degraded: bool
+    degraded: bool  # sticky on Blazar: set on every reallocation, successful ones too, and never cleared
+    missing_resources: bool = False  # the host reservation lacks hosts Blazar could not replace
 
     @classmethod
     def from_api(cls, lease: dict) -> LeaseInfo:
@@ -213,12 +215,14 @@ class LeaseInfo:
         return cls(id=lease["id"], name=lease["name"], status=lease["status"],
                    start=parse_lease_date(lease["start_date"]), end=parse_lease_date(lease["end_date"]),
                    reservation_id=host["id"] if host else None, fip_reservation_id=fip["id"] if fip else None,
-                   degraded=bool(lease.get("degraded")))
+                   degraded=bool(lease.get("degraded")),
+                   missing_resources=bool(host and host.get("missing_resources")))
 
     def as_dict(self) -> dict:
         return {"id": self.id, "name": self.name, "status": self.status, "start": self.start.isoformat() + "Z",
                 "end": self.end.isoformat() + "Z", "reservation_id": self.reservation_id,
-                "fip_reservation_id": self.fip_reservation_id, "degraded": self.degraded}
+                "fip_reservation_id": self.fip_reservation_id, "degraded": self.degraded,
+                "missing_resources": self.missing_resources}
 
 
 class OpenStackCloud:
@@ -278,9 +282,15 @@ class OpenStackCloud:
             raise explain_blazar(e) from None
 
     def wait_lease(self, lease_id: str, *, timeout: float = 600.0, poll: float = 2.0, log=print) -> LeaseInfo:
-        """Until ACTIVE. Fails fast on ERROR or degraded; real timeout."""
+        """Until ACTIVE. Fails fast on ERROR or on hosts Blazar could not replace; real timeout.
+
+        `degraded` alone is not a failure: Blazar's monitor sets it on the lease whenever it updates a reservation's
+        flags (blazar/monitor/base.py `_update_flags`), which its host plugin does after a *successful*
+        reallocation too (`resources_changed`; blazar/plugins/oshosts/host_plugin.py `heal_reservations`), and
+        nothing clears it. Only `missing_resources` on the host reservation means the lease lacks a host."""
         deadline = time.monotonic() + timeout
         last = None
+        warned = False
         while True:
             info = self.get_lease(lease_id)
             if info is None:
@@ -291,9 +301,13 @@ class OpenStackCloud:
             if info.status == "ERROR":
                 raise ApplianceError(f"lease {info.name} ({lease_id}) is in ERROR",
                                      "delete it (`appliance lease delete`) and create another")
-            if info.degraded:
-                raise ApplianceError(f"lease {info.name} is degraded: a reserved host failed",
+            if info.missing_resources:
+                raise ApplianceError(f"lease {info.name} is missing a reserved host: one failed and Blazar found no "
+                                     "replacement",
                                      f"`openstack reservation host reallocate --lease-id {lease_id} <host>`, or a new lease")
+            if info.degraded and not warned:
+                log(f"note: lease {info.name} is marked degraded: Blazar replaced a failed host; every host is there")
+                warned = True
             if info.status == "ACTIVE":
                 return info
             if info.status in ("TERMINATED", "DELETED"):

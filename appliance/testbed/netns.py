@@ -358,6 +358,8 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
     _run("ip", "-n", ns, "route", "add", "default", "via", tb.host_ip)
     if tb.metadata_ip:  # the host route Neutron's DHCP agent hands out for metadata (neutron/agent/linux/dhcp.py)
         _run("ip", "-n", ns, "route", "add", f"{METADATA_IP}/32", "via", tb.metadata_ip)
+    else:  # no metadata here: fail fast, never reach the host's own cloud metadata through its default route
+        _run("ip", "-n", ns, "route", "add", "unreachable", f"{METADATA_IP}/32")
     script = (
         f"hostname {node_name} && mount --bind {d}/hosts /etc/hosts && mount --bind {etc_ssh} /etc/ssh && "
         f"mount --bind {d}/disk {NODE_MOUNT} && mount --bind {d}/ssh {root_home}/.ssh && "
