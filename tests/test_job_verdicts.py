@@ -115,3 +115,53 @@ def test_an_unreachable_head_is_said_not_raised(tmp_path):
     head.fail = ApplianceError("node head stopped answering")
     hook.request_stop({"reason": "lease ends"})
     assert any("could not ask the job to stop" in m for m in said)
+
+
+def _ended_hook(tmp_path, *, url="swift://ckpts/"):
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from fakes import FakeSite
+
+    hook, head = _hook(tmp_path)
+    site = FakeSite()
+    info = site.cloud.create_lease("l", "compute_local", 1, dt.timedelta(hours=1))
+    hook.cluster.lease_id = info.id
+    hook.watch = SimpleNamespace(site=site, commit_s=[])
+    hook.spec = SimpleNamespace(name="myrun", checkpoint=SimpleNamespace(url=url))
+    site.cloud.clock = info.end + dt.timedelta(minutes=1)  # the lease has ended
+    return hook
+
+
+def test_a_job_cut_by_the_lease_end_says_so_and_what_survives(tmp_path):
+    """Issue 13: it used to read "node ... stopped answering" only."""
+    hook = _ended_hook(tmp_path)
+    hook.rank_line(0, format_line(Line.CKPT, {"step": 60, "name": "c", "bytes": 1, "save_s": 0.1, "upload_s": 0.2}))
+    res = _result(rc=1, failure="node head stopped answering (ranks 0, 1)")
+    hook.finish(res)
+    assert res.failure.startswith("the lease ended at ") and "stopped answering" in res.failure
+    assert "newest committed checkpoint is step 60" in res.failure and "appliance resume myrun" in res.failure
+
+
+def test_a_job_cut_by_the_lease_end_without_a_commit_is_lost_and_says_why(tmp_path):
+    hook = _ended_hook(tmp_path)
+    res = _result(rc=1, failure="node head stopped answering (ranks 0, 1)")
+    hook.finish(res)
+    assert "the run is lost" in res.failure and "Checkpointer" in res.failure
+
+
+def test_launch_says_which_protection_applies(tmp_path):
+    from types import SimpleNamespace
+
+    from appliance.checkpoint.job import protection_line
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text("model.fit(ds, epochs=60)\n")  # an unchanged Horovod example
+    cl = SimpleNamespace(lease_end="2026-11-24T12:00:00")
+    spec = SimpleNamespace(name="r", code_dir=str(code), checkpoint=SimpleNamespace(url=None))
+    assert "warning: no checkpoint.url" in protection_line(spec, cl) and "2026-11-24 12:00" in protection_line(spec, cl)
+    spec.checkpoint.url = "swift://ckpts/"
+    assert "never uses the appliance's Checkpointer" in protection_line(spec, cl)
+    (code / "train.py").write_text("from appliance.checkpoint.keras import Checkpointer\n")
+    assert protection_line(spec, cl).startswith("[appliance] protected:")

@@ -110,6 +110,14 @@ def test_request_shapes(cloud, tmp_path):
         (put,) = requests("PUT", r"/reservation/v1/leases/.*")
         assert put["body"] == {"end_date": (old_end + dt.timedelta(hours=6)).strftime("%Y-%m-%d %H:%M")}
         assert info["end"].startswith((old_end + dt.timedelta(hours=6)).strftime("%Y-%m-%dT%H:%M"))
+        # the node reads the new end live from the metadata service (the CC images' cache lags up to an hour)
+        r = testbed.node_exec(localcloud.testbed_name(), cl.nodes[0].name,
+                              "curl -s http://169.254.169.254/openstack/latest/vendor_data2.json")
+        cham = json.loads(r.stdout)["chameleon"]
+        assert cham["lease_id"] == cl.lease_id and cham["region"] == "CHI@local"
+        from appliance.node.vendordata import parse_lease_end
+        import time as _time
+        assert abs(parse_lease_end({"chameleon": cham}) - _time.time() - (30 * 3600)) < 120  # 1 d + 6 h from now
     finally:
         flows.down("shapes", log=lambda m: None)
 
@@ -318,3 +326,28 @@ def test_degraded_after_a_successful_reallocation_is_usable(cloud, tmp_path):
         assert any("degraded" in m and "replaced a failed host" in m for m in said)
     finally:
         flows.down("realloc", log=lambda m: None)
+
+
+def test_a_restricted_application_credential_gets_the_unrestricted_hint(cloud, tmp_path):
+    """Issue 12 item 7: Blazar answers a lease made with a restricted application credential with a bare 500."""
+    import openstack
+
+    c = os_cloud()
+    sess = c.conn.session
+    creds = json.loads((localcloud.state_dir() / "credentials.json").read_text())
+    r = sess.post(f"{c.conn.identity.get_endpoint().rstrip('/')}/users/{creds['user_id']}/application_credentials",
+                  json={"application_credential": {"name": "restricted-one"}})
+    ac = r.json()["application_credential"]
+    assert ac["unrestricted"] is False
+    conn = openstack.connect(auth_url=c.conn.identity.get_endpoint(), auth_type="v3applicationcredential",
+                             application_credential_id=ac["id"], application_credential_secret=ac["secret"],
+                             region_name="CHI@local")
+    restricted = OpenStackCloud(conn)
+    with pytest.raises(ApplianceError, match=r"HTTP 500.*restricted.*fix: create the application credential with "
+                                             r"'unrestricted'"):
+        restricted.create_lease("restr", "compute_local", 1, dt.timedelta(hours=1))
+    # and a restricted credential may not make another (Keystone's 403), as on Chameleon
+    r2 = conn.session.post(f"{c.conn.identity.get_endpoint().rstrip('/')}/users/{creds['user_id']}/"
+                           "application_credentials", json={"application_credential": {"name": "x"}},
+                           raise_exc=False)
+    assert r2.status_code == 403

@@ -60,6 +60,7 @@ class JobCheckpoints(JobHooks):
                Env.CODE_HASH: code_hash(spec.code_dir)}
         rd = shlex.quote(self.run_dir)
         self.head.run(f"mkdir -p {rd} && touch {rd}/{RUN_MARKER} && rm -f {shlex.quote(self.stop_file)}", check=True)
+        self.say(protection_line(spec, self.cluster))
         if not ck.url:
             return env
         env.update({Env.CKPT_URL: ck.url, Env.CKPT_KEEP: str(ck.keep), Env.CKPT_RESIZE: ck.resize})
@@ -175,9 +176,41 @@ class JobCheckpoints(JobHooks):
             except ApplianceError:
                 self.say(f"[appliance] warning: could not remove {self.creds_file} on the head node")
 
+    def lease_ended(self) -> str | None:
+        """When the job failed: " at END UTC" (or "") if its lease has ended, None if not or unknown."""
+        w = self.watch
+        if w is None or not self.cluster.lease_id:
+            return None
+        try:
+            info = w.site.cloud.get_lease(self.cluster.lease_id)
+            now = w.site.cloud.now()
+        except Exception:  # noqa: BLE001 - the verdict stays as it was
+            return None
+        if info is None:
+            return ""
+        if info.status in ("TERMINATED", "DELETED") or info.end <= now:
+            return f" at {info.end:%Y-%m-%d %H:%M} UTC"
+        return None
+
     def finish(self, result: JobResult) -> None:
-        """A stop before the lease end is exit 75 (resumable) when its checkpoint was committed, a failure if not."""
+        """A stop before the lease end is exit 75 (resumable) when its checkpoint was committed, a failure if not.
+        A job that failed because its lease ended under it says so, with what survives."""
         result.stopped, result.commits, result.resumed = self.stopped, self.commits, self.resumed
+        if result.failure is not None and self.stopped is None:
+            when = self.lease_ended()
+            if when is not None:
+                steps = [c["step"] for c in self.commits] + ([self.resumed["step"]] if self.resumed else [])
+                name = self.spec.name
+                if steps:
+                    tail = (f"work after step {max(steps)} is lost; the newest committed checkpoint is step "
+                            f"{max(steps)}: `appliance resume {name}` continues from it on a new lease")
+                elif self.spec.checkpoint.url:
+                    tail = ("no checkpoint was committed, so the run is lost (the training script must use the "
+                            "appliance's Checkpointer: docs/checkpoints.md)")
+                else:
+                    tail = ("the spec has no checkpoint.url, so the run is lost: set it and use the appliance's "
+                            "Checkpointer (docs/checkpoints.md)")
+                result.failure = f"the lease ended{when} before the job finished ({result.failure}); {tail}"
         if self.stopped is not None and result.failure is None:
             if self.stopped.get("committed"):
                 result.exit_code = EXIT_STOPPED
@@ -186,6 +219,30 @@ class JobCheckpoints(JobHooks):
                 result.failure = (f"stopped after step {self.stopped['step']} ({self.stopped['reason']}) but the "
                                   f"checkpoint was NOT committed: {self.stopped.get('error')}; it is kept on "
                                   f"{self.cluster.head.name} at {self.stopped.get('local')}")
+
+
+def uses_checkpointer(code_dir: str) -> bool:
+    """Whether the training code names the appliance's Checkpointer (the one hook a lease-end stop has today)."""
+    try:
+        return any("Checkpointer" in p.read_text(errors="replace") for p in Path(code_dir).rglob("*.py")
+                   if "__pycache__" not in p.parts)
+    except OSError:
+        return False
+
+
+def protection_line(spec, cluster) -> str:
+    """One line at launch: what protects this job from the lease end, or a warning that nothing does."""
+    ck = spec.checkpoint
+    ends = f" (the lease ends {cluster.lease_end[:16].replace('T', ' ')} UTC)" if cluster.lease_end else ""
+    if not ck.url:
+        return (f"[appliance] warning: no checkpoint.url in the spec: nothing saves this run before the lease "
+                f"end{ends}; it would be lost (fix: set checkpoint.url and use the Checkpointer, docs/checkpoints.md)")
+    if not uses_checkpointer(spec.code_dir):
+        return (f"[appliance] warning: checkpoint.url is set, but {spec.code_dir} never uses the appliance's "
+                f"Checkpointer: a lease-end stop{ends} would save nothing and the run would be lost (fix: wrap the "
+                "training loop as docs/checkpoints.md shows)")
+    return (f"[appliance] protected: the Checkpointer commits to {ck.url.rstrip('/')}/{spec.name}/ and stops every "
+            f"rank after the same step before the lease end{ends}; `appliance resume {spec.name}` continues it")
 
 
 def store_creds(spec):

@@ -14,6 +14,17 @@ def error_body(e: ApiError) -> dict:
     return {"error_code": e.code, "error_message": e.message, "error_name": e.name or "BlazarException"}
 
 
+def create_lease(req: Request):
+    """Blazar makes a Keystone trust for every new lease (blazar/utils/trusts.py `use_trust_auth`, on the API's
+    create); Keystone refuses trusts to a restricted application credential (keystone/api/trusts.py
+    `_check_unrestricted_application_credential`), and Blazar's route turns that non-Blazar exception into a
+    bare 500 (blazar/api/v1/utils.py `Rest.route` -> `internal_error(500, 'Internal Server Error', e)`)."""
+    info = req.cloud.token_info.get(req.handler.headers.get("X-Auth-Token") or "", {})
+    if info.get("app_cred") and not info.get("unrestricted"):
+        raise ApiError(500, "Internal Server Error", "INTERNAL_SERVER_ERROR")
+    return 201, {"lease": req.cloud.create_lease(req.body or {})}
+
+
 def normalize(path: str) -> str:
     """blazar/api/v1/utils.py Rest.route registers every rule also as RULE + '.json'."""
     return path[:-len(".json")] if path.endswith(".json") else path
@@ -37,7 +48,7 @@ def hosts(req: Request):
 ROUTES = [
     Route(None, "/", lambda req: (300, versions("v1.0", f"{req.base}/reservation/v1/")), auth=False),
     Route("GET", "/v1/leases", list_leases),
-    Route("POST", "/v1/leases", lambda req: (201, {"lease": req.cloud.create_lease(req.body or {})})),
+    Route("POST", "/v1/leases", create_lease),
     Route("GET", "/v1/leases/([^/]+)", lambda req, lid: (200, {"lease": req.cloud.lease_view(req.cloud.get_lease(lid))})),
     Route("PUT", "/v1/leases/([^/]+)", lambda req, lid: (200, {"lease": req.cloud.update_lease(lid, req.body or {})})),
     Route("DELETE", "/v1/leases/([^/]+)", delete_lease),

@@ -130,6 +130,8 @@ class Cloud:
         self.project_id = self.creds["project_id"]
         self.user_id = self.creds["user_id"]
         self.tokens: dict[str, float] = {}
+        self.token_info: dict[str, dict] = {}  # token -> the application credential it came from (if any)
+        self.app_creds: dict[str, dict] = {}  # made through Keystone's API (the cloud's own is in creds)
         self.hosts = []
         for node_type, n in (pools or DEFAULT_POOLS).items():
             for i in range(1, n + 1):

@@ -57,12 +57,14 @@ def issue_token(req: Request):
             user.get("password") == creds["password"]
     elif "application_credential" in methods:
         ac = ident.get("application_credential") or {}
-        ok = (ac.get("id") == creds["app_cred_id"] or ac.get("name") == creds["app_cred_name"]) and \
-            ac.get("secret") == creds["app_cred_secret"]
+        cred = next((x for x in _app_creds(req.cloud) if ac.get("id") == x["id"] or ac.get("name") == x["name"]), None)
+        ok = cred is not None and ac.get("secret") == cred["secret"]
     if not ok:
         raise ApiError(401, "The request you have made requires authentication.", "Unauthorized")
     tok = "gAAAA" + secrets.token_urlsafe(32)
     req.cloud.tokens[tok] = time.time() + 3600
+    if "application_credential" in methods:
+        req.cloud.token_info[tok] = {"app_cred": cred["id"], "unrestricted": cred["unrestricted"]}
     now = dt.datetime.now(dt.timezone.utc)
     token = {"methods": methods, "expires_at": (now + dt.timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%S.000000Z"),
              "issued_at": now.strftime("%Y-%m-%dT%H:%M:%S.000000Z"),
@@ -73,9 +75,44 @@ def issue_token(req: Request):
              "roles": [{"id": _uuid(), "name": "member"}], "catalog": catalog(req),
              "audit_ids": [secrets.token_urlsafe(8)], "is_domain": False}
     if "application_credential" in methods:
-        token["application_credential"] = {"id": creds["app_cred_id"], "name": creds["app_cred_name"],
-                                           "restricted": False}
+        token["application_credential"] = {"id": cred["id"], "name": cred["name"],
+                                           "restricted": not cred["unrestricted"]}
     return 201, {"token": token}, {"X-Subject-Token": tok}
+
+
+def _app_creds(c) -> list[dict]:
+    """The cloud's own application credential (unrestricted, as Chameleon asks for: docs cli/authentication.rst)
+    and those made through the API."""
+    cr = c.creds
+    return [{"id": cr["app_cred_id"], "name": cr["app_cred_name"], "secret": cr["app_cred_secret"],
+             "unrestricted": True}] + list(c.app_creds.values())
+
+
+def create_app_cred(req: Request, user_id: str):
+    """keystone/api/users.py UserAppCredListCreateResource.post: a token from a *restricted* application credential
+    may not make another (ForbiddenAction, 403); `unrestricted` defaults to false; the secret is made when not
+    given and shown only here."""
+    c = req.cloud
+    info = c.token_info.get(req.handler.headers.get("X-Auth-Token") or "", {})
+    if info.get("app_cred") and not info.get("unrestricted"):
+        raise ApiError(403, "You are not authorized to perform the requested action: Using method "
+                       "'application_credential' is not allowed for managing additional application credentials.",
+                       "Forbidden")
+    if user_id != c.user_id:
+        raise ApiError(403, "You are not authorized to perform the requested action.", "Forbidden")
+    body = (req.body or {}).get("application_credential") or {}
+    if not body.get("name"):
+        raise ApiError(400, "Invalid input for field 'name': None is not of type 'string'", "ValidationError")
+    if any(x["name"] == body["name"] for x in _app_creds(c)):
+        raise ApiError(409, "Conflict occurred attempting to store application_credential - Duplicate entry.",
+                       "Conflict")
+    cred = {"id": _uuid().replace("-", ""), "name": body["name"], "secret": body.get("secret") or
+            secrets.token_urlsafe(48), "unrestricted": bool(body.get("unrestricted", False))}
+    c.app_creds[cred["id"]] = cred
+    return 201, {"application_credential": {
+        **cred, "description": body.get("description"), "project_id": c.project_id, "expires_at": body.get("expires_at"),
+        "roles": [{"id": _uuid(), "name": "member"}], "access_rules": body.get("access_rules") or [],
+        "links": {"self": f"{req.base}/identity/v3/users/{user_id}/application_credentials/{cred['id']}"}}}
 
 
 def check_token(req: Request):
@@ -88,4 +125,5 @@ ROUTES = [
     Route("GET", "/v3", lambda req: (200, {"version": _version(req.base)}), auth=False),
     Route("POST", "/v3/auth/tokens", issue_token, auth=False),
     Route(("GET", "HEAD"), "/v3/auth/tokens", check_token, auth=False),
+    Route("POST", "/v3/users/([^/]+)/application_credentials", create_app_cred),
 ]

@@ -15,12 +15,19 @@ alike):
   ``GET /servers/{id}/os-server-password`` and clears it with DELETE (nova/api/openstack/compute/server_password.py).
   The appliance's boot script publishes the node's SSH host public keys there: bare-metal servers have no console
   log to print them to.
+- ``vendor_data2.json``: Nova's dynamic vendordata (nova/api/metadata/vendordata_dynamic.py: one key per target),
+  with Chameleon's target ``chameleon``: node, region, lease_id, lease_start, lease_end (docs/chameleon.md B8,
+  read from the CC images' cache-vendordata unit). Live: it shows the lease's end now, an extension included.
+  One simplification: the dates are on the nodes' clock (real time) where the cloud's clock runs faster or was
+  advanced, so a node compares them with its own `time.time()` as a Chameleon node does.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PASSWORD_MAX = 4 * 255  # nova/api/metadata/password.py CHUNKS * CHUNK_LENGTH
@@ -62,7 +69,8 @@ class _Handler(BaseHTTPRequestHandler):
         leaf = "/".join(parts[2:])
         if leaf == "":
             names = ["meta_data.json"] + (["user_data"] if srv.get("_user_data") else []) + (
-                ["password"] if VERSIONS.index(parts[1]) >= VERSIONS.index(GRIZZLY) else [])
+                ["password"] if VERSIONS.index(parts[1]) >= VERSIONS.index(GRIZZLY) else []) + (
+                ["vendor_data2.json"] if VERSIONS.index(parts[1]) >= VERSIONS.index("2016-10-06") else [])
             return self._send(200, "\n".join(names).encode())
         if leaf == "meta_data.json" and self.command == "GET":
             kp = c.keypairs.get(srv.get("key_name") or "")
@@ -75,6 +83,9 @@ class _Handler(BaseHTTPRequestHandler):
 
             ud = srv.get("_user_data")
             return self._send(200, base64.b64decode(ud)) if ud else self._send(404, b"404 Not Found\n")
+        if leaf == "vendor_data2.json" and self.command == "GET" and \
+                VERSIONS.index(parts[1]) >= VERSIONS.index("2016-10-06"):
+            return self._send(200, json.dumps(vendordata(c, srv)).encode(), "application/json")
         if leaf == "password" and VERSIONS.index(parts[1]) >= VERSIONS.index(GRIZZLY):
             if self.command == "GET":
                 return self._send(200, (srv.get("_password") or "").encode())
@@ -90,6 +101,23 @@ class _Handler(BaseHTTPRequestHandler):
         return self._send(404, b"404 Not Found\n")
 
     do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _handle
+
+
+def _node_clock(c, ts: float) -> str:
+    """A cloud-clock time on the nodes' (real) clock, as Blazar formats lease dates."""
+    real = time.time() + (ts - c.clock.now()) / c.clock.scale
+    return dt.datetime.fromtimestamp(real, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")
+
+
+def vendordata(c, srv: dict) -> dict:
+    from .cloud import REGION
+
+    lease = c.leases.get(srv.get("_lease") or "")
+    cham = {"node": srv.get("_host"), "region": REGION}
+    if lease is not None:
+        cham.update(lease_id=lease["id"], lease_start=_node_clock(c, lease["_start"]),
+                    lease_end=_node_clock(c, lease["_end"]))
+    return {"chameleon": cham}
 
 
 class MetadataService:

@@ -150,6 +150,14 @@ def explain_blazar(e: Exception, *, node_type: str = "", count: int = 0, end: st
     if "quota" in low or code == 403 or "allocation" in low or "budget" in low:
         return ApplianceError(f"refused by quota or allocation (Blazar: {msg.strip()})",
                               "check your project's allocation / SU budget with your PI")
+    if code == 500 and node_type:
+        # Blazar makes a Keystone trust for each new lease; Keystone refuses one to a restricted application
+        # credential and Blazar answers that with a bare 500 (blazar/api/v1/utils.py internal_error)
+        return ApplianceError("Blazar could not create the lease (HTTP 500, no reason given); with an application "
+                              "credential this is how a restricted one fails: Blazar needs to make a Keystone trust",
+                              "create the application credential with 'unrestricted' checked (Identity > "
+                              "Application Credentials, or `openstack application credential create --unrestricted "
+                              "NAME`) and use it")
     if code == 401:
         return ApplianceError("Blazar rejected the token (401)", "check your credentials (application credential must be unrestricted)")
     return ApplianceError(f"Blazar: {msg.strip()}")
