@@ -8,7 +8,7 @@
 4. `appliance resume digits`: a new lease, new servers, the dataset and the checkpoint staged, training
    restored at the step it stopped at, and run to the end.
 5. A reference run, uninterrupted, with the same seed and world size. Its final weights must equal the
-   resumed run's, bit for bit.
+   resumed run's, bit for bit. Then the cluster goes down and the cloud's clock is put back on real time.
 
 Run as `python examples/lease_demo.py [SPEC]` after the dataset is uploaded (see the Makefile).
 """
@@ -87,6 +87,9 @@ def main() -> int:
     cluster = flows.up(spec_path, log=lambda m: None)  # the resumed run's cluster (no-op)
     ref = train(load_spec(str(ref_spec)), cluster, out=lambda line: None)
     flows.down(spec.name)
+    # the demo's leases are gone: put the cloud's clock back on real time, so that a client dating a lease by this
+    # machine's clock ("now + 1 minute") is not refused as starting in the past
+    localcloud.admin("POST", "/clock/reset")
 
     r0, ref0 = second.results.get(0, {}), ref.results.get(0, {})
     same = weights(second) == weights(ref) and ref.exit_code == 0

@@ -351,3 +351,17 @@ def test_a_restricted_application_credential_gets_the_unrestricted_hint(cloud, t
                            "application_credentials", json={"application_credential": {"name": "x"}},
                            raise_exc=False)
     assert r2.status_code == 403
+
+
+def test_the_clock_goes_back_on_real_time_after_a_demo(cloud):
+    """Issue 12 item 7: `make deploy` left the cloud's clock ~2 h ahead of this machine's."""
+    import time as _time
+
+    def skew():
+        now = dt.datetime.strptime(localcloud.admin("GET", "/clock")["now"][:19], "%Y-%m-%dT%H:%M:%S")
+        return now.replace(tzinfo=dt.timezone.utc).timestamp() - _time.time()
+
+    localcloud.admin("POST", "/advance", {"seconds": 7200})
+    assert skew() > 7000
+    localcloud.admin("POST", "/clock/reset")
+    assert abs(skew()) < 5

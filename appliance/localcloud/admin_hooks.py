@@ -18,6 +18,11 @@ def advance(req: Request):
     return 200, {"now": _fmt(c.clock.now())}
 
 
+def reset_clock(req: Request):
+    req.cloud.clock.reset()
+    return 200, {"now": _fmt(req.cloud.clock.now())}
+
+
 def faults(req: Request):
     req.cloud.faults.update({k: int(v) for k, v in (req.body or {}).items()})
     return 200, req.cloud.faults
@@ -32,6 +37,7 @@ def requests(req: Request):
 
 ROUTES = [
     Route("POST", "/advance", advance, auth=False),
+    Route("POST", "/clock/reset", reset_clock, auth=False),
     Route("POST", "/faults", faults, auth=False),
     Route(None, "/requests", requests, auth=False),
     Route(None, "/clock", lambda req: (200, {"now": _fmt(req.cloud.clock.now()), "time_scale": req.cloud.clock.scale}),

@@ -54,6 +54,12 @@ class Clock:
         with self.lock:
             self.offset += seconds
 
+    def reset(self) -> None:
+        """Back on this machine's clock (a demo that jumped ahead puts it back when its leases are gone)."""
+        with self.lock:
+            self.real0 = self.virt0 = time.time()
+            self.offset = 0.0
+
 
 def _fmt(ts: float, f: str = ISO) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None).strftime(f)
