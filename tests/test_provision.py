@@ -335,11 +335,12 @@ def test_a_restricted_application_credential_gets_the_unrestricted_hint(cloud, t
     c = os_cloud()
     sess = c.conn.session
     creds = json.loads((localcloud.state_dir() / "credentials.json").read_text())
-    r = sess.post(f"{c.conn.identity.get_endpoint().rstrip('/')}/users/{creds['user_id']}/application_credentials",
+    ident = (localcloud.state_dir() / "endpoint").read_text().strip() + "/identity/v3"
+    r = sess.post(f"{ident}/users/{creds['user_id']}/application_credentials",
                   json={"application_credential": {"name": "restricted-one"}})
     ac = r.json()["application_credential"]
     assert ac["unrestricted"] is False
-    conn = openstack.connect(auth_url=c.conn.identity.get_endpoint(), auth_type="v3applicationcredential",
+    conn = openstack.connect(auth_url=ident, auth_type="v3applicationcredential",
                              application_credential_id=ac["id"], application_credential_secret=ac["secret"],
                              region_name="CHI@local")
     restricted = OpenStackCloud(conn)
@@ -347,8 +348,7 @@ def test_a_restricted_application_credential_gets_the_unrestricted_hint(cloud, t
                                              r"'unrestricted'"):
         restricted.create_lease("restr", "compute_local", 1, dt.timedelta(hours=1))
     # and a restricted credential may not make another (Keystone's 403), as on Chameleon
-    r2 = conn.session.post(f"{c.conn.identity.get_endpoint().rstrip('/')}/users/{creds['user_id']}/"
-                           "application_credentials", json={"application_credential": {"name": "x"}},
+    r2 = conn.session.post(f"{ident}/users/{creds['user_id']}/application_credentials", json={"application_credential": {"name": "x"}},
                            raise_exc=False)
     assert r2.status_code == 403
 

@@ -132,6 +132,12 @@ class Heat:
         for rname, r in (tpl.get("resources") or {}).items():
             if r.get("type") not in SUPPORTED:
                 raise HeatError(400, f"The Resource Type ({r.get('type')}) could not be found.", "Not Found")
+            if r.get("type") == "OS::Nova::KeyPair" and not (r.get("properties") or {}).get("public_key"):
+                # heat/engine/resources/openstack/nova/keypair.py KeyPair.validate: from Nova microversion 2.92
+                # on, Nova no longer makes key pairs, and Heat asks for public_key. Chameleon runs Nova 2023.1
+                # (up to 2.95), which Heat uses; so a KeyPair without public_key fails validation there.
+                raise HeatError(400, f"Property error: resources.{rname}: The public_key property is required by "
+                                     "the nova API version currently used.")
             missing = _refs(r.get("properties")) - set(tpl["resources"])
             if missing:
                 raise HeatError(400, f"The specified reference \"{sorted(missing)[0]}\" (in {rname}) is incorrect.")

@@ -1,8 +1,8 @@
 """Contextualize a cluster: run contextualize.sh on every node, in parallel, idempotently.
 
-The script (beside this file) is the one source of truth, shared with the Heat template's boot
-script. Its inputs travel on the SSH channel's stdin, never on a command line, because they
-include the cluster's private key.
+The script (beside this file) is the one way a node gets the cluster's state, for `up` and for a Heat stack's
+`adopt` alike. Its inputs travel on the SSH channel's stdin, never on a command line or in user_data, because
+they include the cluster's private key.
 """
 
 from __future__ import annotations

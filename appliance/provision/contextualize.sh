@@ -1,8 +1,8 @@
 #!/bin/sh
 # Contextualize one node of an appliance cluster. Idempotent: running it twice changes nothing.
 #
-# One source of truth: `appliance` runs this over SSH on every node (appliance/provision/contextualize.py),
-# and the Heat template's boot script embeds the same file (heat-templates/).
+# `appliance up`, `adopt` (a Heat stack) and `train` run this over SSH on every node
+# (appliance/provision/contextualize.py); its inputs include a private key, so they never go in user_data.
 #
 # Inputs, as shell variables set before this script runs (never on a command line):
 #   APPLIANCE_NODE          this node's name (hostname peers use)
