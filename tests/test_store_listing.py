@@ -65,3 +65,16 @@ def test_retries_stop_at_the_deadline(monkeypatch):
     conn = FakeConn(["a"], fail=[503] * 100)
     with pytest.raises(swiftclient.ClientException):
         list(store(conn).list())
+
+
+def test_nodes_get_only_the_credentials_their_url_uses():
+    """Issue 12 item 2: the S3 secret used to travel to the nodes (and sit on the head's disk) for swift:// jobs."""
+    from appliance.store.objects import StoreCreds
+
+    both = StoreCreds(storage_url="http://swift/v1/AUTH_p", token="tok", s3_endpoint="http://rgw:7480",
+                      s3_access_key="AK", s3_secret_key="SECRET")
+    sw = both.scoped("swift://ckpts/")
+    assert sw.token == "tok" and sw.s3_secret_key is None and sw.s3_access_key is None
+    s3 = both.scoped("s3://ckpts/")
+    assert s3.s3_secret_key == "SECRET" and s3.token is None and s3.storage_url is None
+    assert both.scoped().s3_secret_key == "SECRET"  # no URL: unchanged

@@ -70,7 +70,7 @@ class JobCheckpoints(JobHooks):
             env[Env.CKPT_EVERY_MINUTES] = str(ck.every_minutes)
         creds = None
         if parse_url(ck.url)[0] != "file":
-            creds = store_creds(spec).scoped()
+            creds = store_creds(spec).scoped(ck.url)
         old, cs = [], None
         try:
             cs = CheckpointStore(ck.url, spec.name, creds)

@@ -33,7 +33,7 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
                   out: Callable[[str], None] | None = None) -> dict[str, dict]:
     """Run the stager on every node in parallel; returns each node's result. Raises on any node's failure."""
     say = out or (lambda m: print(m, flush=True))
-    scoped = creds.scoped() if creds is not None else None
+    scoped = creds.scoped(url) if creds is not None else None
     progress: dict[str, dict] = {}
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}

@@ -54,15 +54,24 @@ class StoreCreds:
     def redacted(self) -> dict:
         return {k: ("***" if k in ("token", "key", "s3_secret_key") and v else v) for k, v in self.__dict__.items()}
 
-    def scoped(self) -> StoreCreds:
-        """What nodes get: a token (expires) instead of a password, when we can make one."""
+    def scoped(self, url: str | None = None) -> StoreCreds:
+        """What nodes get: for a ``url``, only what its scheme uses (a swift:// job never carries the S3 secret,
+        an s3:// one no Swift token); for Swift, a token (expires) instead of a password, when we can make one."""
+        scheme = parse_url(url)[0] if url else None
+        if scheme == "s3":
+            return StoreCreds(s3_endpoint=self.s3_endpoint, s3_access_key=self.s3_access_key,
+                              s3_secret_key=self.s3_secret_key, s3_region=self.s3_region)
+        keep_s3 = scheme is None
+        s3 = dict(s3_endpoint=self.s3_endpoint, s3_access_key=self.s3_access_key, s3_secret_key=self.s3_secret_key,
+                  s3_region=self.s3_region) if keep_s3 else {}
         if self.auth_url and self.user and self.key and not self.token:
             import swiftclient
 
-            url, tok = swiftclient.get_auth(self.auth_url, self.user, self.key)
-            return StoreCreds(storage_url=url, token=tok, s3_endpoint=self.s3_endpoint,
-                              s3_access_key=self.s3_access_key, s3_secret_key=self.s3_secret_key,
-                              s3_region=self.s3_region)
+            storage_url, tok = swiftclient.get_auth(self.auth_url, self.user, self.key)
+            return StoreCreds(storage_url=storage_url, token=tok, **s3)
+        if scheme == "swift":
+            return StoreCreds(storage_url=self.storage_url, token=self.token, auth_url=self.auth_url,
+                              user=self.user, key=self.key, extra=dict(self.extra))
         return self
 
 
