@@ -124,3 +124,32 @@ def test_code_copy_skips_virtualenvs_and_caches(tmp_path):
     names = tarfile.open(fileobj=io.BytesIO(_tar_dir(tmp_path, ("__pycache__", ".git")))).getnames()
     assert sorted(n for n in names if n.endswith(".py")) == ["./pkg/mod.py", "./train.py"]
     assert not [n for n in names if ".venv" in n or "__pycache__" in n or ".git" in n]
+
+
+def test_a_second_job_of_the_same_run_is_refused_and_the_first_goes_on(cluster2, jobs_dir, tmp_path):
+    """Issue 14 item 3: two jobs of one run shared the run directory, its STOP file and credentials. The run's lock
+    on the head node is held by the running job's processes; a second job is refused before it touches anything."""
+    import threading
+
+    from appliance.errors import ApplianceError
+
+    spec = load_spec(write_spec(tmp_path, "python loop.py --steps 400", code=jobs_dir, name="twice"))
+    started = threading.Event()
+    first = {}
+
+    def out(line):
+        if "step 10 " in line:
+            started.set()
+
+    t = threading.Thread(target=lambda: first.setdefault("res", train(spec, cluster2, out=out)))
+    t.start()
+    try:
+        assert started.wait(120)
+        with pytest.raises(ApplianceError, match=r"run 'twice' already has a job running on node1"):
+            train(spec, cluster2, out=lambda line: None)
+    finally:
+        t.join(300)
+    assert first["res"].exit_code == 0, first["res"].failure
+    # and once it ended, the run is free again
+    assert train(load_spec(write_spec(tmp_path, "python loop.py --steps 20", code=jobs_dir, name="twice")),
+                 cluster2, out=lambda line: None).exit_code == 0

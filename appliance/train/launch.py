@@ -306,6 +306,31 @@ class _Watch:
                 pass
 
 
+RUN_LOCK = ".lock"  # in the run directory on the head node: held (flock) by the running job's process tree
+RUN_BUSY = 73  # flock's exit status when the run's lock is taken (flock -E)
+
+
+def check_run_free(head: Remote, rd: str, run: str) -> None:
+    """Refuse a second job of the same run on this cluster before it touches anything: the two would share the run
+    directory, its STOP file and credentials, and prune each other's checkpoints."""
+    lk = shlex.quote(f"{rd}/{RUN_LOCK}")
+    r = head.run(f"mkdir -p {shlex.quote(rd)} && flock -n -E {RUN_BUSY} {lk} true", timeout=30)
+    if r.rc == RUN_BUSY:
+        raise ApplianceError(f"run {run!r} already has a job running on {head.node.name} (its run directory {rd} is "
+                             "locked by that job's processes)",
+                             f"wait for it to end; or ask it to stop with a checkpoint: `ssh {head.node.name} "
+                             f"touch {rd}/STOP`; or give this spec another name")
+    if r.rc != 0:
+        raise ApplianceError(f"cannot check the run lock on {head.node.name}: {r.err.strip()[-200:]}",
+                             "the node needs flock (util-linux)")
+
+
+def locked_command(rd: str, cmd: str) -> str:
+    """The job's command holding the run's lock for as long as any of its processes lives (the lock's descriptor is
+    inherited by horovodrun and the ranks), whatever happens to the launcher's connection."""
+    return f"exec flock -n -E {RUN_BUSY} {shlex.quote(rd + '/' + RUN_LOCK)} sh -c {shlex.quote(cmd)}"
+
+
 def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = None, grace: float = 10.0,
           heartbeat: float = 5.0, extra_env: dict[str, str] | None = None, restore: str | None = None,
           hooks: list[JobHooks] | tuple = ()) -> JobResult:
@@ -338,7 +363,9 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             cdir = code_dir(cluster, spec.name)
             session.each(lambda r: r.put_dir(spec.code_dir, cdir))
             say(f"[appliance] copied {spec.code_dir} to {cdir} on {len(cluster.nodes)} node(s)")
-            ctx = JobContext(spec, cluster, session.head, run_dir(cluster, spec.name), job_id, restore, say)
+            rd = run_dir(cluster, spec.name)
+            check_run_free(session.head, rd, spec.name)  # before any hook touches the run directory
+            ctx = JobContext(spec, cluster, session.head, rd, job_id, restore, say)
             env_more: dict[str, str] = {}
             for h in hooks:
                 env_more.update(h.prepare(ctx))
@@ -349,6 +376,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                                            extra_env=env_more)
             say(f"[appliance] job {job_id}: {cluster.world_size} rank(s) on "
                 f"{', '.join(dict.fromkeys(rank_hosts))}, NIC {nic}")
+            cmd = locked_command(rd, cmd)
             watch = _Watch(cluster, session, job_id, grace, heartbeat, say)
 
             def on_line(stream: str, line: str) -> None:
@@ -401,6 +429,9 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 rc = 1
             if rc < 0:
                 rc = 1
+            if rc == RUN_BUSY and watch.failure is None:
+                watch.failure = (f"another job of run {spec.name!r} started on {cluster.head.name} a moment before "
+                                 "this one: this one did not start")
             if rc != 0 and watch.failure is None:
                 watch.failure = f"horovodrun exited with status {rc}"
             wall = time.monotonic() - t0
