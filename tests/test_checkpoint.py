@@ -9,6 +9,7 @@ seed and world size: the final weights must be bit-identical.
 import csv
 import io
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -134,6 +135,22 @@ def fake_ckpt(root: Path, step: int, payload: bytes) -> Path:
     (d / "meta.json").write_text(json.dumps({"step": step, "epoch": 0, "offset": step, "world_size": 2}))
     (d / "metrics" / "metrics.csv").write_text("step,epoch,metric,value,time\n")
     return d
+
+
+def test_a_file_above_the_segment_size_commits_as_an_slo(swift, tmp_path, tb2, monkeypatch):
+    """Issue 14 item 2: files over 5 GiB became SLOs whose ETag is not their MD5, so the commit check failed forever,
+    and each segment was read into memory. Here the segment size is 1 MiB so the test stays small."""
+    monkeypatch.setenv("APPLIANCE_SEGMENT_BYTES", str(1 << 20))
+    cs = store_for(swift, "slo")
+    cs.store.ensure_container()
+    local = fake_ckpt(tmp_path, 10, os.urandom((5 << 19) + 7))  # 2.5 MiB + 7 bytes: 3 segments
+    m = cs.upload(local, json.loads((local / "meta.json").read_text()))
+    segs = cs.store.slo_segments(cs.prefix + "ckpt-000000010/state.data-00000-of-00001")
+    assert segs is not None and [s["bytes"] for s in segs] == [1 << 20, 1 << 20, (1 << 19) + 7]
+    assert [c.step for c in cs.committed()] == [10] and cs.verify(cs.committed()[0]) is None
+    got = cs.download(cs.committed()[0], tmp_path / "back")  # checks every file's MD5 against the manifest
+    assert (got / "state.data-00000-of-00001").read_bytes() == (local / "state.data-00000-of-00001").read_bytes()
+    assert m["files"]["state.data-00000-of-00001"]["size"] == (5 << 19) + 7
 
 
 def test_commit_prune_and_a_corrupted_newest_checkpoint(swift, tmp_path, tb2):

@@ -95,3 +95,24 @@ def test_a_fresh_job_refuses_a_run_that_has_committed_checkpoints(tmp_path):
     assert "already has 1 committed checkpoint" in str(e.value) and "appliance resume guard" in str(e.value)
     assert not (store / "guard" / "spec.yaml").exists()  # a refused job writes nothing
     assert JobCheckpoints().prepare(ctx("/restore"))["APPLIANCE_CKPT_URL"] == f"file://{store}/"  # a resume goes ahead
+
+
+def test_large_object_etags_follow_swift_and_s3(tmp_path):
+    """Issue 14 item 2: a file above the part size is an SLO (Swift) or a multipart upload (S3), whose ETag is not the
+    content's MD5; the commit check must expect the store's own ETag."""
+    import hashlib
+
+    from appliance.store.objects import large_object_etags
+
+    p = tmp_path / "big"
+    data = bytes(range(256)) * 4096 * 5 + b"tail"  # 5 MiB + 4 bytes
+    p.write_bytes(data)
+    mb = 1 << 20
+    parts = [data[i:i + 2 * mb] for i in range(0, len(data), 2 * mb)]
+    e = large_object_etags(p, 2 * mb)
+    assert e["md5"] == hashlib.md5(data).hexdigest()
+    assert e["parts"] == [hashlib.md5(x).hexdigest() for x in parts]
+    assert e["swift"] == hashlib.md5("".join(hashlib.md5(x).hexdigest() for x in parts).encode()).hexdigest()
+    assert e["s3"] == hashlib.md5(b"".join(hashlib.md5(x).digest() for x in parts)).hexdigest() + "-3"
+    small = large_object_etags(p, 8 * mb)
+    assert "swift" not in small and small["parts"] == [hashlib.md5(data).hexdigest()]

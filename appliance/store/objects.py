@@ -230,15 +230,15 @@ class SwiftStore(Store):
         conn.put_container(seg_container)
         manifest = []
         with open(path, "rb") as fh:
-            i = 0
-            while True:
-                data = fh.read(segment_size)
-                if not data:
-                    break
+            for i, off in enumerate(range(0, size, segment_size)):
+                n = min(segment_size, size - off)
                 seg = f"{name}/{size}/{segment_size}/{i:08d}"
-                etag = conn.put_object(seg_container, seg, data)
-                manifest.append({"path": f"/{seg_container}/{seg}", "etag": etag, "size_bytes": len(data)})
-                i += 1
+                part = _Slice(fh, n)  # streamed: a 5 GiB segment is never read into memory
+                etag = conn.put_object(seg_container, seg, part, content_length=n, chunk_size=1 << 20)
+                if part.left or str(etag).strip('"') != part.md5.hexdigest():
+                    raise ApplianceError(f"segment {i} of {name} arrived with ETag {etag}, we sent "
+                                         f"{part.md5.hexdigest()}", "retry the upload")
+                manifest.append({"path": f"/{seg_container}/{seg}", "etag": part.md5.hexdigest(), "size_bytes": n})
         return self._call(conn.put_object, self.container, name, json.dumps(manifest),
                           query_string="multipart-manifest=put")
 
@@ -369,6 +369,42 @@ class FileStore(Store):
                 d.rmdir()
             except OSError:
                 break
+
+
+class _Slice:
+    """At most ``n`` bytes of an open file, read in chunks (a segment streamed, never held in memory), hashed."""
+
+    def __init__(self, fh, n: int):
+        self.fh, self.left, self.md5 = fh, n, hashlib.md5()
+
+    def read(self, size: int = 1 << 20) -> bytes:
+        if self.left <= 0:
+            return b""
+        data = self.fh.read(min(size if size and size > 0 else 1 << 20, self.left))
+        self.left -= len(data)
+        self.md5.update(data)
+        return data
+
+
+def large_object_etags(p: Path, part_size: int) -> dict:
+    """What a store reports for a file uploaded in parts of ``part_size``: ``md5`` of the content, and for a file
+    larger than one part ``swift`` (a Static Large Object's ETag: the MD5 of its segments' hex MD5s, concatenated;
+    swift/common/middleware/slo.py) and ``s3`` (a multipart upload's ETag: the MD5 of the parts' binary MD5s,
+    then "-" and the part count). One pass over the file."""
+    whole, parts = hashlib.md5(), []
+    with open(p, "rb") as fh:
+        while True:
+            part = _Slice(fh, part_size)
+            while chunk := part.read():
+                whole.update(chunk)
+            if part.left == part_size:  # nothing read: the end
+                break
+            parts.append(part.md5)
+    out = {"md5": whole.hexdigest(), "parts": [m.hexdigest() for m in parts]}
+    if Path(p).stat().st_size > part_size:
+        out["swift"] = hashlib.md5("".join(m.hexdigest() for m in parts).encode()).hexdigest()
+        out["s3"] = hashlib.md5(b"".join(m.digest() for m in parts)).hexdigest() + f"-{len(parts)}"
+    return out
 
 
 def md5_file(p: Path) -> str:
