@@ -365,3 +365,30 @@ def test_the_clock_goes_back_on_real_time_after_a_demo(cloud):
     assert skew() > 7000
     localcloud.admin("POST", "/clock/reset")
     assert abs(skew()) < 5
+
+
+def test_the_openstack_cli_speaks_to_the_local_cloud(cloud):
+    """Issue 12: the `openstack` command (python-openstackclient, with the Blazar and Heat plugins) users bring
+    works unchanged against `appliance cloud start`."""
+    import os
+
+    env = dict(os.environ, OS_CLIENT_CONFIG_FILE=str(localcloud.clouds_yaml()), OS_CLOUD=localcloud.CLOUD_NAME)
+    osc = str(Path(sys.executable).parent / "openstack")
+
+    def run(*args: str) -> str:
+        r = subprocess.run([osc, *args], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (args, r.stderr[-1000:])
+        return r.stdout
+
+    assert "appliance-cpu" in run("image", "list", "-f", "value", "-c", "Name").split()
+    assert run("flavor", "list", "-f", "value", "-c", "Name").split() == ["baremetal"]
+    assert {"sharednet1", "public"} <= set(run("network", "list", "-f", "value", "-c", "Name").split())
+    end = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2)).strftime("%Y-%m-%d %H:%M")
+    run("reservation", "lease", "create", "--reservation",
+        'min=1,max=1,resource_type=physical:host,resource_properties=["=", "$node_type", "compute_local"]',
+        "--end-date", end, "osc-lease")
+    assert "osc-lease ACTIVE" in run("reservation", "lease", "list", "-f", "value", "-c", "name", "-c", "status")
+    run("reservation", "lease", "delete", "osc-lease")
+    assert "osc-lease" not in run("reservation", "lease", "list", "-f", "value", "-c", "name")
+    run("server", "list")
+    run("stack", "list")
