@@ -46,6 +46,9 @@ class Env:
     CKPT_CREDS = "APPLIANCE_CKPT_CREDS"  # a 0600 file on the head node, read by rank 0 only
     STOP_CHECK_SECONDS = "APPLIANCE_STOP_CHECK_SECONDS"
     ETC = "APPLIANCE_ETC"  # where contextualize wrote cluster.json (default /etc/appliance)
+    # where rank 0 reads Chameleon's live vendordata (default: Nova's metadata address); empty: nowhere, only the
+    # cache (the ranks run on the launcher's own machine, whose lease the launcher watches itself)
+    VENDORDATA_URL = "APPLIANCE_VENDORDATA_URL"
 
 
 class Line:

@@ -146,3 +146,20 @@ def test_the_cache_is_the_fallback_when_the_metadata_service_is_down(tmp_path):
     kw["live"] = "http://127.0.0.1:9/openstack/latest/vendor_data2.json"  # nothing listens (discard port)
     assert node_watch(**kw, log=lambda m: None) == [str(run_dir)]
     reset_live_backoff()
+
+
+def test_the_launcher_can_turn_the_live_vendordata_off(monkeypatch, tmp_path):
+    """Single-host mode: the ranks run on the launcher's machine; no look at its cloud's metadata service (tests
+    contact only loopback and the testbed's own namespaces)."""
+    from appliance.node import vendordata
+    from appliance.protocol import Env
+
+    def no_live(url, timeout=None):
+        raise AssertionError(f"asked {url}")
+
+    monkeypatch.setattr(vendordata, "live_lease_end", no_live)
+    monkeypatch.setenv(Env.VENDORDATA_URL, "")
+    assert vendordata.live_url() is None
+    assert vendordata.vendordata_lease_end([str(tmp_path / "none")]) is None
+    monkeypatch.delenv(Env.VENDORDATA_URL)
+    assert vendordata.live_url() == vendordata.LIVE_URL

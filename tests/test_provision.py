@@ -256,7 +256,8 @@ def test_bare_metal_host_keys_come_from_the_node_not_the_console(cloud, tmp_path
         import base64
         for r in requests("POST", r"/compute/v2.1/servers"):
             assert base64.b64decode(r["body"]["server"]["user_data"]).decode().startswith("#!/bin/sh\n# appliance: publish")
-        # the metadata password is written once, by the server itself (a second POST is refused: 409)
+        # the metadata password is written once, by the server itself (a second POST is refused: 409); inside the
+        # node 169.254.169.254 routes to the testbed's own metadata namespace (apl-NAME-md), nowhere else
         r = testbed.node_exec(localcloud.testbed_name(), cl.nodes[1].name,
                               "curl -s -o /dev/null -w '%{http_code}' -X POST --data-binary x "
                               "http://169.254.169.254/openstack/latest/password")

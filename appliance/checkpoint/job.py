@@ -61,6 +61,8 @@ class JobCheckpoints(JobHooks):
         rd = shlex.quote(self.run_dir)
         self.head.run(f"mkdir -p {rd} && touch {rd}/{RUN_MARKER} && rm -f {shlex.quote(self.stop_file)}", check=True)
         self.say(protection_line(spec, self.cluster))
+        if self.cluster.single_host:  # the ranks run on this machine: no node-side look at any metadata service
+            env[Env.VENDORDATA_URL] = ""
         if not ck.url:
             return env
         env.update({Env.CKPT_URL: ck.url, Env.CKPT_KEEP: str(ck.keep), Env.CKPT_RESIZE: ck.resize})

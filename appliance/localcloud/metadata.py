@@ -24,6 +24,7 @@ alike):
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import json
 import threading
@@ -79,8 +80,6 @@ class _Handler(BaseHTTPRequestHandler):
                   "public_keys": {kp["name"]: kp["public_key"]} if kp else {}}
             return self._send(200, json.dumps(md).encode(), "application/json")
         if leaf == "user_data" and self.command == "GET":
-            import base64
-
             ud = srv.get("_user_data")
             return self._send(200, base64.b64decode(ud)) if ud else self._send(404, b"404 Not Found\n")
         if leaf == "vendor_data2.json" and self.command == "GET" and \

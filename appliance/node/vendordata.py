@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import time
 import urllib.request
 from pathlib import Path
+
+from ..protocol import Env
 
 VENDORDATA = ("/var/cache/vendordata2.json",)
 LIVE_URL = "http://169.254.169.254/openstack/latest/vendor_data2.json"
@@ -66,8 +69,19 @@ def cached_lease_end(paths=VENDORDATA) -> float | None:
     return None
 
 
-def vendordata_lease_end(paths=VENDORDATA, live: str | None = LIVE_URL) -> float | None:
+def live_url() -> str | None:
+    """The live document's address: APPLIANCE_VENDORDATA_URL when the launcher set it (empty: none), else Nova's."""
+    v = os.environ.get(Env.VENDORDATA_URL)
+    return LIVE_URL if v is None else (v or None)
+
+
+_FROM_ENV = object()
+
+
+def vendordata_lease_end(paths=VENDORDATA, live=_FROM_ENV) -> float | None:
     """Chameleon's on-node lease end as a Unix time: the live document first, else the hourly cache."""
+    if live is _FROM_ENV:
+        live = live_url()
     end = live_lease_end(live) if live else None
     return end if end is not None else cached_lease_end(paths)
 

@@ -39,8 +39,9 @@ yaml.SafeDumper.add_representer(_Literal, _literal)
 
 
 def boot_script() -> str:
-    hostkeys = (HERE / "hostkeys.sh").read_text().rstrip("\n")
-    return (HERE / "heat_boot.sh").read_text().replace("%%HOSTKEYS%%", hostkeys)
+    from .lifecycle import HOSTKEYS_SCRIPT
+
+    return (HERE / "heat_boot.sh").read_text().replace("%%HOSTKEYS%%", HOSTKEYS_SCRIPT.rstrip("\n"))
 
 
 def _server(name, role: str, extra_params: dict) -> dict:
