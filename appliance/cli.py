@@ -763,17 +763,34 @@ def watchdog_cmd(on_node, margin, poll, once):
 
 
 @main.command("runs")
+@click.argument("run", required=False)
+@click.option("--plot", "plot_png", is_flag=False, flag_value="", default=None, metavar="[PNG]",
+              help="With RUN: draw its loss/accuracy over the global step, every job on one axis, resumes marked "
+                   "(default ~/.appliance/runs/RUN/metrics.png).")
 @click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
-def runs_cmd(as_json):
+def runs_cmd(run, plot_png, as_json):
     """List runs: status, step, last committed checkpoint and its age, lease time left, node-hours.
 
     \b
     status: running | stopped (resumable: `appliance resume RUN`) | complete | failed
     node-hours lost: node time spent after the last commit of a job that then failed.
+    `appliance runs RUN --plot` draws the run's metrics from its newest committed checkpoint.
     """
-    from .flows import list_runs
+    from .flows import list_runs, plot_run
 
-    rows = list_runs()
+    if plot_png is not None:
+        if not run:
+            raise click.UsageError("--plot needs a RUN: `appliance runs RUN --plot`")
+        d = plot_run(run, plot_png or None, log=click.echo)
+        if as_json:
+            _json_out(d)
+        else:
+            click.echo(f"wrote {d['png']}: {', '.join(d['metrics'])} over steps {d['steps']}, resumed at "
+                       f"{d['resumed_at'] or 'no resume'}")
+            for p in d["step_axis_problems"]:
+                click.echo(f"warning: the step axis restarts: {p}")
+        return
+    rows = [r for r in list_runs() if not run or r["run"] == run]
     if as_json:
         _json_out(rows)
         return

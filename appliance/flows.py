@@ -156,10 +156,20 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
     spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name, log=log) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
         spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
-    cs, ck = choose_checkpoint(spec, log=log)
-    meta = cs.read_manifest(ck)["meta"]
-    log(f"[resume] run {run}: checkpoint {ck.name} (step {ck.step}, epoch {meta['epoch']}, batch {meta['offset']}, "
-        f"made on {meta['world_size']} rank(s))")
+    try:
+        cs, ck = choose_checkpoint(spec, log=log)
+    except ApplianceError:
+        files = synced_files(spec, log=log)  # level 3: only the synced working directory
+        if files is None:
+            raise
+        cs = ck = None
+        meta = {}
+        log(f"[resume] run {run}: no committed checkpoint; the synced working directory (manifest {files['seq']}, "
+            f"{len(files['files'])} file(s)) is restored on the head node before the script runs")
+    if ck is not None:
+        meta = cs.read_manifest(ck)["meta"]
+        log(f"[resume] run {run}: checkpoint {ck.name} (step {ck.step}, epoch {meta['epoch']}, batch "
+            f"{meta['offset']}, made on {meta['world_size']} rank(s))")
     if meta.get("complete"):
         log(f"[resume] run {run} already finished at step {ck.step}; nothing to do")
         return None
@@ -175,10 +185,45 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
     if spec.dataset is not None:
         stage_cluster(cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
                       creds=creds_for(spec, spec.dataset.source), out=out or log)
+    if ck is None:
+        return run_job(spec, cluster, out=out, restore="")  # a resume (the files), no checkpoint to restore
     rel = f"appliance/runs/{run}/restore/{ck.name}"
     stage_cluster(cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
                   creds=creds_for(spec, spec.checkpoint.url), out=out or log)
     return run_job(spec, cluster, out=out, restore=f"{cluster.head.workdir}/{rel}")
+
+
+def synced_files(spec: Spec, log=print) -> dict | None:
+    """The newest manifest of the run's synced working directory (level 3) that verifies, or None."""
+    from .store.filesync import FileSet
+
+    if not spec.checkpoint.url:
+        return None
+    return FileSet(spec.checkpoint.url, spec.name, creds_for(spec, spec.checkpoint.url)).newest_good(
+        log=lambda m: log(f"[resume] {m}"))
+
+
+def plot_run(run: str, path: str | None = None, *, spec_path: str | None = None, log=print) -> dict:
+    """`appliance runs RUN --plot`: the run's metrics from its newest committed checkpoint (one CSV across every
+    job of the run) as a PNG, with the jobs' resume steps marked."""
+    from .checkpoint import plot, runs
+
+    spec = find_spec(run, spec_path)
+    cs, ck = choose_checkpoint(spec, log=log)
+    buf = bytearray()
+    try:
+        cs.store.get(f"{cs.prefix}{ck.name}/metrics/metrics.csv", buf.extend)
+    except Exception as e:
+        raise ApplianceError(f"checkpoint {ck.name} of run {run} has no metrics ({type(e).__name__}: {e})",
+                             "the run's script must use the appliance's callback or Checkpointer") from None
+    series = plot.read_metrics(buf.decode(errors="replace"))
+    jobs = (runs.load(run) or {}).get("jobs", [])
+    out = Path(path or runs.record_dir(run) / "metrics.png")
+    plot.plot(series, jobs, out, f"run {run}: {len(jobs)} job(s), newest checkpoint {ck.name}")
+    steps = sorted({s for pts in series.values() for s, _ in pts})
+    return {"run": run, "png": str(out), "checkpoint": ck.name, "metrics": sorted(series),
+            "steps": [steps[0], steps[-1]] if steps else [], "resumed_at": [j.get("first_step") for j in jobs[1:]],
+            "step_axis_problems": plot.step_axis_problems(series)}
 
 
 def job_summary(res: JobResult) -> dict:

@@ -43,6 +43,13 @@ class Env:
     CKPT_RESIZE = "APPLIANCE_CKPT_RESIZE"
     CKPT_EVERY_STEPS = "APPLIANCE_CKPT_EVERY_STEPS"
     CKPT_EVERY_MINUTES = "APPLIANCE_CKPT_EVERY_MINUTES"
+    CHECKPOINT_DIR = "APPLIANCE_CHECKPOINT_DIR"  # the job's working directory; rank 0's is synced (level 3)
+    CODE_FILES = "APPLIANCE_CODE_FILES"  # a JSON list of the code's files in it (not synced)
+    FILES_RESTORE = "APPLIANCE_FILES_RESTORE"  # "1" on a resume: rank 0 restores the synced files first
+    FILES_EVERY_SECONDS = "APPLIANCE_FILES_EVERY_SECONDS"  # how often rank 0 syncs them (default 60)
+    FILES_SYNC = "APPLIANCE_FILES_SYNC"  # "0": no sync
+    CKPT_AUTO = "APPLIANCE_CKPT_AUTO"  # "0": no callback added to a plain Model.fit (checkpoint.auto: false)
+    KERAS_RNG = "APPLIANCE_KERAS_RNG"  # "legacy": Keras' default RNG for random layers (not checkpointable)
     CKPT_CREDS = "APPLIANCE_CKPT_CREDS"  # a 0600 file on the head node, read by rank 0 only
     STOP_CHECK_SECONDS = "APPLIANCE_STOP_CHECK_SECONDS"
     ETC = "APPLIANCE_ETC"  # where contextualize wrote cluster.json (default /etc/appliance)
@@ -58,6 +65,7 @@ class Line:
     CKPT = "APPLIANCE_CKPT"  # rank 0: a checkpoint committed
     STOPPED = "APPLIANCE_STOPPED"  # rank 0: stopped before the lease end (committed or not)
     RESUMED = "APPLIANCE_RESUMED"  # rank 0: where the job resumed from
+    FILES = "APPLIANCE_FILES"  # rank 0: its working directory's files committed (level 3)
     RANK_EXIT = "APPLIANCE_RANK_EXIT"  # a rank's own exit status (a plain integer, not JSON)
     PROGRESS = "APPLIANCE_PROGRESS"  # the stager's progress
     STAGED = "APPLIANCE_STAGED"  # the stager's result

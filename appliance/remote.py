@@ -46,19 +46,30 @@ class HostKeyMismatch(ApplianceError):
 
 
 def _splitter(stream: str, fn: LineFn | None, sink: list[str]):
+    """Bytes -> complete lines for ``fn(stream, line)``. A line callback that has a ``partial`` attribute also gets
+    ``fn.partial(stream, fragment)`` for the newest carriage-return-ended fragment of a line still open (a progress
+    bar redrawing itself), as it arrives."""
     buf = bytearray()
+    partial = getattr(fn, "partial", None)
+    scanned = [0]  # how far buf is known to hold no newline
 
     def feed(data: bytes, final: bool = False):
         buf.extend(data)
         while True:
-            i = buf.find(b"\n")
+            i = buf.find(b"\n", scanned[0])
             if i < 0:
+                scanned[0] = len(buf)
                 break
             line = buf[:i].decode(errors="replace")
             del buf[: i + 1]
+            scanned[0] = 0
             sink.append(line)
             if fn:
                 fn(stream, line)
+        if partial is not None and data and not final:
+            j = buf.rfind(b"\r")
+            if j > 0:
+                partial(stream, buf[buf.rfind(b"\r", 0, j) + 1:j].decode(errors="replace"))
         if final and buf:
             line = buf.decode(errors="replace")
             buf.clear()

@@ -80,6 +80,7 @@ class Checkpoint:
     every_minutes: float | None = None
     keep: int = 3
     resize: Literal["lr", "batch"] = "lr"  # on resume with another world size: scale lr, or keep the global batch
+    auto: bool = True  # add the appliance's callback to a plain Model.fit that has none (level 2, docs/checkpoints.md)
 
 
 @dataclass(frozen=True)

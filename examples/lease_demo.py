@@ -8,12 +8,20 @@
 4. `appliance resume digits`: a new lease, new servers, the dataset and the checkpoint staged, training
    restored at the step it stopped at, and run to the end.
 5. A reference run, uninterrupted, with the same seed and world size. Its final weights must equal the
-   resumed run's, bit for bit. Then the cluster goes down and the cloud's clock is put back on real time.
+   resumed run's, bit for bit.
+6. Level 2 (docs/checkpoints.md): an ordinary Keras + Horovod script with nothing of the appliance in it
+   (examples/plain_fit.yaml) on the same nodes. Mid-epoch, `appliance train` gets SIGTERM (as from Ctrl-C or a
+   batch system); every rank stops after the same step with a committed checkpoint; `appliance resume` continues
+   it mid-epoch; its final weights must equal an uninterrupted run's. Then the cluster goes down and the cloud's
+   clock is put back on real time.
 
 Run as `python examples/lease_demo.py [SPEC]` after the dataset is uploaded (see the Makefile).
 """
 
+import os
 import random
+import re
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -86,6 +94,7 @@ def main() -> int:
     ref_spec.write_text(yaml.safe_dump(raw))
     cluster = flows.up(spec_path, log=lambda m: None)  # the resumed run's cluster (no-op)
     ref = train(load_spec(str(ref_spec)), cluster, out=lambda line: None)
+    plain = plain_fit(cluster)
     flows.down(spec.name)
     # the demo's leases are gone: put the cloud's clock back on real time, so that a client dating a lease by this
     # machine's clock ("now + 1 minute") is not refused as starting in the past
@@ -101,7 +110,48 @@ def main() -> int:
     print(f"  final validation accuracy {r0.get('val_accuracy')} (reference {ref0.get('val_accuracy')})")
     print(f"  final weights {'EQUAL' if same else 'DIFFER from'} the uninterrupted reference run "
           f"(sha256 {weights(second)[:16]}…)")
-    return 0 if same else 1
+    print(f"  level 2, an unchanged Keras script: {plain}")
+    return 0 if same and plain.startswith("stopped") and "EQUAL" in plain else 1
+
+
+def plain_weights(lines: list[str]) -> str:
+    found = [m.group(1) for m in (re.search(r"weights sha256 (\w+)", x) for x in lines) if m]
+    return found[-1] if found else "none"
+
+
+def plain_fit(cluster, spec_path: str = "examples/plain_fit.yaml") -> str:
+    """Step 6: an unchanged Keras script, stopped mid-epoch by SIGTERM to `appliance train` and resumed."""
+    spec = load_spec(spec_path)
+    flows.data_remove(f"{spec.checkpoint.url.rstrip('/')}/{spec.name}/", cloud=spec.cloud)
+    say(f"6. level 2: {spec_path}, an ordinary Keras script; SIGTERM to `appliance train` in epoch 3")
+    at = {"done": False}
+
+    def on_line(line: str) -> None:
+        print(line, flush=True)
+        if "Epoch 3/" in line and not at["done"]:
+            at["done"] = True
+            print("[demo] SIGTERM to appliance train", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    first = train(spec, cluster, out=on_line)
+    if first.exit_code != 75 or not first.stopped:
+        return f"did not stop as asked (exit {first.exit_code}: {first.failure})"
+    lines: list[str] = []
+    second = resume(spec.name, cluster_name=cluster.name, out=lambda m: (print(m, flush=True), lines.append(m)))
+    if second is None or second.exit_code != 0:
+        return f"the resume failed: {second.failure if second else 'nothing to resume'}"
+    raw = yaml.safe_load(Path(spec_path).read_text())
+    raw["name"] = f"{spec.name}-reference"
+    raw.pop("checkpoint", None)
+    raw["train"]["code"] = str(Path(spec.code_dir).resolve())
+    ref_spec = Path(tempfile.mkdtemp(prefix="appliance-ref-")) / "reference.yaml"
+    ref_spec.write_text(yaml.safe_dump(raw))
+    ref_lines: list[str] = []
+    train(load_spec(str(ref_spec)), cluster, out=ref_lines.append)
+    same = plain_weights(lines) == plain_weights(ref_lines) != "none"
+    return (f"stopped after step {first.stopped['step']} (epoch {first.stopped['epoch']}), committed; resumed at "
+            f"step {second.resumed['step']}; final weights {'EQUAL' if same else 'DIFFER from'} the uninterrupted "
+            f"run's")
 
 
 if __name__ == "__main__":

@@ -160,3 +160,26 @@ def pytest_collection_modifyitems(config, items):
         if (item.get_closest_marker("slow") or item.get_closest_marker("root")
                 or E2E_FIXTURES & set(getattr(item, "fixturenames", ())) or item.originalname in E2E_TESTS):
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="module")
+def swift(tb2, tmp_path_factory):
+    """A real OpenStack Swift on the testbed's bridge, one per test module (test_stage.py has its own)."""
+    from appliance.localcloud.swift_server import SwiftServer
+
+    sw = SwiftServer(tmp_path_factory.mktemp("swift"), bind_ip=tb2.host_ip).start()
+    try:
+        yield sw
+    finally:
+        sw.stop()
+
+
+@pytest.fixture
+def st_env(swift, monkeypatch):
+    """Object-store credentials the way a user sets them (ST_*), for runs on the plain testbed."""
+    def use(auth_url):
+        monkeypatch.setenv("ST_AUTH", auth_url)
+        monkeypatch.setenv("ST_USER", swift.user)
+        monkeypatch.setenv("ST_KEY", swift.key)
+    use(swift.auth_url)
+    return use

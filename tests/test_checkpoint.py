@@ -23,7 +23,6 @@ from appliance.flows import resume
 from appliance.store.checkpoints import CheckpointStore
 from appliance.cluster import Cluster
 from appliance.store.objects import StoreCreds
-from appliance.localcloud.swift_server import SwiftServer
 from appliance import flows, sites
 from appliance.spec import load_spec
 from appliance.flows import run_job as train
@@ -76,26 +75,6 @@ class Lines:
 
     def has(self, text: str) -> bool:
         return any(text in x for x in self.lines)
-
-
-@pytest.fixture(scope="module")
-def swift(tb2, tmp_path_factory):
-    sw = SwiftServer(tmp_path_factory.mktemp("ckswift"), bind_ip=tb2.host_ip).start()
-    try:
-        yield sw
-    finally:
-        sw.stop()
-
-
-@pytest.fixture
-def st_env(swift, monkeypatch):
-    """Object-store credentials the way a user sets them (ST_*), for runs on the plain testbed."""
-    def use(auth_url):
-        monkeypatch.setenv("ST_AUTH", auth_url)
-        monkeypatch.setenv("ST_USER", swift.user)
-        monkeypatch.setenv("ST_KEY", swift.key)
-    use(swift.auth_url)
-    return use
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +197,7 @@ def test_kill9_of_rank0_while_uploading_keeps_the_previous_commit(cluster2, tb2,
     fixed = digits_spec(tmp_path, "ckkill", url="swift://ckpts/", fname="fixed.yaml")
     said = []
     res2 = resume("ckkill", spec_path=fixed, cluster_name=cluster2.name, out=said.append, log=said.append)
-    assert res2.exit_code == 0, res2.failure
+    assert res2.exit_code == 0, (res2.failure, res2.stopped, said[-20:])
     assert res2.resumed["step"] == 20 and res2.resumed["bit_exact"]
     assert sha(res2) == reference
     # metrics: one CSV, one step axis across both jobs; TensorBoard events from both
@@ -370,3 +349,78 @@ def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference_long, 
         assert sha(res) == reference_long
     finally:
         flows.down("ckext", log=lambda m: None)
+
+
+@pytest.mark.slow
+def test_an_unchanged_keras_script_survives_the_lease_end(cloud, tmp_path):
+    """Issue 13's first test: an ordinary Keras + Horovod script (examples/plain_fit, in the shape of Horovod's
+    MNIST example: `.repeat().shuffle().batch()` with steps_per_epoch, rank 0's progress bar and ModelCheckpoint),
+    nothing of the appliance in it, `checkpoint.url` in the spec. The lease end arrives mid-run: every rank stops
+    after the same step with a committed checkpoint, the lease ends, and `appliance resume` continues it on a new
+    lease with 0 steps lost."""
+    epochs, steps = 40, 28
+    p = tmp_path / "plain.yaml"
+    p.write_text("\n".join([
+        "name: ckplain", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
+        "image: appliance-cpu", "train:", f"  code: {ROOT / 'examples' / 'plain_fit'}",
+        f"  command: python train.py --data repeat --epochs {epochs}",
+        '  env: {"APPLIANCE_STOP_CHECK_SECONDS": "0.05"}',
+        "checkpoint: {url: \"swift://ckpts/\", keep: 2}", "lease: {duration: 1h, stop_margin: 60s}"]) + "\n")
+    cl = flows.up(str(p), log=lambda m: None)
+    try:
+        out = Lines()
+        at_epoch = random.randint(2, 10)
+        out.on(f"Epoch {at_epoch}/{epochs}", lambda line: localcloud.admin("POST", "/advance",
+                                                                          {"seconds": lease_left(cl) - 45}))
+        res = train(load_spec(str(p)), cl, out=out)
+        assert res.exit_code == 75, (res.failure, out.lines[-20:])
+        assert out.has("[appliance] protected (level 2, ")
+        st = res.stopped
+        assert st["committed"] and st["step"] < epochs * steps
+        localcloud.admin("POST", "/advance", {"seconds": 120})  # the lease ends: servers and disks go
+        assert flows.status("ckplain")["lease_status"] == "TERMINATED"
+        said = []
+        res2 = resume("ckplain", out=said.append, log=said.append)
+        assert res2.exit_code == 0, (res2.failure, said[-20:])
+        assert any("new lease" in m for m in said)
+        assert res2.resumed["step"] == st["step"]  # 0 steps lost beyond the stop step
+        assert any(f"after {epochs * steps} optimizer steps" in m for m in said)
+        assert runs.load("ckplain")["status"] == "complete"
+    finally:
+        flows.down("ckplain", log=lambda m: None)
+
+
+@pytest.mark.slow
+def test_a_custom_loop_keeps_its_own_checkpoint_files_across_the_lease_end(cloud, tmp_path):
+    """Level 3: a custom Horovod loop (examples/custom_loop) writing ./checkpoint-N.h5 itself. Nothing stops it;
+    at the stop request rank 0's working directory is committed to the store, the lease ends under the job (the
+    report says so and names the synced files), and `appliance resume` puts the files back on a new lease before
+    the script starts: the script resumes from its newest file."""
+    epochs = 400
+    p = tmp_path / "loop.yaml"
+    p.write_text("\n".join([
+        "name: ckloop", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
+        "image: appliance-cpu", "train:", f"  code: {ROOT / 'examples' / 'custom_loop'}",
+        f"  command: python train.py --epochs {epochs}",
+        "checkpoint: {url: \"swift://ckpts/\", keep: 2}", "lease: {duration: 1h, stop_margin: 60s}"]) + "\n")
+    cl = flows.up(str(p), log=lambda m: None)
+    try:
+        out = Lines()
+        out.on("epoch 3/", lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45}))
+        # the last sync before the end is committed: the lease ends, under the running job
+        out.on("the last before the lease end", lambda line: localcloud.admin("POST", "/advance", {"seconds": 120}))
+        res = train(load_spec(str(p)), cl, out=out)
+        assert out.has("[appliance] protected (level 3 only, ")
+        assert res.exit_code != 0 and res.failure.startswith("the lease ended")
+        assert "the working directory was synced" in res.failure, res.failure
+        synced = [int(x.split("epoch ")[1].split("/")[0]) for x in out.lines if "] epoch " in x and "/400 loss" in x]
+        assert synced, out.lines[-20:]
+        said = []
+        res2 = resume("ckloop", out=said.append, log=said.append)
+        assert res2.exit_code == 0, (res2.failure, said[-20:])
+        assert any("new lease" in m for m in said)
+        resumed = [int(m.split("resuming from epoch ")[1]) for m in said if "resuming from epoch " in m]
+        assert resumed and 3 <= resumed[0] <= max(synced), (resumed, max(synced))
+        assert any(f"done after epoch {epochs}" in m for m in said)
+    finally:
+        flows.down("ckloop", log=lambda m: None)

@@ -12,7 +12,7 @@ from appliance.node.checkpointer import Checkpointer
 
 def ranks0(tmp_path, save):
     c = object.__new__(Checkpointer)
-    c.rank, c.step, c.local_dir, c.save_failures = 0, 40, tmp_path / "checkpoints", 0
+    c.rank, c.size, c.model, c.step, c.local_dir, c.save_failures = 0, 1, None, 40, tmp_path / "checkpoints", 0
     c._last_save = 0.0
     (c.local_dir / ".tmp-ckpt-000000040").mkdir(parents=True)
     (c.local_dir / ".tmp-ckpt-000000040" / "state.data").write_bytes(b"half")
@@ -23,7 +23,7 @@ def ranks0(tmp_path, save):
 
 
 def test_a_full_disk_does_not_end_the_run(tmp_path):
-    def full(**kw):
+    def full(*a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     c, said = ranks0(tmp_path, full)
@@ -42,7 +42,7 @@ def test_tensorflows_own_io_errors_count_too(tmp_path):
 
     err = type("ResourceExhaustedError", (ResourceExhaustedError, OpError), {})
 
-    def full(**kw):
+    def full(*a, **kw):
         raise err("out of space writing state.data")
 
     c, said = ranks0(tmp_path, full)
@@ -51,7 +51,7 @@ def test_tensorflows_own_io_errors_count_too(tmp_path):
 
 
 def test_a_bug_is_not_swallowed(tmp_path):
-    def bug(**kw):
+    def bug(*a, **kw):
         raise KeyError("x")
 
     c, _ = ranks0(tmp_path, bug)

@@ -147,7 +147,7 @@ def test_a_job_cut_by_the_lease_end_without_a_commit_is_lost_and_says_why(tmp_pa
     hook = _ended_hook(tmp_path)
     res = _result(rc=1, failure="node head stopped answering (ranks 0, 1)")
     hook.finish(res)
-    assert "the run is lost" in res.failure and "Checkpointer" in res.failure
+    assert "the run is lost" in res.failure and "docs/checkpoints.md" in res.failure
 
 
 def test_launch_says_which_protection_applies(tmp_path):
@@ -159,9 +159,17 @@ def test_launch_says_which_protection_applies(tmp_path):
     code.mkdir()
     (code / "train.py").write_text("model.fit(ds, epochs=60)\n")  # an unchanged Horovod example
     cl = SimpleNamespace(lease_end="2026-11-24T12:00:00")
-    spec = SimpleNamespace(name="r", code_dir=str(code), checkpoint=SimpleNamespace(url=None))
+    spec = SimpleNamespace(name="r", code_dir=str(code), checkpoint=SimpleNamespace(url=None, auto=True))
     assert "warning: no checkpoint.url" in protection_line(spec, cl) and "2026-11-24 12:00" in protection_line(spec, cl)
     spec.checkpoint.url = "swift://ckpts/"
-    assert "never uses the appliance's Checkpointer" in protection_line(spec, cl)
-    (code / "train.py").write_text("from appliance.checkpoint.keras import Checkpointer\n")
-    assert protection_line(spec, cl).startswith("[appliance] protected:")
+    assert protection_line(spec, cl).startswith("[appliance] protected (level 2, ")  # the shim hooks Model.fit
+    spec.checkpoint.auto = False
+    assert "(level 3 only, " in protection_line(spec, cl) and "checkpoint.auto is false" in protection_line(spec, cl)
+    (code / "train.py").write_text("from appliance.checkpoint import keras\nmodel.fit(ds, callbacks=[keras.callback()])\n")
+    assert protection_line(spec, cl).startswith("[appliance] protected (level 1, the appliance's callback")
+    (code / "train.py").write_text("from appliance.checkpoint.keras import Checkpointer\nfor e, f in ck.epochs(m, 3, 9):\n")
+    assert protection_line(spec, cl).startswith("[appliance] protected (level 1, the Checkpointer's loop")
+    spec.checkpoint.auto = True
+    (code / "train.py").write_text("with hvd.DistributedGradientTape(tf.GradientTape()) as tape:\n")  # a custom loop
+    assert "(level 3 only, " in protection_line(spec, cl) and "never calls Model.fit" in protection_line(spec, cl)
+

@@ -66,3 +66,27 @@ def test_output_that_arrives_after_the_exit_status_is_kept():
     r = SSHRemote(node, Client(chan)).run("sh -s", stdin=None)
     assert r.rc == 0
     assert r.out.splitlines() == ["APPLIANCE_NIC=eth0", "APPLIANCE_CONTEXT=ok"]
+
+
+def test_progress_bar_redraws_become_one_clean_line_and_a_live_fragment():
+    """Keras' progress bar through horovodrun: every redraw is a ``\\r``-ended fragment with the rank prefix
+    (horovod/runner/common/util/safe_shell_exec.py prefix_connection), the line ends only at the epoch's end."""
+    from appliance.remote import _splitter
+    from appliance.train.launch import clean_progress
+
+    lines, live = [], []
+
+    def on_line(stream, line):
+        lines.append(line)
+
+    on_line.partial = lambda stream, frag: live.append(frag)
+    feed = _splitter("out", on_line, [])
+    feed(b"[0]<stdout>:Epoch 1/3\n[0]<stdout>: 1/28 [>....] - ETA: 3s - loss: 2.3\b\b\b\r[0]<stdout>: 2/2")
+    feed(b"8 [=>...] - ETA: 2s - loss: 2.2\b\b\b\r[0]<stdout>:28/28 [=====] - 1s 10ms/step")
+    assert lines == ["[0]<stdout>:Epoch 1/3"]
+    assert live == ["[0]<stdout>: 1/28 [>....] - ETA: 3s - loss: 2.3\b\b\b",
+                    "[0]<stdout>: 2/28 [=>...] - ETA: 2s - loss: 2.2\b\b\b"]
+    feed(b" - loss: 0.5\n")
+    assert len(lines) == 2
+    assert clean_progress(lines[1][len("[0]<stdout>:"):]) == "28/28 [=====] - 1s 10ms/step - loss: 0.5"
+    assert clean_progress("\r\b\b\r") == ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shlex
 import signal
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 from ..errors import ApplianceError
 from ..protocol import EXIT_STOPPED, RUN_MARKER, Env, Line, parse
 from ..sites import for_cluster, for_spec
+from ..store.filesync import FileSet
 from ..store.checkpoints import CheckpointStore, retrying
 from ..store.objects import parse_url
 from ..train.launch import JobContext, JobHooks, JobResult
@@ -41,6 +43,7 @@ class JobCheckpoints(JobHooks):
         self.say: Callable[[str], None] = print
         self.creds_file: str | None = None
         self.commits: list[dict] = []
+        self.files: list[dict] = []  # rank 0's working-directory syncs (level 3)
         self.stopped: dict | None = None
         self.resumed: dict | None = None
         self.stop_requested: dict | None = None
@@ -65,7 +68,8 @@ class JobCheckpoints(JobHooks):
             env[Env.VENDORDATA_URL] = ""
         if not ck.url:
             return env
-        env.update({Env.CKPT_URL: ck.url, Env.CKPT_KEEP: str(ck.keep), Env.CKPT_RESIZE: ck.resize})
+        env.update({Env.CKPT_URL: ck.url, Env.CKPT_KEEP: str(ck.keep), Env.CKPT_RESIZE: ck.resize,
+                    Env.CKPT_AUTO: "1" if ck.auto else "0"})
         if ck.every_steps:
             env[Env.CKPT_EVERY_STEPS] = str(ck.every_steps)
         if ck.every_minutes:
@@ -78,9 +82,18 @@ class JobCheckpoints(JobHooks):
             cs = CheckpointStore(ck.url, spec.name, creds)
             retrying(cs.ensure_container, what="create the checkpoint container", attempts=4)
             old = cs.committed() if fresh else []
+            synced = FileSet(ck.url, spec.name, creds).manifests() if fresh else []
         except Exception as e:  # the job can still run; rank 0 retries its uploads
             self.say(f"[appliance] warning: cannot reach {ck.url} yet ({type(e).__name__}: {e})")
-            cs = None
+            cs, synced = None, []
+        if not fresh:
+            env[Env.FILES_RESTORE] = "1"  # rank 0 restores the synced working directory before the script runs
+        if synced and not old:
+            where = f"{ck.url.rstrip('/')}/{spec.name}/"
+            raise ApplianceError(f"run {spec.name!r} already has synced files in {where}files/ (manifest "
+                                 f"{synced[0]}); a new job would start without them and prune them",
+                                 f"continue the run with `appliance resume {spec.name}`, or start it over: "
+                                 f"`appliance data rm {where} --yes`, or give the spec a new name")
         if old:  # checked before anything is written, so a refused job changes nothing
             where = f"{ck.url.rstrip('/')}/{spec.name}/"
             raise ApplianceError(f"run {spec.name!r} already has {len(old)} committed checkpoint(s) in {where} "
@@ -132,10 +145,17 @@ class JobCheckpoints(JobHooks):
 
     def rank_line(self, rank: int, text: str) -> bool:
         """Consume rank 0's checkpoint lines; True if the line was one."""
-        got = parse(text, (Line.CKPT, Line.STOPPED, Line.RESUMED)) if rank == 0 else None
+        got = parse(text, (Line.CKPT, Line.STOPPED, Line.RESUMED, Line.FILES)) if rank == 0 else None
         if got is not None:
             kind, body = got
-            if kind == Line.CKPT:
+            if kind == Line.FILES:
+                body["at"] = time.time()
+                self.files.append(body)
+                self.say(f"[checkpoint] synced the working directory: {body['files']} file(s), {body['bytes']} bytes "
+                         f"committed (manifest {body['seq']}, {body['seconds']}s"
+                         + {"stop": ", the last before the lease end)", "exit": ", as rank 0 exited)"}.get(
+                             body.get("final") or "", ")"))
+            elif kind == Line.CKPT:
                 body["at"] = time.time()
                 self.commits.append(body)
                 if self.watch is not None:
@@ -206,12 +226,17 @@ class JobCheckpoints(JobHooks):
                 if steps:
                     tail = (f"work after step {max(steps)} is lost; the newest committed checkpoint is step "
                             f"{max(steps)}: `appliance resume {name}` continues from it on a new lease")
+                elif self.files:
+                    f = self.files[-1]
+                    tail = (f"no checkpoint was committed, but the working directory was synced "
+                            f"{time.strftime('%H:%M:%S', time.gmtime(f['at']))} UTC ({f['files']} file(s), manifest "
+                            f"{f['seq']}): `appliance resume {name}` puts those files back on a new lease, and the "
+                            "script resumes from them")
                 elif self.spec.checkpoint.url:
-                    tail = ("no checkpoint was committed, so the run is lost (the training script must use the "
-                            "appliance's Checkpointer: docs/checkpoints.md)")
+                    tail = ("no checkpoint was committed, so the run is lost (docs/checkpoints.md: what protects a "
+                            "job)")
                 else:
-                    tail = ("the spec has no checkpoint.url, so the run is lost: set it and use the appliance's "
-                            "Checkpointer (docs/checkpoints.md)")
+                    tail = "the spec has no checkpoint.url, so the run is lost: set it (docs/checkpoints.md)"
                 result.failure = f"the lease ended{when} before the job finished ({result.failure}); {tail}"
         if self.stopped is not None and result.failure is None:
             if self.stopped.get("committed"):
@@ -223,13 +248,22 @@ class JobCheckpoints(JobHooks):
                                   f"{self.cluster.head.name} at {self.stopped.get('local')}")
 
 
-def uses_checkpointer(code_dir: str) -> bool:
-    """Whether the training code names the appliance's Checkpointer (the one hook a lease-end stop has today)."""
+def protection_level(code_dir: str, auto: bool = True) -> str:
+    """Which of docs/checkpoints.md's levels the training code gets, read from its Python files:
+    "loop" (Checkpointer.epochs()), "callback" (the appliance's Keras callback in model.fit), "auto" (a plain
+    Model.fit the ranks' shim hooks: checkpoint.auto), or "none" (no Model.fit: a custom training loop)."""
     try:
-        return any("Checkpointer" in p.read_text(errors="replace") for p in Path(code_dir).rglob("*.py")
-                   if "__pycache__" not in p.parts)
+        text = "\n".join(p.read_text(errors="replace") for p in Path(code_dir).rglob("*.py")
+                         if "__pycache__" not in p.parts)
     except OSError:
-        return False
+        return "none"
+    if ".epochs(" in text and "Checkpointer" in text:
+        return "loop"
+    if "appliance.checkpoint" in text and ("callback(" in text or ".callback" in text):
+        return "callback"
+    if auto and re.search(r"\.fit\(", text):
+        return "auto"
+    return "none"
 
 
 def protection_line(spec, cluster) -> str:
@@ -238,13 +272,24 @@ def protection_line(spec, cluster) -> str:
     ends = f" (the lease ends {cluster.lease_end[:16].replace('T', ' ')} UTC)" if cluster.lease_end else ""
     if not ck.url:
         return (f"[appliance] warning: no checkpoint.url in the spec: nothing saves this run before the lease "
-                f"end{ends}; it would be lost (fix: set checkpoint.url and use the Checkpointer, docs/checkpoints.md)")
-    if not uses_checkpointer(spec.code_dir):
-        return (f"[appliance] warning: checkpoint.url is set, but {spec.code_dir} never uses the appliance's "
-                f"Checkpointer: a lease-end stop{ends} would save nothing and the run would be lost (fix: wrap the "
-                "training loop as docs/checkpoints.md shows)")
-    return (f"[appliance] protected: the Checkpointer commits to {ck.url.rstrip('/')}/{spec.name}/ and stops every "
-            f"rank after the same step before the lease end{ends}; `appliance resume {spec.name}` continues it")
+                f"end{ends}; it would be lost (fix: set checkpoint.url, docs/checkpoints.md)")
+    level = protection_level(spec.code_dir, ck.auto)
+    where = f"{ck.url.rstrip('/')}/{spec.name}/"
+    if level == "none":
+        why = ("checkpoint.auto is false and the code does not use the appliance's callback" if not ck.auto else
+               "the code never calls Model.fit (a custom training loop?) nor uses the Checkpointer")
+        return (f"[appliance] protected (level 3 only, the synced working directory): {why}, so nothing stops the "
+                f"job before the lease end{ends}; the files it writes in its working directory (e.g. "
+                f"./checkpoint-N.h5) are committed to {where}files/ every minute and when the stop comes, and "
+                f"`appliance resume {spec.name}` puts them back before the script starts; the script must resume "
+                "from them itself. For a stop after the same step on every rank: pass "
+                "appliance.checkpoint.keras.callback() to model.fit, or use Checkpointer.epochs() "
+                "(docs/checkpoints.md)")
+    how = {"loop": "level 1, the Checkpointer's loop",
+           "callback": "level 1, the appliance's callback in model.fit",
+           "auto": "level 2, the appliance's callback added to Model.fit by checkpoint.auto, no code changes"}[level]
+    return (f"[appliance] protected ({how}): commits to {where} and stops every rank after the same step before the "
+            f"lease end{ends}; `appliance resume {spec.name}` continues it")
 
 
 def store_creds(spec):

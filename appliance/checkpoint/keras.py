@@ -1,5 +1,5 @@
-"""The training scripts' API: ``from appliance.checkpoint.keras import Checkpointer``.
+"""The training scripts' API: ``from appliance.checkpoint.keras import Checkpointer, callback``.
 
-The implementation is node-side code (`appliance/node/checkpointer.py`); this name stays for user scripts."""
+The implementation is node-side code (`appliance/node/checkpointer.py`); these names stay for user scripts."""
 
-from ..node.checkpointer import Checkpointer, vendordata_lease_end  # noqa: F401
+from ..node.checkpointer import Checkpointer, callback, vendordata_lease_end  # noqa: F401

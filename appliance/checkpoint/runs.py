@@ -96,6 +96,9 @@ def job_ended(spec: Spec, cluster: Cluster, res) -> dict:
     for c in res.commits:
         rec["last_checkpoint"] = {"name": c["name"], "step": c["step"], "committed_at": c.get("at", ended)}
         rec["step"] = max(rec.get("step") or 0, c["step"])
+    resumed = getattr(res, "resumed", None)
+    job["first_step"] = int(resumed["step"]) if resumed else 0
+    job["last_step"] = int(res.stopped["step"]) if res.stopped else max((c["step"] for c in res.commits), default=None)
     job.update({"ended": ended, "status": status, "exit_code": res.exit_code, "failure": res.failure,
                 "node_seconds": round(used, 1), "node_seconds_lost": round(lost, 1)})
     rec["status"] = status

@@ -82,12 +82,28 @@ def _set_rng_state(s: dict) -> None:
         tf.random.get_global_generator().state.assign(np.array(s["tf_global"], dtype=np.int64))
 
 
+def layer_generators(model) -> list:
+    """The tf.random.Generator of every random layer (Dropout, GaussianNoise, RandomFlip, ...), in layer order.
+
+    They exist when tf_keras draws layer randomness from generators (the ranks' default, appliance/node/keras_fit.py).
+    They are not in ``model.variables`` nor in a ``tf.train.Checkpoint`` of the model (a layer without weights is not
+    tracked), so the checkpoint saves their states itself, per rank."""
+    out = []
+    if model is None:
+        return out
+    for layer in model._flatten_layers(include_self=False):
+        g = getattr(getattr(layer, "_random_generator", None), "_generator", None)
+        if g is not None and hasattr(g, "state"):
+            out.append(g)
+    return out
+
+
 class Checkpointer:
     """Checkpoint/restore/stop for one rank. Settings come from the environment `appliance train` sets;
     arguments override them."""
 
-    def __init__(self, *, seed: int, batch_size: int, url: str | None = None, every_steps: int | None = None,
-                 every_minutes: float | None = None, keep: int | None = None, run_dir: str | None = None,
+    def __init__(self, *, seed: int | None = None, batch_size: int | None = None, url: str | None = None,
+                 every_steps: int | None = None, every_minutes: float | None = None, keep: int | None = None, run_dir: str | None = None,
                  restore_dir: str | None = None, resize: str | None = None, exit_on_stop: bool = True):
         import horovod.tensorflow as hvd_tf
 
@@ -115,7 +131,7 @@ class Checkpointer:
         self.requested_batch = batch_size
         old = (self.meta or {}).get("world_size", self.size)
         self.resized = bool(self.meta) and old != self.size
-        if self.meta and self.resize == "batch":
+        if self.meta and self.resize == "batch" and batch_size is not None:
             g = self.meta["global_batch"]
             if g % self.size:
                 raise SystemExit(f"checkpoint.resize: batch keeps the global batch {g}, which {self.size} ranks "
@@ -123,6 +139,8 @@ class Checkpointer:
             self.batch_size, self.lr_scale = g // self.size, float(self.meta.get("lr_scale", old))
         else:
             self.batch_size, self.lr_scale = batch_size, float(self.size)
+        self.mode: str | None = None  # "loop" (epochs()) or "fit" (the callback in a plain Model.fit)
+        self.model = None
         self.step = 0
         self.epoch, self.first, self.offset = 0, 0, 0
         self.stopped = False
@@ -159,6 +177,9 @@ class Checkpointer:
     def _local_stop(self) -> bool:
         if self._local_reason:
             return True
+        if self._fault == f"stop-at:{self.step}":  # test hook: a stop asked for after exactly this step
+            self._local_reason = "stop requested (test)"
+            return True
         if self.stop_file.exists():
             try:
                 req = json.loads(self.stop_file.read_text() or "{}")
@@ -179,11 +200,17 @@ class Checkpointer:
                     return True
         return False
 
-    def _collective_stop(self) -> bool:
-        """One allreduce (max of 0/1 flags) at agreed steps. The first CALIBRATION steps after a start check
-        every step while rank 0 times them; at the last of them the ranks agree (the same allreduce carries
-        rank 0's answer) on K, the number of steps per ``check_seconds``; from then on every K-th step checks.
-        Every rank reaches the same decision at the same step, and the check costs one tiny allreduce a second."""
+    def _time_save_due(self) -> int:
+        """Rank 0's clock says a periodic save is due (carried to every rank by the stop check)."""
+        return int(self.rank == 0 and bool(self.every_s) and time.monotonic() - self._last_save >= self.every_s)
+
+    def _collective_stop(self) -> tuple[bool, bool]:
+        """(stop, save) agreed by all ranks: one allreduce (max of 0/1 flags) at agreed steps. The first
+        CALIBRATION steps after a start check every step while rank 0 times them; at the last of them the ranks
+        agree (the same allreduce carries rank 0's answer) on K, the number of steps per ``check_seconds``; from
+        then on every K-th step checks. Every rank reaches the same decision at the same step, and the check costs
+        one tiny allreduce a second. The same allreduce carries rank 0's "a timed save is due", so that every rank
+        takes part in every save (each rank's RNG state goes into it)."""
         import tensorflow as tf
 
         s = self.step
@@ -197,24 +224,26 @@ class Checkpointer:
             if self.rank == 0:
                 per_step = (time.monotonic() - self._t_calib) / max(1, s - self._calib_from - 3)
                 k = max(1, min(1000, int(self.check_seconds / max(per_step, 1e-6))))
-            v = self._hvd.allreduce(tf.constant([1 if self._local_stop() else 0, k], dtype=tf.int32),
-                                    op=self._hvd.Max, name="appliance.stop.calibrate")
+            v = self._hvd.allreduce(tf.constant([1 if self._local_stop() else 0, k, self._time_save_due()],
+                                                dtype=tf.int32), op=self._hvd.Max, name="appliance.stop.calibrate")
             self.check_every = int(v[1])
             self._next_check = s + self.check_every
-            return int(v[0]) > 0
+            return int(v[0]) > 0, int(v[2]) > 0
         elif s < self._next_check:
             self._checked_at = -1
-            return False
+            return False, False
         else:
             self._next_check = s + self.check_every
-        flag = tf.constant([1 if self._local_stop() else 0], dtype=tf.int32)
-        return int(self._hvd.allreduce(flag, op=self._hvd.Max, name="appliance.stop")[0]) > 0
+        flag = tf.constant([1 if self._local_stop() else 0, self._time_save_due()], dtype=tf.int32)
+        v = self._hvd.allreduce(flag, op=self._hvd.Max, name="appliance.stop")
+        return int(v[0]) > 0, int(v[1]) > 0
 
     # -- the loop ------------------------------------------------------------------------------------------
     def epochs(self, model, total_epochs: int, steps_per_epoch: int, optimizer=None):
         """Yield (epoch, first_batch) from the restored position to the end; handles a stop."""
         import tensorflow as tf
 
+        self.mode = "loop"
         self.model, self.optimizer = model, optimizer or model.optimizer
         self.steps_per_epoch = steps_per_epoch
         self.total_epochs = total_epochs
@@ -229,6 +258,40 @@ class Checkpointer:
                 return
             epoch, first = epoch + 1, 0
 
+    def attach_fit(self, model, params: dict) -> None:
+        """A plain ``Model.fit`` starts (the callback's on_train_begin): restore the newest checkpoint into the model
+        and make Keras start at its (epoch, batch), the consumed batches skipped (appliance/node/keras_fit.py)."""
+        import tensorflow as tf
+
+        from . import keras_fit
+
+        keras_fit.install_data_hooks()  # the ranks' shim did it at import; this is for scripts run elsewhere
+        again = self.mode == "fit"
+        self.mode = "fit"
+        self.model, self.optimizer = model, model.optimizer
+        self.steps_per_epoch = int(params.get("steps") or 0)
+        self.total_epochs = int(params.get("epochs") or 0)
+        self._tf_ckpt = tf.train.Checkpoint(model=model, optimizer=self.optimizer)
+        if again:  # the same callback in another fit: the step count goes on, nothing is restored twice
+            return
+        if self.meta and not keras_fit.build_from_data(model):
+            self._log("the model is not built before its first step (no input shape), so its checkpoint is "
+                      "restored as its variables appear; give the model an Input layer for an exact resume")
+        epoch, first = self._restore()
+        self._calib_from, self._calib_at = self.step, self.step + CALIBRATION
+        self.epoch, self.first = epoch, 0
+        if self.meta:
+            model._training_state = keras_fit.ResumeAt(epoch, first)
+            model._appliance_skip = (epoch, first, self._log if self.rank == 0 else (lambda m: None))
+
+    def end_fit(self) -> None:
+        """A plain ``Model.fit`` returned normally (all epochs, or another callback stopped it): the final
+        checkpoint, committed."""
+        if isinstance(getattr(self.model, "_training_state", None), _resume_type()):
+            self.model._training_state = None
+        if not self.stopped:
+            self.close()
+
     def _restore(self) -> tuple[int, int]:
         if self.rank == 0:
             self._open_metrics(restore=self.restore_dir)
@@ -239,18 +302,33 @@ class Checkpointer:
         if hasattr(opt, "build"):
             opt.build(self.model.trainable_variables)
         self._tf_ckpt.read(str(self.restore_dir / "state")).assert_existing_objects_matched()
-        _set_rng_state(m["rng"])
+        per_rank = m.get("rng_ranks") or []
+        mine = per_rank[self.rank] if len(per_rank) == self.size else m["rng"]  # a resize: rank 0's for all
+        _set_rng_state(mine)
+        gens, states = layer_generators(self.model), mine.get("layers")
+        layers_restored = states is not None and len(states) == len(gens)
+        if layers_restored:
+            for g, st in zip(gens, states):
+                g.state.assign(np.array(st, dtype=np.int64))
         self.step = int(m["step"])
         epoch, first = int(m["epoch"]), int(m["offset"])
         info = {"step": self.step, "epoch": epoch, "batch": first, "world_size": self.size,
                 "checkpoint_world_size": m["world_size"], "bit_exact": not self.resized}
-        if self.resized:
+        if gens and not layers_restored:
+            info.update({"bit_exact": False, "note": f"{len(gens)} random layer(s) but the checkpoint has "
+                         f"{len(states or [])} generator state(s): their random draws differ after the resume"})
+        if self.resized and self.batch_size is None:  # a plain Model.fit: the same fraction of the epoch
+            old_spe = int(m.get("steps_per_epoch") or 0)
+            if old_spe and self.steps_per_epoch:
+                first = min(self.steps_per_epoch, first * self.steps_per_epoch // old_spe)
+            info.update({"batch": first, "policy": "lr (fit: same fraction of the epoch)"})
+        elif self.resized:
             done = first * m["global_batch"]  # samples of this epoch already trained on
             first = min(done // (self.batch_size * self.size), self.steps_per_epoch)
             info.update({"batch": first, "policy": self.resize, "batch_size": self.batch_size,
                          "global_batch": self.batch_size * self.size, "old_global_batch": m["global_batch"],
                          "lr_scale": self.lr_scale, "old_lr_scale": m.get("lr_scale")})
-        if first >= self.steps_per_epoch:
+        if self.steps_per_epoch and first >= self.steps_per_epoch:
             epoch, first = epoch + 1, 0
         for k in ("spec_hash", "code_hash"):
             if m.get(k) and os.environ.get(f"APPLIANCE_{k.upper()}") not in (None, "", m.get(k)):
@@ -262,18 +340,18 @@ class Checkpointer:
     def after_step(self, batch: int, logs: dict | None) -> None:
         self.step += 1
         self.offset = self.first + batch + 1
-        stop = self._collective_stop()
+        stop, timed = self._collective_stop()
         if self.rank == 0 and (self._checked_at == self.step or stop):  # about once per check interval
             self._log_metrics(logs or {}, every=1)
-        if self.rank == 0:
-            due = (self.every_steps and self.step % self.every_steps == 0) or \
-                  (self.every_s and time.monotonic() - self._last_save >= self.every_s)
-            if due and not stop:
-                self._periodic_save()
+        due = (self.every_steps and self.step % self.every_steps == 0) or timed  # the same on every rank
+        if due and not stop:
+            self._periodic_save()
         if stop:
             self.stopped = True
             self.stop_reason = self._local_reason or "a peer asked to stop"
             self.model.stop_training = True
+            if self.mode == "fit":  # now, before Keras runs the epoch's end (validation, other callbacks)
+                self._finish_stop()
 
     def epoch_end(self, epoch: int, logs: dict | None) -> None:
         if self.rank == 0 and not self.stopped:  # a stopped epoch is not a finished one
@@ -281,7 +359,7 @@ class Checkpointer:
 
     # -- saving --------------------------------------------------------------------------------------------
     def _position(self) -> tuple[int, int]:
-        if self.offset >= self.steps_per_epoch:
+        if self.steps_per_epoch and self.offset >= self.steps_per_epoch:
             return self.epoch + 1, 0
         return self.epoch, self.offset
 
@@ -289,8 +367,12 @@ class Checkpointer:
         """A periodic save that fails on the node's disk (full, I/O error) does not end the run: say so loudly,
         clean the partial directory, keep training, and try again at the next interval. Older checkpoints, local
         and committed, are untouched."""
+        states = self._gather_rng()
+        if self.rank != 0:
+            self._last_save = time.monotonic()
+            return
         try:
-            self.save()
+            self.save(states)
         except Exception as e:
             if not _is_io_error(e):
                 raise
@@ -305,8 +387,21 @@ class Checkpointer:
         for p in self.local_dir.glob(".tmp-ckpt-*"):
             shutil.rmtree(p, ignore_errors=True)
 
-    def save(self, *, complete: bool = False) -> Path:
-        """Rank 0: write the full state locally (atomic rename) and queue it for upload."""
+    def _gather_rng(self) -> list[dict]:
+        """Every rank: its RNG states (Python, NumPy, TensorFlow's global generator, the random layers'
+        generators), gathered on every rank; a checkpoint keeps each rank's, so a resume on the same world size
+        gives each rank its own."""
+        mine = _rng_state()
+        mine["layers"] = [g.state.numpy().tolist() for g in layer_generators(self.model)]
+        if self.size == 1:
+            return [mine]
+        return list(self._hvd.allgather_object(mine, name="appliance.rng"))
+
+    def save(self, states: list[dict] | None = None, *, complete: bool = False) -> Path:
+        """Rank 0: write the full state locally (atomic rename) and queue it for upload. ``states``: every rank's
+        RNG states (``_gather_rng``, which all ranks must call); without it, rank 0's alone."""
+        states = states or [dict(_rng_state(), layers=[g.state.numpy().tolist()
+                                                       for g in layer_generators(self.model)])]
         t0 = time.monotonic()
         epoch, offset = self._position()
         name = ckpt_name(self.step)
@@ -316,11 +411,13 @@ class Checkpointer:
         tmp.mkdir(parents=True)
         self._tf_ckpt.write(str(tmp / "state"))
         meta = {"step": self.step, "epoch": epoch, "offset": offset, "seed": self.seed,
-                "world_size": self.size, "batch_size": self.batch_size, "global_batch": self.batch_size * self.size,
+                "world_size": self.size, "batch_size": self.batch_size,
+                "global_batch": self.batch_size and self.batch_size * self.size,
                 "lr_scale": self.lr_scale, "steps_per_epoch": self.steps_per_epoch, "total_epochs": self.total_epochs,
                 "complete": complete, "run": self.run, "saved_at": time.time(),
                 "spec_hash": os.environ.get(Env.SPEC_HASH, ""),
-                "code_hash": os.environ.get(Env.CODE_HASH, ""), "rng": _rng_state()}
+                "code_hash": os.environ.get(Env.CODE_HASH, ""), "rng": states[0], "rng_ranks": states,
+                "mode": self.mode}
         if self._writer is not None:
             self._writer.flush()
         if self._csv is not None:
@@ -431,13 +528,14 @@ class Checkpointer:
         """Every rank: rank 0 saves + commits; all wait for it; rank 0 reports; exit 0."""
         import tensorflow as tf
 
+        states = self._gather_rng()
         if self.rank == 0:
             if self._deadline is None:
                 self._deadline = time.time() + 600
             t0 = time.monotonic()
             save_error = None
             try:
-                local = self.save()
+                local = self.save(states)
             except Exception as e:  # the disk refused the stop's save: report it, older checkpoints stand
                 if not _is_io_error(e):
                     raise
@@ -464,8 +562,9 @@ class Checkpointer:
         """After the last epoch: a final checkpoint (marked complete), committed before returning."""
         import tensorflow as tf
 
+        states = self._gather_rng()
         if self.rank == 0:
-            self.save(complete=True)
+            self.save(states, complete=True)
             if self.url and not self._wait_uploads(time.time() + 600):
                 self._log("the final checkpoint did not commit within 10 minutes")
         self._hvd.allreduce(tf.constant([0]), name="appliance.closed")
@@ -518,11 +617,32 @@ class Checkpointer:
             self._csv = None
 
 
+def _resume_type():
+    from .keras_fit import ResumeAt
+
+    return ResumeAt
+
+
+class ApplianceCallback:
+    """Marker base: a Keras callback of the appliance's (the autolog adds none where one is present)."""
+
+    _appliance = True
+
+
 def _make_callback(owner: Checkpointer):
     import tensorflow as tf
 
-    class ApplianceCheckpoint(tf.keras.callbacks.Callback):
-        """Keras side of the Checkpointer: after each step, and at each epoch end."""
+    class ApplianceCheckpoint(tf.keras.callbacks.Callback, ApplianceCallback):
+        """Keras side of the Checkpointer. In ``Checkpointer.epochs()`` (the loop) it reports steps and epoch
+        ends; in a plain ``model.fit`` it also restores at the start and commits at the end."""
+
+        def on_train_begin(self, logs=None):
+            if owner.mode != "loop":
+                owner.attach_fit(self.model, self.params)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if owner.mode == "fit":
+                owner.epoch, owner.first = epoch, 0
 
         def on_train_batch_end(self, batch, logs=None):
             owner.after_step(batch, logs)
@@ -530,4 +650,28 @@ def _make_callback(owner: Checkpointer):
         def on_epoch_end(self, epoch, logs=None):
             owner.epoch_end(epoch, logs)
 
+        def on_train_end(self, logs=None):
+            if owner.mode == "fit":
+                owner.end_fit()
+
     return ApplianceCheckpoint()
+
+
+def callback(**kwargs):
+    """Level 1: the appliance's Keras callback for a plain ``model.fit(..., callbacks=[..., callback()])``.
+    Keyword arguments as ``Checkpointer`` (all optional: the spec's settings come through the environment)."""
+    return Checkpointer(**kwargs).callback
+
+
+_AUTO: dict = {}
+
+
+def auto_callback():
+    """Level 2: the callback the rank's start-up shim adds to a plain ``Model.fit`` (one per process)."""
+    import horovod.tensorflow as hvd_tf
+
+    if not hvd_tf.is_initialized():
+        hvd_tf.init()
+    if "cb" not in _AUTO:
+        _AUTO["cb"] = Checkpointer(seed=None, batch_size=None).callback
+    return _AUTO["cb"]

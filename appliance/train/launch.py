@@ -17,9 +17,11 @@ The command's exit code is the job's.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import sys
 import threading
@@ -89,7 +91,8 @@ class JobContext:
     head: Remote
     run_dir: str  # on the head node
     job_id: str
-    restore: str | None  # the checkpoint directory the ranks resume from (None: a fresh start)
+    restore: str | None  # the checkpoint directory the ranks resume from (None: a fresh start; "": a resume with
+    # no checkpoint, only the synced working directory, level 3)
     say: Callable[[str], None]
 
 
@@ -310,6 +313,13 @@ RUN_LOCK = ".lock"  # in the run directory on the head node: held (flock) by the
 RUN_BUSY = 73  # flock's exit status when the run's lock is taken (flock -E)
 
 
+def code_files(code: str, exclude: tuple[str, ...] = ("__pycache__", ".git")) -> list[str]:
+    """The files `put_dir` copies into the code directory (relative paths)."""
+    root = Path(code)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.is_file() and not set(p.relative_to(root).parts) & set(exclude))
+
+
 def check_run_free(head: Remote, rd: str, run: str) -> None:
     """Refuse a second job of the same run on this cluster before it touches anything: the two would share the run
     directory, its STOP file and credentials, and prune each other's checkpoints."""
@@ -346,10 +356,23 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
     logf = open(log_path, "w", buffering=1)
     lock = threading.Lock()
 
+    live = {"on": False}  # a progress line is drawn on the terminal (only when out is None and stdout is a tty)
+    terminal = out is None and sys.stdout.isatty()
+
     def say(line: str) -> None:
         with lock:
             logf.write(line + "\n")
+            if live["on"]:
+                sys.stdout.write("\r\x1b[K")
+                live["on"] = False
             (out or _stdout)(line)
+
+    def progress(line: str) -> None:
+        with lock:
+            width = shutil.get_terminal_size((100, 20)).columns - 1
+            sys.stdout.write("\r" + line[:width] + "\x1b[K")
+            sys.stdout.flush()
+            live["on"] = True
 
     t0 = time.monotonic()
     rank_hosts = cluster.rank_hosts() if not cluster.single_host else [cluster.head.name] * cluster.world_size
@@ -361,12 +384,19 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 cluster.save()
             pkg_dir = _probe_head(session.head, cluster.python)
             cdir = code_dir(cluster, spec.name)
+            rd = run_dir(cluster, spec.name)
+            # before anything touches the run directory: the code copy replaces the code directory, which is a
+            # running job's working directory
+            check_run_free(session.head, rd, spec.name)
             session.each(lambda r: r.put_dir(spec.code_dir, cdir))
             say(f"[appliance] copied {spec.code_dir} to {cdir} on {len(cluster.nodes)} node(s)")
-            rd = run_dir(cluster, spec.name)
-            check_run_free(session.head, rd, spec.name)  # before any hook touches the run directory
+            # the working directory is the job's checkpoint directory (level 3: rank 0 syncs what the job writes in
+            # it, not the code copied there)
+            code_list = f"{rd}/.appliance-code-files.json"
+            session.head.run(f"cat > {shlex.quote(code_list)}", stdin=json.dumps(code_files(spec.code_dir)).encode(),
+                             check=True)
             ctx = JobContext(spec, cluster, session.head, rd, job_id, restore, say)
-            env_more: dict[str, str] = {}
+            env_more: dict[str, str] = {Env.CHECKPOINT_DIR: cdir, Env.CODE_FILES: code_list}
             for h in hooks:
                 env_more.update(h.prepare(ctx))
             if restore:
@@ -383,6 +413,12 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 m = RANK_LINE.match(line)
                 if m:
                     rank, text = int(m.group(1)), m.group(3)
+                    if "\r" in text or "\b" in text:  # a progress bar's redraws: its final state, one clean line
+                        text = clean_progress(text)
+                    i = text.find("APPLIANCE_")
+                    if i > 0 and not text[i - 1].isspace():  # a protocol line printed while a progress bar was open
+                        say(f"[{rank}|{rank_hosts[rank] if rank < len(rank_hosts) else '?'}] {text[:i]}")
+                        text = text[i:]
                     host = rank_hosts[rank] if rank < len(rank_hosts) else "?"
                     x = parse(text, (Line.RANK_EXIT,))
                     if x and x[1].lstrip("-").isdigit():
@@ -402,6 +438,15 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                     watch.rank_exit(int(e.group(1)), int(e.group(2)))
                 say(f"[horovodrun] {line}")
 
+            def on_partial(stream: str, fragment: str) -> None:
+                m = RANK_LINE.match(fragment)
+                if m:
+                    rank = int(m.group(1))
+                    host = rank_hosts[rank] if rank < len(rank_hosts) else "?"
+                    progress(f"[{rank}|{host}] {clean_progress(m.group(3))}")
+
+            if terminal:
+                on_line.partial = on_partial
             wt = threading.Thread(target=watch.run, daemon=True)
             wt.start()
             for h in hooks:
@@ -446,6 +491,18 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             return res
     finally:
         logf.close()
+
+
+_RANK_PREFIX = re.compile(r"^\[\d+\]<(?:stdout|stderr)>:")
+
+
+def clean_progress(text: str) -> str:
+    """A line of carriage-return redraws (Keras' progress bar, through horovodrun, which prefixes every
+    ``\\r``-ended fragment with ``[rank]<stdout>:``, horovod/runner/common/util/safe_shell_exec.py) -> its last
+    non-empty state, without the backspaces and prefixes."""
+    frags = [_RANK_PREFIX.sub("", f).replace("\b", "").rstrip() for f in text.split("\r")]
+    frags = [f for f in frags if f.strip()]
+    return frags[-1] if frags else ""
 
 
 def _stdout(line: str) -> None:

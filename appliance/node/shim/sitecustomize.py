@@ -1,13 +1,21 @@
-"""Loaded by every rank (it is first on the ranks' PYTHONPATH): make `keras` mean tf_keras.
+"""Loaded by every rank (it is first on the ranks' PYTHONPATH).
 
-TensorFlow >= 2.16 installs Keras 3 as `keras`, but Horovod 0.28.1's Keras callbacks do
-`from keras import backend as K` and need Keras 2 (tf_keras). With TF_USE_LEGACY_KERAS=1 this
-aliases `keras` and `keras.*` to `tf_keras` lazily, on first import, so training scripts and
-Horovod's own examples run unmodified. Nothing is imported until something asks for keras.
+1. Make `keras` mean tf_keras. TensorFlow >= 2.16 installs Keras 3 as `keras`, but Horovod 0.28.1's Keras
+   callbacks do `from keras import backend as K` and need Keras 2 (tf_keras). With TF_USE_LEGACY_KERAS=1 this
+   aliases `keras` and `keras.*` to `tf_keras` lazily, on first import, so training scripts and Horovod's own
+   examples run unmodified.
+2. Once `tf_keras` is imported (by the script, by `tf.keras`, or by Horovod), hand it to the appliance's Keras
+   hooks (`appliance/node/keras_fit.py`): random layers on checkpointable generators, resume mid-epoch in a plain
+   `model.fit`, and with `checkpoint.url` set the appliance's callback added to `Model.fit` (checkpoint.auto).
+
+3. In rank 0 of a job with checkpoint.url: the synced working directory (`appliance/node/filesync.py`, level 3).
+
+Nothing of Keras is imported until something asks for keras or tf_keras.
 """
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -27,5 +35,58 @@ class _KerasAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a hook once a module (here `tf_keras`) has been executed, by wrapping the loader the other finders
+    return for it."""
+
+    def __init__(self, name, hook):
+        self.name, self.hook = name, hook
+
+    def find_spec(self, fullname, path=None, target=None):
+        # called for probes too (TensorFlow's lazy `tf.keras` asks importlib.util.find_spec("tf_keras")), so it
+        # stays in sys.meta_path until the module has really been executed
+        if fullname != self.name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, hook, finder = spec.loader, self.hook, self
+
+        class _Loader(importlib.abc.Loader):
+            def __getattr__(self, name):  # get_resource_reader, is_package, ...: the real loader's
+                return getattr(loader, name)
+
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                if finder in sys.meta_path:
+                    sys.meta_path.remove(finder)
+                try:
+                    hook(module)
+                except Exception as e:  # never break the user's import
+                    print(f"[appliance] the Keras hooks did not install ({type(e).__name__}: {e}); checkpoints "
+                          "of a plain Model.fit will not resume mid-epoch", file=sys.stderr, flush=True)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _keras_hooks(module):
+    from appliance.node.keras_fit import on_tf_keras_import
+
+    on_tf_keras_import(module)
+
+
+if os.environ.get("HOROVOD_RANK") == "0" and os.environ.get("APPLIANCE_CKPT_URL") and \
+        os.environ.get("APPLIANCE_CHECKPOINT_DIR") and importlib.util.find_spec("appliance") is not None:
+    # level 3: rank 0's working directory synced to the store (restored first on a resume)
+    from appliance.node.filesync import start_in_rank0
+
+    start_in_rank0()
+
 if os.environ.get("TF_USE_LEGACY_KERAS") == "1" and importlib.util.find_spec("tf_keras") is not None:
     sys.meta_path.insert(0, _KerasAlias())
+    if importlib.util.find_spec("appliance") is not None:
+        sys.meta_path.insert(0, _AfterImport("tf_keras", _keras_hooks))

@@ -1,0 +1,180 @@
+"""Level 3 of docs/checkpoints.md on the head node: rank 0's working directory, synced to the store.
+
+The job's working directory is ``$APPLIANCE_CHECKPOINT_DIR`` (the run's code directory on every node), so a script's
+relative paths (``./checkpoint-{epoch}.h5``, ``./logs/``) land in it. In rank 0 (``HOROVOD_RANK=0``) the start-up
+shim starts a ``Syncer``, which:
+
+- at start, on a resume (``APPLIANCE_FILES_RESTORE=1``), restores the newest synced manifest into the directory
+  **before the script runs** (its "resume from the newest file" logic then finds them);
+- every ``APPLIANCE_FILES_EVERY_SECONDS`` (default 60), as soon as the STOP file appears (the lease end is near), and
+  when the process exits, commits the directory's **complete** files: a file is taken once its size and mtime were
+  the same at two scans (at the exit: one second apart), and only if it did not change while it was hashed.
+  The code the launcher copied there (``$APPLIANCE_CODE_FILES``), ``__pycache__`` and dot-files of the appliance
+  are not synced. Each commit prints ``APPLIANCE_FILES {...}``.
+
+One syncer per run directory (a lock file), so a script's worker processes, which inherit the environment, start none.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from ..protocol import Env, Line, emit
+from ..store.filesync import FileSet
+from ..store.objects import StoreCreds, md5_file
+
+SKIP_DIRS = {"__pycache__", ".git", ".ipynb_checkpoints"}
+
+
+def _log(msg: str) -> None:
+    print(f"[checkpoint] {msg}", flush=True)
+
+
+class Syncer:
+    def __init__(self, root: Path, fs: FileSet, *, every_s: float, stop_file: Path | None, exclude: set[str],
+                 keep: int = 2):
+        self.root, self.fs, self.every_s, self.stop_file, self.exclude, self.keep = \
+            root, fs, every_s, stop_file, exclude, keep
+        self.seen: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) at the last scan
+        self.hashes: dict[tuple[str, int, int], str] = {}
+        self.pushed: dict[str, str] | None = None  # rel -> md5 of the last commit
+        self.seq = 0
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+    def scan(self) -> dict[str, tuple[int, int]]:
+        out = {}
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".appliance")]
+            for n in filenames:
+                p = Path(dirpath) / n
+                rel = p.relative_to(self.root).as_posix()
+                if n.startswith(".appliance") or rel in self.exclude or p.is_symlink():
+                    continue
+                try:
+                    st = p.stat()
+                except OSError:
+                    continue
+                out[rel] = (st.st_size, st.st_mtime_ns)
+        return out
+
+    def sync(self, final: bool = False, why: str = "") -> dict | None:
+        """One commit of the complete files (None when nothing changed since the last one). ``final``: no later
+        scan will come (``why``: "stop" when the STOP file appeared, "exit" when the process ends)."""
+        with self.lock:
+            now = self.scan()
+            if final:  # no later scan will come: one second of quiet makes a file complete
+                time.sleep(1.0)
+                again = self.scan()
+                stable = {r: v for r, v in again.items() if now.get(r) == v}
+            else:
+                stable = {r: v for r, v in now.items() if self.seen.get(r) == v}
+            self.seen = now
+            files = {}
+            for rel, (size, mtime) in stable.items():
+                key = (rel, size, mtime)
+                if key not in self.hashes:
+                    try:
+                        md5 = md5_file(self.root / rel)
+                        st = (self.root / rel).stat()
+                    except OSError:
+                        continue
+                    if (st.st_size, st.st_mtime_ns) != (size, mtime):
+                        continue  # written to while hashed: the next sync takes it
+                    self.hashes[key] = md5
+                files[rel] = {"md5": self.hashes[key], "size": size}
+            # a file seen before but changing now keeps its last committed version in the manifest
+            for rel, f in (self._last_files or {}).items():
+                if rel not in files and rel in now:
+                    files[rel] = f
+            if self.pushed is not None and {r: f["md5"] for r, f in files.items()} == self.pushed:
+                return None
+            if not files and self.pushed is None:
+                return None
+            if self.seq == 0:  # after the newest manifest of the run, whatever state it is in
+                self.seq = max(self.fs.manifests() or [0])
+            self.seq += 1
+            t0 = time.monotonic()
+            try:
+                body = self.fs.push(self.root, files, self.seq, until=time.time() + 300, log=_log)
+            except Exception as e:  # never let the syncer kill training
+                _log(f"synced files NOT committed: {type(e).__name__}: {e}")
+                return None
+            self.pushed = {r: f["md5"] for r, f in files.items()}
+            self._last_files = files
+            emit(Line.FILES, {"seq": self.seq, "files": len(files), "bytes": sum(f["size"] for f in files.values()),
+                              "seconds": round(time.monotonic() - t0, 3), "final": why})
+            try:
+                self.fs.prune(self.keep, log=_log)
+            except Exception as e:  # noqa: BLE001
+                _log(f"pruning synced files failed ({type(e).__name__}); retried after the next commit")
+            return body
+
+    _last_files: dict | None = None
+
+    def restore(self) -> None:
+        body = self.fs.newest_good(log=_log)
+        if body is None:
+            return
+        self.seq = int(body["seq"])
+        got = self.fs.pull(body, self.root, skip=lambda rel: rel in self.exclude)
+        self.pushed = {r: f["md5"] for r, f in body["files"].items()}
+        self._last_files = {r: {"md5": f["md5"], "size": f["size"]} for r, f in body["files"].items()}
+        _log(f"restored {len(got)} synced file(s) of manifest {body['seq']} into {self.root}")
+
+    def run(self) -> None:
+        next_at = time.monotonic() + self.every_s
+        stopped = False
+        while not self.done.wait(1.0):
+            if not stopped and self.stop_file is not None and self.stop_file.exists():
+                stopped = True  # the lease end is near: commit now
+                self.sync(final=True, why="stop")
+                next_at = time.monotonic() + self.every_s
+            elif time.monotonic() >= next_at:
+                self.sync()
+                next_at = time.monotonic() + self.every_s
+
+
+def start_in_rank0() -> Syncer | None:
+    """From the ranks' start-up shim: rank 0 of a job with checkpoint.url syncs its working directory."""
+    env = os.environ
+    root, url = env.get(Env.CHECKPOINT_DIR), env.get(Env.CKPT_URL)
+    if env.get("HOROVOD_RANK") != "0" or not root or not url or env.get(Env.FILES_SYNC, "1") == "0":
+        return None
+    run_dir = Path(env.get(Env.RUN_DIR) or root)
+    try:
+        fh = open(run_dir / ".appliance-files.lock", "a")
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return None  # another process of this job syncs already (a worker process inherited the environment)
+    creds = None
+    cpath = env.get(Env.CKPT_CREDS)
+    if cpath and os.path.exists(cpath):
+        creds = StoreCreds(**json.loads(Path(cpath).read_text()))
+    exclude = set()
+    if env.get(Env.CODE_FILES) and os.path.exists(env[Env.CODE_FILES]):
+        exclude = set(json.loads(Path(env[Env.CODE_FILES]).read_text()))
+    s = Syncer(Path(root), FileSet(url, env.get(Env.RUN, "run"), creds),
+               every_s=float(env.get(Env.FILES_EVERY_SECONDS) or 60), exclude=exclude,
+               stop_file=Path(env[Env.STOP_FILE]) if env.get(Env.STOP_FILE) else None,
+               keep=int(env.get(Env.CKPT_KEEP) or 2))
+    s._lock_fh = fh
+    if env.get(Env.FILES_RESTORE) == "1":
+        try:
+            s.restore()
+        except Exception as e:  # the script still runs; it will not find its files
+            _log(f"synced files NOT restored: {type(e).__name__}: {e}")
+    threading.Thread(target=s.run, name="appliance-filesync", daemon=True).start()
+
+    def at_exit():
+        s.done.set()
+        s.sync(final=True, why="exit")
+
+    atexit.register(at_exit)
+    return s

@@ -1,0 +1,184 @@
+"""The appliance inside a plain ``model.fit(...)``: resume at (epoch, batch) and skip consumed data, no loop changes.
+
+Three small hooks into tf_keras 2.18 (the version the lock pins), installed in every rank by the start-up shim
+(`appliance/node/shim/sitecustomize.py`) right after ``tf_keras`` is imported, and by the callback itself:
+
+- **Random layers draw from a checkpointable generator.** ``tf_keras.backend._USE_GENERATOR_FOR_RNG`` (what
+  ``tf.keras.backend.experimental.enable_tf_random_generator()`` sets) makes Dropout, GaussianNoise, the random
+  preprocessing layers etc. draw from a ``tf.random.Generator`` per layer, whose state the checkpoint saves per
+  rank. The default ("legacy") draws from stateful op kernels whose state no checkpoint can hold.
+  ``APPLIANCE_KERAS_RNG=legacy`` keeps Keras' default.
+- **The data handler is reachable.** ``DataHandler.__init__`` leaves itself on the model (``_appliance_data``), so the
+  callback can build an unbuilt model from the dataset's element spec before restoring into it.
+- **Consumed batches are skipped.** Keras resumes mid-epoch through ``Model._training_state`` (what
+  ``BackupAndRestore`` uses: tf_keras/src/engine/training.py ``_maybe_load_initial_counters_from_ckpt`` sets
+  ``DataHandler._initial_step``), but it only shortens the epoch: the iterator still starts at the epoch's first
+  batch. ``DataHandler.enumerate_epochs`` is wrapped to replay what the uninterrupted run consumed: for data whose
+  iterator Keras re-creates each epoch (a finite ``tf.data.Dataset`` without ``steps_per_epoch``), one iterator
+  creation per earlier epoch (a seeded ``shuffle(..., reshuffle_each_iteration=True)`` advances its seed per
+  iterator) and then ``batch`` elements; for data read through one iterator (``.repeat()`` with ``steps_per_epoch``,
+  NumPy arrays, which Keras turns into one dataset of all epochs) ``epoch * steps_per_epoch + batch`` elements.
+  The skipped batches go through the input pipeline, not through training.
+
+- **Autolog** (level 2, ``checkpoint.auto``): ``Model.fit`` gets the appliance's callback appended when the call has
+  none, once per process (the first ``fit``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+from ..protocol import Env
+
+_STATE = {"data": False, "fit": False, "auto_used": False, "auto_said": False}
+
+
+def rng_to_generator(backend_module) -> None:
+    """Make tf_keras' random layers use tf.random.Generator (unless APPLIANCE_KERAS_RNG=legacy)."""
+    if os.environ.get(Env.KERAS_RNG, "generator") != "legacy":
+        backend_module._USE_GENERATOR_FOR_RNG = True
+
+
+def install_data_hooks() -> None:
+    """Wrap DataHandler (idempotent)."""
+    if _STATE["data"]:
+        return
+    from tf_keras.src.engine import data_adapter
+
+    cls = data_adapter.DataHandler
+    init, enumerate_epochs = cls.__init__, cls.enumerate_epochs
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self._model is not None:
+            self._model._appliance_data = self
+
+    @functools.wraps(enumerate_epochs)
+    def _enumerate_epochs(self):
+        plan = getattr(self._model, "_appliance_skip", None) if self._model is not None else None
+        if plan is None:
+            yield from enumerate_epochs(self)
+            return
+        self._model._appliance_skip = None
+        epoch, batch, say = plan
+        if self._adapter.should_recreate_iterator():
+            for _ in range(epoch):  # the iterators the earlier epochs made: seeded reshuffles advance per iterator
+                iter(self._dataset)
+            skip = batch
+        else:
+            skip = epoch * int(self._inferred_steps or 0) + batch
+        first = True
+        for e, iterator in enumerate_epochs(self):
+            if first:
+                first = False
+                done = _skip(iterator, skip)
+                say(f"skipped the {done} batch(es) the run had already trained on (epoch {epoch}, batch {batch})"
+                    + ("" if done == skip else f"; the data ran out after {done} of {skip}"))
+            yield e, iterator
+
+    cls.__init__ = __init__
+    cls.enumerate_epochs = _enumerate_epochs
+    _STATE["data"] = True
+
+
+def _skip(iterator, n: int) -> int:
+    import tensorflow as tf
+
+    done = 0
+    try:
+        for _ in range(n):
+            next(iterator)
+            done += 1
+    except (StopIteration, tf.errors.OutOfRangeError):
+        pass
+    return done
+
+
+def build_from_data(model) -> bool:
+    """Build an unbuilt model from its fit data's element spec (True if built)."""
+    if model.built:
+        return True
+    handler = getattr(model, "_appliance_data", None)
+    if handler is None:
+        return False
+    try:
+        spec = handler._dataset.element_spec
+        x = spec[0] if isinstance(spec, tuple) else spec
+        import tensorflow as tf
+
+        shapes = tf.nest.map_structure(lambda s: s.shape, x)
+        model.build(shapes)
+    except Exception:
+        return False
+    return bool(model.built)
+
+
+class ResumeAt:
+    """Stands in for Keras' WorkerTrainingState on ``Model._training_state``: fit starts at (epoch, batch)."""
+
+    def __init__(self, epoch: int, batch: int):
+        self.epoch, self.batch = epoch, batch
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
+        return self.epoch, self.batch
+
+
+def install_autolog() -> None:
+    """Level 2: every process's first ``Model.fit`` without the appliance's callback gets it (idempotent)."""
+    if _STATE["fit"]:
+        return
+    from tf_keras.src.engine import training
+
+    fit = training.Model.fit
+
+    @functools.wraps(fit)
+    def _fit(self, *args, **kwargs):
+        args, kwargs = _with_callback(args, kwargs)
+        return fit(self, *args, **kwargs)
+
+    training.Model.fit = _fit
+    _STATE["fit"] = True
+
+
+_CALLBACKS_POS = 5  # Model.fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+
+
+def _with_callback(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    from .checkpointer import ApplianceCallback, auto_callback
+
+    if len(args) > _CALLBACKS_POS:
+        cbs = args[_CALLBACKS_POS]
+    else:
+        cbs = kwargs.get("callbacks")
+    listed = list(getattr(cbs, "callbacks", cbs) or [])
+    if any(isinstance(c, ApplianceCallback) for c in listed):
+        return args, kwargs
+    if _STATE["auto_used"]:
+        if not _STATE["auto_said"]:
+            _STATE["auto_said"] = True
+            print("[appliance] another Model.fit in this process: checkpoint.auto protects only the first one; "
+                  "for several, pass appliance.checkpoint.keras.callback() to each (docs/checkpoints.md)",
+                  file=sys.stderr, flush=True)
+        return args, kwargs
+    if cbs is not None and not isinstance(cbs, (list, tuple)):
+        return args, kwargs  # a CallbackList the script built itself: left alone
+    _STATE["auto_used"] = True
+    new = listed + [auto_callback()]
+    if len(args) > _CALLBACKS_POS:
+        args = args[:_CALLBACKS_POS] + (new,) + args[_CALLBACKS_POS + 1:]
+    else:
+        kwargs = {**kwargs, "callbacks": new}
+    return args, kwargs
+
+
+def on_tf_keras_import(module) -> None:
+    """Called by the start-up shim once ``tf_keras`` is imported in a rank."""
+    from tf_keras.src import backend
+
+    rng_to_generator(backend)
+    install_data_hooks()
+    if os.environ.get(Env.CKPT_URL) and os.environ.get(Env.CKPT_AUTO, "1") != "0":
+        install_autolog()

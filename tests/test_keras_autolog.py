@@ -1,0 +1,37 @@
+"""checkpoint.auto (level 2) in the fast tier: which Model.fit calls get the appliance's callback, without TF."""
+
+import pytest
+
+from appliance.node import checkpointer, keras_fit
+
+
+class _Mine(checkpointer.ApplianceCallback):
+    pass
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(keras_fit, "_STATE", dict(keras_fit._STATE, auto_used=False, auto_said=False))
+    made = []
+    monkeypatch.setattr(checkpointer, "auto_callback", lambda: made.append(_Mine()) or made[-1])
+    return made
+
+
+def test_the_first_fit_gets_the_callback_once_by_keyword_or_position(fresh, capsys):
+    args, kw = keras_fit._with_callback(("x",), {"epochs": 3, "callbacks": ["hvd-broadcast"]})
+    assert kw["callbacks"] == ["hvd-broadcast", fresh[0]] and args == ("x",)
+    args, kw = keras_fit._with_callback(("x", None, 32, 3, 1, ["cb"]), {})  # a second fit: not hooked, said once
+    assert args[5] == ["cb"] and len(fresh) == 1
+    keras_fit._with_callback(("x",), {})
+    assert capsys.readouterr().err.count("protects only the first one") == 1
+
+
+def test_positional_callbacks_and_a_script_that_already_passes_one(fresh):
+    args, kw = keras_fit._with_callback(("x", None, 32, 3, 1, ("cb",)), {"shuffle": False})
+    assert args[5] == ["cb", fresh[0]] and kw == {"shuffle": False}
+    keras_fit._STATE["auto_used"] = False
+    mine = _Mine()
+    args, kw = keras_fit._with_callback(("x",), {"callbacks": [mine]})  # level 1: left alone
+    assert kw["callbacks"] == [mine] and len(fresh) == 1
+    args, kw = keras_fit._with_callback(("x",), {})  # no callbacks at all
+    assert kw["callbacks"] == [fresh[1]]
