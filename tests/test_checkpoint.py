@@ -424,3 +424,37 @@ def test_a_custom_loop_keeps_its_own_checkpoint_files_across_the_lease_end(cloud
         assert any(f"done after epoch {epochs}" in m for m in said)
     finally:
         flows.down("ckloop", log=lambda m: None)
+
+
+@pytest.mark.slow
+def test_a_second_job_of_a_run_on_another_cluster_is_refused_by_the_store_lock(cluster2, swift, st_env,
+                                                                               reference_long, tmp_path):
+    """Issue 14 item 3: while a job of the run runs on one cluster, `appliance resume` of the same run on another
+    cluster (here: node2 alone, another head node, so the head's own lock cannot see it) is refused by the run's lock
+    in the store, with one line naming the running job, before it touches any node; the running job is undisturbed
+    (bit-exact against the reference) and releases the lock when it ends."""
+    from appliance.store.runlock import LOCK
+
+    two = Cluster(name="pt-two", cloud="testbed", nodes=[cluster2.nodes[1]], key_file=cluster2.key_file,
+                  known_hosts=cluster2.known_hosts, python=cluster2.python, etc_dir=cluster2.etc_dir,
+                  testbed=cluster2.testbed)
+    two.save()
+    spec_path = digits_spec(tmp_path, "cklock", url="swift://ckpts/", epochs=LONG)
+    refused: list[str] = []
+
+    def second(line):
+        try:
+            resume("cklock", spec_path=spec_path, cluster_name="pt-two", out=lambda m: None, log=lambda m: None)
+            refused.append("not refused")
+        except Exception as e:  # noqa: BLE001
+            refused.append(str(e))
+
+    out = Lines()
+    out.on(f"epoch 3/{LONG} ", second)
+    res = train(load_spec(spec_path), cluster2, out=out)
+    assert res.exit_code == 0, res.failure
+    assert len(refused) == 1 and "run 'cklock' already has a job running: cklock-" in refused[0], refused
+    assert "on cluster pt-cluster (head node1)" in refused[0]
+    assert sha(res) == reference_long
+    cs = store_for(swift, "cklock")
+    assert not list(cs.store.list(cs.prefix + LOCK))  # released at the end

@@ -15,6 +15,7 @@ import json
 import re
 import shlex
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from ..errors import ApplianceError
 from ..protocol import EXIT_STOPPED, RUN_MARKER, Env, Line, parse
 from ..sites import for_cluster, for_spec
 from ..store.filesync import FileSet
+from ..store.runlock import INTERVAL, LOCK, TTL, RunLock
 from ..store.checkpoints import CheckpointStore, retrying
 from ..store.objects import parse_url
 from ..train.launch import JobContext, JobHooks, JobResult
@@ -44,6 +46,7 @@ class JobCheckpoints(JobHooks):
         self.creds_file: str | None = None
         self.commits: list[dict] = []
         self.files: list[dict] = []  # rank 0's working-directory syncs (level 3)
+        self.lock: RunLock | None = None  # the store-level lease on the run (store/runlock.py)
         self.stopped: dict | None = None
         self.resumed: dict | None = None
         self.stop_requested: dict | None = None
@@ -62,11 +65,12 @@ class JobCheckpoints(JobHooks):
         env = {Env.STOP_FILE: self.stop_file, Env.SPEC_HASH: spec.digest or "",
                Env.CODE_HASH: code_hash(spec.code_dir)}
         rd = shlex.quote(self.run_dir)
-        self.head.run(f"mkdir -p {rd} && touch {rd}/{RUN_MARKER} && rm -f {shlex.quote(self.stop_file)}", check=True)
+        self.head.run(f"mkdir -p {rd} && touch {rd}/{RUN_MARKER}", check=True)
         self.say(protection_line(spec, self.cluster))
         if self.cluster.single_host:  # the ranks run on this machine: no node-side look at any metadata service
             env[Env.VENDORDATA_URL] = ""
         if not ck.url:
+            self._clear_stop()
             return env
         env.update({Env.CKPT_URL: ck.url, Env.CKPT_KEEP: str(ck.keep), Env.CKPT_RESIZE: ck.resize,
                     Env.CKPT_AUTO: "1" if ck.auto else "0"})
@@ -101,6 +105,9 @@ class JobCheckpoints(JobHooks):
                                  f"be pruned behind those",
                                  f"continue the run with `appliance resume {spec.name}`, or start it over: "
                                  f"`appliance data rm {where} --yes`, or give the spec a new name")
+        if cs is not None:
+            self._take_run_lock(cs, ctx)
+        self._clear_stop()  # only now: a refused job leaves a running job's STOP request alone
         if creds is not None:
             self.creds_file = f"{self.run_dir}/.store-creds.json"
             body = json.dumps({k: v for k, v in creds.__dict__.items() if v not in (None, {})}).encode()
@@ -114,6 +121,47 @@ class JobCheckpoints(JobHooks):
             except Exception as e:
                 self.say(f"[appliance] warning: could not write the spec to {ck.url} ({type(e).__name__}: {e})")
         return env
+
+    def _clear_stop(self) -> None:
+        self.head.run(f"rm -f {shlex.quote(self.stop_file)}", check=True)
+
+    def _take_run_lock(self, cs: CheckpointStore, ctx: JobContext) -> None:
+        """The store-level lease on the run (store/runlock.py): refuse the job while another job of the run, on any
+        cluster, keeps its lock alive; take over a lock whose launcher stopped renewing it."""
+        import os
+
+        lock = RunLock(cs, ctx.job_id, cluster=ctx.cluster.name or "?", head=ctx.head.node.name,
+                       interval=float(os.environ.get("APPLIANCE_RUN_LOCK_INTERVAL") or INTERVAL),
+                       ttl=float(os.environ.get("APPLIANCE_RUN_LOCK_TTL") or TTL))
+        try:
+            holder, stale = lock.acquire(tempfile.gettempdir())
+        except Exception as e:  # noqa: BLE001 - the store is down: the job runs, as it does without a store
+            self.say(f"[appliance] warning: could not take the run's lock in {self.spec.checkpoint.url} "
+                     f"({type(e).__name__}: {e}); a second job of this run elsewhere would not be refused")
+            return
+        if holder is not None:
+            age = time.time() - float(holder.get("heartbeat", 0))
+            raise ApplianceError(
+                f"run {self.spec.name!r} already has a job running: {holder.get('job_id')} on cluster "
+                f"{holder.get('cluster')} (head {holder.get('head')}), alive {age:.0f}s ago by its lock in "
+                f"{self.spec.checkpoint.url.rstrip('/')}/{self.spec.name}/{LOCK}",
+                f"wait for it to end, or stop it (`appliance down {holder.get('cluster')}`); if its launcher died, "
+                f"the lock expires {float(holder.get('ttl', TTL)):.0f}s after its last heartbeat and "
+                f"`appliance resume {self.spec.name}` takes it over")
+        if stale is not None:
+            self.say(f"[appliance] took over the run's lock from job {stale.get('job_id')} (cluster "
+                     f"{stale.get('cluster')}), whose launcher stopped renewing it "
+                     f"{time.time() - float(stale.get('heartbeat', 0)):.0f}s ago")
+        self.lock, self._beat_stop = lock, threading.Event()
+
+        def beat():
+            while not self._beat_stop.wait(self.lock.interval):
+                try:
+                    self.lock.heartbeat(tempfile.gettempdir())
+                except Exception:  # noqa: BLE001 - retried at the next beat; the ttl allows several misses
+                    pass
+
+        threading.Thread(target=beat, name="appliance-run-lock", daemon=True).start()
 
     def started(self, ctx: JobContext) -> None:
         site = for_cluster(self.cluster, log=lambda m: None) if self.cluster.lease_id else None
@@ -190,6 +238,14 @@ class JobCheckpoints(JobHooks):
     def close(self) -> None:
         if self.watch is not None:
             self.watch.close()
+        if self.lock is not None:
+            self._beat_stop.set()
+            try:
+                self.lock.release()
+            except Exception as e:  # noqa: BLE001
+                self.say(f"[appliance] warning: could not release the run's lock ({type(e).__name__}); it expires "
+                         f"{self.lock.ttl:.0f}s after its last heartbeat")
+            self.lock = None
         if self._old_sigterm is not None:
             signal.signal(signal.SIGTERM, self._old_sigterm)
         if self.creds_file:

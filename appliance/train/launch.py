@@ -386,24 +386,35 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             cdir = code_dir(cluster, spec.name)
             rd = run_dir(cluster, spec.name)
             # before anything touches the run directory: the code copy replaces the code directory, which is a
-            # running job's working directory
+            # running job's working directory; the hooks may refuse the job (the run's lock in the store, committed
+            # checkpoints of a fresh run), so they come before the copy too
             check_run_free(session.head, rd, spec.name)
-            session.each(lambda r: r.put_dir(spec.code_dir, cdir))
-            say(f"[appliance] copied {spec.code_dir} to {cdir} on {len(cluster.nodes)} node(s)")
+            ctx = JobContext(spec, cluster, session.head, rd, job_id, restore, say)
             # the working directory is the job's checkpoint directory (level 3: rank 0 syncs what the job writes in
             # it, not the code copied there)
             code_list = f"{rd}/.appliance-code-files.json"
-            session.head.run(f"cat > {shlex.quote(code_list)}", stdin=json.dumps(code_files(spec.code_dir)).encode(),
-                             check=True)
-            ctx = JobContext(spec, cluster, session.head, rd, job_id, restore, say)
             env_more: dict[str, str] = {Env.CHECKPOINT_DIR: cdir, Env.CODE_FILES: code_list}
-            for h in hooks:
-                env_more.update(h.prepare(ctx))
-            if restore:
-                env_more[Env.RESTORE] = restore
-            env_more.update(extra_env or {})
-            cmd, _env = horovodrun_command(cluster, spec, job_id=job_id, nic=nic, pkg_dir=pkg_dir,
-                                           extra_env=env_more)
+            prepared: list[JobHooks] = []
+            try:
+                for h in hooks:
+                    prepared.append(h)
+                    env_more.update(h.prepare(ctx))
+                if restore:
+                    env_more[Env.RESTORE] = restore
+                env_more.update(extra_env or {})
+                cmd, _env = horovodrun_command(cluster, spec, job_id=job_id, nic=nic, pkg_dir=pkg_dir,
+                                               extra_env=env_more)
+                session.each(lambda r: r.put_dir(spec.code_dir, cdir))
+                say(f"[appliance] copied {spec.code_dir} to {cdir} on {len(cluster.nodes)} node(s)")
+                session.head.run(f"cat > {shlex.quote(code_list)}",
+                                 stdin=json.dumps(code_files(spec.code_dir)).encode(), check=True)
+            except BaseException:  # the job never starts: what the hooks set up (a lock, a credentials file) goes
+                for h in prepared:
+                    try:
+                        h.close()
+                    except Exception:  # noqa: BLE001 - the refusal is what the user must see
+                        pass
+                raise
             say(f"[appliance] job {job_id}: {cluster.world_size} rank(s) on "
                 f"{', '.join(dict.fromkeys(rank_hosts))}, NIC {nic}")
             cmd = locked_command(rd, cmd)
