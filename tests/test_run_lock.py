@@ -42,3 +42,14 @@ def test_two_takers_at_once_leave_one_winner(tmp_path):
     a._write = racing_write
     holder, _ = a.acquire(tmp_path)
     assert holder["job_id"] == "job-b" and not a.held
+
+
+def test_a_lock_left_by_a_job_this_machine_knows_ended_is_taken_over_at_once(tmp_path):
+    """The store was down when the job ended, so its launcher could not delete the lock; this machine's run record
+    says the job ended: an `appliance resume` right after need not wait for the ttl."""
+    clock = [1000.0]
+    a, b = lock(tmp_path, "job-a", clock), lock(tmp_path, "job-b", clock)
+    a.acquire(tmp_path)
+    assert b.acquire(tmp_path, ended=lambda jid: False)[0]["job_id"] == "job-a"
+    holder, stale = b.acquire(tmp_path, ended=lambda jid: jid == "job-a")
+    assert holder is None and stale["job_id"] == "job-a" and b.held

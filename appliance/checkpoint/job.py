@@ -134,7 +134,7 @@ class JobCheckpoints(JobHooks):
                        interval=float(os.environ.get("APPLIANCE_RUN_LOCK_INTERVAL") or INTERVAL),
                        ttl=float(os.environ.get("APPLIANCE_RUN_LOCK_TTL") or TTL))
         try:
-            holder, stale = lock.acquire(tempfile.gettempdir())
+            holder, stale = lock.acquire(tempfile.gettempdir(), ended=lambda jid: job_ended_here(ctx.spec.name, jid))
         except Exception as e:  # noqa: BLE001 - the store is down: the job runs, as it does without a store
             self.say(f"[appliance] warning: could not take the run's lock in {self.spec.checkpoint.url} "
                      f"({type(e).__name__}: {e}); a second job of this run elsewhere would not be refused")
@@ -302,6 +302,14 @@ class JobCheckpoints(JobHooks):
                 result.failure = (f"stopped after step {self.stopped['step']} ({self.stopped['reason']}) but the "
                                   f"checkpoint was NOT committed: {self.stopped.get('error')}; it is kept on "
                                   f"{self.cluster.head.name} at {self.stopped.get('local')}")
+
+
+def job_ended_here(run: str, job_id: str) -> bool:
+    """This machine's run record says the job has ended (any status but running)."""
+    from . import runs
+
+    return any(j.get("job_id") == job_id and j.get("status") not in (None, "running")
+               for j in (runs.load(run) or {}).get("jobs", []))
 
 
 def protection_level(code_dir: str, auto: bool = True) -> str:

@@ -40,12 +40,13 @@ class RunLock:
                 "ttl": self.ttl}
         self.cs.put_text(LOCK, json.dumps(body, sort_keys=True), tmp_dir)
 
-    def acquire(self, tmp_dir) -> tuple[dict | None, dict | None]:
+    def acquire(self, tmp_dir, ended: Callable[[str], bool] = lambda job_id: False) -> tuple[dict | None, dict | None]:
         """(holder, taken_over): ``holder`` is the live lock of another job (the job must not start), else None and
-        the lock is ours; ``taken_over`` is the stale lock we replaced, if any."""
+        the lock is ours; ``taken_over`` is the stale lock we replaced, if any. ``ended(job_id)``: this machine knows
+        that job has ended (its run record says so: its launcher could not delete the lock, the store being down)."""
         old = self.read()
-        if old and old.get("job_id") != self.job_id and self.now() - float(old.get("heartbeat", 0)) < \
-                float(old.get("ttl", self.ttl)):
+        if old and old.get("job_id") != self.job_id and not ended(str(old.get("job_id"))) and \
+                self.now() - float(old.get("heartbeat", 0)) < float(old.get("ttl", self.ttl)):
             return old, None
         self._write(tmp_dir)
         back = self.read()
