@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from .checkpoint.job import JobCheckpoints
+from .checkpoint.job import JobCheckpoints, refuse_if_running
 from .checkpoint.resume import choose_checkpoint, creds_for, find_spec
 from .checkpoint.runs import RunRecords, list_runs  # noqa: F401 (re-exported for the CLI)
 from .cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
@@ -27,6 +27,7 @@ from .sites import Site, for_spec, load_spec, open_site
 from .sites.local import (  # noqa: F401 (the simulator's verbs, for the CLI)
     cloud_start, cloud_status, cloud_stop, testbed_down, testbed_status, testbed_up)
 from .spec import Spec
+from .store.checkpoints import CheckpointStore
 from .store.objects import parse_url
 from .train.launch import JobResult, train
 
@@ -166,6 +167,7 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
         meta = {}
         log(f"[resume] run {run}: no committed checkpoint; the synced working directory (manifest {files['seq']}, "
             f"{len(files['files'])} file(s)) is restored on the head node before the script runs")
+    refuse_if_running(spec, cs or CheckpointStore(spec.checkpoint.url, spec.name, creds_for(spec, spec.checkpoint.url)))
     if ck is not None:
         meta = cs.read_manifest(ck)["meta"]
         log(f"[resume] run {run}: checkpoint {ck.name} (step {ck.step}, epoch {meta['epoch']}, batch "

@@ -140,14 +140,7 @@ class JobCheckpoints(JobHooks):
                      f"({type(e).__name__}: {e}); a second job of this run elsewhere would not be refused")
             return
         if holder is not None:
-            age = time.time() - float(holder.get("heartbeat", 0))
-            raise ApplianceError(
-                f"run {self.spec.name!r} already has a job running: {holder.get('job_id')} on cluster "
-                f"{holder.get('cluster')} (head {holder.get('head')}), alive {age:.0f}s ago by its lock in "
-                f"{self.spec.checkpoint.url.rstrip('/')}/{self.spec.name}/{LOCK}",
-                f"wait for it to end, or stop it (`appliance down {holder.get('cluster')}`); if its launcher died, "
-                f"the lock expires {float(holder.get('ttl', TTL)):.0f}s after its last heartbeat and "
-                f"`appliance resume {self.spec.name}` takes it over")
+            raise run_busy(self.spec, holder)
         if stale is not None:
             self.say(f"[appliance] took over the run's lock from job {stale.get('job_id')} (cluster "
                      f"{stale.get('cluster')}), whose launcher stopped renewing it "
@@ -302,6 +295,27 @@ class JobCheckpoints(JobHooks):
                 result.failure = (f"stopped after step {self.stopped['step']} ({self.stopped['reason']}) but the "
                                   f"checkpoint was NOT committed: {self.stopped.get('error')}; it is kept on "
                                   f"{self.cluster.head.name} at {self.stopped.get('local')}")
+
+
+def run_busy(spec, holder: dict) -> ApplianceError:
+    age = time.time() - float(holder.get("heartbeat", 0))
+    return ApplianceError(
+        f"run {spec.name!r} already has a job running: {holder.get('job_id')} on cluster {holder.get('cluster')} "
+        f"(head {holder.get('head')}), alive {age:.0f}s ago by its lock in "
+        f"{spec.checkpoint.url.rstrip('/')}/{spec.name}/{LOCK}",
+        f"wait for it to end, or stop it (`appliance down {holder.get('cluster')}`); if its launcher died, the lock "
+        f"expires {float(holder.get('ttl', TTL)):.0f}s after its last heartbeat and `appliance resume {spec.name}` "
+        "takes it over")
+
+
+def refuse_if_running(spec, cs: CheckpointStore) -> None:
+    """`appliance resume`, before it stages anything: refuse while another job of the run keeps its lock alive (a
+    running job prunes the very checkpoints a second one would stage)."""
+    lock = RunLock(cs, "", cluster="", head="")
+    cur = lock.read()
+    if cur and not job_ended_here(spec.name, str(cur.get("job_id"))) and \
+            time.time() - float(cur.get("heartbeat", 0)) < float(cur.get("ttl", TTL)):
+        raise run_busy(spec, cur)
 
 
 def job_ended_here(run: str, job_id: str) -> bool:
