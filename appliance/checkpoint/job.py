@@ -313,8 +313,7 @@ def refuse_if_running(spec, cs: CheckpointStore) -> None:
     running job prunes the very checkpoints a second one would stage)."""
     lock = RunLock(cs, "", cluster="", head="")
     cur = lock.read()
-    if cur and not job_ended_here(spec.name, str(cur.get("job_id"))) and \
-            time.time() - float(cur.get("heartbeat", 0)) < float(cur.get("ttl", TTL)):
+    if cur and lock.alive(cur, ended=lambda jid: job_ended_here(spec.name, jid)):
         raise run_busy(spec, cur)
 
 

@@ -387,12 +387,15 @@ class Checkpointer:
         for p in self.local_dir.glob(".tmp-ckpt-*"):
             shutil.rmtree(p, ignore_errors=True)
 
+    def _own_rng(self) -> dict:
+        """This rank's RNG states: Python, NumPy, TensorFlow's global generator, the random layers' generators."""
+        return dict(_rng_state(), layers=[g.state.numpy().tolist() for g in layer_generators(self.model)])
+
     def _gather_rng(self) -> list[dict]:
         """Every rank: its RNG states (Python, NumPy, TensorFlow's global generator, the random layers'
         generators), gathered on every rank; a checkpoint keeps each rank's, so a resume on the same world size
         gives each rank its own."""
-        mine = _rng_state()
-        mine["layers"] = [g.state.numpy().tolist() for g in layer_generators(self.model)]
+        mine = self._own_rng()
         if self.size == 1:
             return [mine]
         return list(self._hvd.allgather_object(mine, name="appliance.rng"))
@@ -400,8 +403,7 @@ class Checkpointer:
     def save(self, states: list[dict] | None = None, *, complete: bool = False) -> Path:
         """Rank 0: write the full state locally (atomic rename) and queue it for upload. ``states``: every rank's
         RNG states (``_gather_rng``, which all ranks must call); without it, rank 0's alone."""
-        states = states or [dict(_rng_state(), layers=[g.state.numpy().tolist()
-                                                       for g in layer_generators(self.model)])]
+        states = states or [self._own_rng()]
         t0 = time.monotonic()
         epoch, offset = self._position()
         name = ckpt_name(self.step)

@@ -45,8 +45,7 @@ class RunLock:
         the lock is ours; ``taken_over`` is the stale lock we replaced, if any. ``ended(job_id)``: this machine knows
         that job has ended (its run record says so: its launcher could not delete the lock, the store being down)."""
         old = self.read()
-        if old and old.get("job_id") != self.job_id and not ended(str(old.get("job_id"))) and \
-                self.now() - float(old.get("heartbeat", 0)) < float(old.get("ttl", self.ttl)):
+        if old and old.get("job_id") != self.job_id and self.alive(old, ended):
             return old, None
         self._write(tmp_dir)
         back = self.read()
@@ -55,6 +54,11 @@ class RunLock:
         self.held = True
         stale = old if old and old.get("job_id") != self.job_id else None
         return None, stale
+
+    def alive(self, lock: dict, ended: Callable[[str], bool] = lambda job_id: False) -> bool:
+        """A lock whose job has not ended (as far as ``ended`` knows) and renewed it within its ttl."""
+        return not ended(str(lock.get("job_id"))) and \
+            self.now() - float(lock.get("heartbeat", 0)) < float(lock.get("ttl", self.ttl))
 
     def heartbeat(self, tmp_dir) -> None:
         if self.held:
