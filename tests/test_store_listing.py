@@ -26,7 +26,7 @@ class FakeConn:
                 raise ConnectionResetError("reset by peer")
             raise swiftclient.ClientException("boom", http_status=status)
         rest = [n for n in self.names if (not marker or n > marker) and n.startswith(prefix or "")]
-        return {}, [{"name": n, "bytes": 1, "hash": "d41d8cd98f00b204e9800998ecf8427e"} for n in rest[:min(limit,
+        return {}, [{"name": n, "bytes": 1, "hash": "9dd4e461268c8034f5c8564e155c67a6"} for n in rest[:min(limit,
                                                                                                              self.cap)]]
 
 
@@ -78,3 +78,53 @@ def test_nodes_get_only_the_credentials_their_url_uses():
     s3 = both.scoped("s3://ckpts/")
     assert s3.s3_secret_key == "SECRET" and s3.token is None and s3.storage_url is None
     assert both.scoped().s3_secret_key == "SECRET"  # no URL: unchanged
+
+
+class RGWConn(FakeConn):
+    """An SLO as Ceph RGW shows it (../shared/docs/rgw.md): listed with the MD5 of nothing and the manifest's
+    length, the manifest GET answered with an empty body; its segments in CONTAINER_segments."""
+
+    segs = [{"name": "big/3000/1000/0000000%d" % i, "bytes": b, "hash": h}
+            for i, (b, h) in enumerate([(1000, "a" * 32), (1000, "b" * 32), (1000, "c" * 32)])]
+    etag = objects.slo_etag(segs)
+
+    def __init__(self):
+        super().__init__([])
+        self.gets = []
+
+    def get_container(self, container, prefix=None, marker=None, limit=None):
+        if marker:
+            return {}, []
+        if container == "c_segments":
+            return {}, [s for s in self.segs if s["name"].startswith(prefix or "")]
+        return {}, [{"name": "big", "bytes": 374, "hash": objects.EMPTY_MD5},
+                    {"name": "plain", "bytes": 5, "hash": "5d41402abc4b2a76b9719d911017c592"}]
+
+    def head_object(self, container, name):
+        if name == "big":
+            return {"Content-Length": "3000", "ETag": f'"{self.etag}"', "X-Static-Large-Object": "True"}
+        return {"Content-Length": "5", "ETag": "5d41402abc4b2a76b9719d911017c592"}
+
+    def get_object(self, container, name, query_string=None, **kw):
+        self.gets.append((name, query_string))
+        return {"x-object-meta-static-large-object": "True"}, b""
+
+
+def test_an_rgw_slo_is_listed_with_its_real_size_and_etag_and_its_segments_found():
+    conn = RGWConn()
+    st = store(conn)
+    listed = {o.name: (o.size, o.etag) for o in st.list()}
+    assert listed == {"big": (3000, RGWConn.etag), "plain": (5, "5d41402abc4b2a76b9719d911017c592")}
+    assert st.slo_segments("big") == [{"bytes": s["bytes"], "hash": s["hash"]} for s in RGWConn.segs]
+
+
+def test_a_plain_object_is_never_read_whole_to_look_for_a_manifest():
+    """Real Swift ignores ?multipart-manifest=get on a plain object and sends the whole body: HEAD first."""
+    conn = RGWConn()
+    assert store(conn).slo_segments("plain") is None and conn.gets == []
+
+
+def test_segments_that_do_not_add_up_to_the_etag_are_not_trusted():
+    conn = RGWConn()
+    conn.etag = "0" * 32
+    assert store(conn).slo_segments("big") == []

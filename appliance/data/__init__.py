@@ -95,6 +95,11 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
             f"{r['retries']} retries, {r['corrupt_refetched']} corrupt re-fetched"
             + (f", {r['files_removed']} no longer in the store removed" if r.get("files_removed") else "")
             + f" -> {r['dest']}")
+        if r.get("size_only"):
+            shown = ", ".join(repr(n) for n in r["size_only"][:3]) + (" ..." if len(r["size_only"]) > 3 else "")
+            say(f"[stage] warning: {name}: {len(r['size_only'])} large object(s) checked by size only: {shown} "
+                "(the store gives no SLO manifest, as Ceph RGW does not, and their segments are not in "
+                "CONTAINER_segments/NAME/); upload them with `appliance data upload` to have them verified")
     say(f"[stage] done in {wall:.1f}s on {len(results)} node(s)")
     return results
 

@@ -144,37 +144,68 @@ def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0, 
     return status()
 
 
-def swift(log=print) -> dict:
-    """The local cloud's object store: a real Swift, started on first use. Returns its credentials."""
+STORES = ("rgw", "swift")
+
+
+def store_kind() -> str:
+    """Which object store the local cloud runs: APPLIANCE_LOCAL_STORE (`rgw` or `swift`); by default a real Ceph RGW,
+    Chameleon's own store (ChameleonCloud/docs `swift/index.rst`), when its packages are installed."""
+    from . import rgw_server
+
+    kind = os.environ.get("APPLIANCE_LOCAL_STORE", "").strip().lower()
+    if kind and kind not in STORES:
+        raise ApplianceError(f"APPLIANCE_LOCAL_STORE={kind!r} is not an object store of the local cloud",
+                             f"use one of {', '.join(STORES)}")
+    return kind or ("rgw" if rgw_server.installed() else "swift")
+
+
+def _store_server(kind: str, d: Path, bind_ip: str = "127.0.0.1"):
+    from .rgw_server import RGWServer
     from .swift_server import SwiftServer
 
+    return (RGWServer if kind == "rgw" else SwiftServer)(d / kind, bind_ip=bind_ip)
+
+
+def object_store(log=print) -> dict:
+    """The local cloud's object store, started on first use: a real Ceph RGW (or a real Swift, see ``store_kind``),
+    listening on the cloud's bridge address so its servers reach it. Returns its credentials (with ``kind``)."""
     d = state_dir()
-    start(log=log)  # its servers must reach it: the proxy listens on the cloud's bridge address
-    sw = SwiftServer(d / "swift", bind_ip=testbed.load(testbed_name()).host_ip)
-    creds_file = d / "swift.json"
-    if creds_file.exists() and (d / "swift" / "pids.json").exists():
+    start(log=log)
+    kind = store_kind()
+    creds_file = d / "store.json"
+    if creds_file.exists():
         creds = json.loads(creds_file.read_text())
-        try:
-            with urllib.request.urlopen(creds["s3_endpoint"] + "/healthcheck", timeout=2) as r:
-                if r.status == 200:
-                    return creds
-        except OSError:
-            pass
-    sw.start()
-    creds = sw.credentials()
-    _write_private(creds_file, json.dumps(creds))
-    log(f"local object store (Swift) at {creds['s3_endpoint']}")
+        if creds.get("kind") == kind and _store_answers(creds):
+            return {k: v for k, v in creds.items() if k != "kind"}
+        _store_server(creds.get("kind", kind), d).stop()  # another kind, or one that died: start afresh
+    srv = _store_server(kind, d, bind_ip=testbed.load(testbed_name()).host_ip)
+    if kind == "rgw":
+        log("starting the local object store (Ceph RGW: mon, memstore OSD, radosgw) ...")
+    srv.start()
+    creds = srv.credentials()
+    _write_private(creds_file, json.dumps({**creds, "kind": kind}))
+    log(f"local object store ({'Ceph RGW' if kind == 'rgw' else 'OpenStack Swift'}) at {creds['s3_endpoint']}")
     return creds
 
 
-def stop(log=print, timeout: float = 30.0) -> bool:
-    """Stop the local cloud: its servers (testbed nodes) are deleted, its Swift stopped. Idempotent."""
-    from .swift_server import SwiftServer
+def _store_answers(creds: dict) -> bool:
+    """The store answers v1 auth with the saved credentials (RGW and Swift both serve /auth/v1.0)."""
+    req = urllib.request.Request(creds["auth_url"], headers={"X-Auth-User": creds["user"], "X-Auth-Key": creds["key"]})
+    try:
+        with urllib.request.urlopen(req, timeout=3) as r:
+            return r.status in (200, 204)
+    except OSError:
+        return False
 
+
+def stop(log=print, timeout: float = 30.0) -> bool:
+    """Stop the local cloud: its servers (testbed nodes) are deleted, its object store stopped. Idempotent."""
     pid = _pid()
     d = state_dir()
-    if (d / "swift").exists():
-        SwiftServer(d / "swift").stop()
+    for kind in STORES:
+        if (d / kind).exists():
+            _store_server(kind, d).stop()
+    (d / "store.json").unlink(missing_ok=True)
     if pid:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout

@@ -41,6 +41,7 @@ def _free_port() -> int:
 class SwiftServer:
     user = "test:tester"
     key = "testing"
+    kind = "swift"
 
     def __init__(self, base: str | Path, *, proxy_workers: int = 1, bind_ip: str = "127.0.0.1"):
         """bind_ip: where the proxy listens; a testbed bridge's host address makes it reachable from nodes."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import ApplianceError
-from ..store.objects import ObjectInfo, Store, md5_file as _md5_path
+from ..store.objects import ObjectInfo, Store, md5_file as _md5_path, slo_etag
 
 MANIFEST = ".appliance-manifest.json"
 JOURNAL = ".appliance-manifest.journal"  # one line per verified file, so a killed run loses nothing
@@ -53,6 +53,7 @@ class StageResult:
     retries: int = 0
     corrupt_refetched: int = 0
     files_removed: int = 0  # staged before, no longer in the store (or this node's shard): removed
+    size_only: list[str] = field(default_factory=list)  # SLOs the store shows no segments of: checked by size only
     seconds: float = 0.0
     dest: str = ""
     names: list[str] = field(default_factory=list)  # this node's names (kept only when asked)
@@ -249,7 +250,9 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
         part = staging / (hashlib.sha256(o.name.encode()).hexdigest() + ".part")
         for attempt in range(retries + 1):
             try:
-                _fetch_one(store, o, part, big_pool, prog)
+                if not _fetch_one(store, o, part, big_pool, prog):
+                    with mlock:
+                        res.size_only.append(o.name)
                 part.replace(target)
                 record(o)
                 prog.add(files=1)
@@ -293,23 +296,22 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
     return res
 
 
-def _slo_etag(segments: list[dict]) -> str:
-    return hashlib.md5("".join(s["hash"] for s in segments).encode()).hexdigest()
-
-
-def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress) -> None:
+def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress) -> bool:
+    """Fetch ``o`` into ``part`` and verify it; raise Corrupt when it does not verify. Returns False when its
+    content could be checked only by size: an SLO whose segments the store does not show (Ceph RGW gives no
+    manifest, and its segments are not where uploads put them)."""
     etag = o.etag.strip('"')
     if o.size >= LARGE:
         segments = store.slo_segments(o.name) if store.scheme == "swift" else None
         if segments:  # one ranged GET per segment, each checked against the segment's MD5
             _fetch_ranges(store, o, part, pool, prog, [(s["bytes"], s["hash"]) for s in segments])
-            if _slo_etag(segments) != etag:
+            if slo_etag(segments) != etag:
                 raise Corrupt(o.name)
-            return
+            return True
         _fetch_ranges(store, o, part, pool, prog, [(min(RANGE, o.size - off), None) for off in range(0, o.size, RANGE)])
-        if "-" not in etag and _md5_path(part) != etag:  # "-": an S3 multipart ETag, not an MD5
+        if segments is None and "-" not in etag and _md5_path(part) != etag:  # "-": an S3 multipart ETag
             raise Corrupt(o.name)
-        return
+        return segments is None
     h = hashlib.md5()
     n = 0
     with open(part, "wb") as fh:
@@ -325,16 +327,19 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
         raise Corrupt(o.name)
     if str(headers.get("x-static-large-object", "")).lower() == "true":
         segments = store.slo_segments(o.name) or []
+        if not segments:
+            return False
         off = 0
         with open(part, "rb") as fh:
             for seg in segments:
                 if hashlib.md5(fh.read(seg["bytes"])).hexdigest() != seg["hash"]:
                     raise Corrupt(o.name)
                 off += seg["bytes"]
-        if _slo_etag(segments) != etag or off != o.size:
+        if slo_etag(segments) != etag or off != o.size:
             raise Corrupt(o.name)
     elif "-" not in etag and h.hexdigest() != etag:
         raise Corrupt(o.name)
+    return True
 
 
 def _fetch_ranges(store, o, part, pool, prog, pieces: list[tuple[int, str | None]]) -> None:

@@ -56,7 +56,7 @@ class LocalSite(Site):
         return float(localcloud.admin("GET", "/clock").get("time_scale", 1.0))
 
     def _site_store_creds(self) -> StoreCreds:
-        return StoreCreds(**localcloud.swift(log=self.log))
+        return StoreCreds(**localcloud.object_store(log=self.log))
 
     def install_options(self) -> dict:
         """Nodes are namespaces here: no PyPI, the host's packages, a per-node venv."""

@@ -27,6 +27,7 @@ from ..errors import ApplianceError
 SWIFT_PAGE = 10000  # Swift returns at most 10,000 names per listing request; Ceph RGW caps it at 1,000
 LIST_DEADLINE = 120.0  # seconds a listing page is retried (5xx, resets, timeouts) before staging gives up
 MAX_OBJECT = 5 * 1024**3  # a single PUT is capped at 5 GiB
+EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"  # Ceph RGW lists an SLO with this hash and the manifest's length
 
 
 @dataclass
@@ -196,8 +197,18 @@ class SwiftStore(Store):
             for o in page:
                 if "subdir" in o:
                     continue
-                yield ObjectInfo(o["name"], int(o["bytes"]), (o.get("slo_etag") or o["hash"]).strip('"'))
+                size, etag = int(o["bytes"]), (o.get("slo_etag") or o["hash"]).strip('"')
+                if etag == EMPTY_MD5 and size > 0:  # Ceph RGW lists an SLO by its manifest: HEAD tells the truth
+                    hdrs = self.head(o["name"])
+                    size, etag = int(hdrs.get("content-length", size)), str(hdrs.get("etag", etag)).strip('"')
+                yield ObjectInfo(o["name"], size, etag)
             marker = page[-1].get("name") or page[-1].get("subdir")
+
+    def head(self, name: str) -> dict:
+        """An object's headers (lower-case names), asked again on transient failures."""
+        hdrs = transient_retry(lambda: self._call(self.conn().head_object, self.container, name),
+                               deadline=self.list_deadline, reset=self._reset)
+        return {k.lower(): v for k, v in hdrs.items()}
 
     def _reset(self) -> None:
         self._local.conn = None  # a connection that failed is not reused
@@ -213,11 +224,38 @@ class SwiftStore(Store):
         return {k.lower(): v for k, v in hdrs.items()}
 
     def slo_segments(self, name):
-        hdrs, body = self._call(self.conn().get_object, self.container, name,
-                                query_string="multipart-manifest=get")
-        if str(hdrs.get("x-static-large-object", "")).lower() != "true":
+        """None for a plain object; for an SLO its segments ``[{"bytes", "hash"}]``, or [] when the store shows
+        neither the manifest nor segments that add up to the object's ETag.
+
+        HEAD first: real Swift ignores ``?multipart-manifest=get`` on a plain object and sends the whole body.
+        Ceph RGW answers it with an empty body for an SLO (../shared/docs/rgw.md), so there the segments are
+        read from the segment container's listing (``CONTAINER_segments``, under ``NAME/``: where we and
+        `swift upload --use-slo` put them) and kept only if their sizes add up to the object's length and their
+        MD5s to its ETag."""
+        head = self.head(name)
+        if str(head.get("x-static-large-object", "")).lower() != "true":
             return None
-        return [{"bytes": int(s["bytes"]), "hash": s["hash"]} for s in json.loads(body)]
+        _, body = self._call(self.conn().get_object, self.container, name, query_string="multipart-manifest=get")
+        try:
+            manifest = json.loads(body) if body else None
+        except ValueError:
+            manifest = None
+        if isinstance(manifest, list) and manifest:
+            return [{"bytes": int(s["bytes"]), "hash": s["hash"]} for s in manifest]
+        size, etag = int(head.get("content-length", -1)), str(head.get("etag", "")).strip('"')
+        groups: dict[str, list[ObjectInfo]] = {}
+        try:
+            segments_store = type(self)(f"{self.container}_segments", self.creds)
+            segments_store.list_deadline = self.list_deadline
+            for o in segments_store.list(name + "/"):
+                groups.setdefault(o.name.rsplit("/", 1)[0], []).append(o)
+        except FileNotFoundError:
+            return []
+        for group in groups.values():
+            segs = [{"bytes": o.size, "hash": o.etag} for o in sorted(group, key=lambda o: o.name)]
+            if sum(s["bytes"] for s in segs) == size and slo_etag(segs) == etag:
+                return segs
+        return []
 
     def put(self, name, path, *, segment_size=MAX_OBJECT) -> str:
         path = Path(path)
@@ -405,6 +443,11 @@ def large_object_etags(p: Path, part_size: int) -> dict:
         out["swift"] = hashlib.md5("".join(m.hexdigest() for m in parts).encode()).hexdigest()
         out["s3"] = hashlib.md5(b"".join(m.digest() for m in parts)).hexdigest() + f"-{len(parts)}"
     return out
+
+
+def slo_etag(segments: list[dict]) -> str:
+    """An SLO's ETag, from its segments: the MD5 of their MD5s (hex) joined (Swift and Ceph RGW alike)."""
+    return hashlib.md5("".join(s["hash"] for s in segments).encode()).hexdigest()
 
 
 def md5_file(p: Path) -> str:

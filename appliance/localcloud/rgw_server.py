@@ -1,0 +1,211 @@
+"""A real Ceph RADOS Gateway (Debian's ceph 16.2.x): the object store Chameleon runs, on one machine.
+
+Chameleon's object store is Ceph RGW serving the Swift and S3 APIs (ChameleonCloud/docs `swift/index.rst`;
+../shared/docs/rgw.md has what was measured here). This starts one `ceph-mon`, one `ceph-osd` on memstore (the
+data lives in the OSD's memory: a stopped store is an empty store) and `radosgw` with the beast frontend on
+``bind_ip``, with Swift v1 auth (user ``test:tester``) and S3 keys made by `radosgw-admin`. No mgr: the cluster
+never reaches HEALTH_OK and does not need to. Every process runs in its own process group, recorded by PID,
+and is stopped by PID (radosgw first: SIGTERM to all three at once makes radosgw hang for 120 s).
+
+    rgw = RGWServer(base, bind_ip=...).start()
+    rgw.auth_url, rgw.user, rgw.key      # Swift API, v1 auth: X-Storage-Url http://ADDR:PORT/swift/v1
+    rgw.s3_endpoint                      # S3 API: access key / secret in credentials()
+    rgw.stop()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from ..errors import ApplianceError
+
+DAEMONS = ("mon", "osd", "rgw")
+PACKAGES = "ceph-mon ceph-osd radosgw ceph-common"
+# memstore keeps objects in the OSD's memory up to this many bytes (ceph's default is 1 GiB, less than a
+# staging benchmark writes); a cap, not an allocation
+MEMSTORE_BYTES = int(os.environ.get("APPLIANCE_RGW_MEMSTORE_BYTES", str(8 << 30)))
+
+
+def _free_port(ip: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def installed() -> bool:
+    return all(shutil.which(b) for b in ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool"))
+
+
+class RGWServer:
+    user = "test:tester"
+    key = "testing"
+    s3_access_key = "appliance-local"
+    s3_secret_key = "appliance-local-secret"
+    kind = "rgw"
+
+    def __init__(self, base: str | Path, *, bind_ip: str = "127.0.0.1"):
+        self.base = Path(base)
+        self.bind_ip = bind_ip
+        self.ports: dict[str, int] = {}
+        self.pids: dict[str, int] = {}
+
+    # -- layout ----------------------------------------------------------------------------------
+
+    @property
+    def conf(self) -> Path:
+        return self.base / "ceph.conf"
+
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://{self.bind_ip}:{self.ports['rgw']}"
+
+    @property
+    def auth_url(self) -> str:
+        return f"{self.s3_endpoint}/auth/v1.0"
+
+    @property
+    def storage_url(self) -> str:
+        return f"{self.s3_endpoint}/swift/v1"
+
+    def credentials(self) -> dict:
+        return {"auth_url": self.auth_url, "user": self.user, "key": self.key, "storage_url": self.storage_url,
+                "s3_endpoint": self.s3_endpoint, "s3_access_key": self.s3_access_key,
+                "s3_secret_key": self.s3_secret_key, "s3_region": "us-east-1"}
+
+    def _write_config(self) -> None:
+        self.base.mkdir(parents=True, exist_ok=True)
+        for d in ("mon", "osd", "run", "log"):
+            (self.base / d).mkdir(exist_ok=True)
+        self.ports = {"mon": _free_port(), "rgw": _free_port(self.bind_ip)}
+        (self.base / "ports.json").write_text(json.dumps(self.ports))
+        b = self.base
+        # the settings and why: ../shared/docs/rgw.md ("It runs as a test fixture")
+        self.conf.write_text(
+            "[global]\n"
+            f"fsid = {uuid.uuid4()}\n"
+            f"mon host = [v2:127.0.0.1:{self.ports['mon']}]\n"
+            "mon initial members = a\n"
+            "ms bind msgr1 = false\n"
+            "public addr = 127.0.0.1\n"
+            "auth cluster required = none\nauth service required = none\nauth client required = none\n"
+            "keyring = /dev/null\n"
+            "osd pool default size = 1\nosd pool default min size = 1\nosd pool default pg num = 8\n"
+            "osd pool default pgp num = 8\nosd pool default pg autoscale mode = off\n"
+            "osd crush chooseleaf type = 0\nmon allow pool size one = true\nmon max pg per osd = 1000\n"
+            "paxos propose interval = 0.01\npaxos min wait = 0.001\n"
+            f"run dir = {b / 'run'}\nadmin socket = {b / 'run'}/$name.asok\npid file = {b / 'run'}/$name.pid\n"
+            f"log file = {b / 'log'}/$name.log\nlog to stderr = false\nerr to stderr = false\n"
+            "mon data avail warn = 1\nmon data avail crit = 0\n"
+            "\n[mon]\n"
+            f"mon data = {b / 'mon'}/$id\n"
+            "\n[osd]\n"
+            f"osd data = {b / 'osd'}/$id\nosd objectstore = memstore\nmemstore device bytes = {MEMSTORE_BYTES}\n"
+            "osd max object size = 1073741824\n"
+            "\n[client.rgw.local]\n"
+            f"rgw frontends = beast endpoint={self.bind_ip}:{self.ports['rgw']}\n"
+            "ms mon client mode = crc\n"
+            "rgw dns name = localhost\n"
+            "rgw enable usage log = false\n")
+
+    # -- processes -------------------------------------------------------------------------------
+
+    def _ceph(self, *argv: str, timeout: float = 60.0) -> str:
+        p = subprocess.run([*argv, "-c", str(self.conf)], capture_output=True, text=True, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+        if p.returncode != 0:
+            raise ApplianceError(f"Ceph RGW did not start: {' '.join(argv[:3])}: "
+                                 f"{(p.stderr or p.stdout).strip()[-300:]}", f"see {self.base / 'log'}")
+        return p.stdout
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        with open(self.base / "log" / f"{name}.out", "ab") as out:
+            p = subprocess.Popen([*argv, "-c", str(self.conf), "-f"], stdin=subprocess.DEVNULL, stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        self.pids[name] = p.pid
+        (self.base / "pids.json").write_text(json.dumps(self.pids))
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.s3_endpoint}/", timeout=2) as r:  # anonymous ListBuckets
+                return r.status == 200
+        except OSError:
+            return False
+
+    def start(self, timeout: float = 60.0) -> RGWServer:
+        if not installed():
+            raise ApplianceError("Ceph RGW is not installed (ceph-mon, ceph-osd, radosgw)",
+                                 f"apt-get install --no-install-recommends {PACKAGES} (make install does)")
+        self.stop()  # leftovers of an earlier run of this BASE: memstore keeps nothing, so start clean
+        for d in ("mon", "osd", "run"):
+            shutil.rmtree(self.base / d, ignore_errors=True)
+        self._write_config()
+        fsid = next(ln.split("=", 1)[1].strip() for ln in self.conf.read_text().splitlines()
+                    if ln.startswith("fsid"))
+        monmap = self.base / "monmap"
+        self._ceph("monmaptool", "--create", "--clobber", "--fsid", fsid, "--addv", "a",
+                   f"[v2:127.0.0.1:{self.ports['mon']}]", str(monmap))
+        self._ceph("ceph-mon", "--mkfs", "-i", "a", "--monmap", str(monmap))
+        self._spawn("mon", ["ceph-mon", "-i", "a"])
+        osd_uuid = str(uuid.uuid4())
+        osd_id = self._ceph("ceph", "osd", "new", osd_uuid).strip()
+        (self.base / "osd" / osd_id).mkdir(parents=True, exist_ok=True)
+        self._ceph("ceph-osd", "-i", osd_id, "--mkfs", "--osd-uuid", osd_uuid)
+        self._spawn("osd", ["ceph-osd", "-i", osd_id])
+        deadline = time.monotonic() + timeout
+        while json.loads(self._ceph("ceph", "osd", "stat", "-f", "json")).get("num_up_osds", 0) < 1:
+            self._check_alive(("mon", "osd"), deadline, "the OSD did not come up")
+            time.sleep(0.1)  # readiness poll of the OSD map (no HEALTH_OK without a mgr)
+        self._spawn("rgw", ["radosgw", "-n", "client.rgw.local"])
+        while not self.healthy():
+            self._check_alive(DAEMONS, deadline, "radosgw did not answer")
+            time.sleep(0.1)  # readiness poll of a local port
+        admin = ("radosgw-admin", "-n", "client.admin")
+        self._ceph(*admin, "user", "create", "--uid=test", "--display-name=test",
+                   f"--access-key={self.s3_access_key}", f"--secret-key={self.s3_secret_key}")
+        self._ceph(*admin, "subuser", "create", "--uid=test", f"--subuser={self.user}", "--access=full")
+        self._ceph(*admin, "key", "create", f"--subuser={self.user}", "--key-type=swift", f"--secret={self.key}")
+        return self
+
+    def _check_alive(self, names, deadline: float, what: str) -> None:
+        for n in names:
+            pid = self.pids.get(n)
+            with contextlib.suppress(ChildProcessError):
+                if pid and os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    self.stop()
+                    raise ApplianceError(f"Ceph RGW did not start: {n} exited",
+                                         f"see {self.base / 'log'} ({n}.out and the .log files)")
+        if time.monotonic() > deadline:
+            self.stop()
+            raise ApplianceError(f"Ceph RGW did not start: {what}", f"see {self.base / 'log'}")
+
+    def stop(self) -> None:
+        pids_file = self.base / "pids.json"
+        pids = json.loads(pids_file.read_text()) if pids_file.exists() else dict(self.pids)
+        # radosgw, then the OSD, then the monitor: memstore keeps nothing, so SIGKILL loses nothing either
+        for name in reversed(DAEMONS):
+            pid = pids.get(name)
+            if not pid:
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.02)  # bounded wait for the kernel to reap it
+        pids_file.unlink(missing_ok=True)
+        self.pids = {}
