@@ -11,6 +11,8 @@ APPLIANCE := $(VENV)/bin/appliance
 # Built Horovod wheels are kept here, by TensorFlow version, variant and Python (a rebuild takes ~5 min).
 WHEEL_CACHE ?= $(HOME)/.cache/appliance/wheels
 DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached shellcheck curl
+# Ceph's RADOS Gateway, the local cloud's object store as on Chameleon (appliance/localcloud/rgw_server.py)
+CEPH_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
 PYTEST_ARGS ?=
 
 .PHONY: help install system-deps deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \
@@ -36,6 +38,13 @@ system-deps:
 	    echo "installing Debian packages:$$missing"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else echo "note: not root, cannot install$$missing; the testbed will run in single-host mode"; fi; \
+	fi
+	@missing=""; for p in $(CEPH_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Ceph (the local object store, RGW):$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "note: not root, cannot install$$missing; the local cloud's store will be OpenStack Swift"; fi; \
 	fi
 
 # The stack is installed by images/install-stack.sh, the same steps the image build and the boot-time installer

@@ -163,11 +163,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
-def swift(tb2, tmp_path_factory):
-    """A real OpenStack Swift on the testbed's bridge, one per test module (test_stage.py has its own)."""
+def swift(tb2, tmp_path_factory, request):
+    """A real object store on the testbed's bridge, one per test module (test_stage.py has its own): OpenStack
+    Swift, or Ceph RGW for a test parametrized ``@pytest.mark.parametrize("swift", ["swift", "rgw"],
+    indirect=True)``. (The local cloud's own store, for tests that use ``cloud``, is RGW.)"""
+    from appliance.localcloud.rgw_server import RGWServer
     from appliance.localcloud.swift_server import SwiftServer
 
-    sw = SwiftServer(tmp_path_factory.mktemp("swift"), bind_ip=tb2.host_ip).start()
+    kind = getattr(request, "param", "swift")
+    server = RGWServer if kind == "rgw" else SwiftServer
+    sw = server(tmp_path_factory.mktemp(kind), bind_ip=tb2.host_ip).start()
     try:
         yield sw
     finally:

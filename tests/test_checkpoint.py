@@ -116,6 +116,7 @@ def fake_ckpt(root: Path, step: int, payload: bytes) -> Path:
     return d
 
 
+@pytest.mark.parametrize("swift", ["swift", "rgw"], indirect=True)
 def test_a_file_above_the_segment_size_commits_as_an_slo(swift, tmp_path, tb2, monkeypatch):
     """Issue 14 item 2: files over 5 GiB became SLOs whose ETag is not their MD5, so the commit check failed forever,
     and each segment was read into memory. Here the segment size is 1 MiB so the test stays small."""
@@ -132,6 +133,7 @@ def test_a_file_above_the_segment_size_commits_as_an_slo(swift, tmp_path, tb2, m
     assert m["files"]["state.data-00000-of-00001"]["size"] == (5 << 19) + 7
 
 
+@pytest.mark.parametrize("swift", ["swift", "rgw"], indirect=True)
 def test_commit_prune_and_a_corrupted_newest_checkpoint(swift, tmp_path, tb2):
     cs = store_for(swift, "unit")
     cs.store.ensure_container()
@@ -181,6 +183,7 @@ def test_resume_finds_the_spec_beside_swift_checkpoints(swift, st_env, tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("swift", ["swift", "rgw"], indirect=True)
 def test_kill9_of_rank0_while_uploading_keeps_the_previous_commit(cluster2, tb2, swift, st_env, reference,
                                                                    tmp_path):
     spec = load_spec(digits_spec(tmp_path, "ckkill", url="swift://ckpts/",
@@ -243,6 +246,59 @@ def test_store_5xx_is_retried_and_a_dead_store_is_reported_loudly(cluster2, tb2,
         assert [c.step for c in store_for(swift, "ckdown").committed()] == [20]  # nothing committed was lost
     finally:
         proxy.stop()
+
+
+def test_checkpoints_keep_committing_after_the_store_token_expires(cluster2, tb2, reference, tmp_path, monkeypatch):
+    """Issue 12 item 2: rank 0 got one token; when the store refused it as expired (401), no checkpoint committed
+    again and the lease-end stop failed. Here a real Ceph RGW whose Swift tokens live 2 s (Chameleon's live a
+    day): every token the job holds expires many times over, and each checkpoint still commits, because nodes
+    get the store's own credential and swiftclient renews the token on a 401."""
+    from appliance.localcloud.rgw_server import RGWServer
+
+    rgw = RGWServer(tmp_path / "rgw", bind_ip=tb2.host_ip, token_seconds=2).start()
+    try:
+        monkeypatch.setenv("ST_AUTH", rgw.auth_url)
+        monkeypatch.setenv("ST_USER", rgw.user)
+        monkeypatch.setenv("ST_KEY", rgw.key)
+        res = train(load_spec(digits_spec(tmp_path, "cktoken", url="swift://ckpts/")), cluster2,
+                    out=lambda line: None)
+        assert res.exit_code == 0, res.failure
+        assert sha(res) == reference
+        assert [c.step for c in store_for(rgw, "cktoken").committed()] == [88, 80]
+        log = "".join(p.read_text(errors="replace") for p in (tmp_path / "rgw" / "log").glob("*.log"))
+        assert "old timed out token was used" in log  # the store did refuse expired tokens on the way
+    finally:
+        rgw.stop()
+
+
+def test_an_expired_bare_token_is_said_at_each_commit_and_never_retried(cluster2, tb2, tmp_path, monkeypatch):
+    """Nodes that hold only a token (Keystone's, on Chameleon with OS_CLOUD): once the store refuses it, swiftclient
+    dropped it and was left with no URL ("Unsupported scheme ... None"), which looked transient: the last
+    checkpoint's upload was retried for minutes and the job hung past the test's 10-minute limit. Now each commit
+    says the token may have expired, with the fix, and nothing is retried."""
+    import swiftclient
+
+    from appliance.localcloud.rgw_server import RGWServer
+
+    rgw = RGWServer(tmp_path / "rgw", bind_ip=tb2.host_ip, token_seconds=2).start()
+
+    def token_only(self, url=None):  # what nodes get from a Keystone session: a URL and a token
+        storage_url, token = swiftclient.get_auth(self.auth_url, self.user, self.key)
+        return StoreCreds(storage_url=storage_url, token=token)
+
+    monkeypatch.setattr(StoreCreds, "scoped", token_only)
+    try:
+        monkeypatch.setenv("ST_AUTH", rgw.auth_url)
+        monkeypatch.setenv("ST_USER", rgw.user)
+        monkeypatch.setenv("ST_KEY", rgw.key)
+        out = Lines()
+        res = train(load_spec(digits_spec(tmp_path, "ckbare", url="swift://ckpts/")), cluster2, out=out)
+        assert res.exit_code == 0, res.failure
+        refused = [x for x in out.lines if "NOT committed" in x]
+        assert refused and all("the token may have expired" in x and "renewable" in x for x in refused), refused
+        assert not out.has("retrying in")
+    finally:
+        rgw.stop()
 
 
 @pytest.mark.slow

@@ -304,12 +304,12 @@ def test_sharded_staging_across_two_nodes(cluster2, creds, tb2):
     for node, mine in zip(tb2.nodes, names):
         disk = Path(node.disk) / "data"
         assert {"s/" + p.relative_to(disk).as_posix() for p in disk.rglob("*.bin")} == mine
-    token = creds.scoped().token
-    assert not any(token in line for line in lines)  # credentials are never printed
+    secret = creds.scoped().key
+    assert secret and not any(secret in line for line in lines)  # credentials are never printed
     for node in tb2.nodes:
         for p in Path(node.disk).rglob("*"):
             if p.is_file() and p.stat().st_size < 1_000_000:
-                assert token.encode() not in p.read_bytes()  # nor left on the node's disk
+                assert secret.encode() not in p.read_bytes()  # nor left on the node's disk
 
 
 def _pipeline():

@@ -179,6 +179,8 @@ def object_store(log=print) -> dict:
             return {k: v for k, v in creds.items() if k != "kind"}
         _store_server(creds.get("kind", kind), d).stop()  # another kind, or one that died: start afresh
     srv = _store_server(kind, d, bind_ip=testbed.load(testbed_name()).host_ip)
+    if kind == "rgw":  # how long its Swift tokens live (a day, as Chameleon's Keystone tokens); tests use seconds
+        srv.token_seconds = int(os.environ.get("APPLIANCE_LOCAL_TOKEN_SECONDS", "86400"))
     if kind == "rgw":
         log("starting the local object store (Ceph RGW: mon, memstore OSD, radosgw) ...")
     srv.start()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -48,14 +49,18 @@ def installed() -> bool:
 
 class RGWServer:
     user = "test:tester"
-    key = "testing"
     s3_access_key = "appliance-local"
-    s3_secret_key = "appliance-local-secret"
     kind = "rgw"
 
-    def __init__(self, base: str | Path, *, bind_ip: str = "127.0.0.1"):
+    def __init__(self, base: str | Path, *, bind_ip: str = "127.0.0.1", token_seconds: int = 86400):
+        """token_seconds: how long a Swift v1 token lives (``rgw swift token expiration``; RGW refuses an older
+        one with 401: ceph src/rgw/rgw_swift_auth.cc, ``SignedTokenEngine::authenticate``). A day by default,
+        as RGW's own default and Chameleon's Keystone tokens; tests use seconds."""
         self.base = Path(base)
+        self.token_seconds = int(token_seconds)
         self.bind_ip = bind_ip
+        self.key = secrets.token_hex(16)  # fresh secrets per start: nothing guessable, nothing to leak twice
+        self.s3_secret_key = secrets.token_hex(20)
         self.ports: dict[str, int] = {}
         self.pids: dict[str, int] = {}
 
@@ -115,6 +120,7 @@ class RGWServer:
             f"rgw frontends = beast endpoint={self.bind_ip}:{self.ports['rgw']}\n"
             "ms mon client mode = crc\n"
             "rgw dns name = localhost\n"
+            f"rgw swift token expiration = {self.token_seconds}\n"
             "rgw enable usage log = false\n")
 
     # -- processes -------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ started in its own process group, recorded by PID, and stopped by PID.
 
     sw = SwiftServer(base).start()
     sw.auth_url, sw.user, sw.key      # native API (auth v1)
-    sw.s3_endpoint                    # S3 API: access key "test:tester", secret "testing"
+    sw.s3_endpoint                    # S3 API: access key "test:tester", secret: the key
     sw.stop()
 """
 
@@ -40,13 +40,13 @@ def _free_port() -> int:
 
 class SwiftServer:
     user = "test:tester"
-    key = "testing"
     kind = "swift"
 
     def __init__(self, base: str | Path, *, proxy_workers: int = 1, bind_ip: str = "127.0.0.1"):
         """bind_ip: where the proxy listens; a testbed bridge's host address makes it reachable from nodes."""
         self.base = Path(base)
         self.bind_ip = bind_ip
+        self.key = secrets.token_hex(16)  # a fresh secret per start: nothing guessable, nothing to leak twice
         self.proxy_workers = proxy_workers
         self.ports: dict[str, int] = {}
         self.pids: dict[str, int] = {}
@@ -100,7 +100,8 @@ class SwiftServer:
             "[pipeline:main]\npipeline = catch_errors gatekeeper healthcheck proxy-logging cache listing_formats "
             "bulk s3api tempauth copy slo dlo proxy-logging proxy-server\n\n"
             "[app:proxy-server]\nuse = egg:swift#proxy\naccount_autocreate = true\n\n"
-            "[filter:tempauth]\nuse = egg:swift#tempauth\nuser_test_tester = testing .admin\n"
+            "[filter:tempauth]\nuse = egg:swift#tempauth\n"
+            f"user_test_tester = {self.key} .admin\n"
             f"fernet_key_k1 = {fernet}\nactive_fernet_key_id = k1\n\n"
             "[filter:s3api]\nuse = egg:swift#s3api\n\n"
             "[filter:bulk]\nuse = egg:swift#bulk\nmax_containers_per_extraction = 10000\n"

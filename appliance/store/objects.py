@@ -5,8 +5,8 @@ One small interface, ``Store``: ``list`` (paged with markers through any number 
 Swift goes through python-swiftclient (one connection per thread), S3 through boto3.
 
 Credentials (``StoreCreds``) come from the same place as provisioning: a Keystone session
-(storage URL + token, both scoped and expiring), or Swift v1 auth (the local cloud's tempauth), and
-EC2-style keys for S3. They are never logged and never put on a command line.
+(storage URL + token, both scoped and expiring), or Swift v1 auth (the local cloud's Ceph RGW or Swift; tokens
+renewed on a 401), and EC2-style keys for S3. They are never logged and never put on a command line.
 """
 
 from __future__ import annotations
@@ -65,11 +65,12 @@ class StoreCreds:
         keep_s3 = scheme is None
         s3 = dict(s3_endpoint=self.s3_endpoint, s3_access_key=self.s3_access_key, s3_secret_key=self.s3_secret_key,
                   s3_region=self.s3_region) if keep_s3 else {}
-        if self.auth_url and self.user and self.key and not self.token:
-            import swiftclient
-
-            storage_url, tok = swiftclient.get_auth(self.auth_url, self.user, self.key)
-            return StoreCreds(storage_url=storage_url, token=tok, **s3)
+        if self.auth_url and self.user and self.key:
+            # Swift v1 auth (tempauth, or a Ceph RGW Swift user): a credential of the object store alone. Nodes
+            # get it rather than one token, because tokens expire (RGW: rgw_swift_token_expiration, a day by
+            # default; Chameleon's Keystone: a day) and a multi-day job must keep committing checkpoints:
+            # swiftclient fetches a new token with it when the store answers 401 (issue 12 item 2).
+            return StoreCreds(auth_url=self.auth_url, user=self.user, key=self.key, **s3)
         if scheme == "swift":
             return StoreCreds(storage_url=self.storage_url, token=self.token, auth_url=self.auth_url,
                               user=self.user, key=self.key, extra=dict(self.extra))
@@ -160,12 +161,11 @@ class SwiftStore(Store):
         if c is None:
             import swiftclient
 
-            if self.creds.storage_url and self.creds.token:
-                c = swiftclient.Connection(preauthurl=self.creds.storage_url, preauthtoken=self.creds.token,
-                                           retries=0, timeout=60)
-            else:
-                c = swiftclient.Connection(authurl=self.creds.auth_url, user=self.creds.user, key=self.creds.key,
-                                           retries=0, timeout=60)
+            # with auth_url/user/key, swiftclient asks for a new token once when the store refuses one (401):
+            # an expired token is renewed, not fatal; with a bare token it cannot be
+            c = swiftclient.Connection(authurl=self.creds.auth_url, user=self.creds.user, key=self.creds.key,
+                                       preauthurl=self.creds.storage_url if self.creds.token else None,
+                                       preauthtoken=self.creds.token, retries=0, timeout=60)
             self._local.conn = c
         return c
 
@@ -178,8 +178,16 @@ class SwiftStore(Store):
             if e.http_status == 404:
                 raise FileNotFoundError(f"swift://{self.container}/{args[1] if len(args) > 1 else ''}") from None
             if e.http_status in (401, 403):
-                raise ApplianceError(f"Swift refused access to container {self.container!r} ({e.http_status})",
-                                     "check the credentials and that the container is yours at this site") from None
+                # swiftclient drops a refused token and, without auth_url/user/key, is left with no URL at all
+                # ("Unsupported scheme ... None", which looked transient and was retried for minutes): start over
+                self._reset()
+                renewable = self.creds.auth_url and self.creds.user and self.creds.key
+                raise ApplianceError(
+                    f"Swift refused access to container {self.container!r} ({e.http_status})"
+                    + ("" if renewable or e.http_status != 401 else ": the token may have expired"),
+                    "check the credentials and that the container is yours at this site" if renewable
+                    else "give the job renewable store credentials (ST_AUTH/ST_USER/ST_KEY, or an s3:// URL "
+                         "with EC2 keys): a token lives a day") from None
             raise
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
