@@ -398,7 +398,9 @@ def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference_long, 
         # at rank 0's own vendordata margin (5 min), which would stop the job had the extension come too late
         out.on(f"epoch 1/{LONG} ", lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 400}))
         res = train(load_spec(spec_path), cl, out=out)
-        assert res.exit_code == 0, res.failure  # not stopped: the lease was extended and the run finished
+        # not stopped: the lease was extended and the run finished
+        assert res.exit_code == 0, (res.failure, res.stopped, [x for x in out.lines if "[watchdog]" in x
+                                                               or "vendordata" in x or "lease" in x])
         assert res.stopped is None and out.has("[watchdog] extended lease")
         assert not out.has("lease end (vendordata)")
         assert lease_left(cl) > 3000  # one more hour
