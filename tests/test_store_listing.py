@@ -128,3 +128,25 @@ def test_segments_that_do_not_add_up_to_the_etag_are_not_trusted():
     conn = RGWConn()
     conn.etag = "0" * 32
     assert store(conn).slo_segments("big") == []
+
+
+def test_a_put_refused_mid_request_is_sent_again_from_the_start(tmp_path):
+    """A token that expires during a PUT: swiftclient (retries=0) renews it but cannot rewind a file body and raises
+    "... no ability to reset contents for reupload"; the store sends the file again, from its first byte."""
+    class PutConn(FakeConn):
+        def __init__(self):
+            super().__init__([])
+            self.bodies = []
+
+        def put_object(self, container, name, body, **kw):
+            self.bodies.append(body.read())
+            if len(self.bodies) == 1:
+                raise swiftclient.ClientException("put_object('c', 'x', ...) failure and no ability to reset "
+                                                  "contents for reupload.")
+            return "etag"
+
+    f = tmp_path / "x"
+    f.write_bytes(b"0123456789")
+    conn = PutConn()
+    assert store(conn).put("x", f) == "etag"
+    assert conn.bodies == [b"0123456789", b"0123456789"]

@@ -271,7 +271,7 @@ class SwiftStore(Store):
         conn = self.conn()
         if size <= segment_size:
             with open(path, "rb") as fh:
-                return self._call(conn.put_object, self.container, name, fh, content_length=size)
+                return self._put_body(self.container, name, lambda: (fh.seek(0), fh)[1], content_length=size)
         seg_container = f"{self.container}_segments"
         conn.put_container(seg_container)
         manifest = []
@@ -279,14 +279,35 @@ class SwiftStore(Store):
             for i, off in enumerate(range(0, size, segment_size)):
                 n = min(segment_size, size - off)
                 seg = f"{name}/{size}/{segment_size}/{i:08d}"
-                part = _Slice(fh, n)  # streamed: a 5 GiB segment is never read into memory
-                etag = conn.put_object(seg_container, seg, part, content_length=n, chunk_size=1 << 20)
+                parts = []
+
+                def body(off=off, n=n):  # streamed: a 5 GiB segment is never read into memory
+                    fh.seek(off)
+                    parts.append(_Slice(fh, n))
+                    return parts[-1]
+
+                etag = self._put_body(seg_container, seg, body, content_length=n, chunk_size=1 << 20)
+                part = parts[-1]
                 if part.left or str(etag).strip('"') != part.md5.hexdigest():
                     raise ApplianceError(f"segment {i} of {name} arrived with ETag {etag}, we sent "
                                          f"{part.md5.hexdigest()}", "retry the upload")
                 manifest.append({"path": f"/{seg_container}/{seg}", "etag": part.md5.hexdigest(), "size_bytes": n})
         return self._call(conn.put_object, self.container, name, json.dumps(manifest),
                           query_string="multipart-manifest=put")
+
+    def _put_body(self, container: str, name: str, body: Callable, **kwargs) -> str:
+        """PUT ``body()``; once more with a fresh ``body()`` when a 401 came mid-request. An expired token is
+        refused with 401 and swiftclient fetches a new one, but with ``retries=0`` it cannot rewind a file body
+        to send it again and raises "... no ability to reset contents for reupload" instead (found with Ceph
+        RGW tokens of 2 s: a checkpoint file's PUT failed and the checkpoint was not committed)."""
+        import swiftclient
+
+        try:
+            return self._call(self.conn().put_object, container, name, body(), **kwargs)
+        except swiftclient.ClientException as e:
+            if e.http_status is not None or "reset contents" not in str(e):
+                raise
+        return self._call(self.conn().put_object, container, name, body(), **kwargs)
 
     def delete(self, name) -> None:
         """Delete an object; for an SLO, its segments too. (``multipart-manifest=delete`` on a plain object
