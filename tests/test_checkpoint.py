@@ -248,6 +248,13 @@ def test_store_5xx_is_retried_and_a_dead_store_is_reported_loudly(cluster2, tb2,
         proxy.stop()
 
 
+def use_store(monkeypatch, server) -> None:
+    """Store credentials the way a user sets them (ST_*), for a store server a test started itself."""
+    monkeypatch.setenv("ST_AUTH", server.auth_url)
+    monkeypatch.setenv("ST_USER", server.user)
+    monkeypatch.setenv("ST_KEY", server.key)
+
+
 def test_checkpoints_keep_committing_after_the_store_token_expires(cluster2, tb2, reference, tmp_path, monkeypatch):
     """Issue 12 item 2: rank 0 got one token; when the store refused it as expired (401), no checkpoint committed
     again and the lease-end stop failed. Here a real Ceph RGW whose Swift tokens live 2 s (Chameleon's live a
@@ -257,9 +264,7 @@ def test_checkpoints_keep_committing_after_the_store_token_expires(cluster2, tb2
 
     rgw = RGWServer(tmp_path / "rgw", bind_ip=tb2.host_ip, token_seconds=2).start()
     try:
-        monkeypatch.setenv("ST_AUTH", rgw.auth_url)
-        monkeypatch.setenv("ST_USER", rgw.user)
-        monkeypatch.setenv("ST_KEY", rgw.key)
+        use_store(monkeypatch, rgw)
         out = Lines()
         res = train(load_spec(digits_spec(tmp_path, "cktoken", url="swift://ckpts/")), cluster2, out=out)
         assert res.exit_code == 0, res.failure
@@ -292,9 +297,7 @@ def test_an_expired_bare_token_is_said_at_each_commit_and_never_retried(cluster2
 
     monkeypatch.setattr(StoreCreds, "scoped", token_only)
     try:
-        monkeypatch.setenv("ST_AUTH", rgw.auth_url)
-        monkeypatch.setenv("ST_USER", rgw.user)
-        monkeypatch.setenv("ST_KEY", rgw.key)
+        use_store(monkeypatch, rgw)
         out = Lines()
         res = train(load_spec(digits_spec(tmp_path, "ckbare", url="swift://ckpts/")), cluster2, out=out)
         assert res.exit_code == 0, res.failure
