@@ -84,8 +84,10 @@ bench/.venv-tools/.installed: bench/requirements-tools.txt
 	touch $@
 
 # Staging: our stager vs rclone (swift, s3), s5cmd, aws s3 cp, swift download; bench/results/stage.{json,md,png}
+# STORE=rgw: against Ceph RGW (what Chameleon runs): bench/results/stage-rgw.{json,md,png}
+STORE ?= swift
 bench-stage: install bench/.venv-tools/.installed
-	$(PY) bench/stage_bench.py --tools-venv bench/.venv-tools
+	$(PY) bench/stage_bench.py --tools-venv bench/.venv-tools --store $(STORE)
 
 # Checkpoints: overhead (goal >= 0.98), deadline -> commit, steps lost at 20 random lease ends (goal 0)
 bench-ckpt: install bench/.venv-tools/.installed

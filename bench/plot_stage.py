@@ -1,4 +1,4 @@
-"""Plot bench/results/stage.json (run by stage_bench.py with the bench tools' Python, which has matplotlib)."""
+"""Plot bench/results/stage*.json (run by stage_bench.py with the bench tools' Python, which has matplotlib)."""
 
 import json
 import sys
@@ -9,10 +9,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 res = json.load(open(sys.argv[1]))
-rows = [r for r in res["rows"] if r["dataset"] in ("small", "large")]
-fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+rows = res["rows"]
 small = [r for r in rows if r["dataset"] == "small"]
 large = [r for r in rows if r["dataset"] == "large"]
+upload = [r for r in rows if r["dataset"].startswith("upload")]
+panels = 3 + bool(upload)
+fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.5))
 axes[0].barh([r["tool"] for r in small], [r["objects_per_s"] for r in small], color="tab:blue")
 axes[0].set_xlabel("objects/s (higher is better)")
 axes[0].set_title(f"{res['dataset']['small']} x {res['dataset']['small_size'] // 1024} KB")
@@ -24,7 +26,12 @@ axes[2].axvline(res["disk_write_mb_s"], color="k", ls="--", label=f"disk write {
 axes[2].set_xlabel("MB/s (higher is better)")
 axes[2].set_title(f"{res['dataset']['large']} x {res['dataset']['large_size'] // 2**20} MB")
 axes[2].legend(loc="lower right")
-fig.suptitle(f"Staging from a real Swift on 127.0.0.1 ({res['machine']}, {res['when']}); `make bench-stage`")
+if upload:
+    axes[3].barh([r["tool"] for r in upload], [r["mb_per_s"] for r in upload], color="tab:purple")
+    axes[3].set_xlabel("MB/s (higher is better)")
+    axes[3].set_title(f"up: {upload[0]['dataset']}")
+store = {"rgw": "Ceph RGW", "swift": "Swift"}.get(res.get("store", "swift"), res.get("store"))
+fig.suptitle(f"Staging from a real {store} on 127.0.0.1 ({res['machine']}, {res['when']}); `{res['command']}`")
 fig.tight_layout()
 fig.savefig(sys.argv[2], dpi=110)
 print("wrote", sys.argv[2])

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -33,13 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from appliance.store.objects import StoreCreds, SwiftStore  # noqa: E402
+from appliance.localcloud.rgw_server import RGWServer  # noqa: E402
 from appliance.localcloud.swift_server import SwiftServer  # noqa: E402
 
 
-def seed(sw: SwiftServer, args) -> dict:
+def seed(sw, args) -> dict:
     marker = sw.base / f"seeded-{args.small}x{args.small_size}-{args.large}x{args.large_size}"
     creds = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key)
-    if marker.exists():
+    if marker.exists() and sw.kind == "swift":  # Swift keeps its disk between runs; RGW (memstore) starts empty
         return json.loads(marker.read_text())
     import swiftclient
 
@@ -78,6 +80,10 @@ def seed(sw: SwiftServer, args) -> dict:
     return info
 
 
+def _category(dataset: str) -> str:
+    return "upload" if dataset.startswith("upload") else "packed" if " as " in dataset else dataset
+
+
 def disk_write_mb_s(work: Path) -> float:
     p = work / "dd.tmp"
     t = time.time()
@@ -99,10 +105,12 @@ def measure(cmd, env, stdin=None):
     return wall, cpu, p.returncode, (p.stdout + p.stderr)[-800:]
 
 
-def tools(sw: SwiftServer, tv: Path, c: int) -> dict:
+def tools(sw, tv: Path, c: int) -> dict:
     """Each tool: (dataset container) -> (argv, env, stdin)."""
+    cr = sw.credentials()
+    ak, sk = cr["s3_access_key"], cr["s3_secret_key"]
     base_env = {"PATH": f"{tv}/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
-                "AWS_ACCESS_KEY_ID": sw.user, "AWS_SECRET_ACCESS_KEY": sw.key, "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk, "AWS_DEFAULT_REGION": "us-east-1",
                 "AWS_EC2_METADATA_DISABLED": "true"}
     awscfg = Path(tempfile.mkdtemp()) / "config"
     awscfg.write_text(f"[default]\ns3 =\n  max_concurrent_requests = {c}\n  addressing_style = path\n")
@@ -114,7 +122,7 @@ def tools(sw: SwiftServer, tv: Path, c: int) -> dict:
         return [sys.executable, "-m", "appliance.node.stage_main"], {**base_env, "PYTHONPATH": str(ROOT)}, json.dumps(job)
 
     def ours_s3(cont, dest):
-        s3 = StoreCreds(s3_endpoint=sw.s3_endpoint, s3_access_key=sw.user, s3_secret_key=sw.key)
+        s3 = StoreCreds(s3_endpoint=sw.s3_endpoint, s3_access_key=ak, s3_secret_key=sk)
         job = {"url": f"s3://{cont}/", "dest": dest, "mode": "full", "rank": 0, "nodes": 1, "concurrency": c,
                "creds": s3.__dict__}
         return [sys.executable, "-m", "appliance.node.stage_main"], {**base_env, "PYTHONPATH": str(ROOT)}, json.dumps(job)
@@ -129,7 +137,7 @@ def tools(sw: SwiftServer, tv: Path, c: int) -> dict:
         "rclone s3": lambda cont, dest: ([f"{tv}/bin/rclone", "copy", f":s3:{cont}", dest, "--transfers", str(c),
                                          "--checkers", str(c)],
                                         {**base_env, "RCLONE_S3_PROVIDER": "Other", "RCLONE_S3_ENDPOINT": sw.s3_endpoint,
-                                         "RCLONE_S3_ACCESS_KEY_ID": sw.user, "RCLONE_S3_SECRET_ACCESS_KEY": sw.key,
+                                         "RCLONE_S3_ACCESS_KEY_ID": ak, "RCLONE_S3_SECRET_ACCESS_KEY": sk,
                                          "RCLONE_S3_FORCE_PATH_STYLE": "true"}, None),
         "s5cmd": lambda cont, dest: ([f"{tv}/bin/s5cmd", "--endpoint-url", sw.s3_endpoint, "--numworkers", str(c), "cp",
                                       f"s3://{cont}/*", dest + "/"], base_env, None),
@@ -140,6 +148,69 @@ def tools(sw: SwiftServer, tv: Path, c: int) -> dict:
                                                "download", cont, "-D", dest, "--object-threads", str(c)],
                                               base_env, None),
     }
+
+
+UPLOAD_JOB = """
+import json, sys
+from pathlib import Path
+from appliance.store.checkpoints import CheckpointStore
+from appliance.store.objects import StoreCreds
+job = json.loads(sys.stdin.read())
+cs = CheckpointStore(job["url"], "bench", StoreCreds(**job["creds"]))
+cs.ensure_container()
+m = cs.upload(Path(job["dir"]), {"step": 1})
+print(json.dumps({k: v["size"] for k, v in m["files"].items()}))
+"""
+
+
+def upload_tools(sw, tv: Path) -> dict:
+    """Each tool: (the local directory with one big file, the container) -> (argv, env, stdin). Ours is the
+    checkpoint commit itself (CheckpointStore.upload: ETags computed, parts in parallel, verified, manifest)."""
+    cr = sw.credentials()
+    ak, sk = cr["s3_access_key"], cr["s3_secret_key"]
+    env = {"PATH": f"{tv}/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
+           "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk, "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true", "PYTHONPATH": str(ROOT)}
+    swift_creds = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key).scoped().__dict__
+    s3_creds = StoreCreds(s3_endpoint=sw.s3_endpoint, s3_access_key=ak, s3_secret_key=sk).__dict__
+
+    def ours(scheme, creds):
+        return lambda d, cont: ([sys.executable, "-c", UPLOAD_JOB], env,
+                                json.dumps({"url": f"{scheme}://{cont}/", "dir": str(d), "creds": creds}))
+
+    one = {**env, "APPLIANCE_SEGMENT_BYTES": str(5 * 1024**3)}  # the commit as it was: a file up to 5 GiB in one PUT
+    return {
+        "appliance checkpoint (swift)": ours("swift", swift_creds),
+        "appliance checkpoint (swift, one PUT)": lambda d, cont: (*ours("swift", swift_creds)(d, cont)[:1], one,
+                                                                 ours("swift", swift_creds)(d, cont)[2]),
+        "appliance checkpoint (s3)": ours("s3", s3_creds),
+        "s5cmd": lambda d, cont: ([f"{tv}/bin/s5cmd", "--endpoint-url", sw.s3_endpoint, "cp", f"{d}/state.data",
+                                   f"s3://{cont}/s5cmd/state.data"], env, None),
+        "rclone s3": lambda d, cont: ([f"{tv}/bin/rclone", "copy", str(d), f":s3:{cont}/rclone"],
+                                      {**env, "RCLONE_S3_PROVIDER": "Other", "RCLONE_S3_ENDPOINT": sw.s3_endpoint,
+                                       "RCLONE_S3_ACCESS_KEY_ID": ak, "RCLONE_S3_SECRET_ACCESS_KEY": sk,
+                                       "RCLONE_S3_FORCE_PATH_STYLE": "true"}, None),
+        "swift upload (SLO)": lambda d, cont: ([f"{tv}/bin/swift", "-A", sw.auth_url, "-U", sw.user, "-K", sw.key,
+                                               "upload", cont, f"{d}/state.data", "--object-name", "swift/state.data",
+                                               "--use-slo", "-S", str(128 * 1024**2), "--segment-threads", "8"],
+                                              env, None),
+    }
+
+
+def empty(sw, cont: str) -> None:
+    """Delete what the upload runs put (the containers of the object and its segments); RGW frees the space
+    only when its garbage collector runs, so run it now (memstore keeps everything in memory)."""
+    import swiftclient
+
+    conn = swiftclient.Connection(authurl=sw.auth_url, user=sw.user, key=sw.key, retries=2)
+    for c in (cont, f"{cont}_segments", f"{cont}+segments"):
+        try:
+            for o in conn.get_container(c, full_listing=True)[1]:
+                conn.delete_object(c, o["name"])
+        except swiftclient.ClientException:
+            pass
+    if sw.kind == "rgw":
+        sw._ceph("radosgw-admin", "-n", "client.admin", "gc", "process", "--include-all", timeout=600)
 
 
 def main() -> None:
@@ -153,11 +224,17 @@ def main() -> None:
     ap.add_argument("--work", default="/var/tmp/appliance-bench")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--only", default="", help="comma-separated tool names to run")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; each row is the median of its runs")
+    ap.add_argument("--datasets", default="small,large,upload,packed",
+                    help="comma-separated: small, large, upload (a checkpoint-sized file up), packed")
+    ap.add_argument("--upload-size", type=int, default=1536 * 1024**2, help="bytes of the upload dataset's file")
+    ap.add_argument("--store", choices=("swift", "rgw"), default="swift",
+                    help="the server: OpenStack Swift 2.38 (proxy + s3api) or Ceph RGW (what Chameleon runs)")
     args = ap.parse_args()
     work, out, tv = Path(args.work), Path(args.out), Path(args.tools_venv)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    sw = SwiftServer(work / "swift", proxy_workers=2).start()
+    sw = (SwiftServer(work / "swift", proxy_workers=2) if args.store == "swift" else RGWServer(work / "rgw")).start()
     rows = []
     try:
         info = seed(sw, args)
@@ -167,26 +244,74 @@ def main() -> None:
         only = set(filter(None, args.only.split(",")))
         datasets = [("small", "bsmall", info["small"], info["small"] * info["small_size"]),
                     ("large", "blarge", info["large"], info["large"] * info["large_size"])]
-        for ds, cont, n, nbytes in datasets:
-            for name, fn in ts.items():
-                if only and name not in only:
-                    continue
-                dest = work / "dest"
-                shutil.rmtree(dest, ignore_errors=True)
-                dest.mkdir()
-                argv, env, stdin = fn(cont, str(dest))
-                wall, cpu, rc, tail = measure(argv, env, stdin)
-                got = sum(1 for p in dest.rglob("*") if p.is_file() and not p.name.startswith(".appliance"))
+        wanted = set(args.datasets.split(","))
+        for ds, cont, n, nbytes in [d for d in datasets if d[0] in wanted]:
+            names = [t for t in ts if not only or t in only]
+            runs: dict[str, list] = {t: [] for t in names}
+            for rep in range(args.repeat):  # each round in a rotated order: no tool always runs first
+                for name in names[rep % len(names):] + names[:rep % len(names)]:
+                    dest = work / "dest"
+                    shutil.rmtree(dest, ignore_errors=True)
+                    dest.mkdir()
+                    os.sync()  # the last run's dirty pages are written before this one starts
+                    argv, env, stdin = ts[name](cont, str(dest))
+                    wall, cpu, rc, tail = measure(argv, env, stdin)
+                    got = sum(1 for p in dest.rglob("*") if p.is_file() and not p.name.startswith(".appliance"))
+                    runs[name].append((wall, cpu, rc, got, tail))
+                    print(json.dumps({"dataset": ds, "tool": name, "round": rep, "seconds": round(wall, 2),
+                                      "client_cpu_s": round(cpu, 2), "objects": got, "rc": rc}), flush=True)
+            for name in names:
+                rs = runs[name]
+                wall = statistics.median(r[0] for r in rs)
+                cpu = statistics.median(r[1] for r in rs)
+                got = min(r[3] for r in rs)
+                ok = all(r[2] == 0 and r[3] == n for r in rs)
                 row = {"dataset": ds, "tool": name, "concurrency": args.concurrency, "seconds": round(wall, 2),
-                       "objects": got, "ok": rc == 0 and got == n, "objects_per_s": round(got / wall, 1),
+                       "objects": got, "ok": ok, "objects_per_s": round(n / wall, 1),
                        "mb_per_s": round(nbytes / 1e6 / wall, 1), "client_cpu_s": round(cpu, 2),
-                       "client_cpu_ms_per_object": round(1000 * cpu / max(got, 1), 2)}
-                if rc != 0 or got != n:
-                    row["error"] = tail
+                       "client_cpu_ms_per_object": round(1000 * cpu / n, 2), "repeats": len(rs),
+                       "runs_s": [round(r[0], 2) for r in rs], "runs_cpu_s": [round(r[1], 2) for r in rs]}
+                if not ok:
+                    row["error"] = next(r[4] for r in rs if r[2] != 0 or r[3] != n)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        if "upload" in wanted:  # a large checkpoint file up to the store: our commit vs the peers' uploads
+            src = work / "upload-src"
+            src.mkdir(exist_ok=True)
+            f = src / "state.data"
+            if not f.exists() or f.stat().st_size != args.upload_size:
+                with open(f, "wb") as fh:
+                    for _ in range(args.upload_size // (1 << 20)):
+                        fh.write(os.urandom(1 << 20))
+            uts = upload_tools(sw, tv)
+            names = [t for t in uts if not only or t in only]
+            runs = {t: [] for t in names}
+            import swiftclient
+
+            swiftclient.Connection(authurl=sw.auth_url, user=sw.user, key=sw.key).put_container("bupload")
+            for rep in range(args.repeat):
+                for name in names[rep % len(names):] + names[:rep % len(names)]:
+                    os.sync()
+                    argv, env, stdin = uts[name](src, "bupload")
+                    wall, cpu, rc, tail = measure(argv, env, stdin)
+                    runs[name].append((wall, cpu, rc, tail))
+                    print(json.dumps({"dataset": "upload", "tool": name, "round": rep, "seconds": round(wall, 2),
+                                      "client_cpu_s": round(cpu, 2), "rc": rc}), flush=True)
+                    empty(sw, "bupload")
+            for name in names:
+                rs = runs[name]
+                wall, cpu = statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)
+                ok = all(r[2] == 0 for r in rs)
+                row = {"dataset": f"upload {args.upload_size / 1e9:.2f} GB", "tool": name, "seconds": round(wall, 2),
+                       "ok": ok, "mb_per_s": round(args.upload_size / 1e6 / wall, 1), "client_cpu_s": round(cpu, 2),
+                       "objects": 1, "client_cpu_ms_per_object": round(1000 * cpu, 2), "repeats": len(rs),
+                       "runs_s": [round(r[0], 2) for r in rs]}
+                if not ok:
+                    row["error"] = next(r[3] for r in rs if r[2] != 0)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         # packed shards vs the same data as small objects, with our stager
-        for ds, cont in (("packed shards", "bpacked"), ("small objects", "bsmall")):
+        for ds, cont in (("packed shards", "bpacked"), ("small objects", "bsmall")) if "packed" in wanted else ():
             dest = work / "dest"
             shutil.rmtree(dest, ignore_errors=True)
             dest.mkdir()
@@ -199,22 +324,40 @@ def main() -> None:
     finally:
         sw.stop()
         shutil.rmtree(work / "dest", ignore_errors=True)
-    result = {"command": "make bench-stage", "machine": f"{os.cpu_count()} cores", "disk_write_mb_s": disk,
+    stem = "stage" if args.store == "swift" else "stage-rgw"
+    command = "make bench-stage" + ("" if args.store == "swift" else " STORE=rgw")
+    server = ("Swift 2.38.3 on 127.0.0.1 (2 proxy workers, memcached)" if args.store == "swift" else
+              "Ceph RGW (radosgw beast, one memstore OSD) on 127.0.0.1")
+    prev = out / f"{stem}.json"
+    if prev.exists() and set(args.datasets.split(",")) != {"small", "large", "upload", "packed"}:
+        # a partial run (--datasets): the other datasets' rows of the last run stay, marked with their own date
+        old = json.loads(prev.read_text())
+        for r in old.get("rows", []):
+            if _category(r["dataset"]) not in args.datasets.split(","):
+                rows.append({**r, "measured": r.get("measured", old.get("when"))})
+    if args.datasets != "small,large,upload,packed":
+        command += f" (this run: --datasets {args.datasets})"
+    order = ["small", "large", "upload", "packed"]
+    rows.sort(key=lambda r: order.index(_category(r["dataset"])) if _category(r["dataset"]) in order else 9)
+    result = {"command": command, "store": args.store, "machine": f"{os.cpu_count()} cores", "disk_write_mb_s": disk,
               "dataset": info, "rows": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    (out / "stage.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Staging benchmark ({result['when']}, {result['machine']}, `make bench-stage`)", "",
-             f"Swift 2.38.3 on 127.0.0.1 (2 proxy workers, memcached), same machine as the clients. "
-             f"Disk write ceiling (dd, fdatasync): {disk} MB/s. Concurrency {args.concurrency} for every tool.", "",
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    lines = [f"# Staging benchmark ({result['when']}, {result['machine']}, `{command}`)", "",
+             f"{server}, same machine as the clients. "
+             f"Disk write ceiling (dd, fdatasync): {disk} MB/s. Concurrency {args.concurrency} for every tool; "
+             + (f"each row is the median of {args.repeat} runs, the tools in a rotated order each round."
+                if args.repeat > 1 else "each row is one run."), "",
              "| dataset | tool | s | objects/s | MB/s | client CPU ms/object | ok |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dataset']} | {r['tool']} | {r['seconds']} | {r.get('objects_per_s', '')} | "
-                     f"{r['mb_per_s']} | {r.get('client_cpu_ms_per_object', '')} | {'yes' if r['ok'] else 'NO'} |")
-    (out / "stage.md").write_text("\n".join(lines) + "\n")
+                     f"{r['mb_per_s']} | {r.get('client_cpu_ms_per_object', '')} | {'yes' if r['ok'] else 'NO'} |"
+                     + (f" (measured {r['measured']})" if r.get("measured") else ""))
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot = tv / "bin" / "python"
     if plot.exists():
-        subprocess.run([str(plot), str(ROOT / "bench" / "plot_stage.py"), str(out / "stage.json"),
-                        str(out / "stage.png")], check=False)
+        subprocess.run([str(plot), str(ROOT / "bench" / "plot_stage.py"), str(out / f"{stem}.json"),
+                        str(out / f"{stem}.png")], check=False)
 
 
 if __name__ == "__main__":

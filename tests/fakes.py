@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from appliance.errors import ApplianceError
 from appliance.sites.base import LoginKey, Site
 from appliance.sites.openstack import LeaseInfo
-from appliance.store.objects import StoreCreds
+from appliance.store.objects import Store, StoreCreds
 
 
 def _effect(fn):
@@ -186,7 +186,7 @@ class FakeRemote:
         return Result(rc, out, err)
 
 
-class DictStore:
+class DictStore(Store):
     """An object store in memory (the Store interface the stager uses): name -> bytes; ``slow[name]`` is an Event a
     GET of that object waits on after its first chunk (to order concurrent downloads without sleeping)."""
 

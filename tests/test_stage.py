@@ -17,7 +17,7 @@ import pytest
 
 from appliance.data import stage_cluster, upload
 from appliance.node.stage import MANIFEST, safe_relpath, stage
-from appliance.store.objects import S3Store, StoreCreds, SwiftStore
+from appliance.store.objects import S3Store, Store, StoreCreds, SwiftStore
 from appliance.errors import ApplianceError
 from appliance.localcloud.rgw_server import RGWServer
 from appliance.localcloud.swift_server import SwiftServer
@@ -134,6 +134,11 @@ class CorruptOnce(SwiftStore):
     def __init__(self, *a, victim: str, **kw):
         super().__init__(*a, **kw)
         self.victim, self.done = victim, False
+
+    def fetch(self, name, fd, offset, sink=None, **kw):
+        if name == self.victim and not self.done:
+            return Store.fetch(self, name, fd, offset, sink, **kw)  # through get(), below, which flips a byte
+        return super().fetch(name, fd, offset, sink, **kw)
 
     def get(self, name, write, **kw):
         if name == self.victim and not self.done:

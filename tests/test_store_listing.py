@@ -150,3 +150,88 @@ def test_a_put_refused_mid_request_is_sent_again_from_the_start(tmp_path):
     conn = PutConn()
     assert store(conn).put("x", f) == "etag"
     assert conn.bodies == [b"0123456789", b"0123456789"]
+
+
+class SegConn(FakeConn):
+    """put_object as a store answers it: the ETag is the MD5 of the bytes received (``flip``: the segment names
+    whose bytes arrive changed). Records the calls and how many ran at once."""
+
+    def __init__(self, flip=()):
+        super().__init__([])
+        import threading
+
+        self.flip, self.puts, self.lock, self.now, self.most = set(flip), [], threading.Lock(), 0, 0
+        self.all_in = threading.Barrier(3, timeout=10)  # the 3 segments of the test are in flight together
+
+    def put_container(self, c):
+        pass
+
+    def put_object(self, container, name, body, query_string=None, **kw):
+        import hashlib
+
+        data = body.encode() if isinstance(body, str) else body.read()
+        if query_string is None:
+            with self.lock:
+                self.now += 1
+                self.most = max(self.most, self.now)
+            self.all_in.wait()  # only when the segments go up in parallel do all three get here
+            with self.lock:
+                self.now -= 1
+        if name in self.flip:
+            data = b"X" + data[1:]
+        self.puts.append((container, name, query_string, data))
+        return hashlib.md5(data).hexdigest()
+
+
+def test_segments_go_up_in_parallel_and_are_checked_against_the_md5s_computed_before(tmp_path):
+    f = tmp_path / "state.data"
+    f.write_bytes(bytes(range(256)) * 12)  # 3,072 bytes: 3 segments of 1,024
+    md5s = objects.large_object_etags(f, 1024)
+    conn = SegConn()
+    store(conn).put("ck/state.data", f, segment_size=1024, md5s=md5s)
+    assert conn.most == 3
+    manifest = [p for p in conn.puts if p[2] == "multipart-manifest=put"]
+    assert len(manifest) == 1 and conn.puts[-1] is manifest[0]  # the manifest last, once every segment is in
+    import json
+
+    assert [s["etag"] for s in json.loads(manifest[0][3])] == md5s["parts"]
+
+
+def test_a_segment_that_arrives_changed_fails_the_upload_and_no_manifest_is_written(tmp_path):
+    f = tmp_path / "state.data"
+    f.write_bytes(bytes(range(256)) * 12)
+    md5s = objects.large_object_etags(f, 1024)
+    conn = SegConn(flip={"ck/state.data/3072/1024/00000001"})
+    with pytest.raises(ApplianceError, match="segment 1 of ck/state.data arrived with ETag"):
+        store(conn).put("ck/state.data", f, segment_size=1024, md5s=md5s)
+    assert not [p for p in conn.puts if p[2] == "multipart-manifest=put"]
+
+
+@pytest.mark.parametrize("size", [0, 1, 1023, 1024, 1025, 3072, 5000])
+def test_large_object_etags_are_the_md5s_a_store_reports(tmp_path, size):
+    """The whole file's MD5 and the parts' (two threads), and the SLO and S3 multipart ETags made of the parts."""
+    import hashlib
+    import os
+
+    f = tmp_path / "f"
+    data = os.urandom(size)
+    f.write_bytes(data)
+    parts = [hashlib.md5(data[o:o + 1024]) for o in range(0, size, 1024)]
+    e = objects.large_object_etags(f, 1024)
+    assert e["md5"] == hashlib.md5(data).hexdigest() and e["parts"] == [m.hexdigest() for m in parts]
+    if size > 1024:
+        assert e["swift"] == hashlib.md5("".join(m.hexdigest() for m in parts).encode()).hexdigest()
+        assert e["s3"] == hashlib.md5(b"".join(m.digest() for m in parts)).hexdigest() + f"-{len(parts)}"
+    else:
+        assert "swift" not in e and "s3" not in e
+
+
+def test_a_checkpoint_file_goes_up_in_parts_of_128_mib_and_never_in_more_than_1000(tmp_path, monkeypatch):
+    from appliance.store.checkpoints import CheckpointStore
+
+    monkeypatch.delenv("APPLIANCE_SEGMENT_BYTES", raising=False)
+    cs = CheckpointStore(f"file://{tmp_path}/", "r", None)
+    mib128 = 128 * 1024**2
+    assert cs.segment_for(1) == cs.segment_for(1000 * mib128) == mib128
+    big = 1000 * mib128 + 1  # a 125 GiB file: 1,001 parts of 128 MiB would be refused by Swift and RGW
+    assert cs.segment_for(big) * 1000 >= big and -(-big // cs.segment_for(big)) == 1000

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import ApplianceError
-from ..store.objects import ObjectInfo, Store, md5_file as _md5_path, slo_etag
+from ..store.objects import ObjectInfo, Store, slo_etag
 
 MANIFEST = ".appliance-manifest.json"
 JOURNAL = ".appliance-manifest.journal"  # one line per verified file, so a killed run loses nothing
@@ -308,21 +308,23 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
             if slo_etag(segments) != etag:
                 raise Corrupt(o.name)
             return True
-        _fetch_ranges(store, o, part, pool, prog, [(min(RANGE, o.size - off), None) for off in range(0, o.size, RANGE)])
-        if segments is None and "-" not in etag and _md5_path(part) != etag:  # "-": an S3 multipart ETag
+        whole = segments is None and "-" not in etag  # "-": an S3 multipart ETag, not the MD5 of the bytes
+        digest = _fetch_ranges(store, o, part, pool, prog, [(min(RANGE, o.size - off), None)
+                                                            for off in range(0, o.size, RANGE)], whole_md5=whole)
+        if whole and digest != etag:
             raise Corrupt(o.name)
         return segments is None
     h = hashlib.md5()
-    n = 0
-    with open(part, "wb") as fh:
-        def write(b: bytes) -> None:
-            nonlocal n
-            fh.write(b)
-            h.update(b)
-            n += len(b)
-            prog.add(len(b))
 
-        headers = store.get(o.name, write)
+    def sink(view: memoryview) -> None:
+        h.update(view)
+        prog.add(len(view))
+
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        n, headers = store.fetch(o.name, fd, 0, sink)
+    finally:
+        os.close(fd)
     if n != o.size:
         raise Corrupt(o.name)
     if str(headers.get("x-static-large-object", "")).lower() == "true":
@@ -342,34 +344,85 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
     return True
 
 
-def _fetch_ranges(store, o, part, pool, prog, pieces: list[tuple[int, str | None]]) -> None:
-    """Fetch consecutive byte ranges in parallel into ``part``; check each against its MD5 when given."""
-    with open(part, "wb") as fh:
-        fh.truncate(o.size)
+class _InOrderMD5:
+    """The MD5 of a file whose ranges arrive out of order. An MD5 cannot be combined from parts, so each range is
+    hashed once every range before it is: by the thread that completed the range that made this possible, read
+    back from the page cache while other ranges still download (no second pass over the file at the end)."""
+
+    def __init__(self, fd: int, offsets: list[tuple[int, int]]):
+        self.fd, self.offsets = fd, offsets
+        self.h = hashlib.md5()
+        self.done: set[int] = set()
+        self.next = 0
+        self.busy = False
+        self.lock = threading.Lock()
+
+    def completed(self, i: int) -> None:
+        with self.lock:
+            self.done.add(i)
+            if self.busy:
+                return  # the hashing thread will come to it
+            self.busy = True
+        while True:
+            with self.lock:
+                if self.next not in self.done:
+                    self.busy = False
+                    return
+                off, size = self.offsets[self.next]
+            buf = bytearray(min(size, 4 << 20))
+            view = memoryview(buf)
+            pos, end = off, off + size
+            while pos < end:
+                k = os.preadv(self.fd, [view[:min(len(buf), end - pos)]], pos)
+                if not k:
+                    raise Corrupt("short read")
+                self.h.update(view[:k])
+                pos += k
+            with self.lock:
+                self.next += 1
+
+    def hexdigest(self) -> str:
+        if self.next != len(self.offsets):
+            raise Corrupt("not every range was hashed")
+        return self.h.hexdigest()
+
+
+def _fetch_ranges(store, o, part, pool, prog, pieces: list[tuple[int, str | None]], *,
+                  whole_md5: bool = False) -> str | None:
+    """Fetch consecutive byte ranges in parallel into ``part``; check each against its MD5 when given. With
+    ``whole_md5``, return the MD5 of the whole file, hashed in order as the ranges complete."""
     offsets = []
     off = 0
     for size, md5 in pieces:
         offsets.append((off, size, md5))
         off += size
+    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, o.size)
+        whole = _InOrderMD5(fd, [(a, b) for a, b, _ in offsets]) if whole_md5 else None
 
-    def one(off, size, md5):
-        h = hashlib.md5()
-        fd = os.open(part, os.O_WRONLY)
-        pos = off
+        def one(i, off, size, md5):
+            h = hashlib.md5() if md5 else None
+
+            def sink(view: memoryview) -> None:
+                if h is not None:
+                    h.update(view)
+                prog.add(len(view))
+
+            n, _ = store.fetch(o.name, fd, off, sink, start=off, end=off + size - 1)
+            if n != size or (md5 and h.hexdigest() != md5):
+                raise Corrupt(o.name)
+            if whole is not None:
+                whole.completed(i)
+
+        futs = [pool.submit(one, i, *x) for i, x in enumerate(offsets)]
         try:
-            def write(b: bytes) -> None:
-                nonlocal pos
-                os.pwrite(fd, b, pos)
-                pos += len(b)
-                h.update(b)
-                prog.add(len(b))
-
-            store.get(o.name, write, start=off, end=off + size - 1)
+            for f in futs:
+                f.result()
         finally:
-            os.close(fd)
-        if pos - off != size or (md5 and h.hexdigest() != md5):
-            raise Corrupt(o.name)
-
-    futs = [pool.submit(one, *x) for x in offsets]
-    for f in futs:
-        f.result()
+            for f in futs:  # the fd stays open until no range writes to it any more
+                f.cancel()
+            wait(futs)
+        return whole.hexdigest() if whole is not None else None
+    finally:
+        os.close(fd)

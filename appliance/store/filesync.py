@@ -100,10 +100,11 @@ class FileSet:
             if obj in have:
                 continue
             p = root / rel
-            etags = large_object_etags(p, self.cs.segment_size) if f["size"] > self.cs.segment_size else None
+            seg = self.cs.segment_for(f["size"])
+            etags = large_object_etags(p, seg) if f["size"] > seg else None
             if (etags or {}).get("md5", f["md5"]) != f["md5"]:
                 raise StoreUnavailable(f"{rel} changed while it was being synced", "the next sync takes it")
-            retrying(lambda: self.cs._put(f"{SUB}objects/{obj}", p), what=f"upload {rel}", until=until, log=log)
+            retrying(lambda: self.cs._put(f"{SUB}objects/{obj}", p, etags), what=f"upload {rel}", until=until, log=log)
             have[obj] = None  # uploaded: checked below
             if etags:
                 record[rel]["etag_expect"] = etags.get(self.store.scheme, f["md5"])

@@ -18,6 +18,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -27,6 +28,7 @@ from ..errors import ApplianceError
 SWIFT_PAGE = 10000  # Swift returns at most 10,000 names per listing request; Ceph RGW caps it at 1,000
 LIST_DEADLINE = 120.0  # seconds a listing page is retried (5xx, resets, timeouts) before staging gives up
 MAX_OBJECT = 5 * 1024**3  # a single PUT is capped at 5 GiB
+SEGMENTS_IN_FLIGHT = 8  # SLO segments / S3 parts uploaded at once
 EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"  # Ceph RGW lists an SLO with this hash and the manifest's length
 
 
@@ -131,11 +133,32 @@ class Store:
         """Stream an object (or bytes start..end inclusive) to ``write``. Returns its headers (lower-case)."""
         raise NotImplementedError
 
+    def fetch(self, name: str, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None, *,
+              start: int | None = None, end: int | None = None) -> tuple[int, dict]:
+        """Write an object (or bytes start..end inclusive) to ``fd`` from ``offset`` on, showing each piece to
+        ``sink``. Returns (bytes written, headers). Swift and S3 GET straight into the file (httpget)."""
+        pos = offset
+
+        def write(b: bytes) -> None:
+            nonlocal pos
+            done = 0
+            while done < len(b):
+                done += os.pwrite(fd, b[done:], pos + done)
+            pos += len(b)
+            if sink is not None:
+                sink(memoryview(b))
+
+        headers = self.get(name, write, start=start, end=end)
+        return pos - offset, headers
+
     def slo_segments(self, name: str) -> list[dict] | None:
         """For an SLO: [{bytes, hash}] in order; None for a plain object."""
         return None
 
-    def put(self, name: str, path: Path, *, segment_size: int = MAX_OBJECT) -> str:
+    def put(self, name: str, path: Path, *, segment_size: int = MAX_OBJECT, md5s: dict | None = None) -> str:
+        """Upload a file (in parts of ``segment_size`` above it). ``md5s``: the file's MD5s as
+        ``large_object_etags(path, segment_size)`` computed them; the store's ETags are checked against those,
+        so the bytes are not hashed again on the way up."""
         raise NotImplementedError
 
     def delete(self, name: str) -> None:
@@ -181,14 +204,20 @@ class SwiftStore(Store):
                 # swiftclient drops a refused token and, without auth_url/user/key, is left with no URL at all
                 # ("Unsupported scheme ... None", which looked transient and was retried for minutes): start over
                 self._reset()
-                renewable = self.creds.auth_url and self.creds.user and self.creds.key
-                raise ApplianceError(
-                    f"Swift refused access to container {self.container!r} ({e.http_status})"
-                    + ("" if renewable or e.http_status != 401 else ": the token may have expired"),
-                    "check the credentials and that the container is yours at this site" if renewable
-                    else "give the job renewable store credentials (ST_AUTH/ST_USER/ST_KEY, or an s3:// URL "
-                         "with EC2 keys): a token lives a day") from None
+                raise self._refused(e.http_status) from None
             raise
+
+    def _renewable(self) -> bool:
+        return bool(self.creds.auth_url and self.creds.user and self.creds.key)
+
+    def _refused(self, status: int) -> ApplianceError:
+        renewable = self._renewable()
+        return ApplianceError(
+            f"Swift refused access to container {self.container!r} ({status})"
+            + ("" if renewable or status != 401 else ": the token may have expired"),
+            "check the credentials and that the container is yours at this site" if renewable
+            else "give the job renewable store credentials (ST_AUTH/ST_USER/ST_KEY, or an s3:// URL "
+                 "with EC2 keys): a token lives a day")
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under ``prefix``: page after page until a page comes back empty. A short page is not the
@@ -231,6 +260,31 @@ class SwiftStore(Store):
             write(chunk)
         return {k.lower(): v for k, v in hdrs.items()}
 
+    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None):
+        from urllib.parse import quote
+
+        from .httpget import HTTPError, get_into
+
+        headers = {"Range": f"bytes={start}-{'' if end is None else end}"} if start is not None else {}
+        for renewed in (False, True):
+            c = self.conn()
+            if not c.url or not c.token:  # v1 auth (or Keystone) on first use, and after a refused token
+                self._call(c.get_auth)
+            try:
+                return get_into(f"{c.url}/{quote(self.container)}/{quote(name)}", {**headers, "X-Auth-Token": c.token},
+                                fd, offset, sink)
+            except HTTPError as e:
+                if e.http_status == 404:
+                    raise FileNotFoundError(f"swift://{self.container}/{name}") from None
+                if e.http_status == 401 and not renewed and self._renewable():
+                    c.url = c.token = None  # expired: ask for a new token once, as swiftclient does
+                    continue
+                if e.http_status in (401, 403):
+                    self._reset()
+                    raise self._refused(e.http_status) from None
+                raise
+        raise AssertionError("unreachable")
+
     def slo_segments(self, name):
         """None for a plain object; for an SLO its segments ``[{"bytes", "hash"}]``, or [] when the store shows
         neither the manifest nor segments that add up to the object's ETag.
@@ -265,33 +319,46 @@ class SwiftStore(Store):
                 return segs
         return []
 
-    def put(self, name, path, *, segment_size=MAX_OBJECT) -> str:
+    def put(self, name, path, *, segment_size=MAX_OBJECT, md5s=None) -> str:
         path = Path(path)
         size = path.stat().st_size
         conn = self.conn()
         if size <= segment_size:
             with open(path, "rb") as fh:
-                return self._put_body(self.container, name, lambda: (fh.seek(0), fh)[1], content_length=size)
+                etag = self._put_body(self.container, name, lambda: (fh.seek(0), fh)[1], content_length=size)
+            if md5s is not None and str(etag).strip('"') != md5s["md5"]:
+                raise ApplianceError(f"{name} arrived with ETag {etag}, the file's MD5 is {md5s['md5']}",
+                                     "retry the upload")
+            return etag
         seg_container = f"{self.container}_segments"
-        conn.put_container(seg_container)
-        manifest = []
-        with open(path, "rb") as fh:
-            for i, off in enumerate(range(0, size, segment_size)):
-                n = min(segment_size, size - off)
-                seg = f"{name}/{size}/{segment_size}/{i:08d}"
-                parts = []
+        self._call(conn.put_container, seg_container)
 
-                def body(off=off, n=n):  # streamed: a 5 GiB segment is never read into memory
+        def one(i: int, off: int) -> dict:
+            n = min(segment_size, size - off)
+            seg = f"{name}/{size}/{segment_size}/{i:08d}"
+            parts = []
+            with open(path, "rb") as fh:  # a handle per segment: segments go up in parallel
+
+                def body():  # streamed: a 5 GiB segment is never read into memory
                     fh.seek(off)
-                    parts.append(_Slice(fh, n))
+                    parts.append(_Slice(fh, n, hashed=md5s is None))
                     return parts[-1]
 
+                # the store's ETag is checked against the MD5 computed before the upload (md5s), or else the
+                # one the _Slice computes as it reads: the bytes are hashed once either way
                 etag = self._put_body(seg_container, seg, body, content_length=n, chunk_size=1 << 20)
-                part = parts[-1]
-                if part.left or str(etag).strip('"') != part.md5.hexdigest():
-                    raise ApplianceError(f"segment {i} of {name} arrived with ETag {etag}, we sent "
-                                         f"{part.md5.hexdigest()}", "retry the upload")
-                manifest.append({"path": f"/{seg_container}/{seg}", "etag": part.md5.hexdigest(), "size_bytes": n})
+            part = parts[-1]
+            sent = md5s["parts"][i] if md5s is not None else part.md5.hexdigest()
+            if part.left or str(etag).strip('"') != sent:
+                raise ApplianceError(f"segment {i} of {name} arrived with ETag {etag}, we sent {sent}",
+                                     "retry the upload")
+            return {"path": f"/{seg_container}/{seg}", "etag": sent, "size_bytes": n}
+
+        offsets = list(enumerate(range(0, size, segment_size)))
+        # one stream of a Python client is far below a store's bandwidth (make bench-stage, "upload"): the segments
+        # go up in parallel, each on its thread's own connection; the manifest, in order, only once all are in
+        with ThreadPoolExecutor(max_workers=min(SEGMENTS_IN_FLIGHT, len(offsets))) as pool:
+            manifest = list(pool.map(lambda a: one(*a), offsets))
         return self._call(conn.put_object, self.container, name, json.dumps(manifest),
                           query_string="multipart-manifest=put")
 
@@ -338,20 +405,26 @@ class S3Store(Store):
                                  "(`openstack ec2 credentials create` makes the keys)")
         self.bucket = bucket
         self.creds = creds
-        self._local = threading.local()
+        self._client = None
+        self._presigner = None
+        self._lock = threading.Lock()
 
     def client(self):
-        c = getattr(self._local, "client", None)
-        if c is None:
-            import boto3
-            from botocore.config import Config
+        """One client for all threads: botocore's clients are thread-safe ("Low-level clients are thread safe",
+        boto3's guide to multithreading), and each costs milliseconds of CPU to build (a client per thread cost
+        the stager's 32 threads more than their downloads of small objects)."""
+        with self._lock:
+            if self._client is None:
+                import boto3
+                from botocore.config import Config
 
-            c = boto3.client("s3", endpoint_url=self.creds.s3_endpoint, aws_access_key_id=self.creds.s3_access_key,
-                             aws_secret_access_key=self.creds.s3_secret_key, region_name=self.creds.s3_region,
-                             config=Config(retries={"max_attempts": 1}, s3={"addressing_style": "path"},
-                                           max_pool_connections=64))
-            self._local.client = c
-        return c
+                # s3v4 also for presigned URLs (botocore presigns with SigV2 unless told), which every RGW accepts
+                self._client = boto3.client(
+                    "s3", endpoint_url=self.creds.s3_endpoint, aws_access_key_id=self.creds.s3_access_key,
+                    aws_secret_access_key=self.creds.s3_secret_key, region_name=self.creds.s3_region,
+                    config=Config(retries={"max_attempts": 1}, s3={"addressing_style": "path"},
+                                  max_pool_connections=64, signature_version="s3v4"))
+            return self._client
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under ``prefix``; a page that fails transiently is asked again (up to LIST_DEADLINE)."""
@@ -372,11 +445,37 @@ class S3Store(Store):
             write(chunk)
         return {k.lower(): v for k, v in r["ResponseMetadata"]["HTTPHeaders"].items()}
 
-    def put(self, name, path, *, segment_size=MAX_OBJECT) -> str:
+    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None):
+        from .httpget import HTTPError, get_into
+
+        # a presigned URL signs only the host, so the Range header may be added; signed here (sigv4), no request
+        if self._presigner is None:
+            from .sigv4 import Presigner
+
+            self._presigner = Presigner(self.creds.s3_endpoint, self.creds.s3_access_key, self.creds.s3_secret_key,
+                                        self.creds.s3_region)
+        url = self._presigner.url(self.bucket, name)
+        headers = {"Host": self._presigner.host}
+        if start is not None:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end}"
+        try:
+            return get_into(url, headers, fd, offset, sink)
+        except HTTPError as e:
+            if e.http_status == 404:
+                raise FileNotFoundError(f"s3://{self.bucket}/{name}") from None
+            if e.http_status in (401, 403):
+                raise ApplianceError(f"S3 refused access to bucket {self.bucket!r} ({e.http_status})",
+                                     "check the EC2 keys (`openstack ec2 credentials list`) and that the bucket "
+                                     "is yours at this site") from None
+            raise
+
+    def put(self, name, path, *, segment_size=MAX_OBJECT, md5s=None) -> str:
+        # the multipart ETag is checked by the caller against md5s["s3"] (CheckpointStore.upload lists it)
         from boto3.s3.transfer import TransferConfig
 
-        self.client().upload_file(str(path), self.bucket, name,
-                                  Config=TransferConfig(multipart_threshold=segment_size, multipart_chunksize=segment_size))
+        cfg = TransferConfig(multipart_threshold=segment_size, multipart_chunksize=segment_size,
+                             max_concurrency=SEGMENTS_IN_FLIGHT)
+        self.client().upload_file(str(path), self.bucket, name, Config=cfg)
         return ""
 
     def delete(self, name) -> None:
@@ -416,7 +515,7 @@ class FileStore(Store):
                     left -= len(chunk)
         return {}
 
-    def put(self, name, path, *, segment_size=MAX_OBJECT) -> str:
+    def put(self, name, path, *, segment_size=MAX_OBJECT, md5s=None) -> str:
         dst = self.root / name
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(dst.name + ".part")
@@ -441,15 +540,16 @@ class FileStore(Store):
 class _Slice:
     """At most ``n`` bytes of an open file, read in chunks (a segment streamed, never held in memory), hashed."""
 
-    def __init__(self, fh, n: int):
-        self.fh, self.left, self.md5 = fh, n, hashlib.md5()
+    def __init__(self, fh, n: int, hashed: bool = True):
+        self.fh, self.left, self.md5, self.hashed = fh, n, hashlib.md5(), hashed
 
     def read(self, size: int = 1 << 20) -> bytes:
         if self.left <= 0:
             return b""
         data = self.fh.read(min(size if size and size > 0 else 1 << 20, self.left))
         self.left -= len(data)
-        self.md5.update(data)
+        if self.hashed:
+            self.md5.update(data)
         return data
 
 
@@ -457,21 +557,37 @@ def large_object_etags(p: Path, part_size: int) -> dict:
     """What a store reports for a file uploaded in parts of ``part_size``: ``md5`` of the content, and for a file
     larger than one part ``swift`` (a Static Large Object's ETag: the MD5 of its segments' hex MD5s, concatenated;
     swift/common/middleware/slo.py) and ``s3`` (a multipart upload's ETag: the MD5 of the parts' binary MD5s,
-    then "-" and the part count). One pass over the file."""
-    whole, parts = hashlib.md5(), []
-    with open(p, "rb") as fh:
-        while True:
-            part = _Slice(fh, part_size)
-            while chunk := part.read():
-                whole.update(chunk)
-            if part.left == part_size:  # nothing read: the end
-                break
-            parts.append(part.md5)
-    out = {"md5": whole.hexdigest(), "parts": [m.hexdigest() for m in parts]}
-    if Path(p).stat().st_size > part_size:
-        out["swift"] = hashlib.md5("".join(m.hexdigest() for m in parts).encode()).hexdigest()
-        out["s3"] = hashlib.md5(b"".join(m.digest() for m in parts)).hexdigest() + f"-{len(parts)}"
-    return out
+    then "-" and the part count). An MD5 cannot be split, so a file in parts takes two: the whole file's and the
+    parts', computed by two threads at once, each reading the file (the page cache) on its own."""
+    size = Path(p).stat().st_size
+
+    def md5_of(start: int, n: int):
+        h = hashlib.md5()
+        buf = memoryview(bytearray(4 << 20))
+        with open(p, "rb", buffering=0) as fh:
+            fh.seek(start)
+            left = n
+            while left > 0:
+                k = fh.readinto(buf[:min(len(buf), left)])
+                if not k:
+                    break
+                h.update(buf[:k])
+                left -= k
+        return h
+
+    def parts() -> list:
+        return [md5_of(off, min(part_size, size - off)) for off in range(0, size, part_size)]
+
+    if size <= part_size:
+        whole = md5_of(0, size)
+        return {"md5": whole.hexdigest(), "parts": [whole.hexdigest()] if size else []}
+    with ThreadPoolExecutor(1) as pool:
+        split = pool.submit(parts)  # hashlib lets go of the GIL: the two hashes run on two cores
+        whole = md5_of(0, size)
+        hashes = split.result()
+    return {"md5": whole.hexdigest(), "parts": [m.hexdigest() for m in hashes],
+            "swift": hashlib.md5("".join(m.hexdigest() for m in hashes).encode()).hexdigest(),
+            "s3": hashlib.md5(b"".join(m.digest() for m in hashes)).hexdigest() + f"-{len(hashes)}"}
 
 
 def slo_etag(segments: list[dict]) -> str:

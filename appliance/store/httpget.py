@@ -1,0 +1,130 @@
+"""GET an object's bytes straight into a file: the stager's data path, with as few copies and layers as Python allows.
+
+swiftclient and boto3 hand out each chunk as a new ``bytes`` (requests -> urllib3 -> http.client), so a 256 MB
+object is copied several times under the GIL. Here one thread-local 1 MiB buffer receives the socket's bytes
+(``readinto``: the kernel copies into it, nothing else does), ``os.pwrite`` puts them at their place in the file and
+``sink`` (hashing, progress) sees the same buffer. One keep-alive connection per thread and host.
+Swift and S3 differ only in how a request is authorised (a token header; a presigned URL), which the stores own.
+
+Measured with ``make bench-stage`` (bench/results/stage*.md): client CPU per 256 MB object, before and after.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import ssl
+import threading
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+BUF = 1 << 20
+
+
+class HTTPError(Exception):
+    """A non-2xx answer. ``http_status`` is what ``objects._transient`` reads: 5xx and 429 are retried."""
+
+    def __init__(self, status: int, reason: str, url: str):
+        super().__init__(f"HTTP {status} {reason} for GET {url.split('?')[0]}")
+        self.http_status = status
+
+
+_local = threading.local()
+
+
+def _ssl_context() -> ssl.SSLContext:
+    ctx = getattr(_local, "ssl", None)
+    if ctx is None:
+        # the CA bundle requests (and so swiftclient and boto3) would use: REQUESTS_CA_BUNDLE, else certifi's
+        cafile = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE")
+        if not cafile:
+            try:
+                import certifi
+
+                cafile = certifi.where()
+            except ImportError:
+                cafile = None
+        ctx = _local.ssl = ssl.create_default_context(cafile=cafile)
+    return ctx
+
+
+def _connection(scheme: str, netloc: str, timeout: float, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
+    """(this thread's connection to ``netloc``, whether it was used before)."""
+    conns = getattr(_local, "conns", None)
+    if conns is None:
+        conns = _local.conns = {}
+    key = (scheme, netloc)
+    c = None if fresh else conns.get(key)
+    if c is not None:
+        return c, True
+    old = conns.pop(key, None)
+    if old is not None:
+        old.close()
+    c = (http.client.HTTPSConnection(netloc, timeout=timeout, context=_ssl_context()) if scheme == "https"
+         else http.client.HTTPConnection(netloc, timeout=timeout))
+    conns[key] = c
+    return c, False
+
+
+def _drop(scheme: str, netloc: str) -> None:
+    c = getattr(_local, "conns", {}).pop((scheme, netloc), None)
+    if c is not None:
+        c.close()
+
+
+def _buffer() -> memoryview:
+    b = getattr(_local, "buf", None)
+    if b is None:
+        b = _local.buf = memoryview(bytearray(BUF))
+    return b
+
+
+def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None,
+             *, timeout: float = 60.0) -> tuple[int, dict]:
+    """GET ``url`` and write its body to ``fd`` from ``offset`` on; ``sink`` sees each piece as it is written.
+    Returns (bytes written, response headers with lower-case names). Raises HTTPError for a non-2xx answer,
+    http.client.IncompleteRead when the body ends early, OSError for the network or the disk."""
+    u = urlsplit(url)
+    path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+    fresh = False
+    while True:
+        conn, reused = _connection(u.scheme, u.netloc, timeout, fresh)
+        try:
+            conn.request("GET", path, headers=headers)
+            resp = conn.getresponse()
+            break
+        except (OSError, http.client.HTTPException):
+            _drop(u.scheme, u.netloc)
+            if reused and not fresh:  # the server closed an idle keep-alive connection: one more try, new socket
+                fresh = True
+                continue
+            raise
+    hdrs = {k.lower(): v for k, v in resp.getheaders()}
+    if resp.status >= 300:
+        resp.read(1 << 16)
+        _drop(u.scheme, u.netloc)
+        raise HTTPError(resp.status, resp.reason, url)
+    buf = _buffer()
+    n = 0
+    try:
+        while True:
+            k = resp.readinto(buf)
+            if not k:
+                break
+            view = buf[:k]
+            done = 0
+            while done < k:  # a regular file takes all of it, short of a full disk (then ENOSPC is raised)
+                done += os.pwrite(fd, view[done:], offset + n + done)
+            if sink is not None:
+                sink(view)
+            n += k
+    except BaseException:
+        _drop(u.scheme, u.netloc)
+        raise
+    if resp.will_close:
+        _drop(u.scheme, u.netloc)
+    length = hdrs.get("content-length")
+    if length is not None and "chunked" not in hdrs.get("transfer-encoding", "") and n != int(length):
+        _drop(u.scheme, u.netloc)  # http.client ends the body quietly when the server closes early: say so
+        raise http.client.IncompleteRead(b"", int(length) - n)
+    return n, hdrs
