@@ -774,6 +774,8 @@ def runs_cmd(run, plot_png, as_json):
     \b
     status: running | stopped (resumable: `appliance resume RUN`) | complete | failed
     node-hours lost: node time spent after the last commit of a job that then failed.
+    `appliance runs RUN` lists the run's jobs, and for each resume its downtime by phase (lease, boot,
+    SSH + contextualize, staging, Horovod start, restore, first step).
     `appliance runs RUN --plot` draws the run's metrics from its newest committed checkpoint.
     """
     from .flows import list_runs, plot_run
@@ -790,7 +792,25 @@ def runs_cmd(run, plot_png, as_json):
             for p in d["step_axis_problems"]:
                 click.echo(f"warning: the step axis restarts: {p}")
         return
-    rows = [r for r in list_runs() if not run or r["run"] == run]
+    if run:  # one run: its row, then every job (steps, how it ended, a resume's downtime by phase)
+        from .flows import run_details
+
+        d = run_details(run)
+        if d is None:
+            raise ApplianceError(f"no record of run {run!r} on this machine", "`appliance runs` lists the runs")
+        if as_json:
+            _json_out(d)
+            return
+        click.echo(f"run {d['run']}: {d['status']}, step {d['step']}, last checkpoint {d['last_checkpoint'] or '-'}, "
+                   f"{d['node_hours_used']:.3f} node-hours used, {d['node_hours_lost']:.3f} lost")
+        for i, j in enumerate(d["jobs"], 1):
+            steps = f"steps {j.get('first_step') or 0}..{j['last_step'] if j.get('last_step') is not None else '?'}"
+            click.echo(f"  job {i} {j['job_id']}: {j.get('status')}, {steps} on {j.get('nodes')} node(s)"
+                       + (f": {j['failure']}" if j.get("failure") else ""))
+            if j.get("resume_breakdown"):
+                click.echo(f"    downtime {format_breakdown(j['resume_breakdown'])}")
+        return
+    rows = list_runs()
     if as_json:
         _json_out(rows)
         return
@@ -812,6 +832,15 @@ def runs_cmd(run, plot_png, as_json):
                    f"{r['node_hours_lost']:>6.3f}")
 
 
+def format_breakdown(b: dict) -> str:
+    """A resume's downtime on one line: the total to the first step, then each part that took time."""
+    from .flows import RESUME_PHASES
+
+    parts = [f"{k} {b[k]:.1f}s" for k in RESUME_PHASES if b.get(k) is not None and b[k] >= 0.05]
+    total = b.get("total")
+    return (f"{total:.1f}s to the first step: " if total is not None else "") + ", ".join(parts)
+
+
 def format_summary(s: dict) -> list[str]:
     ok = s["exit_code"] == 0
     stopped = bool(s.get("stopped") and s["stopped"].get("committed"))
@@ -821,6 +850,8 @@ def format_summary(s: dict) -> list[str]:
         r = s["resumed"]
         lines.append(f"  resumed   from step {r['step']} (epoch {r['epoch']}, batch {r['batch']})"
                      + ("" if r.get("bit_exact") else f", world size {r['checkpoint_world_size']} -> {r['world_size']}"))
+    if s.get("resume_breakdown"):
+        lines.append(f"  downtime  {format_breakdown(s['resume_breakdown'])}")
     if stopped:
         st = s["stopped"]
         lines.append(f"  stopped   after step {st['step']}: {st['reason']}")

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from .checkpoint.job import JobCheckpoints, refuse_if_running
 from .checkpoint.resume import choose_checkpoint, creds_for, find_spec
-from .checkpoint.runs import RunRecords, list_runs  # noqa: F401 (re-exported for the CLI)
+from .checkpoint.runs import RunRecords, list_runs, record_resume, run_details  # noqa: F401 (CLI)
 from .cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
 from .data import listing, pack_dir, remove, stage_cluster, upload
 from .errors import ApplianceError, SpecError
@@ -154,6 +155,7 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
     """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
     new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
     what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete."""
+    t = {"start": time.time()}  # the resume's downtime, phase by phase (resume_breakdown)
     spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name, log=log) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
         spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
@@ -175,24 +177,67 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
     if meta.get("complete"):
         log(f"[resume] run {run} already finished at step {ck.step}; nothing to do")
         return None
+    t["checkpoint chosen"] = time.time()
+    up_phases: dict[str, float] = {}
     if cluster_name:
         cluster = load_cluster(cluster_name)
     else:
         site_ = for_spec(spec, log=log)
         default = None if find_cluster(spec.name) is not None else site_.default_cluster(spec)
-        cluster = default if default is not None else lifecycle.up(site_, spec, log=log)
+        cluster = default if default is not None else lifecycle.up(site_, spec, log=log, timings=up_phases)
+    t["cluster ready"] = time.time()
     if cluster.world_size != spec.world_size and not cluster_name:
         log(f"[resume] note: cluster {cluster.name} has {cluster.world_size} rank(s), the spec asks for "
             f"{spec.world_size}")
     if spec.dataset is not None:
         stage_cluster(cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
                       creds=creds_for(spec, spec.dataset.source), out=out or log)
+    t["data staged"] = time.time()
     if ck is None:
-        return run_job(spec, cluster, out=out, restore="")  # a resume (the files), no checkpoint to restore
-    rel = f"appliance/runs/{run}/restore/{ck.name}"
-    stage_cluster(cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
-                  creds=creds_for(spec, spec.checkpoint.url), out=out or log)
-    return run_job(spec, cluster, out=out, restore=f"{cluster.head.workdir}/{rel}")
+        res = run_job(spec, cluster, out=out, restore="")  # a resume (the files), no checkpoint to restore
+    else:
+        rel = f"appliance/runs/{run}/restore/{ck.name}"
+        stage_cluster(cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
+                      creds=creds_for(spec, spec.checkpoint.url), out=out or log)
+        t["checkpoint staged"] = time.time()
+        res = run_job(spec, cluster, out=out, restore=f"{cluster.head.workdir}/{rel}")
+    res.resume_breakdown = resume_breakdown(t, up_phases, res)
+    record_resume(run, res.job_id, res.resume_breakdown)
+    return res
+
+
+RESUME_PHASES = ("find checkpoint", "lease", "boot", "ssh + contextualize", "install", "cluster (other)", "stage data",
+                 "stage checkpoint", "job setup", "horovod start", "restore", "first step")  # in the order they run
+
+
+def resume_breakdown(t: dict[str, float], up_phases: dict[str, float], res: JobResult) -> dict[str, float | None]:
+    """Seconds of each part of a resume's downtime, from `appliance resume` to the job's first step (issue 16
+    goal 5). ``t``: flows.resume's marks; ``up_phases``: lifecycle.up's (absent when the cluster was reused);
+    ``res.timeline``: the job's (horovodrun started, rank 0 restored, first step done)."""
+    tl, r = res.timeline, res.resumed or {}
+    restore = r.get("restore_s")
+
+    def span(a, b):
+        return round(b - a, 2) if a is not None and b is not None else None
+
+    staged = t.get("checkpoint staged", t["data staged"])
+    out: dict[str, float | None] = {"find checkpoint": span(t["start"], t["checkpoint chosen"])}
+    rest_of_up = span(t["checkpoint chosen"], t["cluster ready"])
+    for k in ("lease", "boot", "ssh + contextualize", "install"):
+        if k in up_phases:
+            out[k] = up_phases[k]
+            rest_of_up -= up_phases[k]
+    out["cluster (other)"] = round(rest_of_up, 2)
+    out["stage data"] = span(t["cluster ready"], t["data staged"])
+    out["stage checkpoint"] = span(t["data staged"], t.get("checkpoint staged"))
+    out["job setup"] = span(staged, tl.get("launched"))  # contextualize check, code copy, lock, credentials file
+    at_restored = tl.get("resumed")
+    out["horovod start"] = span(tl.get("launched"), at_restored - restore if at_restored and restore is not None
+                                else at_restored)  # horovodrun, Python + TensorFlow import, the model built
+    out["restore"] = restore
+    out["first step"] = span(at_restored, tl.get("first_step"))
+    out["total"] = span(t["start"], tl.get("first_step"))
+    return out
 
 
 def synced_files(spec: Spec, log=print) -> dict | None:
@@ -239,7 +284,7 @@ def job_summary(res: JobResult) -> dict:
         "same_weights_on_all_ranks": len({r.get("weights_sha256") for r in res.results.values()}) == 1
         if res.results else None,
         "wall_seconds": round(res.wall_s, 1), "log": res.log_path, "run": res.run,
-        "stopped": res.stopped, "resumed": res.resumed,
+        "stopped": res.stopped, "resumed": res.resumed, "resume_breakdown": res.resume_breakdown,
         "checkpoints_committed": len(res.commits),
         "last_checkpoint": res.commits[-1]["name"] if res.commits else None,
     }

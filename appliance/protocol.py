@@ -64,7 +64,8 @@ class Line:
     RESULT = "APPLIANCE_RESULT"  # a rank's result (bench, examples)
     CKPT = "APPLIANCE_CKPT"  # rank 0: a checkpoint committed
     STOPPED = "APPLIANCE_STOPPED"  # rank 0: stopped before the lease end (committed or not)
-    RESUMED = "APPLIANCE_RESUMED"  # rank 0: where the job resumed from
+    RESUMED = "APPLIANCE_RESUMED"  # rank 0: where the job resumed from (and the seconds the restore took)
+    FIRST_STEP = "APPLIANCE_FIRST_STEP"  # rank 0: the job's first step is done (the end of a resume's downtime)
     FILES = "APPLIANCE_FILES"  # rank 0: its working directory's files committed (level 3)
     RANK_EXIT = "APPLIANCE_RANK_EXIT"  # a rank's own exit status (a plain integer, not JSON)
     PROGRESS = "APPLIANCE_PROGRESS"  # the stager's progress

@@ -27,9 +27,14 @@ for h in sorted({t["hidden"] for t in tr}):
     axes[1].plot(sorted(v), marker="o", ls="", label=f"hidden {h}")
 axes[1].set_ylabel("seconds")
 axes[1].set_xlabel("trial (sorted)")
-axes[1].set_title("deadline signal -> committed checkpoint")
+axes[1].set_title("deadline -> committed checkpoint")
 axes[1].legend()
-axes[2].bar(range(len(tr)), [t["steps_lost"] if t["steps_lost"] is not None else -1 for t in tr])
+lost = [t["steps_lost"] for t in tr]
+axes[2].plot([i for i, v in enumerate(lost) if v is not None], [v for v in lost if v is not None], "o",
+             color="tab:green", label="steps lost")  # points: a bar of height 0 does not show
+axes[2].plot([i for i, v in enumerate(lost) if v is None], [-0.5 for v in lost if v is None], "x", color="tab:red",
+             label="not committed / unknown")
+axes[2].legend(loc="upper right")
 axes[2].set_xlabel("trial (random lease-end moment)")
 axes[2].set_ylabel("steps lost (goal 0)")
 axes[2].set_ylim(-1, max(5, max((t["steps_lost"] or 0) for t in tr) + 1))

@@ -29,6 +29,7 @@ from pathlib import Path
 import yaml
 
 from appliance import localcloud
+from appliance.cli import format_breakdown
 from appliance.flows import resume
 from appliance import flows, sites
 from appliance.sites import load_spec
@@ -107,6 +108,8 @@ def main() -> int:
           f"committed {first.stopped['seconds']} s after the stop request")
     print(f"  resumed on a new lease at step {second.resumed['step']} "
           f"(steps lost: {stop_step - second.resumed['step']})")
+    if second.resume_breakdown:
+        print(f"  downtime  {format_breakdown(second.resume_breakdown)}")
     print(f"  final validation accuracy {r0.get('val_accuracy')} (reference {ref0.get('val_accuracy')})")
     print(f"  final weights {'EQUAL' if same else 'DIFFER from'} the uninterrupted reference run "
           f"(sha256 {weights(second)[:16]}…)")

@@ -366,6 +366,13 @@ def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud,
         assert sha(res2) == reference_long
         assert runs.load("cklease")["status"] == "complete"
         assert runs.load("cklease")["node_seconds_lost"] == 0
+        # the downtime, phase by phase: a new lease, its servers booted, SSH, the checkpoint staged, horovodrun,
+        # the restore, the first step; the parts add up to the time from `resume` to the first step
+        b = res2.resume_breakdown
+        assert all(b.get(k) is not None and b[k] >= 0 for k in flows.RESUME_PHASES if k != "install"), b
+        assert b["lease"] > 0 and b["boot"] > 0 and b["ssh + contextualize"] > 0 and b["restore"] > 0, b
+        assert abs(sum(v for k, v in b.items() if k != "total") - b["total"]) < 0.1, b
+        assert runs.load("cklease")["jobs"][-1]["resume_breakdown"] == b
     finally:
         flows.down("cklease", log=lambda m: None)
 

@@ -116,3 +116,27 @@ def test_large_object_etags_follow_swift_and_s3(tmp_path):
     assert e["s3"] == hashlib.md5(b"".join(hashlib.md5(x).digest() for x in parts)).hexdigest() + "-3"
     small = large_object_etags(p, 8 * mb)
     assert "swift" not in small and small["parts"] == [hashlib.md5(data).hexdigest()]
+
+
+def test_a_stop_whose_deadline_has_passed_still_waits_for_its_upload():
+    """Rank 0 stopped on a lease end read late (its deadline already past): the upload in flight commits a moment
+    later. It used to be reported NOT committed without waiting (make bench-ckpt, trial 16 of 2026-11-24)."""
+    import threading
+
+    from appliance.node.checkpointer import Checkpointer
+
+    ck = Checkpointer.__new__(Checkpointer)  # only the upload bookkeeping: no model, no Horovod
+    ck._cv, ck._pending, ck._uploading = threading.Condition(), None, "ckpt-000000001"
+    ck._deadline = time.time() - 5
+
+    def upload_done():
+        with ck._cv:
+            ck._uploading = None
+            ck._cv.notify_all()
+
+    t = threading.Timer(0.3, upload_done)
+    t.start()
+    try:
+        assert ck._wait_stop_commit() is True
+    finally:
+        t.cancel()

@@ -49,6 +49,9 @@ class JobCheckpoints(JobHooks):
         self.lock: RunLock | None = None  # the store-level lease on the run (store/runlock.py)
         self.stopped: dict | None = None
         self.resumed: dict | None = None
+        self.resumed_at: float | None = None  # when rank 0's RESUMED line arrived (time.time())
+        self.first_step_at: float | None = None  # when its FIRST_STEP line arrived
+        self.launched_at: float | None = None
         self.stop_requested: dict | None = None
         self.watch = None
         self._old_sigterm = None
@@ -157,6 +160,7 @@ class JobCheckpoints(JobHooks):
         threading.Thread(target=beat, name="appliance-run-lock", daemon=True).start()
 
     def started(self, ctx: JobContext) -> None:
+        self.launched_at = time.time()
         site = for_cluster(self.cluster, log=lambda m: None) if self.cluster.lease_id else None
         if site is not None:
             from .watchdog import LeaseWatch
@@ -186,10 +190,15 @@ class JobCheckpoints(JobHooks):
 
     def rank_line(self, rank: int, text: str) -> bool:
         """Consume rank 0's checkpoint lines; True if the line was one."""
-        got = parse(text, (Line.CKPT, Line.STOPPED, Line.RESUMED, Line.FILES)) if rank == 0 else None
+        got = parse(text, (Line.CKPT, Line.STOPPED, Line.RESUMED, Line.FILES, Line.FIRST_STEP)) if rank == 0 else None
         if got is not None:
             kind, body = got
-            if kind == Line.FILES:
+            if kind == Line.FIRST_STEP:
+                self.first_step_at = time.time()
+                self.say(f"[checkpoint] training: step {body.get('step')} done, "
+                         f"{self.first_step_at - (self.launched_at or self.first_step_at):.1f}s after horovodrun "
+                         "started")
+            elif kind == Line.FILES:
                 body["at"] = time.time()
                 self.files.append(body)
                 self.say(f"[checkpoint] synced the working directory: {body['files']} file(s), {body['bytes']} bytes "
@@ -214,6 +223,7 @@ class JobCheckpoints(JobHooks):
                              " — copy it off before the lease ends")
             else:
                 self.resumed = body
+                self.resumed_at = time.time()
                 msg = (f"[checkpoint] resumed at step {body['step']} (epoch {body['epoch']}, batch "
                        f"{body['batch']}) on {body['world_size']} rank(s)")
                 if not body.get("bit_exact"):
@@ -267,6 +277,8 @@ class JobCheckpoints(JobHooks):
         """A stop before the lease end is exit 75 (resumable) when its checkpoint was committed, a failure if not.
         A job that failed because its lease ended under it says so, with what survives."""
         result.stopped, result.commits, result.resumed = self.stopped, self.commits, self.resumed
+        result.timeline.update({k: v for k, v in (("resumed", self.resumed_at), ("first_step", self.first_step_at))
+                                if v is not None})
         if result.failure is not None and self.stopped is None:
             when = self.lease_ended()
             if when is not None:

@@ -109,6 +109,25 @@ def job_ended(spec: Spec, cluster: Cluster, res) -> dict:
     return rec
 
 
+def record_resume(run: str, job_id: str, breakdown: dict) -> None:
+    """Keep a resume's downtime, phase by phase, with its job (`appliance runs RUN` shows it)."""
+    rec = load(run)
+    job = next((j for j in (rec or {}).get("jobs", []) if j["job_id"] == job_id), None)
+    if job is not None:
+        job["resume_breakdown"] = breakdown
+        save(rec)
+
+
+def run_details(run: str) -> dict | None:
+    """`appliance runs RUN`: the summary row and every job (steps, status, a resume's downtime)."""
+    rec = load(run)
+    if rec is None:
+        return None
+    return {**summarize(rec), "jobs": [
+        {k: j.get(k) for k in ("job_id", "status", "nodes", "world_size", "first_step", "last_step", "started",
+                               "ended", "exit_code", "failure", "resume_breakdown")} for j in rec.get("jobs", [])]}
+
+
 def list_runs() -> list[dict]:
     d = paths.home() / "runs"
     out = []

@@ -47,6 +47,7 @@ from ..store.objects import StoreCreds
 from .vendordata import vendordata_lease_end
 
 CALIBRATION = 20  # steps timed after each start to pick the stop-check interval
+STOP_COMMIT_FLOOR = 30.0  # seconds a stop's checkpoint gets to commit, whatever its deadline says
 
 
 def _is_io_error(e: BaseException) -> bool:
@@ -144,6 +145,7 @@ class Checkpointer:
         self.step = 0
         self.epoch, self.first, self.offset = 0, 0, 0
         self.stopped = False
+        self._first_step_said = False
         self.stop_reason: str | None = None
         self._local_reason: str | None = None
         self._last_save = time.monotonic()
@@ -297,6 +299,7 @@ class Checkpointer:
             self._open_metrics(restore=self.restore_dir)
         if not self.meta:
             return 0, 0
+        t0 = time.monotonic()
         m = self.meta
         opt = self.optimizer
         if hasattr(opt, "build"):
@@ -313,7 +316,8 @@ class Checkpointer:
         self.step = int(m["step"])
         epoch, first = int(m["epoch"]), int(m["offset"])
         info = {"step": self.step, "epoch": epoch, "batch": first, "world_size": self.size,
-                "checkpoint_world_size": m["world_size"], "bit_exact": not self.resized}
+                "checkpoint_world_size": m["world_size"], "bit_exact": not self.resized,
+                "restore_s": round(time.monotonic() - t0, 3)}
         if gens and not layers_restored:
             info.update({"bit_exact": False, "note": f"{len(gens)} random layer(s) but the checkpoint has "
                          f"{len(states or [])} generator state(s): their random draws differ after the resume"})
@@ -339,6 +343,9 @@ class Checkpointer:
 
     def after_step(self, batch: int, logs: dict | None) -> None:
         self.step += 1
+        if not self._first_step_said and self.rank == 0:  # the launcher times a resume's downtime up to here
+            self._first_step_said = True
+            emit(Line.FIRST_STEP, {"step": self.step})
         self.offset = self.first + batch + 1
         stop, timed = self._collective_stop()
         if self.rank == 0 and (self._checked_at == self.step or stop):  # about once per check interval
@@ -523,6 +530,13 @@ class Checkpointer:
                 self._cv.wait(timeout=left)
         return True
 
+    def _wait_stop_commit(self) -> bool:
+        """Rank 0 at a stop: wait for the stop's checkpoint to commit, until the stop's deadline but at least
+        STOP_COMMIT_FLOOR seconds. A deadline already past (a lease end read late, or from a stale vendordata
+        cache) gave the upload no time at all, and the job said "NOT committed" for a checkpoint that committed
+        half a second later (make bench-ckpt, 2026-11-24): the store may well still be there, so it gets the try."""
+        return self._wait_uploads(max(self._deadline or 0.0, time.time() + STOP_COMMIT_FLOOR))
+
     def _log(self, msg: str) -> None:
         print(f"[checkpoint] {msg}", flush=True)
 
@@ -545,7 +559,7 @@ class Checkpointer:
                 local, save_error = None, f"the save failed on the node's disk: {type(e).__name__}: {e}"
             committed = local is not None
             if self.url and committed:
-                committed = self._wait_uploads(self._deadline) and self._last_commit is not None and \
+                committed = self._wait_stop_commit() and self._last_commit is not None and \
                     self._last_commit["step"] == self.step
             body = {"step": self.step, "epoch": self._position()[0], "reason": self.stop_reason,
                     "committed": committed, "checkpoint": local.name if local else None,

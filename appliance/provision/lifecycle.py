@@ -144,11 +144,21 @@ def _wait_ssh(site: Site, cluster: Cluster, log) -> None:
 
 def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: float | None = None, log=print,
        install: bool = False, variant: str | None = None, wheel_cache: str | None = None,
-       finish_nodes: Callable | None = None) -> Cluster:
+       finish_nodes: Callable | None = None, timings: dict[str, float] | None = None) -> Cluster:
     """Lease (or reuse) -> servers on the reservation -> floating IP -> host keys -> SSH -> contextualize
     [-> the training stack installed on every node, `install`: for stock images]. ``finish_nodes(site, cluster,
     log)``: the steps on the booted machines (default `finish`; the fast tests pass their own, as Horovod's runner
-    takes its behaviour as callables)."""
+    takes its behaviour as callables). ``timings``: filled with the seconds of each phase ("lease", "boot",
+    "ssh + contextualize", "install"), which `appliance resume` reports."""
+    timings = {} if timings is None else timings
+    mark = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        timings[name] = round(timings.get(name, 0.0) + now - mark, 2)
+        mark = now
+
     if ssh_timeout is not None:
         site.ssh_timeout = ssh_timeout
     c = site.cloud
@@ -185,6 +195,7 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
     info = c.wait_lease(info.id, log=log)
     cluster.lease_end = info.end.isoformat() + "Z"
     cluster.save()
+    phase("lease")
     # 2. servers: one per node, recorded as soon as it is asked for; ERROR ones are replaced
     servers = cluster.site.servers
     for i in range(spec.nodes.count):
@@ -217,9 +228,12 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
         cluster.save()
         log(f"floating IP {cluster.floating_ip} on {head.name}")
     head.address = cluster.floating_ip
+    phase("boot")
     (finish_nodes or finish)(site, cluster, log)
+    phase("ssh + contextualize")
     if install:
         install_on(site, cluster, spec, variant=variant, wheel_cache=wheel_cache, log=log)
+        phase("install")
     log(f"cluster {cluster.name} ready: {len(cluster.nodes)} node(s), head {head.name} at {head.address}")
     return cluster
 

@@ -76,6 +76,10 @@ class JobResult:
     commits: list[dict] = field(default_factory=list)  # checkpoints committed during the job
     resumed: dict | None = None  # where the job resumed from
     started_at: float = 0.0
+    # wall-clock times (time.time(), on the launcher): "launched" (horovodrun started, after the job's setup),
+    # "resumed" (rank 0 restored the checkpoint), "first_step" (rank 0's first step done); hooks fill the last two
+    timeline: dict[str, float] = field(default_factory=dict)
+    resume_breakdown: dict | None = None  # `appliance resume`: seconds of each part of the downtime (flows.resume)
 
     @property
     def hostnames(self) -> list[str]:
@@ -462,6 +466,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             wt.start()
             for h in hooks:
                 h.started(ctx)
+            launched_at = time.time()
             try:
                 r = session.head.run(cmd, on_line=on_line, stop=watch.stop)
                 rc = r.rc
@@ -493,7 +498,8 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             wall = time.monotonic() - t0
             res = JobResult(job_id=job_id, exit_code=rc, world_size=cluster.world_size, rank_hosts=rank_hosts,
                             results=results, failure=watch.failure, wall_s=wall, log_path=str(log_path),
-                            run=spec.name, cluster_cloud=cluster.cloud, started_at=time.time() - wall)
+                            run=spec.name, cluster_cloud=cluster.cloud, started_at=time.time() - wall,
+                            timeline={"launched": launched_at})
             for h in hooks:
                 h.finish(res)
             rc = res.exit_code
