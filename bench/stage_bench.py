@@ -105,13 +105,18 @@ def measure(cmd, env, stdin=None):
     return wall, cpu, p.returncode, (p.stdout + p.stderr)[-800:]
 
 
-def tools(sw, tv: Path, c: int) -> dict:
-    """Each tool: (dataset container) -> (argv, env, stdin)."""
+def tool_env(sw, tv: Path) -> tuple[dict, str, str]:
+    """(the environment every tool runs with, the store's S3 access key, its secret)."""
     cr = sw.credentials()
     ak, sk = cr["s3_access_key"], cr["s3_secret_key"]
-    base_env = {"PATH": f"{tv}/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
-                "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk, "AWS_DEFAULT_REGION": "us-east-1",
-                "AWS_EC2_METADATA_DISABLED": "true"}
+    return ({"PATH": f"{tv}/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
+             "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk, "AWS_DEFAULT_REGION": "us-east-1",
+             "AWS_EC2_METADATA_DISABLED": "true"}, ak, sk)
+
+
+def tools(sw, tv: Path, c: int) -> dict:
+    """Each tool: (dataset container) -> (argv, env, stdin)."""
+    base_env, ak, sk = tool_env(sw, tv)
     awscfg = Path(tempfile.mkdtemp()) / "config"
     awscfg.write_text(f"[default]\ns3 =\n  max_concurrent_requests = {c}\n  addressing_style = path\n")
     creds = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key).scoped()
@@ -166,23 +171,19 @@ print(json.dumps({k: v["size"] for k, v in m["files"].items()}))
 def upload_tools(sw, tv: Path) -> dict:
     """Each tool: (the local directory with one big file, the container) -> (argv, env, stdin). Ours is the
     checkpoint commit itself (CheckpointStore.upload: ETags computed, parts in parallel, verified, manifest)."""
-    cr = sw.credentials()
-    ak, sk = cr["s3_access_key"], cr["s3_secret_key"]
-    env = {"PATH": f"{tv}/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
-           "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk, "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true", "PYTHONPATH": str(ROOT)}
+    env, ak, sk = tool_env(sw, tv)
+    env["PYTHONPATH"] = str(ROOT)
     swift_creds = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key).scoped().__dict__
     s3_creds = StoreCreds(s3_endpoint=sw.s3_endpoint, s3_access_key=ak, s3_secret_key=sk).__dict__
 
-    def ours(scheme, creds):
+    def ours(scheme, creds, env=env):
         return lambda d, cont: ([sys.executable, "-c", UPLOAD_JOB], env,
                                 json.dumps({"url": f"{scheme}://{cont}/", "dir": str(d), "creds": creds}))
 
     one = {**env, "APPLIANCE_SEGMENT_BYTES": str(5 * 1024**3)}  # the commit as it was: a file up to 5 GiB in one PUT
     return {
         "appliance checkpoint (swift)": ours("swift", swift_creds),
-        "appliance checkpoint (swift, one PUT)": lambda d, cont: (*ours("swift", swift_creds)(d, cont)[:1], one,
-                                                                 ours("swift", swift_creds)(d, cont)[2]),
+        "appliance checkpoint (swift, one PUT)": ours("swift", swift_creds, one),
         "appliance checkpoint (s3)": ours("s3", s3_creds),
         "s5cmd": lambda d, cont: ([f"{tv}/bin/s5cmd", "--endpoint-url", sw.s3_endpoint, "cp", f"{d}/state.data",
                                    f"s3://{cont}/s5cmd/state.data"], env, None),

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import ApplianceError
-from ..store.objects import ObjectInfo, Store, slo_etag
+from ..store.objects import ObjectInfo, Store, md5_range, slo_etag
 
 MANIFEST = ".appliance-manifest.json"
 JOURNAL = ".appliance-manifest.journal"  # one line per verified file, so a killed run loses nothing
@@ -369,15 +369,10 @@ class _InOrderMD5:
                     self.busy = False
                     return
                 off, size = self.offsets[self.next]
-            buf = bytearray(min(size, 4 << 20))
-            view = memoryview(buf)
-            pos, end = off, off + size
-            while pos < end:
-                k = os.preadv(self.fd, [view[:min(len(buf), end - pos)]], pos)
-                if not k:
-                    raise Corrupt("short read")
-                self.h.update(view[:k])
-                pos += k
+            try:
+                md5_range(self.fd, off, size, self.h)
+            except OSError:
+                raise Corrupt("short read") from None
             with self.lock:
                 self.next += 1
 

@@ -79,6 +79,13 @@ def _buffer() -> memoryview:
     return b
 
 
+def pwrite_all(fd: int, view: memoryview, pos: int) -> None:
+    """All of ``view`` at ``pos``: a regular file takes it, short of a full disk (then ENOSPC is raised)."""
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], pos + done)
+
+
 def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None,
              *, timeout: float = 60.0) -> tuple[int, dict]:
     """GET ``url`` and write its body to ``fd`` from ``offset`` on; ``sink`` sees each piece as it is written.
@@ -112,9 +119,7 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
             if not k:
                 break
             view = buf[:k]
-            done = 0
-            while done < k:  # a regular file takes all of it, short of a full disk (then ENOSPC is raised)
-                done += os.pwrite(fd, view[done:], offset + n + done)
+            pwrite_all(fd, view, offset + n)
             if sink is not None:
                 sink(view)
             n += k

@@ -137,13 +137,13 @@ class Store:
               start: int | None = None, end: int | None = None) -> tuple[int, dict]:
         """Write an object (or bytes start..end inclusive) to ``fd`` from ``offset`` on, showing each piece to
         ``sink``. Returns (bytes written, headers). Swift and S3 GET straight into the file (httpget)."""
+        from .httpget import pwrite_all
+
         pos = offset
 
         def write(b: bytes) -> None:
             nonlocal pos
-            done = 0
-            while done < len(b):
-                done += os.pwrite(fd, b[done:], pos + done)
+            pwrite_all(fd, memoryview(b), pos)
             pos += len(b)
             if sink is not None:
                 sink(memoryview(b))
@@ -559,32 +559,19 @@ def large_object_etags(p: Path, part_size: int) -> dict:
     swift/common/middleware/slo.py) and ``s3`` (a multipart upload's ETag: the MD5 of the parts' binary MD5s,
     then "-" and the part count). An MD5 cannot be split, so a file in parts takes two: the whole file's and the
     parts', computed by two threads at once, each reading the file (the page cache) on its own."""
-    size = Path(p).stat().st_size
-
-    def md5_of(start: int, n: int):
-        h = hashlib.md5()
-        buf = memoryview(bytearray(4 << 20))
-        with open(p, "rb", buffering=0) as fh:
-            fh.seek(start)
-            left = n
-            while left > 0:
-                k = fh.readinto(buf[:min(len(buf), left)])
-                if not k:
-                    break
-                h.update(buf[:k])
-                left -= k
-        return h
-
-    def parts() -> list:
-        return [md5_of(off, min(part_size, size - off)) for off in range(0, size, part_size)]
-
-    if size <= part_size:
-        whole = md5_of(0, size)
-        return {"md5": whole.hexdigest(), "parts": [whole.hexdigest()] if size else []}
-    with ThreadPoolExecutor(1) as pool:
-        split = pool.submit(parts)  # hashlib lets go of the GIL: the two hashes run on two cores
-        whole = md5_of(0, size)
-        hashes = split.result()
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size <= part_size:
+            whole = md5_range(fd, 0, size)
+            return {"md5": whole.hexdigest(), "parts": [whole.hexdigest()] if size else []}
+        with ThreadPoolExecutor(1) as pool:  # hashlib lets go of the GIL: the two hashes run on two cores
+            split = pool.submit(lambda: [md5_range(fd, off, min(part_size, size - off))
+                                         for off in range(0, size, part_size)])
+            whole = md5_range(fd, 0, size)
+            hashes = split.result()
+    finally:
+        os.close(fd)
     return {"md5": whole.hexdigest(), "parts": [m.hexdigest() for m in hashes],
             "swift": hashlib.md5("".join(m.hexdigest() for m in hashes).encode()).hexdigest(),
             "s3": hashlib.md5(b"".join(m.digest() for m in hashes)).hexdigest() + f"-{len(hashes)}"}
@@ -595,12 +582,27 @@ def slo_etag(segments: list[dict]) -> str:
     return hashlib.md5("".join(s["hash"] for s in segments).encode()).hexdigest()
 
 
+def md5_range(fd: int, start: int, n: int, h=None):
+    """Feed bytes start..start+n of the open file ``fd`` to ``h`` (a new MD5 if None) and return it: one reused
+    4 MiB buffer, positioned reads (threads may share the fd). Raises OSError if the file is shorter."""
+    h = hashlib.md5() if h is None else h
+    buf = memoryview(bytearray(min(max(n, 1), 4 << 20)))
+    pos, end = start, start + n
+    while pos < end:
+        k = os.preadv(fd, [buf[:min(len(buf), end - pos)]], pos)
+        if not k:
+            raise OSError(f"the file ends at byte {pos}, before {end}")
+        h.update(buf[:k])
+        pos += k
+    return h
+
+
 def md5_file(p: Path) -> str:
-    h = hashlib.md5()
-    with open(p, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        return md5_range(fd, 0, os.fstat(fd).st_size).hexdigest()
+    finally:
+        os.close(fd)
 
 
 def open_store(url: str, creds: StoreCreds | None) -> tuple[Store, str]:
