@@ -218,16 +218,16 @@ def resume_breakdown(t: dict[str, float], up_phases: dict[str, float], res: JobR
     restore = r.get("restore_s")
 
     def span(a, b):
-        return round(b - a, 2) if a is not None and b is not None else None
+        return round(b - a, 2) + 0.0 if a is not None and b is not None else None  # + 0.0: never "-0.0"
 
     staged = t.get("checkpoint staged", t["data staged"])
     out: dict[str, float | None] = {"find checkpoint": span(t["start"], t["checkpoint chosen"])}
-    rest_of_up = span(t["checkpoint chosen"], t["cluster ready"])
-    for k in ("lease", "boot", "ssh + contextualize", "install"):
+    rest_of_up = t["cluster ready"] - t["checkpoint chosen"]  # each part rounded only once it is computed: rounded
+    for k in ("lease", "boot", "ssh + contextualize", "install"):  # parts can add up to more than their whole
         if k in up_phases:
-            out[k] = up_phases[k]
+            out[k] = round(up_phases[k], 2)
             rest_of_up -= up_phases[k]
-    out["cluster (other)"] = round(rest_of_up, 2)
+    out["cluster (other)"] = span(0.0, rest_of_up)
     out["stage data"] = span(t["cluster ready"], t["data staged"])
     out["stage checkpoint"] = span(t["data staged"], t.get("checkpoint staged"))
     out["job setup"] = span(staged, tl.get("launched"))  # contextualize check, code copy, lock, credentials file

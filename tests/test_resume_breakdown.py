@@ -8,14 +8,19 @@ lease, boot, SSH, staging, horovodrun, the restore and the first step.
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
+from types import SimpleNamespace
 
 from click.testing import CliRunner
 
 from appliance.checkpoint import runs
 from appliance.cli import main
-from appliance.flows import resume_breakdown
+from appliance.flows import RESUME_PHASES, resume_breakdown
+from appliance.provision import lifecycle
 from appliance.train.launch import JobResult
+from fakes import FakeSite
 
 T0 = 1_800_000_000.0
 
@@ -35,6 +40,27 @@ def test_the_parts_add_up_to_the_time_to_the_first_step():
                  "cluster (other)": 1.0, "stage data": 10.0, "stage checkpoint": 2.0, "job setup": 2.0,
                  "horovod start": 12.0, "restore": 3.0, "first step": 2.0, "total": 92.0}
     assert abs(sum(v for k, v in b.items() if k != "total") - b["total"]) < 0.05
+
+
+def test_up_s_phases_leave_no_negative_remainder_when_they_are_all_of_up(tmp_path, monkeypatch):
+    """CI caught "cluster (other)" at -0.01 s: lifecycle.up rounded each phase to 10 ms, and when up spent (nearly)
+    nothing outside its phases the rounded parts added up to more than the whole. A clock that moves 5.1 ms per
+    reading makes every phase round up."""
+    from test_fake_site import spec_of, up
+
+    ticks = itertools.count()
+    clock = SimpleNamespace(monotonic=lambda: next(ticks) * 0.0051, sleep=lambda s: None, time=time.time,
+                            strftime=time.strftime, gmtime=time.gmtime)
+    monkeypatch.setattr(lifecycle, "time", clock)
+    phases: dict[str, float] = {}
+    up(FakeSite(), spec_of(tmp_path), timings=phases)
+    whole = (next(ticks) - 1) * 0.0051  # the first reading was 0: up's phases are the whole span
+    t = {"start": T0, "checkpoint chosen": T0, "cluster ready": T0 + whole, "data staged": T0 + whole,
+         "checkpoint staged": T0 + whole}
+    b = resume_breakdown(t, phases, job({"launched": T0 + whole + 1, "resumed": T0 + whole + 3,
+                                         "first_step": T0 + whole + 4}, {"step": 3, "restore_s": 0.5}))
+    assert all(b[k] is not None and b[k] >= 0 for k in RESUME_PHASES if k in b), b
+    assert abs(sum(v for k, v in b.items() if k != "total") - b["total"]) < 0.07  # 12 parts, each to 10 ms
 
 
 def test_a_reused_cluster_has_no_lease_or_boot_and_a_job_that_never_stepped_has_no_total():

@@ -156,7 +156,7 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
     def phase(name: str) -> None:
         nonlocal mark
         now = time.monotonic()
-        timings[name] = round(timings.get(name, 0.0) + now - mark, 2)
+        timings[name] = timings.get(name, 0.0) + now - mark  # unrounded: resume_breakdown subtracts them
         mark = now
 
     if ssh_timeout is not None:
