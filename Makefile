@@ -68,8 +68,9 @@ deploy: install
 	@echo "  appliance cloud stop                  # stop the local cloud"
 	@echo "  OS_CLOUD=CHI@UC appliance up my.yaml  # the same on Chameleon (docs/chameleon.md)"
 
-# The import-layers contract first (.importlinter, docs/architecture.md), then both tiers.
-test: install
+# The import-layers contract first (.importlinter, docs/architecture.md), then both tiers. .venv-chi: python-chi,
+# Chameleon's own client, judges the local cloud (an e2e test).
+test: install .venv-chi/.installed
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
@@ -77,6 +78,11 @@ test: install
 test-fast: install
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest -m "not e2e" $(PYTEST_ARGS)
+
+.venv-chi/.installed: requirements-chi.lock
+	test -x .venv-chi/bin/python || $(PYTHON) -m venv .venv-chi
+	.venv-chi/bin/pip install -q -r requirements-chi.lock
+	touch $@
 
 bench/.venv-tools/.installed: bench/requirements-tools.txt
 	test -x bench/.venv-tools/bin/python || $(PYTHON) -m venv bench/.venv-tools

@@ -2,6 +2,7 @@
 before authenticated routes, paths are normalised as each real API allows, errors come in each service's shape.
 The server runs on a fake node backend here; with testbed nodes and the real OpenStack clients in the e2e tier."""
 
+import datetime as dt
 import json
 import threading
 import urllib.error
@@ -107,3 +108,28 @@ def test_upstream_error_names_and_suffixes(api):
     project = creds["project_id"]
     st, body, _ = call("GET", f"/orchestration/v1/{project}/stacks/nope", token=tok)
     assert st == 404 and body["explanation"] and body["error"]["type"]  # heat/api/middleware/fault.py
+
+
+def test_lease_names_may_repeat_and_glance_serves_its_image_schemas(api):
+    """What python-chi found (tests/test_provision.py::test_python_chi_speaks_to_the_local_cloud): Blazar lets two
+    leases share a name (ChameleonCloud/blazar migration 6bfd1c23aa18 dropped the unique constraint), and glanceclient
+    reads /v2/schemas/image before it lists or shows an image (glance/api/v2/schemas.py)."""
+    call, creds = api
+    tok = token(call, creds)
+    st, body, _ = call("GET", "/network/v2.0/networks?name=public", token=tok)
+    fip = {"resource_type": "virtual:floatingip", "network_id": body["networks"][0]["id"], "amount": 1}
+    end = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=1)).strftime("%Y-%m-%d %H:%M")
+    lease = {"name": "same", "start_date": "now", "end_date": end, "reservations": [fip], "events": []}
+    ids = []
+    for _ in range(2):
+        st, body, _ = call("POST", "/reservation/v1/leases", lease, token=tok)
+        assert st == 201, body
+        ids.append(body["lease"]["id"])
+    assert ids[0] != ids[1]
+    st, schema, _ = call("GET", "/image/v2/schemas/image", token=tok)
+    assert st == 200 and schema["name"] == "image" and schema["additionalProperties"] == {"type": "string"}
+    assert {"id", "name", "status", "visibility", "checksum", "self", "file", "schema"} <= set(schema["properties"])
+    st, coll, _ = call("GET", "/image/v2/schemas/images", token=tok)
+    assert st == 200 and coll["properties"]["images"]["items"] == schema
+    st, imgs, _ = call("GET", "/image/v2/images", token=tok)
+    assert all(i["schema"] == "/v2/schemas/image" and i["self"] == f"/v2/images/{i['id']}" for i in imgs["images"])

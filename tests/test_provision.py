@@ -354,6 +354,33 @@ def test_a_restricted_application_credential_gets_the_unrestricted_hint(cloud, t
     assert r2.status_code == 403
 
 
+def test_python_chi_speaks_to_the_local_cloud(cloud, tmp_path):
+    """Issue 12: python-chi, Chameleon's own client (.venv-chi, requirements-chi.lock), unchanged against `appliance
+    cloud start`: tests/chi_judge.py makes a lease with a node and a floating IP, a server on it, associates the
+    floating IP, reaches it over SSH, deletes both, and makes a lease of the same name again. It found the local
+    Glance without /v2/schemas/image (glanceclient reads it before any list) and a lease name refused after its lease
+    was deleted (Blazar has allowed duplicate names since 2017)."""
+    chi_python = ROOT / ".venv-chi" / "bin" / "python"
+    assert chi_python.exists(), "python-chi's venv is missing: make .venv-chi/.installed (make test makes it)"
+    localcloud.admin("POST", "/clock/reset")  # python-chi dates leases by this machine's clock; earlier tests moved
+    auth = yaml.safe_load(localcloud.clouds_yaml().read_text())["clouds"][localcloud.CLOUD_NAME]  # the cloud's
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "key")], check=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OS_AUTH_TYPE": "v3applicationcredential",
+           "OS_AUTH_URL": auth["auth"]["auth_url"],
+           "OS_APPLICATION_CREDENTIAL_ID": auth["auth"]["application_credential_id"],
+           "OS_APPLICATION_CREDENTIAL_SECRET": auth["auth"]["application_credential_secret"],
+           "OS_REGION_NAME": auth["region_name"], "OS_INTERFACE": "public", "OS_KEYPAIR_NAME": "chi-judge",
+           "OS_KEYPAIR_PUBLIC_KEY": str(tmp_path / "key.pub"), "OS_KEYPAIR_PRIVATE_KEY": str(tmp_path / "key")}
+    r = subprocess.run([str(chi_python), str(ROOT / "tests" / "chi_judge.py"), "chi-judge"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:  # python-chi prints the API's refusal on stdout ("error: ...") and raises its own
+        pytest.fail("python-chi failed:\n" + "\n".join((r.stdout + r.stderr).splitlines()[-25:]), pytrace=False)
+    seen = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("CHI_JUDGE "))[len("CHI_JUDGE "):])
+    assert seen["lease_status"] == "ACTIVE" and seen["server_status"] == "ACTIVE" and seen["again_status"] == "ACTIVE"
+    assert seen["fip"] in seen["reserved_fips"] and len(seen["reserved_fips"]) == 1
+    assert seen["hostname"] == "chi-judge-0" and "chi-judge" in seen["listed"] and "chi-judge" not in seen["after"]
+
+
 def test_the_clock_goes_back_on_real_time_after_a_demo(cloud):
     """Issue 12 item 7: `make deploy` left the cloud's clock ~2 h ahead of this machine's."""
     import time as _time

@@ -1,4 +1,5 @@
-"""Glance v2 (/image): the image list, create, data upload (stored, with Glance's checksums), delete."""
+"""Glance v2 (/image): the image list, create, data upload (stored, with Glance's checksums), delete, and the image
+schemas glanceclient builds its models from."""
 
 from __future__ import annotations
 
@@ -8,7 +9,47 @@ from .api import Request, Route, nova_style_error, versions
 from .cloud import ApiError, _fmt, _uuid
 
 PREFIX = "image"
-DISK_FORMATS = (None, "qcow2", "raw", "vmdk", "vdi", "iso", "ami", "ari", "aki")
+# glance/common/config.py image_format_opts: the defaults of [image_format] disk_formats and container_formats
+DISK_FORMATS = (None, "ami", "ari", "aki", "vhd", "vhdx", "vmdk", "raw", "qcow2", "vdi", "iso", "ploop")
+CONTAINER_FORMATS = (None, "ami", "ari", "aki", "bare", "ovf", "ova", "docker", "compressed")
+
+
+def image_schema() -> dict:
+    """GET /v2/schemas/image, as glance/api/v2/schemas.py Controller.image serves it: images.get_schema()'s
+    base properties (glance/api/v2/images.py get_base_properties, descriptions left out) in a PermissiveSchema
+    (glance/schema.py: other properties are strings). glanceclient reads it before it lists or shows an image
+    (glanceclient/v2/images.py unvalidated_model), so python-chi's chi.image.get_image needs it."""
+    s, ns, ro = {"type": "string"}, {"type": ["null", "string"]}, {"readOnly": True}
+    props = {
+        "id": {**s, "pattern": "^([0-9a-fA-F]){8}-([0-9a-fA-F]){4}-([0-9a-fA-F]){4}-([0-9a-fA-F]){4}-([0-9a-fA-F]){12}$"},
+        "name": {**ns, "maxLength": 255},
+        "status": {**s, **ro, "enum": ["queued", "saving", "active", "killed", "deleted", "uploading", "importing",
+                                       "pending_delete", "deactivated"]},
+        "visibility": {**s, "enum": ["community", "public", "private", "shared"]},
+        "protected": {"type": "boolean"}, "os_hidden": {"type": "boolean"},
+        "checksum": {**ns, **ro, "maxLength": 32}, "os_hash_algo": {**ns, **ro, "maxLength": 64},
+        "os_hash_value": {**ns, **ro, "maxLength": 128}, "owner": {**ns, "maxLength": 255},
+        "size": {"type": ["null", "integer"], **ro}, "virtual_size": {"type": ["null", "integer"], **ro},
+        "container_format": {**ns, "enum": list(CONTAINER_FORMATS)}, "disk_format": {**ns, "enum": list(DISK_FORMATS)},
+        "created_at": {**s, **ro}, "updated_at": {**s, **ro},
+        "tags": {"type": "array", "items": {**s, "maxLength": 255}},
+        "direct_url": {**s, **ro}, "min_ram": {"type": "integer"}, "min_disk": {"type": "integer"},
+        "self": {**s, **ro}, "file": {**s, **ro}, "stores": {**s, **ro}, "schema": {**s, **ro},
+        "locations": {"type": "array", "items": {"type": "object", "required": ["url", "metadata"], "properties": {
+            "url": {**s, "maxLength": 255}, "metadata": {"type": "object"}}}},
+    }
+    return {"name": "image", "properties": props, "additionalProperties": {"type": "string"},
+            "links": [{"rel": "self", "href": "{self}"}, {"rel": "enclosure", "href": "{file}"},
+                      {"rel": "describedby", "href": "{schema}"}]}
+
+
+def images_schema() -> dict:
+    """GET /v2/schemas/images: glance/schema.py CollectionSchema('images', the image schema).raw()."""
+    return {"name": "images", "properties": {"images": {"type": "array", "items": image_schema()},
+                                             "first": {"type": "string"}, "next": {"type": "string"},
+                                             "schema": {"type": "string"}},
+            "links": [{"rel": "first", "href": "{first}"}, {"rel": "next", "href": "{next}"},
+                      {"rel": "describedby", "href": "{schema}"}]}
 
 
 error_body = nova_style_error
@@ -30,17 +71,22 @@ def create(req: Request):  # queued until its data is uploaded
     img = {**b, "id": b.get("id") or _uuid(), "status": "queued", "visibility": b.get("visibility", "shared"),
            "size": None, "checksum": None, "os_hash_algo": None, "os_hash_value": None, "tags": b.get("tags", []),
            "created_at": now, "updated_at": now, "min_disk": 0, "min_ram": 0, "owner": c.project_id,
-           "protected": False, "file": None}
-    img["file"] = f"/v2/images/{img['id']}/file"
+           "protected": False}
     c.images.append(img)
-    return 201, img
+    return 201, view(img)
+
+
+def view(img: dict) -> dict:
+    """glance/api/v2/images.py ResponseSerializer._format_image: an image links itself, its data and its schema."""
+    return {**img, "self": f"/v2/images/{img['id']}", "file": f"/v2/images/{img['id']}/file",
+            "schema": "/v2/schemas/image"}
 
 
 def listing(req: Request):
     imgs = req.cloud.images
     if "name" in req.query:
         imgs = [i for i in imgs if i["name"] == req.query["name"]]
-    return 200, {"images": imgs, "first": "/v2/images", "schema": "/v2/schemas/images"}
+    return 200, {"images": [view(i) for i in imgs], "first": "/v2/images", "schema": "/v2/schemas/images"}
 
 
 def image(req: Request, iid: str, file: str | None):
@@ -55,7 +101,7 @@ def image(req: Request, iid: str, file: str | None):
         (c.dir / "images" / img["id"]).unlink(missing_ok=True)
         return 204, None
     if req.method == "GET" and not file:
-        return 200, img
+        return 200, view(img)
     raise ApiError(404, f"not found: {req.path}", "NotFound")
 
 
@@ -103,4 +149,6 @@ ROUTES = [
     Route("POST", "/v2/images", create),
     Route(None, "/v2/images", listing),
     Route(None, "/v2/images/([^/]+)(/file)?", image),
+    Route("GET", "/v2/schemas/image", lambda req: (200, image_schema())),  # glance/api/v2/router.py
+    Route("GET", "/v2/schemas/images", lambda req: (200, images_schema())),
 ]

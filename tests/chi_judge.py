@@ -1,0 +1,38 @@
+"""Run by tests/test_provision.py::test_python_chi_speaks_to_the_local_cloud under .venv-chi (python-chi,
+Chameleon's own client, requirements-chi.lock), against `appliance cloud start`, unchanged: the object API of
+python-chi's docs ("Getting started": a lease with a node and a floating IP, a server on it, the floating IP
+associated, SSH, everything deleted). Credentials come as OS_* variables, as in Chameleon's Jupyter. Prints one JSON
+line of what it saw; any exception is the test's failure."""
+
+import datetime as dt
+import json
+import sys
+
+import chi.lease
+import chi.server
+
+name = sys.argv[1]
+seen = {}
+lease = chi.lease.Lease(name, duration=dt.timedelta(hours=2))
+lease.add_node_reservation(amount=1, node_type="compute_local")
+lease.add_fip_reservation(amount=1)
+lease.submit(wait_for_active=True, wait_timeout=120)
+seen["lease_status"] = lease.status
+seen["reserved_fips"] = lease.get_reserved_floating_ips()
+seen["listed"] = [x.name for x in chi.lease.list_leases()]
+server = chi.server.Server(f"{name}-0", reservation_id=lease.node_reservations[0]["id"], image_name="appliance-cpu")
+server.submit(wait_for_active=True, wait_timeout=300, show="text")
+seen["server_status"] = server.status
+seen["fip"] = server.associate_floating_ip()
+server.check_connectivity(timeout=120, show="text")
+# the local nodes' login user is root (CC images: cc; docs/localcloud.md)
+seen["hostname"] = server.ssh_connection(user="root").run("hostname", hide=True).stdout.strip()
+server.delete()
+lease.delete()
+again = chi.lease.Lease(name, duration=dt.timedelta(hours=1))  # a deleted lease's name can be used again
+again.add_node_reservation(amount=1, node_type="compute_local")
+again.submit(wait_for_active=True, wait_timeout=120)
+seen["again_status"] = again.status
+again.delete()
+seen["after"] = [x.name for x in chi.lease.list_leases()]
+print("CHI_JUDGE " + json.dumps(seen))
