@@ -152,12 +152,14 @@ def cloud():
 @cloud.command("start")
 @click.option("--time-scale", default=1.0, show_default=True,
               help="Cloud seconds per real second (60: a 1 h lease ends in 1 min).")
+@click.option("--hosts", type=click.IntRange(1, 64), default=None,
+              help="compute_local hosts Blazar can lease (default 4; each server is a testbed node).")
 @click.option("--json", "as_json", is_flag=True)
-def cloud_start(time_scale, as_json):
+def cloud_start(time_scale, hosts, as_json):
     """Start the local cloud (no-op if it runs)."""
     from . import flows
 
-    st = flows.cloud_start(time_scale=time_scale, log=_quiet if as_json else click.echo)
+    st = flows.cloud_start(time_scale=time_scale, hosts=hosts, log=_quiet if as_json else click.echo)
     _json_out(st) if as_json else click.echo(f"local cloud at {st['endpoint']}, clock {st.get('now')} UTC")
 
 
@@ -539,6 +541,32 @@ def train_cmd(spec, cluster, as_json):
     out = (lambda line: click.echo(line, err=True)) if as_json else None
     res = flows.train_spec(spec, cluster, out=out, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
     _report(res, as_json)
+
+
+@main.command("logs")
+@click.argument("run")
+@click.option("--cluster", default=None, help="The cluster the job runs on (default: the run's, from its record).")
+@click.option("-n", "--lines", default=50, show_default=True, type=click.IntRange(min=0), help="Show the last N lines first (0: all of them).")
+@click.option("-f", "--follow", is_flag=True, help="Keep showing new lines until the job ends (Ctrl-C stops "
+              "following, not the job).")
+def logs_cmd(run, cluster, lines, follow):
+    """The output of RUN's newest job, read from the head node.
+
+    \b
+    A job runs detached on its head node and writes its output there
+    (<workdir>/appliance/runs/RUN/JOB.out): it goes on when the `appliance train`
+    that started it is gone (the network dropped, the laptop was closed). From any
+    machine that has the cluster's record:
+      appliance logs RUN -f          # the last 50 lines, then follow to the job's end
+      appliance logs RUN -n 0        # the whole output so far
+    Lines are as horovodrun writes them: [RANK]<stdout>:TEXT.
+    """
+    from . import flows
+
+    try:
+        flows.logs(run, cluster, lines=lines, follow=follow, out=click.echo)
+    except KeyboardInterrupt:
+        click.echo("stopped following; the job goes on", err=True)
 
 
 def _report(res, as_json: bool) -> None:

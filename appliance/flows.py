@@ -30,7 +30,7 @@ from .sites.local import (  # noqa: F401 (the simulator's verbs, for the CLI)
 from .spec import Spec
 from .store.checkpoints import CheckpointStore
 from .store.objects import parse_url
-from .train.launch import JobResult, train
+from .train.launch import JobResult, job_log, train
 
 __all__ = ["resolve_cluster", "run_job", "train_spec", "stage_spec", "resume", "up", "down", "status", "adopt",
            "site", "data_creds", "doctor", "job_summary", "list_runs", "node_watch"]
@@ -147,6 +147,19 @@ def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[s
     """`appliance train SPEC`: validate the spec, find its cluster, run the job."""
     spec = load_spec(spec_path)
     return run_job(spec, resolve_cluster(spec, cluster_name, log=log), out=out)
+
+
+def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: bool = False,
+         out: Callable[[str], None] = print) -> str:
+    """`appliance logs RUN`: the run's newest job's output, from the head node of ``cluster_name`` (default: the
+    cluster of the run's record, then the run's own cluster). Returns the job id."""
+    from .checkpoint import runs
+
+    name = cluster_name or (runs.load(run) or {}).get("cluster") or (run if find_cluster(run) else None)
+    if name is None:
+        raise ApplianceError(f"no record of run {run!r} on this machine and no cluster named {run!r}",
+                             "name the cluster: `appliance logs RUN --cluster NAME` (`appliance status` lists them)")
+    return job_log(load_cluster(name), run, lines=lines, follow=follow, out=out)
 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,

@@ -255,8 +255,8 @@ class SSHRemote(Remote):
             if not self.client.get_transport() or not self.client.get_transport().is_active() or chan.closed and not got:
                 if chan.exit_status_ready():
                     break
-                fo(b"", final=True)
-                fe(b"", final=True)
+                # an unfinished last line is not passed on: it was cut, not ended (a follower that reconnects
+                # reads it again whole)
                 raise ConnectionLost(f"lost the SSH connection to {self.node.name} while running a command",
                                      f"check that {self.node.name} is up (`appliance status`)")
             if (stop is not None and stop.is_set()) or (deadline and time.monotonic() > deadline):
@@ -266,9 +266,10 @@ class SSHRemote(Remote):
                 return Result(-1, "\n".join(out), "\n".join(err))
             if not got:
                 r, _, _ = select.select([chan], [], [], 0.2)
-        fo(b"", final=True)
-        fe(b"", final=True)
-        rc = chan.recv_exit_status()
+        if chan.status_event.is_set():  # the command ended: its unfinished last line is a line. Without an exit
+            fo(b"", final=True)  # status (paramiko's exit_status_ready is also true for a channel that closed:
+            fe(b"", final=True)  # a connection that dropped, a command killed by a signal) rc is -1 and a cut
+        rc = chan.recv_exit_status()  # last line is not passed on (a follower reads it again whole)
         chan.close()
         res = Result(rc, "\n".join(out), "\n".join(err))
         if check and rc != 0:

@@ -10,6 +10,7 @@ The fake channel below replays that order; the reader must wait for the channel'
 from __future__ import annotations
 
 import os
+import threading
 
 from appliance.cluster import Node
 from appliance.remote import SSHRemote
@@ -18,10 +19,13 @@ from appliance.remote import SSHRemote
 class LateDataChannel:
     """Exit status first; output after `late` polls; EOF after the output."""
 
-    def __init__(self, data: bytes, late: int = 5):
+    def __init__(self, data: bytes, late: int = 5, status: bool = True):
         self.data, self.late, self.polls = data, late, 0
         self.eof_received = False
         self.closed = False
+        self.status_event = threading.Event()  # as paramiko's Channel: set when an exit-status arrived
+        if status:
+            self.status_event.set()
         self._r, self._w = os.pipe()
         os.write(self._w, b"x")  # always readable: select() returns at once
 
@@ -30,7 +34,7 @@ class LateDataChannel:
     def shutdown_write(self): pass
     def fileno(self): return self._r
     def exit_status_ready(self): return True
-    def recv_exit_status(self): return 0
+    def recv_exit_status(self): return 0 if self.status_event.is_set() else -1
     def recv_stderr_ready(self): return False
 
     def recv_ready(self):
@@ -66,6 +70,17 @@ def test_output_that_arrives_after_the_exit_status_is_kept():
     r = SSHRemote(node, Client(chan)).run("sh -s", stdin=None)
     assert r.rc == 0
     assert r.out.splitlines() == ["APPLIANCE_NIC=eth0", "APPLIANCE_CONTEXT=ok"]
+
+
+def test_a_channel_that_closed_without_an_exit_status_passes_no_cut_line_on():
+    """A dropped connection closes the channel with no exit status (paramiko's exit_status_ready() is true then
+    too): the unfinished last line was cut, not ended. The launcher's follower counts the lines it consumed and
+    reads on from there after a reconnect, so a cut line passed on would be shown cut and then again whole."""
+    chan = LateDataChannel(b"step 10\nstep 2", late=0, status=False)
+    node = Node(name="node1", private_ip="10.0.0.1", address="10.0.0.1", workdir="/tmp")
+    seen = []
+    r = SSHRemote(node, Client(chan)).run("tail -F out", on_line=lambda stream, line: seen.append(line))
+    assert r.rc == -1 and seen == ["step 10"]
 
 
 def test_progress_bar_redraws_become_one_clean_line_and_a_live_fragment():

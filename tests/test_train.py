@@ -99,6 +99,43 @@ def test_killed_node_stops_job_within_60s(jobs_dir, tmp_path):
     assert not testbed.status("pk")["nodes"]
 
 
+def test_the_job_goes_on_when_the_launchers_connection_drops(cluster2, tb2, jobs_dir, tmp_path):
+    """Issue 14 item 3: the launcher lost its SSH connection to the head (a network outage, a laptop put to sleep)
+    and the job went with it: horovodrun ran in the connection's session and its output pipe broke; the launcher
+    called the job failed. The job now runs detached on the head: the launcher reconnects and follows its output
+    from the line where it stopped, no line lost or shown twice."""
+    spec = load_spec(write_spec(tmp_path, "python loop.py --steps 3000", code=jobs_dir, name="cut"))
+    cut = {}
+    lines = []
+
+    def out(line):
+        lines.append(line)
+        if line.startswith("[0|") and "step 300 " in line and "n" not in cut:
+            cut["n"] = 0
+            t = threading.Thread(target=lambda: cut.update(n=testbed.cut_connections(tb2.name, "node1")))
+            t.start()
+            cut["t"] = t
+
+    res = train(spec, cluster2, out=out)
+    cut["t"].join()
+    assert cut["n"] > 0, "no connection of the launcher's was cut"
+    assert res.exit_code == 0, (res.failure, [x for x in lines if "[appliance]" in x or "horovodrun" in x])
+    assert any("lost the connection to the head node node1" in x for x in lines), lines[-30:]
+    assert any("reconnected to node1" in x for x in lines)
+    steps = [int(x.split("step ")[1].split()[0]) for x in lines if x.startswith("[0|") and "] step " in x]
+    assert steps == list(range(0, 3000, 10)), steps  # every line once, in order, across the reconnect
+    assert sorted(res.results) == [0, 1]
+    # the output stays on the head node: `appliance logs RUN` shows it from any launcher (-f: to the job's end)
+    from appliance import flows
+
+    shown = []
+    assert flows.logs("cut", cluster2.name, lines=0, follow=True, out=shown.append) == res.job_id
+    assert len([x for x in shown if x.startswith("[0]<stdout>:step ")]) == 300
+    last = []
+    flows.logs("cut", cluster2.name, lines=6, out=last.append)  # the results, then each rank's exit line
+    assert len(last) == 6 and any("APPLIANCE_RESULT" in x for x in last), last
+
+
 def test_single_host_mode_trains(tmp_path):
     tb = testbed.up("sh", 2, mode="single-host", log=lambda m: None)
     try:

@@ -257,6 +257,10 @@ class JobCheckpoints(JobHooks):
             except ApplianceError:
                 self.say(f"[appliance] warning: could not remove {self.creds_file} on the head node")
 
+    def gone(self) -> bool:
+        """The launcher lost the head node: are the nodes gone with the lease (stop reconnecting)?"""
+        return self.lease_ended() is not None
+
     def lease_ended(self) -> str | None:
         """When the job failed: " at END UTC" (or "") if its lease has ended, None if not or unknown."""
         w = self.watch

@@ -16,6 +16,7 @@ from .netns import (  # noqa: F401
     node_exec,
     remove_node,
     TestbedNode,
+    cut_connections,
     down,
     kill_node,
     kill_pids,

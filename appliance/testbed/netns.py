@@ -626,6 +626,24 @@ def kill_node(name: str, node: str) -> int:
     raise ApplianceError(f"testbed {name} has no node {node!r}", "see `appliance testbed status`")
 
 
+def cut_connections(name: str, node: str, peer: str | None = None) -> int:
+    """Cut the SSH connections that ``peer`` (default: this machine, the launcher) has open to one node, as a
+    network outage or a laptop put to sleep would: the sshd processes serving them are killed, the node and
+    everything else on it keep running. Returns how many processes were killed."""
+    tb = load(name)
+    if tb is None:
+        raise ApplianceError(f"testbed {name} is not up", "run `appliance testbed up` first")
+    n = next((x for x in tb.nodes if x.name == node and x.netns), None)
+    if n is None:
+        raise ApplianceError(f"testbed {name} has no node {node!r}", "see `appliance testbed status`")
+    peer = peer or tb.host_ip
+    out = _run("ip", "netns", "exec", n.netns, "ss", "-tnpH", "state", "established", "( sport = :22 )").stdout
+    pids = sorted({int(m) for line in out.splitlines() if line.split()[3].rsplit(":", 1)[0] == peer
+                   for m in re.findall(r"pid=(\d+)", line)})
+    _kill_pids(pids)
+    return len(pids)
+
+
 # -- what the local cloud's node backend uses (appliance/localcloud/nodes.py) ---------------------------------
 
 

@@ -6,8 +6,10 @@ What happens, in order:
 3. start ``horovodrun`` **on the head node** (started elsewhere, workers cannot reach the Gloo
    rendezvous address it advertises) with ``--network-interface``, ``--start-timeout`` and an
    environment built from an allow-list: horovodrun forwards its whole environment to every rank;
-4. stream every rank's output back, prefixed with rank and host;
-5. watch for failure: a rank that exits non-zero, or a node whose sshd stops answering. Gloo
+4. stream every rank's output back, prefixed with rank and host. The job runs detached on the head (its own
+   session, its output in <run dir>/JOB.out, its exit status in JOB.rc): when the launcher's connection drops it
+   goes on, and the launcher reconnects and follows the output from the line where it stopped;
+5. watch for failure: a rank that exits non-zero, or a worker whose sshd stops answering. Gloo
    usually stops the survivors by itself; if the job is still running ``grace`` seconds later,
    every process carrying this job's id is killed on every node that answers (by PID), so the
    job always ends, and the message names the rank and node.
@@ -35,7 +37,7 @@ from ..cluster import Cluster, Node
 from ..errors import ApplianceError, JobFailed
 from ..protocol import EXIT_STOPPED, Env, Line, parse, rank_environment
 from ..provision.contextualize import contextualize
-from ..remote import ConnectionLost, Remote, Session, SSHRemote
+from ..remote import ConnectionLost, HostKeyMismatch, LocalRemote, Remote, Result, Session, SSHRemote
 from ..spec import Spec
 
 RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
@@ -114,6 +116,11 @@ class JobHooks:
 
     def rank_line(self, rank: int, text: str) -> bool:
         """A line a rank printed; True when the hook consumed it (it is then not shown)."""
+        return False
+
+    def gone(self) -> bool:
+        """Asked while the launcher cannot reach the head node: True when the nodes are gone for good (the lease
+        ended), so reconnecting is pointless."""
         return False
 
     def close(self) -> None:
@@ -199,6 +206,8 @@ class _Watch:
         self.own_order: list[int] = []  # ranks in the order their own exit reports arrived
         self.dead_nodes: set[str] = set()
         self.stop = threading.Event()  # set to abandon the head channel
+        self.head_lost = threading.Event()  # the head stopped answering: the launcher reconnects (the job goes on)
+        self.paused = threading.Event()  # set while reconnecting: no liveness verdicts then
         self.done = threading.Event()
         self.reaped = False
         self._lock = threading.Lock()
@@ -282,12 +291,23 @@ class _Watch:
     def run(self) -> None:
         misses: dict[str, int] = {}
         while not self.done.wait(self.heartbeat if self.failure is None else 0.5):
-            if self.failure is None:
+            if self.failure is None and not self.paused.is_set():
                 for node in self.cluster.nodes:
+                    if self.paused.is_set():
+                        break
                     if self._node_alive(node):
                         misses[node.name] = 0
                         continue
                     misses[node.name] = misses.get(node.name, 0) + 1
+                    if node is self.cluster.head and not isinstance(self.session.head, LocalRemote):
+                        # the launcher's link to the head (or the head itself) is down: the detached job may well
+                        # go on; the launcher reconnects and decides then. Workers are reached through the head:
+                        # no verdict on them this round
+                        if misses[node.name] >= 2:
+                            misses[node.name] = 0
+                            self.head_lost.set()
+                            self.stop.set()
+                        break
                     if misses[node.name] >= 2:
                         self.dead_nodes.add(node.name)
                         ranks = [r for r, h in enumerate(self.cluster.rank_hosts()) if h == node.name]
@@ -342,7 +362,150 @@ def check_run_free(head: Remote, rd: str, run: str) -> None:
 def locked_command(rd: str, cmd: str) -> str:
     """The job's command holding the run's lock for as long as any of its processes lives (the lock's descriptor is
     inherited by horovodrun and the ranks), whatever happens to the launcher's connection."""
-    return f"exec flock -n -E {RUN_BUSY} {shlex.quote(rd + '/' + RUN_LOCK)} sh -c {shlex.quote(cmd)}"
+    return f"flock -n -E {RUN_BUSY} {shlex.quote(rd + '/' + RUN_LOCK)} sh -c {shlex.quote(cmd)}"
+
+
+def job_files(rd: str, job_id: str) -> tuple[str, str, str]:
+    """The detached job's files on the head node: its output (stdout and stderr, in order), its exit status, the PID
+    of the process that lives as long as the job."""
+    return f"{rd}/{job_id}.out", f"{rd}/{job_id}.rc", f"{rd}/{job_id}.pid"
+
+
+def detached_command(rd: str, job_id: str, cmd: str) -> str:
+    """Start ``cmd`` in a session of its own on the head node, not tied to this SSH connection (no hangup, no pipe
+    that breaks when the launcher goes away); prints the PID that lives as long as the job."""
+    out, rc, pid = (shlex.quote(f) for f in job_files(rd, job_id))
+    inner = f"echo $$ > {pid}; {cmd} > {out} 2>&1 < /dev/null; echo $? > {rc}.tmp && mv {rc}.tmp {rc}"
+    return f"cd / && setsid sh -c {shlex.quote(inner)} > /dev/null 2>&1 < /dev/null & echo $!"
+
+
+def follow_command(rd: str, job_id: str, pid: int | str, first_line: int | str) -> str:
+    """The job's output from line ``first_line`` (1: all; "-N": the last N), as it is written, until the job's
+    process (``pid``: a number or a shell expression) is gone."""
+    out = job_files(rd, job_id)[0]
+    first = str(first_line) if str(first_line).startswith("-") else f"+{first_line}"
+    return f"tail -n {first} -s 0.5 --pid={pid} -F {shlex.quote(out)} 2>/dev/null; true"
+
+
+def newest_job(head: Remote, rd: str) -> str | None:
+    """The id of the newest job whose output is in the run directory on the head node."""
+    r = head.run(f"cd {shlex.quote(rd)} 2>/dev/null && ls -t -- *.out 2>/dev/null | head -n 1", timeout=30)
+    name = r.out.strip()
+    return name[:-len(".out")] if name.endswith(".out") else None
+
+
+def job_log(cluster: Cluster, run: str, *, job_id: str | None = None, lines: int = 50, follow: bool = False,
+            out: Callable[[str], None] = print) -> str:
+    """`appliance logs RUN`: the last ``lines`` lines (0: all) of the run's newest job (or ``job_id``) from the head
+    node, where the detached job writes them; ``follow``: until the job ends. Returns the job id."""
+    rd = run_dir(cluster, run)
+    with Session(cluster) as session:
+        job_id = job_id or newest_job(session.head, rd)
+        if job_id is None:
+            raise ApplianceError(f"no job output of run {run!r} on {cluster.head.name} (in {rd})",
+                                 "check the run's name and cluster (`appliance runs`, `appliance status`)")
+        out_file, _, pid_file = (shlex.quote(f) for f in job_files(rd, job_id))
+        cmd = f"tail -n {f'-{lines}' if lines > 0 else '+1'} {out_file}"
+        if follow:  # without a PID file (a job from before jobs recorded it): what is there
+            cmd = (f"if [ -s {pid_file} ]; then {follow_command(rd, job_id, f'$(cat {pid_file})', -lines or 1)}; "
+                   f"else {cmd}; fi")
+        r = session.head.run(cmd, on_line=lambda stream, line: out(line))
+        if r.rc != 0:
+            raise ApplianceError(f"cannot read the output of job {job_id} on {cluster.head.name}: "
+                                 f"{r.err.strip()[-200:]}")
+    return job_id
+
+
+def reconnect_seconds() -> float:
+    """How long the launcher tries to reach the head node again after losing it (APPLIANCE_RECONNECT_SECONDS)."""
+    try:
+        return max(0.0, float(os.environ.get("APPLIANCE_RECONNECT_SECONDS", "300")))
+    except ValueError:
+        return 300.0
+
+
+class _Connection:
+    """The launcher's current session with the cluster; replaced when it reconnects."""
+
+    def __init__(self, session: Session):
+        self.session = session
+
+
+class _Head(Remote):
+    """The head node through the launcher's current connection, so hooks keep working after a reconnect."""
+
+    def __init__(self, conn: _Connection):
+        self._conn = conn
+
+    @property
+    def node(self) -> Node:  # type: ignore[override]
+        return self._conn.session.head.node
+
+    def run(self, command: str, **kw) -> Result:
+        return self._conn.session.head.run(command, **kw)
+
+
+def _reconnect(cluster: Cluster, hooks, say: Callable[[str], None], limit: float) -> Session:
+    """A new session with the cluster, tried until ``limit`` seconds have passed or a hook says the nodes are gone."""
+    t0 = time.monotonic()
+    delay = 1.0
+    while True:
+        try:
+            return Session(cluster)
+        except HostKeyMismatch:
+            raise
+        except ApplianceError as e:
+            if any(h.gone() for h in hooks):
+                raise ApplianceError(f"{e.message}; the lease has ended") from None
+            if time.monotonic() - t0 + delay > limit:
+                raise ApplianceError(f"{e.message}; gave up after {limit:.0f}s") from None
+            say(f"[appliance] the head node does not answer yet ({e.message}); trying again in {delay:.0f}s")
+            time.sleep(delay)  # waiting for a network or a node to come back: there is nothing to wait on
+            delay = min(delay * 2, 30.0)
+
+
+def _follow(conn: _Connection, cluster: Cluster, watch: _Watch, hooks, say: Callable[[str], None], rd: str,
+            job_id: str, pid: int, on_line, lines_seen: list[int], out_file: str, rc_file: str) -> int:
+    """Follow the detached job's output until it ends, reconnecting when the head connection drops; its exit
+    status (255 when the head could not be reached again: the job may still run there)."""
+    head_name = cluster.head.name
+    while True:
+        lost = None
+        try:
+            r = conn.session.head.run(follow_command(rd, job_id, pid, lines_seen[0] + 1), on_line=on_line,
+                                      stop=watch.stop)
+            if r.rc != 0 and not watch.stop.is_set():  # the follow command always exits 0 when it ends
+                lost = "the connection closed"
+        except ConnectionLost as e:
+            lost = e.message
+        if lost is None and not watch.head_lost.is_set():
+            break  # the job's process is gone (or the watch stopped following after it killed the job)
+        watch.paused.set()
+        limit = reconnect_seconds()
+        say(f"[appliance] lost the connection to the head node {head_name} ({lost or 'it stopped answering'}); "
+            f"the job goes on there without this launcher; reconnecting (for up to {limit:.0f}s)")
+        t0 = time.monotonic()
+        try:
+            new = _reconnect(cluster, hooks, say, limit)
+        except ApplianceError as e:
+            watch.fail(f"lost the connection to the head node {head_name} ({e.message}); if the node is still up "
+                       f"the job may still be running there: its output is in {out_file} on {head_name}")
+            watch.reaped = True  # nothing to reach: do not try to kill what may be a healthy job
+            return 255
+        old, conn.session, watch.session = conn.session, new, new
+        old.close()
+        watch.head_lost.clear()
+        watch.stop.clear()
+        watch.paused.clear()
+        say(f"[appliance] reconnected to {head_name} after {time.monotonic() - t0:.1f}s; the job's output follows "
+            f"from line {lines_seen[0] + 1}")
+    r = conn.session.head.run(f"cat {shlex.quote(rc_file)} 2>/dev/null", timeout=30)
+    code = r.out.strip()
+    if code.lstrip("-").isdigit():
+        return int(code)
+    if watch.failure is None:
+        watch.fail(f"the job's exit status was not recorded ({rc_file} on {head_name} is missing)")
+    return 1
 
 
 def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = None, grace: float = 10.0,
@@ -393,7 +556,8 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             # running job's working directory; the hooks may refuse the job (the run's lock in the store, committed
             # checkpoints of a fresh run), so they come before the copy too
             check_run_free(session.head, rd, spec.name)
-            ctx = JobContext(spec, cluster, session.head, rd, job_id, restore, say)
+            conn = _Connection(session)  # hooks reach the head through whichever connection is current
+            ctx = JobContext(spec, cluster, _Head(conn), rd, job_id, restore, say)
             # the working directory is the job's checkpoint directory (level 3: rank 0 syncs what the job writes in
             # it, not the code copied there)
             code_list = f"{rd}/.appliance-code-files.json"
@@ -421,7 +585,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 raise
             say(f"[appliance] job {job_id}: {cluster.world_size} rank(s) on "
                 f"{', '.join(dict.fromkeys(rank_hosts))}, NIC {nic}")
-            cmd = locked_command(rd, cmd)
+            cmd = detached_command(rd, job_id, locked_command(rd, cmd))
             watch = _Watch(cluster, session, job_id, grace, heartbeat, say)
 
             def on_line(stream: str, line: str) -> None:
@@ -460,17 +624,25 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                     host = rank_hosts[rank] if rank < len(rank_hosts) else "?"
                     progress(f"[{rank}|{host}] {clean_progress(m.group(3))}")
 
+            lines_seen = [0]  # complete lines of the job's output consumed: where to follow from after a reconnect
+
+            def counted(stream: str, line: str) -> None:
+                lines_seen[0] += 1
+                on_line(stream, line)
+
             if terminal:
-                on_line.partial = on_partial
+                counted.partial = on_partial
             wt = threading.Thread(target=watch.run, daemon=True)
             wt.start()
             for h in hooks:
                 h.started(ctx)
             launched_at = time.time()
+            out_file, rc_file, _ = job_files(rd, job_id)
             try:
-                r = session.head.run(cmd, on_line=on_line, stop=watch.stop)
-                rc = r.rc
-            except ConnectionLost:
+                pid = int(conn.session.head.run(cmd, timeout=60, check=True).out.split()[-1])
+                rc = _follow(conn, cluster, watch, hooks, say, rd, job_id, pid, counted, lines_seen, out_file,
+                             rc_file)
+            except ConnectionLost:  # before the job started (or while it was being started)
                 watch.fail(f"lost the connection to the head node {cluster.head.name}")
                 rc = 255
             except KeyboardInterrupt:
@@ -482,6 +654,8 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                 wt.join(timeout=5)
                 for h in hooks:
                     h.close()
+                if conn.session is not session:
+                    conn.session.close()
             if watch.failure and not watch.reaped:
                 watch.reap()  # leave nothing behind on the nodes that answer
             if watch.failure:
