@@ -25,7 +25,8 @@ help:
 	@echo "make install  only install (.venv with the pinned stack, Debian packages for the testbed)"
 	@echo "make bench    benchmarks: bench-train (appliance bench: throughput, scaling, launch overhead),"
 	@echo "              bench-stage (staging vs rclone/s5cmd/aws/swift), bench-ckpt (checkpoint overhead,"
-	@echo "              deadline -> commit, steps lost at lease end); results in bench/results"
+	@echo "              deadline -> commit, steps lost at lease end), bench-scale (up, stage, launch,"
+	@echo "              down on 2-16 nodes); results in bench/results"
 	@echo "make image    the GPU appliance image with diskimage-builder (docs/image.md)"
 	@echo "make clean    remove the testbed and .venv"
 
@@ -110,7 +111,12 @@ bench-train: install
 	  --out $(BENCH_TRAIN_OUT)
 	$(APPLIANCE) testbed down
 
-bench: bench-train bench-stage bench-ckpt
+# The control plane at 2, 4, 8, 16 local-cloud nodes: up, stage (full, shard), a tiny Horovod job, down, per phase;
+# the launcher's peak memory, threads, files. bench/results/scale.{json,md,png}
+bench-scale: install
+	$(PY) bench/scale_bench.py
+
+bench: bench-train bench-stage bench-ckpt bench-scale
 
 # The Heat template is generated from appliance/provision/{heat_boot,contextualize}.sh (one source of truth)
 heat-template: install

@@ -63,3 +63,20 @@ def test_objects_deleted_from_the_store_leave_the_node_unless_kept(tmp_path):
     res = stage(st, "d/", out)
     assert not (out / "b").exists() and (out / "a").exists() and res.files_removed == 1
     assert (out / "mine.txt").exists()
+
+
+def test_the_progress_line_sums_up_a_large_cluster_and_names_its_slowest_node():
+    """Issue 16 goal 4 (make bench-scale): on 16 nodes the progress line was 16 bars long, every second. Beyond a
+    few nodes it is the cluster's totals and the slowest node."""
+    from appliance.data import progress_line
+
+    def p(done, eta):
+        return {"files": done, "files_total": 4, "bytes": done << 20, "bytes_total": 4 << 20, "rate": 1 << 20,
+                "eta": eta}
+
+    few = progress_line({"n0": p(1, 3), "n1": p(2, 2)}, 2)
+    assert few.count("|") == 1 and few.startswith("[stage] n0: 1/4 files")
+    many = progress_line({f"n{i:02d}": p(3 if i != 7 else 1, 1 if i != 7 else 9) for i in range(16)}, 16)
+    assert many.count("|") == 0 and len(many) < 160, many
+    assert many.startswith("[stage] 16/16 nodes: 46/64 files 48.2 MB/67.1 MB (72%) 16.8 MB/s"), many
+    assert many.endswith("ETA 9s; slowest n07 25%"), many

@@ -28,6 +28,25 @@ def _bar(p: dict) -> str:
             f"({pct:.0f}%) {_fmt_bytes(p['rate'])}/s ETA {eta}")
 
 
+PER_NODE_BARS = 4  # up to this many nodes, one progress bar each; beyond, one line for the whole cluster
+
+
+def progress_line(progress: dict[str, dict], nodes: int) -> str:
+    """The stage's progress line: a bar per node on a few nodes; on more (a line of 16 or 64 bars is unreadable)
+    the cluster's totals and its slowest node, which is what the wait depends on."""
+    if nodes <= PER_NODE_BARS:
+        return "[stage] " + " | ".join(f"{n}: {_bar(p)}" for n, p in sorted(progress.items()))
+    agg = {k: sum(p.get(k) or 0 for p in progress.values()) for k in ("files", "files_total", "bytes", "bytes_total",
+                                                                        "rate")}
+    agg["eta"] = max((p["eta"] for p in progress.values() if p.get("eta") is not None), default=None)
+
+    def done(p: dict) -> float:
+        return p["bytes"] / p["bytes_total"] if p.get("bytes_total") else 1.0
+
+    slow_name, slow = min(progress.items(), key=lambda kv: (done(kv[1]), kv[0]))
+    return f"[stage] {len(progress)}/{nodes} nodes: {_bar(agg)}; slowest {slow_name} {100 * done(slow):.0f}%"
+
+
 def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", creds=None, concurrency: int = 16,
                   keep_names: bool = False, keep_extra: bool = False,
                   out: Callable[[str], None] | None = None) -> dict[str, dict]:
@@ -44,7 +63,7 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
         while not stop.wait(1.0):
             with lock:
                 if progress:
-                    say("[stage] " + " | ".join(f"{n}: {_bar(p)}" for n, p in sorted(progress.items())))
+                    say(progress_line(progress, len(cluster.nodes)))
 
     def run(node_index: int, remote) -> None:
         node = remote.node

@@ -108,8 +108,9 @@ def _health(base: str) -> bool:
 
 
 def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0, log=print,
-          timeout: float = 30.0) -> dict:
-    """Start the local cloud if it is not running. Idempotent."""
+          timeout: float = 30.0, hosts: int | None = None) -> dict:
+    """Start the local cloud if it is not running. Idempotent. ``hosts``: compute_local hosts in Blazar's pool
+    (default 4; the scale benchmark asks for 16)."""
     d = state_dir()
     if endpoint() and _health(endpoint()):
         return status()
@@ -122,7 +123,8 @@ def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0, 
     with open(d / "server.log", "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "appliance.localcloud.server", "--state", str(d),
                                  "--port", str(port), "--time-scale", str(time_scale),
-                                 "--boot-seconds", str(boot_seconds), "--testbed", testbed_name()],
+                                 "--boot-seconds", str(boot_seconds), "--testbed", testbed_name(),
+                                 *(["--hosts", str(hosts)] if hosts else [])],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     (d / "pid").write_text(str(proc.pid))

@@ -40,7 +40,7 @@ from urllib.parse import parse_qs, urlparse
 
 from . import admin_hooks, blazar, glance, keystone, neutron, nova, orchestration
 from .api import Request, dispatch
-from .cloud import ApiError, Cloud, _uuid
+from .cloud import DEFAULT_POOLS, ApiError, Cloud, _uuid
 
 SERVICES = {m.PREFIX: m for m in (keystone, blazar, nova, neutron, glance, orchestration, admin_hooks)}
 
@@ -112,11 +112,13 @@ class Handler(BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _handle
 
 
-def serve(state_dir: Path, port: int, time_scale: float, boot_seconds: float, testbed_name: str) -> None:
+def serve(state_dir: Path, port: int, time_scale: float, boot_seconds: float, testbed_name: str,
+          hosts: int | None = None) -> None:
     httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    pools = None if hosts is None else {**DEFAULT_POOLS, "compute_local": hosts}
     cloud = Cloud(state_dir, time_scale=time_scale, boot_seconds=boot_seconds, base_url=base,
-                  testbed_name=testbed_name)
+                  testbed_name=testbed_name, pools=pools)
     Handler.cloud = cloud
     stop = threading.Event()
 
@@ -147,8 +149,9 @@ def main(argv=None) -> None:
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--boot-seconds", type=float, default=0.0)
     ap.add_argument("--testbed", default="cloud", help="name of the testbed its servers live on")
+    ap.add_argument("--hosts", type=int, default=None, help="compute_local hosts in Blazar's pool (default 4)")
     a = ap.parse_args(argv)
-    serve(Path(a.state), a.port, a.time_scale, a.boot_seconds, a.testbed)
+    serve(Path(a.state), a.port, a.time_scale, a.boot_seconds, a.testbed, a.hosts)
 
 
 if __name__ == "__main__":
