@@ -186,3 +186,29 @@ def test_a_refused_extension_lets_the_job_run_until_the_margin(tmp_path):
     finally:
         w.close()
     assert len(cloud.verbs("extend_lease")) == 1  # asked once for that end, not at every poll
+
+
+def test_servers_are_asked_for_and_deleted_in_parallel_and_node_0_stays_the_head(tmp_path, monkeypatch):
+    """make bench-scale: up and down made one Nova request per server, one after the other (0.3-1 s each on a real
+    Nova: a minute for 64 servers). Four creates (and deletes) must be in flight at once to pass the barrier; the
+    nodes keep their order whichever answered first."""
+    site, spec = FakeSite(), spec_of(tmp_path, nodes=4)
+    c = site.cloud
+    barrier = threading.Barrier(4, timeout=10)
+    create, delete = c.create_server, c.delete_server
+
+    def slow_create(name, **kw):
+        barrier.wait()
+        return create(name, **kw)
+
+    def slow_delete(sid):
+        barrier.wait()
+        return delete(sid)
+
+    monkeypatch.setattr(c, "create_server", slow_create)
+    cl = up(site, spec)
+    assert [n.name for n in cl.nodes] == ["fk-0", "fk-1", "fk-2", "fk-3"] and cl.head.name == "fk-0"
+    assert list(find_cluster("fk").site.servers) == ["fk-0", "fk-1", "fk-2", "fk-3"]
+    monkeypatch.setattr(c, "delete_server", slow_delete)
+    removed = lifecycle.down("fk", log=lambda m: None, site=site)
+    assert sum(x.startswith("server ") for x in removed) == 4 and not c.servers

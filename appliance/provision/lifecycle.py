@@ -9,7 +9,9 @@ creates only what is missing, and `down` finds everything.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
 
@@ -142,6 +144,21 @@ def _wait_ssh(site: Site, cluster: Cluster, log) -> None:
                          "check the key pair and image; `appliance status` shows the nodes")
 
 
+SERVER_CALLS_IN_FLIGHT = 8  # Nova requests at once (create, delete): one at a time, at 0.3-1 s each on a real Nova,
+# 64 servers would take up to a minute (docs/benchmark.md, make bench-scale)
+
+
+def _fan_out(fn: Callable, items: Iterable) -> list:
+    """fn over items, SERVER_CALLS_IN_FLIGHT at a time; results in the items' order; the first error is raised
+    once every call has ended."""
+    items = list(items)
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(SERVER_CALLS_IN_FLIGHT, len(items))) as ex:
+        futs = [ex.submit(fn, x) for x in items]
+    return [f.result() for f in futs]
+
+
 def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: float | None = None, log=print,
        install: bool = False, variant: str | None = None, wheel_cache: str | None = None,
        finish_nodes: Callable | None = None, timings: dict[str, float] | None = None) -> Cluster:
@@ -196,21 +213,32 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
     cluster.lease_end = info.end.isoformat() + "Z"
     cluster.save()
     phase("lease")
-    # 2. servers: one per node, recorded as soon as it is asked for; ERROR ones are replaced
+    # 2. servers: one per node, asked for SERVER_CALLS_IN_FLIGHT at a time, each recorded as soon as it is asked
+    # for; ERROR ones are replaced
     servers = cluster.site.servers
-    for i in range(spec.nodes.count):
+    saving = threading.Lock()
+
+    def ensure(i: int) -> None:
         name = f"{spec.name}-{i}"
         sid = servers.get(name)
         if sid:
             srv = c.get_server(sid)
             if srv is not None and srv.status != "ERROR":
-                continue
+                return
             if srv is not None:
                 log(f"  {name}: replacing a server in ERROR")
                 c.delete_server(sid)
-        servers[name] = c.create_server(name, reservation_id=info.reservation_id, image=spec.image,
-                                        key_name=key.name, network=spec.network, user_data=HOSTKEYS_SCRIPT)
-        cluster.save()
+        new = c.create_server(name, reservation_id=info.reservation_id, image=spec.image, key_name=key.name,
+                              network=spec.network, user_data=HOSTKEYS_SCRIPT)
+        with saving:
+            servers[name] = new
+            cluster.save()
+
+    _fan_out(ensure, range(spec.nodes.count))
+    order = [f"{spec.name}-{i}" for i in range(spec.nodes.count)]  # node 0 is the head, whatever answered first
+    cluster.site.servers = servers = {**{n: servers[n] for n in order}, **{n: s for n, s in servers.items()
+                                                                            if n not in order}}
+    cluster.save()
     log(f"waiting for {spec.nodes.count} server(s) to boot{site.boot_note}")
     cluster.nodes = [Node(name=n, private_ip="", address=None, workdir=site.workdir, slots=spec.nodes.slots,
                           user=site.user, server_id=sid) for n, sid in servers.items()]
@@ -323,12 +351,11 @@ def down(name: str, log=print, site: Site | None = None) -> list[str]:
     cluster = load_cluster(name)
     c = (site or _site_of(cluster)).cloud
     done = []
-    for node in cluster.nodes or []:
-        if node.server_id and c.delete_server(node.server_id):
-            done.append(f"server {node.name}")
-    for sid in cluster.site.servers.values():
-        if sid not in {n.server_id for n in cluster.nodes} and c.delete_server(sid):
-            done.append(f"server {sid}")
+    targets = [(f"server {node.name}", node.server_id) for node in cluster.nodes or [] if node.server_id]
+    targets += [(f"server {sid}", sid) for sid in cluster.site.servers.values()
+                if sid not in {n.server_id for n in cluster.nodes}]
+    gone = _fan_out(lambda t: c.delete_server(t[1]), targets)
+    done += [label for (label, _), ok in zip(targets, gone) if ok]
     if cluster.site.fip_id:
         c.release_floating_ip(cluster.site.fip_id)
         done.append(f"floating IP {cluster.floating_ip}")
