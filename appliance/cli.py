@@ -559,7 +559,8 @@ def logs_cmd(run, cluster, lines, follow):
     machine that has the cluster's record:
       appliance logs RUN -f          # the last 50 lines, then follow to the job's end
       appliance logs RUN -n 0        # the whole output so far
-    Lines are as horovodrun writes them: [RANK]<stdout>:TEXT.
+    Lines are shown as `appliance train` shows them ([rank|host] text); the
+    last line says whether the job still runs, or its exit code.
     """
     from . import flows
 

@@ -404,15 +404,28 @@ def job_log(cluster: Cluster, run: str, *, job_id: str | None = None, lines: int
         if job_id is None:
             raise ApplianceError(f"no job output of run {run!r} on {cluster.head.name} (in {rd})",
                                  "check the run's name and cluster (`appliance runs`, `appliance status`)")
-        out_file, _, pid_file = (shlex.quote(f) for f in job_files(rd, job_id))
+        out_file, rc_file, pid_file = (shlex.quote(f) for f in job_files(rd, job_id))
         cmd = f"tail -n {f'-{lines}' if lines > 0 else '+1'} {out_file}"
         if follow:  # without a PID file (a job from before jobs recorded it): what is there
             cmd = (f"if [ -s {pid_file} ]; then {follow_command(rd, job_id, f'$(cat {pid_file})', -lines or 1)}; "
                    f"else {cmd}; fi")
-        r = session.head.run(cmd, on_line=lambda stream, line: out(line))
+        hosts = cluster.rank_hosts()
+
+        def show(stream: str, line: str) -> None:  # as `appliance train` shows them: [rank|host] text
+            m = RANK_LINE.match(line)
+            if m is None:
+                out(f"[horovodrun] {line}")
+            elif parse(m.group(3), (Line.RANK_EXIT,)) is None:
+                rank = int(m.group(1))
+                out(f"[{rank}|{hosts[rank] if rank < len(hosts) else '?'}] {m.group(3)}")
+
+        r = session.head.run(cmd, on_line=show)
         if r.rc != 0:
             raise ApplianceError(f"cannot read the output of job {job_id} on {cluster.head.name}: "
                                  f"{r.err.strip()[-200:]}")
+        st = session.head.run(f"cat {rc_file} 2>/dev/null || echo running", timeout=30).out.strip()
+        out(f"[appliance] job {job_id} on {cluster.head.name}: "
+            + ("still running" if st == "running" else f"ended with exit code {st}"))
     return job_id
 
 
