@@ -2,6 +2,7 @@
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +141,38 @@ def test_a_stop_whose_deadline_has_passed_still_waits_for_its_upload():
         assert ck._wait_stop_commit() is True
     finally:
         t.cancel()
+
+
+def test_a_job_the_launcher_lost_keeps_its_lock_and_credentials_and_is_not_ended(tmp_path, monkeypatch):
+    """Issue 14 item 3: a job now outlives its launcher's connection. A launcher that gave up reconnecting must not
+    release the run's lock or delete the job's credentials file (the job may still be committing checkpoints), and
+    its record says "lost", which `appliance resume` does not take for an ended job."""
+    from appliance.checkpoint import runs
+    from appliance.checkpoint.job import JobCheckpoints, job_ended_here
+    from appliance.cluster import Cluster, Node
+    from appliance.remote import LocalRemote
+    from appliance.spec import load_spec
+    from appliance.store.runlock import LOCK
+    from appliance.train.launch import JobContext
+    from conftest import write_spec
+
+    monkeypatch.setenv("APPLIANCE_HOME", str(tmp_path / "home"))
+    store = tmp_path / "store"
+    spec = load_spec(write_spec(tmp_path, "python x.py", code=tmp_path, name="lost",
+                                extra=f"checkpoint: {{url: 'file://{store}/', every_steps: 5}}\n"))
+    node = Node("local", "127.0.0.1", None, str(tmp_path / "work"))
+    cl = Cluster(name="", cloud="testbed", nodes=[node])
+    for abandoned in (True, False):
+        ctx = JobContext(spec, cl, LocalRemote(node), str(tmp_path / "run"), f"job-{abandoned}", None,
+                         lambda m: None)
+        jc = JobCheckpoints()
+        jc.prepare(ctx)
+        assert (store / "lost" / LOCK).exists()
+        ctx.abandoned = abandoned
+        jc.close()
+        assert (store / "lost" / LOCK).exists() == abandoned
+        assert (jc.creds_file is None) or (Path(jc.creds_file).exists() == abandoned)
+        (store / "lost" / LOCK).unlink(missing_ok=True)
+    runs.save({"run": "lost", "status": "lost", "jobs": [{"job_id": "j1", "status": "lost"},
+                                                          {"job_id": "j2", "status": "failed"}]})
+    assert not job_ended_here("lost", "j1") and job_ended_here("lost", "j2")

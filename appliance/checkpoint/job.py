@@ -54,6 +54,7 @@ class JobCheckpoints(JobHooks):
         self.launched_at: float | None = None
         self.stop_requested: dict | None = None
         self.watch = None
+        self.ctx: JobContext | None = None
         self._old_sigterm = None
         self._lock = threading.Lock()
 
@@ -62,6 +63,7 @@ class JobCheckpoints(JobHooks):
         step 0, so the run must not have committed checkpoints already: its own would sort (by step) behind them
         and be pruned as soon as they were committed."""
         self.spec, self.cluster, self.head, self.run_dir, self.say = ctx.spec, ctx.cluster, ctx.head, ctx.run_dir, ctx.say
+        self.ctx = ctx
         self.stop_file = f"{ctx.run_dir}/STOP"
         fresh = ctx.restore is None
         spec, ck = self.spec, self.spec.checkpoint
@@ -241,6 +243,16 @@ class JobCheckpoints(JobHooks):
     def close(self) -> None:
         if self.watch is not None:
             self.watch.close()
+        if self.ctx is not None and self.ctx.abandoned:  # the job may still run: it keeps its credentials and lock
+            if self.lock is not None:
+                self._beat_stop.set()
+                self.say(f"[appliance] the run's lock in {self.spec.checkpoint.url} stays: no other job takes the "
+                         f"run until {self.lock.ttl:.0f}s after this launcher's last heartbeat (and none on "
+                         f"{self.head.node.name} while the job holds the run directory there)")
+                self.lock = None
+            if self._old_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+            return
         if self.lock is not None:
             self._beat_stop.set()
             try:
@@ -337,7 +349,7 @@ def job_ended_here(run: str, job_id: str) -> bool:
     """This machine's run record says the job has ended (any status but running)."""
     from . import runs
 
-    return any(j.get("job_id") == job_id and j.get("status") not in (None, "running")
+    return any(j.get("job_id") == job_id and j.get("status") not in (None, "running", "lost")
                for j in (runs.load(run) or {}).get("jobs", []))
 
 

@@ -82,7 +82,9 @@ def job_ended(spec: Spec, cluster: Cluster, res) -> dict:
     ended = time.time()
     nodes = len(cluster.nodes)
     used = res.wall_s * nodes
-    if res.stopped:
+    if getattr(res, "abandoned", False):  # the launcher lost the head and gave up; the job may still run there
+        status = "lost"
+    elif res.stopped:
         status = "stopped" if res.stopped.get("committed") else "failed"
         rec["step"] = res.stopped["step"]
     elif res.exit_code == 0:

@@ -82,6 +82,7 @@ class JobResult:
     # "resumed" (rank 0 restored the checkpoint), "first_step" (rank 0's first step done); hooks fill the last two
     timeline: dict[str, float] = field(default_factory=dict)
     resume_breakdown: dict | None = None  # `appliance resume`: seconds of each part of the downtime (flows.resume)
+    abandoned: bool = False  # the launcher lost the head node and gave up: the job may still be running there
 
     @property
     def hostnames(self) -> list[str]:
@@ -100,6 +101,9 @@ class JobContext:
     restore: str | None  # the checkpoint directory the ranks resume from (None: a fresh start; "": a resume with
     # no checkpoint, only the synced working directory, level 3)
     say: Callable[[str], None]
+    # set before the hooks close when the launcher lost the head node and gave up: the job may still be running
+    # there, so what it needs (its credentials file, the run's lock) must stay
+    abandoned: bool = False
 
 
 class JobHooks:
@@ -207,6 +211,7 @@ class _Watch:
         self.dead_nodes: set[str] = set()
         self.stop = threading.Event()  # set to abandon the head channel
         self.head_lost = threading.Event()  # the head stopped answering: the launcher reconnects (the job goes on)
+        self.abandoned = False  # the launcher gave up reconnecting: the job may still be running
         self.paused = threading.Event()  # set while reconnecting: no liveness verdicts then
         self.done = threading.Event()
         self.reaped = False
@@ -504,6 +509,7 @@ def _follow(conn: _Connection, cluster: Cluster, watch: _Watch, hooks, say: Call
             watch.fail(f"lost the connection to the head node {head_name} ({e.message}); if the node is still up "
                        f"the job may still be running there: its output is in {out_file} on {head_name}")
             watch.reaped = True  # nothing to reach: do not try to kill what may be a healthy job
+            watch.abandoned = True
             return 255
         old, conn.session, watch.session = conn.session, new, new
         old.close()
@@ -665,6 +671,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             finally:
                 watch.done.set()
                 wt.join(timeout=5)
+                ctx.abandoned = watch.abandoned
                 for h in hooks:
                     h.close()
                 if conn.session is not session:
@@ -686,7 +693,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             res = JobResult(job_id=job_id, exit_code=rc, world_size=cluster.world_size, rank_hosts=rank_hosts,
                             results=results, failure=watch.failure, wall_s=wall, log_path=str(log_path),
                             run=spec.name, cluster_cloud=cluster.cloud, started_at=time.time() - wall,
-                            timeline={"launched": launched_at})
+                            timeline={"launched": launched_at}, abandoned=watch.abandoned)
             for h in hooks:
                 h.finish(res)
             rc = res.exit_code
