@@ -463,6 +463,10 @@ class _Head(Remote):
         return self._conn.session.head.run(command, **kw)
 
 
+class _NodesGone(ApplianceError):
+    """The head cannot be reached because the lease ended: the job is gone with its nodes."""
+
+
 def _reconnect(cluster: Cluster, hooks, say: Callable[[str], None], limit: float) -> Session:
     """A new session with the cluster, tried until ``limit`` seconds have passed or a hook says the nodes are gone."""
     t0 = time.monotonic()
@@ -474,7 +478,7 @@ def _reconnect(cluster: Cluster, hooks, say: Callable[[str], None], limit: float
             raise
         except ApplianceError as e:
             if any(h.gone() for h in hooks):
-                raise ApplianceError(f"{e.message}; the lease has ended") from None
+                raise _NodesGone(f"{e.message}; the lease has ended") from None
             if time.monotonic() - t0 + delay > limit:
                 raise ApplianceError(f"{e.message}; gave up after {limit:.0f}s") from None
             say(f"[appliance] the head node does not answer yet ({e.message}); trying again in {delay:.0f}s")
@@ -505,6 +509,10 @@ def _follow(conn: _Connection, cluster: Cluster, watch: _Watch, hooks, say: Call
         t0 = time.monotonic()
         try:
             new = _reconnect(cluster, hooks, say, limit)
+        except _NodesGone as e:  # the job ended with its nodes: nothing of it is left to keep
+            watch.fail(f"lost the connection to the head node {head_name} ({e.message})")
+            watch.reaped = True
+            return 255
         except ApplianceError as e:
             watch.fail(f"lost the connection to the head node {head_name} ({e.message}); if the node is still up "
                        f"the job may still be running there: its output is in {out_file} on {head_name}")
