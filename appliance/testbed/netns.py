@@ -610,32 +610,32 @@ def status(name: str = "tb") -> dict:
             "reason": tb.reason, "nodes": nodes}
 
 
-def kill_node(name: str, node: str) -> int:
-    """Kill every process of one node (its sshd and whatever runs in it): the node 'dies'.
-
-    Returns how many processes were killed.
-    """
-    tb = load(name)
-    if tb is None:
-        raise ApplianceError(f"testbed {name} is not up", "run `appliance testbed up` first")
-    for n in tb.nodes:
-        if n.name == node and n.netns:
-            pids = _netns_pids(n.netns)
-            _kill_pids(pids)
-            return len(pids)
-    raise ApplianceError(f"testbed {name} has no node {node!r}", "see `appliance testbed status`")
-
-
-def cut_connections(name: str, node: str, peer: str | None = None) -> int:
-    """Cut the SSH connections that ``peer`` (default: this machine, the launcher) has open to one node, as a
-    network outage or a laptop put to sleep would: the sshd processes serving them are killed, the node and
-    everything else on it keep running. Returns how many processes were killed."""
+def _netns_node(name: str, node: str) -> tuple[Testbed, TestbedNode]:
+    """The testbed and its namespaced node ``node``, or a one-line error."""
     tb = load(name)
     if tb is None:
         raise ApplianceError(f"testbed {name} is not up", "run `appliance testbed up` first")
     n = next((x for x in tb.nodes if x.name == node and x.netns), None)
     if n is None:
         raise ApplianceError(f"testbed {name} has no node {node!r}", "see `appliance testbed status`")
+    return tb, n
+
+
+def kill_node(name: str, node: str) -> int:
+    """Kill every process of one node (its sshd and whatever runs in it): the node 'dies'.
+
+    Returns how many processes were killed.
+    """
+    pids = _netns_pids(_netns_node(name, node)[1].netns)
+    _kill_pids(pids)
+    return len(pids)
+
+
+def cut_connections(name: str, node: str, peer: str | None = None) -> int:
+    """Cut the SSH connections that ``peer`` (default: this machine, the launcher) has open to one node, as a
+    network outage or a laptop put to sleep would: the sshd processes serving them are killed, the node and
+    everything else on it keep running. Returns how many processes were killed."""
+    tb, n = _netns_node(name, node)
     peer = peer or tb.host_ip
     out = _run("ip", "netns", "exec", n.netns, "ss", "-tnpH", "state", "established", "( sport = :22 )").stdout
     pids = sorted({int(m) for line in out.splitlines() if line.split()[3].rsplit(":", 1)[0] == peer

@@ -50,6 +50,11 @@ COLLATERAL = re.compile(r"Horovod has been shut down|HorovodInternalError|Connec
                         r"Connection reset by peer|Broken pipe|gloo/transport|Read error \[")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+
+def who(rank: int, rank_hosts: list[str]) -> str:
+    """How a rank's output lines are prefixed: ``[rank|host]``."""
+    return f"[{rank}|{rank_hosts[rank] if rank < len(rank_hosts) else '?'}]"
+
 REAP_SCRIPT = r"""
 id="$1"
 for d in /proc/[0-9]*; do
@@ -422,7 +427,7 @@ def job_log(cluster: Cluster, run: str, *, job_id: str | None = None, lines: int
                 out(f"[horovodrun] {line}")
             elif parse(m.group(3), (Line.RANK_EXIT,)) is None:
                 rank = int(m.group(1))
-                out(f"[{rank}|{hosts[rank] if rank < len(hosts) else '?'}] {m.group(3)}")
+                out(f"{who(rank, hosts)} {m.group(3)}")
 
         r = session.head.run(cmd, on_line=show)
         if r.rc != 0:
@@ -509,15 +514,13 @@ def _follow(conn: _Connection, cluster: Cluster, watch: _Watch, hooks, say: Call
         t0 = time.monotonic()
         try:
             new = _reconnect(cluster, hooks, say, limit)
-        except _NodesGone as e:  # the job ended with its nodes: nothing of it is left to keep
-            watch.fail(f"lost the connection to the head node {head_name} ({e.message})")
-            watch.reaped = True
-            return 255
         except ApplianceError as e:
-            watch.fail(f"lost the connection to the head node {head_name} ({e.message}); if the node is still up "
-                       f"the job may still be running there: its output is in {out_file} on {head_name}")
-            watch.reaped = True  # nothing to reach: do not try to kill what may be a healthy job
-            watch.abandoned = True
+            # _NodesGone: the job ended with its nodes, nothing of it is left to keep; otherwise it may still run
+            watch.abandoned = not isinstance(e, _NodesGone)
+            watch.fail(f"lost the connection to the head node {head_name} ({e.message})"
+                       + (f"; if the node is still up the job may still be running there: its output is in "
+                          f"{out_file} on {head_name}" if watch.abandoned else ""))
+            watch.reaped = True  # nothing to reach (and nothing to kill in what may be a healthy job)
             return 255
         old, conn.session, watch.session = conn.session, new, new
         old.close()
@@ -623,9 +626,8 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                         text = clean_progress(text)
                     i = text.find("APPLIANCE_")
                     if i > 0 and not text[i - 1].isspace():  # a protocol line printed while a progress bar was open
-                        say(f"[{rank}|{rank_hosts[rank] if rank < len(rank_hosts) else '?'}] {text[:i]}")
+                        say(f"{who(rank, rank_hosts)} {text[:i]}")
                         text = text[i:]
-                    host = rank_hosts[rank] if rank < len(rank_hosts) else "?"
                     x = parse(text, (Line.RANK_EXIT,))
                     if x and x[1].lstrip("-").isdigit():
                         watch.own_exit(rank, int(x[1]))
@@ -637,7 +639,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
                     r = parse(text, (Line.RESULT,))
                     if r and isinstance(r[1], dict):
                         results[rank] = r[1]
-                    say(f"[{rank}|{host}] {text}")
+                    say(f"{who(rank, rank_hosts)} {text}")
                     return
                 e = EXIT_LINE.match(line)
                 if e and int(e.group(2)) != 0:
@@ -647,9 +649,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             def on_partial(stream: str, fragment: str) -> None:
                 m = RANK_LINE.match(fragment)
                 if m:
-                    rank = int(m.group(1))
-                    host = rank_hosts[rank] if rank < len(rank_hosts) else "?"
-                    progress(f"[{rank}|{host}] {clean_progress(m.group(3))}")
+                    progress(f"{who(int(m.group(1)), rank_hosts)} {clean_progress(m.group(3))}")
 
             lines_seen = [0]  # complete lines of the job's output consumed: where to follow from after a reconnect
 
