@@ -78,6 +78,12 @@ class Line:
 _TEXT = {Line.NOTE, Line.RANK_EXIT}  # kinds whose body is plain text
 
 
+def job_files(rd: str, job_id: str) -> tuple[str, str, str]:
+    """The detached job's files on the head node (in its run directory ``rd``): its output (stdout and stderr, in
+    order), its exit status (written when it ends), the PID of the process that lives as long as the job."""
+    return f"{rd}/{job_id}.out", f"{rd}/{job_id}.rc", f"{rd}/{job_id}.pid"
+
+
 def format_line(kind: str, body) -> str:
     return f"{kind} {body}" if kind in _TEXT else f"{kind} {json.dumps(body, sort_keys=True)}"
 

@@ -59,6 +59,24 @@ class FakeCloud:
     def now(self) -> dt.datetime:
         return self.clock
 
+    app_creds: dict = field(default_factory=dict)
+
+    def identity_url(self) -> str:
+        return "http://keystone.invalid/v3"
+
+    def region_name(self) -> str:
+        return "CHI@fake"
+
+    def create_app_cred(self, name, *, expires_at, description=""):
+        self._call("create_app_cred", name, expires_at)
+        cred = {"id": self._id("ac"), "name": name, "secret": "s3cret", "expires_at": expires_at}
+        self.app_creds[cred["id"]] = cred
+        return cred
+
+    def delete_app_cred(self, cred_id) -> bool:
+        self._call("delete_app_cred", cred_id)
+        return self.app_creds.pop(cred_id, None) is not None
+
     @_effect
     def create_lease(self, name, node_type, count, duration, *, start=None, floating_ip=False):
         self._call("create_lease", name, node_type, count)

@@ -22,6 +22,8 @@ from appliance.checkpoint.resume import choose_checkpoint, find_spec
 from appliance.flows import resume
 from appliance.store.checkpoints import CheckpointStore
 from appliance.cluster import Cluster
+from appliance.errors import ApplianceError
+from appliance.sites.local import LocalSite
 from appliance.store.objects import StoreCreds
 from appliance import flows, sites
 from appliance.spec import load_spec
@@ -255,6 +257,17 @@ def use_store(monkeypatch, server) -> None:
     monkeypatch.setenv("ST_KEY", server.key)
 
 
+def every_checkpoint_commits(tmp_path, run: str, cluster, reference) -> tuple[Lines, list[str]]:
+    """The digits job on swift://ckpts/: it ends as the reference does and no checkpoint failed to commit."""
+    out = Lines()
+    res = train(load_spec(digits_spec(tmp_path, run, url="swift://ckpts/")), cluster, out=out)
+    assert res.exit_code == 0, res.failure
+    assert sha(res) == reference
+    said = [x for x in out.lines if "checkpoint" in x]
+    assert not [x for x in said if "NOT committed" in x], said
+    return out, said
+
+
 def test_checkpoints_keep_committing_after_the_store_token_expires(cluster2, tb2, reference, tmp_path, monkeypatch):
     """Issue 12 item 2: rank 0 got one token; when the store refused it as expired (401), no checkpoint committed
     again and the lease-end stop failed. Here a real Ceph RGW whose Swift tokens live 2 s (Chameleon's live a
@@ -265,12 +278,7 @@ def test_checkpoints_keep_committing_after_the_store_token_expires(cluster2, tb2
     rgw = RGWServer(tmp_path / "rgw", bind_ip=tb2.host_ip, token_seconds=2).start()
     try:
         use_store(monkeypatch, rgw)
-        out = Lines()
-        res = train(load_spec(digits_spec(tmp_path, "cktoken", url="swift://ckpts/")), cluster2, out=out)
-        assert res.exit_code == 0, res.failure
-        assert sha(res) == reference
-        said = [x for x in out.lines if "checkpoint" in x]
-        assert not [x for x in said if "NOT committed" in x], said
+        out, said = every_checkpoint_commits(tmp_path, "cktoken", cluster2, reference)
         # the last is committed (a periodic save that comes while the previous upload is still going is skipped
         # by design, so the one before it depends on the machine's speed)
         assert [c.step for c in store_for(rgw, "cktoken").committed()][0] == 88, said
@@ -295,12 +303,18 @@ def test_an_expired_bare_token_is_said_at_each_commit_and_never_retried(cluster2
         storage_url, token = swiftclient.get_auth(self.auth_url, self.user, self.key)
         return StoreCreds(storage_url=storage_url, token=token)
 
+    class RefusingKeystone:  # a restricted application credential in OS_CLOUD may not make another
+        def create_app_cred(self, *a, **k):
+            raise ApplianceError("Keystone refused an application credential (403: restricted)", "")
+
     monkeypatch.setattr(StoreCreds, "scoped", token_only)
+    monkeypatch.setattr(LocalSite, "connect", lambda self: RefusingKeystone())
     try:
         use_store(monkeypatch, rgw)
         out = Lines()
         res = train(load_spec(digits_spec(tmp_path, "ckbare", url="swift://ckpts/")), cluster2, out=out)
         assert res.exit_code == 0, res.failure
+        assert len([x for x in out.lines if "no application credential for the nodes" in x]) == 1
         refused = [x for x in out.lines if "NOT committed" in x]
         assert refused and all("the token may have expired" in x and "renewable" in x for x in refused), refused
         assert not out.has("retrying in")
@@ -309,6 +323,43 @@ def test_an_expired_bare_token_is_said_at_each_commit_and_never_retried(cluster2
 
 
 @pytest.mark.slow
+def test_a_job_with_only_keystone_credentials_keeps_committing_as_its_tokens_expire(cloud, cluster2, reference,
+                                                                                   tmp_path, monkeypatch):
+    """Issue 12 item 2 on the path most Chameleon users take: OS_CLOUD only and a swift:// URL. The nodes got one
+    Keystone token; Chameleon's Keystone refuses it after a day and no checkpoint committed after that (a week-long
+    lease lost six days). Here the local cloud's Keystone issues tokens that live 3 s and its Ceph RGW validates
+    each token with Keystone, as Chameleon's does: the job's own application credential gets rank 0 a new token
+    whenever the store refuses the old one, every checkpoint commits, and the credential is deleted at the end."""
+    for var in ("ST_AUTH", "ST_USER", "ST_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    site = sites.open_site("local", log=lambda m: None)
+    creds = site.store_creds()
+    assert creds.token and not creds.user  # the Keystone path, not the store's own v1 user
+    localcloud.admin("POST", "/tokens", {"seconds": 3})
+    localcloud.admin("DELETE", "/requests")
+    try:
+        out, said = every_checkpoint_commits(tmp_path, "ckkeystone", cluster2, reference)
+        assert not out.has("no application credential")
+        store = CheckpointStore("swift://ckpts/", "ckkeystone", site.store_creds())
+        assert [c.step for c in store.committed()][0] == 88, said
+    finally:
+        localcloud.admin("POST", "/tokens", {"seconds": 86400})
+    reqs = localcloud.admin("GET", "/requests")["requests"]
+    by_app_cred = [r for r in reqs if r["method"] == "POST" and r["path"].endswith("/auth/tokens")
+                   and "application_credential" in ((r["body"] or {}).get("auth", {}).get("identity", {})
+                                                    .get("methods") or [])
+                   and r["body"]["auth"]["identity"]["application_credential"].get("id") != _own_app_cred()]
+    assert len(by_app_cred) >= 2, "rank 0 never renewed its token"
+    assert any(r["method"] == "GET" and r["path"].endswith("/auth/tokens") for r in reqs)  # the RGW validated
+    conn = site.cloud.conn
+    left = conn.session.get(f"{site.cloud.identity_url()}/users/{conn.current_user_id}/application_credentials").json()
+    assert left["application_credentials"] == []
+
+
+def _own_app_cred() -> str:
+    return json.loads((localcloud.state_dir() / "credentials.json").read_text())["app_cred_id"]
+
+
 def test_resume_on_another_world_size_reports_the_rescaling(cluster2, swift, st_env, tmp_path):
     # continues the run the previous test left stopped at its step-20 commit, on one node instead of two
     one = Cluster(name="pt-one", cloud="testbed", nodes=[cluster2.nodes[0]], key_file=cluster2.key_file,

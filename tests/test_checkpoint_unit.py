@@ -176,3 +176,90 @@ def test_a_job_the_launcher_lost_keeps_its_lock_and_credentials_and_is_not_ended
     runs.save({"run": "lost", "status": "lost", "jobs": [{"job_id": "j1", "status": "lost"},
                                                           {"job_id": "j2", "status": "failed"}]})
     assert not job_ended_here("lost", "j1") and job_ended_here("lost", "j2")
+
+
+def test_the_head_node_renews_the_run_lock_while_a_job_without_its_launcher_runs(tmp_path, monkeypatch):
+    """Issue 14 item 3, what was left: the store lock on a run was renewed only by the launcher, so once a launcher
+    gave up (the job running on without it) the lock expired after its ttl and `appliance resume --cluster OTHER`
+    could start a second job of the run beside the first. Now the head node renews it (node/lockbeat.py, started
+    detached beside the job) while the job's process lives, and releases it when the job ends."""
+    import json
+    import subprocess
+    import time
+
+    from appliance.checkpoint.job import JobCheckpoints
+    from appliance.cluster import Cluster, Node
+    from appliance.remote import LocalRemote
+    from appliance.spec import load_spec
+    from appliance.store.runlock import LOCK
+    from appliance.train.launch import JobContext
+    from conftest import write_spec
+
+    monkeypatch.setenv("APPLIANCE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("APPLIANCE_RUN_LOCK_INTERVAL", "0.2")
+    monkeypatch.setenv("APPLIANCE_RUN_LOCK_TTL", "3")
+    store = tmp_path / "store"
+    spec = load_spec(write_spec(tmp_path, "python x.py", code=tmp_path, name="beat",
+                                extra=f"checkpoint: {{url: 'file://{store}/', every_steps: 5}}\n"))
+    node = Node("local", "127.0.0.1", None, str(tmp_path / "work"))
+    cl = Cluster(name="", cloud="testbed", nodes=[node])
+    rd = tmp_path / "run"
+    ctx = JobContext(spec, cl, LocalRemote(node), str(rd), "job-1", None, lambda m: None)
+    jc = JobCheckpoints()
+    jc.prepare(ctx)
+    job = subprocess.Popen(["sleep", "120"])  # the detached job's process, as its PID file names it
+    lock = store / "beat" / LOCK
+
+    def until(cond, what):
+        deadline = time.monotonic() + 20
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)  # polling the store for the beat's effect (another process writes it)
+
+    try:
+        (rd / "job-1.pid").write_text(str(job.pid))
+        jc.started(ctx)
+        ctx.abandoned = True  # the launcher gives up: its own heartbeat stops
+        jc.close()
+        def held() -> dict:  # the lock as another process writes it (a read may meet a write)
+            try:
+                return json.loads(lock.read_text())
+            except (OSError, ValueError):
+                return {}
+
+        beat = held()["heartbeat"]
+        until(lambda: held().get("heartbeat", 0) > beat + 0.3,
+              "nobody renews the lock of a running job whose launcher is gone")
+        assert held()["job_id"] == "job-1"
+    finally:
+        job.kill()
+        job.wait()
+    until(lambda: not lock.exists(), "the lock outlived the job")  # released when the job's process is gone
+    assert "heartbeat(s)" in (rd / "job-1.lockbeat").read_text()
+
+
+def test_the_head_nodes_beat_never_renews_or_releases_another_jobs_lock(tmp_path):
+    """A lock another job took over (this job's launcher was gone past the ttl) is that job's: the beat leaves it."""
+    import json
+
+    from appliance.node.lockbeat import beat
+    from appliance.store.checkpoints import open_run
+    from appliance.store.runlock import LOCK, RunLock
+
+    cs = open_run(f"file://{tmp_path}/store/", "r", None)
+    other = RunLock(cs, "job-2", cluster="b", head="h2", interval=0.01, ttl=60)
+    assert other.acquire(tmp_path)[0] is None
+    before = json.loads((tmp_path / "store" / "r" / LOCK).read_text())
+    mine = RunLock(cs, "job-1", cluster="a", head="h1", interval=0.01, ttl=60)
+    rd = tmp_path / "run"
+    rd.mkdir()
+    (rd / "job-1.pid").write_text(str(__import__("os").getpid()))  # "running" for three rounds, then it ends
+    rounds = []
+
+    def wait(_):
+        rounds.append(1)
+        if len(rounds) == 3:
+            (rd / "job-1.rc").write_text("0")
+
+    assert beat(mine, str(rd), "job-1", wait=wait) == 0
+    assert len(rounds) == 3 and json.loads((tmp_path / "store" / "r" / LOCK).read_text()) == before

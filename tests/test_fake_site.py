@@ -13,7 +13,7 @@ from appliance.errors import ApplianceError
 from appliance.provision import lifecycle
 from appliance.sites import load_spec
 from conftest import write_spec
-from fakes import FakeSite, fault, no_nodes
+from fakes import FakeCloud, FakeSite, fault, no_nodes
 
 
 def spec_of(tmp_path, name="fk", nodes=2, lease="lease: {duration: 2h}\n"):
@@ -212,3 +212,83 @@ def test_servers_are_asked_for_and_deleted_in_parallel_and_node_0_stays_the_head
     monkeypatch.setattr(c, "delete_server", slow_delete)
     removed = lifecycle.down("fk", log=lambda m: None, site=site)
     assert sum(x.startswith("server ") for x in removed) == 4 and not c.servers
+
+
+def test_a_swift_job_on_keystone_gets_its_own_application_credential(monkeypatch):
+    """Issue 12 item 2: with OS_CLOUD only, a swift:// job's nodes got one Keystone token, which Chameleon's
+    Keystone refuses after a day: every later checkpoint failed to commit. Now the nodes get an application
+    credential of the job's own (renewable tokens), expiring a week after the lease end, withdrawn at the job's
+    end. Store credentials that renew themselves (Swift v1, S3 keys) go as they are; a Keystone that will not make
+    one leaves the token, said once with the fix."""
+    for var in ("ST_AUTH", "ST_USER", "ST_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    cloud = FakeCloud()
+    site = FakeSite(cloud)
+    end = dt.datetime(2026, 11, 30, 12, 0)
+    node, withdraw = site.job_store_creds("swift://ckpts/", name="appliance-r-j1", lease_end=end)
+    assert node.app_cred and node.app_cred_secret == "s3cret" and node.region == "CHI@fake"
+    assert not node.token and not node.storage_url and node.redacted()["app_cred_secret"] == "***"
+    [(name, expires)] = cloud.verbs("create_app_cred")
+    assert name.startswith("appliance-r-j1-") and expires == end + dt.timedelta(days=7)
+    assert node.scoped("swift://ckpts/").app_cred  # what goes to the head node keeps it
+    withdraw()
+    assert cloud.verbs("delete_app_cred") == [(node.app_cred_id,)] and not cloud.app_creds
+
+    said = []
+    cloud.faults["create_app_cred"] = fault("Keystone refused an application credential (403: restricted)")
+    node, withdraw = site.job_store_creds("swift://ckpts/", name="x", lease_end=None, say=said.append)
+    assert node.token == "t" and withdraw is None
+    assert len(said) == 1 and "403" in said[0] and "after a day" in said[0]
+
+    n = len(cloud.verbs("create_app_cred"))
+    assert site.job_store_creds("s3://ckpts/", name="x", lease_end=None)[1] is None
+    monkeypatch.setenv("ST_AUTH", "http://store.invalid/auth/v1.0")
+    monkeypatch.setenv("ST_USER", "u")
+    monkeypatch.setenv("ST_KEY", "k")
+    node, withdraw = site.job_store_creds("swift://ckpts/", name="x", lease_end=None)
+    assert (node.user, node.key, withdraw) == ("u", "k", None)
+    assert len(cloud.verbs("create_app_cred")) == n
+
+
+def test_a_swift_store_with_an_application_credential_renews_its_token_on_a_401(monkeypatch):
+    """The node side of it: SwiftStore talks to Swift through swiftclient with a keystoneauth session on the
+    application credential; the store's 401 invalidates the session's token and the request goes again with a
+    new one (swiftclient/client.py Connection._retry)."""
+    import swiftclient
+
+    from appliance.store.objects import StoreCreds, SwiftStore
+
+    tokens = iter(["tok-1", "tok-2"])
+    got = []
+
+    class Auth:  # the keystoneauth plugin's surface the session uses
+        def __init__(self, **kw):
+            self.kw, self.tok = kw, None
+
+        def get_token(self, session, **kw):
+            self.tok = self.tok or next(tokens)
+            return self.tok
+
+        def invalidate(self):
+            self.tok = None
+            return True
+
+        def get_endpoint(self, session, **kw):
+            return "http://store.invalid/swift/v1/AUTH_p"
+
+        def get_headers(self, session, **kw):
+            return {"X-Auth-Token": self.get_token(session)}
+
+    monkeypatch.setattr("keystoneauth1.identity.v3.ApplicationCredential", Auth)
+
+    def head_container(url, token, container, **kw):
+        got.append(token)
+        if token == "tok-1":
+            raise swiftclient.ClientException("expired", http_status=401)
+        return {"x-container-object-count": "0"}
+
+    monkeypatch.setattr(swiftclient.client, "head_container", head_container)
+    st = SwiftStore("ckpts", StoreCreds(keystone_url="http://keystone.invalid/v3", app_cred_id="i",
+                                        app_cred_secret="s", region="CHI@fake"))
+    assert st._call(st.conn().head_container, "ckpts")["x-container-object-count"] == "0"
+    assert got == ["tok-1", "tok-2"] and st._renewable()

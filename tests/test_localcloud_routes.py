@@ -39,9 +39,10 @@ def api(tmp_path):
     t.start()
     base = f"http://127.0.0.1:{httpd.server_address[1]}"
 
-    def call(method, path, body=None, token=None):
+    def call(method, path, body=None, token=None, headers=None):
         req = urllib.request.Request(base + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **({"X-Auth-Token": token} if token else {})})
+                                     headers={"Content-Type": "application/json", **({"X-Auth-Token": token} if token else {}),
+                                              **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
                 return r.status, json.loads(r.read() or b"null"), dict(r.headers)
@@ -133,3 +134,67 @@ def test_lease_names_may_repeat_and_glance_serves_its_image_schemas(api):
     assert st == 200 and coll["properties"]["images"]["items"] == schema
     st, imgs, _ = call("GET", "/image/v2/images", token=tok)
     assert all(i["schema"] == "/v2/schemas/image" and i["self"] == f"/v2/images/{i['id']}" for i in imgs["images"])
+
+
+def test_keystone_validates_tokens_for_the_store_as_keystone_does(api):
+    """The local RGW validates every Keystone token with Keystone (GET /v3/auth/tokens, X-Subject-Token) as the
+    service user ceph_rgw, as Chameleon's RGW does. Keystone answers 404 for a token that expired, for one whose
+    application credential was deleted, and for one whose credential has access rules when the caller did not send
+    OpenStack-Identity-Access-Rules (keystone/token/provider.py _validate_token_access_rules; RGW 16 never sends
+    it). Before: GET /v3/auth/tokens answered 200 {} for any valid caller and checked no subject at all."""
+    call, creds = api
+    user_tok = token(call, creds)
+    svc = creds["services"]["ceph_rgw"]
+    st, body, hdrs = call("POST", "/identity/v3/auth/tokens", {"auth": {"identity": {
+        "methods": ["password"], "password": {"user": {"name": "ceph_rgw", "password": svc,
+                                                       "domain": {"name": "Default"}}}}}})
+    assert st == 201 and {r["name"] for r in body["token"]["roles"]} >= {"admin"}
+    rgw = hdrs["X-Subject-Token"]
+
+    def validate(subject, caller=rgw, **h):
+        return call("GET", "/identity/v3/auth/tokens", token=caller, headers={"X-Subject-Token": subject, **h})
+
+    st, body, _ = validate(user_tok)
+    assert st == 200 and body["token"]["project"]["id"] == creds["project_id"]
+    assert {r["name"] for r in body["token"]["roles"]} == {"member"}
+    assert validate("gAAAAnot-a-token")[0] == 404
+    assert validate(rgw, caller=user_tok)[0] == 403  # a user may not validate someone else's token
+
+    uid = creds["user_id"]
+    acs = f"/identity/v3/users/{uid}/application_credentials"
+    plain = call("POST", acs, {"application_credential": {"name": "job"}}, token=user_tok)[1]["application_credential"]
+    ruled = call("POST", acs, {"application_credential": {"name": "ruled", "access_rules": [
+        {"service": "object-store", "method": "GET", "path": "/v1/**"}]}}, token=user_tok)[1]["application_credential"]
+    assert "access_rules" not in plain and ruled["access_rules"]
+
+    def ac_token(cred):
+        st, _, hdrs = call("POST", "/identity/v3/auth/tokens", {"auth": {"identity": {
+            "methods": ["application_credential"],
+            "application_credential": {"id": cred["id"], "secret": cred["secret"]}}}})
+        return st, hdrs.get("X-Subject-Token")
+
+    plain_tok, ruled_tok = ac_token(plain)[1], ac_token(ruled)[1]
+    assert validate(plain_tok)[0] == 200
+    assert validate(ruled_tok)[0] == 404
+    assert validate(ruled_tok, **{"OpenStack-Identity-Access-Rules": "1.0"})[0] == 200
+
+    # a restricted credential's token may neither make nor delete credentials; the user's may
+    assert call("DELETE", f"{acs}/{plain['id']}", token=plain_tok)[0] == 403
+    listed = call("GET", acs, token=user_tok)[1]["application_credentials"]
+    assert {x["name"] for x in listed} == {"job", "ruled"} and not any("secret" in x for x in listed)
+    assert call("DELETE", f"{acs}/{plain['id']}", token=user_tok)[0] == 204
+    assert call("DELETE", f"{acs}/{plain['id']}", token=user_tok)[0] == 404
+    assert validate(plain_tok)[0] == 404  # the credential is gone: so are its tokens
+    assert ac_token(plain)[0] == 401
+
+    # tokens expire (tests set seconds; a day by default, Chameleon's), and so do credentials
+    assert call("GET", "/_admin/tokens")[1]["seconds"] == 86400
+    call("POST", "/_admin/tokens", {"seconds": -1})  # issued already expired: no waiting on a real clock
+    short = token(call, creds)
+    assert validate(short)[0] == 404
+    assert call("GET", "/compute/v2.1/servers", token=short)[0] == 401
+    call("POST", "/_admin/tokens", {"seconds": 3600})
+    past = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%S")
+    old = call("POST", acs, {"application_credential": {"name": "old", "expires_at": past}},
+               token=token(call, creds))[1]["application_credential"]
+    assert ac_token(old)[0] == 401

@@ -1,9 +1,9 @@
 """The launcher's side of checkpointing, for one job: a `train` hook (flows.run_job adds it).
 
 Before the job: the ranks' settings go into their environment (URL, interval, keep, resize policy, STOP file,
-spec and code hashes: never a secret); the object-store credentials, scoped (a token, not a password), go
-into a 0600 file on the head node that only rank 0 reads, removed when the job ends; a stale STOP file is
-removed; the spec is saved next to the checkpoints so `appliance resume` works from any machine.
+spec and code hashes: never a secret); the object-store credentials, scoped (on a Keystone site with a swift://
+URL an application credential of the job's own, deleted when the job ends: Site.job_store_creds), go into a
+0600 file on the head node that only rank 0 reads, removed when the job ends; a stale STOP file is removed; the spec is saved next to the checkpoints so `appliance resume` works from any machine.
 During the job: the lease watchdog runs, rank 0's ``Line.CKPT`` / ``Line.STOPPED`` / ``Line.RESUMED`` lines
 (appliance.protocol) are collected (and feed the watchdog's margin), SIGTERM becomes a stop request.
 """
@@ -44,6 +44,8 @@ class JobCheckpoints(JobHooks):
     def __init__(self):
         self.say: Callable[[str], None] = print
         self.creds_file: str | None = None
+        self._withdraw_creds: Callable[[], None] | None = None  # deletes the job's application credential
+        self._head_beats = False  # the head node renews the run's lock (node/lockbeat.py)
         self.commits: list[dict] = []
         self.files: list[dict] = []  # rank 0's working-directory syncs (level 3)
         self.lock: RunLock | None = None  # the store-level lease on the run (store/runlock.py)
@@ -85,7 +87,16 @@ class JobCheckpoints(JobHooks):
             env[Env.CKPT_EVERY_MINUTES] = str(ck.every_minutes)
         creds = None
         if parse_url(ck.url)[0] != "file":
-            creds = store_creds(spec).scoped(ck.url)
+            creds, self._withdraw_creds = job_store_creds(spec, ck.url, name=f"appliance-{spec.name}-{ctx.job_id}",
+                                                          lease_end=_lease_end(ctx.cluster), say=self.say)
+        try:
+            return self._prepare_store(ctx, env, creds, fresh)
+        except BaseException:
+            self._withdraw()  # a refused job leaves no credential behind
+            raise
+
+    def _prepare_store(self, ctx: JobContext, env: dict[str, str], creds, fresh: bool) -> dict[str, str]:
+        spec, ck = self.spec, self.spec.checkpoint
         old, cs = [], None
         try:
             cs = CheckpointStore(ck.url, spec.name, creds)
@@ -163,6 +174,7 @@ class JobCheckpoints(JobHooks):
 
     def started(self, ctx: JobContext) -> None:
         self.launched_at = time.time()
+        self._start_lock_beat(ctx)
         site = for_cluster(self.cluster, log=lambda m: None) if self.cluster.lease_id else None
         if site is not None:
             from .watchdog import LeaseWatch
@@ -174,6 +186,32 @@ class JobCheckpoints(JobHooks):
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *a: threading.Thread(
                 target=self.request_stop, args=({"reason": "SIGTERM to appliance train"},), daemon=True).start())
+
+    def _start_lock_beat(self, ctx: JobContext) -> None:
+        """The head node renews the run's lock while the job runs and releases it when the job ends, whether or not
+        this launcher is still there (node/lockbeat.py, detached like the job; its output in RUN_DIR/JOB.lockbeat)."""
+        if self.lock is None:
+            return
+        args = ["--url", self.spec.checkpoint.url, "--run", self.spec.name, "--job", ctx.job_id,
+                "--run-dir", ctx.run_dir, "--cluster", self.lock.cluster, "--head", self.lock.head,
+                "--interval", f"{self.lock.interval:g}", "--ttl", f"{self.lock.ttl:g}"]
+        if self.creds_file:
+            args += ["--creds", self.creds_file]  # the file's path: the secret stays in the 0600 file
+        py = shlex.quote(self.cluster.python)
+        log = shlex.quote(f"{ctx.run_dir}/{ctx.job_id}.lockbeat")
+        inner = f"{py} -m appliance.node.lockbeat {' '.join(shlex.quote(a) for a in args)} > {log} 2>&1 < /dev/null"
+        try:
+            r = self.head.run(f"cd / && if {py} -c 'import appliance.node.lockbeat' 2>/dev/null; then "
+                              f"setsid sh -c {shlex.quote(inner)} > /dev/null 2>&1 < /dev/null & echo started; "
+                              f"else echo missing; fi", timeout=60)
+            ok = "started" in r.out
+        except ApplianceError:
+            ok = False
+        self._head_beats = ok
+        if not ok:
+            self.say(f"[appliance] warning: the head node does not renew the run's lock (its appliance predates "
+                     f"appliance.node.lockbeat, or it did not start): the lock is renewed only while this launcher "
+                     f"is connected, and expires {self.lock.ttl:.0f}s after it goes")
 
     def request_stop(self, req: dict) -> None:
         """Ask the job to stop at the next step: the STOP file on the head node."""
@@ -246,9 +284,13 @@ class JobCheckpoints(JobHooks):
         if self.ctx is not None and self.ctx.abandoned:  # the job may still run: it keeps its credentials and lock
             if self.lock is not None:
                 self._beat_stop.set()
-                self.say(f"[appliance] the run's lock in {self.spec.checkpoint.url} stays: no other job takes the "
-                         f"run until {self.lock.ttl:.0f}s after this launcher's last heartbeat (and none on "
-                         f"{self.head.node.name} while the job holds the run directory there)")
+                if self._head_beats:
+                    self.say(f"[appliance] the run's lock in {self.spec.checkpoint.url} stays: {self.head.node.name} "
+                             "renews it while the job runs and releases it when the job ends")
+                else:
+                    self.say(f"[appliance] the run's lock in {self.spec.checkpoint.url} stays: no other job takes "
+                             f"the run until {self.lock.ttl:.0f}s after this launcher's last heartbeat (and none on "
+                             f"{self.head.node.name} while the job holds the run directory there)")
                 self.lock = None
             if self._old_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._old_sigterm)
@@ -268,6 +310,18 @@ class JobCheckpoints(JobHooks):
                 self.head.run(f"rm -f {shlex.quote(self.creds_file)}", timeout=15)
             except ApplianceError:
                 self.say(f"[appliance] warning: could not remove {self.creds_file} on the head node")
+        self._withdraw()
+
+    def _withdraw(self) -> None:
+        """Delete the job's application credential (the job is over: nothing on the nodes needs it)."""
+        withdraw, self._withdraw_creds = self._withdraw_creds, None
+        if withdraw is None:
+            return
+        try:
+            withdraw()
+        except Exception as e:  # noqa: BLE001 - it expires by itself a week after the lease end
+            self.say(f"[appliance] warning: could not delete the job's application credential ({e}); it expires "
+                     "7 days after the lease end")
 
     def gone(self) -> bool:
         """The launcher lost the head node: are the nodes gone with the lease (stop reconnecting)?"""
@@ -400,3 +454,20 @@ def protection_line(spec, cluster) -> str:
 def store_creds(spec):
     """The object-store credentials of the spec's site."""
     return for_spec(spec, log=lambda m: None).store_creds()
+
+
+def job_store_creds(spec, url: str, *, name: str, lease_end, say):
+    """What the job's nodes get for ``url``, and how to withdraw it (Site.job_store_creds)."""
+    return for_spec(spec, log=lambda m: None).job_store_creds(url, name=name, lease_end=lease_end, say=say)
+
+
+def _lease_end(cluster):
+    import datetime as dt
+
+    if not cluster.lease_end:
+        return None
+    try:
+        end = dt.datetime.fromisoformat(cluster.lease_end.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return end.astimezone(dt.timezone.utc).replace(tzinfo=None) if end.tzinfo else end

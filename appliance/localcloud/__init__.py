@@ -25,6 +25,8 @@ from .. import paths, testbed
 from ..errors import ApplianceError
 
 CLOUD_NAME = "appliance-local"
+# the Keystone user the local RGW validates tokens as (kolla-ansible ceph-guide: ``ceph_rgw_keystone_user``)
+RGW_SERVICE_USER = "ceph_rgw"
 
 
 def state_dir() -> Path:
@@ -49,7 +51,11 @@ def _credentials(d: Path) -> dict:
                  "app_cred_name": "appliance", "app_cred_id": uuid.uuid4().hex,
                  "app_cred_secret": secrets.token_urlsafe(24)}
         _write_private(p, json.dumps(creds, indent=2))
-    return json.loads(p.read_text())
+    creds = json.loads(p.read_text())
+    if "services" not in creds:  # the cloud's own services' Keystone users (the RGW validates tokens as one)
+        creds["services"] = {RGW_SERVICE_USER: secrets.token_urlsafe(24)}
+        _write_private(p, json.dumps(creds, indent=2))
+    return creds
 
 
 def testbed_name() -> str:
@@ -99,6 +105,17 @@ def _write_clouds_yaml(d: Path, base: str, creds: dict) -> None:
     _write_private(d / "clouds.yaml", yaml.safe_dump(doc, sort_keys=False))
 
 
+def _public_base(base: str) -> str:
+    """The API as clouds.yaml names it: on the cloud's bridge, where its servers reach it too (Chameleon's
+    endpoints are public: a node and the user's machine use the same Keystone URL), else on 127.0.0.1."""
+    tb = testbed.load(testbed_name())
+    if tb is not None and tb.host_ip:
+        public = f"http://{tb.host_ip}:{base.rsplit(':', 1)[1]}"
+        if _health(public):
+            return public
+    return base
+
+
 def _health(base: str) -> bool:
     try:
         with urllib.request.urlopen(f"{base}/_admin/health", timeout=2) as r:
@@ -140,7 +157,7 @@ def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0, 
             proc.kill()
             raise ApplianceError("the local cloud did not answer within 30 s", f"see {d / 'server.log'}")
         time.sleep(0.05)  # readiness poll of a local port
-    base = (d / "endpoint").read_text().strip()
+    base = _public_base((d / "endpoint").read_text().strip())
     _write_clouds_yaml(d, base, creds)
     log(f"local cloud up at {base} (time x{time_scale:g}); clouds.yaml entry {CLOUD_NAME!r} in {clouds_yaml()}")
     return status()
@@ -170,26 +187,38 @@ def _store_server(kind: str, d: Path, bind_ip: str = "127.0.0.1"):
 
 def object_store(log=print) -> dict:
     """The local cloud's object store, started on first use: a real Ceph RGW (or a real Swift, see ``store_kind``),
-    listening on the cloud's bridge address so its servers reach it. Returns its credentials (with ``kind``)."""
+    listening on the cloud's bridge address so its servers reach it. The RGW takes Keystone tokens as Chameleon's
+    does (the catalog's object-store endpoint) and Swift v1 auth. Returns its v1 and S3 credentials."""
     d = state_dir()
     start(log=log)
     kind = store_kind()
     creds_file = d / "store.json"
+    private = ("kind", "keystone")
     if creds_file.exists():
         creds = json.loads(creds_file.read_text())
         if creds.get("kind") == kind and _store_answers(creds):
-            return {k: v for k, v in creds.items() if k != "kind"}
+            return {k: v for k, v in creds.items() if k not in private}
         _store_server(creds.get("kind", kind), d).stop()  # another kind, or one that died: start afresh
     srv = _store_server(kind, d, bind_ip=testbed.load(testbed_name()).host_ip)
     if kind == "rgw":  # how long its Swift tokens live (a day, as Chameleon's Keystone tokens); tests use seconds
         srv.token_seconds = int(os.environ.get("APPLIANCE_LOCAL_TOKEN_SECONDS", "86400"))
-    if kind == "rgw":
+        cloud_creds = _credentials(d)
+        srv.uid, srv.user = cloud_creds["project_id"], f"{cloud_creds['project_id']}:tester"
+        srv.keystone = {"url": f"{endpoint()}/identity", "user": RGW_SERVICE_USER,
+                        "password": cloud_creds["services"][RGW_SERVICE_USER], "project": "service",
+                        "domain": "Default"}
         log("starting the local object store (Ceph RGW: mon, memstore OSD, radosgw) ...")
     srv.start()
     creds = srv.credentials()
-    _write_private(creds_file, json.dumps({**creds, "kind": kind}))
+    _write_private(creds_file, json.dumps({**creds, "kind": kind, "keystone": kind == "rgw"}))
     log(f"local object store ({'Ceph RGW' if kind == 'rgw' else 'OpenStack Swift'}) at {creds['s3_endpoint']}")
     return creds
+
+
+def store_takes_keystone() -> bool:
+    """The running store validates Keystone tokens (the RGW; the catalog then lists it as object-store)."""
+    p = state_dir() / "store.json"
+    return p.exists() and bool(json.loads(p.read_text()).get("keystone"))
 
 
 def _store_answers(creds: dict) -> bool:

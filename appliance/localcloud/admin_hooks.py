@@ -28,6 +28,15 @@ def faults(req: Request):
     return 200, req.cloud.faults
 
 
+def tokens(req: Request):
+    """How long the tokens Keystone issues from now on live (tests: seconds; Chameleon's live a day)."""
+    if req.method == "POST":
+        req.cloud.token_lifetime = float((req.body or {})["seconds"])
+    from .keystone import token_seconds
+
+    return 200, {"seconds": token_seconds(req.cloud)}
+
+
 def requests(req: Request):
     if req.method == "DELETE":
         req.cloud.requests.clear()
@@ -39,6 +48,7 @@ ROUTES = [
     Route("POST", "/advance", advance, auth=False),
     Route("POST", "/clock/reset", reset_clock, auth=False),
     Route("POST", "/faults", faults, auth=False),
+    Route(None, "/tokens", tokens, auth=False),
     Route(None, "/requests", requests, auth=False),
     Route(None, "/clock", lambda req: (200, {"now": _fmt(req.cloud.clock.now()), "time_scale": req.cloud.clock.scale}),
           auth=False),

@@ -138,6 +138,8 @@ class Cloud:
         self.tokens: dict[str, float] = {}
         self.token_info: dict[str, dict] = {}  # token -> the application credential it came from (if any)
         self.app_creds: dict[str, dict] = {}  # made through Keystone's API (the cloud's own is in creds)
+        self.token_bodies: dict[str, dict] = {}  # token -> what Keystone answers when a service validates it
+        self.token_lifetime: float | None = None  # seconds (keystone.token_seconds)
         self.hosts = []
         for node_type, n in (pools or DEFAULT_POOLS).items():
             for i in range(1, n + 1):

@@ -1,9 +1,12 @@
-"""Keystone v3 (/identity): password and application-credential tokens, the service catalog."""
+"""Keystone v3 (/identity): password and application-credential tokens that expire, token validation for the
+services that ask (the local Ceph RGW, as Chameleon's RGW asks its Keystone), application credentials made and
+deleted through the API, the service catalog."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import secrets
 import time
 
@@ -39,6 +42,9 @@ def catalog(req: Request) -> list:
            svc("network", "neutron", f"{base}/network"),
            svc("image", "glance", f"{base}/image"),
            svc("orchestration", "heat", f"{base}/orchestration/v1/{c.project_id}")]
+    store = object_store_url(c)
+    if store:
+        cat.append(svc("object-store", "swift", store))
     extra = c.dir / "catalog-extra.json"
     if extra.exists():
         for e in json.loads(extra.read_text()):
@@ -46,38 +52,94 @@ def catalog(req: Request) -> list:
     return cat
 
 
+def object_store_url(c) -> str | None:
+    """The object-store endpoint when the local store is the Ceph RGW that validates Keystone tokens: its Swift API
+    with the project's account in the URL, as ceph doc/radosgw/keystone.rst registers it
+    (``/swift/v1/AUTH_$(project_id)s``, with ``rgw swift account in url = true``). The RGW listens on the cloud's
+    bridge; a node and this machine reach it at the same address."""
+    p = c.dir / "store.json"
+    try:
+        store = json.loads(p.read_text()) if p.exists() else {}
+    except ValueError:
+        return None
+    if store.get("kind") != "rgw" or not store.get("keystone"):
+        return None
+    return f"{store['s3_endpoint']}/swift/v1/AUTH_{c.project_id}"
+
+
+def token_seconds(c) -> float:
+    """How long a token lives: ``APPLIANCE_LOCAL_TOKEN_SECONDS`` (tests: seconds; /_admin/tokens changes it while the
+    cloud runs), by default a day as on Chameleon (86400 s, Kolla's token expiration: ../shared/docs/chameleon.md)."""
+    if getattr(c, "token_lifetime", None) is None:
+        c.token_lifetime = float(os.environ.get("APPLIANCE_LOCAL_TOKEN_SECONDS") or 86400)
+    return c.token_lifetime
+
+
+def _service_user(c, user: dict) -> dict | None:
+    """The service users the cloud's own services authenticate as (the RGW's ``rgw keystone admin user``): name,
+    password and their project (kolla-ansible's `service` project)."""
+    svc = c.creds.get("services") or {}
+    name = user.get("name") or user.get("id")
+    if name in svc and user.get("password") == svc[name]:
+        return {"id": name, "name": name}
+    return None
+
+
 def issue_token(req: Request):
     ident = ((req.body or {}).get("auth") or {}).get("identity") or {}
     creds = req.cloud.creds
-    ok = False
+    ok, service, cred = False, None, None
     methods = ident.get("methods") or []
     if "password" in methods:
         user = (ident.get("password") or {}).get("user") or {}
         ok = (user.get("name") == creds["username"] or user.get("id") == creds["user_id"]) and \
             user.get("password") == creds["password"]
+        service = None if ok else _service_user(req.cloud, user)
+        ok = ok or service is not None
     elif "application_credential" in methods:
         ac = ident.get("application_credential") or {}
         cred = next((x for x in _app_creds(req.cloud) if ac.get("id") == x["id"] or ac.get("name") == x["name"]), None)
-        ok = cred is not None and ac.get("secret") == cred["secret"]
+        # keystone/application_credential/backends/sql.py authenticate: the secret, then _check_expired
+        ok = cred is not None and ac.get("secret") == cred["secret"] and not _expired(cred)
     if not ok:
         raise ApiError(401, "The request you have made requires authentication.", "Unauthorized")
     tok = "gAAAA" + secrets.token_urlsafe(32)
-    req.cloud.tokens[tok] = time.time() + 3600
+    lifetime = token_seconds(req.cloud)
+    req.cloud.tokens[tok] = time.time() + lifetime
     if "application_credential" in methods:
         req.cloud.token_info[tok] = {"app_cred": cred["id"], "unrestricted": cred["unrestricted"]}
     now = dt.datetime.now(dt.timezone.utc)
-    token = {"methods": methods, "expires_at": (now + dt.timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%S.000000Z"),
+    domain = {"id": "default", "name": "Default"}
+    token = {"methods": methods, "expires_at": (now + dt.timedelta(seconds=lifetime)).strftime("%Y-%m-%dT%H:%M:%S.000000Z"),
              "issued_at": now.strftime("%Y-%m-%dT%H:%M:%S.000000Z"),
-             "user": {"id": creds["user_id"], "name": creds["username"],
-                      "domain": {"id": "default", "name": "Default"}, "password_expires_at": None},
-             "project": {"id": creds["project_id"], "name": creds["project_name"],
-                         "domain": {"id": "default", "name": "Default"}},
+             "user": {"id": creds["user_id"], "name": creds["username"], "domain": domain,
+                      "password_expires_at": None},
+             "project": {"id": creds["project_id"], "name": creds["project_name"], "domain": domain},
              "roles": [{"id": _uuid(), "name": "member"}], "catalog": catalog(req),
              "audit_ids": [secrets.token_urlsafe(8)], "is_domain": False}
+    if service is not None:
+        token["user"] = {**service, "domain": domain, "password_expires_at": None}
+        token["project"] = {"id": "service", "name": "service", "domain": domain}
+        token["roles"] = [{"id": _uuid(), "name": "admin"}, {"id": _uuid(), "name": "service"}]
+        req.cloud.token_info[tok] = {"service": service["name"]}
+    req.cloud.token_bodies[tok] = token
     if "application_credential" in methods:
         token["application_credential"] = {"id": cred["id"], "name": cred["name"],
                                            "restricted": not cred["unrestricted"]}
     return 201, {"token": token}, {"X-Subject-Token": tok}
+
+
+def _expired(cred: dict) -> bool:
+    exp = cred.get("expires_at")
+    if not exp:
+        return False
+    try:
+        when = dt.datetime.fromisoformat(str(exp).replace("Z", "+00:00"))
+    except ValueError:
+        return False
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return dt.datetime.now(dt.timezone.utc) >= when
 
 
 def _app_creds(c) -> list[dict]:
@@ -88,10 +150,7 @@ def _app_creds(c) -> list[dict]:
              "unrestricted": True}] + list(c.app_creds.values())
 
 
-def create_app_cred(req: Request, user_id: str):
-    """keystone/api/users.py UserAppCredListCreateResource.post: a token from a *restricted* application credential
-    may not make another (ForbiddenAction, 403); `unrestricted` defaults to false; the secret is made when not
-    given and shown only here."""
+def _may_manage_app_creds(req: Request, user_id: str) -> None:
     c = req.cloud
     info = c.token_info.get(req.handler.headers.get("X-Auth-Token") or "", {})
     if info.get("app_cred") and not info.get("unrestricted"):
@@ -100,6 +159,15 @@ def create_app_cred(req: Request, user_id: str):
                        "Forbidden")
     if user_id != c.user_id:
         raise ApiError(403, "You are not authorized to perform the requested action.", "Forbidden")
+
+
+def create_app_cred(req: Request, user_id: str):
+    """keystone/api/users.py UserAppCredListCreateResource.post: a token from a *restricted* application credential
+    may not make another (ForbiddenAction, 403); `unrestricted` defaults to false; the secret is made when not
+    given and shown only here."""
+    c = req.cloud
+    info = c.token_info.get(req.handler.headers.get("X-Auth-Token") or "", {})
+    _may_manage_app_creds(req, user_id)
     body = (req.body or {}).get("application_credential") or {}
     if not body.get("name"):
         raise ApiError(400, "Invalid input for field 'name': None is not of type 'string'", "ValidationError")
@@ -107,23 +175,74 @@ def create_app_cred(req: Request, user_id: str):
         raise ApiError(409, "Conflict occurred attempting to store application_credential - Duplicate entry.",
                        "Conflict")
     cred = {"id": _uuid().replace("-", ""), "name": body["name"], "secret": body.get("secret") or
-            secrets.token_urlsafe(48), "unrestricted": bool(body.get("unrestricted", False))}
+            secrets.token_urlsafe(48), "unrestricted": bool(body.get("unrestricted", False)),
+            "description": body.get("description"), "expires_at": body.get("expires_at"),
+            # keystone/application_credential/backends/sql.py _to_dict: the key only when there are rules
+            **({"access_rules": body["access_rules"]} if body.get("access_rules") else {})}
     c.app_creds[cred["id"]] = cred
-    return 201, {"application_credential": {
-        **cred, "description": body.get("description"), "project_id": c.project_id, "expires_at": body.get("expires_at"),
-        "roles": [{"id": _uuid(), "name": "member"}], "access_rules": body.get("access_rules") or [],
-        "links": {"self": f"{req.base}/identity/v3/users/{user_id}/application_credentials/{cred['id']}"}}}
+    return 201, {"application_credential": {**_app_cred_view(req, user_id, cred), "secret": cred["secret"]}}
 
 
-def check_token(req: Request):
+def _app_cred_view(req: Request, user_id: str, cred: dict) -> dict:
+    return {k: v for k, v in cred.items() if k != "secret"} | {
+        "project_id": req.cloud.project_id, "roles": [{"id": "member", "name": "member"}],
+        "links": {"self": f"{req.base}/identity/v3/users/{user_id}/application_credentials/{cred['id']}"}}
+
+
+def list_app_creds(req: Request, user_id: str):
+    """keystone/api/users.py UserAppCredListCreateResource.get (the secret is never shown again)."""
+    if user_id != req.cloud.user_id:
+        raise ApiError(403, "You are not authorized to perform the requested action.", "Forbidden")
+    return 200, {"application_credentials": [_app_cred_view(req, user_id, x) for x in req.cloud.app_creds.values()],
+                 "links": {"self": f"{req.base}/identity/v3/users/{user_id}/application_credentials",
+                           "previous": None, "next": None}}
+
+
+def delete_app_cred(req: Request, user_id: str, cred_id: str):
+    """keystone/api/users.py UserAppCredGetDeleteResource.delete: the same rule as creating (a restricted
+    application credential's token may not); 404 for one that does not exist. Its tokens stop validating
+    (keystone/token/provider.py _validate_token_access_rules reads the credential, which is gone)."""
+    _may_manage_app_creds(req, user_id)
+    if req.cloud.app_creds.pop(cred_id, None) is None:
+        raise ApiError(404, f"Could not find application credential: {cred_id}.", "Not Found")
+    return 204, None
+
+
+def validate_token(req: Request):
+    """GET/HEAD /v3/auth/tokens (keystone/api/auth.py AuthTokenResource.get): the caller's X-Auth-Token must be
+    valid; X-Subject-Token is the token asked about, answered with its body or 404 when it has expired, or when it
+    came from an application credential that is gone or carries access rules and the caller did not send
+    ``OpenStack-Identity-Access-Rules`` (keystone/token/provider.py _validate_token_access_rules: "Failed to
+    validate token"). Ceph RGW 16 (Debian's, as here) does not send that header, so an RGW refuses every token of an
+    application credential with access rules. Policy identity:validate_token: a service/admin token, or the
+    subject itself."""
+    c = req.cloud
     req.auth()
-    return 200, {}
+    caller = req.handler.headers.get("X-Auth-Token") or ""
+    subject = req.handler.headers.get("X-Subject-Token")
+    if subject is None:  # keystoneauth's own check of its token (HEAD without a subject): the caller's
+        subject = caller
+    if subject != caller and not c.token_info.get(caller, {}).get("service"):
+        raise ApiError(403, "You are not authorized to perform the requested action: identity:validate_token.",
+                       "Forbidden")
+    not_found = ApiError(404, "Failed to validate token", "Not Found")
+    if not c.token_valid(subject) or subject not in c.token_bodies:
+        raise not_found
+    cred_id = c.token_info.get(subject, {}).get("app_cred")
+    if cred_id:
+        cred = next((x for x in _app_creds(c) if x["id"] == cred_id), None)
+        rules_ok = req.handler.headers.get("OpenStack-Identity-Access-Rules")
+        if cred is None or (cred.get("access_rules") is not None and not rules_ok):
+            raise not_found
+    return 200, {"token": c.token_bodies[subject]}, {"X-Subject-Token": subject}
 
 
 ROUTES = [
     Route("GET", "/", lambda req: (300, {"versions": {"values": [_version(req.base)]}}), auth=False),
     Route("GET", "/v3", lambda req: (200, {"version": _version(req.base)}), auth=False),
     Route("POST", "/v3/auth/tokens", issue_token, auth=False),
-    Route(("GET", "HEAD"), "/v3/auth/tokens", check_token, auth=False),
+    Route(("GET", "HEAD"), "/v3/auth/tokens", validate_token, auth=False),
     Route("POST", "/v3/users/([^/]+)/application_credentials", create_app_cred),
+    Route("GET", "/v3/users/([^/]+)/application_credentials", list_app_creds),
+    Route("DELETE", "/v3/users/([^/]+)/application_credentials/([^/]+)", delete_app_cred),
 ]

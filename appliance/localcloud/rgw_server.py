@@ -48,14 +48,26 @@ def installed() -> bool:
 
 
 class RGWServer:
-    user = "test:tester"
     s3_access_key = "appliance-local"
     kind = "rgw"
 
-    def __init__(self, base: str | Path, *, bind_ip: str = "127.0.0.1", token_seconds: int = 86400):
+    def __init__(self, base: str | Path, *, bind_ip: str = "127.0.0.1", token_seconds: int = 86400,
+                 keystone: dict | None = None, uid: str = "test"):
         """token_seconds: how long a Swift v1 token lives (``rgw swift token expiration``; RGW refuses an older
         one with 401: ceph src/rgw/rgw_swift_auth.cc, ``SignedTokenEngine::authenticate``). A day by default,
-        as RGW's own default and Chameleon's Keystone tokens; tests use seconds."""
+        as RGW's own default and Chameleon's Keystone tokens; tests use seconds.
+
+        keystone: ``{url, user, password, project, domain}``: the RGW also takes Keystone tokens, validating each
+        with Keystone (``GET /v3/auth/tokens``, X-Subject-Token) as the service user, as Chameleon's RGW does
+        (ceph doc/radosgw/keystone.rst; kolla-ansible's ceph-guide: service user ``ceph_rgw``, account in URL). v1
+        auth keeps working beside it.
+
+        uid: the RGW user that owns the v1 subuser (``UID:tester``) and the S3 keys. The local cloud makes it the
+        project id, the user RGW maps the project's Keystone tokens to, so Swift (Keystone or v1) and S3 see the
+        same containers, as Chameleon's EC2 credentials and tokens both name the project."""
+        self.keystone = keystone
+        self.uid = uid
+        self.user = f"{uid}:tester"
         self.base = Path(base)
         self.token_seconds = int(token_seconds)
         self.bind_ip = bind_ip
@@ -121,7 +133,28 @@ class RGWServer:
             "ms mon client mode = crc\n"
             "rgw dns name = localhost\n"
             f"rgw swift token expiration = {self.token_seconds}\n"
-            "rgw enable usage log = false\n")
+            "rgw enable usage log = false\n" + self._keystone_config())
+        os.chmod(self.conf, 0o600)  # the service user's password, when there is one
+
+    def _keystone_config(self) -> str:
+        """ceph doc/radosgw/keystone.rst (Pacific): API v3, a service user in a project that validates tokens;
+        ``accepted roles`` as kolla-ansible and ceph-ansible's rgw-keystone-v3 profile set them (RGW compares role
+        names with fnmatch, case-sensitively, src/rgw/rgw_keystone.cc TokenEnvelope::has_role: its default "Member, admin" refuses Keystone's lower-case
+        ``member``); the project's account in the URL (``/swift/v1/AUTH_<project id>``, kolla-ansible
+        ``ceph_rgw_swift_account_in_url``) and no implicit tenants: the RGW user is the project id."""
+        k = self.keystone
+        if not k:
+            return ""
+        return ("rgw keystone api version = 3\n"
+                f"rgw keystone url = {k['url']}\n"
+                f"rgw keystone admin user = {k['user']}\n"
+                f"rgw keystone admin password = {k['password']}\n"
+                f"rgw keystone admin project = {k.get('project', 'service')}\n"
+                f"rgw keystone admin domain = {k.get('domain', 'Default')}\n"
+                "rgw keystone accepted roles = member, _member_, admin\n"
+                "rgw keystone implicit tenants = false\n"
+                "rgw keystone verify ssl = false\n"
+                "rgw swift account in url = true\n")
 
     # -- processes -------------------------------------------------------------------------------
 
@@ -176,9 +209,9 @@ class RGWServer:
             self._check_alive(DAEMONS, deadline, "radosgw did not answer")
             time.sleep(0.1)  # readiness poll of a local port
         admin = ("radosgw-admin", "-n", "client.admin")
-        self._ceph(*admin, "user", "create", "--uid=test", "--display-name=test",
+        self._ceph(*admin, "user", "create", f"--uid={self.uid}", f"--display-name={self.uid}",
                    f"--access-key={self.s3_access_key}", f"--secret-key={self.s3_secret_key}")
-        self._ceph(*admin, "subuser", "create", "--uid=test", f"--subuser={self.user}", "--access=full")
+        self._ceph(*admin, "subuser", "create", f"--uid={self.uid}", f"--subuser={self.user}", "--access=full")
         self._ceph(*admin, "key", "create", f"--subuser={self.user}", "--key-type=swift", f"--secret={self.key}")
         return self
 

@@ -121,10 +121,23 @@ def serve(state_dir: Path, port: int, time_scale: float, boot_seconds: float, te
                   testbed_name=testbed_name, pools=pools)
     Handler.cloud = cloud
     stop = threading.Event()
+    # Chameleon's API endpoints are public: a node reaches Keystone (and the object store's catalog entry) at the
+    # same address as the launcher. Here the API also listens on the cloud's bridge, so nodes can authenticate
+    # with an application credential; a request's Host header decides the URLs its answer names.
+    servers = [httpd]
+    node_ip = getattr(cloud.nodes, "host_ip", None)
+    if node_ip:
+        try:
+            servers.append(ThreadingHTTPServer((node_ip, httpd.server_address[1]), Handler))
+        except OSError as e:
+            print(f"the API does not listen on the nodes' bridge {node_ip}: {e}", flush=True)
+    for extra in servers[1:]:
+        threading.Thread(target=extra.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
 
     def on_term(*_):
         stop.set()
-        threading.Thread(target=httpd.shutdown, daemon=True).start()
+        for srv in servers:
+            threading.Thread(target=srv.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)

@@ -5,5 +5,6 @@ and `appliance.store` (and `appliance.errors`), so a node needs nothing of the l
 - `checkpointer`: rank 0's checkpoints and the collective stop (users import it as `appliance.checkpoint.keras`);
 - `watchdog` / `vendordata`: the node's own lease-end watchdog (`appliance watchdog --node`);
 - `doctor`: the node's readiness checks (`python -m appliance.node.doctor`);
+- `lockbeat`: on the head node, renews the run's lock in the store while the job runs (`python -m appliance.node.lockbeat`);
 - `shim/sitecustomize.py`: first on the ranks' PYTHONPATH (`keras` means tf_keras).
 """

@@ -13,13 +13,20 @@ Modelled on SkyPilot's `sky/provision` (one implementation per cloud behind the 
 
 from __future__ import annotations
 
+import datetime as dt
 import os
+import secrets
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..cluster import Cluster
 from ..spec import Spec
-from ..store.objects import StoreCreds
+from ..store.objects import StoreCreds, parse_url
+
+# how long after the lease end a job's application credential lives: the job deletes it when it ends, and a lease
+# extension (Blazar moves the end, up to Chameleon's 7-day length at a time) must not outrun it
+APP_CRED_AFTER_LEASE = dt.timedelta(days=7)
 
 
 @dataclass
@@ -85,6 +92,48 @@ class Site(ABC):
     @abstractmethod
     def _site_store_creds(self) -> StoreCreds:
         ...
+
+    def _keystone_store_creds(self) -> StoreCreds:
+        """Keystone (OS_CLOUD / OS_*): the object-store endpoint from the catalog and a token (a day on Chameleon:
+        enough for this machine's own calls, not for a job's nodes: see job_store_creds)."""
+        conn = self.cloud.conn
+        return StoreCreds(storage_url=conn.object_store.get_endpoint(), token=conn.session.get_token())
+
+    def job_store_creds(self, url: str, *, name: str, lease_end: dt.datetime | None,
+                        say: Callable[[str], None] = print) -> tuple[StoreCreds, Callable[[], None] | None]:
+        """What a job's nodes use for ``url``, and how to withdraw it when the job ends (None: nothing to withdraw).
+
+        Swift with Keystone credentials: an application credential of the job's own, made here, restricted (it
+        cannot make credentials or trusts), expiring APP_CRED_AFTER_LEASE after the lease end. swiftclient gets a
+        token with it and a new one whenever the store refuses the old (401), so a week-long job keeps committing
+        checkpoints past the one-day token lifetime (issue 12 item 2). It carries no access rules: Keystone refuses
+        to validate tokens of credentials with access rules for any service that does not announce it enforces
+        them (keystone/token/provider.py _validate_token_access_rules), and Ceph RGW 16 does not (the local cloud's
+        RGW refuses such tokens, as Chameleon's would). Swift v1 auth (ST_*) and S3 keys are the store's own
+        credentials already and go as they are, scoped to the URL's scheme. When Keystone will not make one (a
+        restricted credential in OS_CLOUD, a policy), the nodes get a token and the job says what that means."""
+        creds = self.store_creds().scoped(url)
+        if parse_url(url)[0] != "swift" or not creds.token:
+            return creds, None
+        start = lease_end or dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+        try:
+            cloud = self.cloud
+            ac = cloud.create_app_cred(f"{name}-{secrets.token_hex(3)}", expires_at=start + APP_CRED_AFTER_LEASE,
+                                       description="appliance: a job's object-store credential, deleted when the "
+                                                   "job ends")
+            node = StoreCreds(keystone_url=cloud.identity_url(), app_cred_id=ac["id"], app_cred_secret=ac["secret"],
+                              region=cloud.region_name())
+        except Exception as e:  # noqa: BLE001 - the job can still run, with a token that lives a day
+            say(f"[appliance] warning: no application credential for the nodes ({e}); rank 0 gets a Keystone "
+                "token, which the store refuses after a day (then no checkpoint commits): for longer runs use an "
+                "unrestricted application credential in OS_CLOUD, ST_AUTH/ST_USER/ST_KEY, or an s3:// URL with "
+                "EC2 keys")
+            return creds, None
+
+        def withdraw() -> None:
+            cloud.delete_app_cred(ac["id"])
+
+        return node, withdraw
 
     # -- spec rules, nodes, install --------------------------------------------------------------
     @classmethod

@@ -43,9 +43,7 @@ class ChameleonSite(Site):
         return LoginKey(key_name or "", str(Path(key_file).expanduser()))
 
     def _site_store_creds(self) -> StoreCreds:
-        """Keystone (OS_CLOUD / OS_*): the object-store endpoint from the catalog and a token."""
-        conn = self.cloud.conn
-        return StoreCreds(storage_url=conn.object_store.get_endpoint(), token=conn.session.get_token())
+        return self._keystone_store_creds()
 
     @classmethod
     def check_spec(cls, spec: Spec) -> None:

@@ -56,7 +56,24 @@ class LocalSite(Site):
         return float(localcloud.admin("GET", "/clock").get("time_scale", 1.0))
 
     def _site_store_creds(self) -> StoreCreds:
-        return StoreCreds(**localcloud.object_store(log=self.log))
+        """The local cloud's store: its Ceph RGW takes Keystone tokens as Chameleon's does, so the same Keystone
+        path (with the RGW's own S3 keys beside it); the OpenStack Swift (APPLIANCE_LOCAL_STORE=swift) has only
+        v1 auth."""
+        own = StoreCreds(**localcloud.object_store(log=self.log))
+        if not localcloud.store_takes_keystone():
+            return own
+        from openstack.exceptions import ServiceDisabledException
+
+        try:
+            creds = self._keystone_store_creds()
+        except ServiceDisabledException:
+            # the store starts on first use, and a token from before that carries a catalog without it (Chameleon's
+            # catalog always lists object-store): connect again, with a token whose catalog does
+            self._cloud = None
+            creds = self._keystone_store_creds()
+        creds.s3_endpoint, creds.s3_access_key, creds.s3_secret_key = own.s3_endpoint, own.s3_access_key, \
+            own.s3_secret_key
+        return creds
 
     def install_options(self) -> dict:
         """Nodes are namespaces here: no PyPI, the host's packages, a per-node venv."""

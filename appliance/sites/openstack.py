@@ -250,6 +250,45 @@ class OpenStackCloud:
             return email.utils.parsedate_to_datetime(date).astimezone(dt.timezone.utc).replace(tzinfo=None)
         return dt.datetime.utcnow()
 
+    # -- identity ---------------------------------------------------------------------------------
+
+    def region_name(self) -> str | None:
+        return self.conn.config.region_name
+
+    def identity_url(self) -> str:
+        """Keystone's public endpoint (…/v3), from the catalog."""
+        return self.conn.session.get_endpoint(service_type="identity", interface="public")
+
+    def create_app_cred(self, name: str, *, expires_at: dt.datetime | None, description: str = "") -> dict:
+        """A restricted application credential (cannot make credentials or trusts) of the current user on the
+        current project, with all the user's roles there, expiring at ``expires_at`` (UTC). POST
+        /v3/users/{user_id}/application_credentials (keystone api-ref). Returns {id, secret, ...}; the secret is
+        shown only here."""
+        body = {"name": name, "description": description, "unrestricted": False,
+                "expires_at": expires_at.strftime("%Y-%m-%dT%H:%M:%S") if expires_at else None}
+        r = self.conn.session.post(f"{self.identity_url()}/users/{self.conn.current_user_id}/application_credentials",
+                                   json={"application_credential": body}, raise_exc=False)
+        if r.status_code != 201:
+            try:
+                msg = r.json()["error"]["message"]
+            except Exception:  # noqa: BLE001 - not Keystone's error shape
+                msg = r.text[:200]
+            raise ApplianceError(f"Keystone refused an application credential ({r.status_code}: {msg})",
+                                 "see docs/chameleon.md (credentials for the nodes)")
+        return r.json()["application_credential"]
+
+    def delete_app_cred(self, cred_id: str) -> bool:
+        """True when it was deleted, False when it was already gone."""
+        r = self.conn.session.delete(
+            f"{self.identity_url()}/users/{self.conn.current_user_id}/application_credentials/{cred_id}",
+            raise_exc=False)
+        if r.status_code == 404:
+            return False
+        if r.status_code >= 300:
+            raise ApplianceError(f"Keystone refused to delete application credential {cred_id} ({r.status_code})",
+                                 "delete it in the dashboard: Identity -> Application Credentials")
+        return True
+
     # -- leases -----------------------------------------------------------------------------------
 
     def public_network_id(self) -> str:

@@ -52,10 +52,22 @@ class StoreCreds:
     s3_access_key: str | None = None
     s3_secret_key: str | None = None
     s3_region: str = "us-east-1"
+    # Keystone application credential (a job's nodes, on a Keystone site): swiftclient asks Keystone for a token
+    # with it, and for a new one whenever the store refuses the old (401), for as long as the credential lives
+    keystone_url: str | None = None  # the identity endpoint as nodes reach it (…/v3)
+    app_cred_id: str | None = None
+    app_cred_secret: str | None = None
+    region: str | None = None
     extra: dict = field(default_factory=dict)
 
+    SECRETS = ("token", "key", "s3_secret_key", "app_cred_secret")
+
     def redacted(self) -> dict:
-        return {k: ("***" if k in ("token", "key", "s3_secret_key") and v else v) for k, v in self.__dict__.items()}
+        return {k: ("***" if k in self.SECRETS and v else v) for k, v in self.__dict__.items()}
+
+    @property
+    def app_cred(self) -> bool:
+        return bool(self.keystone_url and self.app_cred_id and self.app_cred_secret)
 
     def scoped(self, url: str | None = None) -> StoreCreds:
         """What nodes get: for a ``url``, only what its scheme uses (a swift:// job never carries the S3 secret,
@@ -73,6 +85,9 @@ class StoreCreds:
             # default; Chameleon's Keystone: a day) and a multi-day job must keep committing checkpoints:
             # swiftclient fetches a new token with it when the store answers 401 (issue 12 item 2).
             return StoreCreds(auth_url=self.auth_url, user=self.user, key=self.key, **s3)
+        if self.app_cred:
+            return StoreCreds(keystone_url=self.keystone_url, app_cred_id=self.app_cred_id,
+                              app_cred_secret=self.app_cred_secret, region=self.region, **s3)
         if scheme == "swift":
             return StoreCreds(storage_url=self.storage_url, token=self.token, auth_url=self.auth_url,
                               user=self.user, key=self.key, extra=dict(self.extra))
@@ -176,19 +191,35 @@ class SwiftStore(Store):
         self.container = container
         self.creds = creds
         self._local = threading.local()
-        if not (creds.storage_url and creds.token) and not (creds.auth_url and creds.user and creds.key):
+        if not (creds.storage_url and creds.token) and not (creds.auth_url and creds.user and creds.key) \
+                and not creds.app_cred:
             raise ApplianceError("no Swift credentials", "set OS_CLOUD (Keystone) or ST_AUTH/ST_USER/ST_KEY")
+        self._auth = None  # the application credential's keystoneauth plugin, shared by every thread's connection
 
     def conn(self):
         c = getattr(self._local, "conn", None)
         if c is None:
             import swiftclient
 
-            # with auth_url/user/key, swiftclient asks for a new token once when the store refuses one (401):
-            # an expired token is renewed, not fatal; with a bare token it cannot be
-            c = swiftclient.Connection(authurl=self.creds.auth_url, user=self.creds.user, key=self.creds.key,
-                                       preauthurl=self.creds.storage_url if self.creds.token else None,
-                                       preauthtoken=self.creds.token, retries=0, timeout=60)
+            if self.creds.app_cred:
+                # swiftclient with a keystoneauth session: on a 401 it invalidates the session's token and asks
+                # Keystone for a new one with the application credential (swiftclient/client.py Connection._retry)
+                from keystoneauth1 import session as ks_session
+                from keystoneauth1.identity import v3
+
+                if self._auth is None:
+                    self._auth = v3.ApplicationCredential(auth_url=self.creds.keystone_url,
+                                                          application_credential_id=self.creds.app_cred_id,
+                                                          application_credential_secret=self.creds.app_cred_secret)
+                c = swiftclient.Connection(session=ks_session.Session(auth=self._auth, timeout=60),
+                                           os_options={"region_name": self.creds.region} if self.creds.region
+                                           else {}, retries=0, timeout=60)
+            else:
+                # with auth_url/user/key, swiftclient asks for a new token once when the store refuses one (401):
+                # an expired token is renewed, not fatal; with a bare token it cannot be
+                c = swiftclient.Connection(authurl=self.creds.auth_url, user=self.creds.user, key=self.creds.key,
+                                           preauthurl=self.creds.storage_url if self.creds.token else None,
+                                           preauthtoken=self.creds.token, retries=0, timeout=60)
             self._local.conn = c
         return c
 
@@ -208,7 +239,7 @@ class SwiftStore(Store):
             raise
 
     def _renewable(self) -> bool:
-        return bool(self.creds.auth_url and self.creds.user and self.creds.key)
+        return bool(self.creds.auth_url and self.creds.user and self.creds.key) or self.creds.app_cred
 
     def _refused(self, status: int) -> ApplianceError:
         renewable = self._renewable()
@@ -216,8 +247,9 @@ class SwiftStore(Store):
             f"Swift refused access to container {self.container!r} ({status})"
             + ("" if renewable or status != 401 else ": the token may have expired"),
             "check the credentials and that the container is yours at this site" if renewable
-            else "give the job renewable store credentials (ST_AUTH/ST_USER/ST_KEY, or an s3:// URL "
-                 "with EC2 keys): a token lives a day")
+            else "give the job renewable store credentials (an unrestricted application credential in "
+                 "OS_CLOUD, so the job can make its own; ST_AUTH/ST_USER/ST_KEY; or an s3:// URL with EC2 keys): "
+                 "a token lives a day")
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under ``prefix``: page after page until a page comes back empty. A short page is not the
@@ -277,6 +309,8 @@ class SwiftStore(Store):
                 if e.http_status == 404:
                     raise FileNotFoundError(f"swift://{self.container}/{name}") from None
                 if e.http_status == 401 and not renewed and self._renewable():
+                    if c.session is not None:  # an application credential: the session's token is the stale one
+                        c.session.invalidate()
                     c.url = c.token = None  # expired: ask for a new token once, as swiftclient does
                     continue
                 if e.http_status in (401, 403):
@@ -620,6 +654,6 @@ def open_store(url: str, creds: StoreCreds | None) -> tuple[Store, str]:
 def swift_fallback(url: str, creds: StoreCreds) -> tuple[Store, str] | None:
     """s3://bucket/prefix -> swift://bucket/prefix (same data on Chameleon's Ceph), if Swift creds exist."""
     scheme, where, prefix = parse_url(url)
-    if scheme != "s3" or not (creds.storage_url or creds.auth_url):
+    if scheme != "s3" or not (creds.storage_url or creds.auth_url or creds.app_cred):
         return None
     return SwiftStore(where, creds), prefix

@@ -35,7 +35,7 @@ from pathlib import Path
 from .. import paths
 from ..cluster import Cluster, Node
 from ..errors import ApplianceError, JobFailed
-from ..protocol import EXIT_STOPPED, Env, Line, parse, rank_environment
+from ..protocol import EXIT_STOPPED, Env, Line, job_files, parse, rank_environment
 from ..provision.contextualize import contextualize
 from ..remote import ConnectionLost, HostKeyMismatch, LocalRemote, Remote, Result, Session, SSHRemote
 from ..spec import Spec
@@ -373,12 +373,6 @@ def locked_command(rd: str, cmd: str) -> str:
     """The job's command holding the run's lock for as long as any of its processes lives (the lock's descriptor is
     inherited by horovodrun and the ranks), whatever happens to the launcher's connection."""
     return f"flock -n -E {RUN_BUSY} {shlex.quote(rd + '/' + RUN_LOCK)} sh -c {shlex.quote(cmd)}"
-
-
-def job_files(rd: str, job_id: str) -> tuple[str, str, str]:
-    """The detached job's files on the head node: its output (stdout and stderr, in order), its exit status, the PID
-    of the process that lives as long as the job."""
-    return f"{rd}/{job_id}.out", f"{rd}/{job_id}.rc", f"{rd}/{job_id}.pid"
 
 
 def detached_command(rd: str, job_id: str, cmd: str) -> str:
