@@ -9,6 +9,7 @@ fields on clouds that have leases.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 import os
 import sys
@@ -76,6 +77,14 @@ class Cluster:
     testbed: str | None = None
     site: SiteRecord = field(default_factory=SiteRecord)
     subset_of: int | None = None  # a view of the first nodes of a cluster this many nodes big (never saved)
+
+    @property
+    def lease_end_at(self) -> dt.datetime | None:
+        """``lease_end`` as a naive UTC datetime (None: no lease, or unreadable)."""
+        try:
+            return dt.datetime.fromisoformat(self.lease_end.replace("Z", "")) if self.lease_end else None
+        except ValueError:
+            return None
 
     @property
     def head(self) -> Node:

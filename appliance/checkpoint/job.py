@@ -3,7 +3,8 @@
 Before the job: the ranks' settings go into their environment (URL, interval, keep, resize policy, STOP file,
 spec and code hashes: never a secret); the object-store credentials, scoped (on a Keystone site with a swift://
 URL an application credential of the job's own, deleted when the job ends: Site.job_store_creds), go into a
-0600 file on the head node that only rank 0 reads, removed when the job ends; a stale STOP file is removed; the spec is saved next to the checkpoints so `appliance resume` works from any machine.
+0600 file on the head node that only rank 0 reads, removed when the job ends; a stale STOP file is removed; the
+spec is saved next to the checkpoints so `appliance resume` works from any machine.
 During the job: the lease watchdog runs, rank 0's ``Line.CKPT`` / ``Line.STOPPED`` / ``Line.RESUMED`` lines
 (appliance.protocol) are collected (and feed the watchdog's margin), SIGTERM becomes a stop request.
 """
@@ -88,7 +89,7 @@ class JobCheckpoints(JobHooks):
         creds = None
         if parse_url(ck.url)[0] != "file":
             creds, self._withdraw_creds = job_store_creds(spec, ck.url, name=f"appliance-{spec.name}-{ctx.job_id}",
-                                                          lease_end=_lease_end(ctx.cluster), say=self.say)
+                                                          lease_end=ctx.cluster.lease_end_at, say=self.say)
         try:
             return self._prepare_store(ctx, env, creds, fresh)
         except BaseException:
@@ -460,14 +461,3 @@ def job_store_creds(spec, url: str, *, name: str, lease_end, say):
     """What the job's nodes get for ``url``, and how to withdraw it (Site.job_store_creds)."""
     return for_spec(spec, log=lambda m: None).job_store_creds(url, name=name, lease_end=lease_end, say=say)
 
-
-def _lease_end(cluster):
-    import datetime as dt
-
-    if not cluster.lease_end:
-        return None
-    try:
-        end = dt.datetime.fromisoformat(cluster.lease_end.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return end.astimezone(dt.timezone.utc).replace(tzinfo=None) if end.tzinfo else end

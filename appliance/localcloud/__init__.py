@@ -203,7 +203,7 @@ def object_store(log=print) -> dict:
     if kind == "rgw":  # how long its Swift tokens live (a day, as Chameleon's Keystone tokens); tests use seconds
         srv.token_seconds = int(os.environ.get("APPLIANCE_LOCAL_TOKEN_SECONDS", "86400"))
         cloud_creds = _credentials(d)
-        srv.uid, srv.user = cloud_creds["project_id"], f"{cloud_creds['project_id']}:tester"
+        srv.uid = cloud_creds["project_id"]
         srv.keystone = {"url": f"{endpoint()}/identity", "user": RGW_SERVICE_USER,
                         "password": cloud_creds["services"][RGW_SERVICE_USER], "project": "service",
                         "domain": "Default"}

@@ -3,7 +3,7 @@
 Chameleon's object store is Ceph RGW serving the Swift and S3 APIs (ChameleonCloud/docs `swift/index.rst`;
 ../shared/docs/rgw.md has what was measured here). This starts one `ceph-mon`, one `ceph-osd` on memstore (the
 data lives in the OSD's memory: a stopped store is an empty store) and `radosgw` with the beast frontend on
-``bind_ip``, with Swift v1 auth (user ``test:tester``) and S3 keys made by `radosgw-admin`. No mgr: the cluster
+``bind_ip``, with Swift v1 auth (user ``UID:tester``, ``test:tester`` by default) and S3 keys made by `radosgw-admin`. No mgr: the cluster
 never reaches HEALTH_OK and does not need to. Every process runs in its own process group, recorded by PID,
 and is stopped by PID (radosgw first: SIGTERM to all three at once makes radosgw hang for 120 s).
 
@@ -67,7 +67,6 @@ class RGWServer:
         same containers, as Chameleon's EC2 credentials and tokens both name the project."""
         self.keystone = keystone
         self.uid = uid
-        self.user = f"{uid}:tester"
         self.base = Path(base)
         self.token_seconds = int(token_seconds)
         self.bind_ip = bind_ip
@@ -77,6 +76,11 @@ class RGWServer:
         self.pids: dict[str, int] = {}
 
     # -- layout ----------------------------------------------------------------------------------
+
+    @property
+    def user(self) -> str:
+        """The Swift v1 user: the RGW user's subuser."""
+        return f"{self.uid}:tester"
 
     @property
     def conf(self) -> Path:

@@ -259,6 +259,9 @@ class OpenStackCloud:
         """Keystone's public endpoint (…/v3), from the catalog."""
         return self.conn.session.get_endpoint(service_type="identity", interface="public")
 
+    def _app_creds_url(self) -> str:
+        return f"{self.identity_url()}/users/{self.conn.current_user_id}/application_credentials"
+
     def create_app_cred(self, name: str, *, expires_at: dt.datetime | None, description: str = "") -> dict:
         """A restricted application credential (cannot make credentials or trusts) of the current user on the
         current project, with all the user's roles there, expiring at ``expires_at`` (UTC). POST
@@ -266,8 +269,7 @@ class OpenStackCloud:
         shown only here."""
         body = {"name": name, "description": description, "unrestricted": False,
                 "expires_at": expires_at.strftime("%Y-%m-%dT%H:%M:%S") if expires_at else None}
-        r = self.conn.session.post(f"{self.identity_url()}/users/{self.conn.current_user_id}/application_credentials",
-                                   json={"application_credential": body}, raise_exc=False)
+        r = self.conn.session.post(self._app_creds_url(), json={"application_credential": body}, raise_exc=False)
         if r.status_code != 201:
             try:
                 msg = r.json()["error"]["message"]
@@ -279,9 +281,7 @@ class OpenStackCloud:
 
     def delete_app_cred(self, cred_id: str) -> bool:
         """True when it was deleted, False when it was already gone."""
-        r = self.conn.session.delete(
-            f"{self.identity_url()}/users/{self.conn.current_user_id}/application_credentials/{cred_id}",
-            raise_exc=False)
+        r = self.conn.session.delete(f"{self._app_creds_url()}/{cred_id}", raise_exc=False)
         if r.status_code == 404:
             return False
         if r.status_code >= 300:
