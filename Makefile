@@ -10,7 +10,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 APPLIANCE := $(VENV)/bin/appliance
 # Built Horovod wheels are kept here, by TensorFlow version, variant and Python (a rebuild takes ~5 min).
 WHEEL_CACHE ?= $(HOME)/.cache/appliance/wheels
-DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached shellcheck curl
+DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached shellcheck curl sudo
 # Ceph's RADOS Gateway, the local cloud's object store as on Chameleon (appliance/localcloud/rgw_server.py)
 CEPH_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
 PYTEST_ARGS ?=

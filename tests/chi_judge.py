@@ -25,8 +25,9 @@ server.submit(wait_for_active=True, wait_timeout=300, show="text")
 seen["server_status"] = server.status
 seen["fip"] = server.associate_floating_ip()
 server.check_connectivity(timeout=120, show="text")
-# the local nodes' login user is root (CC images: cc; docs/localcloud.md)
-seen["hostname"] = server.ssh_connection(user="root").run("hostname", hide=True).stdout.strip()
+# python-chi's default login user, cc, as CC images make it (and the local cloud's images do)
+seen["hostname"] = server.ssh_connection().run("hostname", hide=True).stdout.strip()
+seen["sudo"] = server.ssh_connection().run("sudo -n id -u", hide=True).stdout.strip()
 server.delete()
 lease.delete()
 again = chi.lease.Lease(name, duration=dt.timedelta(hours=1))  # a deleted lease's name can be used again

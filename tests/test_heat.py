@@ -193,14 +193,16 @@ def test_stack_from_the_template_adopt_and_train(cloud, tmp_path):
         assert res.exit_code == 0, res.failure
         assert sorted(res.hostnames) == ["hs-head", "hs-worker-0"]
 
-        # or, on the head node itself: `appliance train` finds the cluster from the files the boot script wrote
-        spec_file = tmp_path / "onhead.yaml"
-        spec_file.write_text(f"name: onhead\ncloud: local\nnodes: {{count: 2}}\ntrain:\n"
-                             f"  code: {ROOT / 'examples' / 'digits'}\n  command: python train.py --epochs 1\n")
+        # or, on the head node itself, as its login user cc: `appliance train` finds the cluster from the files
+        # contextualize wrote (and cc's ~/.ssh)
+        (disks["hs-head"] / "onhead.yaml").write_text(
+            f"name: onhead\ncloud: local\nnodes: {{count: 2}}\ntrain:\n"
+            f"  code: {ROOT / 'examples' / 'digits'}\n  command: python train.py --epochs 1\n")
         cli = Path(sys.executable).parent / "appliance"
         r = testbed.node_exec(localcloud.testbed_name(), "hs-head",
-                              "export APPLIANCE_HOME=/mnt/local/appliance/home APPLIANCE_ETC=/mnt/local/appliance/etc; "
-                              f"{cli} train {spec_file} --json", timeout=300)
+                              "exec runuser -u cc -- env HOME=/home/cc APPLIANCE_HOME=/mnt/local/appliance/home "
+                              f"APPLIANCE_ETC=/mnt/local/appliance/etc {cli} train /mnt/local/onhead.yaml --json",
+                              timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         summary = json.loads(r.stdout)
         assert summary["hostnames_reported"] == ["hs-head", "hs-worker-0"], summary

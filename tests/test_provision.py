@@ -65,6 +65,17 @@ def test_full_cycle_lease_up_train_down(cloud, tmp_path):
     assert res.exit_code == 0, res.failure
     assert res.hostnames == ["cycle-0", "cycle-1"]
     assert len({r["weights_sha256"] for r in res.results.values()}) == 1
+    # the nodes are CC images: the launcher logs in as cc, which has passwordless sudo and was given the work
+    # directory; the job's files are cc's; root's key answers "log in as cc" (cloud-init's disable_root)
+    from appliance.remote import Session
+    with Session(cl) as s:
+        wd = cl.nodes[1].workdir
+        r = s[cl.nodes[1].name].run(f"id -un; sudo -n id -u; stat -c %U {wd}; find {wd} ! -user cc | head -3",
+                                    check=True)
+    assert r.out.split() == ["cc", "0", "cc"], r.out
+    r = testbed.node_exec(localcloud.testbed_name(), cl.nodes[0].name, "cat /root/.ssh/authorized_keys")
+    assert r.stdout.startswith('no-port-forwarding,no-agent-forwarding,no-X11-forwarding,command="echo '
+                               '\'Please login as the user \\"cc\\" rather than the user \\"root\\".\'')
     # idempotent: a second `up` creates nothing new
     before = len(requests("POST", r"/compute/v2.1/servers"))
     flows.up(spec, log=lambda m: None)
@@ -378,6 +389,7 @@ def test_python_chi_speaks_to_the_local_cloud(cloud, tmp_path):
     seen = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("CHI_JUDGE "))[len("CHI_JUDGE "):])
     assert seen["lease_status"] == "ACTIVE" and seen["server_status"] == "ACTIVE" and seen["again_status"] == "ACTIVE"
     assert seen["fip"] in seen["reserved_fips"] and len(seen["reserved_fips"]) == 1
+    assert seen["sudo"] == "0"  # python-chi's default user, cc, with passwordless sudo as on CC images
     assert seen["hostname"] == "chi-judge-0" and "chi-judge" in seen["listed"] and "chi-judge" not in seen["after"]
 
 

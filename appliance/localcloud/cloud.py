@@ -26,6 +26,10 @@ API_DATE = "%Y-%m-%d %H:%M"
 ISO = "%Y-%m-%dT%H:%M:%S.%f"
 REGION = "CHI@local"
 DEFAULT_POOLS = {"compute_local": 4, "gpu_local": 2}
+# every image here stands for a CC image, whose cloud-init makes the default user cc (uid 1000, passwordless sudo)
+# and puts the key pair there, root's keys behind a "Please login as the user cc" command (ChameleonCloud/CC-Images
+# elements/cc-common/static/etc/cloud/cloud.cfg.d/92_chi_default_user.cfg; cloudinit/config/cc_ssh.py)
+IMAGE_USER = "cc"
 
 
 class ApiError(Exception):
@@ -460,7 +464,7 @@ class Cloud:
                 self.faults["ssh_never"] -= 1
                 pub = ""
                 srv["_no_ssh"] = True
-            node = self.nodes.add(hostname, pub + "\n" if pub else "")
+            node = self.nodes.add(hostname, pub + "\n" if pub else "", user=IMAGE_USER)
             srv["_ip"] = node.ip  # the metadata service finds the server by it, as Neutron's proxy does
             ud = srv.get("_user_data")
             if ud:

@@ -19,8 +19,9 @@ class NodeBackend(ABC):
         """This machine's address on the nodes' network (the floating-IP range is next to it)."""
 
     @abstractmethod
-    def add(self, hostname: str, authorized_keys: str):
-        """Boot a node; returns it (``.ip``, ``.dir`` with its host keys, ``.sshd_pid``, ``.netns``)."""
+    def add(self, hostname: str, authorized_keys: str, user: str = "root"):
+        """Boot a node whose login user ``user`` has the key pair ``authorized_keys``; returns it (``.ip``, ``.dir``
+        with its host keys, ``.sshd_pid``, ``.netns``)."""
 
     @abstractmethod
     def stop_sshd(self, node) -> None:
@@ -61,8 +62,8 @@ class TestbedNodes(NodeBackend):
     def host_ip(self) -> str:
         return self.bridge.host_ip
 
-    def add(self, hostname: str, authorized_keys: str):
-        return testbed.add_node(self.name, hostname, authorized_keys)
+    def add(self, hostname: str, authorized_keys: str, user: str = "root"):
+        return testbed.add_node(self.name, hostname, authorized_keys, user=user)
 
     def stop_sshd(self, node) -> None:
         testbed.kill_pids([node.sshd_pid])

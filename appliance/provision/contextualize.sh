@@ -14,7 +14,7 @@
 #   APPLIANCE_KNOWN_HOSTS   known_hosts lines pinning every node's host key (may be empty)
 #   APPLIANCE_CLUSTER_JSON  contents of cluster.json
 #   APPLIANCE_HOSTS_FILE    /etc/hosts (overridable for tests)
-#   APPLIANCE_OWNER         user that owns APPLIANCE_SSH_DIR when this runs under sudo (optional)
+#   APPLIANCE_OWNER         user that owns APPLIANCE_SSH_DIR and APPLIANCE_ETC when this runs under sudo (optional)
 # Prints KEY=VALUE lines: APPLIANCE_NIC, APPLIANCE_FIREWALL, APPLIANCE_CONTEXT=ok.
 set -eu
 umask 077
@@ -68,6 +68,15 @@ put_block "$APPLIANCE_SSH_DIR/config" "Host $peer_names
 
 # 3. Cluster files: cluster.json, hostfile (horovodrun --hostfile), env (NIC for Gloo/NCCL).
 umask 022
+# under sudo, the directories made here are the login user's: the work directory's appliance/ holds the job's
+# code, data and runs too, which the user's job writes (a root-owned one would refuse them; an earlier version
+# made it root's, and this gives it back)
+if [ -n "${APPLIANCE_OWNER:-}" ]; then
+    for d in "$(dirname "$APPLIANCE_ETC")" "$APPLIANCE_ETC" "$APPLIANCE_ETC/bin"; do
+        [ -d "$d" ] || install -d -o "$APPLIANCE_OWNER" -g "$(id -g "$APPLIANCE_OWNER")" "$d"
+        [ "$(stat -c %U "$d")" = "$APPLIANCE_OWNER" ] || chown "$APPLIANCE_OWNER:" "$d"
+    done
+fi
 mkdir -p "$APPLIANCE_ETC/bin"
 printf '%s\n' "$APPLIANCE_CLUSTER_JSON" >"$APPLIANCE_ETC/cluster.json"
 printf '%s\n' "$APPLIANCE_PEERS" | awk 'NF>=3{print $1" slots="$3}' >"$APPLIANCE_ETC/hostfile"
@@ -107,7 +116,7 @@ if command -v firewall-cmd >/dev/null 2>&1 && firewall-cmd --state >/dev/null 2>
     fw="trusted:$(printf '%s\n' "$wanted" | grep -c . || true)"
 fi
 
-if [ -n "${APPLIANCE_OWNER:-}" ]; then chown -R "$APPLIANCE_OWNER:" "$APPLIANCE_SSH_DIR"; fi
+if [ -n "${APPLIANCE_OWNER:-}" ]; then chown -R "$APPLIANCE_OWNER:" "$APPLIANCE_SSH_DIR" "$APPLIANCE_ETC"; fi
 
 echo "APPLIANCE_NIC=$nic"
 echo "APPLIANCE_FIREWALL=$fw"

@@ -26,8 +26,8 @@ LOCK = paths.LOCK
 
 class LocalSite(Site):
     kind = "local"
-    user = "root"
-    workdir = "/mnt/local"  # each testbed node's private "local SSD"
+    user = "cc"  # the local cloud's images are CC images: cc with passwordless sudo (localcloud/cloud.py IMAGE_USER)
+    workdir = "/mnt/local"  # each testbed node's private "local SSD", root's until prepare_nodes
     python = sys.executable  # nodes share this machine's file system
     boot_timeout = 120.0
     ssh_timeout = 60.0
@@ -74,6 +74,21 @@ class LocalSite(Site):
         creds.s3_endpoint, creds.s3_access_key, creds.s3_secret_key = own.s3_endpoint, own.s3_access_key, \
             own.s3_secret_key
         return creds
+
+    def prepare_nodes(self, cluster: Cluster, session) -> None:
+        """The node's local disk is mounted root-owned, as a freshly mounted NVMe drive is on Chameleon: give it to
+        the login user, with sudo as local_disk.prepare does there."""
+        wd = self.workdir
+
+        def claim(remote):
+            r = remote.run(f"test -O {wd} || sudo -n chown {self.user}: {wd}")
+            if r.rc != 0:
+                raise ApplianceError(f"{remote.node.name}: could not take {wd} for {self.user}: {r.err.strip()[:120]}",
+                                     "check `sudo -n true` works for the login user")
+
+        session.each(claim)
+        for node in cluster.nodes:
+            node.workdir = wd
 
     def install_options(self) -> dict:
         """Nodes are namespaces here: no PyPI, the host's packages, a per-node venv."""

@@ -1,7 +1,8 @@
 """The testbed: the local cloud's machines.
 
 Each node is a Linux network namespace with its own UTS namespace (hostname), mount namespace
-(private /etc/hosts, /root/.ssh and local disk at /mnt/local) and its own sshd on a private
+(private /etc/hosts, /root/.ssh and local disk at /mnt/local; a login user other than root, such as the
+local cloud's cc, gets private users, sudoers and /home) and its own sshd on a private
 address on a bridge the testbed creates. Where namespaces are unavailable (not root, no sshd),
 the testbed falls back to single-host mode: every slot on this machine, no SSH.
 """

@@ -8,6 +8,8 @@ Layout of a testbed named NAME (state under $APPLIANCE_HOME/testbeds/NAME):
     node1/                  sshd_config, hosts, sshd.log,
           disk/             bind-mounted at /mnt/local inside the node: its "local SSD"
           ssh/              bind-mounted at /root/.ssh inside the node
+          etc/, home/       a node whose login user is not root (the local cloud's: cc, as on CC images): its own
+                            passwd, group, shadow, sudoers.d and /home, bind-mounted (``_default_user``)
           etc-ssh/          bind-mounted at /etc/ssh inside the node: its host keys where an image keeps them
 
 Host side: a bridge ``apl-NAME`` with 10.77.X.1/24; node i is 10.77.X.(10+i) on its eth0. A testbed the local
@@ -26,6 +28,7 @@ import json
 import os
 import pwd
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -54,6 +57,7 @@ class TestbedNode:
     veth: str | None = None
     sshd_pid: int | None = None
     slots: int = 1
+    user: str = "root"  # the login user: root, or an image's default user (cc) that cloud-init made
 
     @property
     def disk(self) -> str:
@@ -320,8 +324,9 @@ def _make_bridge(name: str, base: Path) -> Testbed:
 
 
 def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, slots: int = 1,
-                ip: str | None = None) -> TestbedNode:
-    """Create one node (namespace, veth, sshd) on the testbed's bridge; does not wait for sshd."""
+                ip: str | None = None, user: str = "root") -> TestbedNode:
+    """Create one node (namespace, veth, sshd) on the testbed's bridge; does not wait for sshd. ``user``: the
+    login user; another than root is made as cloud-init makes an image's default user (``_default_user``)."""
     base = Path(tb.base)
     net = ipaddress.IPv4Network(f"{tb.host_ip}/{tb.prefix}", strict=False)
     root_home = Path(pwd.getpwuid(0).pw_dir)
@@ -335,11 +340,15 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
         if Path("/etc/ssh", f).is_file():
             shutil.copy(Path("/etc/ssh", f), etc_ssh / f)
     node = TestbedNode(name=node_name, ip=ip or str(net.network_address + 10 + index), dir=str(d),
-                       netns=f"apl-{tb.name}-{node_name}", veth=f"apl{tb.name}v{index}", slots=slots)
+                       netns=f"apl-{tb.name}-{node_name}", veth=f"apl{tb.name}v{index}", slots=slots, user=user)
     tb.nodes.append(node)
     tb.save()
     _keygen(etc_ssh / "ssh_host_ed25519_key", f"root@{node_name}")
-    (d / "ssh" / "authorized_keys").write_text(authorized_keys)
+    mounts = ""
+    if user == "root":
+        (d / "ssh" / "authorized_keys").write_text(authorized_keys)
+    else:
+        mounts = _default_user(d, user, authorized_keys) + _root_home(d, root_home)
     os.chmod(d / "ssh" / "authorized_keys", 0o600)
     (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n{node.ip}\t{node_name}\n")
     (d / "sshd_config").write_text(_sshd_config(node))
@@ -362,7 +371,7 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
         _run("ip", "-n", ns, "route", "add", "unreachable", f"{METADATA_IP}/32")
     script = (
         f"hostname {node_name} && mount --bind {d}/hosts /etc/hosts && mount --bind {etc_ssh} /etc/ssh && "
-        f"mount --bind {d}/disk {NODE_MOUNT} && mount --bind {d}/ssh {root_home}/.ssh && "
+        f"mount --bind {d}/disk {NODE_MOUNT} && {mounts}mount --bind {d}/ssh {root_home}/.ssh && "
         f"exec {SSHD} -D -f {d}/sshd_config -E {d}/sshd.log"
     )
     with open(d / "boot.log", "wb") as out:
@@ -376,6 +385,85 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
         fh.write(f"{node.name},{node.ip} {keytype} {key}\n")
     tb.save()
     return node
+
+
+DEFAULT_UID = 1000  # CC images' cc (ChameleonCloud/CC-Images elements/cc-common/.../92_chi_default_user.cfg)
+# cloud-init's DISABLE_USER_OPTS (cloudinit/ssh_util.py), put before root's keys when disable_root is true (the
+# default: cloudinit/config/cc_ssh.py apply_credentials): a login as root prints this, waits and exits 142
+DISABLE_ROOT_OPTS = ("no-port-forwarding,no-agent-forwarding,no-X11-forwarding,command=\"echo 'Please login as the "
+                     "user \\\"{user}\\\" rather than the user \\\"root\\\".';echo;sleep 10;exit 142\"")
+
+
+def _default_user(d: Path, user: str, authorized_keys: str) -> str:
+    """Make ``user`` on a node as cloud-init makes a CC image's default user (92_chi_default_user.cfg: uid 1000,
+    sudo ``ALL=(ALL) NOPASSWD:ALL``, shell bash, password locked) and puts the key pair in its authorized_keys,
+    root's keys behind DISABLE_ROOT_OPTS. Nodes share this machine's /etc, so the node gets its own copies of
+    passwd, group, shadow and sudoers.d and its own /home, bind-mounted in its mount namespace; returns the mount
+    commands for the node's boot script. The host's users with the default user's uid or gid are left out of the
+    node's copies (another machine's users). Password field ``*`` rather than cloud-init's ``!``: the testbed's sshd
+    runs without PAM, and OpenSSH then refuses any login to an account whose password starts with ``!``."""
+    if not shutil.which("sudo"):
+        raise ApplianceError(f"testbed: a node with login user {user} needs sudo, and this machine has none",
+                             "install it: `apt-get install sudo` (make install does)")
+    uid = gid = DEFAULT_UID
+    etc = d / "etc"
+    etc.mkdir(exist_ok=True)
+
+    def keep(line: str, idx: int) -> bool:
+        f = line.split(":")
+        return bool(line.strip()) and f[0] != user and not (len(f) > idx and f[idx] == str(uid))
+
+    passwd = [x for x in Path("/etc/passwd").read_text().splitlines() if keep(x, 2)]
+    group = [x for x in Path("/etc/group").read_text().splitlines() if keep(x, 2)]
+    names = {x.split(":")[0] for x in passwd}
+    shadow = [x for x in Path("/etc/shadow").read_text().splitlines() if x.split(":")[0] in names]
+    gecos = "Chameleon Cloud User"
+    (etc / "passwd").write_text("\n".join(passwd + [f"{user}:x:{uid}:{gid}:{gecos}:/home/{user}:/bin/bash"]) + "\n")
+    (etc / "group").write_text("\n".join(group + [f"{user}:x:{gid}:"]) + "\n")
+    (etc / "shadow").write_text("\n".join(shadow + [f"{user}:*:19000:0:99999:7:::"]) + "\n")
+    os.chmod(etc / "shadow", 0o640)
+    sudoers = etc / "sudoers.d"
+    if sudoers.exists():
+        shutil.rmtree(sudoers)
+    if Path("/etc/sudoers.d").is_dir():
+        shutil.copytree("/etc/sudoers.d", sudoers)
+    else:
+        sudoers.mkdir()
+    # cloud-init's distros/__init__.py write_sudo_rules: /etc/sudoers.d/90-cloud-init-users, mode 0440
+    rules = sudoers / "90-cloud-init-users"
+    rules.write_text(f"# Created by cloud-init\n\n# User rules for {user}\n{user} ALL=(ALL) NOPASSWD:ALL\n")
+    os.chmod(rules, 0o440)
+    home = d / "home" / user
+    (home / ".ssh").mkdir(parents=True, exist_ok=True)
+    (home / ".ssh" / "authorized_keys").write_text(authorized_keys)
+    for p, mode in ((home, 0o750), (home / ".ssh", 0o700), (home / ".ssh" / "authorized_keys", 0o600)):
+        os.chown(p, uid, gid)
+        os.chmod(p, mode)
+    opts = DISABLE_ROOT_OPTS.format(user=user)
+    (d / "ssh" / "authorized_keys").write_text(
+        "".join(f"{opts} {k}\n" for k in authorized_keys.splitlines() if k.strip()))
+    return "".join(f"mount --bind {etc}/{f} /etc/{f} && " for f in ("passwd", "group", "shadow", "sudoers.d")) + \
+        f"mount --bind {d}/home /home && "
+
+
+def _root_home(d: Path, root_home: Path) -> str:
+    """A node whose login user is not root still runs this machine's Python (the launcher's interpreter, its venv,
+    the local wheelhouse), and here that may live under root's home, which is 0700 (pyenv installs there). Such a
+    node gets a root home of its own, 0711 rather than 0700, where the host's root-home directories are bind-mounted
+    (the node's own .ssh goes on top): the login user can reach the shared software, as it reaches
+    /opt/appliance/venv on the appliance image, and reads only what is world-readable there. Returns the mount
+    commands (a recursive bind, so the directories bound into it come along)."""
+    rh = d / "roothome"
+    rh.mkdir(exist_ok=True)
+    os.chmod(rh, 0o711)
+    cmds = []
+    for entry in sorted(root_home.iterdir()):
+        if entry.is_dir() and not entry.is_symlink() and entry.name != ".ssh":
+            (rh / entry.name).mkdir(exist_ok=True)
+            cmds.append(f"mount --bind {shlex.quote(str(entry))} {shlex.quote(str(rh / entry.name))}")
+    (rh / ".ssh").mkdir(exist_ok=True)
+    cmds.append(f"mount --rbind {rh} {root_home}")
+    return "".join(f"{c} && " for c in cmds)
 
 
 def _wait_ready(tb: Testbed, nodes: list[TestbedNode], timeout: float) -> None:
@@ -503,15 +591,17 @@ def listen_in_netns(netns: str, address: str, port: int) -> socket.socket:
     return got["sock"]
 
 
-def add_node(name: str, node_name: str, authorized_keys: str, *, ready_timeout: float = 20.0) -> TestbedNode:
-    """Boot one node on testbed ``name`` and wait for its sshd. Returns the node record."""
+def add_node(name: str, node_name: str, authorized_keys: str, *, ready_timeout: float = 20.0,
+             user: str = "root") -> TestbedNode:
+    """Boot one node on testbed ``name`` and wait for its sshd. Returns the node record. ``user``: its login user
+    (``_default_user``)."""
     with _locked(name, wait=120):
         tb = load(name)
         if tb is None:
             raise ApplianceError(f"testbed {name} does not exist")
         used = {int(n.veth.rsplit("v", 1)[1]) for n in tb.nodes if n.veth}
         index = next(i for i in range(1, 200) if i not in used)
-        node = _start_node(tb, index, node_name, authorized_keys)
+        node = _start_node(tb, index, node_name, authorized_keys, user=user)
     _wait_ready(tb, [node], ready_timeout)
     return node
 

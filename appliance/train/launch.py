@@ -365,8 +365,11 @@ def check_run_free(head: Remote, rd: str, run: str) -> None:
                              f"wait for it to end; or ask it to stop with a checkpoint: `ssh {head.node.name} "
                              f"touch {rd}/STOP`; or give this spec another name")
     if r.rc != 0:
-        raise ApplianceError(f"cannot check the run lock on {head.node.name}: {r.err.strip()[-200:]}",
-                             "the node needs flock (util-linux)")
+        err = r.err.strip()[-200:]
+        fix = (f"the login user {head.node.user} must own the work directory: `appliance up` again gives it (or "
+               f"`sudo chown -R {head.node.user}: {rd.rsplit('/runs/', 1)[0]}` on {head.node.name})"
+               if "Permission denied" in err else "the node needs flock (util-linux)")
+        raise ApplianceError(f"cannot check the run lock on {head.node.name}: {err}", fix)
 
 
 def locked_command(rd: str, cmd: str) -> str:
