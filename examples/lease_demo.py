@@ -1,8 +1,10 @@
 """The lease-end demonstration `make deploy` runs on the local cloud.
 
 1. `appliance up` + `appliance stage` for examples/digits.yaml (2 nodes on a 2-hour lease).
-2. `appliance train`. Mid-training, the cloud's clock jumps to 90 s before the lease end (the local cloud's
-   accelerated time). The watchdog sees it and asks the job to stop, every rank stops after the same step,
+2. `appliance train` with `lease.extend` on. Mid-training, the cloud's clock jumps to 90 s before the lease end
+   (the local cloud's accelerated time): the watchdog extends the lease and the job trains on. Then another lease
+   books the same hosts from the new end on (the usual reason Chameleon refuses an extension) and the clock jumps
+   again: Blazar refuses the extension, the watchdog asks the job to stop, every rank stops after the same step,
    rank 0 commits a checkpoint, and the job exits 75 (resumable).
 3. The clock passes the lease end. The local cloud deletes both servers and their disks, as Blazar does.
 4. `appliance resume digits`: a new lease, new servers, the dataset and the checkpoint staged, training
@@ -22,12 +24,16 @@ an application credential of the job's own and get new tokens with it (docs/cham
 Run as `python examples/lease_demo.py [SPEC]` after the dataset is uploaded (see the Makefile).
 """
 
+import dataclasses
+import datetime as dt
+import json
 import os
 import random
 import re
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import yaml
@@ -67,26 +73,72 @@ def main() -> int:
 TOKEN_SECONDS = 60
 
 
+def book_after_end(cloud, cluster, minutes: int = 10) -> list[str]:
+    """Another lease on this lease's hosts, from its end on: the usual reason a Chameleon extension is refused
+    (Blazar cannot keep a host that someone booked after your end). One 1-host lease per node, by `$node_name`
+    (Chameleon's host property). On the local cloud a server's hostId is its Blazar host's id."""
+    names = {str(h["id"]): h["node_name"] for h in cloud.blazar.host.list()}
+    end = cloud.get_lease(cluster.lease_id).end
+    start = end + dt.timedelta(minutes=1)
+    ids, hosts = [], []
+    for node in cluster.nodes:
+        host = names[str(cloud.conn.compute.get_server(node.server_id).host_id)]
+        hosts.append(host)
+        res = {"resource_type": "physical:host", "min": 1, "max": 1, "hypervisor_properties": "",
+               "resource_properties": json.dumps(["=", "$node_name", host]), "before_end": "default"}
+        lease = cloud.blazar.lease.create(f"someone-else-{host}", start.strftime("%Y-%m-%d %H:%M"),
+                                          (start + dt.timedelta(minutes=minutes)).strftime("%Y-%m-%d %H:%M"), [res], [])
+        ids.append(lease["id"])
+    print(f"[demo] another lease books {', '.join(hosts)} from {start:%H:%M} UTC, right after this lease's end",
+          flush=True)
+    return ids
+
+
 def demo(spec_path: str, spec) -> int:
     say(f"1. up + stage: {spec_path}")
     cluster = flows.up(spec_path)
     flows.stage_spec(spec_path)
 
     epochs = 30
-    at_epoch = random.randint(8, 20)  # an arbitrary moment mid-training
+    at_epoch = random.randint(5, 10)  # an arbitrary moment mid-training
+    site = sites.for_cluster(cluster, log=lambda m: None)
+    booked: list[str] = []
+    extended = threading.Event()
+
+    def jump_to_end(why: str) -> None:
+        left = (site.cloud.get_lease(cluster.lease_id).end - site.cloud.now()).total_seconds()
+        print(f"[demo] the cloud's clock jumps {left - 90:.0f} s ahead: the lease now ends in 90 s ({why})", flush=True)
+        localcloud.admin("POST", "/advance", {"seconds": left - 90})
+
+    def second_end() -> None:  # off the output thread: the job trains on meanwhile
+        old_end = site.cloud.get_lease(cluster.lease_id).end
+        for _ in range(600):  # the watchdog polls every 0.5 s here
+            if site.cloud.get_lease(cluster.lease_id).end > old_end:
+                break
+            extended.wait(0.05)
+        booked.extend(book_after_end(site.cloud, cluster))
+        jump_to_end("again; the watchdog cannot extend this time")
 
     def near_end(line: str) -> None:
         print(line, flush=True)
         if f"epoch {at_epoch}/{epochs} " in line:
-            prof = sites.for_cluster(cluster, log=lambda m: None)
-            left = (prof.cloud.get_lease(cluster.lease_id).end - prof.cloud.now()).total_seconds()
-            print(f"[demo] the cloud's clock jumps {left - 90:.0f} s ahead: the lease now ends in 90 s", flush=True)
-            localcloud.admin("POST", "/advance", {"seconds": left - 90})
+            jump_to_end("the watchdog extends it: lease.extend is on")
+            threading.Thread(target=second_end, daemon=True).start()
+        if "[watchdog] extended lease" in line:
+            extended.set()
 
-    say(f"2. train; at epoch {at_epoch} the lease is 90 s from its end")
-    first = train(spec, cluster, out=near_end)
+    say(f"2. train with lease.extend on; at epoch {at_epoch} the lease is 90 s from its end")
+    spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, extend=True))
+    try:
+        first = train(spec, cluster, out=near_end)
+    finally:
+        for lid in booked:
+            site.cloud.delete_lease(lid)
     if first.exit_code != 75 or not first.stopped:
         print(f"demo: expected the job to stop for the lease end (exit 75), got {first.exit_code}: {first.failure}")
+        return 1
+    if not extended.is_set():
+        print("demo: expected the watchdog to extend the lease once")
         return 1
     stop_step = first.stopped["step"]
 
@@ -120,6 +172,8 @@ def demo(spec_path: str, spec) -> int:
     r0, ref0 = second.results.get(0, {}), ref.results.get(0, {})
     same = weights(second) == weights(ref) and ref.exit_code == 0
     say("summary")
+    print("  the watchdog extended the lease once and the job trained on; the second time another lease had "
+          "booked the hosts, Blazar refused the extension, and the job stopped before the end")
     print(f"  stopped for the lease end after step {stop_step}; checkpoint {first.stopped['checkpoint']} "
           f"committed {first.stopped['seconds']} s after the stop request")
     print(f"  resumed on a new lease at step {second.resumed['step']} "

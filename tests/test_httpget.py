@@ -9,8 +9,12 @@ from __future__ import annotations
 import datetime as dt
 import http.client
 import os
+import select
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -129,3 +133,117 @@ def test_the_presigned_url_is_botocores_byte_for_byte(monkeypatch, key, endpoint
     got = Presigner(endpoint, "AK", "SK/x+y", "us-east-1").url("bucket", key, now=now.replace(tzinfo=dt.timezone.utc))
     parse = lambda u: (u.split("?")[0], sorted(u.split("?")[1].split("&")))  # noqa: E731 (same query, any order)
     assert parse(got) == parse(want)
+
+
+class Proxy(BaseHTTPRequestHandler):
+    """A forward proxy: GET of an absolute URL (plain http) and CONNECT tunnels (https), as squid does."""
+    protocol_version = "HTTP/1.1"
+    seen: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        Proxy.seen.append(("GET", self.path, self.headers.get("Proxy-Authorization")))
+        u = urlsplit(self.path)
+        c = http.client.HTTPConnection(u.netloc, timeout=10)
+        c.request("GET", u.path, headers={k: v for k, v in self.headers.items() if not k.lower().startswith("proxy-")})
+        r = c.getresponse()
+        body = r.read()
+        self.send_response(r.status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_CONNECT(self):
+        Proxy.seen.append(("CONNECT", self.path, self.headers.get("Proxy-Authorization")))
+        host, port = self.path.rsplit(":", 1)
+        up = socket.create_connection((host, int(port)), timeout=10)
+        self.send_response(200, "Connection established")
+        self.end_headers()
+        conns = [self.connection, up]
+        while True:
+            ready, _, _ = select.select(conns, [], [], 10)
+            if not ready:
+                break
+            for s in ready:
+                data = s.recv(1 << 16)
+                if not data:
+                    up.close()
+                    self.close_connection = True
+                    return
+                (up if s is self.connection else self.connection).sendall(data)
+
+
+def _serve(handler, wrap=None):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    if wrap:
+        srv.socket = wrap(srv.socket)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def test_gets_go_through_the_proxy_the_environment_names_as_requests_does(server, tmp_path, monkeypatch):
+    """The listing goes through requests, which honours HTTP(S)_PROXY and NO_PROXY: the stager's GETs must take the
+    same way out, or a node behind a proxy lists a dataset and then cannot fetch a byte of it."""
+    import datetime
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from appliance.store import httpget
+
+    Proxy.seen = []
+    proxy = _serve(Proxy)
+    purl = f"http://user:p%40ss@127.0.0.1:{proxy.server_address[1]}"
+    for var in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", purl)
+    monkeypatch.setenv("HTTPS_PROXY", purl)
+    httpget._local.__dict__.clear()  # this thread's connections and TLS context, made under other settings
+    p = tmp_path / "f"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT)
+    try:
+        # plain http: the proxy is asked for the absolute URL, with the proxy's credentials
+        assert get_into(f"{server}/c/o", {"X-Auth-Token": "t"}, fd, 0)[0] == len(BODY)
+        assert Proxy.seen == [("GET", f"{server}/c/o", "Basic dXNlcjpwQHNz")]  # user:p@ss
+        assert Handler.requests[-1][1]["X-Auth-Token"] == "t"
+        # NO_PROXY: straight to the store
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        httpget._local.__dict__.clear()
+        get_into(f"{server}/c/o", {}, fd, 0)
+        assert len(Proxy.seen) == 1
+        monkeypatch.delenv("NO_PROXY")
+        # https: a CONNECT tunnel; the proxy sees the host and port, never the path or the token
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        import ipaddress
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(1).not_valid_before(now - datetime.timedelta(days=1))
+                .not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                               critical=False)
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(key, hashes.SHA256()))
+        (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (tmp_path / "k.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption()))
+        sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        sctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
+        tls = _serve(Handler, lambda s: sctx.wrap_socket(s, server_side=True))
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tmp_path / "c.pem"))
+        httpget._local.__dict__.clear()
+        target = f"127.0.0.1:{tls.server_address[1]}"
+        assert get_into(f"https://{target}/c/o", {"X-Auth-Token": "secret"}, fd, 0)[0] == len(BODY)
+        assert Proxy.seen[1:] == [("CONNECT", target, "Basic dXNlcjpwQHNz")]
+        assert p.read_bytes() == BODY
+        tls.shutdown()
+    finally:
+        os.close(fd)
+        httpget._local.__dict__.clear()
+        proxy.shutdown()

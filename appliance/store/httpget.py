@@ -11,12 +11,14 @@ Measured with ``make bench-stage`` (bench/results/stage*.md): client CPU per 256
 
 from __future__ import annotations
 
+import base64
 import http.client
 import os
 import ssl
 import threading
+import urllib.request
 from collections.abc import Callable
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 BUF = 1 << 20
 
@@ -48,8 +50,29 @@ def _ssl_context() -> ssl.SSLContext:
     return ctx
 
 
+def _proxy(scheme: str, netloc: str) -> tuple[str, dict] | None:
+    """The proxy the environment names for this URL's scheme and host (HTTP_PROXY, HTTPS_PROXY, NO_PROXY, as
+    requests, and so swiftclient and boto3, read them): (proxy host:port, its Proxy-Authorization header), or None.
+    The listing and the GETs then take the same way out."""
+    proxies = urllib.request.getproxies_environment()
+    url = proxies.get(scheme)
+    host = urlsplit(f"//{netloc}").hostname or netloc
+    if not url or urllib.request.proxy_bypass_environment(host, proxies):
+        return None
+    p = urlsplit(url if "://" in url else f"http://{url}")
+    if p.scheme not in ("http", ""):
+        raise OSError(f"proxy {p.scheme}://{p.hostname}: the stager takes only http:// proxies "
+                      "(HTTPS_PROXY=http://HOST:PORT tunnels https through it)")
+    auth = {}
+    if p.username:
+        cred = f"{unquote(p.username)}:{unquote(p.password or '')}".encode()
+        auth = {"Proxy-Authorization": "Basic " + base64.b64encode(cred).decode()}
+    return f"{p.hostname}:{p.port or 80}", auth
+
+
 def _connection(scheme: str, netloc: str, timeout: float, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
-    """(this thread's connection to ``netloc``, whether it was used before)."""
+    """(this thread's connection to ``netloc``, whether it was used before). Through a proxy: https tunnels
+    (CONNECT; the proxy sees neither the path nor the headers), http asks the proxy for the absolute URL."""
     conns = getattr(_local, "conns", None)
     if conns is None:
         conns = _local.conns = {}
@@ -60,8 +83,15 @@ def _connection(scheme: str, netloc: str, timeout: float, fresh: bool) -> tuple[
     old = conns.pop(key, None)
     if old is not None:
         old.close()
-    c = (http.client.HTTPSConnection(netloc, timeout=timeout, context=_ssl_context()) if scheme == "https"
-         else http.client.HTTPConnection(netloc, timeout=timeout))
+    via = _proxy(scheme, netloc)
+    if scheme == "https":
+        c = http.client.HTTPSConnection(via[0] if via else netloc, timeout=timeout, context=_ssl_context())
+        if via:
+            c.set_tunnel(netloc, headers=via[1])
+    else:
+        c = http.client.HTTPConnection(via[0] if via else netloc, timeout=timeout)
+    c.appliance_absolute = scheme == "http" and via is not None  # the request line carries the whole URL
+    c.appliance_proxy_headers = via[1] if via and scheme == "http" else {}
     conns[key] = c
     return c, False
 
@@ -97,7 +127,10 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
     while True:
         conn, reused = _connection(u.scheme, u.netloc, timeout, fresh)
         try:
-            conn.request("GET", path, headers=headers)
+            if conn.appliance_absolute:
+                conn.request("GET", f"http://{u.netloc}{path}", headers={**headers, **conn.appliance_proxy_headers})
+            else:
+                conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
             break
         except (OSError, http.client.HTTPException):
