@@ -88,3 +88,21 @@ def test_single_host_fallback_when_not_root(monkeypatch):
         assert cl.single_host and cl.world_size == 2
     finally:
         testbed.down("sh", log=lambda m: None)
+
+
+def test_a_process_that_ends_between_two_proc_reads_is_not_alive(monkeypatch):
+    """`make test` saw cut_connections fail with ProcessLookupError: a killed sshd child ended after _alive read its
+    /proc cmdline and before it read /proc stat."""
+    import pathlib
+
+    from appliance.testbed import netns
+
+    real = pathlib.Path.read_text
+
+    def gone(self, *a, **k):
+        if str(self).endswith("/stat"):
+            raise ProcessLookupError(3, "No such process")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", gone)
+    assert netns._alive(os.getpid()) is False

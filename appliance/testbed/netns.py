@@ -182,7 +182,10 @@ def _alive(pid: int | None, needle: str = "") -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
-    stat = Path(f"/proc/{pid}/stat").read_text()
+    try:  # the process may end between the two reads: /proc answers ESRCH (ProcessLookupError) then
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
     if stat.split(") ", 1)[1].startswith("Z"):
         return False
     return needle in cmdline
