@@ -86,9 +86,7 @@ class LocalSite(Site):
                 raise ApplianceError(f"{remote.node.name}: could not take {wd} for {self.user}: {r.err.strip()[:120]}",
                                      "check `sudo -n true` works for the login user")
 
-        session.each(claim)
-        for node in cluster.nodes:
-            node.workdir = wd
+        session.each(claim)  # node.workdir stays the site's (up set it)
 
     def install_options(self) -> dict:
         """Nodes are namespaces here: no PyPI, the host's packages, a per-node venv."""

@@ -90,8 +90,8 @@ def _connection(scheme: str, netloc: str, timeout: float, fresh: bool) -> tuple[
             c.set_tunnel(netloc, headers=via[1])
     else:
         c = http.client.HTTPConnection(via[0] if via else netloc, timeout=timeout)
-    c.appliance_absolute = scheme == "http" and via is not None  # the request line carries the whole URL
-    c.appliance_proxy_headers = via[1] if via and scheme == "http" else {}
+    # plain http through a proxy: the request line carries the whole URL, with the proxy's headers (else None)
+    c.appliance_via = via[1] if via and scheme == "http" else None
     conns[key] = c
     return c, False
 
@@ -127,8 +127,8 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
     while True:
         conn, reused = _connection(u.scheme, u.netloc, timeout, fresh)
         try:
-            if conn.appliance_absolute:
-                conn.request("GET", f"http://{u.netloc}{path}", headers={**headers, **conn.appliance_proxy_headers})
+            if conn.appliance_via is not None:
+                conn.request("GET", f"http://{u.netloc}{path}", headers={**headers, **conn.appliance_via})
             else:
                 conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
