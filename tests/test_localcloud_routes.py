@@ -198,3 +198,52 @@ def test_keystone_validates_tokens_for_the_store_as_keystone_does(api):
     old = call("POST", acs, {"application_credential": {"name": "old", "expires_at": past}},
                token=token(call, creds))[1]["application_credential"]
     assert ac_token(old)[0] == 401
+
+
+def test_keystone_checks_s3_signatures_of_ec2_credentials_for_the_rgw(api):
+    """Chameleon's S3 keys are Keystone EC2 credentials; its RGW sends each S3 request's string to sign and
+    signature to POST /v3/s3tokens (src/rgw/rgw_auth_keystone.cc EC2Engine::get_from_keystone) and Keystone answers
+    with a token of the credential's project, 401 for a wrong signature, 404 for an unknown key
+    (keystone/api/s3tokens.py, _shared/EC2_S3_Resource.py). The signature here is botocore's own SigV4."""
+    import base64
+
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    call, creds = api
+    tok, uid = token(call, creds), creds["user_id"]
+    ec2 = f"/identity/v3/users/{uid}/credentials/OS-EC2"
+    st, body, _ = call("POST", ec2, {"tenant_id": creds["project_id"]}, token=tok)
+    assert st == 201
+    made = body["credential"]
+    assert made["tenant_id"] == creds["project_id"] and made["links"]["self"].endswith(f"{ec2}/{made['access']}")
+    assert call("POST", ec2, {"tenant_id": "another-project"}, token=tok)[0] == 404
+    assert [c["access"] for c in call("GET", ec2, token=tok)[1]["credentials"]] == [made["access"]]
+
+    class Seen(S3SigV4Auth):  # botocore's signer, keeping the string it signed (what the RGW sends Keystone)
+        def signature(self, string_to_sign, request):
+            self.sts = string_to_sign
+            return super().signature(string_to_sign, request)
+
+    def signed(secret):
+        auth = Seen(Credentials(made["access"], secret), "s3", "us-east-1")
+        req = AWSRequest(method="GET", url="http://10.99.0.1:7480/bucket", headers={})
+        auth.add_auth(req)
+        sts = auth.sts
+        sig = req.headers["Authorization"].rsplit("Signature=", 1)[1]
+        return {"credentials": {"access": made["access"], "token": base64.urlsafe_b64encode(sts.encode()).decode(),
+                                "signature": sig}}
+
+    st, body, _ = call("POST", "/identity/v3/s3tokens", signed(made["secret"]))  # no X-Auth-Token: unenforced
+    assert st == 200 and body["token"]["methods"] == ["ec2credential"]
+    assert body["token"]["project"]["id"] == creds["project_id"] and body["token"]["user"]["id"] == uid
+    assert call("POST", "/identity/v3/s3tokens", signed("wrong"))[0] == 401
+    unknown = signed(made["secret"])
+    unknown["credentials"]["access"] = "0" * 32
+    assert call("POST", "/identity/v3/s3tokens", unknown)[0] == 404
+    assert call("GET", "/identity/v3/s3tokens")[0] == 405
+    # the RGW reads the secret as its service user; another user's token may not; deleted is gone
+    assert call("GET", f"{ec2}/{made['access']}", token=tok)[1]["credential"]["secret"] == made["secret"]
+    assert call("DELETE", f"{ec2}/{made['access']}", token=tok)[0] == 204
+    assert call("POST", "/identity/v3/s3tokens", signed(made["secret"]))[0] == 404

@@ -407,19 +407,21 @@ def test_the_clock_goes_back_on_real_time_after_a_demo(cloud):
     assert abs(skew()) < 5
 
 
-def test_the_openstack_cli_speaks_to_the_local_cloud(cloud):
-    """Issue 12: the `openstack` command (python-openstackclient, with the Blazar and Heat plugins) users bring
-    works unchanged against `appliance cloud start`."""
+def _openstack(*args: str) -> str:
+    """The `openstack` command against the local cloud (its clouds.yaml); its stdout, asserting it succeeded."""
     import os
 
     env = dict(os.environ, OS_CLIENT_CONFIG_FILE=str(localcloud.clouds_yaml()), OS_CLOUD=localcloud.CLOUD_NAME)
-    osc = str(Path(sys.executable).parent / "openstack")
+    r = subprocess.run([str(Path(sys.executable).parent / "openstack"), *args], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, (args, r.stderr[-1000:])
+    return r.stdout
 
-    def run(*args: str) -> str:
-        r = subprocess.run([osc, *args], env=env, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, (args, r.stderr[-1000:])
-        return r.stdout
 
+def test_the_openstack_cli_speaks_to_the_local_cloud(cloud):
+    """Issue 12: the `openstack` command (python-openstackclient, with the Blazar and Heat plugins) users bring
+    works unchanged against `appliance cloud start`."""
+    run = _openstack
     assert "appliance-cpu" in run("image", "list", "-f", "value", "-c", "Name").split()
     assert run("flavor", "list", "-f", "value", "-c", "Name").split() == ["baremetal"]
     assert {"sharednet1", "public"} <= set(run("network", "list", "-f", "value", "-c", "Name").split())
@@ -432,3 +434,47 @@ def test_the_openstack_cli_speaks_to_the_local_cloud(cloud):
     assert "osc-lease" not in run("reservation", "lease", "list", "-f", "value", "-c", "name")
     run("server", "list")
     run("stack", "list")
+
+
+def test_s3_keys_are_keystone_ec2_credentials_that_the_rgw_checks_with_keystone(cloud, monkeypatch):
+    """Issue 12: Chameleon's S3 keys are Keystone EC2 credentials (`openstack ec2 credentials create`), which its
+    Ceph RGW checks with Keystone (POST /v3/s3tokens, then the secret from OS-EC2). The local RGW had S3 keys of its
+    own, so that path never ran here: `openstack ec2 credentials create` answered 404 and the RGW knew nothing of
+    Keystone's keys. Now the site's own S3 keys are an EC2 credential too, and keys made with the `openstack`
+    command open the same project's buckets, a wrong secret and a deleted credential are refused."""
+    from botocore.exceptions import ClientError
+
+    from appliance import sites
+    from appliance.store.objects import S3Store, StoreCreds
+
+    if localcloud.store_kind() != "rgw":
+        pytest.skip("the local store is OpenStack Swift (APPLIANCE_LOCAL_STORE=swift): no Keystone EC2 path")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "APPLIANCE_S3_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    run = _openstack
+    site = sites.open_site("local", log=lambda m: None)
+    creds = site.store_creds()  # starts the RGW; its S3 keys come from Keystone
+    listed = json.loads(run("ec2", "credentials", "list", "-f", "json"))
+    assert creds.s3_access_key in [c["Access"] for c in listed]
+    assert site.store_creds().s3_access_key == creds.s3_access_key  # the first one again, not a new one each time
+
+    def s3(access: str, secret: str) -> S3Store:
+        return S3Store("ec2-keys", StoreCreds(s3_endpoint=creds.s3_endpoint, s3_access_key=access,
+                                              s3_secret_key=secret))
+
+    made = json.loads(run("ec2", "credentials", "create", "-f", "json"))
+    assert made["project_id"] == site.cloud.conn.current_project_id
+    theirs = s3(made["access"], made["secret"])
+    theirs.client().create_bucket(Bucket="ec2-keys")
+    theirs.client().put_object(Bucket="ec2-keys", Key="a/b.bin", Body=b"x" * 100)
+    # the site's own key and the new one name the same project, so the same RGW user and bucket
+    assert [o.name for o in s3(creds.s3_access_key, creds.s3_secret_key).list("a/")] == ["a/b.bin"]
+    localcloud.admin("DELETE", "/requests")
+    with pytest.raises(ClientError, match="SignatureDoesNotMatch|AccessDenied"):
+        list(s3(made["access"], "0" * 32).list())
+    gone = json.loads(run("ec2", "credentials", "create", "-f", "json"))
+    run("ec2", "credentials", "delete", gone["access"])
+    with pytest.raises(ClientError, match="InvalidAccessKeyId|AccessDenied"):
+        list(s3(gone["access"], gone["secret"]).list())
+    asked = [r for r in localcloud.admin("GET", "/requests")["requests"] if r["path"].endswith("/v3/s3tokens")]
+    assert asked, "the RGW never asked Keystone about an S3 key"

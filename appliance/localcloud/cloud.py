@@ -142,6 +142,7 @@ class Cloud:
         self.tokens: dict[str, float] = {}
         self.token_info: dict[str, dict] = {}  # token -> the application credential it came from (if any)
         self.app_creds: dict[str, dict] = {}  # made through Keystone's API (the cloud's own is in creds)
+        self.ec2_creds: dict[str, dict] = {}  # access key -> EC2 credential (Keystone OS-EC2)
         self.token_bodies: dict[str, dict] = {}  # token -> what Keystone answers when a service validates it
         self.token_lifetime: float | None = None  # seconds (keystone.token_seconds)
         self.hosts = []

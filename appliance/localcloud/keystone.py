@@ -1,6 +1,7 @@
 """Keystone v3 (/identity): password and application-credential tokens that expire, token validation for the
 services that ask (the local Ceph RGW, as Chameleon's RGW asks its Keystone), application credentials made and
-deleted through the API, the service catalog."""
+deleted through the API, EC2 credentials (Chameleon's S3 keys) and the /v3/s3tokens check the RGW asks for them,
+the service catalog."""
 
 from __future__ import annotations
 
@@ -103,11 +104,21 @@ def issue_token(req: Request):
         ok = cred is not None and ac.get("secret") == cred["secret"] and not _expired(cred)
     if not ok:
         raise ApiError(401, "The request you have made requires authentication.", "Unauthorized")
+    tok, token = _mint(req, methods, service=service)
+    if "application_credential" in methods:
+        req.cloud.token_info[tok] = {"app_cred": cred["id"], "unrestricted": cred["unrestricted"]}
+        token["application_credential"] = {"id": cred["id"], "name": cred["name"],
+                                           "restricted": not cred["unrestricted"]}
+    return 201, {"token": token}, {"X-Subject-Token": tok}
+
+
+def _mint(req: Request, methods: list, *, service: dict | None = None) -> tuple[str, dict]:
+    """A new token of the cloud's user on its project (or of a service user on `service`) and its body, as
+    keystone/common/render_token.py renders it."""
+    creds = req.cloud.creds
     tok = "gAAAA" + secrets.token_urlsafe(32)
     lifetime = token_seconds(req.cloud)
     req.cloud.tokens[tok] = time.time() + lifetime
-    if "application_credential" in methods:
-        req.cloud.token_info[tok] = {"app_cred": cred["id"], "unrestricted": cred["unrestricted"]}
     now = dt.datetime.now(dt.timezone.utc)
     domain = {"id": "default", "name": "Default"}
     token = {"methods": methods, "expires_at": (now + dt.timedelta(seconds=lifetime)).strftime("%Y-%m-%dT%H:%M:%S.000000Z"),
@@ -123,10 +134,7 @@ def issue_token(req: Request):
         token["roles"] = [{"id": _uuid(), "name": "admin"}, {"id": _uuid(), "name": "service"}]
         req.cloud.token_info[tok] = {"service": service["name"]}
     req.cloud.token_bodies[tok] = token
-    if "application_credential" in methods:
-        token["application_credential"] = {"id": cred["id"], "name": cred["name"],
-                                           "restricted": not cred["unrestricted"]}
-    return 201, {"token": token}, {"X-Subject-Token": tok}
+    return tok, token
 
 
 def _expired(cred: dict) -> bool:
@@ -208,6 +216,117 @@ def delete_app_cred(req: Request, user_id: str, cred_id: str):
     return 204, None
 
 
+# -- EC2 credentials: Chameleon's S3 keys (`openstack ec2 credentials create`), checked by the RGW through Keystone --
+
+def _ec2_view(req: Request, cred: dict) -> dict:
+    """keystone/api/users.py _convert_v3_to_ec2_credential and _UserOSEC2CredBaseResource's self link."""
+    return {"user_id": cred["user_id"], "tenant_id": cred["project_id"], "access": cred["access"],
+            "secret": cred["secret"], "trust_id": None,
+            "links": {"self": f"{req.base}/identity/v3/users/{cred['user_id']}/credentials/OS-EC2/{cred['access']}"}}
+
+
+def _may_use_ec2(req: Request, user_id: str) -> None:
+    """Policy identity:ec2_*_credential (keystone/common/policies/ec2_credential.py): the credential's owner, or
+    an admin (the RGW's service user, which reads a secret to check streamed uploads)."""
+    info = req.cloud.token_info.get(req.handler.headers.get("X-Auth-Token") or "", {})
+    if user_id != req.cloud.user_id and not info.get("service"):
+        raise ApiError(403, "You are not authorized to perform the requested action: identity:ec2_credential.",
+                       "Forbidden")
+    if user_id != req.cloud.user_id:  # identity_api.get_user
+        raise ApiError(404, f"Could not find user: {user_id}.", "Not Found")
+
+
+def create_ec2(req: Request, user_id: str):
+    """POST /v3/users/{user_id}/credentials/OS-EC2 (UserOSEC2CredentialsResourceListCreate.post): the body names
+    the project as ``tenant_id`` (keystoneclient v3 ec2.create sends it so); access and secret are uuid4 hex;
+    201 {"credential": ...}."""
+    _may_use_ec2(req, user_id)
+    project = (req.body or {}).get("tenant_id")
+    if project != req.cloud.project_id:  # resource_api.get_project
+        raise ApiError(404, f"Could not find project: {project}.", "Not Found")
+    cred = {"user_id": user_id, "project_id": project, "access": _uuid().replace("-", ""),
+            "secret": _uuid().replace("-", "")}
+    req.cloud.ec2_creds[cred["access"]] = cred
+    return 201, {"credential": _ec2_view(req, cred)}
+
+
+def list_ec2(req: Request, user_id: str):
+    """GET /v3/users/{user_id}/credentials/OS-EC2: the user's EC2 credentials, secrets included (as Keystone
+    shows them: `openstack ec2 credentials list` prints them)."""
+    _may_use_ec2(req, user_id)
+    return 200, {"credentials": [_ec2_view(req, x) for x in req.cloud.ec2_creds.values() if x["user_id"] == user_id],
+                 "links": {"self": f"{req.base}/identity/v3/users/{user_id}/credentials/OS-EC2", "previous": None,
+                           "next": None}}
+
+
+def _ec2_cred(req: Request, access: str) -> dict:
+    cred = req.cloud.ec2_creds.get(access)
+    if cred is None:  # UserOSEC2CredentialsResourceGetDelete._get_cred_data
+        raise ApiError(401, "EC2 access key not found.", "Unauthorized")
+    return cred
+
+
+def get_ec2(req: Request, user_id: str, access: str):
+    """GET /v3/users/{user_id}/credentials/OS-EC2/{access}: what the RGW asks for the secret
+    (src/rgw/rgw_auth_keystone.cc EC2Engine::get_secret_from_keystone)."""
+    _may_use_ec2(req, user_id)
+    return 200, {"credential": _ec2_view(req, _ec2_cred(req, access))}
+
+
+def delete_ec2(req: Request, user_id: str, access: str):
+    _may_use_ec2(req, user_id)
+    _ec2_cred(req, access)
+    del req.cloud.ec2_creds[access]
+    return 204, None
+
+
+def _s3_signature(string_to_sign: bytes, secret: str) -> str:
+    """keystone/api/s3tokens.py _calculate_signature_v1 / _calculate_signature_v4."""
+    import base64
+    import hashlib
+    import hmac
+
+    if string_to_sign[:4] != b"AWS4":
+        return base64.encodebytes(hmac.new(secret.encode(), string_to_sign, hashlib.sha1).digest()).decode().strip()
+    parts = string_to_sign.split(b"\n")
+    scope = parts[2].split(b"/") if len(parts) == 4 and parts[0] == b"AWS4-HMAC-SHA256" else []
+    if len(scope) != 4 or scope[2] != b"s3" or scope[3] != b"aws4_request":
+        raise ApiError(401, "Invalid EC2 signature.", "Unauthorized")
+    key = ("AWS4" + secret).encode()
+    for part in (scope[0], scope[1], scope[2], b"aws4_request"):
+        key = hmac.new(key, part, hashlib.sha256).digest()
+    return hmac.new(key, string_to_sign, hashlib.sha256).hexdigest()
+
+
+def s3tokens(req: Request):
+    """POST /v3/s3tokens (keystone/api/s3tokens.py S3Resource.post, EC2_S3_Resource.handle_authenticate), which
+    Ceph RGW calls for every S3 request it does not know the key of (``rgw s3 auth use keystone``;
+    src/rgw/rgw_auth_keystone.cc EC2Engine::get_from_keystone sends {"credentials": {access, token: base64 of the
+    string to sign, signature}}). Unenforced: no token needed. An unknown key is 404 "EC2 access key not found.",
+    a wrong signature 401 "Credential signature mismatch"; otherwise 200 and a token of the credential's user on
+    its project, method ``ec2credential``, which the RGW maps to the project's RGW user."""
+    import base64
+    import hmac
+
+    body = req.body or {}
+    if not body:
+        raise ApiError(400, "request must include a request body", "Bad Request")
+    credentials = body.get("credentials") or body.get("credential") or body.get("ec2Credentials") or {}
+    if "access" not in credentials:
+        raise ApiError(401, "EC2 Signature not supplied", "Unauthorized")
+    cred = req.cloud.ec2_creds.get(credentials["access"])
+    if cred is None:
+        raise ApiError(404, "EC2 access key not found.", "Not Found")
+    try:
+        string_to_sign = base64.urlsafe_b64decode(str(credentials.get("token", "")))
+    except ValueError:
+        raise ApiError(401, "Credential signature mismatch", "Unauthorized") from None
+    if not hmac.compare_digest(str(credentials.get("signature", "")), _s3_signature(string_to_sign, cred["secret"])):
+        raise ApiError(401, "Credential signature mismatch", "Unauthorized")
+    tok, token = _mint(req, ["ec2credential"])
+    return 200, {"token": token}, {"X-Subject-Token": tok}
+
+
 def validate_token(req: Request):
     """GET/HEAD /v3/auth/tokens (keystone/api/auth.py AuthTokenResource.get): the caller's X-Auth-Token must be
     valid; X-Subject-Token is the token asked about, answered with its body or 404 when it has expired, or when it
@@ -242,7 +361,15 @@ ROUTES = [
     Route("GET", "/v3", lambda req: (200, {"version": _version(req.base)}), auth=False),
     Route("POST", "/v3/auth/tokens", issue_token, auth=False),
     Route(("GET", "HEAD"), "/v3/auth/tokens", validate_token, auth=False),
+    Route("POST", "/v3/s3tokens", s3tokens, auth=False),
+    Route("GET", "/v3/s3tokens", lambda req: (405, {"error": {"code": 405, "message": "The method is not allowed "
+                                                              "for the requested URL.", "title": "Method Not Allowed"}}),
+          auth=False),
     Route("POST", "/v3/users/([^/]+)/application_credentials", create_app_cred),
     Route("GET", "/v3/users/([^/]+)/application_credentials", list_app_creds),
     Route("DELETE", "/v3/users/([^/]+)/application_credentials/([^/]+)", delete_app_cred),
+    Route("POST", "/v3/users/([^/]+)/credentials/OS-EC2", create_ec2),
+    Route(("GET", "HEAD"), "/v3/users/([^/]+)/credentials/OS-EC2", list_ec2),
+    Route(("GET", "HEAD"), "/v3/users/([^/]+)/credentials/OS-EC2/([^/]+)", get_ec2),
+    Route("DELETE", "/v3/users/([^/]+)/credentials/OS-EC2/([^/]+)", delete_ec2),
 ]

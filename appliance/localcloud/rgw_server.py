@@ -64,7 +64,10 @@ class RGWServer:
 
         uid: the RGW user that owns the v1 subuser (``UID:tester``) and the S3 keys. The local cloud makes it the
         project id, the user RGW maps the project's Keystone tokens to, so Swift (Keystone or v1) and S3 see the
-        same containers, as Chameleon's EC2 credentials and tokens both name the project."""
+        same containers, as Chameleon's EC2 credentials and tokens both name the project. With Keystone the RGW
+        checks S3 keys with Keystone (``rgw s3 auth use keystone``: POST /v3/s3tokens, then the secret from
+        /v3/users/<user>/credentials/OS-EC2/<access>), as Chameleon's S3 keys are EC2 credentials, and the user
+        gets no S3 keys of the RGW's own."""
         self.keystone = keystone
         self.uid = uid
         self.base = Path(base)
@@ -99,9 +102,12 @@ class RGWServer:
         return f"{self.s3_endpoint}/swift/v1"
 
     def credentials(self) -> dict:
+        """v1 auth and, without Keystone, the RGW user's own S3 keys. With Keystone the S3 keys are Keystone's EC2
+        credentials (`openstack ec2 credentials create`), as on Chameleon, and none are given here."""
+        own = not self.keystone
         return {"auth_url": self.auth_url, "user": self.user, "key": self.key, "storage_url": self.storage_url,
-                "s3_endpoint": self.s3_endpoint, "s3_access_key": self.s3_access_key,
-                "s3_secret_key": self.s3_secret_key, "s3_region": "us-east-1"}
+                "s3_endpoint": self.s3_endpoint, "s3_access_key": self.s3_access_key if own else None,
+                "s3_secret_key": self.s3_secret_key if own else None, "s3_region": "us-east-1"}
 
     def _write_config(self) -> None:
         self.base.mkdir(parents=True, exist_ok=True)
@@ -158,7 +164,10 @@ class RGWServer:
                 "rgw keystone accepted roles = member, _member_, admin\n"
                 "rgw keystone implicit tenants = false\n"
                 "rgw keystone verify ssl = false\n"
-                "rgw swift account in url = true\n")
+                "rgw swift account in url = true\n"
+                # S3 keys are Keystone EC2 credentials (doc/radosgw/keystone.rst "rgw s3 auth use keystone";
+                # src/rgw/rgw_auth_keystone.cc EC2Engine), as Chameleon's `openstack ec2 credentials create` keys
+                "rgw s3 auth use keystone = true\n")
 
     # -- processes -------------------------------------------------------------------------------
 
@@ -213,8 +222,8 @@ class RGWServer:
             self._check_alive(DAEMONS, deadline, "radosgw did not answer")
             time.sleep(0.1)  # readiness poll of a local port
         admin = ("radosgw-admin", "-n", "client.admin")
-        self._ceph(*admin, "user", "create", f"--uid={self.uid}", f"--display-name={self.uid}",
-                   f"--access-key={self.s3_access_key}", f"--secret-key={self.s3_secret_key}")
+        own_keys = [] if self.keystone else [f"--access-key={self.s3_access_key}", f"--secret-key={self.s3_secret_key}"]
+        self._ceph(*admin, "user", "create", f"--uid={self.uid}", f"--display-name={self.uid}", *own_keys)
         self._ceph(*admin, "subuser", "create", f"--uid={self.uid}", f"--subuser={self.user}", "--access=full")
         self._ceph(*admin, "key", "create", f"--subuser={self.user}", "--key-type=swift", f"--secret={self.key}")
         return self

@@ -289,6 +289,25 @@ class OpenStackCloud:
                                  "delete it in the dashboard: Identity -> Application Credentials")
         return True
 
+    def ec2_credential(self) -> tuple[str, str]:
+        """S3 keys of the current user on the current project: an EC2 credential Keystone has (the first), or a new
+        one, as `openstack ec2 credentials list/create` would. GET/POST /v3/users/{user_id}/credentials/OS-EC2
+        (keystone/api/users.py; keystoneclient's ec2.create names the project ``tenant_id``). Returns (access,
+        secret)."""
+        url = f"{self.identity_url()}/users/{self.conn.current_user_id}/credentials/OS-EC2"
+        project = self.conn.current_project_id
+        r = self.conn.session.get(url, raise_exc=False)
+        mine = [c for c in (r.json().get("credentials") or []) if c.get("tenant_id") == project] \
+            if r.status_code == 200 else []
+        if not mine:
+            r = self.conn.session.post(url, json={"tenant_id": project}, raise_exc=False)
+            if r.status_code != 201:
+                raise ApplianceError(f"Keystone refused an EC2 credential ({r.status_code}: {r.text[:200]})",
+                                     "make one with `openstack ec2 credentials create` and set "
+                                     "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+            mine = [r.json()["credential"]]
+        return mine[0]["access"], mine[0]["secret"]
+
     # -- leases -----------------------------------------------------------------------------------
 
     def public_network_id(self) -> str:
