@@ -45,7 +45,7 @@ def site(kind: str, region: str | None = None, log=print) -> Site:
 
 def data_creds(url: str, kind: str, region: str | None = None, log=print):
     """Credentials for an object-store URL on a site (none for file://)."""
-    return None if parse_url(url)[0] == "file" else open_site(kind, region, log=log).store_creds()
+    return None if parse_url(url)[0] == "file" else open_site(kind, region, log=log).store_creds(url)
 
 
 # -- clusters -------------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def stage_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[s
     if spec.dataset is None:
         raise ApplianceError(f"{spec_path}: no dataset to stage", "add a dataset: {source: swift://..., dest: data}")
     cluster = resolve_cluster(spec, cluster_name, log=log)
-    cr = None if parse_url(spec.dataset.source)[0] == "file" else for_spec(spec, log=log).store_creds()
+    cr = None if parse_url(spec.dataset.source)[0] == "file" else for_spec(spec, log=log).store_creds(spec.dataset.source)
     return stage_cluster(cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, creds=cr,
                          concurrency=concurrency, keep_extra=keep_extra, out=out)
 

@@ -77,6 +77,10 @@ class FakeCloud:
         self._call("delete_app_cred", cred_id)
         return self.app_creds.pop(cred_id, None) is not None
 
+    def ec2_credential(self) -> tuple[str, str]:
+        self._call("ec2_credential")
+        return "EC2ACCESS", "ec2secret"
+
     @_effect
     def create_lease(self, name, node_type, count, duration, *, start=None, floating_ip=False):
         self._call("create_lease", name, node_type, count)

@@ -292,3 +292,30 @@ def test_a_swift_store_with_an_application_credential_renews_its_token_on_a_401(
                                         app_cred_secret="s", region="CHI@fake"))
     assert st._call(st.conn().head_container, "ckpts")["x-container-object-count"] == "0"
     assert got == ["tok-1", "tok-2"] and st._renewable()
+
+
+def test_an_s3_url_on_keystone_gets_the_users_ec2_keys_and_the_rgw_root_as_endpoint(monkeypatch):
+    """Chameleon's S3 keys are EC2 credentials, and its S3 endpoint is the RGW's root. With OS_CLOUD only, an
+    s3:// URL had no keys ("no S3 credentials or endpoint") though Chameleon's own setup-cc-mount-object-store makes
+    both from the same login (CC-Images elements/cc-rclone). Now the site asks Keystone for the user's EC2 credential
+    and strips ``/swift...`` from the object-store URL, only for s3:// URLs; AWS_* variables still win."""
+    from appliance.sites.base import s3_endpoint_of
+    from appliance.store.objects import StoreCreds
+
+    for var in ("ST_AUTH", "ST_USER", "ST_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "APPLIANCE_S3_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    assert s3_endpoint_of("https://chi.uc.chameleoncloud.org:7480/swift/v1/AUTH_p") == \
+        "https://chi.uc.chameleoncloud.org:7480"
+    cloud = FakeCloud()
+    site = FakeSite(cloud)
+    monkeypatch.setattr(site, "_site_store_creds", lambda: StoreCreds(
+        storage_url="http://store.invalid:7480/swift/v1/AUTH_x", token="t"))  # an RGW's Swift URL
+    assert site.store_creds("swift://ckpts/").s3_access_key is None and not cloud.verbs("ec2_credential")
+    assert site.store_creds().s3_access_key is None and not cloud.verbs("ec2_credential")
+    node, withdraw = site.job_store_creds("s3://ckpts/", name="x", lease_end=None)
+    assert (node.s3_access_key, node.s3_secret_key, node.s3_endpoint) == ("EC2ACCESS", "ec2secret",
+                                                                         "http://store.invalid:7480")
+    assert not node.token and withdraw is None and len(cloud.verbs("ec2_credential")) == 1
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mine")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "their")
+    assert site.store_creds("s3://ckpts/").s3_access_key == "mine" and len(cloud.verbs("ec2_credential")) == 1

@@ -453,10 +453,10 @@ def test_s3_keys_are_keystone_ec2_credentials_that_the_rgw_checks_with_keystone(
         monkeypatch.delenv(var, raising=False)
     run = _openstack
     site = sites.open_site("local", log=lambda m: None)
-    creds = site.store_creds()  # starts the RGW; its S3 keys come from Keystone
+    creds = site.store_creds("s3://ec2-keys/")  # starts the RGW; the S3 keys come from Keystone
     listed = json.loads(run("ec2", "credentials", "list", "-f", "json"))
     assert creds.s3_access_key in [c["Access"] for c in listed]
-    assert site.store_creds().s3_access_key == creds.s3_access_key  # the first one again, not a new one each time
+    assert site.store_creds("s3://x/").s3_access_key == creds.s3_access_key  # the first one again, not a new one
 
     def s3(access: str, secret: str) -> S3Store:
         return S3Store("ec2-keys", StoreCreds(s3_endpoint=creds.s3_endpoint, s3_access_key=access,
@@ -469,6 +469,10 @@ def test_s3_keys_are_keystone_ec2_credentials_that_the_rgw_checks_with_keystone(
     theirs.client().put_object(Bucket="ec2-keys", Key="a/b.bin", Body=b"x" * 100)
     # the site's own key and the new one name the same project, so the same RGW user and bucket
     assert [o.name for o in s3(creds.s3_access_key, creds.s3_secret_key).list("a/")] == ["a/b.bin"]
+    # and the CLI finds them with nothing but the cloud's login, as `OS_CLOUD=CHI@UC appliance data ls s3://...`
+    r = subprocess.run([str(Path(sys.executable).parent / "appliance"), "data", "ls", "s3://ec2-keys/a/", "--cloud",
+                        "local", "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "a/b.bin" in r.stdout, r.stderr[-500:]
     localcloud.admin("DELETE", "/requests")
     with pytest.raises(ClientError, match="SignatureDoesNotMatch|AccessDenied"):
         list(s3(made["access"], "0" * 32).list())

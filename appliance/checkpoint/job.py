@@ -452,9 +452,9 @@ def protection_line(spec, cluster) -> str:
             f"lease end{ends}; `appliance resume {spec.name}` continues it")
 
 
-def store_creds(spec):
-    """The object-store credentials of the spec's site."""
-    return for_spec(spec, log=lambda m: None).store_creds()
+def store_creds(spec, url: str | None = None):
+    """The object-store credentials of the spec's site (for ``url``)."""
+    return for_spec(spec, log=lambda m: None).store_creds(url)
 
 
 def job_store_creds(spec, url: str, *, name: str, lease_end, say):

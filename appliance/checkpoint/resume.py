@@ -24,7 +24,7 @@ from .job import store_creds
 
 def creds_for(spec: Spec, url: str):
     """The credentials a URL of the run needs (none for file://)."""
-    return None if parse_url(url)[0] == "file" else store_creds(spec)
+    return None if parse_url(url)[0] == "file" else store_creds(spec, url)
 
 
 def find_spec(run: str, spec_path: str | None = None, url: str | None = None, creds=None) -> Spec:

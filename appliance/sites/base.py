@@ -72,11 +72,14 @@ class Site(ABC):
         return 1.0
 
     # -- object store ----------------------------------------------------------------------------
-    def store_creds(self) -> StoreCreds:
-        """Object-store credentials. Swift v1 variables (ST_AUTH, ST_USER, ST_KEY) win when set; otherwise the
-        site's own (`_site_store_creds`). S3 keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY with
-        APPLIANCE_S3_ENDPOINT (on Chameleon: `openstack ec2 credentials create`, endpoint
-        https://chi.uc.chameleoncloud.org:7480)."""
+    def store_creds(self, url: str | None = None) -> StoreCreds:
+        """Object-store credentials for ``url`` (any URL of the site when None). Swift v1 variables (ST_AUTH,
+        ST_USER, ST_KEY) win when set; otherwise the site's own (`_site_store_creds`). S3 keys come from
+        AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY with APPLIANCE_S3_ENDPOINT. For an s3:// URL without them, on a
+        site whose store takes Keystone (Chameleon's RGW): the user's EC2 credential (the first Keystone lists, or a
+        new one) and the object-store endpoint without its ``/swift...`` path, as Chameleon's own
+        setup-cc-mount-object-store does (CC-Images elements/cc-rclone: ``openstack ec2 credential list`` or
+        ``create``, ``${OS_STORAGE_URL%/swift*}``). No EC2 credential is made for any other URL."""
         env = os.environ
         if env.get("ST_AUTH") and env.get("ST_USER") and env.get("ST_KEY"):
             creds = StoreCreds(auth_url=env["ST_AUTH"], user=env["ST_USER"], key=env["ST_KEY"])
@@ -87,6 +90,10 @@ class Site(ABC):
             creds.s3_secret_key = env["AWS_SECRET_ACCESS_KEY"]
             creds.s3_endpoint = env.get("APPLIANCE_S3_ENDPOINT") or creds.s3_endpoint
             creds.s3_region = env.get("AWS_DEFAULT_REGION", creds.s3_region)
+        elif url and parse_url(url)[0] == "s3" and not creds.s3_access_key and creds.token and creds.storage_url:
+            creds.s3_access_key, creds.s3_secret_key = self.cloud.ec2_credential()
+            creds.s3_endpoint = env.get("APPLIANCE_S3_ENDPOINT") or creds.s3_endpoint or \
+                s3_endpoint_of(creds.storage_url)
         return creds
 
     @abstractmethod
@@ -112,7 +119,7 @@ class Site(ABC):
         RGW refuses such tokens, as Chameleon's would). Swift v1 auth (ST_*) and S3 keys are the store's own
         credentials already and go as they are, scoped to the URL's scheme. When Keystone will not make one (a
         restricted credential in OS_CLOUD, a policy), the nodes get a token and the job says what that means."""
-        creds = self.store_creds().scoped(url)
+        creds = self.store_creds(url).scoped(url)
         if parse_url(url)[0] != "swift" or not creds.token:
             return creds, None
         start = lease_end or dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
@@ -150,3 +157,11 @@ class Site(ABC):
     def default_cluster(self, spec: Spec) -> Cluster | None:
         """The cluster a run uses when it has none of its own and none was named (None: bring one up)."""
         return None
+
+
+def s3_endpoint_of(storage_url: str) -> str:
+    """The S3 endpoint of a Ceph RGW from its Swift URL: everything before the last ``/swift`` (the shell's
+    ``${OS_STORAGE_URL%/swift*}`` in CC-Images elements/cc-rclone/bin/setup-cc-mount-object-store; RGW serves S3
+    at its root). ``https://chi.uc.chameleoncloud.org:7480/swift/v1/AUTH_p`` -> ``https://chi.uc.chameleoncloud.org:7480``."""
+    i = storage_url.rfind("/swift")
+    return storage_url[:i] if i >= 0 else storage_url.rstrip("/")

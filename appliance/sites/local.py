@@ -57,9 +57,8 @@ class LocalSite(Site):
 
     def _site_store_creds(self) -> StoreCreds:
         """The local cloud's store: its Ceph RGW takes Keystone tokens as Chameleon's does, so the same Keystone
-        path, and S3 keys that are Keystone EC2 credentials, which the RGW checks with Keystone as Chameleon's does
-        (the user's first, or a new one: `openstack ec2 credentials create`); the OpenStack Swift
-        (APPLIANCE_LOCAL_STORE=swift) has only v1 auth and its own S3 keys."""
+        path, and for s3:// URLs the same EC2 credentials, which the RGW checks with Keystone (`store_creds`); the
+        OpenStack Swift (APPLIANCE_LOCAL_STORE=swift) has only v1 auth and its own S3 keys."""
         own = StoreCreds(**localcloud.object_store(log=self.log))
         if not localcloud.store_takes_keystone():
             return own
@@ -73,7 +72,6 @@ class LocalSite(Site):
             self._cloud = None
             creds = self._keystone_store_creds()
         creds.s3_endpoint = own.s3_endpoint
-        creds.s3_access_key, creds.s3_secret_key = self.cloud.ec2_credential()
         return creds
 
     def prepare_nodes(self, cluster: Cluster, session) -> None:
