@@ -112,9 +112,30 @@ def stage_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[s
     if spec.dataset is None:
         raise ApplianceError(f"{spec_path}: no dataset to stage", "add a dataset: {source: swift://..., dest: data}")
     cluster = resolve_cluster(spec, cluster_name, log=log)
-    cr = None if parse_url(spec.dataset.source)[0] == "file" else for_spec(spec, log=log).store_creds(spec.dataset.source)
-    return stage_cluster(cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, creds=cr,
-                         concurrency=concurrency, keep_extra=keep_extra, out=out)
+    return stage_to_nodes(spec, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
+                          concurrency=concurrency, keep_extra=keep_extra, out=out, log=log)
+
+
+def stage_to_nodes(spec: Spec, cluster: Cluster, url: str, dest: str, *, mode: str, out=None, log=print,
+                   **kw) -> dict[str, dict]:
+    """stage_cluster with what the nodes get for ``url`` as a job's nodes get it (Site.job_store_creds): with
+    Keystone and swift://, an application credential of the staging's own (renewable tokens, restricted), deleted
+    when staging ends; before, the nodes got this machine's Keystone token, which keystoneauth hands out until
+    30 s before it expires (a long stage in a long-lived `appliance resume` could then fail with 401 midway), and
+    which can do anything the user can for up to a day."""
+    if parse_url(url)[0] == "file":
+        return stage_cluster(cluster, url, dest, mode=mode, creds=None, out=out or log, **kw)
+    creds, withdraw = for_spec(spec, log=log).job_store_creds(url, name=f"appliance-{spec.name}-stage",
+                                                             lease_end=cluster.lease_end_at, say=log)
+    try:
+        return stage_cluster(cluster, url, dest, mode=mode, creds=creds, out=out or log, **kw)
+    finally:
+        if withdraw is not None:
+            try:
+                withdraw()
+            except Exception as e:  # noqa: BLE001 - it expires on its own a week after the lease
+                log(f"[stage] note: could not delete the staging's application credential ({e}); it expires on "
+                    "its own")
 
 
 def data_upload(src: str, url: str, *, cloud: str, site_name: str | None = None, log=print, **kw) -> int:
@@ -203,15 +224,15 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
         log(f"[resume] note: cluster {cluster.name} has {cluster.world_size} rank(s), the spec asks for "
             f"{spec.world_size}")
     if spec.dataset is not None:
-        stage_cluster(cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
-                      creds=creds_for(spec, spec.dataset.source), out=out or log)
+        stage_to_nodes(spec, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out,
+                       log=log)
     t["data staged"] = time.time()
     if ck is None:
         res = run_job(spec, cluster, out=out, restore="")  # a resume (the files), no checkpoint to restore
     else:
         rel = f"appliance/runs/{run}/restore/{ck.name}"
-        stage_cluster(cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
-                      creds=creds_for(spec, spec.checkpoint.url), out=out or log)
+        stage_to_nodes(spec, cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
+                       out=out, log=log)
         t["checkpoint staged"] = time.time()
         res = run_job(spec, cluster, out=out, restore=f"{cluster.head.workdir}/{rel}")
     res.resume_breakdown = resume_breakdown(t, up_phases, res)

@@ -319,3 +319,39 @@ def test_an_s3_url_on_keystone_gets_the_users_ec2_keys_and_the_rgw_root_as_endpo
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mine")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "their")
     assert site.store_creds("s3://ckpts/").s3_access_key == "mine" and len(cloud.verbs("ec2_credential")) == 1
+
+
+def test_staging_nodes_get_an_application_credential_of_their_own_deleted_after(tmp_path, monkeypatch):
+    """Staging (and the resume's checkpoint staging) sent the nodes this machine's Keystone token: keystoneauth
+    hands a token out until 30 s before it expires, so a long stage late in a long `appliance resume` could fail
+    with 401 halfway, and that token can do all the user can for up to a day. Now the nodes get what a job's nodes
+    get (Site.job_store_creds: a restricted application credential for swift:// on Keystone), deleted when the
+    staging ends, failed or not."""
+    from appliance import flows
+
+    for var in ("ST_AUTH", "ST_USER", "ST_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    cloud = FakeCloud()
+    site, spec = FakeSite(cloud), spec_of(tmp_path, "st")
+    monkeypatch.setattr(flows, "for_spec", lambda spec, log=print: site)
+    seen = []
+
+    def stage_cluster(cluster, url, dest, *, mode, creds, out, **kw):
+        seen.append((creds, dict(cloud.app_creds)))
+        if len(seen) == 2:
+            raise ApplianceError("staging failed on st-0: boom")
+        return {}
+
+    monkeypatch.setattr(flows, "stage_cluster", stage_cluster)
+    cluster = Cluster(name="st", cloud="fake", nodes=[], lease_end="2026-11-30T12:00:00")
+    flows.stage_to_nodes(spec, cluster, "swift://data/x/", "data", mode="full", log=lambda m: None)
+    creds, live = seen[0]
+    assert creds.app_cred and not creds.token and creds.app_cred_id in live
+    [(name, expires)] = cloud.verbs("create_app_cred")
+    assert name.startswith("appliance-st-stage-") and expires == dt.datetime(2026, 12, 7, 12, 0)
+    assert not cloud.app_creds  # deleted when staging ended
+    with pytest.raises(ApplianceError, match="boom"):
+        flows.stage_to_nodes(spec, cluster, "swift://data/x/", "data", mode="full", log=lambda m: None)
+    assert len(cloud.verbs("create_app_cred")) == 2 and not cloud.app_creds  # and when it failed
+    flows.stage_to_nodes(spec, cluster, "file:///tmp/x/", "data", mode="full", log=lambda m: None)
+    assert seen[-1][0] is None and len(cloud.verbs("create_app_cred")) == 2
