@@ -235,3 +235,20 @@ def test_a_checkpoint_file_goes_up_in_parts_of_128_mib_and_never_in_more_than_10
     assert cs.segment_for(1) == cs.segment_for(1000 * mib128) == mib128
     big = 1000 * mib128 + 1  # a 125 GiB file: 1,001 parts of 128 MiB would be refused by Swift and RGW
     assert cs.segment_for(big) * 1000 >= big and -(-big // cs.segment_for(big)) == 1000
+
+
+def test_s3_listings_leave_timestamps_unparsed():
+    """botocore parsed every listed object's LastModified with dateutil: 60% of an S3 listing's CPU (0.126 -> 0.050
+    ms per object against the real RGW). The stager never reads it, so the client keeps the store's string."""
+    from appliance.store.objects import S3Store, StoreCreds
+
+    client = S3Store("b", StoreCreds(s3_endpoint="http://127.0.0.1:9", s3_access_key="a", s3_secret_key="s")).client()
+    body = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+            b"<Name>b</Name><KeyCount>1</KeyCount><IsTruncated>false</IsTruncated><Contents><Key>k</Key>"
+            b"<LastModified>2026-11-24T17:00:00.000Z</LastModified><ETag>&quot;abc&quot;</ETag><Size>3</Size>"
+            b"</Contents></ListBucketResult>")
+    shape = client.meta.service_model.operation_model("ListObjectsV2").output_shape
+    parser = client._endpoint._response_parser_factory.create_parser("rest-xml")  # what the endpoint parses with
+    parsed = parser.parse({"status_code": 200, "headers": {}, "body": body}, shape)
+    assert parsed["Contents"][0]["LastModified"] == "2026-11-24T17:00:00.000Z"
+    assert parsed["Contents"][0]["Size"] == 3 and parsed["Contents"][0]["Key"] == "k"

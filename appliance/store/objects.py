@@ -452,8 +452,14 @@ class S3Store(Store):
                 import boto3
                 from botocore.config import Config
 
-                # s3v4 also for presigned URLs (botocore presigns with SigV2 unless told), which every RGW accepts
-                self._client = boto3.client(
+                # s3v4 also for presigned URLs (botocore presigns with SigV2 unless told), which every RGW accepts.
+                # Timestamps stay the strings the store sent: botocore parses each listed object's LastModified
+                # with dateutil, 60% of a listing's CPU (0.126 -> 0.050 ms per object listed, measured against
+                # the real RGW), and nothing here reads them.
+                session = boto3.session.Session()
+                session._session.get_component("response_parser_factory").set_parser_defaults(
+                    timestamp_parser=str)
+                self._client = session.client(
                     "s3", endpoint_url=self.creds.s3_endpoint, aws_access_key_id=self.creds.s3_access_key,
                     aws_secret_access_key=self.creds.s3_secret_key, region_name=self.creds.s3_region,
                     config=Config(retries={"max_attempts": 1}, s3={"addressing_style": "path"},
