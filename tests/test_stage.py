@@ -387,3 +387,23 @@ def test_pack_refuses_files_without_extension(tmp_path):
     (tmp_path / "src" / "README").write_text("x")
     with pytest.raises(ApplianceError, match="needs a name and an extension"):
         pack(tmp_path / "src", FileStore(str(tmp_path / "out")), "p", log=lambda m: None)
+
+
+def test_an_s3_bucket_that_is_not_there_is_made_for_uploads_and_checkpoints(creds, tmp_path):
+    """`appliance data upload DIR s3://new/...` and a job whose checkpoint.url is s3://new/ failed on a bucket not
+    made yet (NoSuchBucket at every commit), where the Swift path makes its container. Now the S3 store makes its
+    bucket too (HEAD, then PUT), on Swift's s3api and on Ceph RGW."""
+    from appliance.store.checkpoints import CheckpointStore
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello")
+    assert upload(str(src), "s3://fresh-up/x/", creds=creds, log=lambda m: None) == 1
+    assert [o.name for o in S3Store("fresh-up", creds).list()] == ["x/a.txt"]
+    assert upload(str(src), "s3://fresh-up/y/", creds=creds, log=lambda m: None) == 1  # there now: used as it is
+    cs = CheckpointStore("s3://fresh-ckpt/", "run", creds)
+    ck = tmp_path / "ckpt-000000007"
+    ck.mkdir()
+    (ck / "w.bin").write_bytes(os.urandom(1000))
+    cs.upload(ck, {"step": 7})
+    assert [c.step for c in cs.committed()] == [7]

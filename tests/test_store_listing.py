@@ -252,3 +252,31 @@ def test_s3_listings_leave_timestamps_unparsed():
     parsed = parser.parse({"status_code": 200, "headers": {}, "body": body}, shape)
     assert parsed["Contents"][0]["LastModified"] == "2026-11-24T17:00:00.000Z"
     assert parsed["Contents"][0]["Size"] == 3 and parsed["Contents"][0]["Key"] == "k"
+
+
+def test_an_s3_bucket_name_another_project_holds_is_said_with_the_fix():
+    """A Ceph RGW without tenants (Chameleon's) shares bucket names among all projects: HEAD answers 403 for a
+    bucket someone else owns, PUT 409 BucketAlreadyExists for one made meanwhile. Both end in one line with the fix;
+    a bucket of ours made meanwhile (BucketAlreadyOwnedByYou) is fine. (botocore's Stubber answers as the store.)"""
+    from botocore.stub import Stubber
+
+    from appliance.store.objects import S3Store, StoreCreds
+
+    def store():
+        st = S3Store("shared", StoreCreds(s3_endpoint="http://127.0.0.1:9", s3_access_key="a", s3_secret_key="s"))
+        return st, Stubber(st.client())
+
+    st, stub = store()
+    stub.add_client_error("head_bucket", service_error_code="403", http_status_code=403)
+    with stub, pytest.raises(ApplianceError, match="belongs to someone else.*choose another bucket name"):
+        st.ensure_container()
+    st, stub = store()
+    stub.add_client_error("head_bucket", service_error_code="404", http_status_code=404)
+    stub.add_client_error("create_bucket", service_error_code="BucketAlreadyExists", http_status_code=409)
+    with stub, pytest.raises(ApplianceError, match="belongs to someone else"):
+        st.ensure_container()
+    st, stub = store()
+    stub.add_client_error("head_bucket", service_error_code="404", http_status_code=404)
+    stub.add_client_error("create_bucket", service_error_code="BucketAlreadyOwnedByYou", http_status_code=409)
+    with stub:
+        st.ensure_container()

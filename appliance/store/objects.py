@@ -515,11 +515,42 @@ class S3Store(Store):
 
         cfg = TransferConfig(multipart_threshold=segment_size, multipart_chunksize=segment_size,
                              max_concurrency=SEGMENTS_IN_FLIGHT)
-        self.client().upload_file(str(path), self.bucket, name, Config=cfg)
+        try:
+            self.client().upload_file(str(path), self.bucket, name, Config=cfg)
+        except Exception as e:
+            if "NoSuchBucket" in str(e):  # boto3 wraps it (S3UploadFailedError): said as Swift's missing container
+                raise FileNotFoundError(f"s3://{self.bucket}: no such bucket") from None
+            raise
         return ""
 
     def delete(self, name) -> None:
         self.client().delete_object(Bucket=self.bucket, Key=name)
+
+    def ensure_container(self) -> None:
+        """The bucket, made when it is not there (as SwiftStore makes its container): HEAD, then PUT. On a Ceph
+        RGW without tenants (Chameleon's) bucket names are one namespace for every project, so a name another
+        project holds is refused (403 on HEAD, 409 BucketAlreadyExists on PUT): said with the fix."""
+        from botocore.exceptions import ClientError
+
+        taken = ApplianceError(f"S3 bucket {self.bucket!r} belongs to someone else (bucket names are shared by every "
+                               "project of the store)", "choose another bucket name in the s3:// URL")
+        try:
+            self.client().head_bucket(Bucket=self.bucket)
+            return
+        except ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 403:
+                raise taken from None
+            if status != 404:
+                raise
+        try:
+            self.client().create_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code")
+            if code == "BucketAlreadyExists":
+                raise taken from None
+            if code != "BucketAlreadyOwnedByYou":  # made meanwhile by another of our uploads
+                raise
 
 
 # ---------------------------------------------------------------------------------------------
