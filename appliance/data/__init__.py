@@ -17,7 +17,7 @@ from ..errors import ApplianceError
 from ..node.stage import _fmt_bytes
 from ..protocol import Line, parse
 from ..remote import Session
-from ..store.objects import S3Store, StoreCreds, SwiftStore, open_store
+from ..store.objects import StoreCreds, open_store
 
 
 def _bar(p: dict) -> str:
@@ -141,7 +141,7 @@ def upload(src: str, url: str, *, creds: StoreCreds | None, segment_size: int = 
 
 def _open(url: str, creds: StoreCreds | None, *, create: bool = False):
     store, prefix = open_store(url, creds)
-    if create and isinstance(store, (SwiftStore, S3Store)):
+    if create and hasattr(store, "ensure_container"):  # Swift's container, S3's bucket
         store.ensure_container()
     return store, prefix
 

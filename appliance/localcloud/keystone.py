@@ -5,7 +5,10 @@ the service catalog."""
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -228,12 +231,12 @@ def _ec2_view(req: Request, cred: dict) -> dict:
 def _may_use_ec2(req: Request, user_id: str) -> None:
     """Policy identity:ec2_*_credential (keystone/common/policies/ec2_credential.py): the credential's owner, or
     an admin (the RGW's service user, which reads a secret to check streamed uploads)."""
-    info = req.cloud.token_info.get(req.handler.headers.get("X-Auth-Token") or "", {})
-    if user_id != req.cloud.user_id and not info.get("service"):
+    if user_id == req.cloud.user_id:
+        return
+    if not req.cloud.token_info.get(req.handler.headers.get("X-Auth-Token") or "", {}).get("service"):
         raise ApiError(403, "You are not authorized to perform the requested action: identity:ec2_credential.",
                        "Forbidden")
-    if user_id != req.cloud.user_id:  # identity_api.get_user
-        raise ApiError(404, f"Could not find user: {user_id}.", "Not Found")
+    raise ApiError(404, f"Could not find user: {user_id}.", "Not Found")  # an admin asking: identity_api.get_user
 
 
 def create_ec2(req: Request, user_id: str):
@@ -282,10 +285,6 @@ def delete_ec2(req: Request, user_id: str, access: str):
 
 def _s3_signature(string_to_sign: bytes, secret: str) -> str:
     """keystone/api/s3tokens.py _calculate_signature_v1 / _calculate_signature_v4."""
-    import base64
-    import hashlib
-    import hmac
-
     if string_to_sign[:4] != b"AWS4":
         return base64.encodebytes(hmac.new(secret.encode(), string_to_sign, hashlib.sha1).digest()).decode().strip()
     parts = string_to_sign.split(b"\n")
@@ -305,9 +304,6 @@ def s3tokens(req: Request):
     string to sign, signature}}). Unenforced: no token needed. An unknown key is 404 "EC2 access key not found.",
     a wrong signature 401 "Credential signature mismatch"; otherwise 200 and a token of the credential's user on
     its project, method ``ec2credential``, which the RGW maps to the project's RGW user."""
-    import base64
-    import hmac
-
     body = req.body or {}
     if not body:
         raise ApiError(400, "request must include a request body", "Bad Request")
@@ -325,6 +321,11 @@ def s3tokens(req: Request):
         raise ApiError(401, "Credential signature mismatch", "Unauthorized")
     tok, token = _mint(req, ["ec2credential"])
     return 200, {"token": token}, {"X-Subject-Token": tok}
+
+
+def _s3tokens_get(req: Request):
+    """EC2_S3_Resource.ResourceBase.get: MethodNotAllowed, only POST."""
+    raise ApiError(405, "The method is not allowed for the requested URL.", "Method Not Allowed")
 
 
 def validate_token(req: Request):
@@ -362,9 +363,7 @@ ROUTES = [
     Route("POST", "/v3/auth/tokens", issue_token, auth=False),
     Route(("GET", "HEAD"), "/v3/auth/tokens", validate_token, auth=False),
     Route("POST", "/v3/s3tokens", s3tokens, auth=False),
-    Route("GET", "/v3/s3tokens", lambda req: (405, {"error": {"code": 405, "message": "The method is not allowed "
-                                                              "for the requested URL.", "title": "Method Not Allowed"}}),
-          auth=False),
+    Route("GET", "/v3/s3tokens", _s3tokens_get, auth=False),
     Route("POST", "/v3/users/([^/]+)/application_credentials", create_app_cred),
     Route("GET", "/v3/users/([^/]+)/application_credentials", list_app_creds),
     Route("DELETE", "/v3/users/([^/]+)/application_credentials/([^/]+)", delete_app_cred),

@@ -271,11 +271,7 @@ class OpenStackCloud:
                 "expires_at": expires_at.strftime("%Y-%m-%dT%H:%M:%S") if expires_at else None}
         r = self.conn.session.post(self._app_creds_url(), json={"application_credential": body}, raise_exc=False)
         if r.status_code != 201:
-            try:
-                msg = r.json()["error"]["message"]
-            except Exception:  # noqa: BLE001 - not Keystone's error shape
-                msg = r.text[:200]
-            raise ApplianceError(f"Keystone refused an application credential ({r.status_code}: {msg})",
+            raise ApplianceError(f"Keystone refused an application credential ({r.status_code}: {_keystone_message(r)})",
                                  "see docs/chameleon.md (credentials for the nodes)")
         return r.json()["application_credential"]
 
@@ -302,7 +298,7 @@ class OpenStackCloud:
         if not mine:
             r = self.conn.session.post(url, json={"tenant_id": project}, raise_exc=False)
             if r.status_code != 201:
-                raise ApplianceError(f"Keystone refused an EC2 credential ({r.status_code}: {r.text[:200]})",
+                raise ApplianceError(f"Keystone refused an EC2 credential ({r.status_code}: {_keystone_message(r)})",
                                      "make one with `openstack ec2 credentials create` and set "
                                      "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
             mine = [r.json()["credential"]]
@@ -533,3 +529,11 @@ class OpenStackCloud:
             self.conn.network.update_ip(ip, port_id=None)  # a reserved FIP goes back with its lease
         else:
             self.conn.network.delete_ip(ip)
+
+
+def _keystone_message(r) -> str:
+    """The message of Keystone's error body ({"error": {"message"}}), or the start of whatever came instead."""
+    try:
+        return r.json()["error"]["message"]
+    except Exception:  # noqa: BLE001 - not Keystone's error shape
+        return r.text[:200]
