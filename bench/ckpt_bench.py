@@ -4,9 +4,11 @@ On the local cloud (2 nodes, a real Swift, the lease watchdog), with bench/ckpt_
 1. overhead: steps/s with async checkpoint + upload every N steps / steps/s with no appliance code (goal
    >= 0.98); also with only the collective stop check. Best of --repeats interleaved runs per cell (the
    run-to-run spread is reported too).
-2. deadline -> commit: at a random moment the cloud's clock jumps to the watchdog's margin before the lease end (the
-   deadline: from then on the job must stop); we time from that jump to the watchdog's stop request (its poll) and
-   on to rank 0's committed checkpoint (the step in flight + the stop check + save + upload + verify).
+2. deadline -> commit: at a random moment the cloud's clock jumps to LEAD_S before the deadline, the moment the lease's
+   time left reaches the watchdog's margin (from then on the job must stop). The watchdog learns the end at its next
+   poll, as it knows a real lease's end from the start; we time from the deadline to the watchdog's stop request and
+   on to rank 0's committed checkpoint (the STOP file written, the step in flight + the stop check + save + upload +
+   verify).
 3. steps lost at the lease end over --trials random end times: the last step any rank ran minus the step
    of the newest committed checkpoint in the store (goal 0). After each trial the lease is extended.
 Results: bench/results/ckpt.json, ckpt.md, ckpt.png.
@@ -39,6 +41,7 @@ from appliance.flows import run_job as train  # noqa: E402
 
 
 STOP_MARGIN_S = 20  # lease.stop_margin; the watchdog's margin is max(this, 3 x the slowest commit + 2 polls)
+LEAD_S = 3.0  # the clock jumps to this long (real seconds) before the deadline: more than one watchdog poll
 
 
 def write_spec(d: Path, name: str, command: str, every: int | None) -> str:
@@ -53,8 +56,11 @@ def write_spec(d: Path, name: str, command: str, every: int | None) -> str:
 
 
 def lease_left(cluster) -> float:
+    """Cloud seconds left, against the local cloud's own clock to the microsecond (its HTTP Date has whole seconds,
+    which would place the benchmark's deadline up to 1 s late)."""
     prof = sites.for_cluster(cluster, log=lambda m: None)
-    return (prof.cloud.get_lease(cluster.lease_id).end - prof.cloud.now()).total_seconds()
+    now = dt.datetime.strptime(localcloud.admin("GET", "/clock")["now"], "%Y-%m-%dT%H:%M:%S.%f")
+    return (prof.cloud.get_lease(cluster.lease_id).end - now).total_seconds()
 
 
 def run(spec_path: str, cluster, out=None):
@@ -110,9 +116,11 @@ def lease_trial(d: Path, cluster, hidden: int, every: int, store: CheckpointStor
     def jump():
         started.wait(120)
         time.sleep(delay)  # the arbitrary moment: a benchmark may wait, a test may not
+        # to LEAD_S before the margin (in the cloud's seconds) before the end: the deadline is LEAD_S from now
+        seconds = lease_left(cluster) - (STOP_MARGIN_S + LEAD_S) * scale
         marks["jump"] = time.time()
-        # to the margin (in the cloud's seconds) before the end: the deadline is now
-        localcloud.admin("POST", "/advance", {"seconds": lease_left(cluster) - STOP_MARGIN_S * scale})
+        localcloud.admin("POST", "/advance", {"seconds": seconds})
+        marks["deadline"] = marks["jump"] + LEAD_S
 
     t = threading.Thread(target=jump, daemon=True)
     t.start()
@@ -127,11 +135,20 @@ def lease_trial(d: Path, cluster, hidden: int, every: int, store: CheckpointStor
             "committed": st.get("committed"), "last_step_run": last_run, "newest_committed": newest,
             "steps_lost": None if last_run is None or newest is None else last_run - newest,
             "same_step_all_ranks": len({r["steps"] for r in res.results.values()}) == 1,
-            "deadline_to_commit_s": round(marks["committed"] - marks["jump"], 3) if "committed" in marks else None,
-            "deadline_to_stop_request_s": round(marks["stop_request"] - marks["jump"], 3)
+            "deadline_to_commit_s": round(marks["committed"] - marks["deadline"], 3) if "committed" in marks else None,
+            "deadline_to_stop_request_s": round(marks["stop_request"] - marks["deadline"], 3)
             if "stop_request" in marks else None,
             "stop_request_to_commit_s": round(marks["committed"] - marks["stop_request"], 3)
             if "committed" in marks and "stop_request" in marks else None,
+            "stop_request_to_decided_s": round(st["decided_at"] - marks["stop_request"], 3)
+            if st.get("decided_at") and "stop_request" in marks else None,
+            "decided_to_commit_s": round(marks["committed"] - st["decided_at"], 3)
+            if st.get("decided_at") and "committed" in marks else None,
+            "decided_to_reported_s": round(st["reported_at"] - st["decided_at"], 3)
+            if st.get("decided_at") and st.get("reported_at") else None,
+            "reported_to_launcher_s": round(marks["committed"] - st["reported_at"], 3)
+            if st.get("reported_at") and "committed" in marks else None,
+            "stop_reason": st.get("reason"),
             "margin": marks.get("margin"), "checkpoint_bytes": res.commits[-1]["bytes"] if res.commits else None,
             "rank0_stop_to_commit_s": st.get("seconds")}
 
@@ -157,6 +174,13 @@ def main() -> int:
               "make bench-ckpt for the overhead; the trials: python bench/ckpt_bench.py --skip-overhead", "machine": "2 cores, co-located Swift + 2 netns nodes",
               "overhead": [], "trials": []}
     try:
+        if not args.skip_overhead:  # what one collective stop check costs (bench/ckpt_job/stopcheck_cost.py)
+            lines: list[str] = []
+            res = run(write_spec(d, "bench", "python stopcheck_cost.py", None), cluster, out=lines.append)
+            got = [ln.split("STOPCHECK_COST ", 1)[1] for ln in lines if "STOPCHECK_COST " in ln]
+            assert res.exit_code == 0 and got, res.failure
+            result["stopcheck_cost"] = json.loads(got[-1])
+            print(f"stop check: {result['stopcheck_cost']}", flush=True)
         for h in [] if args.skip_overhead else args.hidden:
             print(f"overhead, hidden {h}", flush=True)
             result["overhead"].append(overhead(d, cluster, h, args.every, args.repeats, args.epochs))
@@ -182,6 +206,7 @@ def main() -> int:
             result["trials"] = old.get("trials", [])
         if not result["overhead"]:
             result["overhead"] = old.get("overhead", [])
+            result.setdefault("stopcheck_cost", old.get("stopcheck_cost"))
     trials = result["trials"]
     lost = [t["steps_lost"] for t in trials if t["steps_lost"] is not None]
     result["summary"] = {
@@ -192,7 +217,8 @@ def main() -> int:
         **{k: {h: sorted(t[k] for t in trials if t["hidden"] == h and t.get(k) is not None)
                for h in sorted({t["hidden"] for t in trials})}
            for k in ("deadline_to_commit_s", "deadline_to_stop_request_s", "stop_request_to_commit_s",
-                     "rank0_stop_to_commit_s")},
+                     "stop_request_to_decided_s", "decided_to_commit_s", "decided_to_reported_s",
+                     "reported_to_launcher_s", "rank0_stop_to_commit_s")},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -220,13 +246,23 @@ def report(r: dict) -> str:
                      f"{o['every_steps']} | {sp['plain']} | {sp['stopcheck']} | {sp['ckpt']} | "
                      f"**{o['ratio_ckpt']}** | {o['ratio_stopcheck']} | "
                      f"{' / '.join(str(o.get('spread', {}).get(m, '-')) for m in ('plain', 'stopcheck', 'ckpt'))} |")
+    sc = r.get("stopcheck_cost")
+    if sc:
+        lines += ["", f"One collective stop check (bench/ckpt_job/stopcheck_cost.py, {sc['calls']} calls on 2 nodes): "
+                  f"mean {sc['mean_ms']} ms, p50 {sc['p50_ms']}, p90 {sc['p90_ms']}, p99 {sc['p99_ms']} ms. The "
+                  "Checkpointer checks every 0.5 s (APPLIANCE_STOP_CHECK_SECONDS): "
+                  f"{sc['mean_ms'] / 500 * 100:.2f}% of the time at that mean."]
     lines += ["", "## Lease end: deadline signal -> committed checkpoint, steps lost (goal 0)", "",
               f"{s['trials']} trials at random moments; {s['stopped_and_committed']} stopped with a committed "
               f"checkpoint; steps lost: max **{s['steps_lost_max']}**, total {s['steps_lost_total']}.", "",
-              "The deadline is the moment the lease's time left reaches the watchdog's margin (the clock jumps there "
-              "at a random moment). Each cell: min / median / max seconds.", "",
-              "| hidden | deadline -> commit | deadline -> stop request (watchdog poll) | stop request -> commit "
-              "| rank 0: stop -> commit (save + upload + verify) |", "|---|---|---|---|---|"]
+              "The deadline is the moment the lease's time left reaches the watchdog's margin. At a random moment the "
+              f"cloud's clock jumps to {LEAD_S:g} s before it, so the watchdog learns the end at its next poll, as it "
+              "knows a real lease's end from the start. Each cell: min / median / max seconds (negative: before the "
+              "deadline).", "",
+              "| hidden | deadline -> commit | deadline -> stop request (watchdog) | stop request -> commit "
+              "| stop request -> the ranks agree (STOP written, next stop check) | agreed -> commit seen by the "
+              "launcher | agreed -> rank 0 reports the commit | of which save + upload + verify | rank 0's line -> "
+              "the launcher |", "|---|---|---|---|---|---|---|---|---|"]
 
     def cell(v):
         return f"{v[0]:.2f} / {statistics.median(v):.2f} / {v[-1]:.2f}" if v else "-"
@@ -234,11 +270,20 @@ def report(r: dict) -> str:
     for h, v in s["deadline_to_commit_s"].items():
         lines.append(f"| {h} | {cell(v)} | {cell(s.get('deadline_to_stop_request_s', {}).get(h))} | "
                      f"{cell(s.get('stop_request_to_commit_s', {}).get(h))} | "
-                     f"{cell(s.get('rank0_stop_to_commit_s', {}).get(h))} |")
-    lines += ["", "The watchdog polls the lease every 0.5 s on the local cloud (`site.lease_poll`; 60 s on Chameleon, "
-              "where the margin covers it). Stop request -> commit: the launcher writes the STOP file on the head "
-              "node, rank 0 reads it at the next collective stop check (about once a second), every rank stops "
-              "after the same step, rank 0 saves, uploads and verifies.", ""]
+                     f"{cell(s.get('stop_request_to_decided_s', {}).get(h))} | "
+                     f"{cell(s.get('decided_to_commit_s', {}).get(h))} | "
+                     f"{cell(s.get('decided_to_reported_s', {}).get(h))} | "
+                     f"{cell(s.get('rank0_stop_to_commit_s', {}).get(h))} | "
+                     f"{cell(s.get('reported_to_launcher_s', {}).get(h))} |")
+    other = [t for t in r["trials"] if t.get("stop_reason") and not re.match(r"lease \S+ ends ", t["stop_reason"])]
+    if other:
+        lines += ["", "Trials the node stopped by another path first: " + "; ".join(
+            f"hidden {t['hidden']}, step {t['stop_step']}: {t['stop_reason']}" for t in other) + "."]
+    lines += ["", "The watchdog polls the lease every 0.5 s on the local cloud (`site.lease_poll`; 60 s on Chameleon) "
+              "and sleeps until the margin once it is within a poll; the cloud's time is its HTTP Date (whole seconds) "
+              "placed between reads by `CloudClock`. Stop request -> commit: the launcher writes the STOP file on the "
+              "head node, rank 0 reads it at the next collective stop check (every 0.5 s), every rank stops after the "
+              "same step, rank 0 saves, uploads and verifies.", ""]
     return "\n".join(lines) + "\n"
 
 

@@ -94,6 +94,9 @@ class FakeCloud:
         self._call("get_lease", lease_id)
         return self.leases.get(lease_id)
 
+    def lease_at(self, lease_id):
+        return self.get_lease(lease_id), self.clock.replace(microsecond=0)  # an HTTP Date: whole seconds
+
     def list_leases(self):
         return list(self.leases.values())
 

@@ -29,6 +29,7 @@ class FaultProxy:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body are two writes (localcloud/server.py Handler)
 
             def log_message(self, *a):
                 pass

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from appliance.checkpoint.watchdog import LeaseWatch
+from appliance.checkpoint.watchdog import CloudClock, LeaseWatch
 from appliance.cluster import Cluster, find_cluster
 from appliance.errors import ApplianceError
 from appliance.provision import lifecycle
@@ -129,11 +129,62 @@ def test_the_watchdog_extends_when_the_spec_says_so_and_stops_when_it_cannot(tmp
     assert any("could not extend" in m for m in said)
 
 
+class FakeTime:
+    """The watchdog's sleeps, on the fake cloud's clock: each wait moves the clock by that long and is recorded."""
+
+    def __init__(self, cloud, stopped):
+        self.cloud, self.stopped, self.waits = cloud, stopped, []
+
+    def is_set(self):
+        return self.stopped.is_set() or len(self.waits) > 1000
+
+    def wait(self, t):
+        self.waits.append(t)
+        self.cloud.clock += dt.timedelta(seconds=t)
+        return self.is_set()
+
+    set = is_set
+
+
+def test_the_watchdog_asks_at_the_margin_itself_not_a_poll_or_a_halving_step_later(tmp_path):
+    """The end is known: the watchdog's last sleep ends at the margin, so the stop comes at it, however long its poll
+    (Chameleon's is 60 s). It used to halve the time left down to 0.2-s steps: up to 0.2 s late, and several reads."""
+    site = FakeSite()
+    w, cloud, info, asked, said, stopped = watch(tmp_path, site, ends_in_s=120 + 61.3,  # margin: 2 polls
+                                                 lease="lease: {duration: 2h, stop_margin: 60s}\n")
+    w.poll = 60.0
+    w.done = FakeTime(cloud, stopped)
+    w.clock = CloudClock(1.0, monotonic=lambda: sum(w.done.waits))
+    start = cloud.clock
+    w._run()
+    assert asked, said
+    # the cloud's Date has whole seconds; the watchdog's clock places the margin to within a fraction of one, and
+    # never after it (it was 0.16 s late here; up to 1 s with the Date alone)
+    assert 61.3 - 0.2 <= (cloud.clock - start).total_seconds() <= 61.3 + 1e-6
+    assert len(cloud.verbs("get_lease")) <= 5
+
+
+def test_the_cloud_clock_narrows_whole_second_dates_and_starts_over_when_the_cloud_jumps():
+    t = [0.0]
+    c = CloudClock(1.0, monotonic=lambda: t[0])
+    base = dt.datetime(2026, 11, 24, 12, 0, 0)
+    true = lambda: base + dt.timedelta(seconds=0.37 + t[0])  # noqa: E731 - the cloud's clock, 0.37 s into a second
+    for step in (0.0, 0.3, 0.5, 0.7, 0.9):  # reads at different fractions of a second, 1 ms each
+        t[0] += step
+        c.read(true().replace(microsecond=0), t[0] - 0.001, t[0])
+    assert (true() - true().replace(microsecond=0)).total_seconds() > 0.7  # the last Date alone: 0.77 s behind
+    assert abs((c.now() - true()).total_seconds()) < 0.16  # the bounds left: A in [0.2, 0.5]
+    base += dt.timedelta(days=1)  # the cloud's clock jumps (the local cloud's /advance; an NTP step)
+    t[0] += 0.5
+    c.read(true().replace(microsecond=0), t[0] - 0.001, t[0])
+    assert abs((c.now() - true()).total_seconds()) <= 0.5
+
+
 def test_the_watchdog_reads_the_clock_in_real_seconds(tmp_path):
     """The local cloud's clock can run 60x: 600 cloud seconds left is 10 real seconds, inside a 60 s margin."""
     w, *_ = watch(tmp_path, FakeSite(scale=60.0), ends_in_s=600, lease="lease: {duration: 2h, stop_margin: 60s}\n")
     left, _end = w.left()
-    assert left == pytest.approx(10.0)
+    assert left == pytest.approx(10.0, abs=1 / 60)  # the Date's whole second is 1/60 s of real time
 
 
 def test_a_host_key_mismatch_fails_at_once(tmp_path, monkeypatch):

@@ -11,7 +11,9 @@ class _Mine(checkpointer.ApplianceCallback):
 
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(keras_fit, "_STATE", dict(keras_fit._STATE, auto_used=False, auto_said=False))
+    monkeypatch.setattr(keras_fit, "_STATE", dict(keras_fit._STATE, auto_used=False, auto_said=False,
+                                                 beside_said=False))
+    monkeypatch.setattr(checkpointer, "_AUTO", {})
     made = []
     monkeypatch.setattr(checkpointer, "auto_callback", lambda: made.append(_Mine()) or made[-1])
     return made
@@ -35,3 +37,27 @@ def test_positional_callbacks_and_a_script_that_already_passes_one(fresh):
     assert kw["callbacks"] == [mine] and len(fresh) == 1
     args, kw = keras_fit._with_callback(("x",), {})  # no callbacks at all
     assert kw["callbacks"] == [fresh[1]]
+
+
+def test_a_fit_beside_the_scripts_own_checkpointer_is_left_alone(fresh, capsys):
+    """A script with its own Checkpointer (its loop) that also calls a plain Model.fit (a warm-up): checkpoint.auto
+    used to hook that fit with a second Checkpointer, which restored a resumed run's checkpoint into the warm-up and
+    committed the warm-up's state (step 2 of a fresh job, seen in make bench-ckpt) into the run's store, where a
+    later resume could take it as the newest."""
+    checkpointer._note_made()  # the script's Checkpointer(...)
+    args, kw = keras_fit._with_callback(("x",), {"callbacks": ["hvd-broadcast"]})
+    assert kw["callbacks"] == ["hvd-broadcast"] and not fresh
+    keras_fit._with_callback(("x",), {})
+    assert capsys.readouterr().err.count("not checkpointed") == 1
+
+
+def test_the_checkpointer_that_checkpoint_auto_makes_is_not_the_scripts(monkeypatch):
+    seen = []
+    monkeypatch.setattr(checkpointer, "Checkpointer", lambda **kw: seen.append(checkpointer._note_made())
+                        or type("C", (), {"callback": "cb"})())
+    monkeypatch.setattr(checkpointer, "_AUTO", {})
+    import horovod.tensorflow as hvd_tf
+
+    monkeypatch.setattr(hvd_tf, "is_initialized", lambda: True)
+    assert checkpointer.auto_callback() == "cb" and seen
+    assert not checkpointer.made_by_script()

@@ -247,3 +247,30 @@ def test_keystone_checks_s3_signatures_of_ec2_credentials_for_the_rgw(api):
     assert call("GET", f"{ec2}/{made['access']}", token=tok)[1]["credential"]["secret"] == made["secret"]
     assert call("DELETE", f"{ec2}/{made['access']}", token=tok)[0] == 204
     assert call("POST", "/identity/v3/s3tokens", signed(made["secret"]))[0] == 404
+
+
+def test_answers_go_out_without_waiting_for_the_clients_delayed_ack(tmp_path):
+    """The handler writes the headers and the body separately; with Nagle's algorithm on a kept-alive connection the
+    body waited for the client's delayed ACK: 44 ms on every API call (0.7 ms without), which the lease watchdog's
+    reads, every poll of `up` and every test paid."""
+    import socket
+
+    _credentials(tmp_path)
+    nodelay = []
+
+    class H(server.Handler):
+        cloud = Cloud(tmp_path, nodes=NoNodes())
+
+        def do_GET(self):
+            nodelay.append(self.connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            return server.Handler._handle(self)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{httpd.server_address[1]}/identity/v3", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert nodelay and all(nodelay)

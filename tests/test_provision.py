@@ -133,6 +133,30 @@ def test_request_shapes(cloud, tmp_path):
         flows.down("shapes", log=lambda m: None)
 
 
+def test_the_watchdogs_poll_is_one_read_of_the_lease(cloud, tmp_path):
+    """The lease and the cloud's time come from one GET /leases/ID (its Date header). The watchdog used to send a
+    second request, GET /leases (every lease of the project), for the Date alone; status and `lease show` too."""
+    from appliance import sites
+    from appliance.checkpoint.watchdog import LeaseWatch
+    from appliance.cluster import Cluster
+
+    site = sites.open_site("local", log=lambda m: None)
+    info = site.cloud.create_lease("one-read", "compute_local", 1, dt.timedelta(hours=2))
+    try:
+        w = LeaseWatch(load_spec(spec_file(tmp_path, "oneread")), Cluster(name="", cloud="local", nodes=[],
+                       lease_id=info.id), lambda req: None, lambda m: None, site=site)
+        localcloud.admin("DELETE", "/requests")
+        left, end = w.left()
+        assert [(r["method"], r["path"]) for r in localcloud.admin("GET", "/requests")["requests"]
+                if not r["path"].startswith("/_admin")] == [
+            ("GET", f"/reservation/v1/leases/{info.id}")]
+        assert end == info.end and 7000 < left <= 7200
+        assert flows.lease("show", info.id, cloud="local")["seconds_left"] > 7000
+    finally:
+        site.cloud.delete_lease(info.id)
+    assert site.cloud.lease_at(info.id)[0] is None  # gone: None, as get_lease says
+
+
 def test_lease_end_deletes_servers_and_up_makes_a_new_lease(cloud, tmp_path):
     spec = spec_file(tmp_path, "ending", count=1, duration="1h")
     cl = flows.up(spec, log=lambda m: None)

@@ -334,8 +334,7 @@ class JobCheckpoints(JobHooks):
         if w is None or not self.cluster.lease_id:
             return None
         try:
-            info = w.site.cloud.get_lease(self.cluster.lease_id)
-            now = w.site.cloud.now()
+            info, now = w.site.cloud.lease_at(self.cluster.lease_id)
         except Exception:  # noqa: BLE001 - the verdict stays as it was
             return None
         if info is None:

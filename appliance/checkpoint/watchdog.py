@@ -2,7 +2,8 @@
 
 It runs beside the job in `appliance train` (on the head node when the CLI runs there, as with the Heat
 template; on the user's machine otherwise) and polls the lease: Blazar's end date, read against the cloud's own
-clock (HTTP Date), converted to real seconds (the local cloud's clock can run faster). At ``end - margin`` it
+clock (HTTP Date, to a fraction of a second with `CloudClock`), converted to real seconds (the local cloud's clock
+can run faster). Its last sleep ends at the moment to act. At ``end - margin`` it
 
 1. extends the lease, when the spec says ``lease.extend: true`` and Chameleon's rules allow it (within 48 h
    of the end, at most 7 days added), and keeps watching. It extends earlier than it would stop, before the
@@ -31,6 +32,34 @@ from ..sites import Site
 from ..spec import Spec, duration_seconds
 
 
+EPOCH = dt.datetime(1970, 1, 1)
+
+
+class CloudClock:
+    """The cloud's time between reads of the lease. Each read carries the cloud's HTTP Date: whole seconds, stamped
+    between our send and our receipt. So the cloud's clock at our monotonic time m is A + scale * m, with
+    d - scale * received <= A < d + 1 - scale * sent for every read's Date d. The bounds narrow as reads land at
+    different fractions of a second; a cloud clock that jumps (bounds that no longer meet) starts them over. The Date
+    alone read the time left up to 1 s long, so the stop came up to 1 s after the margin."""
+
+    def __init__(self, scale: float, monotonic: Callable[[], float] = time.monotonic):
+        self.scale, self.monotonic = scale, monotonic
+        self.lo: float | None = None
+        self.hi: float | None = None
+
+    def read(self, date: dt.datetime, sent: float, received: float) -> dt.datetime:
+        d = (date - EPOCH).total_seconds()
+        lo, hi = d - self.scale * received, d + 1 - self.scale * sent
+        if self.lo is None or lo >= self.hi or hi <= self.lo:
+            self.lo, self.hi = lo, hi
+        else:
+            self.lo, self.hi = max(self.lo, lo), min(self.hi, hi)
+        return self.now()
+
+    def now(self) -> dt.datetime:
+        return EPOCH + dt.timedelta(seconds=(self.lo + self.hi) / 2 + self.scale * self.monotonic())
+
+
 class LeaseWatch:
     def __init__(self, spec: Spec, cluster: Cluster, request_stop: Callable[[dict], None],
                  say: Callable[[str], None], *, site: Site, poll: float | None = None):
@@ -38,6 +67,7 @@ class LeaseWatch:
         self.site = site
         self.scale = site.time_scale()
         self.poll = poll if poll is not None else site.lease_poll
+        self.clock = CloudClock(self.scale)
         self.floor = float(duration_seconds(spec.lease.stop_margin))
         self.commit_s: list[float] = []  # save+upload durations reported by rank 0
         self.done = threading.Event()
@@ -61,12 +91,14 @@ class LeaseWatch:
         self._thread.join(timeout=5)
 
     def left(self) -> tuple[float, dt.datetime] | None:
-        """(real seconds left, end) or None when the lease is gone."""
-        info = self.site.cloud.get_lease(self.cluster.lease_id)
+        """(real seconds left, end) or None when the lease is gone: one read of the lease, whose answer carries the
+        cloud's time as well."""
+        sent = self.clock.monotonic()
+        info, date = self.site.cloud.lease_at(self.cluster.lease_id)
+        received = self.clock.monotonic()
         if info is None or info.status in ("TERMINATED", "DELETED", "ERROR"):
             return None
-        now = self.site.cloud.now()
-        return (info.end - now).total_seconds() / self.scale, info.end
+        return (info.end - self.clock.read(date, sent, received)).total_seconds() / self.scale, info.end
 
     def _run(self) -> None:
         first = True
@@ -102,7 +134,9 @@ class LeaseWatch:
                                        "deadline": deadline})
                     return
                 at = self.extend_at() if self.spec.lease.extend and refused_for != end else self.margin()
-                wait = min(self.poll, max(0.2, (left - at) / 2))
+                # the next read at the moment to act, not up to one poll (or a halving step) after it: the end is
+                # known, so the stop (or the extension) comes at the margin itself, to within one read of the lease
+                wait = min(self.poll, max(0.0, left - at))
             else:
                 wait = self.poll
             self.done.wait(wait)

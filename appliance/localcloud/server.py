@@ -48,6 +48,10 @@ SERVICES = {m.PREFIX: m for m in (keystone, blazar, nova, neutron, glance, orche
 class Handler(BaseHTTPRequestHandler):
     server_version = "appliance-localcloud/1"
     protocol_version = "HTTP/1.1"
+    # The status line and headers go out in one write and the body in a second; with Nagle's algorithm on a kept-
+    # alive connection the body then waits for the client's delayed ACK: 40 ms on every call (measured: 44 ms per
+    # GET /leases/ID, 1 ms without). Real services answer in one write (eventlet.wsgi, Apache); so do we.
+    disable_nagle_algorithm = True
     cloud: Cloud
 
     def log_message(self, fmt, *args):  # quiet; the request log is in /_admin/requests

@@ -17,7 +17,7 @@ Use in a training script (see examples/digits/train.py)::
 What it does:
 - restores the newest committed checkpoint that `appliance resume` staged (``APPLIANCE_RESTORE``): model
   weights, optimizer slots and step, RNG states, data position (epoch, batch), metrics so far;
-- about once a second (every K steps, K calibrated at start) one tiny allreduce decides together whether to
+- twice a second (every K steps, K calibrated at start) one tiny allreduce decides together whether to
   stop (a STOP request from the lease watchdog, SIGTERM on any rank, or the lease end read from
   Chameleon's vendordata on the head node), so every rank stops after the same step;
 - rank 0 saves every N steps / M minutes: a local write with an atomic rename, then a background upload
@@ -47,6 +47,7 @@ from ..store.objects import StoreCreds
 from .vendordata import vendordata_lease_end
 
 CALIBRATION = 20  # steps timed after each start to pick the stop-check interval
+STOP_CHECK_SECONDS = 0.5  # between collective stop checks (APPLIANCE_STOP_CHECK_SECONDS overrides)
 STOP_COMMIT_FLOOR = 30.0  # seconds a stop's checkpoint gets to commit, whatever its deadline says
 
 
@@ -108,6 +109,7 @@ class Checkpointer:
                  restore_dir: str | None = None, resize: str | None = None, exit_on_stop: bool = True):
         import horovod.tensorflow as hvd_tf
 
+        _note_made()
         env = os.environ
         self._hvd = hvd_tf
         self.rank, self.size = hvd_tf.rank(), hvd_tf.size()
@@ -147,6 +149,7 @@ class Checkpointer:
         self.stopped = False
         self._first_step_said = False
         self.stop_reason: str | None = None
+        self._stop_decided_at: float | None = None  # wall time of the check that agreed to stop
         self._local_reason: str | None = None
         self._last_save = time.monotonic()
         self.save_failures = 0  # periodic saves the node's disk refused (the run went on)
@@ -165,7 +168,7 @@ class Checkpointer:
         self._fault = env.get("APPLIANCE_FAULT", "")
         self._deadline: float | None = None
         self._vd_next = 0.0
-        self.check_seconds = float(env.get(Env.STOP_CHECK_SECONDS) or 1.0)
+        self.check_seconds = float(env.get(Env.STOP_CHECK_SECONDS) or STOP_CHECK_SECONDS)
         self.check_every = 1  # steps between collective stop checks, agreed after calibration
         self._checked_at = -1
         self._calib_from, self._calib_at, self._next_check, self._t_calib = 0, CALIBRATION, 0, time.monotonic()
@@ -211,8 +214,9 @@ class Checkpointer:
         CALIBRATION steps after a start check every step while rank 0 times them; at the last of them the ranks
         agree (the same allreduce carries rank 0's answer) on K, the number of steps per ``check_seconds``; from
         then on every K-th step checks. Every rank reaches the same decision at the same step, and the check costs
-        one tiny allreduce a second. The same allreduce carries rank 0's "a timed save is due", so that every rank
-        takes part in every save (each rank's RNG state goes into it)."""
+        one tiny allreduce per half second (its cost per call: bench/results/ckpt.md); a stop waits 0.25 s for it
+        on average. The same allreduce carries rank 0's "a timed save is due", so that every rank takes part in
+        every save (each rank's RNG state goes into it)."""
         import tensorflow as tf
 
         s = self.step
@@ -355,6 +359,7 @@ class Checkpointer:
             self._periodic_save()
         if stop:
             self.stopped = True
+            self._stop_decided_at = time.time()  # the check that agreed on it (the benchmark splits the stop here)
             self.stop_reason = self._local_reason or "a peer asked to stop"
             self.model.stop_training = True
             if self.mode == "fit":  # now, before Keras runs the epoch's end (validation, other callbacks)
@@ -563,10 +568,12 @@ class Checkpointer:
                     self._last_commit["step"] == self.step
             body = {"step": self.step, "epoch": self._position()[0], "reason": self.stop_reason,
                     "committed": committed, "checkpoint": local.name if local else None,
-                    "seconds": round(time.monotonic() - t0, 2)}
+                    "seconds": round(time.monotonic() - t0, 2),
+                    "decided_at": round(self._stop_decided_at or time.time(), 3)}
             if not committed:
                 body.update({"local": str(local or self.local_dir),
                              "error": save_error or self._upload_error or "upload did not finish in time"})
+            body["reported_at"] = round(time.time(), 3)
             emit(Line.STOPPED, body)
         self._hvd.allreduce(tf.constant([0]), name="appliance.stopped")  # everyone waits for rank 0's commit
         self._close_metrics()
@@ -682,6 +689,17 @@ def callback(**kwargs):
 _AUTO: dict = {}
 
 
+def _note_made() -> None:
+    """A Checkpointer is being made: by the script itself, unless `auto_callback` is making its own."""
+    if not _AUTO.get("making"):
+        _AUTO["script"] = True
+
+
+def made_by_script() -> bool:
+    """Whether the script made a Checkpointer of its own in this process (checkpoint.auto then steps aside)."""
+    return bool(_AUTO.get("script"))
+
+
 def auto_callback():
     """Level 2: the callback the rank's start-up shim adds to a plain ``Model.fit`` (one per process)."""
     import horovod.tensorflow as hvd_tf
@@ -689,5 +707,9 @@ def auto_callback():
     if not hvd_tf.is_initialized():
         hvd_tf.init()
     if "cb" not in _AUTO:
-        _AUTO["cb"] = Checkpointer(seed=None, batch_size=None).callback
+        _AUTO["making"] = True
+        try:
+            _AUTO["cb"] = Checkpointer(seed=None, batch_size=None).callback
+        finally:
+            _AUTO.pop("making", None)
     return _AUTO["cb"]

@@ -32,7 +32,7 @@ import sys
 
 from ..protocol import Env
 
-_STATE = {"data": False, "fit": False, "auto_used": False, "auto_said": False}
+_STATE = {"data": False, "fit": False, "auto_used": False, "auto_said": False, "beside_said": False}
 
 
 def rng_to_generator(backend_module) -> None:
@@ -146,8 +146,15 @@ def install_autolog() -> None:
 _CALLBACKS_POS = 5  # Model.fit(x, y, batch_size, epochs, verbose, callbacks, ...)
 
 
+def _say_once(flag: str, message: str) -> None:
+    if not _STATE[flag]:
+        _STATE[flag] = True
+        print(f"[appliance] {message}", file=sys.stderr, flush=True)
+
+
 def _with_callback(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    from .checkpointer import ApplianceCallback, auto_callback
+    from . import checkpointer
+    from .checkpointer import ApplianceCallback
 
     if len(args) > _CALLBACKS_POS:
         cbs = args[_CALLBACKS_POS]
@@ -156,17 +163,21 @@ def _with_callback(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     listed = list(getattr(cbs, "callbacks", cbs) or [])
     if any(isinstance(c, ApplianceCallback) for c in listed):
         return args, kwargs
+    if checkpointer.made_by_script():
+        # The script checkpoints with its own Checkpointer (its loop, or its callback in other fits). A second one
+        # here would restore a resumed run's checkpoint into this fit and commit this fit's state (a warm-up's
+        # weights, its data position) into the run as its newest checkpoint.
+        _say_once("beside_said", "a Model.fit without the script's Checkpointer callback: not checkpointed (the "
+                  "script's own Checkpointer is the run's; pass its .callback to checkpoint this fit too)")
+        return args, kwargs
     if _STATE["auto_used"]:
-        if not _STATE["auto_said"]:
-            _STATE["auto_said"] = True
-            print("[appliance] another Model.fit in this process: checkpoint.auto protects only the first one; "
-                  "for several, pass appliance.checkpoint.keras.callback() to each (docs/checkpoints.md)",
-                  file=sys.stderr, flush=True)
+        _say_once("auto_said", "another Model.fit in this process: checkpoint.auto protects only the first one; "
+                  "for several, pass appliance.checkpoint.keras.callback() to each (docs/checkpoints.md)")
         return args, kwargs
     if cbs is not None and not isinstance(cbs, (list, tuple)):
         return args, kwargs  # a CallbackList the script built itself: left alone
     _STATE["auto_used"] = True
-    new = listed + [auto_callback()]
+    new = listed + [checkpointer.auto_callback()]
     if len(args) > _CALLBACKS_POS:
         args = args[:_CALLBACKS_POS] + (new,) + args[_CALLBACKS_POS + 1:]
     else:

@@ -62,12 +62,11 @@ def image_upload(site: Site, path: str, name: str, *, disk_format: str | None = 
 
 
 def lease_show(site: Site, lease_id: str) -> dict:
-    c = site.cloud
-    info = c.get_lease(lease_id)
+    info, now = site.cloud.lease_at(lease_id)
     if info is None:
         raise ApplianceError(f"no lease {lease_id}", "see `appliance lease list`")
     d = info.as_dict()
-    d["seconds_left"] = max(0, int((info.end - c.now()).total_seconds()))
+    d["seconds_left"] = max(0, int((info.end - now).total_seconds()))
     return d
 
 
@@ -323,8 +322,7 @@ def finish(site: Site, cluster: Cluster, log=print) -> None:
 def status(name: str, log=print, site: Site | None = None) -> dict:
     cluster = load_cluster(name)
     c = (site or _site_of(cluster)).cloud
-    info = c.get_lease(cluster.lease_id) if cluster.lease_id else None
-    now = c.now()
+    info, now = c.lease_at(cluster.lease_id) if cluster.lease_id else (None, c.now())
     out = {"name": name, "cloud": cluster.cloud, "lease_id": cluster.lease_id,
            "reservation_id": cluster.reservation_id, "floating_ip": cluster.floating_ip, "nodes": []}
     if info is None:

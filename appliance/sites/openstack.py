@@ -233,6 +233,14 @@ class LeaseInfo:
                 "missing_resources": self.missing_resources}
 
 
+def _date_of(resp) -> dt.datetime:
+    """An HTTP answer's Date header as naive UTC (our clock when it has none)."""
+    date = resp.headers.get("Date")
+    if date:
+        return email.utils.parsedate_to_datetime(date).astimezone(dt.timezone.utc).replace(tzinfo=None)
+    return dt.datetime.utcnow()
+
+
 class OpenStackCloud:
     """Leases, servers and floating IPs on one OpenStack site (Chameleon, or the local cloud)."""
 
@@ -245,10 +253,18 @@ class OpenStackCloud:
     def now(self) -> dt.datetime:
         """The cloud's current UTC time (its HTTP Date header), so lease dates do not depend on our clock."""
         resp, _ = self.blazar.lease.request_manager.get("/leases")
-        date = resp.headers.get("Date")
-        if date:
-            return email.utils.parsedate_to_datetime(date).astimezone(dt.timezone.utc).replace(tzinfo=None)
-        return dt.datetime.utcnow()
+        return _date_of(resp)
+
+    def lease_at(self, lease_id: str) -> tuple[LeaseInfo | None, dt.datetime]:
+        """A lease (None when gone) and the cloud's time, from one GET /leases/ID (its body and its Date header):
+        what the lease watchdog reads each poll. `now()` lists every lease of the project for the Date alone."""
+        try:
+            resp, body = self.blazar.lease.request_manager.get(f"/leases/{lease_id}")
+        except Exception as e:
+            if _not_found(e):
+                return None, self.now()
+            raise explain_blazar(e) from None
+        return LeaseInfo.from_api(body["lease"]), _date_of(resp)
 
     # -- identity ---------------------------------------------------------------------------------
 
