@@ -180,6 +180,22 @@ def test_the_cloud_clock_narrows_whole_second_dates_and_starts_over_when_the_clo
     assert abs((c.now() - true()).total_seconds()) <= 0.5
 
 
+def test_the_cloud_clock_forgets_old_reads_so_drift_does_not_pile_up():
+    """Our clock 100 ppm off the cloud's, read every 60 s as on Chameleon, for 33 hours: only the last reads count,
+    so the estimate stays within half the Date's second. Bounds kept from every read went stale with the drift and
+    the error grew to the whole second (0.998 s) before the bounds stopped meeting and started over."""
+    t = [0.0]
+    c = CloudClock(1.0, monotonic=lambda: t[0])
+    base = dt.datetime(2026, 11, 24, 12, 0, 0)
+    true = lambda: base + dt.timedelta(seconds=0.37 + 1.0001 * t[0])  # noqa: E731
+    worst = 0.0
+    for _ in range(2000):
+        t[0] += 60.0
+        c.read(true().replace(microsecond=0), t[0] - 0.001, t[0])
+        worst = max(worst, abs((c.now() - true()).total_seconds()))
+    assert worst < 0.6
+
+
 def test_the_watchdog_reads_the_clock_in_real_seconds(tmp_path):
     """The local cloud's clock can run 60x: 600 cloud seconds left is 10 real seconds, inside a 60 s margin."""
     w, *_ = watch(tmp_path, FakeSite(scale=60.0), ends_in_s=600, lease="lease: {duration: 2h, stop_margin: 60s}\n")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from ..cluster import Cluster
@@ -39,21 +40,25 @@ class CloudClock:
     """The cloud's time between reads of the lease. Each read carries the cloud's HTTP Date: whole seconds, stamped
     between our send and our receipt. So the cloud's clock at our monotonic time m is A + scale * m, with
     d - scale * received <= A < d + 1 - scale * sent for every read's Date d. The bounds narrow as reads land at
-    different fractions of a second; a cloud clock that jumps (bounds that no longer meet) starts them over. The Date
-    alone read the time left up to 1 s long, so the stop came up to 1 s after the margin."""
+    different fractions of a second; only the last KEEP reads count, so our clock's drift against the cloud's over a
+    week-long lease does not pile up, and a cloud clock that jumps (bounds that no longer meet) starts them over. The
+    Date alone read the time left up to 1 s long, so the stop came up to 1 s after the margin."""
+
+    KEEP = 8
 
     def __init__(self, scale: float, monotonic: Callable[[], float] = time.monotonic):
         self.scale, self.monotonic = scale, monotonic
+        self.bounds: deque[tuple[float, float]] = deque(maxlen=self.KEEP)
         self.lo: float | None = None
         self.hi: float | None = None
 
     def read(self, date: dt.datetime, sent: float, received: float) -> dt.datetime:
         d = (date - EPOCH).total_seconds()
-        lo, hi = d - self.scale * received, d + 1 - self.scale * sent
-        if self.lo is None or lo >= self.hi or hi <= self.lo:
-            self.lo, self.hi = lo, hi
-        else:
-            self.lo, self.hi = max(self.lo, lo), min(self.hi, hi)
+        self.bounds.append((d - self.scale * received, d + 1 - self.scale * sent))
+        self.lo, self.hi = max(b[0] for b in self.bounds), min(b[1] for b in self.bounds)
+        if self.lo >= self.hi:  # the cloud's clock jumped: this read alone
+            self.bounds = deque([self.bounds[-1]], maxlen=self.KEEP)
+            self.lo, self.hi = self.bounds[0]
         return self.now()
 
     def now(self) -> dt.datetime:
