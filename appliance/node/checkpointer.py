@@ -359,7 +359,7 @@ class Checkpointer:
             self._periodic_save()
         if stop:
             self.stopped = True
-            self._stop_decided_at = time.time()  # the check that agreed on it (the benchmark splits the stop here)
+            self._stop_decided_at = round(time.time(), 3)  # the check that agreed (the benchmark splits the stop here)
             self.stop_reason = self._local_reason or "a peer asked to stop"
             self.model.stop_training = True
             if self.mode == "fit":  # now, before Keras runs the epoch's end (validation, other callbacks)
@@ -569,7 +569,7 @@ class Checkpointer:
             body = {"step": self.step, "epoch": self._position()[0], "reason": self.stop_reason,
                     "committed": committed, "checkpoint": local.name if local else None,
                     "seconds": round(time.monotonic() - t0, 2),
-                    "decided_at": round(self._stop_decided_at or time.time(), 3)}
+                    "decided_at": self._stop_decided_at}
             if not committed:
                 body.update({"local": str(local or self.local_dir),
                              "error": save_error or self._upload_error or "upload did not finish in time"})

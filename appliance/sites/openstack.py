@@ -258,13 +258,8 @@ class OpenStackCloud:
     def lease_at(self, lease_id: str) -> tuple[LeaseInfo | None, dt.datetime]:
         """A lease (None when gone) and the cloud's time, from one GET /leases/ID (its body and its Date header):
         what the lease watchdog reads each poll. `now()` lists every lease of the project for the Date alone."""
-        try:
-            resp, body = self.blazar.lease.request_manager.get(f"/leases/{lease_id}")
-        except Exception as e:
-            if _not_found(e):
-                return None, self.now()
-            raise explain_blazar(e) from None
-        return LeaseInfo.from_api(body["lease"]), _date_of(resp)
+        info, resp = self._read_lease(lease_id)
+        return info, _date_of(resp) if resp is not None else self.now()
 
     # -- identity ---------------------------------------------------------------------------------
 
@@ -346,12 +341,18 @@ class OpenStackCloud:
         return LeaseInfo.from_api(lease)
 
     def get_lease(self, lease_id: str) -> LeaseInfo | None:
+        return self._read_lease(lease_id)[0]
+
+    def _read_lease(self, lease_id: str):
+        """(lease, HTTP answer), or (None, None) when Blazar has no such lease: GET /leases/ID, as blazarclient's
+        lease.get sends it, keeping the answer for its Date."""
         try:
-            return LeaseInfo.from_api(self.blazar.lease.get(lease_id))
+            resp, body = self.blazar.lease.request_manager.get(f"/leases/{lease_id}")
         except Exception as e:
             if _not_found(e):
-                return None
+                return None, None
             raise explain_blazar(e) from None
+        return LeaseInfo.from_api(body["lease"]), resp
 
     def list_leases(self) -> list[LeaseInfo]:
         try:
