@@ -107,6 +107,8 @@ def lease_trial(d: Path, cluster, hidden: int, every: int, store: CheckpointStor
             marks["stop_request"] = time.time()
             m = re.search(r"\(margin ([^)]*)\)", line)
             marks["margin"] = m.group(1) if m else None
+        if "[appliance] stop request on the head node" in line:
+            marks["stop_written"] = time.time()
         if "[checkpoint] stopped after step" in line:
             marks["committed"] = time.time()
 
@@ -150,7 +152,22 @@ def lease_trial(d: Path, cluster, hidden: int, every: int, store: CheckpointStor
             if st.get("reported_at") and "committed" in marks else None,
             "stop_reason": st.get("reason"),
             "margin": marks.get("margin"), "checkpoint_bytes": res.commits[-1]["bytes"] if res.commits else None,
-            "rank0_stop_to_commit_s": st.get("seconds")}
+            "rank0_stop_to_commit_s": st.get("seconds"),
+            # the stop's parts, one after the other (None where a mark is missing)
+            "parts_s": _parts(dict(marks, **{k: st.get(k) for k in (
+                "decided_at", "finish_at", "last_rank_at", "gathered_at", "saved_at", "reported_at")})),
+            "uploading_at_stop": st.get("uploading_at_stop")}
+
+
+PARTS = [("stop_request", "stop_written"), ("stop_written", "decided_at"), ("decided_at", "finish_at"),
+         ("finish_at", "last_rank_at"), ("last_rank_at", "gathered_at"), ("gathered_at", "saved_at"),
+         ("saved_at", "reported_at"), ("reported_at", "committed")]
+
+
+def _parts(m: dict) -> dict:
+    """Each consecutive pair of marks: the seconds between them (the launcher's and the node's clocks are one
+    machine's here)."""
+    return {f"{a}->{b}": round(m[b] - m[a], 3) if m.get(a) and m.get(b) else None for a, b in PARTS}
 
 
 def main() -> int:
@@ -219,6 +236,10 @@ def main() -> int:
            for k in ("deadline_to_commit_s", "deadline_to_stop_request_s", "stop_request_to_commit_s",
                      "stop_request_to_decided_s", "decided_to_commit_s", "decided_to_reported_s",
                      "reported_to_launcher_s", "rank0_stop_to_commit_s")},
+        "parts_s": {h: {f"{a}->{b}": sorted(t["parts_s"][f"{a}->{b}"] for t in trials if t["hidden"] == h
+                                            and (t.get("parts_s") or {}).get(f"{a}->{b}") is not None)
+                        for a, b in PARTS}
+                    for h in sorted({t["hidden"] for t in trials})},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -260,9 +281,9 @@ def report(r: dict) -> str:
               "knows a real lease's end from the start. Each cell: min / median / max seconds (negative: before the "
               "deadline).", "",
               "| hidden | deadline -> commit | deadline -> stop request (watchdog) | stop request -> commit "
-              "| stop request -> the ranks agree (STOP written, next stop check) | agreed -> commit seen by the "
-              "launcher | agreed -> rank 0 reports the commit | of which save + upload + verify | rank 0's line -> "
-              "the launcher |", "|---|---|---|---|---|---|---|---|---|"]
+              "| stop request -> the ranks agree (STOP written, next stop check) "
+              "| agreed -> rank 0 reports the commit | of which save + upload + verify | rank 0's line -> "
+              "the launcher |", "|---|---|---|---|---|---|---|---|"]
 
     def cell(v):
         return f"{v[0]:.2f} / {statistics.median(v):.2f} / {v[-1]:.2f}" if v else "-"
@@ -271,10 +292,25 @@ def report(r: dict) -> str:
         lines.append(f"| {h} | {cell(v)} | {cell(s.get('deadline_to_stop_request_s', {}).get(h))} | "
                      f"{cell(s.get('stop_request_to_commit_s', {}).get(h))} | "
                      f"{cell(s.get('stop_request_to_decided_s', {}).get(h))} | "
-                     f"{cell(s.get('decided_to_commit_s', {}).get(h))} | "
                      f"{cell(s.get('decided_to_reported_s', {}).get(h))} | "
                      f"{cell(s.get('rank0_stop_to_commit_s', {}).get(h))} | "
                      f"{cell(s.get('reported_to_launcher_s', {}).get(h))} |")
+    parts = s.get("parts_s") or {}
+    if any(any(v.values()) for v in parts.values()):
+        names = {"stop_request->stop_written": "STOP file written (SSH)",
+                 "stop_written->decided_at": "-> the ranks agree (next stop check)",
+                 "decided_at->finish_at": "-> rank 0 starts the stop's save",
+                 "finish_at->last_rank_at": "-> the last rank there too",
+                 "last_rank_at->gathered_at": "-> RNG states gathered",
+                 "gathered_at->saved_at": "-> saved on the node",
+                 "saved_at->reported_at": "-> uploaded, verified, committed",
+                 "reported_at->committed": "-> the launcher sees it"}
+        lines += ["", "Where the stop's time goes, one part after the other (min / median / max seconds; the marks are "
+                  "the launcher's lines and rank 0's STOPPED line, every rank's arrival at the stop's gather):", "",
+                  "| hidden | " + " | ".join(names[f"{a}->{b}"] for a, b in PARTS) + " |",
+                  "|---|" + "---|" * len(PARTS)]
+        for h, v in parts.items():
+            lines.append(f"| {h} | " + " | ".join(cell(v.get(f"{a}->{b}")) for a, b in PARTS) + " |")
     other = [t for t in r["trials"] if t.get("stop_reason") and not re.match(r"lease \S+ ends ", t["stop_reason"])]
     if other:
         lines += ["", "Trials the node stopped by another path first: " + "; ".join(

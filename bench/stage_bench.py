@@ -21,6 +21,7 @@ import argparse
 import io
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -135,6 +136,9 @@ def tools(sw, tv: Path, c: int) -> dict:
     return {
         "appliance (swift)": ours,
         "appliance (s3)": ours_s3,
+        # the A/B of quick ACKs (appliance/store/tcp.py): only with --only, where latency is the limit
+        "appliance (swift) without quick ACKs": lambda cont, dest: (lambda a, e, i: (a, {**e, "APPLIANCE_QUICKACK": "0"},
+                                                                                 i))(*ours(cont, dest)),
         "rclone swift": lambda cont, dest: ([f"{tv}/bin/rclone", "copy", f":swift:{cont}", dest, "--transfers", str(c),
                                             "--checkers", str(c)],
                                            {**base_env, "RCLONE_SWIFT_AUTH": sw.auth_url, "RCLONE_SWIFT_USER": sw.user,
@@ -247,7 +251,7 @@ def main() -> None:
                     ("large", "blarge", info["large"], info["large"] * info["large_size"])]
         wanted = set(args.datasets.split(","))
         for ds, cont, n, nbytes in [d for d in datasets if d[0] in wanted]:
-            names = [t for t in ts if not only or t in only]
+            names = [t for t in ts if t in only] if only else [t for t in ts if "without quick ACKs" not in t]
             runs: dict[str, list] = {t: [] for t in names}
             for rep in range(args.repeat):  # each round in a rotated order: no tool always runs first
                 for name in names[rep % len(names):] + names[:rep % len(names)]:
@@ -336,8 +340,9 @@ def main() -> None:
         for r in old.get("rows", []):
             if _category(r["dataset"]) not in args.datasets.split(","):
                 rows.append({**r, "measured": r.get("measured", old.get("when"))})
-    if args.datasets != "small,large,upload,packed":
-        command += f" (this run: --datasets {args.datasets})"
+    mine = [a for a in sys.argv[1:] if a not in ("--tools-venv", args.tools_venv, "--store", args.store)]
+    if mine:  # not what make runs: the whole command, so that the table can be made again
+        command += f" (this run: python bench/stage_bench.py {shlex.join(sys.argv[1:])})"
     order = ["small", "large", "upload", "packed"]
     rows.sort(key=lambda r: order.index(_category(r["dataset"])) if _category(r["dataset"]) in order else 9)
     result = {"command": command, "store": args.store, "machine": f"{os.cpu_count()} cores", "disk_write_mb_s": disk,

@@ -188,3 +188,17 @@ def st_env(swift, monkeypatch):
         monkeypatch.setenv("ST_KEY", swift.key)
     use(swift.auth_url)
     return use
+
+
+def median_ms(fn, n: int = 9) -> float:
+    """The median of ``n`` timed calls of ``fn``, in ms, after one untimed call (a new connection's first answer
+    is ACKed at once anyway: the kernel starts in quick-ACK mode)."""
+    import time
+
+    fn()
+    took = []
+    for _ in range(n):
+        t = time.monotonic()
+        fn()
+        took.append(time.monotonic() - t)
+    return sorted(took)[n // 2] * 1000

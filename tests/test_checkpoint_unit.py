@@ -264,3 +264,61 @@ def test_the_head_nodes_beat_never_renews_or_releases_another_jobs_lock(tmp_path
 
     assert beat(mine, str(rd), "job-1", wait=wait) == 0
     assert len(rounds) == 3 and json.loads((tmp_path / "store" / "r" / LOCK).read_text()) == before
+
+
+def test_the_first_step_of_every_epoch_checks_for_a_stop(monkeypatch, tmp_path):
+    """Between two epochs lie validation, other callbacks and, in a loop, the next fit's start, in no step: a stop
+    asked then waited for all of it and then up to K steps more (1.6 s in make bench-ckpt, 2026-11-25, where each
+    epoch is a new fit). Every rank checks at the first step of each epoch, as they all run the same epochs."""
+    import sys
+    import types
+
+    from appliance.node.checkpointer import Checkpointer
+
+    monkeypatch.setitem(sys.modules, "tensorflow", types.SimpleNamespace(constant=lambda v, dtype=None: list(v),
+                                                                          int32="int32"))
+    ck = Checkpointer.__new__(Checkpointer)  # only the stop checks: no model, no Horovod
+    checked = []
+
+    class Hvd:
+        Max = "max"
+
+        def allreduce(self, t, op=None, name=None):
+            checked.append(ck.step)
+            return [0, 100, 0] if name == "appliance.stop.calibrate" else [0, 0]
+
+    ck._hvd, ck.rank, ck.step, ck.first, ck._first_step_said = Hvd(), 1, 0, 0, True
+    ck._calib_from, ck._calib_at, ck._next_check, ck.check_every = 0, 20, 0, 1
+    ck._checked_epoch, ck._local_reason, ck._fault, ck.every_steps, ck.every_s = None, None, "", 0, 0
+    ck.stop_file, ck.stopped = tmp_path / "STOP", False
+    for epoch in range(3):
+        ck.epoch = epoch
+        for batch in range(50):
+            ck.after_step(batch, {})
+    assert checked[:20] == list(range(1, 21))  # calibration: every step, then every 100th
+    assert 51 in checked and 101 in checked, checked
+    assert len(checked) == 22
+
+
+def test_rank_0s_uploader_reaches_the_store_as_it_starts_not_at_the_first_commit(monkeypatch):
+    """The first commit, often the stop's own, paid for the token and the store's first check of it: 0.28 s of a
+    1-s commit against the local RGW (2026-11-25). The uploader now reaches the store before anything is saved."""
+    import threading
+
+    from appliance.node import checkpointer as cp
+
+    reached = threading.Event()
+
+    class Store:
+        def __init__(self, url, run, creds):
+            pass
+
+        def connect(self):
+            reached.set()
+
+    monkeypatch.setattr(cp, "CheckpointStore", Store)
+    ck = cp.Checkpointer.__new__(cp.Checkpointer)  # only the uploader: no model, no Horovod
+    ck._cv, ck._pending, ck._uploading, ck._store, ck._uploader = threading.Condition(), None, None, None, None
+    ck.url, ck.run, ck._creds = "swift://c/", "r", lambda: None
+    ck._ensure_uploader()
+    assert reached.wait(10) and ck._pending is None

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from appliance.store.httpget import HTTPError, get_into
+from conftest import median_ms
 from appliance.store.objects import _transient
 from appliance.store.sigv4 import Presigner
 
@@ -41,7 +42,15 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"busy")
             return
-        body = BODY
+        if "format=json" in self.path:  # a Swift container listing: one page, then the empty one
+            body = b'[{"name": "o", "bytes": 1, "hash": "x"}]' if "marker=" not in self.path else b"[]"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()  # the headers in one write, the body in another, Nagle on: as Ceph RGW's beast
+            self.wfile.write(body)
+            return
+        body = BODY[:1000] if Handler.mode == "small" else BODY
         rng = self.headers.get("Range")
         if rng:
             a, b = rng.split("=")[1].split("-")
@@ -116,6 +125,27 @@ def test_a_keep_alive_connection_the_server_closed_is_replaced(server, tmp_path)
     finally:
         os.close(fd)
     assert len(Handler.requests) == 3
+
+
+# Ceph RGW's beast frontend (tcp_nodelay off unless set: ceph src/rgw/rgw_asio_frontend.cc) writes headers and body
+# separately with Nagle on, as http.server does here: on a kept-alive connection the body waited for our delayed
+# ACK of the headers, 40 ms or more per answer (44 ms per small GET, 48 ms per listing against radosgw 16.2.15).
+# A median over 9 answers against the 40-ms floor of that wait; without the quick ACKs these took 41-44 ms.
+def test_a_small_answer_in_two_writes_is_not_held_for_the_delayed_ack(server, tmp_path):
+    Handler.mode = "small"
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert median_ms(lambda: get_into(f"{server}/c/o", {}, fd, 0)) < 20
+    finally:
+        os.close(fd)
+
+
+def test_a_swift_listing_in_two_writes_is_not_held_for_the_delayed_ack(server):
+    from appliance.store.objects import StoreCreds, SwiftStore
+
+    store = SwiftStore("c", StoreCreds(storage_url=f"{server}/v1/AUTH_t", token="t"))
+    assert [o.name for o in store.list()] == ["o"]
+    assert median_ms(lambda: list(store.list())) < 20  # two requests: the page and the empty page after it
 
 
 @pytest.mark.parametrize("key", ["plain.bin", "dir/sub dir/ü é+&=?.bin", "a~b_c-d.e/!*'()"])

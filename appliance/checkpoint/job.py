@@ -223,11 +223,15 @@ class JobCheckpoints(JobHooks):
         req = dict(req)
         req.setdefault("deadline", time.time() + 600)
         self.say(f"[appliance] asking the job to stop: {req['reason']}")
+        t0 = time.monotonic()
         try:
             self.head.run(f"cat > {shlex.quote(self.stop_file)}.tmp && mv {shlex.quote(self.stop_file)}.tmp "
                           f"{shlex.quote(self.stop_file)}", stdin=json.dumps(req).encode(), timeout=30, check=True)
         except ApplianceError as e:
             self.say(f"[appliance] could not ask the job to stop: {e}")
+            return
+        self.stop_written_at = time.time()
+        self.say(f"[appliance] stop request on the head node ({time.monotonic() - t0:.2f}s)")
 
     def rank_line(self, rank: int, text: str) -> bool:
         """Consume rank 0's checkpoint lines; True if the line was one."""

@@ -139,6 +139,8 @@ class RGWServer:
             f"osd data = {b / 'osd'}/$id\nosd objectstore = memstore\nmemstore device bytes = {MEMSTORE_BYTES}\n"
             "osd max object size = 1073741824\n"
             "\n[client.rgw.local]\n"
+            # beast without tcp_nodelay, Ceph's default (doc/radosgw/frontends.rst; src/rgw/rgw_asio_frontend.cc):
+            # answers go out as headers, then body, with Nagle on; our clients ACK at once (store/tcp.py)
             f"rgw frontends = beast endpoint={self.bind_ip}:{self.ports['rgw']}\n"
             "ms mon client mode = crc\n"
             "rgw dns name = localhost\n"

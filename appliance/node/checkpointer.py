@@ -150,6 +150,8 @@ class Checkpointer:
         self._first_step_said = False
         self.stop_reason: str | None = None
         self._stop_decided_at: float | None = None  # wall time of the check that agreed to stop
+        self._stop_marks: dict = {}
+        self._checked_epoch: int | None = None  # the epoch whose first step was checked for a stop
         self._local_reason: str | None = None
         self._last_save = time.monotonic()
         self.save_failures = 0  # periodic saves the node's disk refused (the run went on)
@@ -172,8 +174,11 @@ class Checkpointer:
         self.check_every = 1  # steps between collective stop checks, agreed after calibration
         self._checked_at = -1
         self._calib_from, self._calib_at, self._next_check, self._t_calib = 0, CALIBRATION, 0, time.monotonic()
+        self._rank_marks: list[dict] = []  # every rank's timings at the stop's gather
         signal.signal(signal.SIGTERM, self._on_signal)
         self.callback = _make_callback(self)
+        if self.rank == 0 and self.url:
+            self._ensure_uploader()  # it reaches the store now, not at the first commit (_warm_store)
 
     # -- stop requests -------------------------------------------------------------------------------------
     def _on_signal(self, signum, frame):
@@ -209,14 +214,17 @@ class Checkpointer:
         """Rank 0's clock says a periodic save is due (carried to every rank by the stop check)."""
         return int(self.rank == 0 and bool(self.every_s) and time.monotonic() - self._last_save >= self.every_s)
 
-    def _collective_stop(self) -> tuple[bool, bool]:
+    def _collective_stop(self, epoch_start: bool = False) -> tuple[bool, bool]:
         """(stop, save) agreed by all ranks: one allreduce (max of 0/1 flags) at agreed steps. The first
         CALIBRATION steps after a start check every step while rank 0 times them; at the last of them the ranks
         agree (the same allreduce carries rank 0's answer) on K, the number of steps per ``check_seconds``; from
         then on every K-th step checks. Every rank reaches the same decision at the same step, and the check costs
         one tiny allreduce per half second (its cost per call: bench/results/ckpt.md); a stop waits 0.25 s for it
-        on average. The same allreduce carries rank 0's "a timed save is due", so that every rank takes part in
-        every save (each rank's RNG state goes into it)."""
+        on average. The first step of every epoch checks too (``epoch_start``): K steps are timed in the middle of an
+        epoch, while what lies between two epochs (validation, other callbacks, in a loop the next ``fit``'s start)
+        is not in any step, and a stop asked then waited for it and then up to K more steps (1.6 s in make
+        bench-ckpt, where each epoch is a new ``fit``). The same allreduce carries rank 0's "a timed save is due",
+        so that every rank takes part in every save (each rank's RNG state goes into it)."""
         import tensorflow as tf
 
         s = self.step
@@ -235,7 +243,7 @@ class Checkpointer:
             self.check_every = int(v[1])
             self._next_check = s + self.check_every
             return int(v[0]) > 0, int(v[2]) > 0
-        elif s < self._next_check:
+        elif s < self._next_check and not epoch_start:
             self._checked_at = -1
             return False, False
         else:
@@ -259,8 +267,7 @@ class Checkpointer:
         while epoch < total_epochs:
             self.epoch, self.first = epoch, first
             yield epoch, first
-            if self.stopped:
-                self._finish_stop()
+            if self.stopped:  # saved and committed at the step that stopped (after_step); not exit_on_stop
                 return
             epoch, first = epoch + 1, 0
 
@@ -351,7 +358,9 @@ class Checkpointer:
             self._first_step_said = True
             emit(Line.FIRST_STEP, {"step": self.step})
         self.offset = self.first + batch + 1
-        stop, timed = self._collective_stop()
+        epoch_start = self._checked_epoch != self.epoch  # the same on every rank: they run the same epochs
+        self._checked_epoch = self.epoch
+        stop, timed = self._collective_stop(epoch_start)
         if self.rank == 0 and (self._checked_at == self.step or stop):  # about once per check interval
             self._log_metrics(logs or {}, every=1)
         due = (self.every_steps and self.step % self.every_steps == 0) or timed  # the same on every rank
@@ -360,10 +369,13 @@ class Checkpointer:
         if stop:
             self.stopped = True
             self._stop_decided_at = round(time.time(), 3)  # the check that agreed (the benchmark splits the stop here)
+            self._stop_marks = {"uploading_at_stop": self._uploading.name if self._uploading else None}
             self.stop_reason = self._local_reason or "a peer asked to stop"
             self.model.stop_training = True
-            if self.mode == "fit":  # now, before Keras runs the epoch's end (validation, other callbacks)
-                self._finish_stop()
+            # now, in the loop as in a plain fit: before Keras ends the epoch (validation: a whole pass over the
+            # validation data), then the fit (its data pipeline's teardown: 0.2-1.9 s in make bench-ckpt,
+            # 2026-11-25), and before the rest of the loop's body; the loop used to wait for all of it
+            self._finish_stop()
 
     def epoch_end(self, epoch: int, logs: dict | None) -> None:
         if self.rank == 0 and not self.stopped:  # a stopped epoch is not a finished one
@@ -403,14 +415,18 @@ class Checkpointer:
         """This rank's RNG states: Python, NumPy, TensorFlow's global generator, the random layers' generators."""
         return dict(_rng_state(), layers=[g.state.numpy().tolist() for g in layer_generators(self.model)])
 
-    def _gather_rng(self) -> list[dict]:
+    def _gather_rng(self, marks: dict | None = None) -> list[dict]:
         """Every rank: its RNG states (Python, NumPy, TensorFlow's global generator, the random layers'
         generators), gathered on every rank; a checkpoint keeps each rank's, so a resume on the same world size
-        gives each rank its own."""
+        gives each rank its own. ``marks``: this rank's timings, carried along (``self._rank_marks``: every
+        rank's), not kept in the states."""
         mine = self._own_rng()
         if self.size == 1:
+            self._rank_marks = [marks or {}]
             return [mine]
-        return list(self._hvd.allgather_object(mine, name="appliance.rng"))
+        got = list(self._hvd.allgather_object({"rng": mine, "marks": marks or {}}, name="appliance.rng"))
+        self._rank_marks = [g["marks"] for g in got]
+        return [g["rng"] for g in got]
 
     def save(self, states: list[dict] | None = None, *, complete: bool = False) -> Path:
         """Rank 0: write the full state locally (atomic rename) and queue it for upload. ``states``: every rank's
@@ -464,7 +480,20 @@ class Checkpointer:
             return None
         return StoreCreds(**json.loads(Path(path).read_text()))
 
+    def _warm_store(self) -> None:
+        """The uploader's first act: authenticate and reach the store (CheckpointStore.connect), so that the first
+        commit, often the stop's own, does not pay for the token and the store's first check of it (0.28 s of a
+        1-s commit against the local RGW; on Chameleon a Keystone token is a round trip to another site's API).
+        What fails here is said by the first upload, with its retries."""
+        try:
+            if self._store is None:
+                self._store = CheckpointStore(self.url, self.run, self._creds())
+            self._store.connect()
+        except Exception:  # noqa: BLE001 - only a head start; the upload owns the errors
+            pass
+
     def _upload_loop(self) -> None:
+        self._warm_store()
         while True:
             with self._cv:
                 while self._pending is None:
@@ -549,11 +578,14 @@ class Checkpointer:
         """Every rank: rank 0 saves + commits; all wait for it; rank 0 reports; exit 0."""
         import tensorflow as tf
 
-        states = self._gather_rng()
+        marks = dict(self._stop_marks, finish_at=round(time.time(), 3))  # where the stop's time goes (bench)
+        states = self._gather_rng({"decided_at": self._stop_decided_at, "finish_at": marks["finish_at"]})
         if self.rank == 0:
             if self._deadline is None:
                 self._deadline = time.time() + 600
             t0 = time.monotonic()
+            marks["gathered_at"] = round(time.time(), 3)
+            marks["last_rank_at"] = max(m.get("finish_at") or 0 for m in self._rank_marks)
             save_error = None
             try:
                 local = self.save(states)
@@ -563,13 +595,14 @@ class Checkpointer:
                 self._clean_tmp()
                 local, save_error = None, f"the save failed on the node's disk: {type(e).__name__}: {e}"
             committed = local is not None
+            marks["saved_at"] = round(time.time(), 3)
             if self.url and committed:
                 committed = self._wait_stop_commit() and self._last_commit is not None and \
                     self._last_commit["step"] == self.step
             body = {"step": self.step, "epoch": self._position()[0], "reason": self.stop_reason,
                     "committed": committed, "checkpoint": local.name if local else None,
                     "seconds": round(time.monotonic() - t0, 2),
-                    "decided_at": self._stop_decided_at}
+                    "decided_at": self._stop_decided_at, **marks}
             if not committed:
                 body.update({"local": str(local or self.local_dir),
                              "error": save_error or self._upload_error or "upload did not finish in time"})

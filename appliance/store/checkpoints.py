@@ -180,6 +180,14 @@ class CheckpointStore:
         return None, problems
 
     # -- writing -------------------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Authenticate and reach the store now (one read of the container), so that a later upload starts warm.
+        Raises what the store says; a container that is not there yet is fine (the first upload makes it)."""
+        try:
+            self.store.reach()
+        except FileNotFoundError:
+            pass
+
     def ensure_container(self) -> None:
         if hasattr(self.store, "ensure_container"):
             self.store.ensure_container()

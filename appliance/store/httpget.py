@@ -20,6 +20,8 @@ import urllib.request
 from collections.abc import Callable
 from urllib.parse import unquote, urlsplit
 
+from .tcp import quickack
+
 BUF = 1 << 20
 
 
@@ -131,6 +133,7 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
                 conn.request("GET", f"http://{u.netloc}{path}", headers={**headers, **conn.appliance_via})
             else:
                 conn.request("GET", path, headers=headers)
+            quickack(conn.sock)  # Ceph RGW's body otherwise waits 40 ms for our ACK of its headers (tcp.py)
             resp = conn.getresponse()
             break
         except (OSError, http.client.HTTPException):
@@ -148,6 +151,7 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
     n = 0
     try:
         while True:
+            quickack(conn.sock)  # a body's last short segment waits for the ACK of the ones before it, too
             k = resp.readinto(buf)
             if not k:
                 break

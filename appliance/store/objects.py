@@ -24,6 +24,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..errors import ApplianceError
+from .tcp import quickack_swift
 
 SWIFT_PAGE = 10000  # Swift returns at most 10,000 names per listing request; Ceph RGW caps it at 1,000
 LIST_DEADLINE = 120.0  # seconds a listing page is retried (5xx, resets, timeouts) before staging gives up
@@ -179,6 +180,10 @@ class Store:
     def delete(self, name: str) -> None:
         raise NotImplementedError
 
+    def reach(self) -> None:
+        """One request that needs the credentials, to start warm; raises FileNotFoundError for a missing
+        container. Nothing to do for a store that is a directory."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Swift
@@ -220,6 +225,7 @@ class SwiftStore(Store):
                 c = swiftclient.Connection(authurl=self.creds.auth_url, user=self.creds.user, key=self.creds.key,
                                            preauthurl=self.creds.storage_url if self.creds.token else None,
                                            preauthtoken=self.creds.token, retries=0, timeout=60)
+            quickack_swift(c)  # listings and small GETs from Ceph RGW without a 40 ms wait each (tcp.py)
             self._local.conn = c
         return c
 
@@ -421,6 +427,10 @@ class SwiftStore(Store):
         except FileNotFoundError:
             pass
 
+    def reach(self) -> None:
+        """One authenticated request (HEAD of the container): the token, and the store's first check of it."""
+        self._call(self.conn().head_container, self.container)
+
     def ensure_container(self) -> None:
         self.conn().put_container(self.container)
 
@@ -525,6 +535,17 @@ class S3Store(Store):
 
     def delete(self, name) -> None:
         self.client().delete_object(Bucket=self.bucket, Key=name)
+
+    def reach(self) -> None:
+        """One signed request (HEAD of the bucket): the client built, the keys' first check by the store."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client().head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                raise FileNotFoundError(f"s3://{self.bucket}") from None
+            raise
 
     def ensure_container(self) -> None:
         """The bucket, made when it is not there (as SwiftStore makes its container): HEAD, then PUT. On a Ceph
