@@ -266,18 +266,16 @@ def test_the_head_nodes_beat_never_renews_or_releases_another_jobs_lock(tmp_path
     assert len(rounds) == 3 and json.loads((tmp_path / "store" / "r" / LOCK).read_text()) == before
 
 
-def test_the_first_step_of_every_epoch_checks_for_a_stop(monkeypatch, tmp_path):
-    """Between two epochs lie validation, other callbacks and, in a loop, the next fit's start, in no step: a stop
-    asked then waited for all of it and then up to K steps more (1.6 s in make bench-ckpt, 2026-11-25, where each
-    epoch is a new fit). Every rank checks at the first step of each epoch, as they all run the same epochs."""
+def _stop_checker(monkeypatch, tmp_path):
+    """A Checkpointer with only its stop checks (no model, no Horovod): (it, the steps at which it checked)."""
     import sys
     import types
 
     from appliance.node.checkpointer import Checkpointer
 
-    monkeypatch.setitem(sys.modules, "tensorflow", types.SimpleNamespace(constant=lambda v, dtype=None: list(v),
-                                                                          int32="int32"))
-    ck = Checkpointer.__new__(Checkpointer)  # only the stop checks: no model, no Horovod
+    monkeypatch.setitem(sys.modules, "tensorflow", types.SimpleNamespace(
+        constant=lambda v, dtype=None: list(v), int32="int32", train=types.SimpleNamespace(Checkpoint=dict)))
+    ck = Checkpointer.__new__(Checkpointer)
     checked = []
 
     class Hvd:
@@ -285,12 +283,20 @@ def test_the_first_step_of_every_epoch_checks_for_a_stop(monkeypatch, tmp_path):
 
         def allreduce(self, t, op=None, name=None):
             checked.append(ck.step)
-            return [0, 100, 0] if name == "appliance.stop.calibrate" else [0, 0]
+            return [t[0], 100, 0] if name == "appliance.stop.calibrate" else [t[0], 0]
 
     ck._hvd, ck.rank, ck.step, ck.first, ck._first_step_said = Hvd(), 1, 0, 0, True
     ck._calib_from, ck._calib_at, ck._next_check, ck.check_every = 0, 20, 0, 1
     ck._checked_epoch, ck._local_reason, ck._fault, ck.every_steps, ck.every_s = None, None, "", 0, 0
-    ck.stop_file, ck.stopped = tmp_path / "STOP", False
+    ck.stop_file, ck.stopped, ck._uploading = tmp_path / "STOP", False, None
+    return ck, checked
+
+
+def test_the_first_step_of_every_epoch_checks_for_a_stop(monkeypatch, tmp_path):
+    """Between two epochs lie validation, other callbacks and, in a loop, the next fit's start, in no step: a stop
+    asked then waited for all of it and then up to K steps more (1.6 s in make bench-ckpt, 2026-11-25, where each
+    epoch is a new fit). Every rank checks at the first step of each epoch, as they all run the same epochs."""
+    ck, checked = _stop_checker(monkeypatch, tmp_path)
     for epoch in range(3):
         ck.epoch = epoch
         for batch in range(50):
@@ -298,6 +304,25 @@ def test_the_first_step_of_every_epoch_checks_for_a_stop(monkeypatch, tmp_path):
     assert checked[:20] == list(range(1, 21))  # calibration: every step, then every 100th
     assert 51 in checked and 101 in checked, checked
     assert len(checked) == 22
+
+
+def test_the_loop_checks_between_two_fits_and_saves_there(monkeypatch, tmp_path):
+    """The loop's next fit took 1.8 s to reach its first step in make bench-ckpt (2026-11-25): a stop asked during the
+    last fit's teardown waited for it. The ranks check once more between two fits; a stop there saves at
+    (next epoch, batch 0), and the next fit does not start."""
+    import types
+
+    ck, checked = _stop_checker(monkeypatch, tmp_path)
+    ck._restore, ck.steps_per_epoch = (lambda: (0, 0)), 50
+    finished = []
+    ck._finish_stop = lambda: finished.append((ck.step, ck._position()))
+    ran = []
+    for epoch, first in ck.epochs(types.SimpleNamespace(optimizer=None, stop_training=False), 3, 50):
+        ran.append(epoch)
+        for batch in range(first, 50):
+            ck.after_step(batch, {})
+        (tmp_path / "STOP").write_text("{}")  # asked as this fit ends
+    assert ran == [0] and finished == [(50, (1, 0))] and ck.stopped
 
 
 def test_rank_0s_uploader_reaches_the_store_as_it_starts_not_at_the_first_commit(monkeypatch):
