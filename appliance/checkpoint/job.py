@@ -230,7 +230,6 @@ class JobCheckpoints(JobHooks):
         except ApplianceError as e:
             self.say(f"[appliance] could not ask the job to stop: {e}")
             return
-        self.stop_written_at = time.time()
         self.say(f"[appliance] stop request on the head node ({time.monotonic() - t0:.2f}s)")
 
     def rank_line(self, rank: int, text: str) -> bool:

@@ -589,7 +589,7 @@ class Checkpointer:
         import tensorflow as tf
 
         marks = dict(self._stop_marks, finish_at=round(time.time(), 3))  # where the stop's time goes (bench)
-        states = self._gather_rng({"decided_at": self._stop_decided_at, "finish_at": marks["finish_at"]})
+        states = self._gather_rng({"finish_at": marks["finish_at"]})
         if self.rank == 0:
             if self._deadline is None:
                 self._deadline = time.time() + 600
