@@ -297,6 +297,37 @@ def test_s3_failure_falls_back_to_swift(creds, tmp_path):
     check_tree(tmp_path / "d", expect, "f/")
 
 
+def _stage_main(url: str, creds: StoreCreds, dest: Path) -> subprocess.CompletedProcess:
+    job = {"url": url, "dest": str(dest), "mode": "full", "rank": 0, "nodes": 1, "creds": creds.scoped().__dict__}
+    return subprocess.run([sys.executable, "-m", "appliance.node.stage_main"], input=json.dumps(job),
+                          capture_output=True, text=True)
+
+
+def test_a_dataset_url_that_is_not_there_is_one_line_with_the_fix(creds, tmp_path):
+    """A container or bucket that is not there: `appliance data ls` said an unexpected error ("report it"); the
+    stager said `FileNotFoundError: swift://...` without a fix, and for s3:// first fell back to Swift, which
+    failed the same way. A prefix with nothing under it (a typo) was staged as an empty dataset, exit 0."""
+    from appliance.data import listing
+
+    for url, what in (("swift://no-such-container/x/", "container"), ("s3://no-such-bucket/x/", "bucket")):
+        with pytest.raises(ApplianceError, match=f"there is no {what}") as e:
+            listing(url, creds=creds)
+        assert "appliance data upload" in e.value.fix
+        r = _stage_main(url, creds, tmp_path / "d")
+        assert r.returncode == 1, r.stdout + r.stderr
+        err = json.loads(r.stdout.split("APPLIANCE_ERROR ", 1)[1].splitlines()[0])
+        assert f"there is no {what}" in err["message"] and err["fix"], err
+        assert "falling back" not in r.stdout
+    st = SwiftStore("typo", creds)
+    st.ensure_container()
+    st.conn().put_object("typo", "data/a", b"a")
+    for url in ("swift://typo/dta/", "s3://typo/dta/"):
+        r = _stage_main(url, creds, tmp_path / "d")
+        assert r.returncode == 1 and f"{url}: no object under it" in r.stdout, r.stdout + r.stderr
+    assert _stage_main("s3://typo/data/", creds, tmp_path / "d").returncode == 0
+    assert (tmp_path / "d" / "a").read_bytes() == b"a"
+
+
 def test_sharded_staging_across_two_nodes(cluster2, creds, tb2):
     st = SwiftStore("shards", creds)
     expect = bulk_fill(st, "s/", 301)

@@ -65,6 +65,32 @@ def test_objects_deleted_from_the_store_leave_the_node_unless_kept(tmp_path):
     assert (out / "mine.txt").exists()
 
 
+def test_a_url_that_lists_nothing_is_refused_and_the_nodes_copy_stays(tmp_path):
+    """A dataset URL with a typo listed nothing, was staged as an empty dataset ("0 fetched", exit 0), and removed
+    every file the node had staged from the right URL as "no longer in the store"."""
+    st = DictStore({"d/a": b"a", "d/b": b"b"})
+    out = tmp_path / "out"
+    stage(st, "d/", out)
+    with pytest.raises(ApplianceError, match=r"mem:///dd/: no object under it; nothing was staged") as e:
+        stage(st, "dd/", out)
+    assert "appliance data ls mem:///" in e.value.fix
+    assert (out / "a").read_bytes() == b"a" and (out / "b").read_bytes() == b"b"
+
+
+class _NoContainer(DictStore):
+    scheme, where = "swift", "datsets"
+
+    def list(self, prefix=""):
+        raise FileNotFoundError("swift://datsets/")
+
+
+def test_a_container_that_is_not_there_is_said_with_the_fix(tmp_path):
+    with pytest.raises(ApplianceError, match=r"swift://datsets/x/: there is no container 'datsets'; nothing was "
+                                             r"staged") as e:
+        stage(_NoContainer({}), "x/", tmp_path / "out")
+    assert "appliance data upload" in e.value.fix
+
+
 def test_the_progress_line_sums_up_a_large_cluster_and_names_its_slowest_node():
     """Issue 16 goal 4 (make bench-scale): on 16 nodes the progress line was 16 bars long, every second. Beyond a
     few nodes it is the cluster's totals and the slowest node."""

@@ -157,7 +157,12 @@ def pack_dir(src: str, url: str, *, creds: StoreCreds | None, shard_size: int = 
 
 def listing(url: str, *, creds: StoreCreds | None) -> list[dict]:
     store, prefix = _open(url, creds)
-    return [o.__dict__ for o in store.list(prefix)]
+    try:
+        return [o.__dict__ for o in store.list(prefix)]
+    except FileNotFoundError:
+        what = "bucket" if store.scheme == "s3" else "container"
+        raise ApplianceError(f"{url}: there is no {what} {store.where!r} at this site",
+                             "check the name; `appliance data upload DIR URL` makes it") from None
 
 
 def remove(url: str, *, creds: StoreCreds | None) -> int:

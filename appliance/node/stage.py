@@ -180,13 +180,26 @@ class _Progress:
                          "eta": left / rate if rate > 0 else None, "elapsed": el})
 
 
+def _holder(store: Store) -> str:
+    return {"swift": "container", "s3": "bucket"}.get(store.scheme, "directory")
+
+
 def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", rank: int = 0, nodes: int = 1,
           concurrency: int = 16, retries: int = 4, progress: Callable[[dict], None] | None = None,
           keep_names: bool = False, keep_extra: bool = False) -> StageResult:
     t0 = time.monotonic()
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    listing = [o for o in store.list(prefix) if o.name != prefix]  # the prefix's own folder marker is dest itself
+    try:
+        listing = [o for o in store.list(prefix) if o.name != prefix]  # the prefix's own folder marker is dest itself
+    except FileNotFoundError:
+        raise ApplianceError(f"{store.url(prefix)}: there is no {_holder(store)} {store.where!r}; nothing was staged",
+                             "check the dataset URL; `appliance data upload DIR URL` makes it") from None
+    if not listing:
+        # a URL with a typo lists nothing: said, rather than staged as an empty dataset, and the node's earlier
+        # copy (its manifest) is left as it is rather than removed as "no longer in the store"
+        raise ApplianceError(f"{store.url(prefix)}: no object under it; nothing was staged",
+                             f"check the dataset URL (`appliance data ls {store.url()}` lists what is there)")
     markers = [o for o in listing if is_dir_marker(o, prefix)]
     mine = select([o for o in listing if not is_dir_marker(o, prefix)], mode=mode, rank=rank, nodes=nodes)
     paths, dirs, bad = plan_paths(mine + markers, prefix)

@@ -139,9 +139,16 @@ def parse_url(url: str) -> tuple[str, str, str]:
 
 class Store:
     scheme = ""
+    where = ""  # the container, bucket or root directory
     list_deadline: float | None = None  # seconds a failing listing page is retried (None: LIST_DEADLINE)
 
+    def url(self, prefix: str = "") -> str:
+        """The URL of ``prefix`` in this store, as a user writes it (for messages)."""
+        return f"{self.scheme}://{self.where}/{prefix}"
+
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose name starts with ``prefix``. Raises FileNotFoundError when the container or bucket
+        itself is not there (a directory that is not there holds nothing)."""
         raise NotImplementedError
 
     def get(self, name: str, write: Callable[[bytes], None], *, start: int | None = None,
@@ -193,7 +200,7 @@ class SwiftStore(Store):
     scheme = "swift"
 
     def __init__(self, container: str, creds: StoreCreds):
-        self.container = container
+        self.container = self.where = container
         self.creds = creds
         self._local = threading.local()
         if not (creds.storage_url and creds.token) and not (creds.auth_url and creds.user and creds.key) \
@@ -447,7 +454,7 @@ class S3Store(Store):
             raise ApplianceError("no S3 credentials or endpoint",
                                  "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and APPLIANCE_S3_ENDPOINT "
                                  "(`openstack ec2 credentials create` makes the keys)")
-        self.bucket = bucket
+        self.bucket = self.where = bucket
         self.creds = creds
         self._client = None
         self._presigner = None
@@ -481,7 +488,12 @@ class S3Store(Store):
         token = None
         while True:
             kw = {"Bucket": self.bucket, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
-            page = transient_retry(lambda: self.client().list_objects_v2(**kw), deadline=self.list_deadline)
+            try:
+                page = transient_retry(lambda: self.client().list_objects_v2(**kw), deadline=self.list_deadline)
+            except Exception as e:
+                if getattr(e, "response", {}).get("Error", {}).get("Code") == "NoSuchBucket":
+                    raise FileNotFoundError(f"s3://{self.bucket}: no such bucket") from None
+                raise
             for o in page.get("Contents", []):
                 yield ObjectInfo(o["Key"], int(o["Size"]), o["ETag"].strip('"'))
             token = page.get("NextContinuationToken")
@@ -583,6 +595,7 @@ class FileStore(Store):
 
     def __init__(self, root: str):
         self.root = Path(root)
+        self.where = root
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = self.root
