@@ -58,6 +58,11 @@ def main(debug):
     Without any cloud: `appliance testbed up --nodes 2`, then `appliance train SPEC`.
     Before spending a lease: `appliance bench SPEC` (throughput, scaling); is a node ready: `appliance doctor`.
     """
+    if not debug:  # the clients' own warnings (keystoneauth's version discovery) before our one-line error
+        import logging
+
+        for name in ("keystoneauth", "openstack"):
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # ---------------------------------------------------------------------------------------------

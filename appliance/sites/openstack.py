@@ -32,6 +32,16 @@ EXTENSION_WINDOW = dt.timedelta(hours=48)
 # auth
 
 
+def _unreachable(where: str, region_cfg, text: str) -> ApplianceError:
+    """Keystone not reached: its URL and the socket's reason ("Connection refused", "Name or service not known",
+    "timed out"), not urllib3's chain of wrappers around it."""
+    url = ((getattr(region_cfg, "config", None) or {}).get("auth") or {}).get("auth_url")
+    m = re.search(r"\[Errno -?\d+\] ([^'\")]+)", text)
+    why = m.group(1).strip() if m else ("timed out" if "timed out" in text.lower() else text[:160])
+    return ApplianceError(f"cannot reach Keystone{f' at {url}' if url else ''} for {where} ({why})",
+                          "check auth_url / OS_AUTH_URL and the network")
+
+
 def connect(*, cloud: str | None = None, config_file: str | None = None, region: str | None = None):
     """An openstacksdk Connection from clouds.yaml (+ OS_CLOUD) or OS_* variables (openrc).
 
@@ -48,6 +58,7 @@ def connect(*, cloud: str | None = None, config_file: str | None = None, region:
         raise ApplianceError("no OpenStack credentials: neither OS_CLOUD nor OS_AUTH_URL is set",
                              "export OS_CLOUD=<your clouds.yaml entry>, or source your site's openrc "
                              "(see docs/chameleon.md)")
+    region_cfg = None
     try:
         files = [config_file] if config_file else None
         cfg = openstack.config.OpenStackConfig(config_files=files) if files else openstack.config.OpenStackConfig()
@@ -66,14 +77,13 @@ def connect(*, cloud: str | None = None, config_file: str | None = None, region:
                                  "check the application credential id/secret (or password); on Chameleon create an "
                                  "*unrestricted* application credential (docs/chameleon.md)") from None
         if "Unable to establish connection" in text or "Connection" in text:
-            raise ApplianceError(f"cannot reach Keystone for {where}: {text}",
-                                 "check auth_url / OS_AUTH_URL and the network") from None
+            raise _unreachable(where, region_cfg, text) from None
         raise ApplianceError(f"OpenStack authentication with {where} failed: {text}") from None
     except ksa.MissingRequiredOptions as e:
         names = ", ".join(o.dest for o in e.options)
         raise ApplianceError(f"{where} lacks {names}", "add it to clouds.yaml or export the OS_* variable") from None
     except ksa.ConnectFailure as e:
-        raise ApplianceError(f"cannot reach Keystone for {where}: {e}", "check auth_url / OS_AUTH_URL and the network") from None
+        raise _unreachable(where, region_cfg, str(e)) from None
     except ksa.EndpointNotFound as e:
         raise ApplianceError(f"{where}: {e}", "check region_name / OS_REGION_NAME (e.g. CHI@UC, CHI@TACC)") from None
     return conn
