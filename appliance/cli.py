@@ -505,7 +505,8 @@ def data_ls(url, cloud_kind, site, as_json):
     """List objects under URL (every page: no 10,000-name cap)."""
     from . import flows
 
-    items = flows.data_list(url, cloud=cloud_kind or _default_cloud(), site_name=site)
+    items = flows.data_list(url, cloud=cloud_kind or _default_cloud(), site_name=site,
+                            log=lambda m: click.echo(m, err=True))
     if as_json:
         _json_out(items)
     else:
@@ -525,7 +526,8 @@ def data_rm(url, cloud_kind, site, yes):
 
     if not yes:
         click.confirm(f"delete every object under {url}?", abort=True)
-    n = flows.data_remove(url, cloud=cloud_kind or _default_cloud(), site_name=site)
+    n = flows.data_remove(url, cloud=cloud_kind or _default_cloud(), site_name=site,
+                          log=lambda m: click.echo(m, err=True))
     click.echo(f"deleted {n} object(s)")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class ApplianceError(Exception):
     """An error a user can act on. ``exit_code`` is what the CLI exits with."""
@@ -29,3 +31,19 @@ class SpecError(ApplianceError):
 
 class JobFailed(ApplianceError):
     """The training job ran and failed; exit_code is the job's."""
+
+
+def socket_reason(e: BaseException | str) -> str:
+    """Why a connection failed, from an exception (and the ones it was raised from) or its text: the socket's own
+    words ("Connection refused", "Name or service not known", "timed out"), not the chain of HTTP libraries
+    wrapped around them (botocore's EndpointConnectionError names the socket's error only in its cause)."""
+    texts, seen = [], set()
+    while isinstance(e, BaseException) and id(e) not in seen:
+        seen.add(id(e))
+        texts.append(str(e))
+        e = e.__cause__ or e.__context__ or getattr(e, "kwargs", {}).get("error")
+    text = "\n".join(texts) if texts else str(e)
+    m = re.search(r"\[Errno -?\d+\] ([^'\")\]\n]+)", text)
+    if m:
+        return m.group(1).strip()
+    return "timed out" if "timed out" in text.lower() else (text.strip().splitlines() or ["no answer"])[0][:160]

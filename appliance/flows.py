@@ -146,12 +146,12 @@ def data_pack(src: str, url: str, *, cloud: str, site_name: str | None = None, l
     return pack_dir(src, url, creds=data_creds(url, cloud, site_name, log=log), log=log, **kw)
 
 
-def data_list(url: str, *, cloud: str, site_name: str | None = None) -> list[dict]:
-    return listing(url, creds=data_creds(url, cloud, site_name, log=lambda m: None))
+def data_list(url: str, *, cloud: str, site_name: str | None = None, log=print) -> list[dict]:
+    return listing(url, creds=data_creds(url, cloud, site_name, log=lambda m: None), log=log)
 
 
-def data_remove(url: str, *, cloud: str, site_name: str | None = None) -> int:
-    return remove(url, creds=data_creds(url, cloud, site_name, log=lambda m: None))
+def data_remove(url: str, *, cloud: str, site_name: str | None = None, log=print) -> int:
+    return remove(url, creds=data_creds(url, cloud, site_name, log=lambda m: None), log=log)
 
 
 # -- training -------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ with the fix and a non-zero exit (fast tier: nothing listens where the clouds.ya
 import os
 import socket
 import subprocess
+
+import pytest
 import sys
 
 
@@ -36,3 +38,48 @@ def test_an_unreachable_keystone_is_one_short_line(tmp_path):
     assert lines[0].startswith(f"error: cannot reach Keystone at {url} for clouds.yaml entry 'dead' "
                                "(Connection refused)"), lines[0]
     assert "fix: check auth_url" in lines[0] and len(lines[0]) < 200, lines[0]
+
+
+@pytest.mark.parametrize("scheme", ["swift", "s3"])
+def test_an_object_store_that_does_not_answer_is_said_while_waiting_and_then_in_one_line(scheme, monkeypatch):
+    """`appliance data ls` against an endpoint where nothing listens: two silent minutes of retries, then an
+    unexpected error (`ConnectionError: HTTPConnectionPool(...)`, `EndpointConnectionError: ...`, "report it")."""
+    from appliance.data import listing
+    from appliance.errors import ApplianceError
+    from appliance.store import objects
+    from appliance.store.objects import StoreCreds
+
+    monkeypatch.setattr(objects, "LIST_DEADLINE", 0.5)
+    url = f"http://127.0.0.1:{_closed_port()}"
+    creds = StoreCreds(auth_url=f"{url}/auth/v1.0", user="u", key="k") if scheme == "swift" else \
+        StoreCreds(s3_endpoint=url, s3_access_key="a", s3_secret_key="b")
+    said = []
+    with pytest.raises(ApplianceError) as e:
+        listing(f"{scheme}://data/x/", creds=creds, log=said.append)
+    assert str(e.value).startswith(f"cannot reach the object store at {url}") and "(Connection refused)" in str(e.value)
+    assert "and the network" in e.value.fix
+    assert len(said) == 1 and said[0].startswith(f"object store at {url}") and "asking again for up to" in said[0]
+
+
+def test_the_stager_says_a_store_that_does_not_answer_in_one_line(tmp_path, monkeypatch, capsys):
+    """On a node the same failure was `ConnectionError: HTTPConnectionPool(...)` with no fix, after two silent
+    minutes of retries."""
+    import io
+    import json
+
+    from appliance.node import stage_main
+    from appliance.protocol import Line, parse
+    from appliance.store import objects
+
+    monkeypatch.setattr(objects, "LIST_DEADLINE", 0.5)
+    url = f"http://127.0.0.1:{_closed_port()}"
+    job = {"url": "swift://data/x/", "dest": str(tmp_path / "d"), "mode": "full", "rank": 0, "nodes": 1,
+           "creds": {"auth_url": f"{url}/auth/v1.0", "user": "u", "key": "k"}}
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(job)))
+    assert stage_main.main() == 1
+    lines = [parse(x, (Line.NOTE, Line.ERROR)) for x in capsys.readouterr().out.splitlines()]
+    notes = [b for k, b in filter(None, lines) if k == Line.NOTE]
+    errors = [b for k, b in filter(None, lines) if k == Line.ERROR]
+    assert len(notes) == 1 and "did not answer (Connection refused: asking again" in notes[0], notes
+    assert errors == [{"message": f"cannot reach the object store at {url}/auth/v1.0 (Connection refused)",
+                       "fix": "check ST_AUTH (or the object-store endpoint in OS_CLOUD's catalog) and the network"}]

@@ -9,6 +9,7 @@ import shlex
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from ..errors import ApplianceError
 from ..node.stage import _fmt_bytes
 from ..protocol import Line, parse
 from ..remote import Session
-from ..store.objects import StoreCreds, open_store
+from ..store.objects import StoreCreds, open_store, unreachable
 
 
 def _bar(p: dict) -> str:
@@ -126,24 +127,35 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
 def upload(src: str, url: str, *, creds: StoreCreds | None, segment_size: int = 5 * 1024**3,
            concurrency: int = 16, log=print) -> int:
     """`appliance data upload DIR URL`: every file under DIR to URL/<relative path>, in parallel."""
-    store, prefix = _open(url, creds, create=True)
     root = Path(src)
     files = [p for p in sorted(root.rglob("*")) if p.is_file()] if root.is_dir() else [root]
     if not files:
         raise ApplianceError(f"{src}: nothing to upload", "give a file or a non-empty directory")
-    base = root if root.is_dir() else root.parent
-    names = [(p, f"{prefix.rstrip('/') + '/' if prefix else ''}{p.relative_to(base).as_posix()}") for p in files]
-    with ThreadPoolExecutor(max_workers=concurrency) as ex:
-        list(ex.map(lambda pn: store.put(pn[1], pn[0], segment_size=segment_size), names))
+    with _open(url, creds, log, create=True) as (store, prefix):
+        base = root if root.is_dir() else root.parent
+        names = [(p, f"{prefix.rstrip('/') + '/' if prefix else ''}{p.relative_to(base).as_posix()}")
+                 for p in files]
+        with ThreadPoolExecutor(max_workers=concurrency) as ex:
+            list(ex.map(lambda pn: store.put(pn[1], pn[0], segment_size=segment_size), names))
     log(f"uploaded {len(names)} file(s) to {url}")
     return len(names)
 
 
-def _open(url: str, creds: StoreCreds | None, *, create: bool = False):
+@contextmanager
+def _open(url: str, creds: StoreCreds | None, log, *, create: bool = False):
+    """(store, prefix) for a `data` verb: a listing asked again says so through ``log``, and a store that never
+    answers is one line with the fix (not requests' or botocore's chain of wrappers)."""
     store, prefix = open_store(url, creds)
-    if create and hasattr(store, "ensure_container"):  # Swift's container, S3's bucket
-        store.ensure_container()
-    return store, prefix
+    store.on_retry = log
+    try:
+        if create and hasattr(store, "ensure_container"):  # Swift's container, S3's bucket
+            store.ensure_container()
+        yield store, prefix
+    except Exception as e:
+        said = unreachable(store, e)
+        if said is None:
+            raise
+        raise said from None
 
 
 def pack_dir(src: str, url: str, *, creds: StoreCreds | None, shard_size: int = 64 * 1024**2, fmt: str = "tar",
@@ -151,27 +163,27 @@ def pack_dir(src: str, url: str, *, creds: StoreCreds | None, shard_size: int = 
     """`appliance data pack DIR URL`: shards + index.json under URL."""
     from .pack import pack
 
-    store, prefix = _open(url, creds, create=True)
-    return pack(src, store, prefix, shard_size=shard_size, fmt=fmt, log=log)
+    with _open(url, creds, log, create=True) as (store, prefix):
+        return pack(src, store, prefix, shard_size=shard_size, fmt=fmt, log=log)
 
 
-def listing(url: str, *, creds: StoreCreds | None) -> list[dict]:
-    store, prefix = _open(url, creds)
-    try:
-        return [o.__dict__ for o in store.list(prefix)]
-    except FileNotFoundError:
-        what = "bucket" if store.scheme == "s3" else "container"
-        raise ApplianceError(f"{url}: there is no {what} {store.where!r} at this site",
-                             "check the name; `appliance data upload DIR URL` makes it") from None
+def listing(url: str, *, creds: StoreCreds | None, log=print) -> list[dict]:
+    with _open(url, creds, log) as (store, prefix):
+        try:
+            return [o.__dict__ for o in store.list(prefix)]
+        except FileNotFoundError:
+            what = "bucket" if store.scheme == "s3" else "container"
+            raise ApplianceError(f"{url}: there is no {what} {store.where!r} at this site",
+                                 "check the name; `appliance data upload DIR URL` makes it") from None
 
 
-def remove(url: str, *, creds: StoreCreds | None) -> int:
+def remove(url: str, *, creds: StoreCreds | None, log=print) -> int:
     """Delete every object under URL; returns how many (0 when the container does not exist)."""
-    store, prefix = _open(url, creds)
-    try:
-        names = [o.name for o in store.list(prefix)]
-    except FileNotFoundError:
-        return 0
-    with ThreadPoolExecutor(max_workers=16) as ex:
-        list(ex.map(store.delete, names))
+    with _open(url, creds, log) as (store, prefix):
+        try:
+            names = [o.name for o in store.list(prefix)]
+        except FileNotFoundError:
+            return 0
+        with ThreadPoolExecutor(max_workers=16) as ex:
+            list(ex.map(store.delete, names))
     return len(names)

@@ -11,7 +11,7 @@ import sys
 
 from ..errors import ApplianceError
 from ..protocol import Line, emit
-from ..store.objects import StoreCreds, open_store, swift_fallback
+from ..store.objects import StoreCreds, open_store, swift_fallback, unreachable
 from .stage import stage
 
 
@@ -22,8 +22,10 @@ def main() -> int:
     def progress(p):
         emit(Line.PROGRESS, p)
 
+    store = None
     try:
         store, prefix = open_store(job["url"], creds)
+        store.on_retry = lambda m: emit(Line.NOTE, m)
         try:
             res = stage(store, prefix, job["dest"], mode=job["mode"], rank=job["rank"], nodes=job["nodes"],
                         concurrency=job.get("concurrency", 16), progress=progress,
@@ -35,6 +37,8 @@ def main() -> int:
             if fb is None:
                 raise
             emit(Line.NOTE, f"S3 failed ({type(e).__name__}: {e}); falling back to Swift")
+            fb[0].on_retry = store.on_retry
+            store = fb[0]
             res = stage(fb[0], fb[1], job["dest"], mode=job["mode"], rank=job["rank"], nodes=job["nodes"],
                         concurrency=job.get("concurrency", 16), progress=progress,
                         keep_names=job.get("keep_names", False), keep_extra=job.get("keep_extra", False))
@@ -42,7 +46,9 @@ def main() -> int:
         emit(Line.ERROR, {"message": e.message, "fix": e.fix})
         return 1
     except Exception as e:
-        emit(Line.ERROR, {"message": f"{type(e).__name__}: {e}", "fix": None})
+        said = unreachable(store, e) if store is not None else None
+        emit(Line.ERROR, {"message": said.message, "fix": said.fix} if said else
+             {"message": f"{type(e).__name__}: {e}", "fix": None})
         return 1
     emit(Line.STAGED, res.as_dict())
     return 0

@@ -21,7 +21,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from ..errors import ApplianceError
+from ..errors import ApplianceError, socket_reason
 
 API_DATE = "%Y-%m-%d %H:%M"
 MAX_LEASE = dt.timedelta(days=7)
@@ -36,9 +36,7 @@ def _unreachable(where: str, region_cfg, text: str) -> ApplianceError:
     """Keystone not reached: its URL and the socket's reason ("Connection refused", "Name or service not known",
     "timed out"), not urllib3's chain of wrappers around it."""
     url = ((getattr(region_cfg, "config", None) or {}).get("auth") or {}).get("auth_url")
-    m = re.search(r"\[Errno -?\d+\] ([^'\")]+)", text)
-    why = m.group(1).strip() if m else ("timed out" if "timed out" in text.lower() else text[:160])
-    return ApplianceError(f"cannot reach Keystone{f' at {url}' if url else ''} for {where} ({why})",
+    return ApplianceError(f"cannot reach Keystone{f' at {url}' if url else ''} for {where} ({socket_reason(text)})",
                           "check auth_url / OS_AUTH_URL and the network")
 
 

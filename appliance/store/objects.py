@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..errors import ApplianceError
+from ..errors import ApplianceError, socket_reason
 from .tcp import quickack_swift
 
 SWIFT_PAGE = 10000  # Swift returns at most 10,000 names per listing request; Ceph RGW caps it at 1,000
@@ -95,23 +95,34 @@ class StoreCreds:
         return self
 
 
-def _transient(e: BaseException) -> bool:
-    """A failure worth asking again: a 5xx or 429, a reset or a timeout; not a 4xx answer or our own refusal."""
-    if isinstance(e, (ApplianceError, FileNotFoundError)):
-        return False
+def _status(e: BaseException) -> int | None:
     status = getattr(e, "http_status", None)  # swiftclient.ClientException
     if status is None:
         status = (getattr(e, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode") \
             if isinstance(getattr(e, "response", None), dict) else None  # botocore ClientError
+    return status
+
+
+def _transient(e: BaseException) -> bool:
+    """A failure worth asking again: a 5xx or 429, a reset or a timeout; not a 4xx answer or our own refusal."""
+    if isinstance(e, (ApplianceError, FileNotFoundError)):
+        return False
+    status = _status(e)
     if status is not None:
         return status >= 500 or status == 429
     return True  # no HTTP answer at all: connection reset, refused, timed out
 
 
+def _no_answer(e: BaseException) -> bool:
+    """The store did not answer at all: refused, unresolvable, reset, timed out."""
+    return _transient(e) and _status(e) is None
+
+
 def transient_retry(fn: Callable, *, deadline: float | None = None, reset: Callable[[], None] | None = None,
-                    sleep: Callable[[float], None] = time.sleep):
+                    sleep: Callable[[float], None] = time.sleep, note: Callable[[str], None] | None = None):
     """fn() until it succeeds, retrying transient failures with exponential backoff and jitter (0.2 s .. 8 s)
-    for up to ``deadline`` seconds (LIST_DEADLINE); the last failure is raised."""
+    for up to ``deadline`` seconds (LIST_DEADLINE); the last failure is raised. ``note`` hears of the first
+    failure that is asked again (a wait of minutes is said, not silent)."""
     t_end = time.monotonic() + (LIST_DEADLINE if deadline is None else deadline)
     delay = 0.2
     while True:
@@ -120,6 +131,11 @@ def transient_retry(fn: Callable, *, deadline: float | None = None, reset: Calla
         except Exception as e:
             if not _transient(e) or time.monotonic() >= t_end:
                 raise
+            if note is not None:
+                status = _status(e)
+                note(f"{'HTTP ' + str(status) if status else socket_reason(e)}: asking again for up to "
+                     f"{max(0.0, t_end - time.monotonic()):.0f} s")
+                note = None
             if reset is not None:
                 reset()
             sleep(min(delay, 8.0, max(0.0, t_end - time.monotonic())) * (0.5 + random.random()))  # backoff
@@ -141,6 +157,17 @@ class Store:
     scheme = ""
     where = ""  # the container, bucket or root directory
     list_deadline: float | None = None  # seconds a failing listing page is retried (None: LIST_DEADLINE)
+    on_retry: Callable[[str], None] | None = None  # hears when a listing is asked again (said to the user)
+
+    @property
+    def endpoint(self) -> str:
+        """Where the store answers (for messages)."""
+        return ""
+
+    def _retry_note(self) -> Callable[[str], None] | None:
+        say = self.on_retry
+        return None if say is None else (lambda m: say(f"object store{f' at {self.endpoint}' if self.endpoint else ''}"
+                                                       f" did not answer ({m})"))
 
     def url(self, prefix: str = "") -> str:
         """The URL of ``prefix`` in this store, as a user writes it (for messages)."""
@@ -251,6 +278,10 @@ class SwiftStore(Store):
                 raise self._refused(e.http_status) from None
             raise
 
+    @property
+    def endpoint(self) -> str:
+        return self.creds.storage_url or self.creds.auth_url or ""
+
     def _renewable(self) -> bool:
         return bool(self.creds.auth_url and self.creds.user and self.creds.key) or self.creds.app_cred
 
@@ -273,7 +304,7 @@ class SwiftStore(Store):
             _, page = transient_retry(lambda: self._call(self.conn().get_container, self.container,
                                                          prefix=prefix or None, marker=marker or None,
                                                          limit=SWIFT_PAGE),
-                                      deadline=self.list_deadline, reset=self._reset)
+                                      deadline=self.list_deadline, reset=self._reset, note=self._retry_note())
             if not page:
                 return
             for o in page:
@@ -460,6 +491,10 @@ class S3Store(Store):
         self._presigner = None
         self._lock = threading.Lock()
 
+    @property
+    def endpoint(self) -> str:
+        return self.creds.s3_endpoint or ""
+
     def client(self):
         """One client for all threads: botocore's clients are thread-safe ("Low-level clients are thread safe",
         boto3's guide to multithreading), and each costs milliseconds of CPU to build (a client per thread cost
@@ -489,7 +524,8 @@ class S3Store(Store):
         while True:
             kw = {"Bucket": self.bucket, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
             try:
-                page = transient_retry(lambda: self.client().list_objects_v2(**kw), deadline=self.list_deadline)
+                page = transient_retry(lambda: self.client().list_objects_v2(**kw), deadline=self.list_deadline,
+                                       note=self._retry_note())
             except Exception as e:
                 if getattr(e, "response", {}).get("Error", {}).get("Code") == "NoSuchBucket":
                     raise FileNotFoundError(f"s3://{self.bucket}: no such bucket") from None
@@ -708,6 +744,17 @@ def md5_file(p: Path) -> str:
         return md5_range(fd, 0, os.fstat(fd).st_size).hexdigest()
     finally:
         os.close(fd)
+
+
+def unreachable(store: Store, e: BaseException) -> ApplianceError | None:
+    """A store that never answered (refused, unresolvable, reset, timed out), in one line with the fix; None for
+    any other failure (an HTTP answer, our own refusal)."""
+    if not _no_answer(e):
+        return None
+    fix = {"s3": "check APPLIANCE_S3_ENDPOINT (or the object-store endpoint in OS_CLOUD's catalog) and the network",
+           "swift": "check ST_AUTH (or the object-store endpoint in OS_CLOUD's catalog) and the network"}
+    return ApplianceError(f"cannot reach the object store{f' at {store.endpoint}' if store.endpoint else ''} "
+                          f"({socket_reason(e)})", fix.get(store.scheme, "check the network"))
 
 
 def open_store(url: str, creds: StoreCreds | None) -> tuple[Store, str]:
