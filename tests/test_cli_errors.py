@@ -83,3 +83,15 @@ def test_the_stager_says_a_store_that_does_not_answer_in_one_line(tmp_path, monk
     assert len(notes) == 1 and "did not answer (Connection refused: asking again" in notes[0], notes
     assert errors == [{"message": f"cannot reach the object store at {url}/auth/v1.0 (Connection refused)",
                        "fix": "check ST_AUTH (or the object-store endpoint in OS_CLOUD's catalog) and the network"}]
+
+
+def test_resume_from_a_url_that_holds_no_such_run_says_so(tmp_path):
+    """`appliance resume RUN --url URL` with a typo in RUN or URL: `FileNotFoundError: ...spec.yaml`, "report it"."""
+    from appliance.checkpoint.resume import find_spec
+    from appliance.errors import ApplianceError
+
+    (tmp_path / "ckpts" / "digits").mkdir(parents=True)
+    with pytest.raises(ApplianceError, match=rf"no run 'digit' at file://{tmp_path}/ckpts/: "
+                                             rf"file://{tmp_path}/ckpts/digit/spec.yaml is not there") as e:
+        find_spec("digit", url=f"file://{tmp_path}/ckpts/")
+    assert "appliance data ls" in e.value.fix

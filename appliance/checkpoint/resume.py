@@ -43,7 +43,12 @@ def find_spec(run: str, spec_path: str | None = None, url: str | None = None, cr
         cs = CheckpointStore(url, run, creds)
         tmp = Path(tempfile.mkdtemp(prefix="appliance-spec-")) / f"{run}.yaml"
         buf = bytearray()
-        cs.store.get(cs.prefix + "spec.yaml", buf.extend)
+        try:
+            cs.store.get(cs.prefix + "spec.yaml", buf.extend)
+        except FileNotFoundError:
+            raise ApplianceError(f"no run {run!r} at {url}: {cs.store.url(cs.prefix + 'spec.yaml')} is not there",
+                                 f"check the run's name and its checkpoint.url (`appliance data ls {url}` lists "
+                                 "what is there)") from None
         tmp.write_bytes(bytes(buf))
         return load_spec(str(tmp))
     raise ApplianceError(f"no record of run {run!r} on this machine", f"give its spec: `appliance resume {run} "

@@ -631,7 +631,7 @@ class FileStore(Store):
 
     def __init__(self, root: str):
         self.root = Path(root)
-        self.where = root
+        self.where = str(self.root)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = self.root
