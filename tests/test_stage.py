@@ -458,7 +458,8 @@ def test_small_answers_are_not_held_for_the_delayed_ack(swift, creds, tmp_path):
     try:
         got = {"swift GET": median_ms(lambda: sw.fetch("o", fd, 0)),
                "swift listing": median_ms(lambda: list(sw.list())),
-               "s3 GET": median_ms(lambda: s3.fetch("o", fd, 0))}
+               "s3 GET": median_ms(lambda: s3.fetch("o", fd, 0)),
+               "s3 listing": median_ms(lambda: list(s3.list()))}  # boto3's own connections (44 ms before)
     finally:
         os.close(fd)
     assert (tmp_path / "out").read_bytes() == src.read_bytes()
