@@ -224,6 +224,19 @@ def _no_control_chars(obj, where: str = "") -> None:
             raise SpecError(f"{at}: {v!r} contains a control character", f"remove it from {at}")
 
 
+def _check_container(field_name: str, url: str | None) -> None:
+    """A container or bucket the store would refuse to make, refused before a lease is paid for (a checkpoint.url
+    bucket that cannot be made fails every commit of the job)."""
+    if not url or not URL_RE.fullmatch(url) or url.startswith("file:"):
+        return
+    from .store.objects import container_name_problem, parse_url
+
+    scheme, name, _ = parse_url(url)
+    why = container_name_problem(scheme, name)
+    if why:
+        raise SpecError(f"{field_name}: {why}", f"choose another name, e.g. {scheme}://my-data-1/")
+
+
 def _semantic_checks(spec: Spec) -> None:
     _no_control_chars(spec)
     if not NAME_RE.fullmatch(spec.name):
@@ -248,6 +261,7 @@ def _semantic_checks(spec: Spec) -> None:
     if spec.dataset is not None and not URL_RE.fullmatch(spec.dataset.source):
         raise SpecError(f"dataset.source: {spec.dataset.source!r} is not a swift://, s3:// or file:// URL",
                         "write e.g. swift://my-container/imagenet/")
+    _check_container("dataset.source", spec.dataset.source if spec.dataset is not None else None)
     if spec.dataset is not None:
         parts = spec.dataset.dest.split("/")
         if spec.dataset.dest.startswith("/") or not all(DEST_PART_RE.fullmatch(x) for x in parts):
@@ -256,6 +270,7 @@ def _semantic_checks(spec: Spec) -> None:
     if spec.checkpoint.url is not None and not URL_RE.fullmatch(spec.checkpoint.url):
         raise SpecError(f"checkpoint.url: {spec.checkpoint.url!r} is not a swift://, s3:// or file:// URL",
                         "write e.g. swift://checkpoints/")
+    _check_container("checkpoint.url", spec.checkpoint.url)
     ck = spec.checkpoint
     if ck.keep < 1:
         raise SpecError("checkpoint.keep: must be at least 1", "set checkpoint.keep: 3")

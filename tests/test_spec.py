@@ -42,9 +42,16 @@ def test_defaults_fill_in():
     ({**GOOD, "train": {"command": "x", "env": {"MY_API_TOKEN": "p"}}}, "train.env", "credential"),
     ({**GOOD, "train": {"command": "x", "env": ["A=1"]}}, "train.env", "mapping"),
     ({**GOOD, "dataset": {"source": "http://x/y"}}, "dataset.source", "swift://"),
-    ({**GOOD, "dataset": {"source": "swift://c/p", "dest": "../etc"}}, "dataset.dest", "relative path"),
-    ({**GOOD, "dataset": {"source": "swift://c/p", "mode": "half"}}, "dataset.mode", "one of"),
+    ({**GOOD, "dataset": {"source": "swift://data/p", "dest": "../etc"}}, "dataset.dest", "relative path"),
+    ({**GOOD, "dataset": {"source": "swift://data/p", "mode": "half"}}, "dataset.mode", "one of"),
     ({**GOOD, "checkpoint": {"keep": 0}}, "checkpoint.keep", "at least 1"),
+    # a bucket or container Chameleon's RGW refuses to make: every checkpoint commit of the job would fail
+    ({**GOOD, "checkpoint": {"url": "s3://My_Checkpoints/"}}, "checkpoint.url", "lower-case letters"),
+    ({**GOOD, "checkpoint": {"url": "s3://ck/"}}, "checkpoint.url", "3-63 characters"),
+    ({**GOOD, "checkpoint": {"url": "s3://ckpt..runs/"}}, "checkpoint.url", "no '.' next to"),
+    ({**GOOD, "checkpoint": {"url": "s3://10.0.0.1/"}}, "checkpoint.url", "IP address"),
+    ({**GOOD, "checkpoint": {"url": "swift://ck/"}}, "checkpoint.url", "3-255 characters"),
+    ({**GOOD, "dataset": {"source": "s3://Data_Sets/imagenet/"}}, "dataset.source", "lower-case letters"),
     ({**GOOD, "lease": {"extend": "yes"}}, "lease.extend", "true or false"),
     (["not", "a", "mapping"], "spec", "expected a mapping"),
 ])

@@ -440,6 +440,43 @@ def test_an_s3_bucket_that_is_not_there_is_made_for_uploads_and_checkpoints(cred
     assert [c.step for c in cs.committed()] == [7]
 
 
+NAMES = ["ok-name", "ok.name.2", "abc", "ab", "a" * 63, "a" * 64, "Upper", "under_score", "-dash", "dash-",
+         "dot..dot", "dot.-dash", "dash-.dot", "192.168.5.4", ".hidden", "x" * 255, "x" * 256]
+
+
+def test_the_name_rules_are_the_real_rgws(swift, creds):
+    """`appliance check` refuses a checkpoint.url or dataset.source whose bucket or container Chameleon's store would
+    not make (every checkpoint commit of the job would fail). The judge of those rules is the real radosgw: each
+    name is made through its S3 and its Swift API, and what it refuses is what container_name_problem says."""
+    import swiftclient
+    from botocore.exceptions import ClientError, ParamValidationError
+
+    from appliance.store.objects import container_name_problem
+
+    if not isinstance(swift, RGWServer):
+        pytest.skip("the rules are Ceph RGW's (Chameleon's store); OpenStack Swift's differ")
+    s3 = S3Store("unused", creds).client()
+    conn = SwiftStore("unused", creds).conn()
+    for name in NAMES:
+        try:
+            s3.create_bucket(Bucket=name)
+            s3_ok = True
+        except ClientError as e:
+            assert e.response["Error"]["Code"] == "InvalidBucketName", (name, e.response)
+            s3_ok = False
+        except ParamValidationError:  # botocore refuses it before asking (over 255 characters)
+            s3_ok = False
+        assert s3_ok == (container_name_problem("s3", name) is None), (name, s3_ok)
+        sw_name = "sw" + name if name not in ("ab", "x" * 255, "x" * 256, ".hidden") else name
+        try:
+            conn.put_container(sw_name)
+            sw_ok = True
+        except swiftclient.ClientException as e:
+            assert e.http_status in (400, 412), (sw_name, e)
+            sw_ok = False
+        assert sw_ok == (container_name_problem("swift", sw_name) is None), (sw_name, sw_ok)
+
+
 def test_small_answers_are_not_held_for_the_delayed_ack(swift, creds, tmp_path):
     """Ceph RGW's beast (tcp_nodelay off by default: ceph src/rgw/rgw_asio_frontend.cc) sends headers and body in
     two writes with Nagle on; on a kept-alive connection each small GET and each listing page waited for our delayed

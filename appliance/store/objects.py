@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -140,6 +141,43 @@ def transient_retry(fn: Callable, *, deadline: float | None = None, reset: Calla
                 reset()
             sleep(min(delay, 8.0, max(0.0, t_end - time.monotonic())) * (0.5 + random.random()))  # backoff
             delay *= 2
+
+
+_IPV4 = re.compile(r"\d+\.\d+\.\d+\.\d+")
+
+
+def container_name_problem(scheme: str, name: str) -> str | None:
+    """Why Ceph RGW (Chameleon's store) would refuse to make this container or bucket; None when it would not.
+
+    S3: ``valid_s3_bucket_name`` with ``rgw_relaxed_s3_bucket_names`` off, its default (ceph
+    src/rgw/rgw_rest_s3.h): 3-63 characters, lower-case letters, digits, '-' and '.', a letter or digit first and
+    last, no '.' next to another '.' or a '-', not an IPv4 address. Swift: ``RGWHandler_REST_SWIFT::
+    validate_bucket_name`` (src/rgw/rgw_rest_swift.cc) over ``RGWHandler_REST::validate_bucket_name``: 3-255
+    characters (../shared/docs/rgw.md: 400 InvalidBucketName under 3), no '/' and not '.' first.
+    tests/test_stage.py checks these rules against the real radosgw."""
+    if scheme == "s3":
+        if not 3 <= len(name) <= 63:
+            return f"S3 bucket names are 3-63 characters long; {name!r} has {len(name)}"
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]*[a-z0-9]", name):
+            return (f"S3 bucket names are lower-case letters, digits, '-' and '.', a letter or digit first and last; "
+                    f"{name!r} is not")
+        if ".." in name or ".-" in name or "-." in name:
+            return f"S3 bucket names have no '.' next to another '.' or a '-'; {name!r} has"
+        if _IPV4.fullmatch(name):
+            return f"an S3 bucket name cannot look like an IP address ({name!r})"
+    elif scheme == "swift":
+        if not 3 <= len(name) <= 255:
+            return f"container names on Chameleon's store (Ceph RGW) are 3-255 characters long; {name!r} has {len(name)}"
+        if name.startswith(".") or "/" in name:
+            return f"a container name cannot start with '.' or hold '/' ({name!r})"
+    return None
+
+
+def _check_name(scheme: str, name: str) -> None:
+    """Before a container or bucket is made: a name the store would refuse, said with its rule."""
+    why = container_name_problem(scheme, name)
+    if why:
+        raise ApplianceError(f"cannot make {scheme}://{name}/: {why}", "choose another name in the URL")
 
 
 def parse_url(url: str) -> tuple[str, str, str]:
@@ -470,6 +508,7 @@ class SwiftStore(Store):
         self._call(self.conn().head_container, self.container)
 
     def ensure_container(self) -> None:
+        _check_name("swift", self.container)
         self.conn().put_container(self.container)
 
 
@@ -602,6 +641,7 @@ class S3Store(Store):
         project holds is refused (403 on HEAD, 409 BucketAlreadyExists on PUT): said with the fix."""
         from botocore.exceptions import ClientError
 
+        _check_name("s3", self.bucket)
         taken = ApplianceError(f"S3 bucket {self.bucket!r} belongs to someone else (bucket names are shared by every "
                                "project of the store)", "choose another bucket name in the s3:// URL")
         try:
