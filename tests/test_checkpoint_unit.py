@@ -46,6 +46,47 @@ def test_manifest_digest_covers_every_field():
     assert manifest_digest({**m, "step": 11}) != d
 
 
+def test_a_store_that_refuses_the_checkpoints_refuses_the_job_and_one_that_is_down_does_not(tmp_path, monkeypatch):
+    """A checkpoint bucket another project holds, keys the store does not take, a name it will not make: every commit
+    of the job would fail, and the lease end would lose the run. The job started anyway with a warning line; now it
+    is refused before it starts. A store that does not answer may come back: that job still starts."""
+    from appliance.checkpoint.job import JobCheckpoints
+    from appliance.cluster import Cluster, Node
+    from appliance.errors import ApplianceError
+    from appliance.remote import LocalRemote
+    from appliance.spec import load_spec
+    from appliance.store.checkpoints import CheckpointStore
+    from appliance.store.objects import StoreRefused
+    from appliance.train.launch import JobContext
+    from conftest import write_spec
+
+    store = tmp_path / "store"
+    store.mkdir()
+    spec = load_spec(write_spec(tmp_path, "python x.py", code=tmp_path, name="held",
+                                extra=f"checkpoint: {{url: 'file://{store}/', every_steps: 5}}\n"))
+    node = Node("local", "127.0.0.1", None, str(tmp_path / "work"))
+    said = []
+    ctx = JobContext(spec, Cluster(name="", cloud="testbed", nodes=[node]), LocalRemote(node), str(tmp_path / "run"),
+                     "job", None, said.append)
+
+    def refuse(self):
+        raise StoreRefused("S3 bucket 'shared' belongs to someone else", "choose another bucket name in the s3:// URL")
+
+    monkeypatch.setattr(CheckpointStore, "ensure_container", refuse)
+    with pytest.raises(ApplianceError, match=rf"checkpoint.url file://{store}/: S3 bucket 'shared' belongs to someone "
+                                             r"else; the job was not started \(fix: choose another bucket name"):
+        JobCheckpoints().prepare(ctx)
+    assert not list(store.rglob("*"))  # a refused job writes nothing
+
+    def down(self):
+        raise ConnectionError("[Errno 111] Connection refused")
+
+    monkeypatch.setattr(CheckpointStore, "ensure_container", down)
+    monkeypatch.setattr("appliance.store.checkpoints.time.sleep", lambda s: None)
+    assert JobCheckpoints().prepare(ctx)["APPLIANCE_CKPT_URL"] == f"file://{store}/"
+    assert any("cannot reach" in m and "yet" in m for m in said), said
+
+
 def test_run_record_counts_lost_node_time(appliance_home):
     class Spec:
         name, path, digest = "rec", "", ""

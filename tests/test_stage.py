@@ -440,6 +440,23 @@ def test_an_s3_bucket_that_is_not_there_is_made_for_uploads_and_checkpoints(cred
     assert [c.step for c in cs.committed()] == [7]
 
 
+def test_keys_the_store_does_not_take_are_said_as_such(creds):
+    """Wrong S3 keys: a HEAD of the bucket answers 403 without a body, and the appliance said the bucket belonged to
+    someone else; a listing said `ClientError: ... SignatureDoesNotMatch`, "report it"; a job started with a warning
+    and could never commit. Now each is StoreRefused, which a job launch refuses (tests/test_checkpoint_unit.py)."""
+    from appliance.data import listing
+    from appliance.store.objects import StoreRefused
+
+    bad_s3 = StoreCreds(**{**creds.scoped().__dict__, "s3_secret_key": "wrong"})
+    with pytest.raises(StoreRefused, match=r"S3 refused the keys \((SignatureDoesNotMatch|AccessDenied)\)"):
+        S3Store("fresh-keys", bad_s3).ensure_container()
+    with pytest.raises(StoreRefused, match=r"S3 refused access to bucket 'fresh-keys'"):
+        listing("s3://fresh-keys/", creds=bad_s3, log=lambda m: None)
+    bad_swift = StoreCreds(auth_url=creds.auth_url, user=creds.user, key="wrong")
+    with pytest.raises(StoreRefused, match="Swift refused access to container 'fresh-keys' \\(401\\)"):
+        SwiftStore("fresh-keys", bad_swift).ensure_container()
+
+
 NAMES = ["ok-name", "ok.name.2", "abc", "ab", "a" * 63, "a" * 64, "Upper", "under_score", "-dash", "dash-",
          "dot..dot", "dot.-dash", "dash-.dot", "192.168.5.4", ".hidden", "x" * 255, "x" * 256]
 

@@ -268,7 +268,13 @@ def test_an_s3_bucket_name_another_project_holds_is_said_with_the_fix():
 
     st, stub = store()
     stub.add_client_error("head_bucket", service_error_code="403", http_status_code=403)
+    stub.add_response("list_buckets", {"Buckets": []})  # our keys are good: the bucket is someone else's
     with stub, pytest.raises(ApplianceError, match="belongs to someone else.*choose another bucket name"):
+        st.ensure_container()
+    st, stub = store()  # keys the store does not take: HEAD says 403 as well, the listing of our buckets says why
+    stub.add_client_error("head_bucket", service_error_code="403", http_status_code=403)
+    stub.add_client_error("list_buckets", service_error_code="InvalidAccessKeyId", http_status_code=403)
+    with stub, pytest.raises(ApplianceError, match=r"S3 refused the keys \(InvalidAccessKeyId\).*check the EC2 keys"):
         st.ensure_container()
     st, stub = store()
     stub.add_client_error("head_bucket", service_error_code="404", http_status_code=404)

@@ -28,7 +28,7 @@ from ..sites import for_cluster, for_spec
 from ..store.filesync import FileSet
 from ..store.runlock import INTERVAL, LOCK, TTL, RunLock
 from ..store.checkpoints import CheckpointStore, retrying
-from ..store.objects import parse_url
+from ..store.objects import StoreRefused, parse_url
 from ..train.launch import JobContext, JobHooks, JobResult
 
 
@@ -104,7 +104,9 @@ class JobCheckpoints(JobHooks):
             retrying(cs.ensure_container, what="create the checkpoint container", attempts=4)
             old = cs.committed() if fresh else []
             synced = FileSet(ck.url, spec.name, creds).manifests() if fresh else []
-        except Exception as e:  # the job can still run; rank 0 retries its uploads
+        except StoreRefused as e:  # no commit of the job could ever succeed: refused before it starts, not after
+            raise ApplianceError(f"checkpoint.url {ck.url}: {e.message}; the job was not started", e.fix) from None
+        except Exception as e:  # the store may come back: the job can still run; rank 0 retries its uploads
             self.say(f"[appliance] warning: cannot reach {ck.url} yet ({type(e).__name__}: {e})")
             cs, synced = None, []
         if not fresh:

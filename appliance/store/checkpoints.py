@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .objects import ObjectInfo, StoreCreds, large_object_etags, md5_file, open_store
+from .objects import ObjectInfo, StoreCreds, StoreRefused, large_object_etags, md5_file, open_store
 from ..errors import ApplianceError
 
 MANIFEST = "MANIFEST.json"
@@ -80,7 +80,7 @@ def retrying(fn: Callable, *, what: str, until: float | None = None, attempts: i
         except (FileNotFoundError, json.JSONDecodeError):
             raise
         except Exception as e:  # network errors, 5xx from swiftclient/botocore
-            if isinstance(e, ApplianceError) and not isinstance(e, StoreUnavailable) and "refused access" in str(e):
+            if isinstance(e, StoreRefused):  # credentials, permissions, a name: asking again does not help
                 raise
             left = None if until is None else until - time.time()
             if (attempts is not None and n >= attempts) or (left is not None and left <= 0) or stop():

@@ -96,6 +96,11 @@ class StoreCreds:
         return self
 
 
+class StoreRefused(ApplianceError):
+    """The store refused us for good (credentials, permissions, a name it will not make): asking again does not
+    help, so retries stop at once and a job is not started over it."""
+
+
 def _status(e: BaseException) -> int | None:
     status = getattr(e, "http_status", None)  # swiftclient.ClientException
     if status is None:
@@ -177,7 +182,7 @@ def _check_name(scheme: str, name: str) -> None:
     """Before a container or bucket is made: a name the store would refuse, said with its rule."""
     why = container_name_problem(scheme, name)
     if why:
-        raise ApplianceError(f"cannot make {scheme}://{name}/: {why}", "choose another name in the URL")
+        raise StoreRefused(f"cannot make {scheme}://{name}/: {why}", "choose another name in the URL")
 
 
 def parse_url(url: str) -> tuple[str, str, str]:
@@ -325,7 +330,7 @@ class SwiftStore(Store):
 
     def _refused(self, status: int) -> ApplianceError:
         renewable = self._renewable()
-        return ApplianceError(
+        return StoreRefused(
             f"Swift refused access to container {self.container!r} ({status})"
             + ("" if renewable or status != 401 else ": the token may have expired"),
             "check the credentials and that the container is yours at this site" if renewable
@@ -509,7 +514,7 @@ class SwiftStore(Store):
 
     def ensure_container(self) -> None:
         _check_name("swift", self.container)
-        self.conn().put_container(self.container)
+        self._call(self.conn().put_container, self.container)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,6 +574,8 @@ class S3Store(Store):
             except Exception as e:
                 if getattr(e, "response", {}).get("Error", {}).get("Code") == "NoSuchBucket":
                     raise FileNotFoundError(f"s3://{self.bucket}: no such bucket") from None
+                if _status(e) in (401, 403):
+                    raise self._refused(e.response.get("Error", {}).get("Code") or str(_status(e))) from None
                 raise
             for o in page.get("Contents", []):
                 yield ObjectInfo(o["Key"], int(o["Size"]), o["ETag"].strip('"'))
@@ -602,10 +609,27 @@ class S3Store(Store):
             if e.http_status == 404:
                 raise FileNotFoundError(f"s3://{self.bucket}/{name}") from None
             if e.http_status in (401, 403):
-                raise ApplianceError(f"S3 refused access to bucket {self.bucket!r} ({e.http_status})",
-                                     "check the EC2 keys (`openstack ec2 credentials list`) and that the bucket "
-                                     "is yours at this site") from None
+                raise self._refused(str(e.http_status)) from None
             raise
+
+    def _refused(self, why: str) -> StoreRefused:
+        return StoreRefused(f"S3 refused access to bucket {self.bucket!r} ({why})",
+                            "check the EC2 keys (`openstack ec2 credentials list`; AWS_ACCESS_KEY_ID, "
+                            "AWS_SECRET_ACCESS_KEY) and that the bucket is yours at this site")
+
+    def _keys_refused(self) -> StoreRefused | None:
+        """After a 403 without a body (a HEAD): whether the store refuses our keys themselves, asked with a request
+        any valid keys may make (the list of our buckets). None when the keys are good."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client().list_buckets()
+            return None
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code") or str(_status(e))
+            return StoreRefused(f"S3 refused the keys ({code})",
+                                "check the EC2 keys (`openstack ec2 credentials list`; AWS_ACCESS_KEY_ID, "
+                                "AWS_SECRET_ACCESS_KEY) and APPLIANCE_S3_ENDPOINT")
 
     def put(self, name, path, *, segment_size=MAX_OBJECT, md5s=None) -> str:
         # the multipart ETag is checked by the caller against md5s["s3"] (CheckpointStore.upload lists it)
@@ -642,15 +666,15 @@ class S3Store(Store):
         from botocore.exceptions import ClientError
 
         _check_name("s3", self.bucket)
-        taken = ApplianceError(f"S3 bucket {self.bucket!r} belongs to someone else (bucket names are shared by every "
-                               "project of the store)", "choose another bucket name in the s3:// URL")
+        taken = StoreRefused(f"S3 bucket {self.bucket!r} belongs to someone else (bucket names are shared by every "
+                             "project of the store)", "choose another bucket name in the s3:// URL")
         try:
             self.client().head_bucket(Bucket=self.bucket)
             return
         except ClientError as e:
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status == 403:
-                raise taken from None
+            if status in (401, 403):  # someone else's bucket, or keys the store does not take (HEAD says not which)
+                raise (self._keys_refused() or taken) from None
             if status != 404:
                 raise
         try:
@@ -659,6 +683,8 @@ class S3Store(Store):
             code = e.response.get("Error", {}).get("Code")
             if code == "BucketAlreadyExists":
                 raise taken from None
+            if _status(e) in (401, 403):
+                raise self._refused(code or str(_status(e))) from None
             if code != "BucketAlreadyOwnedByYou":  # made meanwhile by another of our uploads
                 raise
 
