@@ -326,6 +326,14 @@ def test_a_dataset_url_that_is_not_there_is_one_line_with_the_fix(creds, tmp_pat
         assert r.returncode == 1 and f"{url}: no object under it" in r.stdout, r.stdout + r.stderr
     assert _stage_main("s3://typo/data/", creds, tmp_path / "d").returncode == 0
     assert (tmp_path / "d" / "a").read_bytes() == b"a"
+    # a URL names a folder (not `data-old/` beside it) or one object, as rclone and `aws s3 sync` read it
+    st.conn().put_object("typo", "data-old/b", b"b")
+    st.conn().put_object("typo", "one.bin", b"1")
+    st.conn().put_object("typo", "one.bin.old", b"0")
+    for url, want in (("swift://typo/data", {"a"}), ("s3://typo/one.bin", {"one.bin"})):
+        dest = tmp_path / url.split("/")[-1]
+        assert _stage_main(url, creds, dest).returncode == 0
+        assert {p.name for p in dest.rglob("*") if p.is_file() and not p.name.startswith(".appliance")} == want
 
 
 def test_sharded_staging_across_two_nodes(cluster2, creds, tb2):

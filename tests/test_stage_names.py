@@ -77,6 +77,25 @@ def test_a_url_that_lists_nothing_is_refused_and_the_nodes_copy_stays(tmp_path):
     assert (out / "a").read_bytes() == b"a" and (out / "b").read_bytes() == b"b"
 
 
+def test_a_url_names_a_folder_not_every_name_that_starts_like_it(tmp_path):
+    """`swift://c/data` staged `data-old/b` as `-old/b` beside `data/`'s files; rclone and `aws s3 sync` read it as
+    the folder `data/`."""
+    st = DictStore({"data/a": b"a", "data/sub/c": b"c", "data-old/b": b"b", "data/": b""})
+    res = stage(st, "data", tmp_path / "out")
+    assert sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*")
+                  if p.is_file() and not p.name.startswith(".appliance")) == ["a", "sub/c"]
+    assert res.files_total == 2
+
+
+def test_a_url_that_names_one_object_stages_that_object(tmp_path):
+    """`swift://c/x/data.tar` left the object itself out (as if it were the folder's marker) and staged
+    `x/data.tar.old` as `.old`."""
+    st = DictStore({"x/data.tar": b"tar", "x/data.tar.old": b"old"})
+    stage(st, "x/data.tar", tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith(".appliance")] == ["data.tar"]
+    assert (tmp_path / "out" / "data.tar").read_bytes() == b"tar"
+
+
 class _NoContainer(DictStore):
     scheme, where = "swift", "datsets"
 

@@ -180,6 +180,21 @@ class _Progress:
                          "eta": left / rate if rate > 0 else None, "elapsed": el})
 
 
+def _named(store: Store, prefix: str) -> tuple[list[ObjectInfo], str]:
+    """The objects a URL names, and the prefix their paths are taken relative to. A URL names a folder: `data` is
+    `data/`, never `data-old/...` beside it (staged as `-old/...` before), as rclone and `aws s3 sync` read a
+    path; a name that is one object and no folder is that object alone, staged under its own name (it was left
+    out before). The folder's own marker object (`data/`) is dest itself."""
+    objs = list(store.list(prefix))
+    if prefix and not prefix.endswith("/"):
+        under = [o for o in objs if o.name.startswith(prefix + "/")]
+        if under:
+            prefix += "/"
+            return [o for o in under if o.name != prefix], prefix
+        return [o for o in objs if o.name == prefix], prefix[:prefix.rfind("/") + 1]
+    return [o for o in objs if o.name != prefix], prefix
+
+
 def _holder(store: Store) -> str:
     return {"swift": "container", "s3": "bucket"}.get(store.scheme, "directory")
 
@@ -190,15 +205,16 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
     t0 = time.monotonic()
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
+    asked = prefix
     try:
-        listing = [o for o in store.list(prefix) if o.name != prefix]  # the prefix's own folder marker is dest itself
+        listing, prefix = _named(store, prefix)
     except FileNotFoundError:
-        raise ApplianceError(f"{store.url(prefix)}: there is no {_holder(store)} {store.where!r}; nothing was staged",
+        raise ApplianceError(f"{store.url(asked)}: there is no {_holder(store)} {store.where!r}; nothing was staged",
                              "check the dataset URL; `appliance data upload DIR URL` makes it") from None
     if not listing:
         # a URL with a typo lists nothing: said, rather than staged as an empty dataset, and the node's earlier
         # copy (its manifest) is left as it is rather than removed as "no longer in the store"
-        raise ApplianceError(f"{store.url(prefix)}: no object under it; nothing was staged",
+        raise ApplianceError(f"{store.url(asked)}: no object under it; nothing was staged",
                              f"check the dataset URL (`appliance data ls {store.url()}` lists what is there)")
     markers = [o for o in listing if is_dir_marker(o, prefix)]
     mine = select([o for o in listing if not is_dir_marker(o, prefix)], mode=mode, rank=rank, nodes=nodes)
