@@ -465,7 +465,11 @@ def data():
 @click.option("--segment-size", default=5 * 1024**3, show_default=True,
               help="Bytes; larger files become SLOs of segments this size (Swift caps one object at 5 GiB).")
 def data_upload(src, url, cloud_kind, site, segment_size):
-    """Upload a file or a directory tree to URL/<relative path>."""
+    """Upload a file or a directory tree to URL/<relative path>.
+
+    \b
+    Run it again after an interruption: files already at URL with the same size and MD5 are not sent again.
+    """
     from . import flows
 
     flows.data_upload(src, url, cloud=cloud_kind or _default_cloud(), site_name=site, segment_size=segment_size,

@@ -448,6 +448,25 @@ def test_an_s3_bucket_that_is_not_there_is_made_for_uploads_and_checkpoints(cred
     assert [c.step for c in cs.committed()] == [7]
 
 
+def test_a_second_upload_sends_only_what_is_not_there(creds, tmp_path, monkeypatch):
+    """A re-run of `appliance data upload` sent every file again. Files above the segment size are SLOs (Swift) and
+    multipart uploads (S3): their ETags, as each store lists them, are matched against the file's."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "small.txt").write_text("small")
+    (src / "big.bin").write_bytes(os.urandom(2_500_000))
+    for url, cls in (("swift://reup/x/", SwiftStore), ("s3://reup-s3/x/", S3Store)):
+        assert upload(str(src), url, creds=creds, segment_size=1_000_000, log=lambda m: None) == 2
+        sent = []
+        real = cls.put
+        monkeypatch.setattr(cls, "put", lambda self, name, path, **kw: (sent.append(name), real(self, name, path,
+                                                                                                  **kw))[1])
+        said = []
+        assert upload(str(src), url, creds=creds, segment_size=1_000_000, log=said.append) == 2
+        assert sent == [] and said[-1].endswith("2 already there with the same size and MD5"), (url, sent, said)
+        monkeypatch.undo()
+
+
 def test_keys_the_store_does_not_take_are_said_as_such(creds):
     """Wrong S3 keys: a HEAD of the bucket answers 403 without a body, and the appliance said the bucket belonged to
     someone else; a listing said `ClientError: ... SignatureDoesNotMatch`, "report it"; a job started with a warning

@@ -125,3 +125,29 @@ def test_the_progress_line_sums_up_a_large_cluster_and_names_its_slowest_node():
     assert many.count("|") == 0 and len(many) < 160, many
     assert many.startswith("[stage] 16/16 nodes: 46/64 files 48.2 MB/67.1 MB (72%) 16.8 MB/s"), many
     assert many.endswith("ETA 9s; slowest n07 25%"), many
+
+
+def test_a_second_upload_sends_only_what_is_not_there_yet(tmp_path, monkeypatch):
+    """`appliance data upload` sent every file again on a re-run (an interrupted 200 GB upload started over), and
+    said nothing until it ended."""
+    from appliance.data import upload
+    from appliance.store.objects import FileStore
+
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "a.txt").write_text("a")
+    (src / "d" / "b.bin").write_bytes(bytes(range(256)) * 10_000)
+    sent = []
+    real = FileStore.put
+    monkeypatch.setattr(FileStore, "put", lambda self, name, path, **kw: (sent.append(name), real(self, name, path,
+                                                                                               **kw))[1])
+    url = f"file://{tmp_path}/store/"
+    said = []
+    assert upload(str(src), url + "x/", creds=None, segment_size=1_000_000, log=said.append) == 2
+    assert sorted(sent) == ["a.txt", "d/b.bin"] and said[-1].startswith("uploaded 2 file(s)")
+    sent.clear()
+    assert upload(str(src), url + "x/", creds=None, segment_size=1_000_000, log=said.append) == 2
+    assert sent == [] and said[-1].endswith("; 2 already there with the same size and MD5")
+    (src / "a.txt").write_text("b")  # same size, other bytes
+    assert upload(str(src), url + "x/", creds=None, segment_size=1_000_000, log=said.append) == 2
+    assert sent == ["a.txt"] and (tmp_path / "store" / "x" / "a.txt").read_text() == "b"

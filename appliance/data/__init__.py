@@ -18,7 +18,7 @@ from ..errors import ApplianceError
 from ..node.stage import _fmt_bytes
 from ..protocol import Line, parse
 from ..remote import Session
-from ..store.objects import StoreCreds, open_store, unreachable
+from ..store.objects import StoreCreds, large_object_etags, open_store, unreachable
 
 
 def _bar(p: dict) -> str:
@@ -58,13 +58,11 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
     lock = threading.Lock()
-    stop = threading.Event()
 
     def show():
-        while not stop.wait(1.0):
-            with lock:
-                if progress:
-                    say(progress_line(progress, len(cluster.nodes)))
+        with lock:
+            if progress:
+                say(progress_line(progress, len(cluster.nodes)))
 
     def run(node_index: int, remote) -> None:
         node = remote.node
@@ -93,17 +91,11 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
             errors[node.name] = f"stager exited {r.rc}: {r.err.strip()[-300:]}"
 
     t0 = time.monotonic()
-    shower = threading.Thread(target=show, daemon=True)
-    shower.start()
-    try:
-        with Session(cluster) as s:
-            remotes = [s[n.name] for n in cluster.nodes]
-            with ThreadPoolExecutor(max_workers=len(remotes)) as ex:
-                for f in [ex.submit(run, i, r) for i, r in enumerate(remotes)]:
-                    f.result()
-    finally:
-        stop.set()
-        shower.join(timeout=2)
+    with _every(1.0, show), Session(cluster) as s:
+        remotes = [s[n.name] for n in cluster.nodes]
+        with ThreadPoolExecutor(max_workers=len(remotes)) as ex:
+            for f in [ex.submit(run, i, r) for i, r in enumerate(remotes)]:
+                f.result()
     if errors:
         name, msg = sorted(errors.items())[0]
         raise ApplianceError(f"staging failed on {name}: {msg}"
@@ -124,9 +116,38 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
     return results
 
 
+@contextmanager
+def _every(seconds: float, fn: Callable[[], None]):
+    """Call ``fn`` every ``seconds`` on a thread while the block runs (progress lines)."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.wait(seconds):
+            fn()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=2)
+
+
+def _already_there(store, listed: dict, path: Path, name: str, segment_size: int) -> bool:
+    """The store holds ``name`` with this file's size and content: its ETag is the file's MD5, or the SLO or
+    multipart ETag of the file in parts of ``segment_size`` (what `data upload` makes of a larger file)."""
+    o = listed.get(name)
+    if o is None or o.size != path.stat().st_size:
+        return False
+    return o.etag in {v for k, v in large_object_etags(path, segment_size).items() if k != "parts"}
+
+
 def upload(src: str, url: str, *, creds: StoreCreds | None, segment_size: int = 5 * 1024**3,
            concurrency: int = 16, log=print) -> int:
-    """`appliance data upload DIR URL`: every file under DIR to URL/<relative path>, in parallel."""
+    """`appliance data upload DIR URL`: every file under DIR to URL/<relative path>, in parallel. A file the store
+    already holds with the same size and MD5 (a re-run after an interruption) is not sent again. Returns how many
+    files of DIR are at URL."""
     root = Path(src)
     files = [p for p in sorted(root.rglob("*")) if p.is_file()] if root.is_dir() else [root]
     if not files:
@@ -135,9 +156,37 @@ def upload(src: str, url: str, *, creds: StoreCreds | None, segment_size: int = 
         base = root if root.is_dir() else root.parent
         names = [(p, f"{prefix.rstrip('/') + '/' if prefix else ''}{p.relative_to(base).as_posix()}")
                  for p in files]
+        try:
+            listed = {o.name: o for o in store.list(prefix)}
+        except FileNotFoundError:
+            listed = {}
         with ThreadPoolExecutor(max_workers=concurrency) as ex:
-            list(ex.map(lambda pn: store.put(pn[1], pn[0], segment_size=segment_size), names))
-    log(f"uploaded {len(names)} file(s) to {url}")
+            fresh = list(ex.map(lambda pn: not _already_there(store, listed, pn[0], pn[1], segment_size), names))
+        todo = [pn for pn, f in zip(names, fresh) if f]
+        total = sum(p.stat().st_size for p, _ in todo)
+        done = {"files": 0, "bytes": 0}
+        lock = threading.Lock()
+        t0 = time.monotonic()
+
+        def put(pn) -> None:
+            store.put(pn[1], pn[0], segment_size=segment_size)
+            with lock:
+                done["files"] += 1
+                done["bytes"] += pn[0].stat().st_size
+
+        def show() -> None:
+            with lock:
+                el = max(time.monotonic() - t0, 1e-6)
+                rate = done["bytes"] / el
+                log("[upload] " + _bar({"files": done["files"], "files_total": len(todo), "bytes": done["bytes"],
+                                        "bytes_total": total, "rate": rate,
+                                        "eta": (total - done["bytes"]) / rate if rate > 0 else None}))
+
+        with _every(2.0, show), ThreadPoolExecutor(max_workers=concurrency) as ex:
+            list(ex.map(put, todo))
+    kept = len(names) - len(todo)
+    log(f"uploaded {len(todo)} file(s) ({_fmt_bytes(total)}) to {url}"
+        + (f"; {kept} already there with the same size and MD5" if kept else ""))
     return len(names)
 
 
