@@ -544,6 +544,8 @@ def train_cmd(spec, cluster, as_json):
 
     \b
     Every rank's output streams back as `[rank|host] line`. The exit code is the job's.
+    Ctrl-C (with checkpoint.url): the job saves a checkpoint at its next step and stops, exit 75;
+    `appliance resume RUN` continues it. A second Ctrl-C stops it at once.
     If a rank crashes or a node dies the job is stopped (within ~30 s) and the message
     names the rank and node. The full log is kept under ~/.appliance/runs/RUN/.
     """

@@ -217,6 +217,37 @@ def test_kill9_of_rank0_while_uploading_keeps_the_previous_commit(cluster2, tb2,
 
 
 @pytest.mark.slow
+def test_ctrl_c_to_appliance_train_stops_the_job_with_a_committed_checkpoint(cluster2, tb2, swift, st_env, tmp_path):
+    """The real CLI under SIGINT, as a terminal's Ctrl-C delivers it: the job was killed and the work since its last
+    checkpoint lost. Now every rank stops after the same step with a committed checkpoint, exit 75 (resumable)."""
+    import signal
+    import subprocess
+    import sys
+
+    spec = digits_spec(tmp_path, "ckint", url="swift://ckpts/", epochs=40)
+    p = subprocess.Popen([sys.executable, "-m", "appliance.cli", "train", spec, "--cluster", cluster2.name],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    lines, sent = [], False
+    try:
+        for line in p.stdout:
+            lines.append(line.rstrip())
+            if not sent and "[checkpoint] step 20 committed" in line:
+                p.send_signal(signal.SIGINT)
+                sent = True
+        rc = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = "\n".join(lines)
+    assert sent and rc == 75, text[-3000:]
+    assert "[appliance] Ctrl-C: the job saves a checkpoint at its next step and stops" in text
+    stop = [x for x in lines if "[checkpoint] stopped after step" in x]
+    assert stop and "Ctrl-C to appliance train" in stop[0], text[-3000:]
+    step = int(stop[0].split("stopped after step ")[1].split()[0])
+    assert 20 <= step < 40 * 22 and store_for(swift, "ckint").committed()[0].step == step
+
+
+@pytest.mark.slow
 def test_store_5xx_is_retried_and_a_dead_store_is_reported_loudly(cluster2, tb2, swift, st_env, reference,
                                                                    tmp_path):
     proxy = FaultProxy(swift.s3_endpoint, bind_ip=tb2.host_ip).start()

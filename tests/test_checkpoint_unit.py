@@ -1,6 +1,7 @@
 """Checkpoint pieces that need no cluster: vendordata, retries, manifests, run records, the margin."""
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -46,28 +47,34 @@ def test_manifest_digest_covers_every_field():
     assert manifest_digest({**m, "step": 11}) != d
 
 
+def _file_job(tmp_path, name: str, store) -> tuple:
+    """A job context on this machine whose spec checkpoints to file://``store``/; and the list its lines go to."""
+    from appliance.cluster import Cluster, Node
+    from appliance.remote import LocalRemote
+    from appliance.spec import load_spec
+    from appliance.train.launch import JobContext
+    from conftest import write_spec
+
+    spec = load_spec(write_spec(tmp_path, "python x.py", code=tmp_path, name=name,
+                                extra=f"checkpoint: {{url: 'file://{store}/', every_steps: 5}}\n"))
+    node = Node("local", "127.0.0.1", None, str(tmp_path / "work"))
+    said = []
+    return JobContext(spec, Cluster(name="", cloud="testbed", nodes=[node]), LocalRemote(node), str(tmp_path / "run"),
+                      "job", None, said.append), said
+
+
 def test_a_store_that_refuses_the_checkpoints_refuses_the_job_and_one_that_is_down_does_not(tmp_path, monkeypatch):
     """A checkpoint bucket another project holds, keys the store does not take, a name it will not make: every commit
     of the job would fail, and the lease end would lose the run. The job started anyway with a warning line; now it
     is refused before it starts. A store that does not answer may come back: that job still starts."""
     from appliance.checkpoint.job import JobCheckpoints
-    from appliance.cluster import Cluster, Node
     from appliance.errors import ApplianceError
-    from appliance.remote import LocalRemote
-    from appliance.spec import load_spec
     from appliance.store.checkpoints import CheckpointStore
     from appliance.store.objects import StoreRefused
-    from appliance.train.launch import JobContext
-    from conftest import write_spec
 
     store = tmp_path / "store"
     store.mkdir()
-    spec = load_spec(write_spec(tmp_path, "python x.py", code=tmp_path, name="held",
-                                extra=f"checkpoint: {{url: 'file://{store}/', every_steps: 5}}\n"))
-    node = Node("local", "127.0.0.1", None, str(tmp_path / "work"))
-    said = []
-    ctx = JobContext(spec, Cluster(name="", cloud="testbed", nodes=[node]), LocalRemote(node), str(tmp_path / "run"),
-                     "job", None, said.append)
+    ctx, said = _file_job(tmp_path, "held", store)
 
     def refuse(self):
         raise StoreRefused("S3 bucket 'shared' belongs to someone else", "choose another bucket name in the s3:// URL")
@@ -85,6 +92,33 @@ def test_a_store_that_refuses_the_checkpoints_refuses_the_job_and_one_that_is_do
     monkeypatch.setattr("appliance.store.checkpoints.time.sleep", lambda s: None)
     assert JobCheckpoints().prepare(ctx)["APPLIANCE_CKPT_URL"] == f"file://{store}/"
     assert any("cannot reach" in m and "yet" in m for m in said), said
+
+
+def test_the_first_ctrl_c_asks_the_job_to_stop_with_a_checkpoint_and_the_second_is_the_usual_one(tmp_path):
+    """Ctrl-C killed the job: the work since its last checkpoint was lost, where SIGTERM (and the demo's docs, "as
+    from Ctrl-C") saved it and stopped with exit 75. The real CLI under SIGINT: tests/test_checkpoint.py."""
+    import os
+    import signal
+
+    from appliance.checkpoint.job import JobCheckpoints
+
+    ctx, said = _file_job(tmp_path, "intr", tmp_path / "store")
+    jc = JobCheckpoints()
+    asked = threading.Event()
+    jc.request_stop = lambda req: (said.append(req["reason"]), asked.set())
+    before = signal.getsignal(signal.SIGINT)
+    jc.prepare(ctx)
+    jc.started(ctx)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs here, in the main thread, before kill returns
+        assert asked.wait(10) and "Ctrl-C to appliance train" in said
+        assert any("Ctrl-C again stops it at once" in m for m in said if isinstance(m, str))
+        assert signal.getsignal(signal.SIGINT) is before  # a second Ctrl-C: KeyboardInterrupt, the job is killed
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        jc.close()
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_run_record_counts_lost_node_time(appliance_home):

@@ -58,7 +58,7 @@ class JobCheckpoints(JobHooks):
         self.stop_requested: dict | None = None
         self.watch = None
         self.ctx: JobContext | None = None
-        self._old_sigterm = None
+        self._old_sigterm = self._old_sigint = None
         self._lock = threading.Lock()
 
     def prepare(self, ctx: JobContext) -> dict[str, str]:
@@ -189,6 +189,24 @@ class JobCheckpoints(JobHooks):
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *a: threading.Thread(
                 target=self.request_stop, args=({"reason": "SIGTERM to appliance train"},), daemon=True).start())
+            if self.spec.checkpoint.url:
+                self._old_sigint = signal.signal(signal.SIGINT, self._on_ctrl_c)
+
+    def _on_ctrl_c(self, *_) -> None:
+        """The first Ctrl-C stops the job as SIGTERM does: a checkpoint at the next step, exit 75, resumable. It
+        killed the job, and the work since its last checkpoint was lost. A second Ctrl-C is the old one."""
+        signal.signal(signal.SIGINT, self._old_sigint)
+        self.say(f"[appliance] Ctrl-C: the job saves a checkpoint at its next step and stops (then `appliance "
+                 f"resume {self.spec.name}`); Ctrl-C again stops it at once, losing the work since its last "
+                 "checkpoint")
+        threading.Thread(target=self.request_stop, args=({"reason": "Ctrl-C to appliance train"},),
+                         daemon=True).start()
+
+    def _restore_signals(self) -> None:
+        for sig, old in ((signal.SIGTERM, self._old_sigterm), (signal.SIGINT, self._old_sigint)):
+            if old is not None:
+                signal.signal(sig, old)
+        self._old_sigterm = self._old_sigint = None
 
     def _start_lock_beat(self, ctx: JobContext) -> None:
         """The head node renews the run's lock while the job runs and releases it when the job ends, whether or not
@@ -298,8 +316,7 @@ class JobCheckpoints(JobHooks):
                              f"the run until {self.lock.ttl:.0f}s after this launcher's last heartbeat (and none on "
                              f"{self.head.node.name} while the job holds the run directory there)")
                 self.lock = None
-            if self._old_sigterm is not None:
-                signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._restore_signals()
             return
         if self.lock is not None:
             self._beat_stop.set()
@@ -309,8 +326,7 @@ class JobCheckpoints(JobHooks):
                 self.say(f"[appliance] warning: could not release the run's lock ({type(e).__name__}); it expires "
                          f"{self.lock.ttl:.0f}s after its last heartbeat")
             self.lock = None
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
+        self._restore_signals()
         if self.creds_file:
             try:
                 self.head.run(f"rm -f {shlex.quote(self.creds_file)}", timeout=15)
