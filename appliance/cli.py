@@ -393,9 +393,18 @@ def down_cmd(name, yes):
     """Delete a cluster's servers, release its floating IP, delete its lease (NAME, or its SPEC)."""
     from . import flows
 
+    import time
+
     cname = _cluster_name(name)
+    busy = "".join(f"; run {j['run']} has a job running on it (started "
+                   f"{time.strftime('%H:%M', time.gmtime(j['started'] or 0))} UTC): its work since its last "
+                   f"checkpoint would be lost (Ctrl-C in its `appliance train` saves a checkpoint and stops it)"
+                   for j in flows.jobs_running_on(cname))
     if not yes:
-        click.confirm(f"delete cluster {cname}: its servers (and their local disks) and its lease?", abort=True)
+        click.confirm(f"delete cluster {cname}: its servers (and their local disks) and its lease{busy}?",
+                      abort=True)
+    elif busy:
+        click.echo(f"warning: {busy[2:]}", err=True)
     flows.down(cname, log=click.echo)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .checkpoint.job import JobCheckpoints, refuse_if_running
 from .checkpoint.resume import choose_checkpoint, creds_for, find_spec
-from .checkpoint.runs import RunRecords, list_runs, record_resume, run_details  # noqa: F401 (CLI)
+from .checkpoint.runs import RunRecords, list_runs, record_resume, run_details, running_on  # noqa: F401 (CLI)
 from .cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
 from .data import listing, pack_dir, remove, stage_cluster, upload
 from .errors import ApplianceError, SpecError
@@ -86,6 +86,11 @@ def up(spec_path: str, *, spec: Spec | None = None, log=print, **kw) -> Cluster:
 
 def down(name: str, log=print) -> list[str]:
     return lifecycle.down(name, log=log)
+
+
+def jobs_running_on(name: str) -> list[dict]:
+    """Jobs this machine started on cluster ``name`` that have not ended (as far as it saw): `down` says so."""
+    return running_on(name)
 
 
 def status(name: str, log=print) -> dict:

@@ -2,6 +2,7 @@
 with the fix and a non-zero exit (fast tier: nothing listens where the clouds.yaml points)."""
 
 import os
+import shutil
 import socket
 import subprocess
 
@@ -95,3 +96,27 @@ def test_resume_from_a_url_that_holds_no_such_run_says_so(tmp_path):
                                              rf"file://{tmp_path}/ckpts/digit/spec.yaml is not there") as e:
         find_spec("digit", url=f"file://{tmp_path}/ckpts/")
     assert "appliance data ls" in e.value.fix
+
+
+def test_down_says_which_job_it_would_cut_short(appliance_home):
+    """`appliance down` of a cluster with a job running on it asked only about servers and disks; the job's work
+    since its last checkpoint went with them."""
+    import time
+
+    from click.testing import CliRunner
+
+    from appliance.checkpoint import runs
+    from appliance.cli import main
+
+    runs.save({"run": "busy", "status": "running", "cluster": "c1", "step": 0, "last_checkpoint": None,
+               "jobs": [{"job_id": "j1", "started": time.time(), "status": "running"}]})
+    runs.save({"run": "done", "status": "complete", "cluster": "c1", "step": 9, "last_checkpoint": None,
+               "jobs": [{"job_id": "j0", "started": time.time(), "status": "complete"}]})
+    try:
+        r = CliRunner().invoke(main, ["down", "c1"], input="n\n")
+    finally:
+        for run in ("busy", "done"):
+            shutil.rmtree(runs.record_dir(run))
+    assert r.exit_code == 1  # aborted: nothing deleted
+    assert "run busy has a job running on it" in r.output and "Ctrl-C in its `appliance train`" in r.output
+    assert "run done" not in r.output

@@ -130,6 +130,18 @@ def run_details(run: str) -> dict | None:
                                "ended", "exit_code", "failure", "resume_breakdown")} for j in rec.get("jobs", [])]}
 
 
+def running_on(cluster: str) -> list[dict]:
+    """The runs whose newest job this machine started on ``cluster`` and saw no end of: [{run, job_id, started}]."""
+    d = paths.home() / "runs"
+    out = []
+    for p in sorted(d.glob("*/run.json")) if d.exists() else []:
+        rec = load(p.parent.name)
+        if rec and rec.get("status") == "running" and rec.get("cluster") == cluster and rec.get("jobs"):
+            job = rec["jobs"][-1]
+            out.append({"run": rec["run"], "job_id": job.get("job_id"), "started": job.get("started")})
+    return out
+
+
 def list_runs() -> list[dict]:
     d = paths.home() / "runs"
     out = []
