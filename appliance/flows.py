@@ -18,7 +18,7 @@ from .checkpoint.job import JobCheckpoints, refuse_if_running
 from .checkpoint.resume import choose_checkpoint, creds_for, find_spec
 from .checkpoint.runs import RunRecords, list_runs, record_resume, run_details, running_on  # noqa: F401 (CLI)
 from .cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
-from .data import listing, pack_dir, remove, stage_cluster, upload
+from .data import listing, pack_dir, remove, stage_cluster, unstaged, upload
 from .errors import ApplianceError, SpecError
 from .node import doctor as node_doctor
 from .node.watchdog import node_watch  # noqa: F401 (re-exported for the CLI)
@@ -172,7 +172,13 @@ def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[s
                log=print) -> JobResult:
     """`appliance train SPEC`: validate the spec, find its cluster, run the job."""
     spec = load_spec(spec_path)
-    return run_job(spec, resolve_cluster(spec, cluster_name, log=log), out=out)
+    cluster = resolve_cluster(spec, cluster_name, log=log)
+    if spec.dataset is not None:  # one line before the job, not the script's own traceback on every rank
+        missing = unstaged(cluster, spec.dataset.dest)
+        if missing:
+            raise ApplianceError(f"dataset.dest {spec.dataset.dest} is empty or missing on {', '.join(missing)}: the "
+                                 "job would find no data", f"stage it first: `appliance stage {spec.path}`")
+    return run_job(spec, cluster, out=out)
 
 
 def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: bool = False,

@@ -120,3 +120,23 @@ def test_down_says_which_job_it_would_cut_short(appliance_home):
     assert r.exit_code == 1  # aborted: nothing deleted
     assert "run busy has a job running on it" in r.output and "Ctrl-C in its `appliance train`" in r.output
     assert "run done" not in r.output
+
+
+def test_train_says_a_dataset_that_is_not_staged_before_the_job_starts(tmp_path, appliance_home, monkeypatch):
+    """`appliance train` with a dataset that `appliance stage` never put on a node started the job, and each rank's
+    script failed on its own (a traceback per rank, after Horovod's start)."""
+    from appliance import flows
+    from appliance.cluster import Cluster, Node
+    from appliance.errors import ApplianceError
+    from conftest import write_spec
+
+    nodes = [Node(f"n{i}", "127.0.0.1", None, str(tmp_path / f"n{i}")) for i in (1, 2)]
+    (tmp_path / "n1" / "data" / "digits").mkdir(parents=True)
+    (tmp_path / "n1" / "data" / "digits" / "x.npz").write_bytes(b"x")
+    Cluster(name="stg", cloud="testbed", nodes=nodes).save()
+    spec = write_spec(tmp_path, "python x.py", code=tmp_path, name="stg",
+                      extra="dataset: {source: 'swift://digits-data/v1/', dest: data/digits}\n")
+    monkeypatch.setattr(flows, "run_job", lambda *a, **kw: pytest.fail("the job started"))
+    with pytest.raises(ApplianceError, match=r"dataset.dest data/digits is empty or missing on n2: the job would "
+                                             r"find no data \(fix: stage it first: `appliance stage "):
+        flows.train_spec(spec, "stg", log=lambda m: None)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.data import stage_cluster, upload
+from appliance.data import stage_cluster, unstaged, upload
 from appliance.node.stage import MANIFEST, safe_relpath, stage
 from appliance.store.objects import S3Store, Store, StoreCreds, SwiftStore
 from appliance.errors import ApplianceError
@@ -343,6 +343,9 @@ def test_sharded_staging_across_two_nodes(cluster2, creds, tb2):
     res = stage_cluster(cluster2, "swift://shards/s/", "data", mode="shard", creds=creds, keep_names=True,
                         out=lines.append)
     names = [set(res[n.name]["names"]) for n in cluster2.nodes]
+    # what `appliance train` asks before a job with a dataset starts (over SSH, on every node)
+    assert unstaged(cluster2, "data") == [] and unstaged(cluster2, "never-staged") == sorted(n.name for n in
+                                                                                           cluster2.nodes)
     assert names[0].isdisjoint(names[1])  # no overlap
     assert names[0] | names[1] == set(expect)  # union = the dataset
     for node, mine in zip(tb2.nodes, names):

@@ -116,6 +116,16 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
     return results
 
 
+def unstaged(cluster: Cluster, dest: str) -> list[str]:
+    """The nodes whose ``dest`` (under their work directory) is missing or empty: a job there would find no data."""
+    def empty(r) -> bool:
+        path = shlex.quote(f"{r.node.workdir}/{dest}")
+        return not r.run(f"ls -A {path} 2>/dev/null | head -1", timeout=30).out.strip()
+
+    with Session(cluster) as s:
+        return sorted(name for name, e in s.each(empty).items() if e)
+
+
 @contextmanager
 def _every(seconds: float, fn: Callable[[], None]):
     """Call ``fn`` every ``seconds`` on a thread while the block runs (progress lines)."""
