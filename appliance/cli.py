@@ -582,7 +582,9 @@ def logs_cmd(run, cluster, lines, follow):
       appliance logs RUN -f          # the last 50 lines, then follow to the job's end
       appliance logs RUN -n 0        # the whole output so far
     Lines are shown as `appliance train` shows them ([rank|host] text); the
-    last line says whether the job still runs, or its exit code.
+    last line says whether the job still runs, or its exit code. When the head
+    node is gone (the lease ended, `appliance down`), this machine's copy of what
+    `appliance train` showed is shown instead, and says so.
     """
     from . import flows
 

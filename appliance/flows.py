@@ -20,6 +20,7 @@ from .checkpoint.runs import RunRecords, list_runs, record_resume, run_details, 
 from .cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
 from .data import listing, pack_dir, remove, stage_cluster, unstaged, upload
 from .errors import ApplianceError, SpecError
+from . import paths
 from .node import doctor as node_doctor
 from .node.watchdog import node_watch  # noqa: F401 (re-exported for the CLI)
 from .provision import heat, lifecycle
@@ -188,10 +189,26 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
     from .checkpoint import runs
 
     name = cluster_name or (runs.load(run) or {}).get("cluster") or (run if find_cluster(run) else None)
-    if name is None:
+    copies = sorted((paths.home() / "runs" / run).glob(f"{run}-*.log"), key=lambda p: p.stat().st_mtime)
+    if name is None and not copies:
         raise ApplianceError(f"no record of run {run!r} on this machine and no cluster named {run!r}",
                              "name the cluster: `appliance logs RUN --cluster NAME` (`appliance status` lists them)")
-    return job_log(load_cluster(name), run, lines=lines, follow=follow, out=out)
+    try:
+        if name is None:
+            raise ApplianceError(f"no cluster of run {run!r} on this machine")
+        return job_log(load_cluster(name), run, lines=lines, follow=follow, out=out)
+    except ApplianceError as e:
+        if cluster_name is not None or not copies:
+            raise
+        # the head node is gone (the lease ended, `appliance down`) or does not answer: what the launcher showed
+        # is kept on this machine, line for line
+        copy = copies[-1]
+        text = copy.read_text(errors="replace").splitlines()
+        out(f"[appliance] not from the head node ({e.message}): this machine's copy of what `appliance train` "
+            f"showed, {copy}")
+        for line in text[-lines:] if lines > 0 else text:
+            out(line)
+        return copy.stem
 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,

@@ -140,3 +140,23 @@ def test_train_says_a_dataset_that_is_not_staged_before_the_job_starts(tmp_path,
     with pytest.raises(ApplianceError, match=r"dataset.dest data/digits is empty or missing on n2: the job would "
                                              r"find no data \(fix: stage it first: `appliance stage "):
         flows.train_spec(spec, "stg", log=lambda m: None)
+
+
+def test_logs_of_a_run_whose_nodes_are_gone_show_this_machines_copy(appliance_home):
+    """After the lease end (or `appliance down`) the head node, and the job's output on it, are gone:
+    `appliance logs RUN` said `no cluster named ...`, though `appliance train` keeps what it showed on this
+    machine (~/.appliance/runs/RUN/JOB.log)."""
+    from appliance import flows, paths
+    from appliance.checkpoint import runs
+
+    runs.save({"run": "gonelog", "status": "stopped", "cluster": "gonelog", "step": 40, "last_checkpoint": None,
+               "jobs": []})
+    d = paths.home() / "runs" / "gonelog"
+    (d / "gonelog-20261125T050000-1.log").write_text("[0|n1] epoch 1\n[0|n1] epoch 2\n[appliance] job ended\n")
+    said = []
+    try:
+        assert flows.logs("gonelog", lines=2, out=said.append) == "gonelog-20261125T050000-1"
+    finally:
+        shutil.rmtree(d)
+    assert said[0].startswith("[appliance] not from the head node (no cluster named 'gonelog'): this machine's copy")
+    assert said[1:] == ["[0|n1] epoch 2", "[appliance] job ended"]
