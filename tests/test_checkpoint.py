@@ -225,6 +225,7 @@ def test_ctrl_c_to_appliance_train_stops_the_job_with_a_committed_checkpoint(clu
     import sys
 
     spec = digits_spec(tmp_path, "ckint", url="swift://ckpts/", epochs=40)
+    cluster2.save()  # the CLI finds it by name
     p = subprocess.Popen([sys.executable, "-m", "appliance.cli", "train", spec, "--cluster", cluster2.name],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     lines, sent = [], False

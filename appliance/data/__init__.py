@@ -4,6 +4,7 @@ appliance.store; credentials come from the caller (flows asks the site)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import threading
@@ -144,12 +145,21 @@ def _every(seconds: float, fn: Callable[[], None]):
         t.join(timeout=2)
 
 
+S3_MIN_PART = 5 * 1024**2  # boto3 sends no multipart part under 5 MiB (s3transfer's ChunksizeAdjuster)
+
+
 def _already_there(store, listed: dict, path: Path, name: str, segment_size: int) -> bool:
     """The store holds ``name`` with this file's size and content: its ETag is the file's MD5, or the SLO or
-    multipart ETag of the file in parts of ``segment_size`` (what `data upload` makes of a larger file)."""
+    multipart ETag of the file as `data upload` sends it: Swift segments of ``segment_size``; S3 parts of
+    ``segment_size`` but at least 5 MiB, for a file over ``segment_size`` (so possibly one part: "MD5-1")."""
     o = listed.get(name)
-    if o is None or o.size != path.stat().st_size:
+    size = path.stat().st_size
+    if o is None or o.size != size:
         return False
+    if store.scheme == "s3" and size > segment_size:
+        e = large_object_etags(path, max(segment_size, S3_MIN_PART))
+        want = e.get("s3") or hashlib.md5(bytes.fromhex(e["md5"])).hexdigest() + "-1"
+        return o.etag == want
     return o.etag in {v for k, v in large_object_etags(path, segment_size).items() if k != "parts"}
 
 

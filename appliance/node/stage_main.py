@@ -11,7 +11,7 @@ import sys
 
 from ..errors import ApplianceError
 from ..protocol import Line, emit
-from ..store.objects import StoreCreds, open_store, swift_fallback, unreachable
+from ..store.objects import StoreCreds, StoreRefused, open_store, swift_fallback, unreachable
 from .stage import stage
 
 
@@ -30,10 +30,11 @@ def main() -> int:
             res = stage(store, prefix, job["dest"], mode=job["mode"], rank=job["rank"], nodes=job["nodes"],
                         concurrency=job.get("concurrency", 16), progress=progress,
                         keep_names=job.get("keep_names", False), keep_extra=job.get("keep_extra", False))
-        except ApplianceError:
-            raise
         except Exception as e:
-            fb = swift_fallback(job["url"], creds) if creds else None
+            # S3 that fails (a refusal of its keys included) falls back to Swift, where the same data is; our own
+            # refusals (names, disk space) do not
+            ours = isinstance(e, ApplianceError) and not isinstance(e, StoreRefused)
+            fb = swift_fallback(job["url"], creds) if creds and not ours else None
             if fb is None:
                 raise
             emit(Line.NOTE, f"S3 failed ({type(e).__name__}: {e}); falling back to Swift")
