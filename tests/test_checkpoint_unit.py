@@ -121,6 +121,39 @@ def test_the_first_ctrl_c_asks_the_job_to_stop_with_a_checkpoint_and_the_second_
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_ctrl_c_while_the_launcher_holds_its_output_lock_does_not_hang_it(tmp_path):
+    """The handler runs in the main thread wherever it was: inside the launcher's output lock, a line said from the
+    handler waited for that lock forever (`make test` hung 600 s in the real CLI)."""
+    import os
+    import signal
+
+    from appliance.checkpoint.job import JobCheckpoints
+
+    ctx, said = _file_job(tmp_path, "intr2", tmp_path / "store")
+    out_lock, stuck = threading.Lock(), []
+
+    def say(m):  # the launcher's say: one lock around every line (not re-entrant)
+        if not out_lock.acquire(timeout=3):
+            stuck.append(m)
+            return
+        said.append(m)
+        out_lock.release()
+
+    ctx.say = say
+    jc = JobCheckpoints()
+    asked = threading.Event()
+    jc.request_stop = lambda req: asked.set()
+    jc.prepare(ctx)
+    jc.started(ctx)
+    try:
+        with out_lock:  # the main thread is writing a line when Ctrl-C comes
+            os.kill(os.getpid(), signal.SIGINT)
+        assert asked.wait(10)
+    finally:
+        jc.close()
+    assert not stuck and any("Ctrl-C" in m for m in said)
+
+
 def test_run_record_counts_lost_node_time(appliance_home):
     class Spec:
         name, path, digest = "rec", "", ""

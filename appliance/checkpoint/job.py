@@ -196,11 +196,15 @@ class JobCheckpoints(JobHooks):
         """The first Ctrl-C stops the job as SIGTERM does: a checkpoint at the next step, exit 75, resumable. It
         killed the job, and the work since its last checkpoint was lost. A second Ctrl-C is the old one."""
         signal.signal(signal.SIGINT, self._old_sigint)
+        # nothing else here: the handler runs in the main thread wherever it was, possibly inside the launcher's
+        # output lock (say), which a say from here would wait on forever (make test hung so, 600 s)
+        threading.Thread(target=self._stop_for_ctrl_c, daemon=True).start()
+
+    def _stop_for_ctrl_c(self) -> None:
         self.say(f"[appliance] Ctrl-C: the job saves a checkpoint at its next step and stops (then `appliance "
                  f"resume {self.spec.name}`); Ctrl-C again stops it at once, losing the work since its last "
                  "checkpoint")
-        threading.Thread(target=self.request_stop, args=({"reason": "Ctrl-C to appliance train"},),
-                         daemon=True).start()
+        self.request_stop({"reason": "Ctrl-C to appliance train"})
 
     def _restore_signals(self) -> None:
         for sig, old in ((signal.SIGTERM, self._old_sigterm), (signal.SIGINT, self._old_sigint)):
