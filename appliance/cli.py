@@ -399,7 +399,7 @@ def down_cmd(name, yes):
     busy = "".join(f"; run {j['run']} has a job running on it (started "
                    f"{time.strftime('%H:%M', time.gmtime(j['started'] or 0))} UTC): its work since its last "
                    f"checkpoint would be lost (Ctrl-C in its `appliance train` saves a checkpoint and stops it)"
-                   for j in flows.jobs_running_on(cname))
+                   for j in flows.running_on(cname))
     if not yes:
         click.confirm(f"delete cluster {cname}: its servers (and their local disks) and its lease{busy}?",
                       abort=True)

@@ -89,11 +89,6 @@ def down(name: str, log=print) -> list[str]:
     return lifecycle.down(name, log=log)
 
 
-def jobs_running_on(name: str) -> list[dict]:
-    """Jobs this machine started on cluster ``name`` that have not ended (as far as it saw): `down` says so."""
-    return running_on(name)
-
-
 def status(name: str, log=print) -> dict:
     return lifecycle.status(name, log=log)
 
@@ -193,22 +188,22 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
     if name is None and not copies:
         raise ApplianceError(f"no record of run {run!r} on this machine and no cluster named {run!r}",
                              "name the cluster: `appliance logs RUN --cluster NAME` (`appliance status` lists them)")
-    try:
-        if name is None:
-            raise ApplianceError(f"no cluster of run {run!r} on this machine")
-        return job_log(load_cluster(name), run, lines=lines, follow=follow, out=out)
-    except ApplianceError as e:
-        if cluster_name is not None or not copies:
-            raise
-        # the head node is gone (the lease ended, `appliance down`) or does not answer: what the launcher showed
-        # is kept on this machine, line for line
-        copy = copies[-1]
-        text = copy.read_text(errors="replace").splitlines()
-        out(f"[appliance] not from the head node ({e.message}): this machine's copy of what `appliance train` "
-            f"showed, {copy}")
-        for line in text[-lines:] if lines > 0 else text:
-            out(line)
-        return copy.stem
+    why = f"no cluster of run {run!r} on this machine"
+    if name is not None:
+        try:
+            return job_log(load_cluster(name), run, lines=lines, follow=follow, out=out)
+        except ApplianceError as e:
+            if cluster_name is not None or not copies:
+                raise
+            why = e.message
+    # the head node is gone (the lease ended, `appliance down`) or does not answer: what the launcher showed is
+    # kept on this machine, line for line
+    copy = copies[-1]
+    text = copy.read_text(errors="replace").splitlines()
+    out(f"[appliance] not from the head node ({why}): this machine's copy of what `appliance train` showed, {copy}")
+    for line in text[-lines:] if lines > 0 else text:
+        out(line)
+    return copy.stem
 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,

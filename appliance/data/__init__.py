@@ -241,8 +241,7 @@ def listing(url: str, *, creds: StoreCreds | None, log=print) -> list[dict]:
         try:
             return [o.__dict__ for o in store.list(prefix)]
         except FileNotFoundError:
-            what = "bucket" if store.scheme == "s3" else "container"
-            raise ApplianceError(f"{url}: there is no {what} {store.where!r} at this site",
+            raise ApplianceError(f"{url}: there is no {store.holder} {store.where!r} at this site",
                                  "check the name; `appliance data upload DIR URL` makes it") from None
 
 

@@ -195,10 +195,6 @@ def _named(store: Store, prefix: str) -> tuple[list[ObjectInfo], str]:
     return [o for o in objs if o.name != prefix], prefix
 
 
-def _holder(store: Store) -> str:
-    return {"swift": "container", "s3": "bucket"}.get(store.scheme, "directory")
-
-
 def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", rank: int = 0, nodes: int = 1,
           concurrency: int = 16, retries: int = 4, progress: Callable[[dict], None] | None = None,
           keep_names: bool = False, keep_extra: bool = False) -> StageResult:
@@ -209,7 +205,7 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
     try:
         listing, prefix = _named(store, prefix)
     except FileNotFoundError:
-        raise ApplianceError(f"{store.url(asked)}: there is no {_holder(store)} {store.where!r}; nothing was staged",
+        raise ApplianceError(f"{store.url(asked)}: there is no {store.holder} {store.where!r}; nothing was staged",
                              "check the dataset URL; `appliance data upload DIR URL` makes it") from None
     if not listing:
         # a URL with a typo lists nothing: said, rather than staged as an empty dataset, and the node's earlier

@@ -212,6 +212,11 @@ class Store:
         return None if say is None else (lambda m: say(f"object store{f' at {self.endpoint}' if self.endpoint else ''}"
                                                        f" did not answer ({m})"))
 
+    @property
+    def holder(self) -> str:
+        """What holds this store's objects, in its own words (for messages)."""
+        return {"swift": "container", "s3": "bucket"}.get(self.scheme, "directory")
+
     def url(self, prefix: str = "") -> str:
         """The URL of ``prefix`` in this store, as a user writes it (for messages)."""
         return f"{self.scheme}://{self.where}/{prefix}"
