@@ -217,10 +217,15 @@ class DictStore(Store):
 
     scheme = "mem"
 
-    def __init__(self, objects: dict[str, bytes]):
+    def __init__(self, objects: dict[str, bytes], *, etags: dict[str, str] | None = None,
+                 parts: dict[str, list[int]] | None = None):
         import hashlib
 
         self.objects = dict(objects)
+        self.etags = dict(etags or {})  # name -> the ETag listed (a multipart upload's), else the MD5
+        self.parts = dict(parts or {})  # name -> part sizes, for a store that answers S3's partNumber
+        self.damage: dict[str, int] = {}  # name -> how many of its next GETs of byte 0 arrive with it flipped
+        self.gets: list[tuple[str, int | None, int | None]] = []
         self.slow: dict[str, threading.Event] = {}
         self.got: dict[str, threading.Event] = defaultdict(threading.Event)  # set when a GET has returned
         self._md5 = hashlib.md5
@@ -230,10 +235,18 @@ class DictStore(Store):
 
         for name in sorted(self.objects):
             if name.startswith(prefix):
-                yield ObjectInfo(name, len(self.objects[name]), self._md5(self.objects[name]).hexdigest())
+                etag = self.etags.get(name) or self._md5(self.objects[name]).hexdigest()
+                yield ObjectInfo(name, len(self.objects[name]), etag)
+
+    def part_sizes(self, name, n, *, every=False):
+        return self.parts.get(name)
 
     def get(self, name, write, *, start=None, end=None) -> dict:
+        self.gets.append((name, start, end))
         data = self.objects[name][start or 0: None if end is None else end + 1]
+        if not start and self.damage.get(name):
+            self.damage[name] -= 1
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
         half = len(data) // 2
         write(data[:half])
         if name in self.slow:

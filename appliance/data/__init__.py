@@ -110,9 +110,10 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
             + f" -> {r['dest']}")
         if r.get("size_only"):
             shown = ", ".join(repr(n) for n in r["size_only"][:3]) + (" ..." if len(r["size_only"]) > 3 else "")
-            say(f"[stage] warning: {name}: {len(r['size_only'])} large object(s) checked by size only: {shown} "
-                "(the store gives no SLO manifest, as Ceph RGW does not, and their segments are not in "
-                "CONTAINER_segments/NAME/); upload them with `appliance data upload` to have them verified")
+            say(f"[stage] warning: {name}: {len(r['size_only'])} object(s) uploaded in parts checked by size only: "
+                f"{shown} (the store shows neither an SLO's segments, which Ceph RGW keeps out of sight unless "
+                "they are in CONTAINER_segments/NAME/, nor the sizes of an S3 upload's parts, and no upload "
+                "tool's rule gives them); upload them with `appliance data upload` to have them verified")
     say(f"[stage] done in {wall:.1f}s on {len(results)} node(s)")
     return results
 

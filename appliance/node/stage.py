@@ -7,8 +7,9 @@
 3. skip what the manifest (``dest/.appliance-manifest.json``: name -> size, ETag) says is already
    here and unchanged; check free space for the rest *before* starting (fail with the numbers);
 4. download in parallel: one GET per small object, parallel ranged GETs for large ones; an SLO is
-   fetched segment by segment and each segment checked against its MD5; everything else is checked
-   against its ETag (MD5). A file appears under its name only once verified (downloaded into
+   fetched segment by segment and each segment checked against its MD5; an S3 multipart object part by part,
+   the parts' MD5s checked against its ETag (store/parts.py); everything else is checked against its ETag
+   (MD5). A file appears under its name only once verified (downloaded into
    ``.appliance-staging/`` in the destination, then renamed);
 5. retry with backoff; record each verified file in the manifest, so a killed run resumes.
 """
@@ -29,6 +30,7 @@ from pathlib import Path, PurePosixPath
 
 from ..errors import ApplianceError
 from ..store.objects import ObjectInfo, Store, md5_range, slo_etag
+from ..store.parts import guesses, layout, multipart_etag, part_count
 
 MANIFEST = ".appliance-manifest.json"
 JOURNAL = ".appliance-manifest.journal"  # one line per verified file, so a killed run loses nothing
@@ -36,11 +38,17 @@ STAGING = ".appliance-staging"  # downloads in progress, on the same file system
 RESERVED = {MANIFEST, JOURNAL, STAGING, f".{MANIFEST}.tmp"}
 LARGE = 64 * 1024**2  # objects above this are fetched as parallel ranged GETs
 RANGE = 16 * 1024**2
+MAX_RANGE = 2 * RANGE  # a part or segment up to this size is one GET, hashed as it arrives
 DISK_MARGIN = 256 * 1024**2  # leave this much free
 
 
 class Corrupt(Exception):
     pass
+
+
+class Recheck(Exception):
+    """No rule gave a multipart object's part sizes: fetch it again, to tell a damaged transfer (the two differ)
+    from bytes the store holds but cannot be checked against its ETag (the two agree)."""
 
 
 @dataclass
@@ -268,22 +276,35 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
 
     big_pool = ThreadPoolExecutor(max_workers=concurrency)  # ranged parts of large objects
 
+    seen: dict[str, bytes] = {}  # multipart objects no part-size rule verified: their parts' MD5s, per fetch
+
     def fetch(o: ObjectInfo) -> None:
         target = dest / paths[o.name]
         target.parent.mkdir(parents=True, exist_ok=True)
         # in the staging directory, under a name no object can have: `x` never writes over object `x.part`
         part = staging / (hashlib.sha256(o.name.encode()).hexdigest() + ".part")
-        for attempt in range(retries + 1):
+        rechecked = False
+        attempt = -1
+        while attempt < retries:
+            attempt += 1
             try:
-                if not _fetch_one(store, o, part, big_pool, prog):
+                verified = _fetch_one(store, o, part, big_pool, prog, seen)
+                if not verified:
                     with mlock:
                         res.size_only.append(o.name)
+                elif rechecked:  # the first fetch did not verify and the second did: the first was damaged
+                    res.corrupt_refetched += 1
                 part.replace(target)
                 record(o)
                 prog.add(files=1)
                 res.files_fetched += 1
                 res.bytes_fetched += o.size
                 return
+            except Recheck:
+                part.unlink(missing_ok=True)
+                rechecked = True
+                attempt -= 1  # not a failure: the second fetch decides
+                continue
             except Corrupt:
                 res.corrupt_refetched += 1
                 err = "checksum mismatch"
@@ -296,9 +317,10 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
             res.retries += 1
             part.unlink(missing_ok=True)
             if attempt == retries:
-                raise ApplianceError(f"could not fetch {o.name!r} after {retries + 1} tries ({err})",
-                                     "check the object store; re-running stage resumes where it stopped")
+                break
             time.sleep(min(8.0, 0.2 * 2 ** attempt) * (0.5 + random.random()))  # backoff before a retry
+        raise ApplianceError(f"could not fetch {o.name!r} after {retries + 1} tries ({err})",
+                             "check the object store; re-running stage resumes where it stopped")
 
     try:
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -321,22 +343,25 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
     return res
 
 
-def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress) -> bool:
+def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
+               seen: dict[str, bytes] | None = None) -> bool:
     """Fetch ``o`` into ``part`` and verify it; raise Corrupt when it does not verify. Returns False when its
     content could be checked only by size: an SLO whose segments the store does not show (Ceph RGW gives no
-    manifest, and its segments are not where uploads put them)."""
+    manifest, and its segments are not where uploads put them), or an S3 multipart object whose part sizes neither
+    the store nor any known upload tool's rule gives."""
     etag = o.etag.strip('"')
+    n_parts = part_count(etag)
+    if n_parts is not None:
+        return _fetch_multipart(store, o, part, pool, prog, etag, n_parts, seen)
     if o.size >= LARGE:
         segments = store.slo_segments(o.name) if store.scheme == "swift" else None
         if segments:  # one ranged GET per segment, each checked against the segment's MD5
-            _fetch_ranges(store, o, part, pool, prog, [(s["bytes"], s["hash"]) for s in segments])
-            if slo_etag(segments) != etag:
+            hashes = _fetch_ranges(store, o, part, pool, prog, [s["bytes"] for s in segments])
+            if [h.hexdigest() for h in hashes] != [s["hash"] for s in segments] or slo_etag(segments) != etag:
                 raise Corrupt(o.name)
             return True
-        whole = segments is None and "-" not in etag  # "-": an S3 multipart ETag, not the MD5 of the bytes
-        digest = _fetch_ranges(store, o, part, pool, prog, [(min(RANGE, o.size - off), None)
-                                                            for off in range(0, o.size, RANGE)], whole_md5=whole)
-        if whole and digest != etag:
+        hashes = _fetch_ranges(store, o, part, pool, prog, [o.size], hashed=segments is None)
+        if segments is None and hashes[0].hexdigest() != etag:
             raise Corrupt(o.name)
         return segments is None
     h = hashlib.md5()
@@ -364,9 +389,53 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
                 off += seg["bytes"]
         if slo_etag(segments) != etag or off != o.size:
             raise Corrupt(o.name)
-    elif "-" not in etag and h.hexdigest() != etag:
+    elif h.hexdigest() != etag:
         raise Corrupt(o.name)
     return True
+
+
+def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress, etag: str,
+                     n: int, seen: dict[str, bytes] | None) -> bool:
+    """An S3 multipart object (ETag ``<md5>-N``): fetched part by part, each part hashed as it arrives, the parts'
+    MD5s checked against the ETag (store/parts.py). The part sizes: the store's (``partNumber``), else the first
+    of the upload tools' rules; when that does not give the ETag, the file is hashed again (page cache) for the
+    other rules. None gives it: with the store's own part sizes the bytes are wrong (Corrupt, fetched again);
+    without them, it is fetched a second time (Recheck): parts that hash differently mean a damaged transfer
+    (Corrupt), the same hashes twice mean the store's bytes in a layout no rule knows, checked by size only
+    (False; the summary names it). Before, such an object was checked by size only and counted as verified."""
+    told = store.part_sizes(o.name, n)
+    layouts = ([told] if told else []) + [layout(o.size, p) for p in guesses(o.size, n)]
+    layouts = [x for i, x in enumerate(layouts) if sum(x) == o.size and x not in layouts[:i]]
+    if not layouts:  # no rule gives N parts of this size: nothing to check the bytes against
+        _fetch_ranges(store, o, part, pool, prog, [o.size], hashed=False)
+        return False
+    hashes = _fetch_ranges(store, o, part, pool, prog, layouts[0])
+    if multipart_etag(h.digest() for h in hashes) == etag:
+        return True
+    if told is not None:  # the store answers partNumber: ask it for every part, should they differ in size
+        every = store.part_sizes(o.name, n, every=True)
+        if every and every not in layouts:
+            layouts.append(every)
+    fd = os.open(part, os.O_RDONLY)
+    try:
+        for sizes in layouts[1:]:
+            digests, off = [], 0
+            for size in sizes:
+                digests.append(md5_range(fd, off, size).digest())
+                off += size
+            if multipart_etag(digests) == etag:
+                return True
+    finally:
+        os.close(fd)
+    if told is not None:
+        raise Corrupt(o.name)
+    if seen is None:
+        return False
+    mine = b"".join(h.digest() for h in hashes)
+    before, seen[o.name] = seen.get(o.name), mine
+    if before == mine:
+        return False
+    raise Recheck(o.name) if before is None else Corrupt(o.name)
 
 
 class _InOrderMD5:
@@ -401,41 +470,50 @@ class _InOrderMD5:
             with self.lock:
                 self.next += 1
 
-    def hexdigest(self) -> str:
+    def md5(self):
         if self.next != len(self.offsets):
             raise Corrupt("not every range was hashed")
-        return self.h.hexdigest()
+        return self.h
 
 
-def _fetch_ranges(store, o, part, pool, prog, pieces: list[tuple[int, str | None]], *,
-                  whole_md5: bool = False) -> str | None:
-    """Fetch consecutive byte ranges in parallel into ``part``; check each against its MD5 when given. With
-    ``whole_md5``, return the MD5 of the whole file, hashed in order as the ranges complete."""
-    offsets = []
-    off = 0
-    for size, md5 in pieces:
-        offsets.append((off, size, md5))
-        off += size
+def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hashed: bool = True) -> list:
+    """Fetch ``o`` into ``part`` as parallel ranged GETs and return the MD5 (a hashlib object) of each group:
+    consecutive byte counts that add up to the object (SLO segments, multipart parts, or the whole object). A
+    group of at most MAX_RANGE bytes is one GET, hashed as it arrives; a larger one is RANGE-sized GETs, hashed in
+    order as they complete (_InOrderMD5). ``hashed=False``: fetched only."""
+    ranges = []  # (offset, size, the group's MD5 when hashed as it arrives, (in-order MD5, index) otherwise)
+    whole = []
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, o.size)
-        whole = _InOrderMD5(fd, [(a, b) for a, b, _ in offsets]) if whole_md5 else None
+        off = 0
+        for size in groups:
+            if size <= MAX_RANGE or not hashed:
+                pieces = [(off, size)] if size <= MAX_RANGE else [(a, min(RANGE, off + size - a))
+                                                                  for a in range(off, off + size, RANGE)]
+                h = hashlib.md5() if hashed else None
+                ranges.extend((a, k, h, None) for a, k in pieces if k > 0)
+                whole.append(h)
+            else:
+                pieces = [(a, min(RANGE, off + size - a)) for a in range(off, off + size, RANGE)]
+                inorder = _InOrderMD5(fd, pieces)
+                ranges.extend((a, k, None, (inorder, j)) for j, (a, k) in enumerate(pieces))
+                whole.append(inorder)
+            off += size
 
-        def one(i, off, size, md5):
-            h = hashlib.md5() if md5 else None
-
+        def one(off, size, h, inorder):
             def sink(view: memoryview) -> None:
                 if h is not None:
                     h.update(view)
                 prog.add(len(view))
 
             n, _ = store.fetch(o.name, fd, off, sink, start=off, end=off + size - 1)
-            if n != size or (md5 and h.hexdigest() != md5):
+            if n != size:
                 raise Corrupt(o.name)
-            if whole is not None:
-                whole.completed(i)
+            if inorder is not None:
+                inorder[0].completed(inorder[1])
 
-        futs = [pool.submit(one, i, *x) for i, x in enumerate(offsets)]
+        futs = [pool.submit(one, *r) for r in ranges]
         try:
             for f in futs:
                 f.result()
@@ -443,6 +521,6 @@ def _fetch_ranges(store, o, part, pool, prog, pieces: list[tuple[int, str | None
             for f in futs:  # the fd stays open until no range writes to it any more
                 f.cancel()
             wait(futs)
-        return whole.hexdigest() if whole is not None else None
+        return [w.md5() if isinstance(w, _InOrderMD5) else w for w in whole]
     finally:
         os.close(fd)

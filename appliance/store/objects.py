@@ -253,6 +253,12 @@ class Store:
         """For an SLO: [{bytes, hash}] in order; None for a plain object."""
         return None
 
+    def part_sizes(self, name: str, n: int, *, every: bool = False) -> list[int] | None:
+        """The sizes of a multipart object's ``n`` parts as the store says them (S3 ``partNumber``): from the first
+        part's size (every part but the last is that size, as every upload tool makes them), or with ``every``
+        from each part's own answer. None when the store does not say (appliance/store/parts.py)."""
+        return None
+
     def put(self, name: str, path: Path, *, segment_size: int = MAX_OBJECT, md5s: dict | None = None) -> str:
         """Upload a file (in parts of ``segment_size`` above it). ``md5s``: the file's MD5s as
         ``large_object_etags(path, segment_size)`` computed them; the store's ETags are checked against those,
@@ -538,6 +544,7 @@ class S3Store(Store):
         self.creds = creds
         self._client = None
         self._presigner = None
+        self._no_part_numbers = False  # the store ignores ?partNumber (part_sizes)
         self._lock = threading.Lock()
 
     @property
@@ -616,6 +623,31 @@ class S3Store(Store):
             if e.http_status in (401, 403):
                 raise self._refused(str(e.http_status)) from None
             raise
+
+    def part_sizes(self, name, n, *, every=False):
+        """HEAD ?partNumber=K: AWS, OpenStack Swift's s3api (swift/common/middleware/s3api/controllers/obj.py) and
+        Ceph RGW from Reef on answer with that part's length, its Content-Range and x-amz-mp-parts-count. Ceph RGW
+        16 (Pacific) answers with the whole object and no count: then None, and this store is not asked again."""
+        from botocore.exceptions import ClientError
+
+        from .parts import layout
+
+        if self._no_part_numbers:
+            return None
+        sizes = []
+        for k in range(1, (n if every else 1) + 1):
+            try:
+                h = self.client().head_object(Bucket=self.bucket, Key=name, PartNumber=k)
+            except ClientError:
+                return None
+            if h.get("PartsCount") != n:
+                self._no_part_numbers = h.get("PartsCount") is None
+                return None
+            sizes.append(int(h["ContentLength"]))
+        if every:
+            return sizes
+        total = str(h.get("ContentRange", "")).rpartition("/")[2]
+        return layout(int(total), sizes[0]) if total.isdigit() and sizes[0] > 0 else None
 
     def _refused(self, why: str) -> StoreRefused:
         return StoreRefused(f"S3 refused access to bucket {self.bucket!r} ({why})",

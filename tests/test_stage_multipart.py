@@ -1,0 +1,79 @@
+"""S3 multipart objects (ETag `<md5>-N`) are verified by their parts' MD5s, in the fast tier with an in-memory
+store (tests/fakes.py). Before, the stager checked only their size and counted them as verified: a byte damaged on
+the way was staged and reported as a success. The same runs against a real Swift (which answers partNumber) and a
+real Ceph RGW 16 (which does not) in test_stage.py::test_s3_multipart_objects_are_verified."""
+
+import hashlib
+import os
+
+import pytest
+
+from appliance.node.stage import stage
+from appliance.store.parts import MiB, guesses, layout, multipart_etag, part_count
+from fakes import DictStore
+
+
+def mp_etag(data: bytes, part: int) -> str:
+    return multipart_etag(hashlib.md5(data[a:a + part]).digest() for a in range(0, len(data), part))
+
+
+DATA = os.urandom(20 * MiB + 123)
+
+
+def test_etag_and_rules():
+    assert part_count('"' + "a" * 32 + '-3"') == 3 and part_count("a" * 32) is None and part_count("x-3") is None
+    assert layout(20 * MiB + 123, 8 * MiB) == [8 * MiB, 8 * MiB, 4 * MiB + 123]
+    assert guesses(20 * MiB + 123, 3) == [8 * MiB, 7 * MiB]  # s3transfer's 8 MiB, then the even split
+    assert guesses(256 * MiB, 32) == [8 * MiB]
+    # s3transfer doubles its 8 MiB until the file fits in 10,000 parts (ChunksizeAdjuster): 100 GiB in 16 MiB
+    assert guesses(100 * 1024**3, 6400)[0] == 16 * MiB
+    assert guesses(123, 1) == [123] and layout(0, 0) == [0]
+
+
+@pytest.mark.parametrize("part", [8 * MiB, 7 * MiB])
+def test_a_multipart_object_is_verified_by_its_parts(tmp_path, part):
+    st = DictStore({"d/big.bin": DATA}, etags={"d/big.bin": mp_etag(DATA, part)})
+    res = stage(st, "d/", tmp_path / "out")
+    assert (tmp_path / "out" / "big.bin").read_bytes() == DATA
+    assert res.size_only == [] and res.corrupt_refetched == 0 and res.files_fetched == 1
+    assert len([g for g in st.gets if g[0] == "d/big.bin"]) == 3  # one ranged GET per part of the first rule
+
+
+@pytest.mark.parametrize("told", [False, True])
+def test_a_damaged_multipart_transfer_is_fetched_again(tmp_path, told):
+    st = DictStore({"d/big.bin": DATA}, etags={"d/big.bin": mp_etag(DATA, 8 * MiB)},
+                   parts={"d/big.bin": layout(len(DATA), 8 * MiB)} if told else None)
+    st.damage["d/big.bin"] = 1
+    res = stage(st, "d/", tmp_path / "out")
+    assert (tmp_path / "out" / "big.bin").read_bytes() == DATA
+    assert res.corrupt_refetched == 1 and res.size_only == []
+
+
+def test_parts_of_a_size_no_rule_gives(tmp_path):
+    """6.5 MiB parts: the store says them (Swift, AWS, RGW from Reef on) and the object is verified; a store that
+    does not (RGW 16) leaves it checked by size only, said so, after a second fetch gave the same bytes."""
+    part = 6 * MiB + MiB // 2
+    etag = mp_etag(DATA, part)
+    st = DictStore({"d/big.bin": DATA}, etags={"d/big.bin": etag}, parts={"d/big.bin": layout(len(DATA), part)})
+    res = stage(st, "d/", tmp_path / "a")
+    assert res.size_only == [] and (tmp_path / "a" / "big.bin").read_bytes() == DATA
+    st = DictStore({"d/big.bin": DATA}, etags={"d/big.bin": etag})
+    res = stage(st, "d/", tmp_path / "b")
+    assert res.size_only == ["d/big.bin"] and res.corrupt_refetched == 0
+    assert (tmp_path / "b" / "big.bin").read_bytes() == DATA
+    # damaged the first time: the two fetches differ, a third agrees with the second
+    st = DictStore({"d/big.bin": DATA}, etags={"d/big.bin": etag})
+    st.damage["d/big.bin"] = 1
+    res = stage(st, "d/", tmp_path / "c")
+    assert res.size_only == ["d/big.bin"] and res.corrupt_refetched == 1
+    assert (tmp_path / "c" / "big.bin").read_bytes() == DATA
+
+
+def test_wrong_bytes_under_the_stores_own_part_sizes_are_never_staged(tmp_path):
+    bad = bytearray(DATA)
+    bad[5] ^= 1
+    st = DictStore({"d/big.bin": bytes(bad)}, etags={"d/big.bin": mp_etag(DATA, 8 * MiB)},
+                   parts={"d/big.bin": layout(len(DATA), 8 * MiB)})
+    with pytest.raises(Exception, match="checksum mismatch"):
+        stage(st, "d/", tmp_path / "out", retries=1)
+    assert not (tmp_path / "out" / "big.bin").exists()
