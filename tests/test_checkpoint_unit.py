@@ -106,6 +106,7 @@ def test_the_first_ctrl_c_asks_the_job_to_stop_with_a_checkpoint_and_the_second_
     jc = JobCheckpoints()
     asked = threading.Event()
     jc.request_stop = lambda req: (said.append(req["reason"]), asked.set())
+    jc._start_lock_beat = lambda ctx: None  # no job runs here: a head-node beat would outlive the test by minutes
     before = signal.getsignal(signal.SIGINT)
     jc.prepare(ctx)
     jc.started(ctx)
@@ -143,6 +144,7 @@ def test_ctrl_c_while_the_launcher_holds_its_output_lock_does_not_hang_it(tmp_pa
     jc = JobCheckpoints()
     asked = threading.Event()
     jc.request_stop = lambda req: asked.set()
+    jc._start_lock_beat = lambda ctx: None  # no job runs here: a head-node beat would outlive the test by minutes
     jc.prepare(ctx)
     jc.started(ctx)
     try:

@@ -77,3 +77,17 @@ def test_wrong_bytes_under_the_stores_own_part_sizes_are_never_staged(tmp_path):
     with pytest.raises(Exception, match="checksum mismatch"):
         stage(st, "d/", tmp_path / "out", retries=1)
     assert not (tmp_path / "out" / "big.bin").exists()
+
+
+def test_s3transfers_part_size_is_the_installed_s3transfers():
+    """The rule `data upload` re-runs and the stager's first guess use, held to boto3's own ChunksizeAdjuster:
+    a file of 60 GB in 5 MiB parts would need 11,444; s3transfer doubles to 10 MiB, and a re-run that expected 5
+    MiB parts sent the whole file again."""
+    from s3transfer.utils import ChunksizeAdjuster
+
+    from appliance.store.parts import s3transfer_part
+
+    adj = ChunksizeAdjuster()
+    for chunk in (1, 5 * MiB, 8 * MiB, 64 * MiB, 5 * 1024**3, 6 * 1024**3):
+        for size in (1, 5 * MiB, 60 * 10**9, 100 * 1024**3, 5 * 1024**4):
+            assert s3transfer_part(chunk, size) == adj.adjust_chunksize(chunk, size), (chunk, size)

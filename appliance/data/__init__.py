@@ -20,6 +20,7 @@ from ..node.stage import _fmt_bytes
 from ..protocol import Line, parse
 from ..remote import Session
 from ..store.objects import StoreCreds, large_object_etags, open_store, unreachable
+from ..store.parts import s3transfer_part
 
 
 def _bar(p: dict) -> str:
@@ -146,19 +147,17 @@ def _every(seconds: float, fn: Callable[[], None]):
         t.join(timeout=2)
 
 
-S3_MIN_PART = 5 * 1024**2  # boto3 sends no multipart part under 5 MiB (s3transfer's ChunksizeAdjuster)
-
-
 def _already_there(store, listed: dict, path: Path, name: str, segment_size: int) -> bool:
     """The store holds ``name`` with this file's size and content: its ETag is the file's MD5, or the SLO or
     multipart ETag of the file as `data upload` sends it: Swift segments of ``segment_size``; S3 parts of
-    ``segment_size`` but at least 5 MiB, for a file over ``segment_size`` (so possibly one part: "MD5-1")."""
+    ``segment_size`` as boto3 adjusts it (at least 5 MiB, doubled past 10,000 parts: store/parts.py), for a
+    file over ``segment_size`` (so possibly one part: "MD5-1")."""
     o = listed.get(name)
     size = path.stat().st_size
     if o is None or o.size != size:
         return False
     if store.scheme == "s3" and size > segment_size:
-        e = large_object_etags(path, max(segment_size, S3_MIN_PART))
+        e = large_object_etags(path, s3transfer_part(segment_size, size))
         want = e.get("s3") or hashlib.md5(bytes.fromhex(e["md5"])).hexdigest() + "-1"
         return o.etag == want
     return o.etag in {v for k, v in large_object_etags(path, segment_size).items() if k != "parts"}

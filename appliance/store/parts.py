@@ -51,6 +51,13 @@ def _doubled(start: int, size: int) -> int:
     return p
 
 
+def s3transfer_part(chunk: int, size: int) -> int:
+    """The part size boto3 (s3transfer) uploads ``size`` bytes in when asked for parts of ``chunk``: doubled while
+    the file needs more than 10,000 parts, then held between 5 MiB and 5 GiB (boto/s3transfer s3transfer/utils.py
+    ChunksizeAdjuster; a test holds it to the installed s3transfer)."""
+    return min(MAX_OBJECT, max(MIN_PART, _doubled(chunk, size)))
+
+
 def _multiple(size: int, unit: int) -> int:
     """The smallest multiple of ``unit`` that holds ``size`` in MAX_PARTS parts."""
     return max(unit, -(-(-(-size // MAX_PARTS)) // unit) * unit)
@@ -64,7 +71,7 @@ def guesses(size: int, n: int) -> list[int]:
     rules = [
         # s3transfer (boto3, `aws s3 cp`): multipart_chunksize 8 MiB, doubled while the file needs more than
         # 10,000 parts (boto/s3transfer s3transfer/utils.py ChunksizeAdjuster, manager.py TransferConfig)
-        _doubled(8 * MiB, size),
+        s3transfer_part(8 * MiB, size),
         # s5cmd: --part-size 50 MiB (peak/s5cmd command/cp.go; `s5cmd cp --help`)
         50 * MiB,
         # rclone: --s3-chunk-size 5 MiB, grown for files over 10,000 chunks (`rclone help flags`)
