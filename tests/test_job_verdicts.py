@@ -173,3 +173,62 @@ def test_launch_says_which_protection_applies(tmp_path):
     (code / "train.py").write_text("with hvd.DistributedGradientTape(tf.GradientTape()) as tape:\n")  # a custom loop
     assert "(level 3 only, " in protection_line(spec, cl) and "never calls Model.fit" in protection_line(spec, cl)
 
+
+
+def _watch_of(n: int):
+    from types import SimpleNamespace
+
+    from appliance.train.launch import _Watch
+
+    nodes = [Node(name=f"n{i}", private_ip=f"10.0.0.{i}", address=f"10.0.0.{i}", workdir="/w") for i in range(n)]
+    said = []
+    w = _Watch(Cluster(name="x", cloud="testbed", nodes=nodes), SimpleNamespace(head=object(), remotes={}), "job", 1,
+               0.001, said.append)
+    return w, said
+
+
+def test_the_heartbeat_asks_the_workers_at_once():
+    """Goal 4 of issue 16: the heartbeat asked the nodes one after the other every 5 s, so one that did not answer
+    held up the check of every node after it for its 3 s timeout, and a round over 64 nodes took 64 round trips.
+    Here 8 workers answer only when all 8 are asked together (a barrier): asked in turn, the first waits 5 s, is
+    taken for dead, and the job is failed."""
+    import threading
+
+    w, said = _watch_of(9)
+    barrier, rounds = threading.Barrier(8, timeout=5), [0]
+
+    def alive(node):
+        if node.name == "n0":  # the head, asked first, alone
+            rounds[0] += 1
+            if rounds[0] == 4:
+                w.done.set()
+            return True
+        try:
+            barrier.wait()
+            return True
+        except threading.BrokenBarrierError:
+            return False
+
+    w._node_alive = alive
+    fail = w.fail
+    w.fail = lambda msg: (fail(msg), w.done.set())  # a verdict ends the watch here
+    w.run()
+    assert rounds[0] == 4 and w.failure is None, said
+
+
+def test_the_heartbeat_names_the_worker_that_stopped_and_gives_no_verdict_without_the_head():
+    w, said = _watch_of(4)
+    down = {"n2"}
+    w._node_alive = lambda node: node.name not in down
+    misses = {}
+    w._round(misses)
+    assert w.failure is None  # once is not enough
+    w._round(misses)
+    assert w.failure == "node n2 stopped answering (ranks 2)" and w.dead_nodes == {"n2"}
+    w, said = _watch_of(4)
+    down = {"n0", "n2"}  # the head too: the workers are reached through it, so no verdict on them
+    w._node_alive = lambda node: node.name not in down
+    misses = {}
+    w._round(misses)
+    w._round(misses)
+    assert w.failure is None and w.head_lost.is_set() and not w.dead_nodes

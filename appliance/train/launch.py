@@ -48,6 +48,7 @@ RANK_WRAPPER = f'"$@"; rc=$?; echo "{Line.RANK_EXIT} $rc"; exit $rc'
 # Output of a rank that failed *because another rank did* (so it is not the one to blame).
 COLLATERAL = re.compile(r"Horovod has been shut down|HorovodInternalError|Connection closed by peer|"
                         r"Connection reset by peer|Broken pipe|gloo/transport|Read error \[")
+PROBES_IN_FLIGHT = 16  # nodes the heartbeat probes, and the reaper clears, at once (_Watch)
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -221,6 +222,7 @@ class _Watch:
         self.done = threading.Event()
         self.reaped = False
         self._lock = threading.Lock()
+        self._pool = None  # the heartbeat's probes (_probe)
 
     def fail(self, msg: str) -> None:
         with self._lock:
@@ -298,49 +300,82 @@ class _Watch:
         except OSError:
             return False
 
+    def _probe(self, nodes: list[Node]) -> list[bool]:
+        """Whether each node answers, PROBES_IN_FLIGHT at a time: a node that does not costs its 3 s timeout once
+        a round, not once for every node checked after it (a round over 64 nodes took 64 round trips in turn)."""
+        if len(nodes) <= 1:
+            return [self._node_alive(n) for n in nodes]
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=PROBES_IN_FLIGHT, thread_name_prefix="appliance-heartbeat")
+        return list(self._pool.map(self._node_alive, nodes))
+
+    def _round(self, misses: dict[str, int]) -> None:
+        """One heartbeat: the head first (the workers are reached through it), then every worker at once; the
+        first node missed twice in a row fails the job."""
+        head = self.cluster.head
+        remote_head = not isinstance(self.session.head, LocalRemote)
+        if remote_head:
+            if self._probe([head])[0]:
+                misses[head.name] = 0
+            else:
+                # the launcher's link to the head (or the head itself) is down: the detached job may well go on;
+                # the launcher reconnects and decides then. Workers are reached through the head: no verdict on
+                # them this round
+                misses[head.name] = misses.get(head.name, 0) + 1
+                if misses[head.name] >= 2:
+                    misses[head.name] = 0
+                    self.head_lost.set()
+                    self.stop.set()
+                return
+        nodes = [n for n in self.cluster.nodes if not (remote_head and n is head)]
+        alive = self._probe(nodes)
+        if self.paused.is_set():  # a reconnect began meanwhile: no verdicts from this round
+            return
+        for node, ok in zip(nodes, alive):
+            misses[node.name] = 0 if ok else misses.get(node.name, 0) + 1
+        for node in nodes:
+            if misses[node.name] >= 2:
+                self.dead_nodes.add(node.name)
+                ranks = [r for r, h in enumerate(self.cluster.rank_hosts()) if h == node.name]
+                self.fail(f"node {node.name} stopped answering (ranks {', '.join(map(str, ranks))})")
+                return
+
     def run(self) -> None:
         misses: dict[str, int] = {}
-        while not self.done.wait(self.heartbeat if self.failure is None else 0.5):
-            if self.failure is None and not self.paused.is_set():
-                for node in self.cluster.nodes:
-                    if self.paused.is_set():
-                        break
-                    if self._node_alive(node):
-                        misses[node.name] = 0
-                        continue
-                    misses[node.name] = misses.get(node.name, 0) + 1
-                    if node is self.cluster.head and not isinstance(self.session.head, LocalRemote):
-                        # the launcher's link to the head (or the head itself) is down: the detached job may well
-                        # go on; the launcher reconnects and decides then. Workers are reached through the head:
-                        # no verdict on them this round
-                        if misses[node.name] >= 2:
-                            misses[node.name] = 0
-                            self.head_lost.set()
-                            self.stop.set()
-                        break
-                    if misses[node.name] >= 2:
-                        self.dead_nodes.add(node.name)
-                        ranks = [r for r, h in enumerate(self.cluster.rank_hosts()) if h == node.name]
-                        self.fail(f"node {node.name} stopped answering (ranks {', '.join(map(str, ranks))})")
-                        break
-            elif time.monotonic() - (self.failed_at or 0) > self.grace and not self.reaped:
-                self.reap()
-                self.stop.set()
+        try:
+            while not self.done.wait(self.heartbeat if self.failure is None else 0.5):
+                if self.failure is None and not self.paused.is_set():
+                    self._round(misses)
+                elif time.monotonic() - (self.failed_at or 0) > self.grace and not self.reaped:
+                    self.reap()
+                    self.stop.set()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
 
     def reap(self) -> None:
-        """Kill this job's processes on every node that answers (matched by job id, killed by PID)."""
+        """Kill this job's processes on every node that answers (matched by job id, killed by PID), on
+        PROBES_IN_FLIGHT nodes at once: one that hangs holds up only itself, for its 15 s."""
+        from concurrent.futures import ThreadPoolExecutor
+
         self.reaped = True
         cmd = f"sh -c {shlex.quote(REAP_SCRIPT)} reap {shlex.quote(self.job_id)}"
-        for name, remote in self.session.remotes.items():
-            if name in self.dead_nodes:
-                continue
+        targets = [(name, remote) for name, remote in self.session.remotes.items() if name not in self.dead_nodes]
+
+        def one(target) -> int:
             try:
-                r = remote.run(cmd, timeout=15)
-                n = len(r.out.split())
+                return len(target[1].run(cmd, timeout=15).out.split())
+            except ApplianceError:
+                return 0
+
+        if not targets:
+            return
+        with ThreadPoolExecutor(max_workers=min(PROBES_IN_FLIGHT, len(targets))) as ex:
+            for (name, _), n in zip(targets, ex.map(one, targets)):
                 if n:
                     self.say(f"[appliance] killed {n} leftover process(es) of the job on {name}")
-            except ApplianceError:
-                pass
 
 
 RUN_LOCK = ".lock"  # in the run directory on the head node: held (flock) by the running job's process tree
