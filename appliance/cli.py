@@ -414,25 +414,47 @@ def down_cmd(name, yes):
 
 @main.command("check")
 @click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--online", is_flag=True,
+              help="Also ask the object store: the dataset URL names objects, checkpoint.url is reachable.")
 @click.option("--json", "as_json", is_flag=True)
-def check_spec(spec, as_json):
+def check_spec(spec, online, as_json):
     """Validate a run spec before a lease is paid for; print it as the appliance understands it.
 
     \b
     Checks the spec's fields, its site's rules (Chameleon: at most 7 days, CHI@UC or CHI@TACC, key_name; the local
     cloud: its node types and pool sizes) and the training code (train.code exists, small enough to copy).
-    Exit 2 if the spec is invalid, 1 if the code is not usable.
+    --online also asks the object store, with the site's credentials, what would otherwise be found only
+    after the nodes boot: the dataset URL names objects (how many, how large), checkpoint.url is reachable and
+    not refused, and whether the run already has committed checkpoints. It reads only.
+    Exit 2 if the spec is invalid, 1 if the code is not usable or the store says no.
+
+    \b
+      appliance check my.yaml --online
     """
     import dataclasses
 
     from . import flows
 
     s = flows.check(spec)
+    found = flows.check_online(s, log=lambda m: click.echo(m, err=True)) if online else None
     if as_json:
-        _json_out(dataclasses.asdict(s))
-    else:
-        click.echo(f"{spec}: ok: run {s.name!r} on {s.cloud}, {s.nodes.count} x {s.nodes.node_type}, "
-                   f"{s.world_size} rank(s)")
+        _json_out({**dataclasses.asdict(s), **({"online": found} if online else {})})
+        return
+    click.echo(f"{spec}: ok: run {s.name!r} on {s.cloud}, {s.nodes.count} x {s.nodes.node_type}, "
+               f"{s.world_size} rank(s)")
+    if found and "dataset" in found:
+        d = found["dataset"]
+        click.echo(f"  dataset {d['url']}: {d['objects']:,} object(s), {d['size']}")
+    if found and "checkpoint" in found:
+        c = found["checkpoint"]
+        if c["container"] != "there":
+            said = "reachable; its container is not there yet (the first job makes it)"
+        elif c["committed"]:
+            said = (f"run {s.name!r} has {c['committed']} committed checkpoint(s), newest {c['newest']}: "
+                    f"`appliance resume {s.name}` continues it (`appliance train` would refuse to start over it)")
+        else:
+            said = f"reachable, no checkpoint of run {s.name!r} yet"
+        click.echo(f"  checkpoint.url {c['url']}: {said}")
 
 
 @main.command("stage")

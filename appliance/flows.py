@@ -18,7 +18,7 @@ from .checkpoint.job import JobCheckpoints, refuse_if_running
 from .checkpoint.resume import choose_checkpoint, creds_for, find_spec
 from .checkpoint.runs import RunRecords, list_runs, record_resume, run_details, running_on  # noqa: F401 (CLI)
 from .cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
-from .data import listing, pack_dir, remove, stage_cluster, unstaged, upload
+from .data import dataset_summary, listing, pack_dir, remove, stage_cluster, unstaged, upload
 from .errors import ApplianceError, SpecError
 from . import paths
 from .node import doctor as node_doctor
@@ -30,7 +30,7 @@ from .sites.local import (  # noqa: F401 (the simulator's verbs, for the CLI)
     cloud_start, cloud_status, cloud_stop, testbed_down, testbed_status, testbed_up)
 from .spec import Spec
 from .store.checkpoints import CheckpointStore
-from .store.objects import parse_url
+from .store.objects import StoreRefused, parse_url, unreachable
 from .train.launch import JobResult, job_log, train
 
 __all__ = ["resolve_cluster", "run_job", "train_spec", "stage_spec", "resume", "up", "down", "status", "adopt",
@@ -78,6 +78,42 @@ def check(spec_path: str) -> Spec:
     except ApplianceError as e:
         raise SpecError(f"train.code: {e.message}", e.fix) from None
     return spec
+
+
+def check_online(spec: Spec, log=print) -> dict:
+    """`appliance check --online`: what the spec names in the object store, asked before a lease is paid for (on
+    Chameleon a node takes 10-20 minutes to boot before `appliance stage` would find a typo): the dataset URL
+    names objects (the stager's rules and its one-line errors), and checkpoint.url is reachable and not refused
+    (a store that refuses the checkpoints refuses the job). Reads only: a bucket that is not there yet is left to
+    the first job to make. Also says whether the run already has committed checkpoints (`appliance train` would
+    refuse to start over them; `appliance resume` continues them)."""
+    out: dict = {}
+    if spec.dataset is not None:
+        url = spec.dataset.source
+        out["dataset"] = dataset_summary(url, creds=creds_for(spec, url), log=log)
+    ck = spec.checkpoint
+    if ck is not None and ck.url:
+        cs = CheckpointStore(ck.url, spec.name, creds_for(spec, ck.url))
+        state = {"url": ck.url, "container": "there", "committed": 0, "newest": None}
+        try:
+            try:
+                cs.store.reach()
+            except FileNotFoundError:
+                state["container"] = "not there yet"
+            else:
+                old = cs.committed()
+                state.update(committed=len(old), newest=old[0].name if old else None)
+        except StoreRefused as e:
+            raise ApplianceError(f"checkpoint.url {ck.url}: {e.message}; a job would be refused", e.fix) from None
+        except ApplianceError:
+            raise
+        except Exception as e:
+            said = unreachable(cs.store, e)
+            if said is None:
+                raise
+            raise said from None
+        out["checkpoint"] = state
+    return out
 
 
 def up(spec_path: str, *, spec: Spec | None = None, log=print, **kw) -> Cluster:

@@ -160,3 +160,44 @@ def test_logs_of_a_run_whose_nodes_are_gone_show_this_machines_copy(appliance_ho
         shutil.rmtree(d)
     assert said[0].startswith("[appliance] not from the head node (no cluster named 'gonelog'): this machine's copy")
     assert said[1:] == ["[0|n1] epoch 2", "[appliance] job ended"]
+
+
+def test_check_online_asks_the_store_before_a_lease_is_paid_for(tmp_path):
+    """A dataset URL with a typo was found only by `appliance stage`, after the lease and the nodes' boot (10-20
+    minutes on Chameleon's bare metal); `appliance check` read the spec alone. `--online` asks the store: how many
+    objects the URL names, whether checkpoint.url answers, and whether the run already has checkpoints."""
+    from conftest import write_spec
+    from appliance.store.checkpoints import MANIFEST
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "x.py").write_text("")
+    data = tmp_path / "store" / "data"
+    data.mkdir(parents=True)
+    for n in ("a.bin", "b.bin"):
+        (data / n).write_bytes(b"x" * 1000)
+    ckpt = tmp_path / "ckpt"
+
+    def check(source: str, *more: str) -> subprocess.CompletedProcess:
+        spec = write_spec(tmp_path, "python x.py", code=code, name="onl",
+                          extra=f"dataset: {{source: '{source}', dest: data}}\n"
+                                f"checkpoint: {{url: 'file://{ckpt}/', every_steps: 5}}\n")
+        return subprocess.run([sys.executable, "-m", "appliance.cli", "check", str(spec), *more],
+                              capture_output=True, text=True, env={**os.environ, "APPLIANCE_HOME": str(tmp_path)},
+                              timeout=120)
+
+    r = check(f"file://{data}/", "--online")
+    assert r.returncode == 0, r.stderr
+    assert f"  dataset file://{data}/: 2 object(s), 2.0 KB" in r.stdout
+    assert f"  checkpoint.url file://{ckpt}/: reachable, no checkpoint of run 'onl' yet" in r.stdout
+    typo = f"file://{tmp_path}/store/dat/"
+    assert check(typo).returncode == 0  # offline: the spec alone is fine
+    r = check(typo, "--online")
+    assert r.returncode == 1 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(
+        f"error: {typo}: no object under it; a lease would stage nothing (fix: check the dataset URL"), r.stderr
+    (ckpt / "onl" / "ckpt-000000010").mkdir(parents=True)
+    (ckpt / "onl" / "ckpt-000000010" / MANIFEST).write_text("{}")
+    r = check(f"file://{data}/", "--online")
+    assert r.returncode == 0 and ("run 'onl' has 1 committed checkpoint(s), newest ckpt-000000010: `appliance "
+                                  "resume onl` continues it") in r.stdout, r.stdout

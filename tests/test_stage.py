@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.data import stage_cluster, unstaged, upload
+from appliance.data import dataset_summary, stage_cluster, unstaged, upload
 from appliance.node.stage import MANIFEST, safe_relpath, stage
 from appliance.store.objects import S3Store, Store, StoreCreds, SwiftStore
 from appliance.errors import ApplianceError
@@ -324,6 +324,11 @@ def test_a_dataset_url_that_is_not_there_is_one_line_with_the_fix(creds, tmp_pat
     for url in ("swift://typo/dta/", "s3://typo/dta/"):
         r = _stage_main(url, creds, tmp_path / "d")
         assert r.returncode == 1 and f"{url}: no object under it" in r.stdout, r.stdout + r.stderr
+        # `appliance check --online` says the same before a lease
+        with pytest.raises(ApplianceError, match=f"{url}: no object under it; a lease would stage nothing"):
+            dataset_summary(url, creds=creds)
+        assert dataset_summary(url.replace("dta", "data"), creds=creds) == {
+            "url": url.replace("dta", "data"), "objects": 1, "bytes": 1, "size": "1 B"}
     assert _stage_main("s3://typo/data/", creds, tmp_path / "d").returncode == 0
     assert (tmp_path / "d" / "a").read_bytes() == b"a"
     # a URL names a folder (not `data-old/` beside it) or one object, as rclone and `aws s3 sync` read it
@@ -480,6 +485,8 @@ def test_keys_the_store_does_not_take_are_said_as_such(creds):
     bad_s3 = StoreCreds(**{**creds.scoped().__dict__, "s3_secret_key": "wrong"})
     with pytest.raises(StoreRefused, match=r"S3 refused the keys \((SignatureDoesNotMatch|AccessDenied)\)"):
         S3Store("fresh-keys", bad_s3).ensure_container()
+    with pytest.raises(StoreRefused, match=r"S3 refused the keys"):  # `appliance check --online` reads only
+        S3Store("fresh-keys", bad_s3).reach()
     with pytest.raises(StoreRefused, match=r"S3 refused access to bucket 'fresh-keys'"):
         listing("s3://fresh-keys/", creds=bad_s3, log=lambda m: None)
     bad_swift = StoreCreds(auth_url=creds.auth_url, user=creds.user, key="wrong")

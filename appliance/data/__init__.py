@@ -236,6 +236,19 @@ def pack_dir(src: str, url: str, *, creds: StoreCreds | None, shard_size: int = 
         return pack(src, store, prefix, shard_size=shard_size, fmt=fmt, log=log)
 
 
+def dataset_summary(url: str, *, creds: StoreCreds | None, log=print) -> dict:
+    """What `appliance stage` fetches from URL (to every node in full mode): its objects and bytes, read by the
+    stager's own rules (a folder or one object; folder markers are directories), or the stager's one line when
+    URL names nothing. `appliance check --online` asks it before a lease is paid for."""
+    from ..node.stage import dataset_objects, is_dir_marker
+
+    with _open(url, creds, log) as (store, prefix):
+        objs, named = dataset_objects(store, prefix, "a lease would stage nothing")
+    files = [o for o in objs if not is_dir_marker(o, named)]
+    total = sum(o.size for o in files)
+    return {"url": url, "objects": len(files), "bytes": total, "size": _fmt_bytes(total)}
+
+
 def listing(url: str, *, creds: StoreCreds | None, log=print) -> list[dict]:
     with _open(url, creds, log) as (store, prefix):
         try:

@@ -203,23 +203,30 @@ def _named(store: Store, prefix: str) -> tuple[list[ObjectInfo], str]:
     return [o for o in objs if o.name != prefix], prefix
 
 
+def dataset_objects(store: Store, prefix: str, consequence: str) -> tuple[list[ObjectInfo], str]:
+    """The objects a dataset URL names (_named), or one line with the fix when it names none: the container or
+    bucket is not there, or nothing is under the URL (a typo). ``consequence`` ends the line. `appliance check
+    --online` asks the same before a lease is paid for."""
+    try:
+        listing, named_prefix = _named(store, prefix)
+    except FileNotFoundError:
+        raise ApplianceError(f"{store.url(prefix)}: there is no {store.holder} {store.where!r}; {consequence}",
+                             "check the dataset URL; `appliance data upload DIR URL` makes it") from None
+    if not listing:
+        # a URL with a typo lists nothing: said, rather than staged as an empty dataset, and the node's earlier
+        # copy (its manifest) is left as it is rather than removed as "no longer in the store"
+        raise ApplianceError(f"{store.url(prefix)}: no object under it; {consequence}",
+                             f"check the dataset URL (`appliance data ls {store.url()}` lists what is there)")
+    return listing, named_prefix
+
+
 def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", rank: int = 0, nodes: int = 1,
           concurrency: int = 16, retries: int = 4, progress: Callable[[dict], None] | None = None,
           keep_names: bool = False, keep_extra: bool = False) -> StageResult:
     t0 = time.monotonic()
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    asked = prefix
-    try:
-        listing, prefix = _named(store, prefix)
-    except FileNotFoundError:
-        raise ApplianceError(f"{store.url(asked)}: there is no {store.holder} {store.where!r}; nothing was staged",
-                             "check the dataset URL; `appliance data upload DIR URL` makes it") from None
-    if not listing:
-        # a URL with a typo lists nothing: said, rather than staged as an empty dataset, and the node's earlier
-        # copy (its manifest) is left as it is rather than removed as "no longer in the store"
-        raise ApplianceError(f"{store.url(asked)}: no object under it; nothing was staged",
-                             f"check the dataset URL (`appliance data ls {store.url()}` lists what is there)")
+    listing, prefix = dataset_objects(store, prefix, "nothing was staged")
     markers = [o for o in listing if is_dir_marker(o, prefix)]
     mine = select([o for o in listing if not is_dir_marker(o, prefix)], mode=mode, rank=rank, nodes=nodes)
     paths, dirs, bad = plan_paths(mine + markers, prefix)

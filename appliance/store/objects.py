@@ -692,9 +692,16 @@ class S3Store(Store):
         try:
             self.client().head_bucket(Bucket=self.bucket)
         except ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 404:
                 raise FileNotFoundError(f"s3://{self.bucket}") from None
+            if status in (401, 403):  # someone else's bucket, or keys the store does not take (HEAD says not which)
+                raise (self._keys_refused() or self._taken()) from None
             raise
+
+    def _taken(self) -> StoreRefused:
+        return StoreRefused(f"S3 bucket {self.bucket!r} belongs to someone else (bucket names are shared by every "
+                            "project of the store)", "choose another bucket name in the s3:// URL")
 
     def ensure_container(self) -> None:
         """The bucket, made when it is not there (as SwiftStore makes its container): HEAD, then PUT. On a Ceph
@@ -703,8 +710,7 @@ class S3Store(Store):
         from botocore.exceptions import ClientError
 
         _check_name("s3", self.bucket)
-        taken = StoreRefused(f"S3 bucket {self.bucket!r} belongs to someone else (bucket names are shared by every "
-                             "project of the store)", "choose another bucket name in the s3:// URL")
+        taken = self._taken()
         try:
             self.client().head_bucket(Bucket=self.bucket)
             return
