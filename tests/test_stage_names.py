@@ -151,3 +151,26 @@ def test_a_second_upload_sends_only_what_is_not_there_yet(tmp_path, monkeypatch)
     (src / "a.txt").write_text("b")  # same size, other bytes
     assert upload(str(src), url + "x/", creds=None, segment_size=1_000_000, log=said.append) == 2
     assert sent == ["a.txt"] and (tmp_path / "store" / "x" / "a.txt").read_text() == "b"
+
+
+def test_a_file_rewritten_in_place_at_the_same_size_is_fetched_again(tmp_path):
+    """A re-stage (every resume stages) skipped a file whose size and ETag matched the manifest, so a file the job had
+    rewritten in place at the same size (an array normalised and saved over itself) was kept, and the resumed run
+    read other bytes than the store's. The manifest now keeps each file's mtime as staged."""
+    import json
+    import os
+
+    st = DictStore({"d/x.npy": b"A" * 1000, "d/y": b"B" * 10})
+    out = tmp_path / "out"
+    stage(st, "d/", out)
+    p = out / "x.npy"
+    before = p.stat().st_mtime_ns
+    p.write_bytes(b"Z" * 1000)
+    os.utime(p, ns=(before + 10**9, before + 10**9))  # a second later (file times tick every few ms)
+    res = stage(st, "d/", out)
+    assert (res.files_fetched, res.files_skipped) == (1, 1) and p.read_bytes() == b"A" * 1000
+    assert stage(st, "d/", out).files_skipped == 2  # and then it is left alone
+    # a manifest written before (name -> [size, ETag]) still skips what is there at its size
+    m = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps({k: v[:2] for k, v in m.items()}))
+    assert stage(st, "d/", out).files_skipped == 2

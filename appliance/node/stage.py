@@ -4,8 +4,10 @@
 1. list the objects (paged through any number), keep this node's shard (``mode='shard'``: the
    sorted names, every ``nodes``-th one from ``rank``; union over ranks = the dataset, no overlap);
 2. refuse names that would escape ``dest`` (``..``, absolute paths, NUL) before writing anything;
-3. skip what the manifest (``dest/.appliance-manifest.json``: name -> size, ETag) says is already
-   here and unchanged; check free space for the rest *before* starting (fail with the numbers);
+3. skip what the manifest (``dest/.appliance-manifest.json``: name -> size, ETag, the file's mtime when
+   staged) says is already here and unchanged, in the store and on disk (a file rewritten in place, even at
+   the same size, has another mtime and is fetched again); check free space for the rest *before* starting
+   (fail with the numbers);
 4. download in parallel: one GET per small object, parallel ranged GETs for large ones; an SLO is
    fetched segment by segment and each segment checked against its MD5; an S3 multipart object part by part,
    the parts' MD5s checked against its ETag (store/parts.py); everything else is checked against its ETag
@@ -21,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -135,13 +138,23 @@ def load_manifest(dest: Path) -> dict[str, list]:
         with open(dest / JOURNAL) as fh:
             for line in fh:
                 try:
-                    name, size, etag = json.loads(line)
+                    name, *rec = json.loads(line)  # [name, size, etag, mtime_ns] ([name, size, etag] before)
                 except ValueError:
                     continue  # a line cut by a kill
-                m[name] = [size, etag]
+                m[name] = rec
     except OSError:
         pass
     return m
+
+
+def _unchanged(target: Path, rec: list) -> bool:
+    """The staged file is as the stager left it: its size, and its mtime when the manifest has one (a file the
+    job rewrote in place at the same size, e.g. an array normalised and saved over itself, was kept as staged)."""
+    try:
+        st = target.stat()
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == rec[0] and (len(rec) < 3 or st.st_mtime_ns == rec[2])
 
 
 def _save_manifest(dest: Path, m: dict) -> None:
@@ -254,7 +267,7 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
     for o in mine:
         rec = manifest.get(o.name)
         target = dest / paths[o.name]
-        if rec and rec[0] == o.size and rec[1] == o.etag and target.is_file() and target.stat().st_size == o.size:
+        if rec and rec[:2] == [o.size, o.etag] and _unchanged(target, rec):
             skipped += 1
         else:
             todo.append(o)
@@ -276,10 +289,11 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
     mlock = threading.Lock()
     journal = open(dest / JOURNAL, "a", buffering=1)
 
-    def record(o: ObjectInfo) -> None:
+    def record(o: ObjectInfo, target: Path) -> None:
+        rec = [o.size, o.etag, target.stat().st_mtime_ns]
         with mlock:
-            manifest[o.name] = [o.size, o.etag]
-            journal.write(json.dumps([o.name, o.size, o.etag]) + "\n")
+            manifest[o.name] = rec
+            journal.write(json.dumps([o.name, *rec]) + "\n")
 
     big_pool = ThreadPoolExecutor(max_workers=concurrency)  # ranged parts of large objects
 
@@ -302,7 +316,7 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
                 elif rechecked:  # the first fetch did not verify and the second did: the first was damaged
                     res.corrupt_refetched += 1
                 part.replace(target)
-                record(o)
+                record(o, target)
                 prog.add(files=1)
                 res.files_fetched += 1
                 res.bytes_fetched += o.size
