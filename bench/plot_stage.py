@@ -12,8 +12,9 @@ res = json.load(open(sys.argv[1]))
 rows = res["rows"]
 small = [r for r in rows if r["dataset"] == "small"]
 large = [r for r in rows if r["dataset"] == "large"]
+multi = [r for r in rows if r["dataset"] == "multipart"]
 upload = [r for r in rows if r["dataset"].startswith("upload")]
-panels = 3 + bool(upload)
+panels = 3 + bool(multi) + bool(upload)
 fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.5))
 axes[0].barh([r["tool"] for r in small], [r["objects_per_s"] for r in small], color="tab:blue")
 axes[0].set_xlabel("objects/s (higher is better)")
@@ -26,10 +27,18 @@ axes[2].axvline(res["disk_write_mb_s"], color="k", ls="--", label=f"disk write {
 axes[2].set_xlabel("MB/s (higher is better)")
 axes[2].set_title(f"{res['dataset']['large']} x {res['dataset']['large_size'] // 2**20} MB")
 axes[2].legend(loc="lower right")
+nxt = 3
+if multi:
+    axes[nxt].barh([r["tool"] + ("" if r["ok"] else " (FAILED)") for r in multi], [r["mb_per_s"] for r in multi],
+                   color=["tab:olive" if r["ok"] else "tab:red" for r in multi])
+    axes[nxt].axvline(res["disk_write_mb_s"], color="k", ls="--")
+    axes[nxt].set_xlabel("MB/s (higher is better)")
+    axes[nxt].set_title("the same, uploaded as `aws s3 cp` does (8 MiB parts)")
+    nxt += 1
 if upload:
-    axes[3].barh([r["tool"] for r in upload], [r["mb_per_s"] for r in upload], color="tab:purple")
-    axes[3].set_xlabel("MB/s (higher is better)")
-    axes[3].set_title(f"up: {upload[0]['dataset']}")
+    axes[nxt].barh([r["tool"] for r in upload], [r["mb_per_s"] for r in upload], color="tab:purple")
+    axes[nxt].set_xlabel("MB/s (higher is better)")
+    axes[nxt].set_title(f"up: {upload[0]['dataset']}")
 store = {"rgw": "Ceph RGW", "swift": "Swift"}.get(res.get("store", "swift"), res.get("store"))
 fig.suptitle(f"Staging from a real {store} on 127.0.0.1 ({res['machine']}, {res['when']}); `{res['command']}`")
 fig.tight_layout()

@@ -39,6 +39,19 @@ from appliance.localcloud.rgw_server import RGWServer  # noqa: E402
 from appliance.localcloud.swift_server import SwiftServer  # noqa: E402
 
 
+# large: 8 x 256 MB as plain objects; multipart: the same as `aws s3 cp` uploads them (ETag <md5>-32, checked part by
+# part); upload: one 1.6 GB file up; packed: 1 GB of small files as 64 MB shards
+ALL_DATASETS = "small,large,multipart,upload,packed"
+
+
+def multipart_client(sw):
+    import boto3
+
+    cr = sw.credentials()
+    return boto3.client("s3", endpoint_url=sw.s3_endpoint, aws_access_key_id=cr["s3_access_key"],
+                        aws_secret_access_key=cr["s3_secret_key"], region_name="us-east-1")
+
+
 def seed(sw, args) -> dict:
     marker = sw.base / f"seeded-{args.small}x{args.small_size}-{args.large}x{args.large_size}"
     creds = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key)
@@ -47,7 +60,7 @@ def seed(sw, args) -> dict:
     import swiftclient
 
     conn = swiftclient.Connection(authurl=sw.auth_url, user=sw.user, key=sw.key, timeout=600, retries=0)
-    for c in ("bsmall", "blarge", "bpacked"):
+    for c in ("bsmall", "blarge", "bpacked", "bmulti"):
         conn.put_container(c)
     t = time.time()
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
@@ -75,6 +88,11 @@ def seed(sw, args) -> dict:
                     fh.write(os.urandom(1 << 20))
             with open(big, "rb") as fh:
                 conn.put_object("blarge", f"large-{i:02d}.bin", fh, content_length=big.stat().st_size)
+            if "multipart" in getattr(args, "datasets", ""):  # the same objects as `aws s3 cp` uploads them
+                from boto3.s3.transfer import TransferConfig  # its defaults: parts of 8 MiB above 8 MiB
+
+                multipart_client(sw).upload_file(str(big), "bmulti", f"large-{i:02d}.bin", Config=TransferConfig(
+                    multipart_threshold=8 * 1024**2, multipart_chunksize=8 * 1024**2))
         print(f"seeded {args.large} large objects", flush=True)
     info = {"small": args.small, "small_size": args.small_size, "large": args.large, "large_size": args.large_size}
     marker.write_text(json.dumps(info))
@@ -230,8 +248,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--only", default="", help="comma-separated tool names to run")
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each row is the median of its runs")
-    ap.add_argument("--datasets", default="small,large,upload,packed",
-                    help="comma-separated: small, large, upload (a checkpoint-sized file up), packed")
+    ap.add_argument("--datasets", default=ALL_DATASETS,
+                    help="comma-separated: small, large, multipart (the large objects as `aws s3 cp` uploads them), "
+                         "upload (a checkpoint-sized file up), packed")
     ap.add_argument("--upload-size", type=int, default=1536 * 1024**2, help="bytes of the upload dataset's file")
     ap.add_argument("--store", choices=("swift", "rgw"), default="swift",
                     help="the server: OpenStack Swift 2.38 (proxy + s3api) or Ceph RGW (what Chameleon runs)")
@@ -248,7 +267,8 @@ def main() -> None:
         ts = tools(sw, tv, args.concurrency)
         only = set(filter(None, args.only.split(",")))
         datasets = [("small", "bsmall", info["small"], info["small"] * info["small_size"]),
-                    ("large", "blarge", info["large"], info["large"] * info["large_size"])]
+                    ("large", "blarge", info["large"], info["large"] * info["large_size"]),
+                    ("multipart", "bmulti", info["large"], info["large"] * info["large_size"])]
         wanted = set(args.datasets.split(","))
         for ds, cont, n, nbytes in [d for d in datasets if d[0] in wanted]:
             names = [t for t in ts if t in only] if only else [t for t in ts if "without quick ACKs" not in t]
@@ -334,7 +354,7 @@ def main() -> None:
     server = ("Swift 2.38.3 on 127.0.0.1 (2 proxy workers, memcached)" if args.store == "swift" else
               "Ceph RGW (radosgw beast, one memstore OSD) on 127.0.0.1")
     prev = out / f"{stem}.json"
-    if prev.exists() and set(args.datasets.split(",")) != {"small", "large", "upload", "packed"}:
+    if prev.exists() and set(args.datasets.split(",")) != set(ALL_DATASETS.split(",")):
         # a partial run (--datasets): the other datasets' rows of the last run stay, marked with their own date
         old = json.loads(prev.read_text())
         for r in old.get("rows", []):
@@ -343,7 +363,7 @@ def main() -> None:
     mine = [a for a in sys.argv[1:] if a not in ("--tools-venv", args.tools_venv, "--store", args.store)]
     if mine:  # not what make runs: the whole command, so that the table can be made again
         command += f" (this run: python bench/stage_bench.py {shlex.join(sys.argv[1:])})"
-    order = ["small", "large", "upload", "packed"]
+    order = ALL_DATASETS.split(",")
     rows.sort(key=lambda r: order.index(_category(r["dataset"])) if _category(r["dataset"]) in order else 9)
     result = {"command": command, "store": args.store, "machine": f"{os.cpu_count()} cores", "disk_write_mb_s": disk,
               "dataset": info, "rows": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
