@@ -216,36 +216,69 @@ def test_kill9_of_rank0_while_uploading_keeps_the_previous_commit(cluster2, tb2,
     assert len(events) == 2
 
 
-@pytest.mark.slow
-def test_ctrl_c_to_appliance_train_stops_the_job_with_a_committed_checkpoint(cluster2, tb2, swift, st_env, tmp_path):
-    """The real CLI under SIGINT, as a terminal's Ctrl-C delivers it: the job was killed and the work since its last
-    checkpoint lost. Now every rank stops after the same step with a committed checkpoint, exit 75 (resumable)."""
+def _train_cli_with_ctrl_c(spec: str, cluster, when: str) -> tuple[int, list[str]]:
+    """`appliance train SPEC` as a user runs it, sent SIGINT (a terminal's Ctrl-C) at the first line holding
+    ``when``: (exit status, output lines)."""
     import signal
     import subprocess
     import sys
 
-    spec = digits_spec(tmp_path, "ckint", url="swift://ckpts/", epochs=40)
-    cluster2.save()  # the CLI finds it by name
-    p = subprocess.Popen([sys.executable, "-m", "appliance.cli", "train", spec, "--cluster", cluster2.name],
+    cluster.save()  # the CLI finds it by name
+    p = subprocess.Popen([sys.executable, "-m", "appliance.cli", "train", spec, "--cluster", cluster.name],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     lines, sent = [], False
     try:
         for line in p.stdout:
             lines.append(line.rstrip())
-            if not sent and "[checkpoint] step 20 committed" in line:
+            if not sent and when in line:
                 p.send_signal(signal.SIGINT)
                 sent = True
         rc = p.wait(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
+    assert sent, "\n".join(lines[-40:])
+    return rc, lines
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_appliance_train_stops_the_job_with_a_committed_checkpoint(cluster2, tb2, swift, st_env, tmp_path):
+    """The real CLI under SIGINT, as a terminal's Ctrl-C delivers it: the job was killed and the work since its last
+    checkpoint lost. Now every rank stops after the same step with a committed checkpoint, exit 75 (resumable)."""
+    spec = digits_spec(tmp_path, "ckint", url="swift://ckpts/", epochs=40)
+    rc, lines = _train_cli_with_ctrl_c(spec, cluster2, "[checkpoint] step 20 committed")
     text = "\n".join(lines)
-    assert sent and rc == 75, text[-3000:]
+    assert rc == 75, text[-3000:]
     assert "[appliance] Ctrl-C: the job saves a checkpoint at its next step and stops" in text
     stop = [x for x in lines if "[checkpoint] stopped after step" in x]
     assert stop and "Ctrl-C to appliance train" in stop[0], text[-3000:]
     step = int(stop[0].split("stopped after step ")[1].split()[0])
     assert 20 <= step < 40 * 22 and store_for(swift, "ckint").committed()[0].step == step
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_a_custom_loop_once_its_files_are_committed(cluster2, tb2, swift, st_env, tmp_path):
+    """Level 3 (examples/custom_loop: nothing stops it at a step). The first Ctrl-C synced its working directory
+    and left it training; only a second Ctrl-C stopped it, as a kill. Now rank 0's syncer commits the files and
+    ends the job: exit 75, resumable, the newest ./checkpoint-N.h5 in the store."""
+    from appliance.store.filesync import FileSet
+
+    p = tmp_path / "loopint.yaml"
+    p.write_text("\n".join([
+        "name: loopint", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
+        "image: appliance-cpu", "train:", f"  code: {ROOT / 'examples' / 'custom_loop'}",
+        "  command: python train.py --epochs 400", "checkpoint: {url: \"swift://ckpts/\", keep: 2}"]) + "\n")
+    rc, lines = _train_cli_with_ctrl_c(str(p), cluster2, "] epoch 3/400 ")
+    text = "\n".join(lines)
+    assert rc == 75, text[-3000:]
+    assert "[appliance] protected (level 3 only, " in text
+    assert "[appliance] Ctrl-C: the job's working directory is committed now and the job ends" in text
+    assert "[checkpoint] stopped (Ctrl-C to appliance train) with the working directory committed" in text, text[-3000:]
+    epochs = [int(x.split("] epoch ")[1].split("/")[0]) for x in lines if "] epoch " in x and "/400 loss" in x]
+    assert epochs and max(epochs) < 400  # ended, not finished
+    fs = FileSet("swift://ckpts/", "loopint", StoreCreds(auth_url=swift.auth_url, user=swift.user, key=swift.key))
+    body = fs.newest_good()
+    assert body is not None and any(r.startswith("checkpoint-") for r in body["files"]), body
 
 
 @pytest.mark.slow

@@ -93,3 +93,44 @@ def test_prune_keeps_the_newest_good_manifests_and_their_objects(tmp_path, fs):
         s.sync()
     assert fs.manifests() == [3]
     assert objects(fs) == [f"{fs.newest_good()['files']['ckpt.h5']['md5']}-10"]
+
+
+@pytest.mark.parametrize("end", [True, False])
+def test_a_user_stop_ends_a_level3_job_once_its_files_are_committed(tmp_path, fs, monkeypatch, capsys, end):
+    """A job nothing stops at a step (a custom loop: level 3 only). The first Ctrl-C to `appliance train` synced its
+    working directory and left it running; a second Ctrl-C killed it. Now the stop request of a user's stop says
+    `end: after-sync`, and rank 0's syncer ends the job (EXIT_STOPPED) once the files are committed, after saying
+    so (Line.STOPPED, no step). The lease watchdog's stop asks no end: the job syncs and trains on."""
+    import json
+    import threading
+
+    from appliance.node import filesync
+    from appliance.protocol import EXIT_STOPPED, Line, parse
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "checkpoint-3.h5").write_bytes(b"weights")
+    stop = tmp_path / "STOP"
+    stop.write_text(json.dumps({"reason": "Ctrl-C to appliance train", **({"end": "after-sync"} if end else {})}))
+    s = Syncer(work, fs, every_s=3600, stop_file=stop, exclude=set())
+    exits, synced = [], threading.Event()
+
+    def fake_exit(code):
+        exits.append(code)
+        s.done.set()
+
+    monkeypatch.setattr(filesync.os, "_exit", fake_exit)
+    sync = s.sync
+    s.sync = lambda **kw: (sync(**kw), synced.set())[0]
+    t = threading.Thread(target=s.run)
+    t.start()
+    assert synced.wait(20)
+    if not end:
+        s.done.set()
+    t.join(20)
+    assert exits == ([EXIT_STOPPED] if end else [])
+    assert fs.manifests() == [1]
+    lines = [parse(x, (Line.STOPPED,)) for x in capsys.readouterr().out.splitlines()]
+    stopped = [body for got in lines if got for _, body in [got]]
+    assert stopped == ([{"step": None, "committed": True, "reason": "Ctrl-C to appliance train", "files": 1,
+                         "checkpoint": "files/manifest-1", "seconds": 0}] if end else [])

@@ -232,3 +232,52 @@ def test_the_heartbeat_names_the_worker_that_stopped_and_gives_no_verdict_withou
     w._round(misses)
     w._round(misses)
     assert w.failure is None and w.head_lost.is_set() and not w.dead_nodes
+
+
+def test_a_level3_job_ended_after_its_files_were_committed_is_exit_75(tmp_path):
+    """Rank 0's syncer ends a level-3-only job after a user's stop (node/filesync.py): rank 0 exits EXIT_STOPPED and
+    horovodrun stops the others, which the launcher sees as rank exits; with the syncer's report it is the stop the
+    user asked for (exit 75, resumable), not a failure."""
+    import pytest
+
+    from appliance.errors import JobFailed
+    from appliance.train.launch import check
+
+    hook, _ = _hook(tmp_path)
+    said = []
+    hook.say = said.append
+    body = {"step": None, "committed": True, "reason": "Ctrl-C to appliance train", "files": 4,
+            "checkpoint": "files/manifest-4", "seconds": 0}
+    assert hook.rank_line(0, format_line(Line.STOPPED, body))
+    assert said == ["[checkpoint] stopped (Ctrl-C to appliance train) with the working directory committed "
+                    "(manifest 4)"]
+    res = _result(rc=1, failure="rank 0 on head ended the job as asked (status 75) (then rank 1: status 143)")
+    hook.finish(res)
+    assert res.exit_code == EXIT_STOPPED and res.failure is None
+    res.run = "r"
+    with pytest.raises(JobFailed, match=r"stopped \(Ctrl-C to appliance train\) with its working directory committed "
+                                        r"\(manifest 4\)") as e:
+        check(res)
+    assert e.value.exit_code == EXIT_STOPPED
+
+
+def test_a_users_stop_asks_a_level3_job_to_end_after_its_sync_and_the_watchdogs_does_not(tmp_path):
+    hook, head = _hook(tmp_path)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text("for step in range(10):\n    tape.gradient(loss, vars)\n")  # a custom loop
+    hook.spec = type("S", (), {"name": "r", "code_dir": str(code),
+                               "checkpoint": type("C", (), {"auto": True, "url": "file:///x/"})()})()
+    hook._user_stop("Ctrl-C to appliance train")
+    req = json.loads(head.commands[-1][1])
+    assert (req["reason"], req.get("end")) == ("Ctrl-C to appliance train", "after-sync")
+    hook, head = _hook(tmp_path)
+    hook.request_stop({"reason": "the lease ends in 300 s"})  # the watchdog's: the job syncs and trains on
+    assert "end" not in json.loads(head.commands[-1][1])
+    (code / "train.py").write_text("model.fit(ds, epochs=3)\n")  # level 2: the Checkpointer stops it at a step
+    hook, head = _hook(tmp_path)
+    hook.spec = type("S", (), {"name": "r", "code_dir": str(code),
+                               "checkpoint": type("C", (), {"auto": True, "url": "file:///x/"})()})()
+    hook._user_stop("SIGTERM to appliance train")
+    req = json.loads(head.commands[-1][1])
+    assert (req["reason"], req.get("end")) == ("SIGTERM to appliance train", None)

@@ -188,7 +188,7 @@ class JobCheckpoints(JobHooks):
                 self.say(f"[watchdog] not watching the lease: {e}")
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *a: threading.Thread(
-                target=self.request_stop, args=({"reason": "SIGTERM to appliance train"},), daemon=True).start())
+                target=self._user_stop, args=("SIGTERM to appliance train",), daemon=True).start())
             if self.spec.checkpoint.url:
                 self._old_sigint = signal.signal(signal.SIGINT, self._on_ctrl_c)
 
@@ -201,10 +201,26 @@ class JobCheckpoints(JobHooks):
         threading.Thread(target=self._stop_for_ctrl_c, daemon=True).start()
 
     def _stop_for_ctrl_c(self) -> None:
-        self.say(f"[appliance] Ctrl-C: the job saves a checkpoint at its next step and stops (then `appliance "
-                 f"resume {self.spec.name}`); Ctrl-C again stops it at once, losing the work since its last "
-                 "checkpoint")
-        self.request_stop({"reason": "Ctrl-C to appliance train"})
+        if self._files_only():
+            self.say(f"[appliance] Ctrl-C: the job's working directory is committed now and the job ends (then "
+                     f"`appliance resume {self.spec.name}` puts the files back); Ctrl-C again stops it at once, "
+                     "losing what it wrote since the last sync")
+        else:
+            self.say(f"[appliance] Ctrl-C: the job saves a checkpoint at its next step and stops (then `appliance "
+                     f"resume {self.spec.name}`); Ctrl-C again stops it at once, losing the work since its last "
+                     "checkpoint")
+        self._user_stop("Ctrl-C to appliance train")
+
+    def _files_only(self) -> bool:
+        """Level 3 only: nothing in the job stops it at a step; its synced working directory is what it keeps."""
+        return protection_level(self.spec.code_dir, self.spec.checkpoint.auto) == "none"
+
+    def _user_stop(self, reason: str) -> None:
+        """A stop the user asked for (Ctrl-C, SIGTERM to appliance train). A level-3-only job has nothing that
+        stops at a step: rank 0's syncer commits the working directory and then ends the job (node/filesync.py).
+        The lease watchdog's stop does not end such a job: it syncs, and keeps training (and syncing every
+        minute) until the lease ends."""
+        self.request_stop({"reason": reason, **({"end": "after-sync"} if self._files_only() else {})})
 
     def _restore_signals(self) -> None:
         for sig, old in ((signal.SIGTERM, self._old_sigterm), (signal.SIGINT, self._old_sigint)):
@@ -282,7 +298,10 @@ class JobCheckpoints(JobHooks):
                          f"save {body['save_s']}s + upload {body['upload_s']}s)")
             elif kind == Line.STOPPED:
                 self.stopped = body
-                if body.get("committed"):
+                if body.get("step") is None and body.get("committed"):  # level 3: the syncer ended the job
+                    self.say(f"[checkpoint] stopped ({body['reason']}) with the working directory committed "
+                             f"(manifest {body.get('files')})")
+                elif body.get("committed"):
                     self.say(f"[checkpoint] stopped after step {body['step']} ({body['reason']}); "
                              f"checkpoint {body['checkpoint']} committed in {body['seconds']}s")
                 else:
@@ -372,6 +391,10 @@ class JobCheckpoints(JobHooks):
         """A stop before the lease end is exit 75 (resumable) when its checkpoint was committed, a failure if not.
         A job that failed because its lease ended under it says so, with what survives."""
         result.stopped, result.commits, result.resumed = self.stopped, self.commits, self.resumed
+        if self.stopped is not None and self.stopped.get("step") is None and self.stopped.get("committed"):
+            # level 3: rank 0 ended the job (EXIT_STOPPED) once its files were committed; the other ranks' ends,
+            # and the launcher's "rank 0 ... status 75" verdict, follow from that
+            result.failure = None
         result.timeline.update({k: v for k, v in (("resumed", self.resumed_at), ("first_step", self.first_step_at))
                                 if v is not None})
         if result.failure is not None and self.stopped is None:

@@ -100,7 +100,8 @@ def job_ended(spec: Spec, cluster: Cluster, res) -> dict:
         rec["step"] = max(rec.get("step") or 0, c["step"])
     resumed = getattr(res, "resumed", None)
     job["first_step"] = int(resumed["step"]) if resumed else 0
-    job["last_step"] = int(res.stopped["step"]) if res.stopped else max((c["step"] for c in res.commits), default=None)
+    job["last_step"] = (int(res.stopped["step"]) if res.stopped and res.stopped.get("step") is not None
+                        else max((c["step"] for c in res.commits), default=None))
     job.update({"ended": ended, "status": status, "exit_code": res.exit_code, "failure": res.failure,
                 "node_seconds": round(used, 1), "node_seconds_lost": round(lost, 1)})
     rec["status"] = status

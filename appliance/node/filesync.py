@@ -21,11 +21,12 @@ import atexit
 import fcntl
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
-from ..protocol import Env, Line, emit
+from ..protocol import EXIT_STOPPED, Env, Line, emit
 from ..store.filesync import FileSet
 from ..store.objects import StoreCreds, md5_file
 
@@ -105,6 +106,7 @@ class Syncer:
                 body = self.fs.push(self.root, files, self.seq, until=time.time() + 300, log=_log)
             except Exception as e:  # never let the syncer kill training
                 _log(f"synced files NOT committed: {type(e).__name__}: {e}")
+                self.failed = True
                 return None
             self.pushed = {r: f["md5"] for r, f in files.items()}
             self._last_files = files
@@ -117,6 +119,28 @@ class Syncer:
             return body
 
     _last_files: dict | None = None
+    failed = False  # the last commit failed
+
+    def _end_asked(self) -> str | None:
+        """The stop request's reason when it asks for the job's end once its files are committed: a job that
+        nothing else stops (level 3 only) whose user pressed Ctrl-C or sent SIGTERM to `appliance train`
+        (checkpoint/job.py)."""
+        try:
+            req = json.loads(self.stop_file.read_text())
+        except (OSError, ValueError, AttributeError):
+            return None
+        return str(req.get("reason") or "asked") if isinstance(req, dict) and req.get("end") == "after-sync" else None
+
+    def _end_job(self, reason: str) -> None:
+        """Rank 0 reports the stop (Line.STOPPED, no step: the files are the job's own) and ends with EXIT_STOPPED;
+        horovodrun then stops the other ranks, and the launcher reports exit 75 (resumable), not a failure.
+        Before, the first Ctrl-C of such a job synced its files and left it running; only a second Ctrl-C stopped
+        it, as a kill."""
+        emit(Line.STOPPED, {"step": None, "committed": True, "reason": reason, "files": self.seq,
+                            "checkpoint": f"files/manifest-{self.seq}", "seconds": 0})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STOPPED)
 
     def restore(self) -> None:
         body = self.fs.newest_good(log=_log)
@@ -133,8 +157,12 @@ class Syncer:
         stopped = False
         while not self.done.wait(1.0):
             if not stopped and self.stop_file is not None and self.stop_file.exists():
-                stopped = True  # the lease end is near: commit now
+                stopped = True  # the lease end is near, or the user asked: commit now
+                self.failed = False
                 self.sync(final=True, why="stop")
+                reason = None if self.failed else self._end_asked()
+                if reason is not None:
+                    self._end_job(reason)
                 next_at = time.monotonic() + self.every_s
             elif time.monotonic() >= next_at:
                 self.sync()

@@ -235,7 +235,8 @@ class _Watch:
         hosts = self.cluster.rank_hosts()
         host = hosts[rank] if rank < len(hosts) else "?"
         code = self.own_status.get(rank, code)
-        why = f"rank {rank} on {host} exited with status {code}"
+        why = (f"rank {rank} on {host} ended the job as asked (status {code})" if code == EXIT_STOPPED else
+               f"rank {rank} on {host} exited with status {code}")
         if code == 255 and rank not in self.own_status:
             why += f" (lost the SSH connection to {host})"
         return why
@@ -763,6 +764,10 @@ def _stdout(line: str) -> None:
 
 def check(result: JobResult) -> JobResult:
     """Raise JobFailed (with the job's exit code) if the job failed; exit 75 when it stopped for the lease end."""
+    if result.exit_code == EXIT_STOPPED and result.stopped and result.stopped.get("step") is None:
+        raise JobFailed(f"stopped ({result.stopped['reason']}) with its working directory committed (manifest "
+                        f"{result.stopped.get('files')})", f"continue with `appliance resume {result.run}`",
+                        exit_code=EXIT_STOPPED)
     if result.exit_code == EXIT_STOPPED and result.stopped:
         raise JobFailed(f"stopped after step {result.stopped['step']} ({result.stopped['reason']}) with checkpoint "
                         f"{result.stopped['checkpoint']} committed", f"continue with `appliance resume {result.run}`",
