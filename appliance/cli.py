@@ -927,7 +927,11 @@ def format_summary(s: dict) -> list[str]:
                      + ("" if r.get("bit_exact") else f", world size {r['checkpoint_world_size']} -> {r['world_size']}"))
     if s.get("resume_breakdown"):
         lines.append(f"  downtime  {format_breakdown(s['resume_breakdown'])}")
-    if stopped:
+    if stopped and s["stopped"].get("step") is None:  # level 3: rank 0's syncer ended the job
+        st = s["stopped"]
+        lines.append(f"  stopped   {st['reason']}, once its working directory was committed (manifest "
+                     f"{st.get('files')}): `appliance resume` puts the files back")
+    elif stopped:
         st = s["stopped"]
         lines.append(f"  stopped   after step {st['step']}: {st['reason']}")
         lines.append(f"  committed {st['checkpoint']} ({st['seconds']} s from the stop request to the commit)")

@@ -180,6 +180,41 @@ def test_run_record_counts_lost_node_time(appliance_home):
     assert row["last_checkpoint"] == "ckpt-000000020" and row["node_hours_used"] == round(200 / 3600, 3)
 
 
+def test_a_level3_stop_is_recorded_and_shown_without_a_step(appliance_home):
+    """A level-3 job rank 0's syncer ended (Line.STOPPED with no step): the run record keeps its step, `appliance
+    runs` shows it (a None step broke the table's format), and the summary names the synced manifest."""
+    from appliance.cli import format_summary
+
+    class Spec:
+        name, path, digest = "lvl3", "", ""
+
+        class checkpoint:
+            url = "swift://c/"
+
+    class Cl:
+        name, lease_id, lease_end, world_size = "lvl3", None, None, 2
+        nodes = [1, 2]
+
+    stopped = {"step": None, "committed": True, "reason": "Ctrl-C to appliance train", "files": 3,
+               "checkpoint": "files/manifest-3", "seconds": 0}
+
+    class Res:
+        job_id, wall_s, exit_code, failure = "j1", 100.0, 75, None
+        started_at = time.time() - 100
+        commits = []
+
+    Res.stopped = stopped
+    runs.job_started(Spec, Cl, "j1")
+    rec = runs.job_ended(Spec, Cl, Res)
+    assert rec["status"] == "stopped" and rec["step"] == 0
+    assert [r["step"] for r in runs.list_runs() if r["run"] == "lvl3"] == [0]
+    lines = format_summary({"exit_code": 75, "stopped": stopped, "job_id": "j1", "nodes": ["n0", "n1"], "ranks": 2,
+                            "hostnames_reported": [], "wall_seconds": 100.0, "log": "/x", "run": "lvl3"})
+    assert lines[0] == "== STOPPED (resumable): job j1 =="
+    assert lines[1] == ("  stopped   Ctrl-C to appliance train, once its working directory was committed (manifest "
+                        "3): `appliance resume` puts the files back")
+
+
 def test_a_fresh_job_refuses_a_run_that_has_committed_checkpoints(tmp_path):
     """Its checkpoints (from step 0) would sort behind the old ones and be pruned as soon as committed."""
     from appliance.checkpoint.job import JobCheckpoints

@@ -86,7 +86,8 @@ def job_ended(spec: Spec, cluster: Cluster, res) -> dict:
         status = "lost"
     elif res.stopped:
         status = "stopped" if res.stopped.get("committed") else "failed"
-        rec["step"] = res.stopped["step"]
+        if res.stopped.get("step") is not None:  # none when rank 0's syncer ended a level-3 job
+            rec["step"] = res.stopped["step"]
     elif res.exit_code == 0:
         status = "complete"
     else:
