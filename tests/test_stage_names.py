@@ -174,3 +174,27 @@ def test_a_file_rewritten_in_place_at_the_same_size_is_fetched_again(tmp_path):
     m = json.loads((out / MANIFEST).read_text())
     (out / MANIFEST).write_text(json.dumps({k: v[:2] for k, v in m.items()}))
     assert stage(st, "d/", out).files_skipped == 2
+
+
+def test_a_second_pack_sends_only_the_shards_the_store_lacks(tmp_path, monkeypatch):
+    """`appliance data pack` re-run after an interruption (or over unchanged files) sent every shard again; shards
+    are deterministic (tar mtimes 0), so those the store holds with the same MD5 now stay; index.json is rewritten."""
+    from appliance.data.pack import pack
+    from appliance.store.objects import FileStore
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(30):
+        (src / f"{i:03d}.bin").write_bytes(bytes([i]) * 3000)
+    store = FileStore(str(tmp_path / "store"))
+    said = []
+    first = pack(src, store, "p", shard_size=20_000, log=said.append)
+    assert len(first["shards"]) == 5
+    sent = []
+    real = FileStore.put
+    monkeypatch.setattr(FileStore, "put", lambda self, name, path, **kw: (sent.append(name), real(self, name, path,
+                                                                                                   **kw))[1])
+    (tmp_path / "store" / "p" / "shard-000003.tar").unlink()  # the interruption: one shard never arrived
+    again = pack(src, store, "p", shard_size=20_000, log=said.append)
+    assert again == first and sorted(sent) == ["p/index.json", "p/shard-000003.tar"]
+    assert said[-1].endswith("; 4 of them already in the store with the same MD5, not sent again")

@@ -112,6 +112,11 @@ def pack(src: str | Path, store: Store, prefix: str, *, shard_size: int = 64 * 1
     ext = "tar" if fmt == "tar" else "tfrecord"
     shards: list[dict] = []
     n_files = n_bytes = 0
+    try:  # a re-run (after an interruption, or of unchanged files) sends only the shards the store lacks
+        listed = {o.name: o for o in store.list(prefix)}
+    except FileNotFoundError:
+        listed = {}
+    kept = []
     with tempfile.TemporaryDirectory(prefix="appliance-pack-") as tmp, \
             ThreadPoolExecutor(max_workers=concurrency) as ex:
         uploads = []
@@ -122,8 +127,12 @@ def pack(src: str | Path, store: Store, prefix: str, *, shard_size: int = 64 * 1
                    "first_key": w.first, "last_key": w.last}
             shards.append(rec)
 
-            def up(path=w.path):
-                store.put(prefix + path.name, path)
+            def up(path=w.path, rec=rec):
+                there = listed.get(prefix + path.name)
+                if there is not None and (there.size, there.etag.strip('"')) == (rec["size"], rec["md5"]):
+                    kept.append(path.name)  # the same bytes (shards are deterministic: tar mtimes are 0)
+                else:
+                    store.put(prefix + path.name, path)
                 path.unlink()
 
             uploads.append(ex.submit(up))
@@ -153,5 +162,6 @@ def pack(src: str | Path, store: Store, prefix: str, *, shard_size: int = 64 * 1
         store.put(prefix + "index.json", Path(tmpname))  # last: the commit point
     finally:
         os.unlink(tmpname)
-    log(f"packed {n_files} files ({len(items)} samples, {n_bytes / 1e6:.1f} MB) into {len(shards)} {fmt} shard(s)")
+    log(f"packed {n_files} files ({len(items)} samples, {n_bytes / 1e6:.1f} MB) into {len(shards)} {fmt} shard(s)"
+        + (f"; {len(kept)} of them already in the store with the same MD5, not sent again" if kept else ""))
     return index
