@@ -297,11 +297,7 @@ def cloud_server(cloud, sid):
 
 
 def cloud_server_set_password(cloud, sid, value):
-    srv = cloud.servers[sid]
-    if isinstance(srv, dict):
-        srv["_password"] = value
-    else:
-        srv.password = value
+    cloud.servers[sid].password = value
 
 
 def test_every_body_the_local_cloud_answers_is_as_recorded(tmp_path):

@@ -71,11 +71,6 @@ def versions(vid: str, href: str) -> dict:
     return {"versions": [{"id": vid, "status": "CURRENT", "links": [{"rel": "self", "href": href}]}]}
 
 
-def public(d: dict) -> dict:
-    """A record without its simulator-private fields (leading underscore)."""
-    return {k: v for k, v in d.items() if not k.startswith("_")}
-
-
 # openstack/nova nova/api/openstack/wsgi.py, class Fault: the body is {NAME: {"code", "message"}}, NAME from
 # _fault_names by status, "computeFault" for any other status.
 NOVA_FAULT_NAMES = {400: "badRequest", 401: "unauthorized", 403: "forbidden", 404: "itemNotFound", 405: "badMethod",

@@ -19,8 +19,8 @@ def create_lease(req: Request):
     create); Keystone refuses trusts to a restricted application credential (keystone/api/trusts.py
     `_check_unrestricted_application_credential`), and Blazar's route turns that non-Blazar exception into a
     bare 500 (blazar/api/v1/utils.py `Rest.route` -> `internal_error(500, 'Internal Server Error', e)`)."""
-    info = req.cloud.token_info.get(req.handler.headers.get("X-Auth-Token") or "", {})
-    if info.get("app_cred") and not info.get("unrestricted"):
+    tok = req.cloud.token(req.handler.headers.get("X-Auth-Token"))
+    if tok is not None and tok.app_cred and not tok.unrestricted:
         raise ApiError(500, "Internal Server Error", "INTERNAL_SERVER_ERROR")
     return 201, {"lease": req.cloud.create_lease(req.body or {})}
 
@@ -32,7 +32,7 @@ def normalize(path: str) -> str:
 
 def list_leases(req: Request):
     c = req.cloud
-    return 200, {"leases": [c.lease_view(x) for x in c.leases.values() if x["status"] != "DELETED"]}
+    return 200, {"leases": [x.view() for x in c.leases.values() if x.status != "DELETED"]}
 
 
 def delete_lease(req: Request, lid: str):
@@ -41,15 +41,14 @@ def delete_lease(req: Request, lid: str):
 
 
 def hosts(req: Request):
-    return 200, {"hosts": [{"id": h["id"], "hypervisor_hostname": h["hypervisor_hostname"], **h["capabilities"]}
-                           for h in req.cloud.hosts]}
+    return 200, {"hosts": [h.view() for h in req.cloud.hosts]}
 
 
 ROUTES = [
     Route(None, "/", lambda req: (300, versions("v1.0", f"{req.base}/reservation/v1/")), auth=False),
     Route("GET", "/v1/leases", list_leases),
     Route("POST", "/v1/leases", create_lease),
-    Route("GET", "/v1/leases/([^/]+)", lambda req, lid: (200, {"lease": req.cloud.lease_view(req.cloud.get_lease(lid))})),
+    Route("GET", "/v1/leases/([^/]+)", lambda req, lid: (200, {"lease": req.cloud.get_lease(lid).view()})),
     Route("PUT", "/v1/leases/([^/]+)", lambda req, lid: (200, {"lease": req.cloud.update_lease(lid, req.body or {})})),
     Route("DELETE", "/v1/leases/([^/]+)", delete_lease),
     Route("GET", "/v1/os-hosts", hosts),

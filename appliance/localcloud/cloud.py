@@ -7,7 +7,6 @@ run on a node backend (nodes.py). See server.py for what is simulated and where 
 from __future__ import annotations
 
 import base64
-import copy
 import datetime as dt
 import json
 import re
@@ -19,11 +18,12 @@ from pathlib import Path
 
 from .metadata import MetadataService
 from .nodes import NodeBackend, TestbedNodes
+from .state import (STAMP, AppCred, Ec2Cred, FipReservation, FloatingIp, Host, HostReservation, Image, Keypair,
+                    Lease, LeaseEvent, Network, Port, Server, Token, fmt)
 
 MAX_LEASE_SECONDS = 7 * 86400
 EXTENSION_WINDOW_SECONDS = 48 * 3600
 API_DATE = "%Y-%m-%d %H:%M"
-ISO = "%Y-%m-%dT%H:%M:%S.%f"
 REGION = "CHI@local"
 DEFAULT_POOLS = {"compute_local": 4, "gpu_local": 2}
 # every image here stands for a CC image, whose cloud-init makes the default user cc (uid 1000, passwordless sudo)
@@ -65,8 +65,7 @@ class Clock:
             self.offset = 0.0
 
 
-def _fmt(ts: float, f: str = ISO) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None).strftime(f)
+_fmt = fmt
 
 
 def _parse_api_date(value, field: str) -> float:
@@ -139,35 +138,35 @@ class Cloud:
         self.creds = json.loads((state_dir / "credentials.json").read_text())
         self.project_id = self.creds["project_id"]
         self.user_id = self.creds["user_id"]
-        self.tokens: dict[str, float] = {}
-        self.token_info: dict[str, dict] = {}  # token -> the application credential it came from (if any)
-        self.app_creds: dict[str, dict] = {}  # made through Keystone's API (the cloud's own is in creds)
-        self.ec2_creds: dict[str, dict] = {}  # access key -> EC2 credential (Keystone OS-EC2)
-        self.token_bodies: dict[str, dict] = {}  # token -> what Keystone answers when a service validates it
+        # Keystone
+        self.tokens: dict[str, Token] = {}
+        self.app_creds: dict[str, AppCred] = {}  # made through Keystone's API (the cloud's own is in creds)
+        self.ec2_creds: dict[str, Ec2Cred] = {}  # by access key (Keystone OS-EC2)
         self.token_lifetime: float | None = None  # seconds (keystone.token_seconds)
-        self.hosts = []
+        # Blazar
+        self.hosts: list[Host] = []
         for node_type, n in (pools or DEFAULT_POOLS).items():
             for i in range(1, n + 1):
-                self.hosts.append({"id": str(len(self.hosts) + 1), "hypervisor_hostname": f"{node_type}-{i:02d}",
-                                   "node_type": node_type, "capabilities": {"node_type": node_type,
-                                                                           "node_name": f"{node_type}-{i:02d}"}})
-        self.leases: dict[str, dict] = {}
-        self.servers: dict[str, dict] = {}
-        self.keypairs: dict[str, dict] = {}
-        self.fips: dict[str, dict] = {}
-        self.sharednet = {"id": _uuid(), "name": "sharednet1", "status": "ACTIVE", "router:external": False,
-                          "shared": True, "subnets": [_uuid()], "tags": []}
-        self.public = {"id": _uuid(), "name": "public", "status": "ACTIVE", "router:external": True,
-                       "shared": True, "subnets": [_uuid()], "tags": []}
+                name = f"{node_type}-{i:02d}"
+                self.hosts.append(Host(str(len(self.hosts) + 1), name, node_type,
+                                       {"node_type": node_type, "node_name": name}))
+        self.leases: dict[str, Lease] = {}
+        # Nova
+        self.servers: dict[str, Server] = {}
+        self.keypairs: dict[str, Keypair] = {}
         self.flavor = {"id": "baremetal", "name": "baremetal", "ram": 196608, "vcpus": 48, "disk": 240,
                        "OS-FLV-EXT-DATA:ephemeral": 0, "swap": 0, "rxtx_factor": 1.0, "is_public": True,
-                       "os-flavor-access:is_public": True, "links": []}
-        self.images = [{"id": _uuid(), "name": name, "status": "active", "visibility": "public",
-                        "disk_format": "qcow2", "container_format": "bare", "size": 1 << 30, "tags": [],
-                        "created_at": _fmt(self.clock.now(), "%Y-%m-%dT%H:%M:%SZ"), "min_disk": 0, "min_ram": 0,
-                        "owner": self.project_id, "protected": False, "checksum": None, "os_hash_algo": None,
-                        "os_hash_value": None, "updated_at": _fmt(self.clock.now(), "%Y-%m-%dT%H:%M:%SZ")}
-                       for name in ("appliance-cpu", "CC-Ubuntu22.04", "CC-Ubuntu22.04-CUDA")]
+                       "os-flavor-access:is_public": True, "links": []}  # a constant: Chameleon's one bare-metal flavor
+        # Neutron
+        self.fips: dict[str, FloatingIp] = {}
+        self.sharednet = Network(_uuid(), "sharednet1", external=False, subnets=[_uuid()])
+        self.public = Network(_uuid(), "public", external=True, subnets=[_uuid()])
+        # Glance
+        made = _fmt(self.clock.now(), "%Y-%m-%dT%H:%M:%SZ")
+        self.images: list[Image] = [
+            Image(_uuid(), name, self.project_id, made, disk_format="qcow2", container_format="bare", status="active",
+                  visibility="public", size=1 << 30, updated_at=made)
+            for name in ("appliance-cpu", "CC-Ubuntu22.04", "CC-Ubuntu22.04-CUDA")]
         self.faults: dict[str, int] = {}
         self.requests: list[dict] = []
         self.nodes: NodeBackend = nodes or TestbedNodes(testbed_name)
@@ -179,8 +178,11 @@ class Cloud:
         self.heat = Heat(self, _uuid)
 
     def token_valid(self, tok: str | None) -> bool:
-        exp = self.tokens.get(tok or "")
-        return bool(exp) and exp >= time.time()
+        t = self.tokens.get(tok or "")
+        return t is not None and t.valid()
+
+    def token(self, tok: str | None) -> Token | None:
+        return self.tokens.get(tok or "")
 
     # -- engine -----------------------------------------------------------------------------------
 
@@ -189,63 +191,52 @@ class Cloud:
         now = self.clock.now()
         with self.lock:
             for lease in list(self.leases.values()):
-                if lease["status"] == "PENDING" and now >= lease["_start"]:
+                if lease.status == "PENDING" and now >= lease.start:
                     self._start_lease(lease)
-                if lease["status"] == "ACTIVE" and now >= lease["_end"]:
+                if lease.status == "ACTIVE" and now >= lease.end:
                     self._end_lease(lease, "TERMINATED")
 
-    def _start_lease(self, lease):
-        lease["status"] = "ACTIVE"
-        for r in lease["reservations"]:
-            r["status"] = "active"
-            if r["resource_type"] == "virtual:floatingip":
-                for _ in range(int(r["amount"])):
-                    fip = self._new_fip(tags=[f"reservation:{r['id']}", "blazar"])
-                    r["_fips"].append(fip["id"])
-        self._event(lease, "start_lease", "DONE")
-        lease["updated_at"] = _fmt(self.clock.now(), "%Y-%m-%d %H:%M:%S")
+    def _start_lease(self, lease: Lease) -> None:
+        lease.status = "ACTIVE"
+        for r in lease.reservations:
+            r.status = "active"
+            if isinstance(r, FipReservation):
+                for _ in range(r.amount):
+                    fip = self._new_fip(tags=[f"reservation:{r.id}", "blazar"])
+                    r.fips.append(fip.id)
+        lease.event("start_lease").status = "DONE"
+        lease.updated_at = _fmt(self.clock.now(), STAMP)
 
-    def _end_lease(self, lease, status):
+    def _end_lease(self, lease: Lease, status: str) -> None:
         """end_lease: delete every server on the reserved hosts, release reserved FIPs."""
-        lease["status"] = "TERMINATING"
-        hosts = {h for r in lease["reservations"] for h in r.get("_hosts", [])}
+        lease.status = "TERMINATING"
+        hosts = lease.hosts()
         for srv in list(self.servers.values()):
-            if srv["_host"] in hosts and srv["status"] != "DELETED":
+            if srv.host in hosts and srv.status != "DELETED":
                 self._delete_server(srv)
-        for r in lease["reservations"]:
-            for fid in r.get("_fips", []):
-                self._release_fip(fid)
-            r["status"] = "deleted"
-        self._event(lease, "end_lease", "DONE")
-        lease["status"] = status
-        lease["updated_at"] = _fmt(self.clock.now(), "%Y-%m-%d %H:%M:%S")
-
-    def _event(self, lease, etype, status):
-        for e in lease["events"]:
-            if e["event_type"] == etype:
-                e["status"] = status
+        for r in lease.reservations:
+            if isinstance(r, FipReservation):
+                for fid in r.fips:
+                    self._release_fip(fid)
+            r.status = "deleted"
+        lease.event("end_lease").status = "DONE"
+        lease.status = status
+        lease.updated_at = _fmt(self.clock.now(), STAMP)
 
     # -- hosts ------------------------------------------------------------------------------------
 
     def _busy(self, host_id: str, start: float, end: float, ignore: str | None = None) -> bool:
         for lease in self.leases.values():
-            if lease["id"] == ignore or lease["status"] in ("TERMINATED", "ERROR", "DELETED"):
+            if lease.id == ignore or lease.status in ("TERMINATED", "ERROR", "DELETED"):
                 continue
-            for r in lease["reservations"]:
-                if host_id in r.get("_hosts", []) and lease["_start"] < end and start < lease["_end"]:
-                    return True
+            if host_id in lease.hosts() and lease.start < end and start < lease.end:
+                return True
         return False
 
     # -- Blazar -----------------------------------------------------------------------------------
 
-    def lease_view(self, lease) -> dict:
-        out = {k: copy.deepcopy(v) for k, v in lease.items() if not k.startswith("_")}
-        out["start_date"] = _fmt(lease["_start"])
-        out["end_date"] = _fmt(lease["_end"])
-        for r in out["reservations"]:
-            for k in [k for k in r if k.startswith("_")]:
-                del r[k]
-        return out
+    def lease_view(self, lease: Lease) -> dict:
+        return lease.view()
 
     def create_lease(self, body: dict) -> dict:
         now = self.clock.now()
@@ -265,7 +256,7 @@ class Cloud:
         # blazar/db/migration/alembic_migrations/versions/6bfd1c23aa18_allow_duplicate_lease_names.py), so two leases
         # may share a name (LeaseNameAlreadyExists, manager/service.py, is left for a duplicate the DB would refuse)
         lease_id = _uuid()
-        reservations = []
+        reservations: list[HostReservation | FipReservation] = []
         with self.lock:
             for req in body["reservations"]:
                 rtype = req.get("resource_type")
@@ -282,34 +273,26 @@ class Cloud:
                     if lo < 1 or hi < lo:
                         raise ApiError(400, "Invalid values for min/max of hosts", "InvalidRange")
                     pred = parse_requirements(req["resource_properties"])
-                    free = [h["id"] for h in self.hosts if pred(h["capabilities"]) and not self._busy(h["id"], start, end)]
+                    free = [h.id for h in self.hosts if pred(h.capabilities) and not self._busy(h.id, start, end)]
                     if len(free) < lo:
                         raise ApiError(409, "Not enough hosts available", "NotEnoughHostsAvailable")
-                    reservations.append({
-                        "id": rid, "lease_id": lease_id, "status": "pending", "resource_id": _uuid(),
-                        "resource_type": rtype, "min": lo, "max": hi,
-                        "hypervisor_properties": req["hypervisor_properties"],
-                        "resource_properties": req["resource_properties"], "before_end": req.get("before_end", "default"),
-                        "missing_resources": False, "resources_changed": False, "_hosts": free[:hi],
-                    })
+                    reservations.append(HostReservation(
+                        rid, lease_id, resource_id=_uuid(), min=lo, max=hi,
+                        hypervisor_properties=req["hypervisor_properties"],
+                        resource_properties=req["resource_properties"], before_end=req.get("before_end", "default"),
+                        hosts=free[:hi]))
                 elif rtype == "virtual:floatingip":
-                    if req.get("network_id") != self.public["id"]:
+                    if req.get("network_id") != self.public.id:
                         raise ApiError(400, "network_id must be the external network", "InvalidInput")
-                    reservations.append({"id": rid, "lease_id": lease_id, "status": "pending",
-                                         "resource_type": rtype, "network_id": req["network_id"],
-                                         "amount": int(req.get("amount", 1)), "_fips": []})
+                    reservations.append(FipReservation(rid, lease_id, req["network_id"], int(req.get("amount", 1))))
                 else:
                     raise ApiError(400, f"Unsupported resource type {rtype}", "UnsupportedResourceType")
-            stamp = _fmt(now, "%Y-%m-%d %H:%M:%S")
-            lease = {"id": lease_id, "name": body["name"], "status": "PENDING", "degraded": False,
-                     "user_id": self.user_id, "project_id": self.project_id, "trust_id": _uuid(),
-                     "created_at": stamp, "updated_at": None, "reservations": reservations,
-                     "events": [{"event_type": "start_lease", "time": _fmt(start), "status": "UNDONE"},
-                                {"event_type": "end_lease", "time": _fmt(end), "status": "UNDONE"}],
-                     "_start": start, "_end": end}
+            lease = Lease(lease_id, body["name"], "PENDING", self.user_id, self.project_id, trust_id=_uuid(),
+                          created_at=_fmt(now, STAMP), reservations=reservations, start=start, end=end,
+                          events=[LeaseEvent("start_lease", _fmt(start)), LeaseEvent("end_lease", _fmt(end))])
             if self.faults.get("lease_error", 0) > 0:
                 self.faults["lease_error"] -= 1
-                lease["status"] = "ERROR"
+                lease.status = "ERROR"
             # a host failed: Blazar's monitor updates the reservation's flags and marks the lease degraded, for a
             # failed reallocation (missing_resources) and a successful one (resources_changed) alike, and never
             # clears it (ChameleonCloud/blazar blazar/monitor/base.py `_update_flags`,
@@ -317,15 +300,15 @@ class Cloud:
             for fault, flag in (("lease_degraded", "missing_resources"), ("lease_reallocated", "resources_changed")):
                 if self.faults.get(fault, 0) > 0:
                     self.faults[fault] -= 1
-                    lease["degraded"] = True
-                    reservations[0][flag] = True
+                    lease.degraded = True
+                    setattr(reservations[0], flag, True)
             self.leases[lease_id] = lease
         self.tick()
-        return self.lease_view(lease)
+        return lease.view()
 
-    def get_lease(self, lease_id) -> dict:
+    def get_lease(self, lease_id) -> Lease:
         lease = self.leases.get(lease_id)
-        if lease is None or lease["status"] == "DELETED":
+        if lease is None or lease.status == "DELETED":
             raise ApiError(404, f"Object with {{'id': '{lease_id}'}} not found", "NotFound")
         return lease
 
@@ -333,64 +316,53 @@ class Cloud:
         with self.lock:
             lease = self.get_lease(lease_id)
             if "name" in body:
-                lease["name"] = body["name"]
+                lease.name = body["name"]
             if "end_date" in body:
                 new_end = _parse_api_date(body["end_date"], "end_date")
                 now = self.clock.now()
-                if lease["status"] in ("TERMINATED", "ERROR"):
-                    raise ApiError(400, f"Lease {lease_id} is {lease['status']} and cannot be updated", "InvalidStatus")
-                if lease["status"] == "ACTIVE":
-                    if lease["_end"] - now > EXTENSION_WINDOW_SECONDS:
+                if lease.status in ("TERMINATED", "ERROR"):
+                    raise ApiError(400, f"Lease {lease_id} is {lease.status} and cannot be updated", "InvalidStatus")
+                if lease.status == "ACTIVE":
+                    if lease.end - now > EXTENSION_WINDOW_SECONDS:
                         raise ApiError(400, f"Lease can only be extended within {EXTENSION_WINDOW_SECONDS} seconds "
-                                            f"of the lease end date ({_fmt(lease['_end'], API_DATE)})",
+                                            f"of the lease end date ({_fmt(lease.end, API_DATE)})",
                                        "MaxLeaseUpdateWindowException")
-                    if new_end - lease["_end"] > MAX_LEASE_SECONDS:
+                    if new_end - lease.end > MAX_LEASE_SECONDS:
                         raise ApiError(400, f"Lease duration must not exceed {MAX_LEASE_SECONDS} seconds (7 days) "
                                             "from the current end date", "MaxLeaseDurationException")
-                elif new_end - lease["_start"] > MAX_LEASE_SECONDS:
+                elif new_end - lease.start > MAX_LEASE_SECONDS:
                     raise ApiError(400, f"Lease duration must not exceed {MAX_LEASE_SECONDS} seconds (7 days)",
                                    "MaxLeaseDurationException")
-                if new_end <= max(now, lease["_start"]):
+                if new_end <= max(now, lease.start):
                     raise ApiError(400, "End date must be later than the current date and the start date", "InvalidInput")
-                for r in lease["reservations"]:
-                    for h in r.get("_hosts", []):
-                        if self._busy(h, lease["_end"], new_end, ignore=lease_id):
-                            raise ApiError(409, "Not enough hosts available: a reserved host is booked by another "
-                                                "lease after the current end", "NotEnoughHostsAvailable")
-                lease["_end"] = new_end
-                self._event_time(lease, "end_lease", new_end)
-            lease["updated_at"] = _fmt(self.clock.now(), "%Y-%m-%d %H:%M:%S")
+                for h in lease.hosts():
+                    if self._busy(h, lease.end, new_end, ignore=lease_id):
+                        raise ApiError(409, "Not enough hosts available: a reserved host is booked by another "
+                                            "lease after the current end", "NotEnoughHostsAvailable")
+                lease.end = new_end
+                lease.event("end_lease").time = _fmt(new_end)
+            lease.updated_at = _fmt(self.clock.now(), STAMP)
         self.tick()
-        return self.lease_view(lease)
-
-    def _event_time(self, lease, etype, ts):
-        for e in lease["events"]:
-            if e["event_type"] == etype:
-                e["time"] = _fmt(ts)
+        return lease.view()
 
     def delete_lease(self, lease_id) -> None:
         with self.lock:
             lease = self.get_lease(lease_id)
-            if lease["status"] in ("ACTIVE", "PENDING", "ERROR"):
+            if lease.status in ("ACTIVE", "PENDING", "ERROR"):
                 self._end_lease(lease, "TERMINATED")
-            lease["status"] = "DELETED"
+            lease.status = "DELETED"
 
-    def reservation(self, rid: str):
+    def reservation(self, rid: str) -> tuple[Lease | None, HostReservation | FipReservation | None]:
         for lease in self.leases.values():
-            for r in lease["reservations"]:
-                if r["id"] == rid:
+            for r in lease.reservations:
+                if r.id == rid:
                     return lease, r
         return None, None
 
     # -- Nova -------------------------------------------------------------------------------------
 
-    def server_view(self, srv) -> dict:
-        out = {k: copy.deepcopy(v) for k, v in srv.items() if not k.startswith("_")}
-        out["OS-EXT-STS:vm_state"] = {"ACTIVE": "active", "BUILD": "building", "ERROR": "error"}.get(srv["status"], "deleted")
-        out["OS-EXT-STS:task_state"] = "spawning" if srv["status"] == "BUILD" else None
-        out["OS-EXT-STS:power_state"] = 1 if srv["status"] == "ACTIVE" else 0
-        out["updated"] = _fmt(self.clock.now(), "%Y-%m-%dT%H:%M:%SZ")
-        return out
+    def server_view(self, srv: Server) -> dict:
+        return srv.view(updated=_fmt(self.clock.now(), "%Y-%m-%dT%H:%M:%SZ"))
 
     def create_servers(self, body: dict) -> dict:
         s = body.get("server") or {}
@@ -400,13 +372,13 @@ class Cloud:
                 raise ApiError(400, f"Invalid input for field/attribute server. '{key}' is a required property", "BadRequest")
         if s["flavorRef"] not in ("baremetal", self.flavor["id"]):
             raise ApiError(400, f"Flavor {s['flavorRef']} could not be found.", "BadRequest")
-        if not any(i["id"] == s["imageRef"] for i in self.images):
+        if not any(i.id == s["imageRef"] for i in self.images):
             raise ApiError(400, f"Image {s['imageRef']} could not be found.", "BadRequest")
         key_name = s.get("key_name")
         if key_name and key_name not in self.keypairs:
-            raise ApiError(400, f"Invalid key_name provided.", "BadRequest")
+            raise ApiError(400, "Invalid key_name provided.", "BadRequest")
         nets = s.get("networks") or []
-        if nets and nets != "auto" and not all(n.get("uuid") in (self.sharednet["id"],) for n in nets):
+        if nets and nets != "auto" and not all(n.get("uuid") in (self.sharednet.id,) for n in nets):
             raise ApiError(400, "Network could not be found.", "BadRequest")
         count = int(s.get("min_count", 1))
         count = max(count, int(s.get("max_count", count)))
@@ -415,13 +387,13 @@ class Cloud:
             lease, res = self.reservation(hints.get("reservation", ""))
             fault = None
             hosts: list[str] = []
-            if res is None or lease is None:
+            if res is None or lease is None or not isinstance(res, HostReservation):
                 fault = "No valid host was found. There are not enough hosts available."
-            elif lease["status"] != "ACTIVE":
-                fault = f"No valid host was found. Reservation {res['id']} is not active."
+            elif lease.status != "ACTIVE":
+                fault = f"No valid host was found. Reservation {res.id} is not active."
             else:
-                used = {x["_host"] for x in self.servers.values() if x["status"] not in ("DELETED",)}
-                hosts = [h for h in res["_hosts"] if h not in used]
+                used = {x.host for x in self.servers.values() if x.status != "DELETED"}
+                hosts = [h for h in res.hosts if h not in used]
                 if len(hosts) < count:
                     fault = "No valid host was found. There are not enough hosts available."
             if self.faults.get("server_error", 0) > 0:
@@ -430,23 +402,20 @@ class Cloud:
             for i in range(count):
                 sid = _uuid()
                 name = s["name"] if count == 1 else f"{s['name']}-{i + 1}"
-                srv = {"id": sid, "name": name, "status": "BUILD", "addresses": {}, "key_name": key_name,
-                       "flavor": {"id": self.flavor["id"], "original_name": "baremetal"}, "image": {"id": s["imageRef"]},
-                       "metadata": s.get("metadata", {}), "tenant_id": self.project_id, "user_id": self.user_id,
-                       "created": _fmt(self.clock.now(), "%Y-%m-%dT%H:%M:%SZ"), "hostId": "", "links": [],
-                       "accessIPv4": "", "accessIPv6": "", "progress": 0, "config_drive": "",
-                       "_host": hosts[i] if not fault else None, "_user_data": s.get("user_data"),
-                       "_node": None, "_lease": lease["id"] if lease else None}
+                srv = Server(sid, name, "BUILD", key_name, flavor={"id": self.flavor["id"], "original_name": "baremetal"},
+                             image={"id": s["imageRef"]}, metadata=s.get("metadata", {}), tenant_id=self.project_id,
+                             user_id=self.user_id, created=_fmt(self.clock.now(), "%Y-%m-%dT%H:%M:%SZ"),
+                             host=hosts[i] if not fault else None, user_data=s.get("user_data"),
+                             lease=lease.id if lease else None)
                 if fault:
-                    srv["status"] = "ERROR"
-                    srv["fault"] = {"code": 500, "message": fault, "created": srv["created"]}
+                    srv.status = "ERROR"
+                    srv.fault = {"code": 500, "message": fault, "created": srv.created}
                 self.servers[sid] = srv
                 ids.append(sid)
         for sid in ids:
-            if self.servers[sid]["status"] == "BUILD":
+            if self.servers[sid].status == "BUILD":
                 threading.Thread(target=self._boot, args=(sid,), daemon=True).start()
-        first = self.servers[ids[0]]
-        return {"server": {"id": first["id"], "links": [], "OS-DCF:diskConfig": "MANUAL",
+        return {"server": {"id": ids[0], "links": [], "OS-DCF:diskConfig": "MANUAL",
                            "security_groups": [{"name": "default"}], "adminPass": secrets.token_urlsafe(9)}}
 
     @staticmethod
@@ -459,70 +428,67 @@ class Cloud:
         if self.boot_seconds:
             time.sleep(self.boot_seconds)  # simulated bare-metal deploy time
         try:
-            pub = self.keypairs.get(srv["key_name"] or "", {}).get("public_key", "")
-            hostname = self._hostname(srv["name"])
+            kp = self.keypairs.get(srv.key_name or "")
+            pub = kp.public_key if kp else ""
+            hostname = self._hostname(srv.name)
             if self.faults.get("ssh_never", 0) > 0:
                 self.faults["ssh_never"] -= 1
                 pub = ""
-                srv["_no_ssh"] = True
+                srv.no_ssh = True
             node = self.nodes.add(hostname, pub + "\n" if pub else "", user=IMAGE_USER)
-            srv["_ip"] = node.ip  # the metadata service finds the server by it, as Neutron's proxy does
-            ud = srv.get("_user_data")
-            if ud:
+            srv.ip = node.ip  # the metadata service finds the server by it, as Neutron's proxy does
+            if srv.user_data:
                 # cloud-init's scripts-user runs a user_data script once, late in the boot (after the SSH host
                 # keys exist and the network is up); its output goes to the node's log, not to the API:
                 # bare-metal servers have no console log (see nova.py `action`)
-                script = base64.b64decode(ud).decode(errors="replace")
+                script = base64.b64decode(srv.user_data).decode(errors="replace")
                 if script.startswith("#!"):
                     r = self.nodes.run(hostname, script)
                     (Path(node.dir) / "user_data.log").write_text(f"{r.stdout}{r.stderr}exit {r.returncode}\n")
-            if srv.get("_no_ssh"):
+            if srv.no_ssh:
                 self.nodes.stop_sshd(node)  # booted (cloud-init ran), but sshd never answers
             with self.lock:
-                if srv["status"] == "DELETED":
+                if srv.status == "DELETED":
                     self.nodes.remove(hostname)
                     return
-                srv["_node"] = hostname
+                srv.node = hostname
                 mac = "fa:16:3e:%02x:%02x:%02x" % tuple(secrets.token_bytes(3))
-                srv["addresses"] = {"sharednet1": [{"addr": node.ip, "version": 4, "OS-EXT-IPS:type": "fixed",
-                                                    "OS-EXT-IPS-MAC:mac_addr": mac}]}
-                srv["_port"] = {"id": _uuid(), "device_id": sid, "network_id": self.sharednet["id"],
-                                "mac_address": mac, "status": "ACTIVE", "device_owner": "compute:nova",
-                                "fixed_ips": [{"subnet_id": self.sharednet["subnets"][0], "ip_address": node.ip}]}
-                srv["hostId"] = srv["_host"]
-                srv["status"] = "ACTIVE"
-                srv["progress"] = 100
+                srv.addresses = {"sharednet1": [{"addr": node.ip, "version": 4, "OS-EXT-IPS:type": "fixed",
+                                                 "OS-EXT-IPS-MAC:mac_addr": mac}]}
+                srv.port = Port(_uuid(), sid, self.sharednet.id, mac,
+                                [{"subnet_id": self.sharednet.subnets[0], "ip_address": node.ip}])
+                srv.hostId = srv.host or ""
+                srv.status = "ACTIVE"
+                srv.progress = 100
         except Exception as e:  # a failed boot is a server in ERROR, as on Nova
             with self.lock:
-                srv["status"] = "ERROR"
-                srv["fault"] = {"code": 500, "message": f"boot failed: {e}", "created": srv["created"]}
+                srv.status = "ERROR"
+                srv.fault = {"code": 500, "message": f"boot failed: {e}", "created": srv.created}
 
-    def get_server(self, sid) -> dict:
+    def get_server(self, sid) -> Server:
         srv = self.servers.get(sid)
-        if srv is None or srv["status"] == "DELETED":
+        if srv is None or srv.status == "DELETED":
             raise ApiError(404, f"Instance {sid} could not be found.", "itemNotFound")
         return srv
 
-    def _delete_server(self, srv) -> None:
-        srv["status"] = "DELETED"
+    def _delete_server(self, srv: Server) -> None:
+        srv.status = "DELETED"
         for fip in self.fips.values():
-            if srv.get("_port") and fip["port_id"] == srv["_port"]["id"]:
+            if srv.port and fip.port_id == srv.port.id:
                 self._disassociate(fip)
-        if srv.get("_node"):
-            self.nodes.remove(srv["_node"])
-            srv["_node"] = None
+        if srv.node:
+            self.nodes.remove(srv.node)
+            srv.node = None
 
     # -- Neutron ----------------------------------------------------------------------------------
 
-    def _new_fip(self, tags=()) -> dict:
+    def _new_fip(self, tags=()) -> FloatingIp:
         net = self.nodes.host_ip.rsplit(".", 1)[0]
         addr = f"{net}.{self.fip_next}"
         self.fip_next += 1
-        fip = {"id": _uuid(), "floating_ip_address": addr, "floating_network_id": self.public["id"],
-               "port_id": None, "fixed_ip_address": None, "status": "DOWN", "tags": list(tags),
-               "project_id": self.project_id, "tenant_id": self.project_id, "router_id": None,
-               "description": "", "created_at": _fmt(self.clock.now(), "%Y-%m-%dT%H:%M:%SZ")}
-        self.fips[fip["id"]] = fip
+        fip = FloatingIp(_uuid(), addr, self.public.id, self.project_id,
+                         created_at=_fmt(self.clock.now(), "%Y-%m-%dT%H:%M:%SZ"), tags=list(tags))
+        self.fips[fip.id] = fip
         return fip
 
     def _release_fip(self, fid) -> None:
@@ -530,13 +496,16 @@ class Cloud:
         if fip:
             self._disassociate(fip)
 
-    def _port(self, port_id):
+    def _port(self, port_id) -> Server | None:
         for srv in self.servers.values():
-            if srv.get("_port") and srv["_port"]["id"] == port_id and srv["status"] != "DELETED":
+            if srv.port and srv.port.id == port_id and srv.status != "DELETED":
                 return srv
         return None
 
-    def associate(self, fid: str, port_id: str | None) -> dict:
+    def ports(self) -> list[Port]:
+        return [s.port for s in self.servers.values() if s.port and s.status != "DELETED"]
+
+    def associate(self, fid: str, port_id: str | None) -> FloatingIp:
         with self.lock:
             fip = self.fips.get(fid)
             if fip is None:
@@ -545,36 +514,35 @@ class Cloud:
                 self._disassociate(fip)
                 return fip
             srv = self._port(port_id)
-            if srv is None:
+            if srv is None or srv.port is None:
                 raise ApiError(404, f"Port {port_id} could not be found.", "PortNotFound")
             self._disassociate(fip)
-            netns = self.nodes.netns_of(srv["_node"])
-            self.nodes.address(netns, fip["floating_ip_address"], add=True)
-            fip.update(port_id=port_id, fixed_ip_address=srv["_port"]["fixed_ips"][0]["ip_address"], status="ACTIVE",
-                       _netns=netns)
-            srv["addresses"]["sharednet1"].append({"addr": fip["floating_ip_address"], "version": 4,
-                                                   "OS-EXT-IPS:type": "floating",
-                                                   "OS-EXT-IPS-MAC:mac_addr": srv["_port"]["mac_address"]})
+            netns = self.nodes.netns_of(srv.node)
+            self.nodes.address(netns, fip.floating_ip_address, add=True)
+            fip.port_id, fip.fixed_ip_address, fip.status, fip.netns = port_id, srv.port.ip, "ACTIVE", netns
+            srv.addresses["sharednet1"].append({"addr": fip.floating_ip_address, "version": 4,
+                                                "OS-EXT-IPS:type": "floating",
+                                                "OS-EXT-IPS-MAC:mac_addr": srv.port.mac_address})
             return fip
 
-    def _disassociate(self, fip) -> None:
-        if fip.get("_netns"):
-            self.nodes.address(fip["_netns"], fip["floating_ip_address"], add=False)
+    def _disassociate(self, fip: FloatingIp) -> None:
+        if fip.netns:
+            self.nodes.address(fip.netns, fip.floating_ip_address, add=False)
         for srv in self.servers.values():
-            if srv.get("_port") and srv["_port"]["id"] == fip.get("port_id"):
-                srv["addresses"]["sharednet1"] = [a for a in srv["addresses"]["sharednet1"]
-                                                  if a["addr"] != fip["floating_ip_address"]]
-        fip.update(port_id=None, fixed_ip_address=None, status="DOWN", _netns=None)
+            if srv.port and srv.port.id == fip.port_id:
+                srv.addresses["sharednet1"] = [a for a in srv.addresses["sharednet1"]
+                                               if a["addr"] != fip.floating_ip_address]
+        fip.port_id, fip.fixed_ip_address, fip.status, fip.netns = None, None, "DOWN", None
 
-    def server_by_fixed_ip(self, ip: str) -> dict | None:
+    def server_by_fixed_ip(self, ip: str) -> Server | None:
         with self.lock:
-            return next((x for x in self.servers.values() if x.get("_ip") == ip and x["status"] != "DELETED"), None)
+            return next((x for x in self.servers.values() if x.ip == ip and x.status != "DELETED"), None)
 
     def shutdown(self) -> None:
         if self.metadata is not None:
             self.metadata.close()
         with self.lock:
             for srv in list(self.servers.values()):
-                if srv["status"] != "DELETED":
+                if srv.status != "DELETED":
                     self._delete_server(srv)
         self.nodes.shutdown()

@@ -7,6 +7,7 @@ import hashlib
 
 from .api import Request, Route, nova_style_error, versions
 from .cloud import ApiError, _fmt, _uuid
+from .state import Image
 
 PREFIX = "image"
 # glance/common/config.py image_format_opts: the defaults of [image_format] disk_formats and container_formats
@@ -68,40 +69,33 @@ def create(req: Request):  # queued until its data is uploaded
     if b.get("disk_format") not in DISK_FORMATS:
         raise ApiError(400, f"Invalid disk format '{b.get('disk_format')}'", "BadRequest")
     now = _fmt(c.clock.now(), "%Y-%m-%dT%H:%M:%SZ")
-    img = {**b, "id": b.get("id") or _uuid(), "status": "queued", "visibility": b.get("visibility", "shared"),
-           "size": None, "checksum": None, "os_hash_algo": None, "os_hash_value": None, "tags": b.get("tags", []),
-           "created_at": now, "updated_at": now, "min_disk": 0, "min_ram": 0, "owner": c.project_id,
-           "protected": False}
+    img = Image(b.get("id") or _uuid(), b["name"], c.project_id, now, disk_format=b.get("disk_format"),
+                container_format=b.get("container_format"), visibility=b.get("visibility", "shared"),
+                tags=b.get("tags", []), updated_at=now, properties={k: v for k, v in b.items() if k not in Image.CORE})
     c.images.append(img)
-    return 201, view(img)
-
-
-def view(img: dict) -> dict:
-    """glance/api/v2/images.py ResponseSerializer._format_image: an image links itself, its data and its schema."""
-    return {**img, "self": f"/v2/images/{img['id']}", "file": f"/v2/images/{img['id']}/file",
-            "schema": "/v2/schemas/image"}
+    return 201, img.view()
 
 
 def listing(req: Request):
     imgs = req.cloud.images
     if "name" in req.query:
-        imgs = [i for i in imgs if i["name"] == req.query["name"]]
-    return 200, {"images": [view(i) for i in imgs], "first": "/v2/images", "schema": "/v2/schemas/images"}
+        imgs = [i for i in imgs if i.name == req.query["name"]]
+    return 200, {"images": [i.view() for i in imgs], "first": "/v2/images", "schema": "/v2/schemas/images"}
 
 
 def image(req: Request, iid: str, file: str | None):
     c = req.cloud
-    img = next((i for i in c.images if i["id"] == iid), None)
+    img = next((i for i in c.images if i.id == iid), None)
     if img is None:
         raise ApiError(404, f"No image found with ID {iid}", "NotFound")
     if file and req.method == "PUT":
         return upload(req, img)
     if req.method == "DELETE" and not file:
         c.images.remove(img)
-        (c.dir / "images" / img["id"]).unlink(missing_ok=True)
+        (c.dir / "images" / img.id).unlink(missing_ok=True)
         return 204, None
     if req.method == "GET" and not file:
-        return 200, view(img)
+        return 200, img.view()
     raise ApiError(404, f"not found: {req.path}", "NotFound")
 
 
@@ -123,24 +117,24 @@ def _chunks(h):
         yield chunk
 
 
-def upload(req: Request, img: dict):
+def upload(req: Request, img: Image):
     """PUT /v2/images/ID/file: store the data, then the image is active with Glance's checksums."""
-    if img["status"] != "queued":
-        raise ApiError(409, f"Image status transition from {img['status']} to saving is not allowed", "Conflict")
+    if img.status != "queued":
+        raise ApiError(409, f"Image status transition from {img.status} to saving is not allowed", "Conflict")
     d = req.cloud.dir / "images"
     d.mkdir(parents=True, exist_ok=True)
     md5, sha512, size = hashlib.md5(), hashlib.sha512(), 0
-    tmp = d / f".{img['id']}.part"
+    tmp = d / f".{img.id}.part"
     with open(tmp, "wb") as fh:
         for chunk in _chunks(req.handler):
             fh.write(chunk)
             md5.update(chunk)
             sha512.update(chunk)
             size += len(chunk)
-    tmp.replace(d / img["id"])
-    img.update({"status": "active", "size": size, "checksum": md5.hexdigest(), "os_hash_algo": "sha512",
-                "os_hash_value": sha512.hexdigest(),
-                "updated_at": _fmt(req.cloud.clock.now(), "%Y-%m-%dT%H:%M:%SZ")})
+    tmp.replace(d / img.id)
+    img.status, img.size, img.checksum = "active", size, md5.hexdigest()
+    img.os_hash_algo, img.os_hash_value = "sha512", sha512.hexdigest()
+    img.updated_at = _fmt(req.cloud.clock.now(), "%Y-%m-%dT%H:%M:%SZ")
     return 204, None
 
 

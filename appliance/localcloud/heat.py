@@ -20,6 +20,8 @@ import traceback
 
 import yaml
 
+from .state import Keypair
+
 HOT_VERSIONS = ("2013-05-23", "2014-10-16", "2015-04-30", "2015-10-15", "2016-04-08", "2016-10-14", "2017-02-24",
                 "2017-09-01", "2018-03-02", "2018-08-31")
 YAQL_SINCE = "2016-10-14"
@@ -251,21 +253,20 @@ class Heat:
                                      serialization.NoEncryption()).decode().strip()
             pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                                 serialization.PublicFormat.OpenSSH).decode()
-            c.keypairs[p["name"]] = {"name": p["name"], "public_key": pub, "fingerprint": "", "type": "ssh",
-                                     "user_id": c.user_id}
+            c.keypairs[p["name"]] = Keypair(p["name"], pub, c.user_id)
             return {"type": rtype, "id": p["name"], "keypair": p["name"],
                     "attrs": {"public_key": pub, "private_key": priv if p.get("save_private_key") else ""}}
         if rtype == "OS::Nova::Server":
-            image = next((i["id"] for i in c.images if p.get("image") in (i["id"], i["name"])), None)
+            image = next((i.id for i in c.images if p.get("image") in (i.id, i.name)), None)
             if image is None:
                 raise HeatError(400, f"Property error: {name}.Properties.image: Error validating value "
                                      f"'{p.get('image')}': No images matching {{'name': '{p.get('image')}'}}.")
             nets = []
             for n in p.get("networks") or []:
-                if n.get("network") not in (c.sharednet["id"], c.sharednet["name"]):
+                if n.get("network") not in (c.sharednet.id, c.sharednet.name):
                     raise HeatError(400, f"Property error: {name}.Properties.networks: Unable to find network "
                                          f"with name or id '{n.get('network')}'")
-                nets.append({"uuid": c.sharednet["id"]})
+                nets.append({"uuid": c.sharednet.id})
             ud = p.get("user_data") or ""
             body = {"server": {"name": p["name"], "flavorRef": p.get("flavor", "baremetal"), "imageRef": image,
                                "key_name": p.get("key_name"), "networks": nets,
@@ -273,22 +274,21 @@ class Heat:
                     "os:scheduler_hints": p.get("scheduler_hints") or {}}
             sid = c.create_servers(body)["server"]["id"]
             srv = c.servers[sid]
-            while srv["status"] == "BUILD":
+            while srv.status == "BUILD":
                 time.sleep(0.2)  # the simulated server boots in another thread; Heat polls Nova the same way
-            if srv["status"] != "ACTIVE":
-                raise HeatError(500, f"Resource CREATE failed: {name}: {srv.get('fault', {}).get('message')}")
-            addrs = {net: [dict(a, port=srv["_port"]["id"]) for a in lst] for net, lst in srv["addresses"].items()}
+            if srv.status != "ACTIVE" or srv.port is None:
+                raise HeatError(500, f"Resource CREATE failed: {name}: {(srv.fault or {}).get('message')}")
+            addrs = {net: [dict(a, port=srv.port.id) for a in lst] for net, lst in srv.addresses.items()}
             return {"type": rtype, "id": sid, "server": sid,
-                    "attrs": {"first_address": srv["addresses"]["sharednet1"][0]["addr"], "name": srv["name"],
-                              "addresses": {**addrs, c.sharednet["id"]: addrs.get("sharednet1")},
-                              "networks": {"sharednet1": [a["addr"] for a in srv["addresses"]["sharednet1"]]}}}
+                    "attrs": {"first_address": srv.addresses["sharednet1"][0]["addr"], "name": srv.name,
+                              "addresses": {**addrs, c.sharednet.id: addrs.get("sharednet1")},
+                              "networks": {"sharednet1": [a["addr"] for a in srv.addresses["sharednet1"]]}}}
         if rtype == "OS::Neutron::FloatingIP":
-            if p.get("floating_network") not in (c.public["id"], c.public["name"]):
+            if p.get("floating_network") not in (c.public.id, c.public.name):
                 raise HeatError(400, f"Property error: {name}: Unable to find network '{p.get('floating_network')}'")
             with c.lock:
                 fip = c._new_fip()
-            return {"type": rtype, "id": fip["id"], "fip": fip["id"],
-                    "attrs": {"floating_ip_address": fip["floating_ip_address"]}}
+            return {"type": rtype, "id": fip.id, "fip": fip.id, "attrs": {"floating_ip_address": fip.floating_ip_address}}
         if rtype == "OS::Neutron::FloatingIPAssociation":
             c.associate(p["floatingip_id"], p["port_id"])
             return {"type": rtype, "id": self.new_id(), "attrs": {}}

@@ -16,6 +16,7 @@ import time
 
 from .api import Request, Route
 from .cloud import REGION, ApiError, _uuid
+from .state import AppCred, Ec2Cred, Token
 
 PREFIX = "identity"
 
@@ -102,16 +103,15 @@ def issue_token(req: Request):
         ok = ok or service is not None
     elif "application_credential" in methods:
         ac = ident.get("application_credential") or {}
-        cred = next((x for x in _app_creds(req.cloud) if ac.get("id") == x["id"] or ac.get("name") == x["name"]), None)
+        cred = next((x for x in _app_creds(req.cloud) if ac.get("id") == x.id or ac.get("name") == x.name), None)
         # keystone/application_credential/backends/sql.py authenticate: the secret, then _check_expired
-        ok = cred is not None and ac.get("secret") == cred["secret"] and not _expired(cred)
+        ok = cred is not None and ac.get("secret") == cred.secret and not cred.expired()
     if not ok:
         raise ApiError(401, "The request you have made requires authentication.", "Unauthorized")
     tok, token = _mint(req, methods, service=service)
-    if "application_credential" in methods:
-        req.cloud.token_info[tok] = {"app_cred": cred["id"], "unrestricted": cred["unrestricted"]}
-        token["application_credential"] = {"id": cred["id"], "name": cred["name"],
-                                           "restricted": not cred["unrestricted"]}
+    if cred is not None:
+        req.cloud.tokens[tok].app_cred, req.cloud.tokens[tok].unrestricted = cred.id, cred.unrestricted
+        token["application_credential"] = {"id": cred.id, "name": cred.name, "restricted": not cred.unrestricted}
     return 201, {"token": token}, {"X-Subject-Token": tok}
 
 
@@ -121,7 +121,7 @@ def _mint(req: Request, methods: list, *, service: dict | None = None) -> tuple[
     creds = req.cloud.creds
     tok = "gAAAA" + secrets.token_urlsafe(32)
     lifetime = token_seconds(req.cloud)
-    req.cloud.tokens[tok] = time.time() + lifetime
+    expires = time.time() + lifetime
     now = dt.datetime.now(dt.timezone.utc)
     domain = {"id": "default", "name": "Default"}
     token = {"methods": methods, "expires_at": (now + dt.timedelta(seconds=lifetime)).strftime("%Y-%m-%dT%H:%M:%S.000000Z"),
@@ -135,36 +135,27 @@ def _mint(req: Request, methods: list, *, service: dict | None = None) -> tuple[
         token["user"] = {**service, "domain": domain, "password_expires_at": None}
         token["project"] = {"id": "service", "name": "service", "domain": domain}
         token["roles"] = [{"id": _uuid(), "name": "admin"}, {"id": _uuid(), "name": "service"}]
-        req.cloud.token_info[tok] = {"service": service["name"]}
-    req.cloud.token_bodies[tok] = token
+    req.cloud.tokens[tok] = Token(expires, token, service=service["name"] if service is not None else None)
     return tok, token
 
 
-def _expired(cred: dict) -> bool:
-    exp = cred.get("expires_at")
-    if not exp:
-        return False
-    try:
-        when = dt.datetime.fromisoformat(str(exp).replace("Z", "+00:00"))
-    except ValueError:
-        return False
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.timezone.utc)
-    return dt.datetime.now(dt.timezone.utc) >= when
+def _caller(req: Request) -> Token:
+    """The record of the token the request came with (an empty one when it has none)."""
+    return req.cloud.token(req.handler.headers.get("X-Auth-Token")) or Token(0.0, {})
 
 
-def _app_creds(c) -> list[dict]:
+def _app_creds(c) -> list[AppCred]:
     """The cloud's own application credential (unrestricted, as Chameleon asks for: docs cli/authentication.rst)
     and those made through the API."""
     cr = c.creds
-    return [{"id": cr["app_cred_id"], "name": cr["app_cred_name"], "secret": cr["app_cred_secret"],
-             "unrestricted": True}] + list(c.app_creds.values())
+    return [AppCred(cr["app_cred_id"], cr["app_cred_name"], cr["app_cred_secret"], unrestricted=True)] + \
+        list(c.app_creds.values())
 
 
 def _may_manage_app_creds(req: Request, user_id: str) -> None:
     c = req.cloud
-    info = c.token_info.get(req.handler.headers.get("X-Auth-Token") or "", {})
-    if info.get("app_cred") and not info.get("unrestricted"):
+    info = _caller(req)
+    if info.app_cred and not info.unrestricted:
         raise ApiError(403, "You are not authorized to perform the requested action: Using method "
                        "'application_credential' is not allowed for managing additional application credentials.",
                        "Forbidden")
@@ -177,27 +168,24 @@ def create_app_cred(req: Request, user_id: str):
     may not make another (ForbiddenAction, 403); `unrestricted` defaults to false; the secret is made when not
     given and shown only here."""
     c = req.cloud
-    info = c.token_info.get(req.handler.headers.get("X-Auth-Token") or "", {})
     _may_manage_app_creds(req, user_id)
     body = (req.body or {}).get("application_credential") or {}
     if not body.get("name"):
         raise ApiError(400, "Invalid input for field 'name': None is not of type 'string'", "ValidationError")
-    if any(x["name"] == body["name"] for x in _app_creds(c)):
+    if any(x.name == body["name"] for x in _app_creds(c)):
         raise ApiError(409, "Conflict occurred attempting to store application_credential - Duplicate entry.",
                        "Conflict")
-    cred = {"id": _uuid().replace("-", ""), "name": body["name"], "secret": body.get("secret") or
-            secrets.token_urlsafe(48), "unrestricted": bool(body.get("unrestricted", False)),
-            "description": body.get("description"), "expires_at": body.get("expires_at"),
-            # keystone/application_credential/backends/sql.py _to_dict: the key only when there are rules
-            **({"access_rules": body["access_rules"]} if body.get("access_rules") else {})}
-    c.app_creds[cred["id"]] = cred
-    return 201, {"application_credential": {**_app_cred_view(req, user_id, cred), "secret": cred["secret"]}}
+    cred = AppCred(_uuid().replace("-", ""), body["name"], body.get("secret") or secrets.token_urlsafe(48),
+                   unrestricted=bool(body.get("unrestricted", False)), description=body.get("description"),
+                   expires_at=body.get("expires_at"), access_rules=body.get("access_rules") or None)
+    c.app_creds[cred.id] = cred
+    return 201, {"application_credential": {**_app_cred_view(req, user_id, cred), "secret": cred.secret}}
 
 
-def _app_cred_view(req: Request, user_id: str, cred: dict) -> dict:
-    return {k: v for k, v in cred.items() if k != "secret"} | {
+def _app_cred_view(req: Request, user_id: str, cred: AppCred) -> dict:
+    return cred.view() | {
         "project_id": req.cloud.project_id, "roles": [{"id": "member", "name": "member"}],
-        "links": {"self": f"{req.base}/identity/v3/users/{user_id}/application_credentials/{cred['id']}"}}
+        "links": {"self": f"{req.base}/identity/v3/users/{user_id}/application_credentials/{cred.id}"}}
 
 
 def list_app_creds(req: Request, user_id: str):
@@ -221,11 +209,11 @@ def delete_app_cred(req: Request, user_id: str, cred_id: str):
 
 # -- EC2 credentials: Chameleon's S3 keys (`openstack ec2 credentials create`), checked by the RGW through Keystone --
 
-def _ec2_view(req: Request, cred: dict) -> dict:
+def _ec2_view(req: Request, cred: Ec2Cred) -> dict:
     """keystone/api/users.py _convert_v3_to_ec2_credential and _UserOSEC2CredBaseResource's self link."""
-    return {"user_id": cred["user_id"], "tenant_id": cred["project_id"], "access": cred["access"],
-            "secret": cred["secret"], "trust_id": None,
-            "links": {"self": f"{req.base}/identity/v3/users/{cred['user_id']}/credentials/OS-EC2/{cred['access']}"}}
+    return {"user_id": cred.user_id, "tenant_id": cred.project_id, "access": cred.access, "secret": cred.secret,
+            "trust_id": None,
+            "links": {"self": f"{req.base}/identity/v3/users/{cred.user_id}/credentials/OS-EC2/{cred.access}"}}
 
 
 def _may_use_ec2(req: Request, user_id: str) -> None:
@@ -233,7 +221,7 @@ def _may_use_ec2(req: Request, user_id: str) -> None:
     an admin (the RGW's service user, which reads a secret to check streamed uploads)."""
     if user_id == req.cloud.user_id:
         return
-    if not req.cloud.token_info.get(req.handler.headers.get("X-Auth-Token") or "", {}).get("service"):
+    if not _caller(req).service:
         raise ApiError(403, "You are not authorized to perform the requested action: identity:ec2_credential.",
                        "Forbidden")
     raise ApiError(404, f"Could not find user: {user_id}.", "Not Found")  # an admin asking: identity_api.get_user
@@ -247,9 +235,8 @@ def create_ec2(req: Request, user_id: str):
     project = (req.body or {}).get("tenant_id")
     if project != req.cloud.project_id:  # resource_api.get_project
         raise ApiError(404, f"Could not find project: {project}.", "Not Found")
-    cred = {"user_id": user_id, "project_id": project, "access": _uuid().replace("-", ""),
-            "secret": _uuid().replace("-", "")}
-    req.cloud.ec2_creds[cred["access"]] = cred
+    cred = Ec2Cred(user_id, project, access=_uuid().replace("-", ""), secret=_uuid().replace("-", ""))
+    req.cloud.ec2_creds[cred.access] = cred
     return 201, {"credential": _ec2_view(req, cred)}
 
 
@@ -257,12 +244,12 @@ def list_ec2(req: Request, user_id: str):
     """GET /v3/users/{user_id}/credentials/OS-EC2: the user's EC2 credentials, secrets included (as Keystone
     shows them: `openstack ec2 credentials list` prints them)."""
     _may_use_ec2(req, user_id)
-    return 200, {"credentials": [_ec2_view(req, x) for x in req.cloud.ec2_creds.values() if x["user_id"] == user_id],
+    return 200, {"credentials": [_ec2_view(req, x) for x in req.cloud.ec2_creds.values() if x.user_id == user_id],
                  "links": {"self": f"{req.base}/identity/v3/users/{user_id}/credentials/OS-EC2", "previous": None,
                            "next": None}}
 
 
-def _ec2_cred(req: Request, access: str) -> dict:
+def _ec2_cred(req: Request, access: str) -> Ec2Cred:
     cred = req.cloud.ec2_creds.get(access)
     if cred is None:  # UserOSEC2CredentialsResourceGetDelete._get_cred_data
         raise ApiError(401, "EC2 access key not found.", "Unauthorized")
@@ -317,7 +304,7 @@ def s3tokens(req: Request):
         string_to_sign = base64.urlsafe_b64decode(str(credentials.get("token", "")))
     except ValueError:
         raise ApiError(401, "Credential signature mismatch", "Unauthorized") from None
-    if not hmac.compare_digest(str(credentials.get("signature", "")), _s3_signature(string_to_sign, cred["secret"])):
+    if not hmac.compare_digest(str(credentials.get("signature", "")), _s3_signature(string_to_sign, cred.secret)):
         raise ApiError(401, "Credential signature mismatch", "Unauthorized")
     tok, token = _mint(req, ["ec2credential"])
     return 200, {"token": token}, {"X-Subject-Token": tok}
@@ -342,19 +329,19 @@ def validate_token(req: Request):
     subject = req.handler.headers.get("X-Subject-Token")
     if subject is None:  # keystoneauth's own check of its token (HEAD without a subject): the caller's
         subject = caller
-    if subject != caller and not c.token_info.get(caller, {}).get("service"):
+    if subject != caller and not _caller(req).service:
         raise ApiError(403, "You are not authorized to perform the requested action: identity:validate_token.",
                        "Forbidden")
     not_found = ApiError(404, "Failed to validate token", "Not Found")
-    if not c.token_valid(subject) or subject not in c.token_bodies:
+    record = c.token(subject)
+    if record is None or not record.valid():
         raise not_found
-    cred_id = c.token_info.get(subject, {}).get("app_cred")
-    if cred_id:
-        cred = next((x for x in _app_creds(c) if x["id"] == cred_id), None)
+    if record.app_cred:
+        cred = next((x for x in _app_creds(c) if x.id == record.app_cred), None)
         rules_ok = req.handler.headers.get("OpenStack-Identity-Access-Rules")
-        if cred is None or (cred.get("access_rules") is not None and not rules_ok):
+        if cred is None or (cred.access_rules is not None and not rules_ok):
             raise not_found
-    return 200, {"token": c.token_bodies[subject]}, {"X-Subject-Token": subject}
+    return 200, {"token": record.body}, {"X-Subject-Token": subject}
 
 
 ROUTES = [

@@ -70,32 +70,32 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(404, b"404 Not Found\n")
         leaf = "/".join(parts[2:])
         if leaf == "":
-            names = ["meta_data.json"] + (["user_data"] if srv.get("_user_data") else []) + (
+            names = ["meta_data.json"] + (["user_data"] if srv.user_data else []) + (
                 ["password"] if VERSIONS.index(parts[1]) >= VERSIONS.index(GRIZZLY) else []) + (
                 ["vendor_data2.json"] if VERSIONS.index(parts[1]) >= VERSIONS.index("2016-10-06") else [])
             return self._send(200, "\n".join(names).encode())
         if leaf == "meta_data.json" and self.command == "GET":
-            kp = c.keypairs.get(srv.get("key_name") or "")
-            md = {"uuid": srv["id"], "name": srv["name"], "hostname": c._hostname(srv["name"]),
+            kp = c.keypairs.get(srv.key_name or "")
+            md = {"uuid": srv.id, "name": srv.name, "hostname": c._hostname(srv.name),
                   "project_id": c.project_id, "availability_zone": "nova", "launch_index": 0,
-                  "public_keys": {kp["name"]: kp["public_key"]} if kp else {}}
+                  "public_keys": {kp.name: kp.public_key} if kp else {}}
             return self._send(200, json.dumps(md).encode(), "application/json")
         if leaf == "user_data" and self.command == "GET":
-            ud = srv.get("_user_data")
+            ud = srv.user_data
             return self._send(200, base64.b64decode(ud)) if ud else self._send(404, b"404 Not Found\n")
         if leaf == "vendor_data2.json" and self.command == "GET" and \
                 VERSIONS.index(parts[1]) >= VERSIONS.index("2016-10-06"):
             return self._send(200, json.dumps(vendordata(c, srv)).encode(), "application/json")
         if leaf == "password" and VERSIONS.index(parts[1]) >= VERSIONS.index(GRIZZLY):
             if self.command == "GET":
-                return self._send(200, (srv.get("_password") or "").encode())
+                return self._send(200, srv.password.encode())
             if self.command == "POST":
                 with c.lock:
-                    if srv.get("_password"):
+                    if srv.password:
                         return self._send(409, b"409 Conflict\n")
                     if len(body) > PASSWORD_MAX:
                         return self._send(400, b"400 Bad Request\n\nRequest is too large.\n")
-                    srv["_password"] = body.decode("utf-8", errors="replace")
+                    srv.password = body.decode("utf-8", errors="replace")
                 return self._send(200)
             return self._send(400, b"400 Bad Request\n\nGET and POST only are supported.\n")
         return self._send(404, b"404 Not Found\n")
@@ -109,14 +109,13 @@ def _node_clock(c, ts: float) -> str:
     return dt.datetime.fromtimestamp(real, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")
 
 
-def vendordata(c, srv: dict) -> dict:
+def vendordata(c, srv) -> dict:
     from .cloud import REGION
 
-    lease = c.leases.get(srv.get("_lease") or "")
-    cham = {"node": srv.get("_host"), "region": REGION}
+    lease = c.leases.get(srv.lease or "")
+    cham = {"node": srv.host, "region": REGION}
     if lease is not None:
-        cham.update(lease_id=lease["id"], lease_start=_node_clock(c, lease["_start"]),
-                    lease_end=_node_clock(c, lease["_end"]))
+        cham.update(lease_id=lease.id, lease_start=_node_clock(c, lease.start), lease_end=_node_clock(c, lease.end))
     return {"chameleon": cham}
 
 

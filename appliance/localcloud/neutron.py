@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .api import Request, Route, get_or_404, public, versions
+from .api import Request, Route, get_or_404, versions
 from .cloud import ApiError
 
 PREFIX = "network"
@@ -24,7 +24,7 @@ def normalize(path: str) -> str:
 
 def networks(req: Request):
     c, q = req.cloud, req.query
-    nets = [c.sharednet, c.public]
+    nets = [c.sharednet.view(), c.public.view()]
     for k in ("name", "id"):
         if k in q:
             nets = [n for n in nets if n[k] == q[k]]
@@ -35,13 +35,13 @@ def networks(req: Request):
 
 def network(req: Request, nid: str):
     for n in (req.cloud.sharednet, req.cloud.public):
-        if n["id"] == nid:
-            return 200, {"network": n}
+        if n.id == nid:
+            return 200, {"network": n.view()}
     raise ApiError(404, f"Network {nid} could not be found.", "NetworkNotFound")
 
 
 def ports(req: Request):
-    out = [s["_port"] for s in req.cloud.servers.values() if s.get("_port") and s["status"] != "DELETED"]
+    out = [p.view() for p in req.cloud.ports()]
     if "device_id" in req.query:
         out = [x for x in out if x["device_id"] == req.query["device_id"]]
     return 200, {"ports": out}
@@ -50,18 +50,18 @@ def ports(req: Request):
 def create_fip(req: Request):
     c = req.cloud
     f = (req.body or {}).get("floatingip") or {}
-    if f.get("floating_network_id") != c.public["id"]:
+    if f.get("floating_network_id") != c.public.id:
         raise ApiError(400, "floating_network_id must be the external network", "BadRequest")
     with c.lock:
         fip = c._new_fip()
         if f.get("port_id"):
-            c.associate(fip["id"], f["port_id"])
-    return 201, {"floatingip": public(fip)}
+            c.associate(fip.id, f["port_id"])
+    return 201, {"floatingip": fip.view()}
 
 
 def list_fips(req: Request):
     q = req.query
-    fips = [public(f) for f in req.cloud.fips.values()]
+    fips = [f.view() for f in req.cloud.fips.values()]
     for k in ("floating_ip_address", "port_id", "id", "floating_network_id"):
         if k in q:
             fips = [f for f in fips if str(f[k]) == q[k]]
@@ -76,14 +76,14 @@ def fip(req: Request, fid: str):
     rec = get_or_404(c.fips, fid, f"Floating IP {fid} could not be found", "FloatingIPNotFound")
     if req.method == "PUT":
         f = (req.body or {}).get("floatingip") or {}
-        return 200, {"floatingip": public(c.associate(fid, f.get("port_id")))}
+        return 200, {"floatingip": c.associate(fid, f.get("port_id")).view()}
     if req.method == "DELETE":
-        if any(t == "blazar" for t in rec["tags"]):
+        if "blazar" in rec.tags:
             raise ApiError(409, "A reserved floating IP is released by its lease", "Conflict")
         with c.lock:
             c._release_fip(fid)
         return 204, None
-    return 200, {"floatingip": public(rec)}
+    return 200, {"floatingip": rec.view()}
 
 
 ROUTES = [

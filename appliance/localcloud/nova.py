@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import re
 
-from .api import Request, Route, get_or_404, nova_style_error, public
+from .api import Request, Route, get_or_404, nova_style_error
 from .cloud import ApiError
+from .state import Keypair
 
 PREFIX = "compute"
 NOT_FOUND = "itemNotFound"
@@ -45,10 +46,9 @@ def create_keypair(req: Request):
         raise ApiError(409, f"Key pair '{name}' already exists.", "conflictingRequest")
     if not kp.get("public_key"):
         raise ApiError(400, "Generating key pairs is not supported here: give public_key", "BadRequest")
-    rec = {"name": name, "public_key": kp["public_key"].strip(), "fingerprint": "", "type": "ssh",
-           "user_id": c.user_id}
+    rec = Keypair(name, kp["public_key"].strip(), c.user_id)
     c.keypairs[name] = rec
-    return 200, {"keypair": rec}
+    return 200, {"keypair": rec.view()}
 
 
 def keypair(req: Request, name: str):
@@ -56,11 +56,11 @@ def keypair(req: Request, name: str):
     if req.method == "DELETE":
         del req.cloud.keypairs[name]
         return 202, None
-    return 200, {"keypair": kp}
+    return 200, {"keypair": kp.view()}
 
 
 def list_servers(req: Request, detail: str | None):
-    out = [req.cloud.server_view(s) for s in req.cloud.servers.values() if s["status"] != "DELETED"]
+    out = [req.cloud.server_view(s) for s in req.cloud.servers.values() if s.status != "DELETED"]
     if "name" in req.query:
         out = [s for s in out if re.search(req.query["name"], s["name"])]
     if not detail:
@@ -96,18 +96,18 @@ def server_password(req: Request, sid: str):
     srv = c.get_server(sid)
     if req.method == "DELETE":
         with c.lock:
-            srv["_password"] = ""
+            srv.password = ""
         return 204, None
     if req.method != "GET":
         raise ApiError(405, "The method specified is not allowed for this resource.", "badMethod")
-    return 200, {"password": srv.get("_password") or ""}
+    return 200, {"password": srv.password}
 
 
 def interfaces(req: Request, sid: str):
     srv = req.cloud.get_server(sid)
-    ports = [srv["_port"]] if srv.get("_port") else []
-    return 200, {"interfaceAttachments": [{"port_id": x["id"], "net_id": x["network_id"], "mac_addr": x["mac_address"],
-                                           "port_state": "ACTIVE", "fixed_ips": x["fixed_ips"]} for x in ports]}
+    ports = [srv.port] if srv.port else []
+    return 200, {"interfaceAttachments": [{"port_id": x.id, "net_id": x.network_id, "mac_addr": x.mac_address,
+                                           "port_state": "ACTIVE", "fixed_ips": x.view()["fixed_ips"]} for x in ports]}
 
 
 ROUTES = [
@@ -116,7 +116,7 @@ ROUTES = [
     Route(None, "/flavors(?:/detail)?", lambda req: (200, {"flavors": [req.cloud.flavor]})),
     Route(None, "/flavors/([^/]+)", flavor),
     Route("GET", "/os-keypairs",
-          lambda req: (200, {"keypairs": [{"keypair": public(k)} for k in req.cloud.keypairs.values()]})),
+          lambda req: (200, {"keypairs": [{"keypair": k.view()} for k in req.cloud.keypairs.values()]})),
     Route(None, "/os-keypairs", create_keypair),
     Route(None, "/os-keypairs/([^/]+)", keypair),
     Route("POST", "/servers", lambda req: (202, req.cloud.create_servers(req.body or {}))),
