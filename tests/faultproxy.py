@@ -2,7 +2,9 @@
 
 Modes: ``pass`` (forward everything), ``fail_puts = N`` (answer the next N PUTs with 503, then pass),
 ``fail_gets = N`` (the next N GETs, listings included, answered 503), ``reset_gets = N`` (the next N GETs: the
-connection is closed without an answer), ``down`` (answer every request with 503). The Host header is forwarded as the client sent it, so Swift's
+connection is closed without an answer), ``down`` (answer every request with 503), ``hold_after = N`` (pass N
+object GETs, then hold every later one until ``release()``: a client stopped mid-way, at a point the test chose;
+``wait_held(k)`` returns once k requests are held). The Host header is forwarded as the client sent it, so Swift's
 tempauth hands out storage URLs that point back at this proxy: every later request goes through it too.
 """
 
@@ -22,6 +24,11 @@ class FaultProxy:
         self.fail_gets = 0
         self.reset_gets = 0
         self.down = False
+        self.hold_after: int | None = None
+        self.released = threading.Event()
+        self.objects_got = 0
+        self.held = 0
+        self._held_cv = threading.Condition()
         self.failed: list[str] = []  # "METHOD path" of every request we failed on purpose
         self.forwarded = 0
         self._lock = threading.Lock()
@@ -55,9 +62,23 @@ class FaultProxy:
                         return True
                 return False
 
+            def _hold(self) -> None:
+                if self.command != "GET" or "/auth/" in self.path or "?" in self.path or \
+                        self.path.rstrip("/").count("/") < 4:  # listings, containers and tokens pass
+                    return
+                with proxy._lock:
+                    proxy.objects_got += 1
+                    held = proxy.hold_after is not None and proxy.objects_got > proxy.hold_after
+                if held:
+                    with proxy._held_cv:
+                        proxy.held += 1
+                        proxy._held_cv.notify_all()
+                    proxy.released.wait()
+
             def _any(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
+                self._hold()
                 if self._reset():
                     self.close_connection = True
                     self.connection.close()  # no answer at all: the client sees a reset / a closed connection
@@ -93,10 +114,18 @@ class FaultProxy:
         self.url = f"http://{bind_ip}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
+    def release(self) -> None:
+        self.released.set()
+
+    def wait_held(self, k: int, timeout: float = 120.0) -> bool:
+        with self._held_cv:
+            return self._held_cv.wait_for(lambda: self.held >= k, timeout=timeout)
+
     def start(self) -> FaultProxy:
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()

@@ -103,24 +103,36 @@ def test_more_than_10000_objects_s3(big_container, creds, tmp_path):
     check_tree(tmp_path / "d", expect, "set/")
 
 
-def test_resume_after_kill(creds, tmp_path):
+def test_resume_after_kill(creds, swift, tmp_path):
+    """The stager killed (SIGKILL) half-way: a second run fetches only what the first had not verified. The object
+    store's answers stop after 200 objects (a proxy holds the rest) and the kill comes once both of the stager's
+    threads wait on a held one, so it is half-way on any machine (it used to come on a progress line, which a fast
+    run could print only once it had all 600)."""
+    from faultproxy import FaultProxy
+
     st = SwiftStore("resume", creds)
     expect = bulk_fill(st, "r/", 600)
     dest = tmp_path / "d"
-    job = {"url": "swift://resume/r/", "dest": str(dest), "mode": "full", "rank": 0, "nodes": 1,
-           "concurrency": 2, "creds": st.creds.scoped().__dict__}
-    p = subprocess.Popen([sys.executable, "-m", "appliance.node.stage_main"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-    p.stdin.write(json.dumps(job))
-    p.stdin.close()
-    for line in p.stdout:  # kill it half-way, on its own progress report
-        if line.startswith("APPLIANCE_PROGRESS ") and json.loads(line.split(" ", 1)[1])["files"] >= 200:
-            p.send_signal(signal.SIGKILL)
-            break
-    p.wait()
+    proxy = FaultProxy(swift.s3_endpoint, bind_ip=swift.bind_ip).start()
+    try:
+        via = StoreCreds(auth_url=proxy.url + "/auth/v1.0", user=swift.user, key=swift.key)
+        SwiftStore("resume", via).conn()  # the proxy answers the token, so the storage URL is the proxy's
+        proxy.hold_after = 200
+        job = {"url": "swift://resume/r/", "dest": str(dest), "mode": "full", "rank": 0, "nodes": 1,
+               "concurrency": 2, "creds": via.__dict__}
+        p = subprocess.Popen([sys.executable, "-m", "appliance.node.stage_main"], stdin=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, text=True)
+        p.stdin.write(json.dumps(job))
+        p.stdin.close()
+        held = proxy.wait_held(2)  # each of its 2 threads asks for the next object only once its last one is in place
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert held, "the stager never reached the held objects"
+    finally:
+        proxy.stop()
     assert p.returncode == -signal.SIGKILL
     done_before = sum(1 for f in dest.rglob("*.bin"))
-    assert 0 < done_before < 600
+    assert done_before == 200
     assert not list(dest.rglob("*.part")) or True  # a cut .part may remain; it is never taken for a file
     res = stage(st, "r/", dest)
     assert res.files_skipped >= done_before - 2  # what was verified before the kill is not fetched again
