@@ -190,7 +190,7 @@ print(json.dumps({k: v["size"] for k, v in m["files"].items()}))
 """
 
 
-def upload_tools(sw, tv: Path) -> dict:
+def upload_tools(sw, tv: Path, baseline: str = "") -> dict:
     """Each tool: (the local directory with one big file, the container) -> (argv, env, stdin). Ours is the
     checkpoint commit itself (CheckpointStore.upload: ETags computed, parts in parallel, verified, manifest)."""
     env, ak, sk = tool_env(sw, tv)
@@ -199,14 +199,22 @@ def upload_tools(sw, tv: Path) -> dict:
     s3_creds = StoreCreds(s3_endpoint=sw.s3_endpoint, s3_access_key=ak, s3_secret_key=sk).__dict__
 
     def ours(scheme, creds, env=env):
-        return lambda d, cont: ([sys.executable, "-c", UPLOAD_JOB], env,
+        return lambda d, cont: ([sys.executable, "-P", "-c", UPLOAD_JOB], env,  # -P: PYTHONPATH picks the checkout
                                 json.dumps({"url": f"{scheme}://{cont}/", "dir": str(d), "creds": creds}))
 
     one = {**env, "APPLIANCE_SEGMENT_BYTES": str(5 * 1024**3)}  # the commit as it was: a file up to 5 GiB in one PUT
+    before = {}
+    if baseline:  # the same commit from another checkout (a change measured against what it replaces, in one run)
+        old = {**env, "PYTHONPATH": str(Path(baseline).resolve())}
+        rev = subprocess.run(["git", "-C", baseline, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip() or "baseline"
+        before = {f"appliance checkpoint (swift) at {rev}": ours("swift", swift_creds, old),
+                  f"appliance checkpoint (s3) at {rev}": ours("s3", s3_creds, old)}
     return {
         "appliance checkpoint (swift)": ours("swift", swift_creds),
         "appliance checkpoint (swift, one PUT)": ours("swift", swift_creds, one),
         "appliance checkpoint (s3)": ours("s3", s3_creds),
+        **before,
         "s5cmd": lambda d, cont: ([f"{tv}/bin/s5cmd", "--endpoint-url", sw.s3_endpoint, "cp", f"{d}/state.data",
                                    f"s3://{cont}/s5cmd/state.data"], env, None),
         "rclone s3": lambda d, cont: ([f"{tv}/bin/rclone", "copy", str(d), f":s3:{cont}/rclone"],
@@ -252,6 +260,8 @@ def main() -> None:
                     help="comma-separated: small, large, multipart (the large objects as `aws s3 cp` uploads them), "
                          "upload (a checkpoint-sized file up), packed")
     ap.add_argument("--upload-size", type=int, default=1536 * 1024**2, help="bytes of the upload dataset's file")
+    ap.add_argument("--baseline", default="", help="another checkout of this repository (e.g. a git worktree of "
+                    "the commit before a change): the upload rows run its checkpoint commit too, as '[baseline]'")
     ap.add_argument("--store", choices=("swift", "rgw"), default="swift",
                     help="the server: OpenStack Swift 2.38 (proxy + s3api) or Ceph RGW (what Chameleon runs)")
     args = ap.parse_args()
@@ -308,7 +318,7 @@ def main() -> None:
                 with open(f, "wb") as fh:
                     for _ in range(args.upload_size // (1 << 20)):
                         fh.write(os.urandom(1 << 20))
-            uts = upload_tools(sw, tv)
+            uts = upload_tools(sw, tv, args.baseline)
             names = [t for t in uts if not only or t in only]
             runs = {t: [] for t in names}
             import swiftclient

@@ -24,7 +24,7 @@ from appliance.store.checkpoints import CheckpointStore
 from appliance.cluster import Cluster
 from appliance.errors import ApplianceError
 from appliance.sites.local import LocalSite
-from appliance.store.objects import StoreCreds
+from appliance.store.objects import StoreCreds, slo_etag
 from appliance import flows, sites
 from appliance.spec import load_spec
 from appliance.flows import run_job as train
@@ -132,7 +132,9 @@ def test_a_file_above_the_segment_size_commits_as_an_slo(swift, tmp_path, tb2, m
     assert [c.step for c in cs.committed()] == [10] and cs.verify(cs.committed()[0]) is None
     got = cs.download(cs.committed()[0], tmp_path / "back")  # checks every file's MD5 against the manifest
     assert (got / "state.data-00000-of-00001").read_bytes() == (local / "state.data-00000-of-00001").read_bytes()
-    assert m["files"]["state.data-00000-of-00001"]["size"] == (5 << 19) + 7
+    f = m["files"]["state.data-00000-of-00001"]
+    assert f["size"] == (5 << 19) + 7 and f["part_size"] == 1 << 20 and len(f["parts"]) == 3 and "md5" not in f
+    assert f["etag"] == slo_etag([{"hash": h} for h in f["parts"]])  # the store's ETag is made of the parts' MD5s
 
 
 @pytest.mark.parametrize("swift", ["swift", "rgw"], indirect=True)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .objects import ObjectInfo, StoreCreds, StoreRefused, large_object_etags, md5_file, open_store
+from .objects import ObjectInfo, StoreCreds, StoreRefused, large_object_etags, md5_file, open_store, parts_match
 from ..errors import ApplianceError
 
 MANIFEST = "MANIFEST.json"
@@ -233,14 +233,18 @@ class CheckpointStore:
         expect: dict[str, dict] = {}
         for i, p in enumerate(files):
             rel = p.relative_to(local).as_posix()
-            size = p.stat().st_size
-            # the file's MD5s first (one pass), then the upload, which checks the store's ETag of each part against
-            # them instead of hashing the bytes again (measured: overlapping the two was slower on 2 cores, where
-            # the CPU is the limit: make bench-stage STORE=rgw, the upload rows)
-            expect[rel] = large_object_etags(p, self.segment_for(size))
+            size, seg = p.stat().st_size, self.segment_for(p.stat().st_size)
+            # the file's MD5s first (its parts hashed in parallel), then the upload, which checks the store's ETag
+            # of each part against them instead of hashing the bytes again (measured: overlapping the two was
+            # slower on 2 cores, where the CPU is the limit: make bench-stage STORE=rgw, the upload rows). A file in
+            # parts is recorded by its parts' MD5s, which the store's ETags are made of: the whole file's MD5 would
+            # be one more pass over every byte, in order (`whole`), and only a directory store's ETag is that
+            parts = size > seg and self.store.scheme in ("swift", "s3")
+            expect[rel] = large_object_etags(p, seg, whole=not parts)
             retrying(lambda: self._put(f"{name}/{rel}", p, expect[rel]), what=f"upload {name}/{rel}",
                      until=until, log=log, stop=stop)
-            record[rel] = {"size": size, "md5": expect[rel]["md5"]}
+            record[rel] = ({"size": size, "part_size": seg, "parts": expect[rel]["parts"]} if parts
+                           else {"size": size, "md5": expect[rel]["md5"]})
             if fault:
                 fault(i)
         # verify what the store now holds before committing
@@ -253,7 +257,7 @@ class CheckpointStore:
                 raise StoreUnavailable(f"{name}/{rel} did not arrive intact in the store",
                                        "the checkpoint is kept on the node's disk")
             e = expect[rel]
-            want = e.get(self.store.scheme, f["md5"]) if "swift" in e else f["md5"]
+            want = e[self.store.scheme] if "parts" in f else f["md5"]  # a directory store's ETag is the MD5
             if o.etag == want:
                 pass
             elif "swift" in e and self._segments_match(f"{name}/{rel}", e["parts"]):
@@ -309,7 +313,8 @@ class CheckpointStore:
         return sorted(by_dir)
 
     def download(self, c: Committed, dest: Path) -> Path:
-        """Fetch a committed checkpoint into dest/<name> and check every file's MD5 against the manifest."""
+        """Fetch a committed checkpoint into dest/<name> and check every file's MD5 (a file in parts: each part's)
+        against the manifest."""
         m = self.read_manifest(c)
         out = Path(dest) / c.name
         for rel, f in m["files"].items():
@@ -317,7 +322,7 @@ class CheckpointStore:
             p.parent.mkdir(parents=True, exist_ok=True)
             with open(p, "wb") as fh:
                 self.store.get(f"{self.prefix}{c.name}/{rel}", fh.write)
-            if md5_file(p) != f["md5"]:
+            if not (parts_match(p, f["part_size"], f["parts"]) if "parts" in f else md5_file(p) == f["md5"]):
                 raise ApplianceError(f"{c.name}/{rel}: downloaded bytes do not match the manifest",
                                      "retry; if it persists the object is corrupted in the store")
         (out / MANIFEST).write_text(json.dumps(m, indent=1, sort_keys=True))

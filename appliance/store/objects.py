@@ -810,28 +810,38 @@ class _Slice:
         return data
 
 
-def large_object_etags(p: Path, part_size: int) -> dict:
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))  # hashlib lets go of the GIL: parts hash on every core
+
+
+def large_object_etags(p: Path, part_size: int, *, whole: bool = True) -> dict:
     """What a store reports for a file uploaded in parts of ``part_size``: ``md5`` of the content, and for a file
-    larger than one part ``swift`` (a Static Large Object's ETag: the MD5 of its segments' hex MD5s, concatenated;
-    swift/common/middleware/slo.py) and ``s3`` (a multipart upload's ETag: the MD5 of the parts' binary MD5s,
-    then "-" and the part count). An MD5 cannot be split, so a file in parts takes two: the whole file's and the
-    parts', computed by two threads at once, each reading the file (the page cache) on its own."""
+    larger than one part ``parts`` (each part's MD5), ``swift`` (a Static Large Object's ETag: the MD5 of its
+    segments' hex MD5s, concatenated; swift/common/middleware/slo.py) and ``s3`` (a multipart upload's ETag: the
+    MD5 of the parts' binary MD5s, then "-" and the part count). The parts are hashed in parallel, on every core
+    (each a positioned read of the page cache). An MD5 cannot be split, so the whole file's is one more pass, in
+    order, beside them; ``whole=False`` leaves it out of a file in parts (the parts' MD5s cover every byte)."""
     fd = os.open(p, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         if size <= part_size:
-            whole = md5_range(fd, 0, size)
-            return {"md5": whole.hexdigest(), "parts": [whole.hexdigest()] if size else []}
-        with ThreadPoolExecutor(1) as pool:  # hashlib lets go of the GIL: the two hashes run on two cores
-            split = pool.submit(lambda: [md5_range(fd, off, min(part_size, size - off))
-                                         for off in range(0, size, part_size)])
-            whole = md5_range(fd, 0, size)
-            hashes = split.result()
+            one = md5_range(fd, 0, size)
+            return {"md5": one.hexdigest(), "parts": [one.hexdigest()] if size else []}
+        offsets = range(0, size, part_size)
+        with ThreadPoolExecutor(min(HASH_THREADS, len(offsets) + whole)) as pool:
+            full = pool.submit(md5_range, fd, 0, size) if whole else None
+            hashes = list(pool.map(lambda off: md5_range(fd, off, min(part_size, size - off)), offsets))
+            out = {"md5": full.result().hexdigest()} if full is not None else {}
     finally:
         os.close(fd)
-    return {"md5": whole.hexdigest(), "parts": [m.hexdigest() for m in hashes],
+    return {**out, "parts": [m.hexdigest() for m in hashes],
             "swift": hashlib.md5("".join(m.hexdigest() for m in hashes).encode()).hexdigest(),
             "s3": hashlib.md5(b"".join(m.digest() for m in hashes)).hexdigest() + f"-{len(hashes)}"}
+
+
+def parts_match(p: Path, part_size: int, parts: list[str]) -> bool:
+    """Whether the file's parts of ``part_size`` have these MD5s (a manifest's record of a file in parts)."""
+    got = large_object_etags(p, part_size, whole=False)
+    return got["parts"] == list(parts)
 
 
 def slo_etag(segments: list[dict]) -> str:
