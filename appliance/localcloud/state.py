@@ -325,6 +325,8 @@ class Image:
             "checksum", "os_hash_algo", "os_hash_value", "tags", "updated_at", "min_disk", "min_ram", "protected")
 
     def view(self) -> dict:
-        """glance/api/v2/images.py ResponseSerializer._format_image: an image links itself, its data and its schema."""
+        """glance/api/v2/images.py ResponseSerializer._format_image: the extra properties, then every base attribute
+        (`image_view[key] = getattr(image, key)`: one not given is null, e.g. container_format), and links to
+        itself, its data and its schema."""
         return {**copy.deepcopy(self.properties), **{k: copy.deepcopy(getattr(self, k)) for k in self.CORE},
                 "self": f"/v2/images/{self.id}", "file": f"/v2/images/{self.id}/file", "schema": "/v2/schemas/image"}
