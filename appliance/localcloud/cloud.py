@@ -402,7 +402,8 @@ class Cloud:
             for i in range(count):
                 sid = _uuid()
                 name = s["name"] if count == 1 else f"{s['name']}-{i + 1}"
-                srv = Server(sid, name, "BUILD", key_name, flavor={"id": self.flavor["id"], "original_name": "baremetal"},
+                srv = Server(sid, name, "BUILD", key_name,
+                             flavor={"id": self.flavor["id"], "original_name": "baremetal"},
                              image={"id": s["imageRef"]}, metadata=s.get("metadata", {}), tenant_id=self.project_id,
                              user_id=self.user_id, created=_fmt(self.clock.now(), "%Y-%m-%dT%H:%M:%SZ"),
                              host=hosts[i] if not fault else None, user_data=s.get("user_data"),

@@ -288,7 +288,8 @@ class Heat:
                 raise HeatError(400, f"Property error: {name}: Unable to find network '{p.get('floating_network')}'")
             with c.lock:
                 fip = c._new_fip()
-            return {"type": rtype, "id": fip.id, "fip": fip.id, "attrs": {"floating_ip_address": fip.floating_ip_address}}
+            return {"type": rtype, "id": fip.id, "fip": fip.id,
+                    "attrs": {"floating_ip_address": fip.floating_ip_address}}
         if rtype == "OS::Neutron::FloatingIPAssociation":
             c.associate(p["floatingip_id"], p["port_id"])
             return {"type": rtype, "id": self.new_id(), "attrs": {}}
