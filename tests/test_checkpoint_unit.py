@@ -4,6 +4,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -156,16 +157,15 @@ def test_ctrl_c_while_the_launcher_holds_its_output_lock_does_not_hang_it(tmp_pa
     assert not stuck and any("Ctrl-C" in m for m in said)
 
 
+def _run_of(name: str):
+    """The spec and cluster a run record reads (its name, a checkpoint URL, 2 nodes, no lease)."""
+    spec = SimpleNamespace(name=name, path="", digest="", checkpoint=SimpleNamespace(url="swift://c/"))
+    cluster = SimpleNamespace(name=name, lease_id=None, lease_end=None, world_size=2, nodes=[1, 2])
+    return spec, cluster
+
+
 def test_run_record_counts_lost_node_time(appliance_home):
-    class Spec:
-        name, path, digest = "rec", "", ""
-
-        class checkpoint:
-            url = "swift://c/"
-
-    class Cl:
-        name, lease_id, lease_end, world_size = "rec", None, None, 2
-        nodes = [1, 2]
+    Spec, Cl = _run_of("rec")
 
     class Res:
         job_id, wall_s, exit_code, failure, stopped = "j1", 100.0, 1, "node died", None
@@ -185,15 +185,7 @@ def test_a_level3_stop_is_recorded_and_shown_without_a_step(appliance_home):
     runs` shows it (a None step broke the table's format), and the summary names the synced manifest."""
     from appliance.cli import format_summary
 
-    class Spec:
-        name, path, digest = "lvl3", "", ""
-
-        class checkpoint:
-            url = "swift://c/"
-
-    class Cl:
-        name, lease_id, lease_end, world_size = "lvl3", None, None, 2
-        nodes = [1, 2]
+    Spec, Cl = _run_of("lvl3")
 
     stopped = {"step": None, "committed": True, "reason": "Ctrl-C to appliance train", "files": 3,
                "checkpoint": "files/manifest-3", "seconds": 0}

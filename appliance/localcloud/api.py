@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .cloud import ApiError, Cloud
+from .state import Token
 
 
 @dataclass
@@ -20,6 +21,10 @@ class Request:
     base: str  # http://host:port
     cloud: Cloud
     handler: object  # the BaseHTTPRequestHandler, for streamed bodies (Glance uploads) and headers
+
+    def caller(self) -> Token:
+        """The record of the token the request came with (an empty one when it has none)."""
+        return self.cloud.token(self.handler.headers.get("X-Auth-Token")) or Token(0.0, {})
 
     def auth(self) -> None:
         tok = self.handler.headers.get("X-Auth-Token")

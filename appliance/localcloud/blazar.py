@@ -19,8 +19,8 @@ def create_lease(req: Request):
     create); Keystone refuses trusts to a restricted application credential (keystone/api/trusts.py
     `_check_unrestricted_application_credential`), and Blazar's route turns that non-Blazar exception into a
     bare 500 (blazar/api/v1/utils.py `Rest.route` -> `internal_error(500, 'Internal Server Error', e)`)."""
-    tok = req.cloud.token(req.handler.headers.get("X-Auth-Token"))
-    if tok is not None and tok.app_cred and not tok.unrestricted:
+    tok = req.caller()
+    if tok.app_cred and not tok.unrestricted:
         raise ApiError(500, "Internal Server Error", "INTERNAL_SERVER_ERROR")
     return 201, {"lease": req.cloud.create_lease(req.body or {})}
 

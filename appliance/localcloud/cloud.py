@@ -235,9 +235,6 @@ class Cloud:
 
     # -- Blazar -----------------------------------------------------------------------------------
 
-    def lease_view(self, lease: Lease) -> dict:
-        return lease.view()
-
     def create_lease(self, body: dict) -> dict:
         now = self.clock.now()
         for key in ("name", "start_date", "end_date", "reservations"):

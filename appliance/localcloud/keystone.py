@@ -139,11 +139,6 @@ def _mint(req: Request, methods: list, *, service: dict | None = None) -> tuple[
     return tok, token
 
 
-def _caller(req: Request) -> Token:
-    """The record of the token the request came with (an empty one when it has none)."""
-    return req.cloud.token(req.handler.headers.get("X-Auth-Token")) or Token(0.0, {})
-
-
 def _app_creds(c) -> list[AppCred]:
     """The cloud's own application credential (unrestricted, as Chameleon asks for: docs cli/authentication.rst)
     and those made through the API."""
@@ -154,7 +149,7 @@ def _app_creds(c) -> list[AppCred]:
 
 def _may_manage_app_creds(req: Request, user_id: str) -> None:
     c = req.cloud
-    info = _caller(req)
+    info = req.caller()
     if info.app_cred and not info.unrestricted:
         raise ApiError(403, "You are not authorized to perform the requested action: Using method "
                        "'application_credential' is not allowed for managing additional application credentials.",
@@ -221,7 +216,7 @@ def _may_use_ec2(req: Request, user_id: str) -> None:
     an admin (the RGW's service user, which reads a secret to check streamed uploads)."""
     if user_id == req.cloud.user_id:
         return
-    if not _caller(req).service:
+    if not req.caller().service:
         raise ApiError(403, "You are not authorized to perform the requested action: identity:ec2_credential.",
                        "Forbidden")
     raise ApiError(404, f"Could not find user: {user_id}.", "Not Found")  # an admin asking: identity_api.get_user
@@ -329,7 +324,7 @@ def validate_token(req: Request):
     subject = req.handler.headers.get("X-Subject-Token")
     if subject is None:  # keystoneauth's own check of its token (HEAD without a subject): the caller's
         subject = caller
-    if subject != caller and not _caller(req).service:
+    if subject != caller and not req.caller().service:
         raise ApiError(403, "You are not authorized to perform the requested action: identity:validate_token.",
                        "Forbidden")
     not_found = ApiError(404, "Failed to validate token", "Not Found")

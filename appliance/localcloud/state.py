@@ -184,6 +184,7 @@ class Lease:
 
 @dataclass
 class Keypair:
+    """nova/api/openstack/compute/keypairs.py (`_filter_keypair`): name, public_key, fingerprint, type, user_id."""
     name: str
     public_key: str
     user_id: str
@@ -197,7 +198,8 @@ class Keypair:
 
 @dataclass
 class Port:
-    """A server's port on sharednet1 (Neutron's, made by Nova at boot)."""
+    """A server's port on sharednet1 (Neutron's, made by Nova at boot; neutron/db/db_base_plugin_common.py
+    `_make_port_dict`, the fields our clients read)."""
     id: str
     device_id: str
     network_id: str
@@ -218,7 +220,8 @@ class Port:
 
 @dataclass
 class Server:
-    """A server as Nova keeps it (the fields of its show body), and where the simulator runs it."""
+    """A server as Nova keeps it (the fields of its show body: nova/api/openstack/compute/views/servers.py `show`
+    with the OS-EXT-STS extension's states), and where the simulator runs it."""
     id: str
     name: str
     status: str  # BUILD, ACTIVE, ERROR, DELETED
@@ -263,6 +266,7 @@ class Server:
 
 @dataclass
 class Network:
+    """neutron/db/db_base_plugin_common.py `_make_network_dict` (with the external-net extension's router:external)."""
     id: str
     name: str
     external: bool
@@ -277,6 +281,7 @@ class Network:
 
 @dataclass
 class FloatingIp:
+    """neutron/db/l3_db.py `_make_floatingip_dict` (tenant_id beside project_id, as Neutron shows both)."""
     id: str
     floating_ip_address: str
     floating_network_id: str
