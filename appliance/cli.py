@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from . import __version__
+from . import __version__, report
 from .errors import ApplianceError
 
 
@@ -19,8 +19,11 @@ def _json_out(obj) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
 
-def _quiet(_msg: str) -> None:
-    pass
+def _messages(err: bool = False, quiet: bool = False):
+    """Where the library's messages (appliance.report) go while a verb runs: the terminal by default (main sets
+    it); stderr with ``err`` (under --json, so stdout holds only the JSON); nowhere with ``quiet`` (verbs whose
+    JSON says it all)."""
+    return report.to(None if quiet else (lambda m: click.echo(m, err=True)) if err else click.echo)
 
 
 class _Group(click.Group):
@@ -63,6 +66,7 @@ def main(debug):
 
         for name in ("keystoneauth", "openstack"):
             logging.getLogger(name).setLevel(logging.ERROR)
+    click.get_current_context().with_resource(_messages())  # each verb's messages to the terminal, until it ends
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +96,8 @@ def testbed_up(nodes, slots, name, mode, as_json):
     """
     from . import flows
 
-    flows.testbed_up(name, nodes, slots=slots, mode=mode, log=_quiet if as_json else click.echo)
+    with _messages(quiet=as_json):
+        flows.testbed_up(name, nodes, slots=slots, mode=mode)
     st = flows.testbed_status(name)
     if as_json:
         _json_out(st)
@@ -107,7 +112,8 @@ def testbed_down(name, as_json):
     """Remove the testbed: its processes (by PID), namespaces, bridge and state. Safe to repeat."""
     from . import flows
 
-    removed = flows.testbed_down(name, log=_quiet if as_json else click.echo)
+    with _messages(quiet=as_json):
+        removed = flows.testbed_down(name)
     if as_json:
         _json_out({"name": name, "removed": removed})
 
@@ -164,7 +170,8 @@ def cloud_start(time_scale, hosts, as_json):
     """Start the local cloud (no-op if it runs)."""
     from . import flows
 
-    st = flows.cloud_start(time_scale=time_scale, hosts=hosts, log=_quiet if as_json else click.echo)
+    with _messages(quiet=as_json):
+        st = flows.cloud_start(time_scale=time_scale, hosts=hosts)
     _json_out(st) if as_json else click.echo(f"local cloud at {st['endpoint']}, clock {st.get('now')} UTC")
 
 
@@ -173,7 +180,7 @@ def cloud_stop():
     """Stop the local cloud; its servers (testbed nodes) are deleted."""
     from . import flows
 
-    flows.cloud_stop(log=click.echo)
+    flows.cloud_stop()
 
 
 @cloud.command("status")
@@ -233,7 +240,8 @@ def lease_create(spec, start, as_json):
     """Reserve the spec's nodes (nodes.count x nodes.node_type) for lease.duration."""
     from . import flows
 
-    d = flows.lease_create(spec, start=start, log=_quiet if as_json else click.echo)
+    with _messages(quiet=as_json):
+        d = flows.lease_create(spec, start=start)
     _json_out(d) if as_json else _print_lease(d)
 
 
@@ -331,8 +339,8 @@ def up_cmd(spec, lease_id, install, variant, wheel_cache, as_json):
     """
     from . import flows
 
-    cl = flows.up(spec, lease_id=lease_id, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo,
-                      install=install, variant=variant, wheel_cache=wheel_cache)
+    with _messages(err=as_json):
+        cl = flows.up(spec, lease_id=lease_id, install=install, variant=variant, wheel_cache=wheel_cache)
     if as_json:
         import dataclasses
 
@@ -358,8 +366,8 @@ def adopt_cmd(stack, cloud_kind, site, key_name, key_file, slots, as_json):
     """
     from . import flows
 
-    cl = flows.adopt(stack, cloud=cloud_kind, site_name=site, key_name=key_name, key_file=key_file, slots=slots,
-               log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
+    with _messages(err=as_json):
+        cl = flows.adopt(stack, cloud=cloud_kind, site_name=site, key_name=key_name, key_file=key_file, slots=slots)
     if as_json:
         import dataclasses
 
@@ -405,7 +413,7 @@ def down_cmd(name, yes):
                       abort=True)
     elif busy:
         click.echo(f"warning: {busy[2:]}", err=True)
-    flows.down(cname, log=click.echo)
+    flows.down(cname)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,7 +444,8 @@ def check_spec(spec, online, as_json):
     from . import flows
 
     s = flows.check(spec)
-    found = flows.check_online(s, log=lambda m: click.echo(m, err=True)) if online else None
+    with _messages(err=True):
+        found = flows.check_online(s) if online else None
     if as_json:
         _json_out({**dataclasses.asdict(s), **({"online": found} if online else {})})
         return
@@ -477,8 +486,8 @@ def stage_cmd(spec, cluster, concurrency, keep_extra, as_json):
     """
     from . import flows
 
-    say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
-    res = flows.stage_spec(spec, cluster, out=say, log=say, concurrency=concurrency, keep_extra=keep_extra)
+    with _messages(err=as_json):
+        res = flows.stage_spec(spec, cluster, concurrency=concurrency, keep_extra=keep_extra)
     if as_json:
         _json_out(res)
 
@@ -503,8 +512,7 @@ def data_upload(src, url, cloud_kind, site, segment_size):
     """
     from . import flows
 
-    flows.data_upload(src, url, cloud=cloud_kind or _default_cloud(), site_name=site, segment_size=segment_size,
-                      log=click.echo)
+    flows.data_upload(src, url, cloud=cloud_kind or _default_cloud(), site_name=site, segment_size=segment_size)
 
 
 @data.command("pack")
@@ -525,8 +533,9 @@ def data_pack(src, url, shard_size, fmt, cloud_kind, site, as_json):
     """
     from . import flows
 
-    idx = flows.data_pack(src, url, shard_size=shard_size, fmt=fmt, cloud=cloud_kind or _default_cloud(),
-                          site_name=site, log=_quiet if as_json else click.echo)
+    with _messages(quiet=as_json):
+        idx = flows.data_pack(src, url, shard_size=shard_size, fmt=fmt, cloud=cloud_kind or _default_cloud(),
+                              site_name=site)
     if as_json:
         _json_out(idx)
 
@@ -540,8 +549,8 @@ def data_ls(url, cloud_kind, site, as_json):
     """List objects under URL (every page: no 10,000-name cap)."""
     from . import flows
 
-    items = flows.data_list(url, cloud=cloud_kind or _default_cloud(), site_name=site,
-                            log=lambda m: click.echo(m, err=True))
+    with _messages(err=True):
+        items = flows.data_list(url, cloud=cloud_kind or _default_cloud(), site_name=site)
     if as_json:
         _json_out(items)
     else:
@@ -561,8 +570,8 @@ def data_rm(url, cloud_kind, site, yes):
 
     if not yes:
         click.confirm(f"delete every object under {url}?", abort=True)
-    n = flows.data_remove(url, cloud=cloud_kind or _default_cloud(), site_name=site,
-                          log=lambda m: click.echo(m, err=True))
+    with _messages(err=True):
+        n = flows.data_remove(url, cloud=cloud_kind or _default_cloud(), site_name=site)
     click.echo(f"deleted {n} object(s)")
 
 
@@ -583,7 +592,8 @@ def train_cmd(spec, cluster, as_json):
     from . import flows
 
     out = (lambda line: click.echo(line, err=True)) if as_json else None
-    res = flows.train_spec(spec, cluster, out=out, log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
+    with _messages(err=as_json):
+        res = flows.train_spec(spec, cluster, out=out)
     _report(res, as_json)
 
 
@@ -654,10 +664,10 @@ def resume_cmd(run, spec_path, cluster, nodes, url, cloud_kind, site, as_json):
     """
     from . import flows
 
-    log = (lambda m: click.echo(m, err=True)) if as_json else click.echo
-    res = flows.resume(run, spec_path=spec_path, cluster_name=cluster, nodes=nodes, url=url,
-                       cloud=cloud_kind or _default_cloud(), site_name=site,
-                 out=(lambda line: click.echo(line, err=True)) if as_json else None, log=log)
+    with _messages(err=as_json):
+        res = flows.resume(run, spec_path=spec_path, cluster_name=cluster, nodes=nodes, url=url,
+                           cloud=cloud_kind or _default_cloud(), site_name=site,
+                           out=(lambda line: click.echo(line, err=True)) if as_json else None)
     if res is None:
         if as_json:
             _json_out({"run": run, "complete": True})
@@ -723,12 +733,12 @@ def bench_cmd(spec, cluster, models, batch_sizes, nodes, steps, warmup, precisio
     from . import flows
     from .bench import BenchConfig, report
 
-    log = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     out = (lambda line: click.echo(line, err=True)) if as_json else None
     cfg = BenchConfig(models=models, batch_sizes=batch_sizes, nodes=nodes, steps=steps, warmup=warmup,
                       precision=precision, image_size=image_size)
-    rep = flows.bench(spec, cluster, cfg, overhead=overhead, repeats=repeats, out_dir=out_dir,
-                      command=_command_line(), out=out, log=log)
+    with _messages(err=as_json):
+        rep = flows.bench(spec, cluster, cfg, overhead=overhead, repeats=repeats, out_dir=out_dir,
+                          command=_command_line(), out=out)
     if overhead:
         if as_json:
             _json_out(rep)
@@ -771,8 +781,9 @@ def image_upload_cmd(path, name, disk_format, cloud_kind, site, as_json):
     """Upload a built image to the site's Glance (private). Re-running with the same file is a no-op."""
     from . import flows
 
-    img = flows.image_upload(path, name, cloud=cloud_kind or _default_cloud(), site_name=site, disk_format=disk_format,
-                       log=(lambda m: click.echo(m, err=True)) if as_json else click.echo)
+    with _messages(err=as_json):
+        img = flows.image_upload(path, name, cloud=cloud_kind or _default_cloud(), site_name=site,
+                                 disk_format=disk_format)
     if as_json:
         _json_out(img)
     else:
@@ -832,7 +843,7 @@ def watchdog_cmd(on_node, margin, poll, once):
         margin_s = float(duration_seconds(margin))
     except Exception:
         raise click.BadParameter(f"{margin!r} is not a duration like 10m or 1h", param_hint="--margin") from None
-    stopped = node_watch(margin=margin_s, poll=poll, once=once, log=click.echo)
+    stopped = node_watch(margin=margin_s, poll=poll, once=once)
     if once:
         _json_out({"stopped": stopped})
 
@@ -858,7 +869,7 @@ def runs_cmd(run, plot_png, as_json):
     if plot_png is not None:
         if not run:
             raise click.UsageError("--plot needs a RUN: `appliance runs RUN --plot`")
-        d = plot_run(run, plot_png or None, log=click.echo)
+        d = plot_run(run, plot_png or None)
         if as_json:
             _json_out(d)
         else:

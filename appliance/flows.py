@@ -32,6 +32,9 @@ from .spec import Spec
 from .store.checkpoints import CheckpointStore
 from .store.objects import StoreRefused, parse_url, unreachable
 from .train.launch import JobResult, job_log, train
+from . import report
+
+log = report.get(__name__)
 
 __all__ = ["resolve_cluster", "run_job", "train_spec", "stage_spec", "resume", "up", "down", "status", "adopt",
            "site", "data_creds", "doctor", "job_summary", "list_runs", "node_watch"]
@@ -40,19 +43,19 @@ __all__ = ["resolve_cluster", "run_job", "train_spec", "stage_spec", "resume", "
 # -- sites and credentials --------------------------------------------------------------------------
 
 
-def site(kind: str, region: str | None = None, log=print) -> Site:
-    return open_site(kind, region, log=log)
+def site(kind: str, region: str | None = None) -> Site:
+    return open_site(kind, region)
 
 
-def data_creds(url: str, kind: str, region: str | None = None, log=print):
+def data_creds(url: str, kind: str, region: str | None = None):
     """Credentials for an object-store URL on a site (none for file://)."""
-    return None if parse_url(url)[0] == "file" else open_site(kind, region, log=log).store_creds(url)
+    return None if parse_url(url)[0] == "file" else open_site(kind, region).store_creds(url)
 
 
 # -- clusters -------------------------------------------------------------------------------------
 
 
-def resolve_cluster(spec: Spec, cluster_name: str | None = None, log=print) -> Cluster:
+def resolve_cluster(spec: Spec, cluster_name: str | None = None) -> Cluster:
     """The cluster a spec runs on: one named explicitly, the run's own (made by `appliance up`), the one this
     machine heads (a Heat stack's head node), or the site's default (the local testbed, brought up if needed)."""
     if cluster_name:
@@ -62,7 +65,7 @@ def resolve_cluster(spec: Spec, cluster_name: str | None = None, log=print) -> C
         return own
     if node_config_path() is not None:  # on the head node of a cluster contextualized at boot (Heat)
         return from_node_config()
-    cl = for_spec(spec, log=log).default_cluster(spec)
+    cl = for_spec(spec).default_cluster(spec)
     if cl is None:
         raise ApplianceError(f"no cluster for run {spec.name!r}", f"run `appliance up {spec.path}` first")
     return cl
@@ -80,7 +83,7 @@ def check(spec_path: str) -> Spec:
     return spec
 
 
-def check_online(spec: Spec, log=print) -> dict:
+def check_online(spec: Spec) -> dict:
     """`appliance check --online`: what the spec names in the object store, asked before a lease is paid for (on
     Chameleon a node takes 10-20 minutes to boot before `appliance stage` would find a typo): the dataset URL
     names objects (the stager's rules and its one-line errors), and checkpoint.url is reachable and not refused
@@ -90,7 +93,7 @@ def check_online(spec: Spec, log=print) -> dict:
     out: dict = {}
     if spec.dataset is not None:
         url = spec.dataset.source
-        out["dataset"] = dataset_summary(url, creds=creds_for(spec, url), log=log)
+        out["dataset"] = dataset_summary(url, creds=creds_for(spec, url))
     ck = spec.checkpoint
     if ck is not None and ck.url:
         cs = CheckpointStore(ck.url, spec.name, creds_for(spec, ck.url))
@@ -116,44 +119,44 @@ def check_online(spec: Spec, log=print) -> dict:
     return out
 
 
-def up(spec_path: str, *, spec: Spec | None = None, log=print, **kw) -> Cluster:
+def up(spec_path: str, *, spec: Spec | None = None, **kw) -> Cluster:
     spec = spec or check(spec_path)
-    return lifecycle.up(for_spec(spec, log=log), spec, log=log, **kw)
+    return lifecycle.up(for_spec(spec), spec, **kw)
 
 
-def down(name: str, log=print) -> list[str]:
-    return lifecycle.down(name, log=log)
+def down(name: str) -> list[str]:
+    return lifecycle.down(name)
 
 
-def status(name: str, log=print) -> dict:
-    return lifecycle.status(name, log=log)
+def status(name: str) -> dict:
+    return lifecycle.status(name)
 
 
-def adopt(stack: str, *, cloud: str = "chameleon", site_name: str | None = None, log=print, **kw) -> Cluster:
-    return heat.adopt(open_site(cloud, site_name, log=log), stack, log=log, **kw)
+def adopt(stack: str, *, cloud: str = "chameleon", site_name: str | None = None, **kw) -> Cluster:
+    return heat.adopt(open_site(cloud, site_name), stack, **kw)
 
 
-def lease_create(spec_path: str, *, start: str | None = None, log=print) -> dict:
+def lease_create(spec_path: str, *, start: str | None = None) -> dict:
     spec = load_spec(spec_path)
-    return lifecycle.lease_create(for_spec(spec, log=log), spec, start=start)
+    return lifecycle.lease_create(for_spec(spec), spec, start=start)
 
 
 # -- data -----------------------------------------------------------------------------------------
 
 
 def stage_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None,
-               log=print, concurrency: int = 16, keep_extra: bool = False) -> dict[str, dict]:
+               concurrency: int = 16, keep_extra: bool = False) -> dict[str, dict]:
     """`appliance stage SPEC`: the spec's dataset to every node's local disk (files of objects no longer in the
     store are removed unless ``keep_extra``)."""
     spec = load_spec(spec_path)
     if spec.dataset is None:
         raise ApplianceError(f"{spec_path}: no dataset to stage", "add a dataset: {source: swift://..., dest: data}")
-    cluster = resolve_cluster(spec, cluster_name, log=log)
+    cluster = resolve_cluster(spec, cluster_name)
     return stage_to_nodes(spec, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
-                          concurrency=concurrency, keep_extra=keep_extra, out=out, log=log)
+                          concurrency=concurrency, keep_extra=keep_extra, out=out)
 
 
-def stage_to_nodes(spec: Spec, cluster: Cluster, url: str, dest: str, *, mode: str, out=None, log=print,
+def stage_to_nodes(spec: Spec, cluster: Cluster, url: str, dest: str, *, mode: str, out=None,
                    **kw) -> dict[str, dict]:
     """stage_cluster with what the nodes get for ``url`` as a job's nodes get it (Site.job_store_creds): with
     Keystone and swift://, an application credential of the staging's own (renewable tokens, restricted), deleted
@@ -161,34 +164,34 @@ def stage_to_nodes(spec: Spec, cluster: Cluster, url: str, dest: str, *, mode: s
     30 s before it expires (a long stage in a long-lived `appliance resume` could then fail with 401 midway), and
     which can do anything the user can for up to a day."""
     if parse_url(url)[0] == "file":
-        return stage_cluster(cluster, url, dest, mode=mode, creds=None, out=out or log, **kw)
-    creds, withdraw = for_spec(spec, log=log).job_store_creds(url, name=f"appliance-{spec.name}-stage",
-                                                             lease_end=cluster.lease_end_at, say=log)
+        return stage_cluster(cluster, url, dest, mode=mode, creds=None, out=out or log.info, **kw)
+    creds, withdraw = for_spec(spec).job_store_creds(url, name=f"appliance-{spec.name}-stage",
+                                                     lease_end=cluster.lease_end_at, say=log.info)
     try:
-        return stage_cluster(cluster, url, dest, mode=mode, creds=creds, out=out or log, **kw)
+        return stage_cluster(cluster, url, dest, mode=mode, creds=creds, out=out or log.info, **kw)
     finally:
         if withdraw is not None:
             try:
                 withdraw()
             except Exception as e:  # noqa: BLE001 - it expires on its own a week after the lease
-                log(f"[stage] note: could not delete the staging's application credential ({e}); it expires on "
-                    "its own")
+                log.info(f"[stage] note: could not delete the staging's application credential ({e}); it expires on "
+                         "its own")
 
 
-def data_upload(src: str, url: str, *, cloud: str, site_name: str | None = None, log=print, **kw) -> int:
-    return upload(src, url, creds=data_creds(url, cloud, site_name, log=log), log=log, **kw)
+def data_upload(src: str, url: str, *, cloud: str, site_name: str | None = None, **kw) -> int:
+    return upload(src, url, creds=data_creds(url, cloud, site_name), **kw)
 
 
-def data_pack(src: str, url: str, *, cloud: str, site_name: str | None = None, log=print, **kw) -> dict:
-    return pack_dir(src, url, creds=data_creds(url, cloud, site_name, log=log), log=log, **kw)
+def data_pack(src: str, url: str, *, cloud: str, site_name: str | None = None, **kw) -> dict:
+    return pack_dir(src, url, creds=data_creds(url, cloud, site_name), **kw)
 
 
-def data_list(url: str, *, cloud: str, site_name: str | None = None, log=print) -> list[dict]:
-    return listing(url, creds=data_creds(url, cloud, site_name, log=lambda m: None), log=log)
+def data_list(url: str, *, cloud: str, site_name: str | None = None) -> list[dict]:
+    return listing(url, creds=data_creds(url, cloud, site_name))
 
 
-def data_remove(url: str, *, cloud: str, site_name: str | None = None, log=print) -> int:
-    return remove(url, creds=data_creds(url, cloud, site_name, log=lambda m: None), log=log)
+def data_remove(url: str, *, cloud: str, site_name: str | None = None) -> int:
+    return remove(url, creds=data_creds(url, cloud, site_name))
 
 
 # -- training -------------------------------------------------------------------------------------
@@ -200,11 +203,10 @@ def run_job(spec: Spec, cluster: Cluster, **kw) -> JobResult:
     return train(spec, cluster, hooks=[JobCheckpoints(), RunRecords()], **kw)
 
 
-def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None,
-               log=print) -> JobResult:
+def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None) -> JobResult:
     """`appliance train SPEC`: validate the spec, find its cluster, run the job."""
     spec = load_spec(spec_path)
-    cluster = resolve_cluster(spec, cluster_name, log=log)
+    cluster = resolve_cluster(spec, cluster_name)
     if spec.dataset is not None:  # one line before the job, not the script's own traceback on every rank
         missing = unstaged(cluster, spec.dataset.dest)
         if missing:
@@ -244,54 +246,53 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
            url: str | None = None, cloud: str = "local", site_name: str | None = None,
-           out: Callable[[str], None] | None = None, log=print) -> JobResult | None:
+           out: Callable[[str], None] | None = None) -> JobResult | None:
     """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
     new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
     what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete."""
     t = {"start": time.time()}  # the resume's downtime, phase by phase (resume_breakdown)
-    spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name, log=log) if url else None)
+    spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
         spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
     try:
-        cs, ck = choose_checkpoint(spec, log=log)
+        cs, ck = choose_checkpoint(spec)
     except ApplianceError:
-        files = synced_files(spec, log=log)  # level 3: only the synced working directory
+        files = synced_files(spec)  # level 3: only the synced working directory
         if files is None:
             raise
         cs = ck = None
         meta = {}
-        log(f"[resume] run {run}: no committed checkpoint; the synced working directory (manifest {files['seq']}, "
-            f"{len(files['files'])} file(s)) is restored on the head node before the script runs")
+        log.info(f"[resume] run {run}: no committed checkpoint; the synced working directory (manifest {files['seq']}, "
+                 f"{len(files['files'])} file(s)) is restored on the head node before the script runs")
     refuse_if_running(spec, cs or CheckpointStore(spec.checkpoint.url, spec.name, creds_for(spec, spec.checkpoint.url)))
     if ck is not None:
         meta = cs.read_manifest(ck)["meta"]
-        log(f"[resume] run {run}: checkpoint {ck.name} (step {ck.step}, epoch {meta['epoch']}, batch "
-            f"{meta['offset']}, made on {meta['world_size']} rank(s))")
+        log.info(f"[resume] run {run}: checkpoint {ck.name} (step {ck.step}, epoch {meta['epoch']}, batch "
+                 f"{meta['offset']}, made on {meta['world_size']} rank(s))")
     if meta.get("complete"):
-        log(f"[resume] run {run} already finished at step {ck.step}; nothing to do")
+        log.info(f"[resume] run {run} already finished at step {ck.step}; nothing to do")
         return None
     t["checkpoint chosen"] = time.time()
     up_phases: dict[str, float] = {}
     if cluster_name:
         cluster = load_cluster(cluster_name)
     else:
-        site_ = for_spec(spec, log=log)
+        site_ = for_spec(spec)
         default = None if find_cluster(spec.name) is not None else site_.default_cluster(spec)
-        cluster = default if default is not None else lifecycle.up(site_, spec, log=log, timings=up_phases)
+        cluster = default if default is not None else lifecycle.up(site_, spec, timings=up_phases)
     t["cluster ready"] = time.time()
     if cluster.world_size != spec.world_size and not cluster_name:
-        log(f"[resume] note: cluster {cluster.name} has {cluster.world_size} rank(s), the spec asks for "
-            f"{spec.world_size}")
+        log.info(f"[resume] note: cluster {cluster.name} has {cluster.world_size} rank(s), the spec asks for "
+                 f"{spec.world_size}")
     if spec.dataset is not None:
-        stage_to_nodes(spec, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out,
-                       log=log)
+        stage_to_nodes(spec, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
     t["data staged"] = time.time()
     if ck is None:
         res = run_job(spec, cluster, out=out, restore="")  # a resume (the files), no checkpoint to restore
     else:
         rel = f"appliance/runs/{run}/restore/{ck.name}"
         stage_to_nodes(spec, cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
-                       out=out, log=log)
+                       out=out)
         t["checkpoint staged"] = time.time()
         res = run_job(spec, cluster, out=out, restore=f"{cluster.head.workdir}/{rel}")
     res.resume_breakdown = resume_breakdown(t, up_phases, res)
@@ -333,23 +334,23 @@ def resume_breakdown(t: dict[str, float], up_phases: dict[str, float], res: JobR
     return out
 
 
-def synced_files(spec: Spec, log=print) -> dict | None:
+def synced_files(spec: Spec) -> dict | None:
     """The newest manifest of the run's synced working directory (level 3) that verifies, or None."""
     from .store.filesync import FileSet
 
     if not spec.checkpoint.url:
         return None
-    return FileSet(spec.checkpoint.url, spec.name, creds_for(spec, spec.checkpoint.url)).newest_good(
-        log=lambda m: log(f"[resume] {m}"))
+    with report.prefixed("[resume] "):
+        return FileSet(spec.checkpoint.url, spec.name, creds_for(spec, spec.checkpoint.url)).newest_good()
 
 
-def plot_run(run: str, path: str | None = None, *, spec_path: str | None = None, log=print) -> dict:
+def plot_run(run: str, path: str | None = None, *, spec_path: str | None = None) -> dict:
     """`appliance runs RUN --plot`: the run's metrics from its newest committed checkpoint (one CSV across every
     job of the run) as a PNG, with the jobs' resume steps marked."""
     from .checkpoint import plot, runs
 
     spec = find_spec(run, spec_path)
-    cs, ck = choose_checkpoint(spec, log=log)
+    cs, ck = choose_checkpoint(spec)
     buf = bytearray()
     try:
         cs.store.get(f"{cs.prefix}{ck.name}/metrics/metrics.csv", buf.extend)
@@ -392,17 +393,17 @@ def job_summary(res: JobResult) -> dict:
 
 
 def bench(spec_path: str, cluster_name: str | None, cfg, *, overhead: bool = False, repeats: int = 3,
-          out_dir: str | None = None, command: str = "", out=None, log=print) -> dict:
+          out_dir: str | None = None, command: str = "", out=None) -> dict:
     """`appliance bench`: throughput and scaling (or, with ``overhead``, appliance train vs bare horovodrun)."""
     from . import bench as bench_mod
     from .bench import report
 
     spec = load_spec(spec_path)
-    cl = resolve_cluster(spec, cluster_name, log=log)
+    cl = resolve_cluster(spec, cluster_name)
     if not overhead:
-        return bench_mod.run_bench(spec, cl, cfg, out_dir=Path(out_dir) if out_dir else None, out=out, log=log,
+        return bench_mod.run_bench(spec, cl, cfg, out_dir=Path(out_dir) if out_dir else None, out=out,
                                    command=command, run_job=run_job)
-    rep = bench_mod.overhead(spec, cl, cfg, repeats=repeats, out=out, log=log, run_job=run_job)
+    rep = bench_mod.overhead(spec, cl, cfg, repeats=repeats, out=out, run_job=run_job)
     rep["command"] = command
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -452,11 +453,11 @@ def doctor_cluster(cluster: Cluster, allreduce: bool = True) -> dict[str, list]:
 # -- leases and images (the site's verbs) -----------------------------------------------------------
 
 
-def lease(verb: str, *args, cloud: str, site_name: str | None = None, log=lambda m: None, **kw):
+def lease(verb: str, *args, cloud: str, site_name: str | None = None, **kw):
     """`appliance lease show|list|extend|delete` on a site."""
-    return getattr(lifecycle, f"lease_{verb}")(open_site(cloud, site_name, log=log), *args, **kw)
+    return getattr(lifecycle, f"lease_{verb}")(open_site(cloud, site_name), *args, **kw)
 
 
-def image_upload(path: str, name: str, *, cloud: str, site_name: str | None = None, disk_format: str | None = None,
-                 log=print) -> dict:
-    return lifecycle.image_upload(open_site(cloud, site_name, log=log), path, name, disk_format=disk_format)
+def image_upload(path: str, name: str, *, cloud: str, site_name: str | None = None,
+                 disk_format: str | None = None) -> dict:
+    return lifecycle.image_upload(open_site(cloud, site_name), path, name, disk_format=disk_format)

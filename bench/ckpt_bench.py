@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from appliance import localcloud  # noqa: E402
 from appliance.store.checkpoints import CheckpointStore  # noqa: E402
-from appliance import flows, sites  # noqa: E402
+from appliance import flows, report, sites  # noqa: E402
 from appliance.errors import ApplianceError  # noqa: E402
 from appliance.sites import load_spec  # noqa: E402
 from appliance.flows import run_job as train  # noqa: E402
@@ -58,7 +58,7 @@ def write_spec(d: Path, name: str, command: str, every: int | None) -> str:
 def lease_left(cluster) -> float:
     """Cloud seconds left, against the local cloud's own clock to the microsecond (its HTTP Date has whole seconds,
     which would place the benchmark's deadline up to 1 s late)."""
-    prof = sites.for_cluster(cluster, log=lambda m: None)
+    prof = sites.for_cluster(cluster)
     now = dt.datetime.strptime(localcloud.admin("GET", "/clock")["now"], "%Y-%m-%dT%H:%M:%S.%f")
     return (prof.cloud.get_lease(cluster.lease_id).end - now).total_seconds()
 
@@ -113,7 +113,7 @@ def lease_trial(d: Path, cluster, hidden: int, every: int, store: CheckpointStor
             marks["committed"] = time.time()
 
     delay = rng.uniform(0, 10)  # after the job's first step
-    scale = sites.for_cluster(cluster, log=lambda m: None).time_scale()
+    scale = sites.for_cluster(cluster).time_scale()
 
     def jump():
         started.wait(120)
@@ -183,10 +183,10 @@ def main() -> int:
     args = ap.parse_args()
     rng = random.Random(20261122)
     d = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
-    localcloud.start(log=print)
+    localcloud.start()
     base = write_spec(d, "bench", "python ckpt_job.py", None)
-    cluster = flows.up(base, log=print)
-    store = CheckpointStore("swift://bench-ckpt/", "bench", sites.open_site("local", log=lambda m: None).store_creds())
+    cluster = flows.up(base)
+    store = CheckpointStore("swift://bench-ckpt/", "bench", sites.open_site("local").store_creds())
     result = {"command": "make bench-ckpt" if not args.skip_overhead else
               "make bench-ckpt for the overhead; the trials: python bench/ckpt_bench.py --skip-overhead", "machine": "2 cores, co-located Swift + 2 netns nodes",
               "overhead": [], "trials": []}
@@ -209,13 +209,13 @@ def main() -> int:
             result["trials"].append(tr)
             print(f"trial {i + 1}/{args.trials}: {json.dumps(tr)}", flush=True)
             try:  # the next trial gets a fresh day of lease
-                sites.for_cluster(cluster, log=lambda m: None).cloud.extend_lease(
+                sites.for_cluster(cluster).cloud.extend_lease(
                     cluster.lease_id, by=dt.timedelta(days=1))
             except ApplianceError as e:  # the job's teardown outlasted the 30 s left: the lease ended, re-lease
                 print(f"({e}; a new lease for the next trial)", flush=True)
-                cluster = flows.up(base, log=print)
+                cluster = flows.up(base)
     finally:
-        flows.down("bench", log=print)
+        flows.down("bench")
     prev = Path(args.out) / "ckpt.json"
     if prev.exists():  # a partial re-run (--trials 0, or --hidden ...) keeps the other half of the last results
         old = json.loads(prev.read_text())
@@ -324,4 +324,5 @@ def report(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with report.to(lambda m: print(m, flush=True)):  # what the appliance's steps say (up, down), as it goes
+        sys.exit(main())

@@ -72,12 +72,12 @@ def one(n: int, tmp: Path) -> dict:
         return r.ru_utime + r.ru_stime
 
     t0, c0 = time.monotonic(), cpu_now()
-    cl = flows.up(full, log=quiet, timings=phases)
+    cl = flows.up(full, timings=phases)
     t["up"], cpu["up"] = time.monotonic() - t0, cpu_now() - c0
     try:
         for mode, spec in (("full", full), ("shard", shard)):
             t0, c0 = time.monotonic(), cpu_now()
-            res = flows.stage_spec(spec, cl.name, out=quiet, log=quiet)
+            res = flows.stage_spec(spec, cl.name, out=quiet)
             t[f"stage {mode}"], cpu[f"stage {mode}"] = time.monotonic() - t0, cpu_now() - c0
             assert len(res) == n, res
         c0 = cpu_now()
@@ -89,7 +89,7 @@ def one(n: int, tmp: Path) -> dict:
         t["horovod job"] = job.wall_s - t["job setup"]
     finally:
         t0, c0 = time.monotonic(), cpu_now()
-        flows.down(cl.name, log=quiet)
+        flows.down(cl.name)
         t["down"], cpu["down"] = time.monotonic() - t0, cpu_now() - c0
     s.done.set()
     out = {k: round(v, 2) for k, v in {**phases, **t}.items()}
@@ -164,11 +164,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             print("SCALE_ROW " + json.dumps(one(a.one, Path(d))), flush=True)
         return
-    from appliance import localcloud
+    from appliance import localcloud, report
 
     ns = [int(x) for x in a.nodes.split(",")]
-    localcloud.stop(log=lambda m: None)  # a cloud whose pool holds the largest N
-    localcloud.start(hosts=max(ns), log=print)
+    localcloud.stop()  # a cloud whose pool holds the largest N
+    with report.to(print):
+        localcloud.start(hosts=max(ns))
     rows = []
     try:
         seed(a.dataset_mb)
@@ -183,7 +184,7 @@ def main() -> None:
             print("  " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "n"), flush=True)
             rows.append(row)
     finally:
-        localcloud.stop(log=lambda m: None)
+        localcloud.stop()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "make bench-scale  # python bench/scale_bench.py " + " ".join(sys.argv[1:])

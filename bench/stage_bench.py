@@ -78,9 +78,11 @@ def seed(sw, args) -> dict:
             conn.put_object("bsmall", None, bio.getvalue(), query_string="extract-archive=tar",
                             headers={"Accept": "application/json"})
         print(f"seeded {args.small} small objects in {time.time() - t:.0f}s", flush=True)
+        from appliance import report
         from appliance.data.pack import pack
 
-        pack(src, SwiftStore("bpacked", creds), "", shard_size=64 * 1024**2, log=print)
+        with report.to(print):
+            pack(src, SwiftStore("bpacked", creds), "", shard_size=64 * 1024**2)
         big = Path(tmp) / "big.bin"
         for i in range(args.large):
             with open(big, "wb") as fh:

@@ -17,9 +17,9 @@ from appliance import flows, localcloud  # noqa: E402
 settings = sys.argv[1].split(",")  # e.g. plain,0.5,1,1000
 repeats, hidden, epochs = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 d = Path(tempfile.mkdtemp())
-localcloud.start(log=lambda m: None)
+localcloud.start()
 base = cb.write_spec(d, "abx", "python ckpt_job.py", None)
-cluster = flows.up(base, log=lambda m: None)
+cluster = flows.up(base)
 rates = {s: [] for s in settings}
 try:
     for r in range(repeats):
@@ -34,5 +34,5 @@ try:
             rates[s].append(round(r0["steps"] / r0["seconds"], 2))
             print(s, rates[s][-1], flush=True)
 finally:
-    flows.down("abx", log=lambda m: None)
+    flows.down("abx")
 print(json.dumps({s: {"runs": v, "best": max(v), "median": sorted(v)[len(v) // 2]} for s, v in rates.items()}))

@@ -101,7 +101,7 @@ def demo(spec_path: str, spec) -> int:
 
     epochs = 30
     at_epoch = random.randint(5, 10)  # an arbitrary moment mid-training
-    site = sites.for_cluster(cluster, log=lambda m: None)
+    site = sites.for_cluster(cluster)
     booked: list[str] = []
     extended = threading.Event()
 
@@ -144,7 +144,7 @@ def demo(spec_path: str, spec) -> int:
 
     say("3. the lease ends: the local cloud deletes its servers and their disks")
     localcloud.admin("POST", "/advance", {"seconds": 180})
-    st = flows.status(spec.name, log=lambda m: None)
+    st = flows.status(spec.name)
     print(f"lease {st['lease_status']}; nodes: " + ", ".join(f"{n['name']} {n['state']}" for n in st["nodes"]))
 
     say(f"4. appliance resume {spec.name}")
@@ -161,7 +161,7 @@ def demo(spec_path: str, spec) -> int:
     raw["train"]["code"] = str(Path(spec.code_dir).resolve())
     ref_spec = ref_dir / "reference.yaml"
     ref_spec.write_text(yaml.safe_dump(raw))
-    cluster = flows.up(spec_path, log=lambda m: None)  # the resumed run's cluster (no-op)
+    cluster = flows.up(spec_path)  # the resumed run's cluster (no-op)
     ref = train(load_spec(str(ref_spec)), cluster, out=lambda line: None)
     plain = plain_fit(cluster)
     flows.down(spec.name)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import testbed
+from appliance import report, testbed
 
 ROOT = Path(__file__).resolve().parents[1]
 NETNS_OK, NETNS_WHY = testbed.namespaces_available()
@@ -48,7 +48,7 @@ def appliance_home(request, tmp_path_factory, one_session_at_a_time):
     os.environ["APPLIANCE_HOME"] = str(home)
     if NETNS_OK and _has_e2e(request.session):
         for name in TEST_TESTBEDS:
-            testbed.down(name, log=lambda m: None)
+            testbed.down(name)
     yield home
     if old is None:
         os.environ.pop("APPLIANCE_HOME", None)
@@ -57,7 +57,7 @@ def appliance_home(request, tmp_path_factory, one_session_at_a_time):
 
 
 def make_testbed(name: str, nodes: int):
-    tb = testbed.up(name, nodes, log=lambda m: None)
+    tb = testbed.up(name, nodes)
     return tb
 
 
@@ -70,7 +70,7 @@ def tb2():
     try:
         yield tb
     finally:
-        testbed.down("pt", log=lambda m: None)
+        testbed.down("pt")
 
 
 @pytest.fixture(scope="session")
@@ -100,11 +100,19 @@ def cloud():
     """The local cloud (Keystone, Blazar, Nova, Neutron, Glance, Heat + a real Swift), per test module."""
     from appliance import localcloud
 
-    localcloud.start(log=lambda m: None)
+    localcloud.start()
     try:
         yield localcloud
     finally:
-        localcloud.stop(log=lambda m: None)
+        localcloud.stop()
+
+
+@pytest.fixture
+def said():
+    """What the appliance's code said (appliance.report) while the test ran, line by line."""
+    lines: list[str] = []
+    with report.to(lines.append):
+        yield lines
 
 
 @pytest.fixture

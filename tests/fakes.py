@@ -100,7 +100,7 @@ class FakeCloud:
     def list_leases(self):
         return list(self.leases.values())
 
-    def wait_lease(self, lease_id, *, log=print, **kw):
+    def wait_lease(self, lease_id, **kw):
         return self.leases[lease_id]
 
     @_effect
@@ -157,7 +157,7 @@ class FakeSite(Site):
     lease_poll = 0.01
 
     def __init__(self, cloud: FakeCloud | None = None, scale: float = 1.0):
-        super().__init__(None, log=lambda m: None)
+        super().__init__(None)
         self._cloud = cloud or FakeCloud()
         self.scale = scale
 
@@ -177,7 +177,7 @@ class FakeSite(Site):
         return {}
 
 
-def no_nodes(site, cluster, log):
+def no_nodes(site, cluster):
     """The booted-machine steps of `up` (host keys, SSH, disk, contextualize), skipped in the fast tier."""
     cluster.save()
 

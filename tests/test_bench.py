@@ -62,7 +62,7 @@ def test_bench_on_one_and_two_nodes(cluster2, tmp_path):
     before = load_cluster(cluster2.name)
     cfg = BenchConfig(models=["mlp"], batch_sizes=[8, 32], steps=5, warmup=2)
     lines = []
-    rep = run_bench(spec, cluster2, cfg, out_dir=tmp_path / "out", out=lines.append, log=lines.append)
+    rep = run_bench(spec, cluster2, cfg, out_dir=tmp_path / "out", out=lines.append)
     assert [r["nodes"] for r in rep["runs"]] == [1, 2], "\n".join(lines[-30:])
     assert rep["runs"][1]["hosts"] == ["node1", "node2"]  # both ranks took part, on two hosts
     cells = {(s["model"], s["batch"], s["nodes"]): s for s in rep["scaling"]}
@@ -82,6 +82,6 @@ def test_bench_on_one_and_two_nodes(cluster2, tmp_path):
     assert [n.name for n in load_cluster(cluster2.name).nodes] == [n.name for n in before.nodes]
 
     ov = overhead(spec, cluster2, BenchConfig(models=["mlp"], batch_sizes=[16], steps=5, warmup=2), repeats=1,
-                  out=lines.append, log=lines.append)
+                  out=lines.append)
     assert ov["samples_per_s"]["appliance"][0] > 0 and ov["samples_per_s"]["bare"][0] > 0
     assert ov["ratio"] == pytest.approx(ov["best"]["appliance"] / ov["best"]["bare"], rel=1e-3)

@@ -156,7 +156,7 @@ def test_a_file_above_the_segment_size_commits_as_an_s3_multipart_upload(swift, 
 
 
 @pytest.mark.parametrize("swift", ["swift", "rgw"], indirect=True)
-def test_commit_prune_and_a_corrupted_newest_checkpoint(swift, tmp_path, tb2):
+def test_commit_prune_and_a_corrupted_newest_checkpoint(swift, tmp_path, tb2, said):
     cs = store_for(swift, "unit")
     cs.store.ensure_container()
     for step in (10, 20, 30):
@@ -174,12 +174,12 @@ def test_commit_prune_and_a_corrupted_newest_checkpoint(swift, tmp_path, tb2):
     bad = tmp_path / "bad"
     bad.write_bytes(b"\0" * 5000)
     cs.store.put(cs.prefix + "ckpt-000000030/state.data-00000-of-00001", bad)
-    said = []
+    said.clear()
     spec = load_spec(digits_spec(tmp_path, "unit", url="swift://ckpts/"))
     import os
     os.environ.update({"ST_AUTH": swift.auth_url, "ST_USER": swift.user, "ST_KEY": swift.key})
     try:
-        _, good = choose_checkpoint(spec, log=said.append)
+        _, good = choose_checkpoint(spec)
     finally:
         for k in ("ST_AUTH", "ST_USER", "ST_KEY"):
             os.environ.pop(k, None)
@@ -207,7 +207,7 @@ def test_resume_finds_the_spec_beside_swift_checkpoints(swift, st_env, tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("swift", ["swift", "rgw"], indirect=True)
 def test_kill9_of_rank0_while_uploading_keeps_the_previous_commit(cluster2, tb2, swift, st_env, reference,
-                                                                   tmp_path):
+                                                                   tmp_path, said):
     spec = load_spec(digits_spec(tmp_path, "ckkill", url="swift://ckpts/",
                                  env={"APPLIANCE_FAULT": "kill-during-upload:40"}))
     res = train(spec, cluster2, out=lambda line: None)
@@ -220,8 +220,8 @@ def test_kill9_of_rank0_while_uploading_keeps_the_previous_commit(cluster2, tb2,
     # resume on the same cluster, with the fault removed from the spec
     cluster2.save()
     fixed = digits_spec(tmp_path, "ckkill", url="swift://ckpts/", fname="fixed.yaml")
-    said = []
-    res2 = resume("ckkill", spec_path=fixed, cluster_name=cluster2.name, out=said.append, log=said.append)
+    said.clear()
+    res2 = resume("ckkill", spec_path=fixed, cluster_name=cluster2.name, out=said.append)
     assert res2.exit_code == 0, (res2.failure, res2.stopped, said[-20:])
     assert res2.resumed["step"] == 20 and res2.resumed["bit_exact"]
     assert sha(res2) == reference
@@ -417,7 +417,7 @@ def test_a_job_with_only_keystone_credentials_keeps_committing_as_its_tokens_exp
     whenever the store refuses the old one, every checkpoint commits, and the credential is deleted at the end."""
     for var in ("ST_AUTH", "ST_USER", "ST_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(var, raising=False)
-    site = sites.open_site("local", log=lambda m: None)
+    site = sites.open_site("local")
     creds = site.store_creds()
     assert creds.token and not creds.user  # the Keystone path, not the store's own v1 user
     localcloud.admin("POST", "/tokens", {"seconds": 3})
@@ -445,14 +445,14 @@ def _own_app_cred() -> str:
     return json.loads((localcloud.state_dir() / "credentials.json").read_text())["app_cred_id"]
 
 
-def test_resume_on_another_world_size_reports_the_rescaling(cluster2, swift, st_env, tmp_path):
+def test_resume_on_another_world_size_reports_the_rescaling(cluster2, swift, st_env, tmp_path, said):
     # continues the run the previous test left stopped at its step-20 commit, on one node instead of two
     one = Cluster(name="pt-one", cloud="testbed", nodes=[cluster2.nodes[0]], key_file=cluster2.key_file,
                   known_hosts=cluster2.known_hosts, python=cluster2.python, etc_dir=cluster2.etc_dir,
                   testbed=cluster2.testbed)
     one.save()
-    said = []
-    res = resume("ckdown", cluster_name="pt-one", out=said.append, log=said.append)
+    said.clear()
+    res = resume("ckdown", cluster_name="pt-one", out=said.append)
     assert res.exit_code == 0, res.failure
     r = res.resumed
     assert (r["checkpoint_world_size"], r["world_size"], r["bit_exact"], r["policy"]) == (2, 1, False, "lr")
@@ -466,16 +466,16 @@ def test_resume_on_another_world_size_reports_the_rescaling(cluster2, swift, st_
 
 
 def lease_left(cluster) -> float:
-    prof = sites.for_cluster(cluster, log=lambda m: None)
+    prof = sites.for_cluster(cluster)
     info = prof.cloud.get_lease(cluster.lease_id)
     return (info.end - prof.cloud.now()).total_seconds()
 
 
 @pytest.mark.slow
-def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud, reference_long, tmp_path):
+def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud, reference_long, tmp_path, said):
     spec_path = digits_spec(tmp_path, "cklease", url="swift://ckpts/", every=100, epochs=LONG,
                             extra="lease: {duration: 1h, stop_margin: 60s}\n")
-    cl = flows.up(spec_path, log=lambda m: None)
+    cl = flows.up(spec_path)
     try:
         out = Lines()
         at_epoch = random.randint(1, 12)  # an arbitrary moment, with >= 18 epochs left for the watchdog to act
@@ -494,8 +494,8 @@ def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud,
         # the lease ends; its servers and their disks go
         localcloud.admin("POST", "/advance", {"seconds": 120})
         assert flows.status("cklease")["lease_status"] == "TERMINATED"
-        said = []
-        res2 = resume("cklease", out=said.append, log=said.append)
+        said.clear()
+        res2 = resume("cklease", out=said.append)
         assert res2.exit_code == 0, res2.failure
         assert any("new lease" in m for m in said)
         assert res2.resumed["step"] == st["step"]  # 0 steps lost beyond the stop step
@@ -511,14 +511,14 @@ def test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact(cloud,
         assert abs(sum(v for k, v in b.items() if k != "total") - b["total"]) < 0.1, b
         assert runs.load("cklease")["jobs"][-1]["resume_breakdown"] == b
     finally:
-        flows.down("cklease", log=lambda m: None)
+        flows.down("cklease")
 
 
 @pytest.mark.slow
-def test_admin_termination_resumes_from_the_last_commit(cloud, reference_long, tmp_path):
+def test_admin_termination_resumes_from_the_last_commit(cloud, reference_long, tmp_path, said):
     spec_path = digits_spec(tmp_path, "ckgone", url="swift://ckpts/", every=50, epochs=LONG,
                             extra="lease: {duration: 1h}\n")
-    cl = flows.up(spec_path, log=lambda m: None)
+    cl = flows.up(spec_path)
     try:
         out = Lines()
         out.on("[checkpoint] step 100 committed",
@@ -527,22 +527,22 @@ def test_admin_termination_resumes_from_the_last_commit(cloud, reference_long, t
         assert res.exit_code != 0 and res.stopped is None
         last = max(c["step"] for c in res.commits)
         assert 100 <= last < LONG * 22
-        said = []
-        res2 = resume("ckgone", out=said.append, log=said.append)
+        said.clear()
+        res2 = resume("ckgone", out=said.append)
         assert res2.exit_code == 0, res2.failure
         assert res2.resumed["step"] == last  # lost work <= one interval: what ran after the last commit
         assert sha(res2) == reference_long
         rec = runs.load("ckgone")
         assert rec["node_seconds_lost"] > 0 and rec["status"] == "complete"
     finally:
-        flows.down("ckgone", log=lambda m: None)
+        flows.down("ckgone")
 
 
 @pytest.mark.slow
 def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference_long, tmp_path):
     spec_path = digits_spec(tmp_path, "ckext", url="swift://ckpts/", every=200, epochs=LONG,
                             extra="lease: {duration: 1h, stop_margin: 60s, extend: true}\n")
-    cl = flows.up(spec_path, log=lambda m: None)
+    cl = flows.up(spec_path)
     try:
         out = Lines()
         # 400 s before the end: past the launcher's extension point (ahead of the node-side 10-min margin), not yet
@@ -557,11 +557,11 @@ def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference_long, 
         assert lease_left(cl) > 3000  # one more hour
         assert sha(res) == reference_long
     finally:
-        flows.down("ckext", log=lambda m: None)
+        flows.down("ckext")
 
 
 @pytest.mark.slow
-def test_an_unchanged_keras_script_survives_the_lease_end(cloud, tmp_path):
+def test_an_unchanged_keras_script_survives_the_lease_end(cloud, tmp_path, said):
     """Issue 13's first test: an ordinary Keras + Horovod script (examples/plain_fit, in the shape of Horovod's
     MNIST example: `.repeat().shuffle().batch()` with steps_per_epoch, rank 0's progress bar and ModelCheckpoint),
     nothing of the appliance in it, `checkpoint.url` in the spec. The lease end arrives mid-run: every rank stops
@@ -575,7 +575,7 @@ def test_an_unchanged_keras_script_survives_the_lease_end(cloud, tmp_path):
         f"  command: python train.py --data repeat --epochs {epochs}",
         '  env: {"APPLIANCE_STOP_CHECK_SECONDS": "0.05"}',
         "checkpoint: {url: \"swift://ckpts/\", keep: 2}", "lease: {duration: 1h, stop_margin: 60s}"]) + "\n")
-    cl = flows.up(str(p), log=lambda m: None)
+    cl = flows.up(str(p))
     try:
         out = Lines()
         at_epoch = random.randint(2, 10)
@@ -588,19 +588,19 @@ def test_an_unchanged_keras_script_survives_the_lease_end(cloud, tmp_path):
         assert st["committed"] and st["step"] < epochs * steps
         localcloud.admin("POST", "/advance", {"seconds": 120})  # the lease ends: servers and disks go
         assert flows.status("ckplain")["lease_status"] == "TERMINATED"
-        said = []
-        res2 = resume("ckplain", out=said.append, log=said.append)
+        said.clear()
+        res2 = resume("ckplain", out=said.append)
         assert res2.exit_code == 0, (res2.failure, said[-20:])
         assert any("new lease" in m for m in said)
         assert res2.resumed["step"] == st["step"]  # 0 steps lost beyond the stop step
         assert any(f"after {epochs * steps} optimizer steps" in m for m in said)
         assert runs.load("ckplain")["status"] == "complete"
     finally:
-        flows.down("ckplain", log=lambda m: None)
+        flows.down("ckplain")
 
 
 @pytest.mark.slow
-def test_a_custom_loop_keeps_its_own_checkpoint_files_across_the_lease_end(cloud, tmp_path):
+def test_a_custom_loop_keeps_its_own_checkpoint_files_across_the_lease_end(cloud, tmp_path, said):
     """Level 3: a custom Horovod loop (examples/custom_loop) writing ./checkpoint-N.h5 itself. Nothing stops it;
     at the stop request rank 0's working directory is committed to the store, the lease ends under the job (the
     report says so and names the synced files), and `appliance resume` puts the files back on a new lease before
@@ -612,7 +612,7 @@ def test_a_custom_loop_keeps_its_own_checkpoint_files_across_the_lease_end(cloud
         "image: appliance-cpu", "train:", f"  code: {ROOT / 'examples' / 'custom_loop'}",
         f"  command: python train.py --epochs {epochs}",
         "checkpoint: {url: \"swift://ckpts/\", keep: 2}", "lease: {duration: 1h, stop_margin: 60s}"]) + "\n")
-    cl = flows.up(str(p), log=lambda m: None)
+    cl = flows.up(str(p))
     try:
         out = Lines()
         out.on("epoch 3/", lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45}))
@@ -624,15 +624,15 @@ def test_a_custom_loop_keeps_its_own_checkpoint_files_across_the_lease_end(cloud
         assert "the working directory was synced" in res.failure, res.failure
         synced = [int(x.split("epoch ")[1].split("/")[0]) for x in out.lines if "] epoch " in x and "/400 loss" in x]
         assert synced, out.lines[-20:]
-        said = []
-        res2 = resume("ckloop", out=said.append, log=said.append)
+        said.clear()
+        res2 = resume("ckloop", out=said.append)
         assert res2.exit_code == 0, (res2.failure, said[-20:])
         assert any("new lease" in m for m in said)
         resumed = [int(m.split("resuming from epoch ")[1]) for m in said if "resuming from epoch " in m]
         assert resumed and 3 <= resumed[0] <= max(synced), (resumed, max(synced))
         assert any(f"done after epoch {epochs}" in m for m in said)
     finally:
-        flows.down("ckloop", log=lambda m: None)
+        flows.down("ckloop")
 
 
 @pytest.mark.slow
@@ -653,7 +653,7 @@ def test_a_second_job_of_a_run_on_another_cluster_is_refused_by_the_store_lock(c
 
     def second(line):
         try:
-            resume("cklock", spec_path=spec_path, cluster_name="pt-two", out=lambda m: None, log=lambda m: None)
+            resume("cklock", spec_path=spec_path, cluster_name="pt-two", out=lambda m: None)
             refused.append("not refused")
         except Exception as e:  # noqa: BLE001
             refused.append(str(e))

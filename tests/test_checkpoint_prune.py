@@ -30,15 +30,15 @@ def store_with(tmp_path: Path, steps, bad=()) -> CheckpointStore:
     return cs
 
 
-def test_prune_after_a_fallback_keeps_the_newest_good_checkpoint(tmp_path):
+def test_prune_after_a_fallback_keeps_the_newest_good_checkpoint(tmp_path, said):
     """Reproduced: commit 300 and 400, corrupt 400, resume falls back to 300, commit 310 and 320 with keep: 1.
     Before the fix only the corrupt 400 remained and newest_good() found nothing."""
     cs = store_with(tmp_path, (300, 400), bad=(400,))
-    said = []
+    said.clear()
     for step in (310, 320):
         commit(cs, tmp_path / "local", step)
-        cs.prune(keep=1, log=said.append)
-    good, problems = cs.newest_good(log=lambda m: None)
+        cs.prune(keep=1)
+    good, problems = cs.newest_good()
     assert good is not None and good.step == 320, problems
     assert any("ckpt-000000400" in m and "does not count" in m for m in said), said
 
@@ -52,13 +52,13 @@ def test_a_checkpoint_that_fails_verification_holds_no_slot(tmp_path):
     cs.prune(keep=2)
     steps = [c.step for c in cs.committed()]
     assert 40 in steps and 20 in steps and 10 not in steps
-    assert cs.newest_good(log=lambda m: None)[0].step == 40
+    assert cs.newest_good()[0].step == 40
 
 
 def test_prune_keeps_the_newest_good_even_if_every_newer_one_is_bad(tmp_path):
     cs = store_with(tmp_path, (1, 2, 3), bad=(2, 3))
     cs.prune(keep=1)
-    assert cs.newest_good(log=lambda m: None)[0].step == 1
+    assert cs.newest_good()[0].step == 1
 
 
 def test_prune_lists_the_store_once_and_reads_only_new_manifests(tmp_path):

@@ -42,7 +42,7 @@ def test_an_unreachable_keystone_is_one_short_line(tmp_path):
 
 
 @pytest.mark.parametrize("scheme", ["swift", "s3"])
-def test_an_object_store_that_does_not_answer_is_said_while_waiting_and_then_in_one_line(scheme, monkeypatch):
+def test_an_object_store_that_does_not_answer_is_said_while_waiting_and_then_in_one_line(scheme, monkeypatch, said):
     """`appliance data ls` against an endpoint where nothing listens: two silent minutes of retries, then an
     unexpected error (`ConnectionError: HTTPConnectionPool(...)`, `EndpointConnectionError: ...`, "report it")."""
     from appliance.data import listing
@@ -56,9 +56,9 @@ def test_an_object_store_that_does_not_answer_is_said_while_waiting_and_then_in_
     url = f"http://127.0.0.1:{_closed_port()}"
     creds = StoreCreds(auth_url=f"{url}/auth/v1.0", user="u", key="k") if scheme == "swift" else \
         StoreCreds(s3_endpoint=url, s3_access_key="a", s3_secret_key="b")
-    said = []
+    said.clear()
     with pytest.raises(ApplianceError) as e:
-        listing(f"{scheme}://data/x/", creds=creds, log=said.append)
+        listing(f"{scheme}://data/x/", creds=creds)
     assert str(e.value).startswith(f"cannot reach the object store at {url}") and "(Connection refused)" in str(e.value)
     assert "and the network" in e.value.fix
     assert len(said) == 1 and said[0].startswith(f"object store at {url}") and "asking again for up to" in said[0]
@@ -141,7 +141,7 @@ def test_train_says_a_dataset_that_is_not_staged_before_the_job_starts(tmp_path,
     monkeypatch.setattr(flows, "run_job", lambda *a, **kw: pytest.fail("the job started"))
     with pytest.raises(ApplianceError, match=r"dataset.dest data/digits is empty or missing on n2: the job would "
                                              r"find no data \(fix: stage it first: `appliance stage "):
-        flows.train_spec(spec, "stg", log=lambda m: None)
+        flows.train_spec(spec, "stg")
 
 
 def test_logs_of_a_run_whose_nodes_are_gone_show_this_machines_copy(appliance_home):

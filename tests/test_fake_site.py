@@ -21,7 +21,7 @@ def spec_of(tmp_path, name="fk", nodes=2, lease="lease: {duration: 2h}\n"):
 
 
 def up(site, spec, **kw):
-    return lifecycle.up(site, spec, log=lambda m: None, finish_nodes=no_nodes, **kw)
+    return lifecycle.up(site, spec, finish_nodes=no_nodes, **kw)
 
 
 def test_up_records_everything_and_a_rerun_makes_nothing_new(tmp_path):
@@ -36,7 +36,7 @@ def test_up_records_everything_and_a_rerun_makes_nothing_new(tmp_path):
     up(site, spec)
     assert len(c.verbs("create_lease")) == 1 and len(c.verbs("create_server")) == 2  # idempotent
     assert len(c.verbs("attach_floating_ip")) == 1
-    lifecycle.down("fk", log=lambda m: None, site=site)
+    lifecycle.down("fk", site=site)
 
 
 def test_a_server_in_error_fails_up_and_a_rerun_replaces_only_it(tmp_path):
@@ -48,27 +48,27 @@ def test_a_server_in_error_fails_up_and_a_rerun_replaces_only_it(tmp_path):
     cl = up(site, spec)
     assert site.cloud.verbs("delete_server") == [(bad,)]
     assert cl.site.servers["fe-0"] != bad and len(site.cloud.verbs("create_server")) == 3
-    lifecycle.down("fe", log=lambda m: None, site=site)
+    lifecycle.down("fe", site=site)
 
 
-def test_an_ended_lease_gets_a_new_lease_and_servers(tmp_path):
+def test_an_ended_lease_gets_a_new_lease_and_servers(tmp_path, said):
     site, spec = FakeSite(), spec_of(tmp_path, "fl")
     first = up(site, spec)
     site.cloud.leases[first.lease_id].status = "TERMINATED"
-    said = []
-    second = lifecycle.up(site, spec, log=said.append, finish_nodes=no_nodes)
+    said.clear()
+    second = lifecycle.up(site, spec, finish_nodes=no_nodes)
     assert second.lease_id != first.lease_id and any("Making a new lease" in m for m in said)
     assert len(site.cloud.verbs("create_server")) == 4
-    lifecycle.down("fl", log=lambda m: None, site=site)
+    lifecycle.down("fl", site=site)
 
 
 def test_down_removes_everything_once_and_is_idempotent(tmp_path):
     site, spec = FakeSite(), spec_of(tmp_path, "fd")
     cl = up(site, spec)
-    done = lifecycle.down("fd", log=lambda m: None, site=site)
+    done = lifecycle.down("fd", site=site)
     assert len(done) == 4 and not site.cloud.servers and not site.cloud.fips and cl.lease_id not in site.cloud.leases
     assert find_cluster("fd") is None
-    assert lifecycle.down("fd", log=lambda m: None, site=site) == []
+    assert lifecycle.down("fd", site=site) == []
 
 
 def test_a_lease_error_leaves_nothing_behind(tmp_path):
@@ -218,7 +218,7 @@ def test_a_host_key_mismatch_fails_at_once(tmp_path, monkeypatch):
     site.ssh_timeout = 2.0
     monkeypatch.setattr(lifecycle, "Session", Mismatch)
     with pytest.raises(ApplianceError, match="does not match the pinned one"):
-        lifecycle._wait_ssh(site, Cluster(name="", cloud="local", nodes=[]), lambda m: None)
+        lifecycle._wait_ssh(site, Cluster(name="", cloud="local", nodes=[]))
     assert len(tries) == 1
 
 
@@ -277,7 +277,7 @@ def test_servers_are_asked_for_and_deleted_in_parallel_and_node_0_stays_the_head
     assert [n.name for n in cl.nodes] == ["fk-0", "fk-1", "fk-2", "fk-3"] and cl.head.name == "fk-0"
     assert list(find_cluster("fk").site.servers) == ["fk-0", "fk-1", "fk-2", "fk-3"]
     monkeypatch.setattr(c, "delete_server", slow_delete)
-    removed = lifecycle.down("fk", log=lambda m: None, site=site)
+    removed = lifecycle.down("fk", site=site)
     assert sum(x.startswith("server ") for x in removed) == 4 and not c.servers
 
 
@@ -400,7 +400,7 @@ def test_staging_nodes_get_an_application_credential_of_their_own_deleted_after(
         monkeypatch.delenv(var, raising=False)
     cloud = FakeCloud()
     site, spec = FakeSite(cloud), spec_of(tmp_path, "st")
-    monkeypatch.setattr(flows, "for_spec", lambda spec, log=print: site)
+    monkeypatch.setattr(flows, "for_spec", lambda spec: site)
     seen = []
 
     def stage_cluster(cluster, url, dest, *, mode, creds, out, **kw):
@@ -411,14 +411,14 @@ def test_staging_nodes_get_an_application_credential_of_their_own_deleted_after(
 
     monkeypatch.setattr(flows, "stage_cluster", stage_cluster)
     cluster = Cluster(name="st", cloud="fake", nodes=[], lease_end="2026-11-30T12:00:00")
-    flows.stage_to_nodes(spec, cluster, "swift://data/x/", "data", mode="full", log=lambda m: None)
+    flows.stage_to_nodes(spec, cluster, "swift://data/x/", "data", mode="full")
     creds, live = seen[0]
     assert creds.app_cred and not creds.token and creds.app_cred_id in live
     [(name, expires)] = cloud.verbs("create_app_cred")
     assert name.startswith("appliance-st-stage-") and expires == dt.datetime(2026, 12, 7, 12, 0)
     assert not cloud.app_creds  # deleted when staging ended
     with pytest.raises(ApplianceError, match="boom"):
-        flows.stage_to_nodes(spec, cluster, "swift://data/x/", "data", mode="full", log=lambda m: None)
+        flows.stage_to_nodes(spec, cluster, "swift://data/x/", "data", mode="full")
     assert len(cloud.verbs("create_app_cred")) == 2 and not cloud.app_creds  # and when it failed
-    flows.stage_to_nodes(spec, cluster, "file:///tmp/x/", "data", mode="full", log=lambda m: None)
+    flows.stage_to_nodes(spec, cluster, "file:///tmp/x/", "data", mode="full")
     assert seen[-1][0] is None and len(cloud.verbs("create_app_cred")) == 2

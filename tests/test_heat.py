@@ -133,14 +133,14 @@ def wait_stack(hc, sid, timeout=300):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not NETNS_OK, reason="needs network namespaces")
-def test_stack_from_the_template_adopt_and_train(cloud, tmp_path):
+def test_stack_from_the_template_adopt_and_train(cloud, tmp_path, said):
     import datetime as dt
 
-    site = sites.open_site("local", log=lambda m: None)
+    site = sites.open_site("local")
     key = site.login_key(None, None)
     c = site.cloud
     lease = c.create_lease("heat-lease", "compute_local", 2, dt.timedelta(hours=2))
-    c.wait_lease(lease.id, log=lambda m: None)
+    c.wait_lease(lease.id)
     hc = heat.heat_client(site)
     try:
         # a bad parameter is refused the way Heat refuses it
@@ -176,8 +176,8 @@ def test_stack_from_the_template_adopt_and_train(cloud, tmp_path):
         assert c.server_host_keys(head_id) == [" ".join(head_node.host_key_pub.read_text().split()[:2])]
 
         # adopt, then train the digits example on it
-        said = []
-        cl = flows.adopt("hs", cloud="local", log=said.append)
+        said.clear()
+        cl = flows.adopt("hs", cloud="local")
         for name in ("hs-head", "hs-worker-0"):  # adopt set the cluster up on every node
             cj = disks[name] / "appliance" / "etc" / "cluster.json"
             assert cj.exists(), name

@@ -100,7 +100,7 @@ def test_doctor_passes_on_this_machine(tmp_path):
         assert by["nvidia driver"].status == "skip" and "CPU node" in by["nvidia driver"].detail
 
 
-def test_node_watchdog_stops_running_jobs_before_the_vendordata_lease_end(tmp_path):
+def test_node_watchdog_stops_running_jobs_before_the_vendordata_lease_end(tmp_path, said):
     run_dir = tmp_path / "runs" / "r1"
     run_dir.mkdir(parents=True)
     (run_dir / ".appliance-run").touch()  # the launcher marks the run directories it makes
@@ -118,18 +118,18 @@ def test_node_watchdog_stops_running_jobs_before_the_vendordata_lease_end(tmp_pa
         (proc / pid / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
     watch = dict(margin=600, once=True, vendordata=[str(vd)], proc=str(proc))
     lease_end_in(3600)  # far away: nothing to do
-    assert node_watch(**watch, log=lambda m: None) == []
+    assert node_watch(**watch) == []
     assert not (run_dir / "STOP").exists()
     lease_end_in(300)  # within the margin
-    said = []
-    assert node_watch(**watch, log=said.append) == [str(run_dir)]
+    said.clear()
+    assert node_watch(**watch) == [str(run_dir)]
     req = json.loads((run_dir / "STOP").read_text())
     assert req["reason"] == "lease end (node watchdog)" and req["deadline"] < now + 300
     assert "asked the job" in said[0]
-    assert node_watch(**watch, log=lambda m: None) == []  # an existing request is left as it is
+    assert node_watch(**watch) == []  # an existing request is left as it is
     vd.write_text("{}")  # not a Chameleon node: says so, does nothing
-    said = []
-    assert node_watch(**watch, log=said.append) == []
+    said.clear()
+    assert node_watch(**watch) == []
     assert "no lease end" in said[0]
 
 
@@ -157,11 +157,11 @@ def test_image_upload_to_the_local_glance(cloud, tmp_path):
     img = tmp_path / "appliance-test.qcow2"
     img.write_bytes(os.urandom(3 * 1024 * 1024 + 17))
     md5 = hashlib.md5(img.read_bytes()).hexdigest()
-    first = image_upload(str(img), "appliance-test", cloud="local", log=lambda m: None)
+    first = image_upload(str(img), "appliance-test", cloud="local")
     assert first["status"] == "active" and first["size"] == img.stat().st_size and first["checksum"] == md5
     stored = Path(os.environ["APPLIANCE_HOME"]) / "localcloud" / "images" / first["id"]
     assert stored.exists() and hashlib.md5(stored.read_bytes()).hexdigest() == md5
-    again = image_upload(str(img), "appliance-test", cloud="local", log=lambda m: None)
+    again = image_upload(str(img), "appliance-test", cloud="local")
     assert again["id"] == first["id"]  # the same file again: no second image
     r = CliRunner().invoke(main, ["image", "upload", str(tmp_path / "missing.qcow2"), "--name", "x", "--cloud", "local"])
     assert r.exit_code != 0 and "no image file" in r.output
@@ -172,7 +172,7 @@ def test_image_upload_to_the_local_glance(cloud, tmp_path):
 
 @pytest.mark.slow
 @needs_netns
-def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path):
+def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path, said):
     """The boot-time installer on a stock node: a fresh venv on the node's own disk, Horovod from the object
     store's wheel cache (no build), horovodrun --check-build checked by the script, then the doctor there."""
     from appliance import flows, sites
@@ -182,7 +182,7 @@ def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path):
     tag = install.stack_tag("cpu")
     built = sorted((Path.home() / ".cache" / "appliance" / "wheels" / tag).glob("horovod-*.whl"))
     assert built, f"make install builds Horovod into ~/.cache/appliance/wheels/{tag}/"
-    store, _ = open_store("swift://appliance-wheels/", sites.open_site("local", log=lambda m: None).store_creds())
+    store, _ = open_store("swift://appliance-wheels/", sites.open_site("local").store_creds())
     store.ensure_container()
     store.put(f"{tag}/{built[-1].name}", built[-1])  # as if an earlier cluster had built it
     digest = tmp_path / "digest"
@@ -196,8 +196,8 @@ def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path):
         lease: {{duration: 2h}}
         train: {{code: {ROOT / 'examples' / 'digits'}, command: python train.py}}
         """))
-    said = []
-    cl = flows.up(str(spec), install=True, log=said.append)
+    said.clear()
+    cl = flows.up(str(spec), install=True)
     try:
         assert cl.python == "/mnt/local/appliance/venv/bin/python"
         assert cl.site.installed == {"tag": tag, "built": None, "cached": True}, said
@@ -209,7 +209,7 @@ def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path):
         assert "/mnt/local/appliance/venv" in checks["python"].detail  # the node's own new venv
         assert checks["nic"].status == "ok"
     finally:
-        flows.down("inst", log=lambda m: None)
+        flows.down("inst")
 
 
 def test_doctor_on_a_gpu_machine_without_the_stack(monkeypatch):

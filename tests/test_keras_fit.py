@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance import report
 from appliance.flows import resume
 from appliance.flows import run_job as train
 from appliance.spec import load_spec
@@ -58,7 +59,8 @@ def interrupted_and_resumed(cluster, tmp_path, name, data, stop_at, env=None):
     cluster.save()
     fixed = spec_file(tmp_path, name, data, url="swift://fitckpt/", env=env)
     out2: list[str] = []
-    res2 = resume(name, spec_path=fixed, cluster_name=cluster.name, out=out2.append, log=out2.append)
+    with report.to(out2.append):
+        res2 = resume(name, spec_path=fixed, cluster_name=cluster.name, out=out2.append)
     assert res2.exit_code == 0, (res2.failure, out2[-30:])
     assert res2.resumed["step"] == stop_at  # 0 steps lost
     return res2, out2
@@ -110,13 +112,13 @@ def test_two_resumes_continue_one_step_axis_and_plot_it(cluster2, swift, st_env,
     assert res.exit_code == 75 and res.stopped["step"] == first
     cluster2.save()
     again = spec_file(tmp_path, name, "tfdata", url="swift://fitckpt/", env={"APPLIANCE_FAULT": f"stop-at:{second}"})
-    res = resume(name, spec_path=again, cluster_name=cluster2.name, out=lambda m: None, log=lambda m: None)
+    res = resume(name, spec_path=again, cluster_name=cluster2.name, out=lambda m: None)
     assert res.exit_code == 75 and res.stopped["step"] == second and res.resumed["step"] == first
     done = spec_file(tmp_path, name, "tfdata", url="swift://fitckpt/")
-    res = resume(name, spec_path=done, cluster_name=cluster2.name, out=lambda m: None, log=lambda m: None)
+    res = resume(name, spec_path=done, cluster_name=cluster2.name, out=lambda m: None)
     assert res.exit_code == 0 and res.resumed["step"] == second
     assert [j["first_step"] for j in runs.load(name)["jobs"]] == [0, first, second]
-    d = plot_run(name, str(tmp_path / "m.png"), spec_path=done, log=lambda m: None)
+    d = plot_run(name, str(tmp_path / "m.png"), spec_path=done)
     assert Path(d["png"]).stat().st_size > 10_000 and d["resumed_at"] == [first, second]
     assert d["step_axis_problems"] == [] and d["steps"] == [1, EPOCHS * n]
     assert {"step/loss", "step/accuracy", "epoch/loss"} <= set(d["metrics"])
@@ -151,7 +153,7 @@ def test_level_1_the_callback_passed_by_hand_with_auto_off(cluster2, swift, st_e
     assert any("[appliance] protected (level 1, the appliance's callback in model.fit)" in x for x in said)
     cluster2.save()
     out2: list[str] = []
-    res2 = resume("l1", spec_path=spec("l1", "swift://fitckpt/"), cluster_name=cluster2.name, out=out2.append,
-                  log=out2.append)
+    with report.to(out2.append):
+        res2 = resume("l1", spec_path=spec("l1", "swift://fitckpt/"), cluster_name=cluster2.name, out=out2.append)
     assert res2.exit_code == 0 and res2.resumed["step"] == stop_at, res2.failure
     assert final_weights(out2) == final_weights(out)

@@ -85,7 +85,7 @@ class FakeRemote:
 
 def test_prepare_formats_mounts_and_owns_the_directory():
     r = FakeRemote()
-    p = local_disk.prepare(r, "/home/cc", "cc", log=lambda m: None)
+    p = local_disk.prepare(r, "/home/cc", "cc")
     assert p.workdir == "/mnt/nvme/appliance"
     assert "mkfs.ext4" in r.commands[1] and "/dev/nvme0n1" in r.commands[1] and "/etc/fstab" in r.commands[1]
     assert "chown cc /mnt/nvme/appliance" in r.commands[2]
@@ -95,4 +95,4 @@ def test_prepare_without_sudo_is_a_clear_error():
     import pytest
     from appliance.errors import ApplianceError
     with pytest.raises(ApplianceError, match="could not format and mount /dev/nvme0n1"):
-        local_disk.prepare(FakeRemote(fail_on="mkfs"), "/home/cc", "cc", log=lambda m: None)
+        local_disk.prepare(FakeRemote(fail_on="mkfs"), "/home/cc", "cc")

@@ -30,17 +30,17 @@ def run_dir(tmp_path, marked=True):
 
 def test_a_marked_run_directory_gets_its_stop_file(tmp_path):
     d = run_dir(tmp_path)
-    assert node_watch(**job(tmp_path, d), log=lambda m: None) == [str(d)]
+    assert node_watch(**job(tmp_path, d)) == [str(d)]
     assert json.loads((d / "STOP").read_text())["reason"] == "lease end (node watchdog)"
     assert [p.name for p in d.iterdir() if p.name.startswith(".STOP")] == []
 
 
-def test_a_symlinked_run_directory_is_not_followed(tmp_path):
+def test_a_symlinked_run_directory_is_not_followed(tmp_path, said):
     d = run_dir(tmp_path)
     link = tmp_path / "link"
     link.symlink_to(d)
-    said = []
-    assert node_watch(**job(tmp_path, link), log=said.append) == []
+    said.clear()
+    assert node_watch(**job(tmp_path, link)) == []
     assert not (d / "STOP").exists() and "without following links" in said[0]
 
 
@@ -63,10 +63,10 @@ def test_a_planted_stop_link_is_left_alone(tmp_path):
     assert victim.read_text() == "precious"
 
 
-def test_an_unmarked_directory_is_not_touched(tmp_path):
+def test_an_unmarked_directory_is_not_touched(tmp_path, said):
     d = run_dir(tmp_path, marked=False)
-    said = []
-    assert node_watch(**job(tmp_path, d), log=said.append) == []
+    said.clear()
+    assert node_watch(**job(tmp_path, d)) == []
     assert not (d / "STOP").exists() and "not a run directory the appliance made" in said[0]
 
 
@@ -126,11 +126,11 @@ def test_an_extended_lease_is_read_live_not_from_the_hourly_cache(tmp_path):
     try:
         reset_live_backoff()
         kw["live"] = live.url
-        assert node_watch(**kw, log=lambda m: None) == []
+        assert node_watch(**kw) == []
         assert not (run_dir / "STOP").exists()
         live.end = time.time() + 60  # the live end is near too: stop
         reset_live_backoff()
-        assert node_watch(**kw, log=lambda m: None) == [str(run_dir)]
+        assert node_watch(**kw) == [str(run_dir)]
     finally:
         live.close()
 
@@ -144,7 +144,7 @@ def test_the_cache_is_the_fallback_when_the_metadata_service_is_down(tmp_path):
     kw = job(tmp_path, str(run_dir))
     reset_live_backoff()
     kw["live"] = "http://127.0.0.1:9/openstack/latest/vendor_data2.json"  # nothing listens (discard port)
-    assert node_watch(**kw, log=lambda m: None) == [str(run_dir)]
+    assert node_watch(**kw) == [str(run_dir)]
     reset_live_backoff()
 
 

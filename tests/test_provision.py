@@ -53,7 +53,7 @@ def requests(method, pattern):
 
 def test_full_cycle_lease_up_train_down(cloud, tmp_path):
     spec = spec_file(tmp_path, "cycle", count=2, epochs=12)
-    cl = flows.up(spec, log=lambda m: None)
+    cl = flows.up(spec)
     assert len(cl.nodes) == 2 and cl.lease_id and cl.reservation_id and cl.floating_ip
     assert cl.nodes[1].via_head  # workers are reached through the head, as on Chameleon
     fip = os_cloud().conn.network.get_ip(cl.site.fip_id)
@@ -78,24 +78,24 @@ def test_full_cycle_lease_up_train_down(cloud, tmp_path):
                                '\'Please login as the user \\"cc\\" rather than the user \\"root\\".\'')
     # idempotent: a second `up` creates nothing new
     before = len(requests("POST", r"/compute/v2.1/servers"))
-    flows.up(spec, log=lambda m: None)
+    flows.up(spec)
     assert len(requests("POST", r"/compute/v2.1/servers")) == before
     assert len(requests("POST", r"/reservation/v1/leases")) >= 1
-    done = flows.down("cycle", log=lambda m: None)
+    done = flows.down("cycle")
     assert any(d.startswith("lease ") for d in done) and sum(d.startswith("server ") for d in done) == 2
     assert find_cluster("cycle") is None
     c = os_cloud()
     assert c.get_lease(cl.lease_id) is None
     assert all(c.get_server(n.server_id) is None for n in cl.nodes)
     assert not [n for n in (testbed.load(localcloud.testbed_name()).nodes) if n.name.startswith("cycle-")]
-    assert flows.down("cycle", log=lambda m: None) == []  # idempotent
+    assert flows.down("cycle") == []  # idempotent
 
 
 def test_request_shapes(cloud, tmp_path):
     """The exact JSON the clients send for lease create, server create and extend."""
     localcloud.admin("DELETE", "/requests")
     spec = spec_file(tmp_path, "shapes", count=1, duration="1d")
-    cl = flows.up(spec, log=lambda m: None)
+    cl = flows.up(spec)
     try:
         (create,) = requests("POST", r"/reservation/v1/leases")
         body = create["body"]
@@ -130,7 +130,7 @@ def test_request_shapes(cloud, tmp_path):
         import time as _time
         assert abs(parse_lease_end({"chameleon": cham}) - _time.time() - (30 * 3600)) < 120  # 1 d + 6 h from now
     finally:
-        flows.down("shapes", log=lambda m: None)
+        flows.down("shapes")
 
 
 def test_the_watchdogs_poll_is_one_read_of_the_lease(cloud, tmp_path):
@@ -140,7 +140,7 @@ def test_the_watchdogs_poll_is_one_read_of_the_lease(cloud, tmp_path):
     from appliance.checkpoint.watchdog import LeaseWatch
     from appliance.cluster import Cluster
 
-    site = sites.open_site("local", log=lambda m: None)
+    site = sites.open_site("local")
     info = site.cloud.create_lease("one-read", "compute_local", 1, dt.timedelta(hours=2))
     try:
         w = LeaseWatch(load_spec(spec_file(tmp_path, "oneread")), Cluster(name="", cloud="local", nodes=[],
@@ -157,9 +157,9 @@ def test_the_watchdogs_poll_is_one_read_of_the_lease(cloud, tmp_path):
     assert site.cloud.lease_at(info.id)[0] is None  # gone: None, as get_lease says
 
 
-def test_lease_end_deletes_servers_and_up_makes_a_new_lease(cloud, tmp_path):
+def test_lease_end_deletes_servers_and_up_makes_a_new_lease(cloud, tmp_path, said):
     spec = spec_file(tmp_path, "ending", count=1, duration="1h")
-    cl = flows.up(spec, log=lambda m: None)
+    cl = flows.up(spec)
     try:
         node = testbed.load(localcloud.testbed_name()).nodes[-1]
         assert node.name == "ending-0" and Path(node.disk).exists()
@@ -170,18 +170,18 @@ def test_lease_end_deletes_servers_and_up_makes_a_new_lease(cloud, tmp_path):
         assert "deleted" in st["message"] and "appliance up" in st["message"]
         assert not Path(node.disk).exists()  # the node's local disk is gone with it
         assert "ending-0" not in [n.name for n in testbed.load(localcloud.testbed_name()).nodes]
-        msgs = []
-        cl2 = flows.up(spec, log=msgs.append)
+        said.clear()
+        cl2 = flows.up(spec)
         assert cl2.lease_id != cl.lease_id
-        assert any("has ended" in m and "new lease" in m for m in msgs)
+        assert any("has ended" in m and "new lease" in m for m in said)
         assert flows.status("ending")["lease_status"] == "ACTIVE"
     finally:
-        flows.down("ending", log=lambda m: None)
+        flows.down("ending")
 
 
 def test_not_enough_hosts(cloud, tmp_path):
     with pytest.raises(ApplianceError, match=r"not enough hosts available for 9 x compute_local.*fix: ask for fewer"):
-        flows.up(spec_file(tmp_path, "toomany", count=9), log=lambda m: None)
+        flows.up(spec_file(tmp_path, "toomany", count=9))
     assert find_cluster("toomany") is None or find_cluster("toomany").lease_id is None
 
 
@@ -207,31 +207,31 @@ def test_extension_refused_outside_window(cloud, tmp_path):
 def test_lease_in_error(cloud, tmp_path):
     localcloud.admin("POST", "/faults", {"lease_error": 1})
     with pytest.raises(ApplianceError, match=r"is in ERROR"):
-        flows.up(spec_file(tmp_path, "lerr"), log=lambda m: None)
-    flows.down("lerr", log=lambda m: None)
+        flows.up(spec_file(tmp_path, "lerr"))
+    flows.down("lerr")
 
 
-def test_server_in_error_then_up_replaces_it(cloud, tmp_path):
+def test_server_in_error_then_up_replaces_it(cloud, tmp_path, said):
     spec = spec_file(tmp_path, "serr")
     localcloud.admin("POST", "/faults", {"server_error": 1})
     try:
         with pytest.raises(ApplianceError, match=r"server serr-0 .* is in ERROR: Failure prepping"):
-            flows.up(spec, log=lambda m: None)
-        msgs = []
-        cl = flows.up(spec, log=msgs.append)  # re-run: the ERROR server is replaced
-        assert any("replacing a server in ERROR" in m for m in msgs)
+            flows.up(spec)
+        said.clear()
+        cl = flows.up(spec)  # re-run: the ERROR server is replaced
+        assert any("replacing a server in ERROR" in m for m in said)
         assert flows.status("serr")["nodes"][0]["state"] == "ACTIVE" and cl.nodes[0].private_ip
     finally:
-        flows.down("serr", log=lambda m: None)
+        flows.down("serr")
 
 
 def test_ssh_never_comes_up_names_the_node(cloud, tmp_path):
     localcloud.admin("POST", "/faults", {"ssh_never": 1})
     try:
         with pytest.raises(ApplianceError, match=r"SSH never came up within 3s: cannot reach nossh-0"):
-            flows.up(spec_file(tmp_path, "nossh"), ssh_timeout=3, log=lambda m: None)
+            flows.up(spec_file(tmp_path, "nossh"), ssh_timeout=3)
     finally:
-        flows.down("nossh", log=lambda m: None)
+        flows.down("nossh")
 
 
 def test_credentials_missing_or_wrong(cloud, tmp_path, monkeypatch):
@@ -275,7 +275,7 @@ def test_bare_metal_host_keys_come_from_the_node_not_the_console(cloud, tmp_path
     """Issue 12 item 1: Nova-Ironic has no console log (501), so `up` pins the host key each node published
     through the metadata `password` at boot (provision/hostkeys.sh), and only that key."""
     localcloud.admin("DELETE", "/requests")
-    cl = flows.up(spec_file(tmp_path, "hkeys", count=2), log=lambda m: None)
+    cl = flows.up(spec_file(tmp_path, "hkeys", count=2))
     try:
         c = os_cloud()
         tb = {n.name: n for n in testbed.load(localcloud.testbed_name()).nodes}
@@ -301,7 +301,7 @@ def test_bare_metal_host_keys_come_from_the_node_not_the_console(cloud, tmp_path
         c.conn.compute.clear_server_password(cl.nodes[1].server_id)
         assert c.conn.compute.get_server_password(cl.nodes[1].server_id) == ""
     finally:
-        flows.down("hkeys", log=lambda m: None)
+        flows.down("hkeys")
 
 
 def test_user_data_runs_at_boot(cloud, tmp_path):
@@ -344,24 +344,24 @@ def test_degraded_lease_fails_fast(cloud, tmp_path):
     localcloud.admin("POST", "/faults", {"lease_degraded": 1})
     try:
         with pytest.raises(ApplianceError, match=r"missing a reserved host.*reallocate"):
-            flows.up(spec_file(tmp_path, "degr"), log=lambda m: None)
+            flows.up(spec_file(tmp_path, "degr"))
     finally:
-        flows.down("degr", log=lambda m: None)
+        flows.down("degr")
 
 
-def test_degraded_after_a_successful_reallocation_is_usable(cloud, tmp_path):
+def test_degraded_after_a_successful_reallocation_is_usable(cloud, tmp_path, said):
     """Issue 12 item 6: Blazar marks a lease degraded after any reallocation and never clears it; up must go on
     (with a note) when every host is there."""
     localcloud.admin("POST", "/faults", {"lease_reallocated": 1})
-    said = []
+    said.clear()
     try:
-        cl = flows.up(spec_file(tmp_path, "realloc"), log=said.append)
+        cl = flows.up(spec_file(tmp_path, "realloc"))
         assert len(cl.nodes) == 1
         lease = os_cloud().get_lease(cl.lease_id)
         assert lease.degraded and not lease.missing_resources
         assert any("degraded" in m and "replaced a failed host" in m for m in said)
     finally:
-        flows.down("realloc", log=lambda m: None)
+        flows.down("realloc")
 
 
 def test_a_restricted_application_credential_gets_the_unrestricted_hint(cloud, tmp_path):
@@ -474,7 +474,7 @@ def test_s3_keys_are_keystone_ec2_credentials_that_the_rgw_checks_with_keystone(
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "APPLIANCE_S3_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
     run = _openstack
-    site = sites.open_site("local", log=lambda m: None)
+    site = sites.open_site("local")
     creds = site.store_creds("s3://ec2-keys/")  # starts the RGW; the S3 keys come from Keystone
     listed = json.loads(run("ec2", "credentials", "list", "-f", "json"))
     assert creds.s3_access_key in [c["Access"] for c in listed]

@@ -184,7 +184,7 @@ def test_slo_round_trip_small_segments(swift, creds, tmp_path):
     data = os.urandom(3_500_000)
     (src / "big file ü.bin").write_bytes(data)
     (src / "small.txt").write_bytes(b"small")
-    assert upload(str(src), "swift://slo/x/", creds=creds, segment_size=1_000_000, log=lambda m: None) == 2
+    assert upload(str(src), "swift://slo/x/", creds=creds, segment_size=1_000_000) == 2
     st = SwiftStore("slo", creds)
     segs = st.slo_segments("x/big file ü.bin")
     # an SLO of 1 MB segments; RGW gives no manifest (../shared/docs/rgw.md): read from slo_segments' listing
@@ -416,7 +416,7 @@ def test_pack_tar_shards_stage_and_read(creds, tmp_path):
     want = _small_files(tmp_path / "src", 300)
     st = SwiftStore("packed", creds)
     st.ensure_container()
-    index = pack(tmp_path / "src", st, "p", shard_size=50_000, log=lambda m: None)
+    index = pack(tmp_path / "src", st, "p", shard_size=50_000)
     assert index["samples"] == 300 and index["files"] == 600 and len(index["shards"]) > 3
     names = [o.name for o in st.list("p/")]
     assert names[-1] == "p/shard-%06d.tar" % (len(index["shards"]) - 1) and "p/index.json" in names
@@ -432,8 +432,7 @@ def test_pack_tfrecord_round_trip(tmp_path):
     from appliance.store.objects import FileStore
 
     want = _small_files(tmp_path / "src", 120)
-    index = pack(tmp_path / "src", FileStore(str(tmp_path / "out")), "p", shard_size=40_000, fmt="tfrecord",
-                 log=lambda m: None)
+    index = pack(tmp_path / "src", FileStore(str(tmp_path / "out")), "p", shard_size=40_000, fmt="tfrecord")
     assert index["format"] == "tfrecord" and len(index["shards"]) > 1
     assert _read_all(tmp_path / "out" / "p", ["bin", "cls"]) == want
 
@@ -445,7 +444,7 @@ def test_pack_refuses_files_without_extension(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "README").write_text("x")
     with pytest.raises(ApplianceError, match="needs a name and an extension"):
-        pack(tmp_path / "src", FileStore(str(tmp_path / "out")), "p", log=lambda m: None)
+        pack(tmp_path / "src", FileStore(str(tmp_path / "out")), "p")
 
 
 def test_an_s3_bucket_that_is_not_there_is_made_for_uploads_and_checkpoints(creds, tmp_path):
@@ -457,9 +456,9 @@ def test_an_s3_bucket_that_is_not_there_is_made_for_uploads_and_checkpoints(cred
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("hello")
-    assert upload(str(src), "s3://fresh-up/x/", creds=creds, log=lambda m: None) == 1
+    assert upload(str(src), "s3://fresh-up/x/", creds=creds) == 1
     assert [o.name for o in S3Store("fresh-up", creds).list()] == ["x/a.txt"]
-    assert upload(str(src), "s3://fresh-up/y/", creds=creds, log=lambda m: None) == 1  # there now: used as it is
+    assert upload(str(src), "s3://fresh-up/y/", creds=creds) == 1  # there now: used as it is
     cs = CheckpointStore("s3://fresh-ckpt/", "run", creds)
     ck = tmp_path / "ckpt-000000007"
     ck.mkdir()
@@ -468,7 +467,7 @@ def test_an_s3_bucket_that_is_not_there_is_made_for_uploads_and_checkpoints(cred
     assert [c.step for c in cs.committed()] == [7]
 
 
-def test_a_second_upload_sends_only_what_is_not_there(creds, tmp_path, monkeypatch):
+def test_a_second_upload_sends_only_what_is_not_there(creds, tmp_path, monkeypatch, said):
     """A re-run of `appliance data upload` sent every file again. Files above the segment size are SLOs (Swift) and
     multipart uploads (S3): their ETags, as each store lists them, are matched against the file's."""
     src = tmp_path / "src"
@@ -476,13 +475,13 @@ def test_a_second_upload_sends_only_what_is_not_there(creds, tmp_path, monkeypat
     (src / "small.txt").write_text("small")
     (src / "big.bin").write_bytes(os.urandom(2_500_000))
     for url, cls in (("swift://reup/x/", SwiftStore), ("s3://reup-s3/x/", S3Store)):
-        assert upload(str(src), url, creds=creds, segment_size=1_000_000, log=lambda m: None) == 2
+        assert upload(str(src), url, creds=creds, segment_size=1_000_000) == 2
         sent = []
         real = cls.put
         monkeypatch.setattr(cls, "put", lambda self, name, path, **kw: (sent.append(name), real(self, name, path,
                                                                                                   **kw))[1])
-        said = []
-        assert upload(str(src), url, creds=creds, segment_size=1_000_000, log=said.append) == 2
+        said.clear()
+        assert upload(str(src), url, creds=creds, segment_size=1_000_000) == 2
         assert sent == [] and said[-1].endswith("2 already there with the same size and MD5"), (url, sent, said)
         monkeypatch.undo()
 
@@ -500,7 +499,7 @@ def test_keys_the_store_does_not_take_are_said_as_such(creds):
     with pytest.raises(StoreRefused, match=r"S3 refused the keys"):  # `appliance check --online` reads only
         S3Store("fresh-keys", bad_s3).reach()
     with pytest.raises(StoreRefused, match=r"S3 refused access to bucket 'fresh-keys'"):
-        listing("s3://fresh-keys/", creds=bad_s3, log=lambda m: None)
+        listing("s3://fresh-keys/", creds=bad_s3)
     bad_swift = StoreCreds(auth_url=creds.auth_url, user=creds.user, key="wrong")
     with pytest.raises(StoreRefused, match="Swift refused access to container 'fresh-keys' \\(401\\)"):
         SwiftStore("fresh-keys", bad_swift).ensure_container()

@@ -127,7 +127,7 @@ def test_the_progress_line_sums_up_a_large_cluster_and_names_its_slowest_node():
     assert many.endswith("ETA 9s; slowest n07 25%"), many
 
 
-def test_a_second_upload_sends_only_what_is_not_there_yet(tmp_path, monkeypatch):
+def test_a_second_upload_sends_only_what_is_not_there_yet(tmp_path, monkeypatch, said):
     """`appliance data upload` sent every file again on a re-run (an interrupted 200 GB upload started over), and
     said nothing until it ended."""
     from appliance.data import upload
@@ -142,14 +142,14 @@ def test_a_second_upload_sends_only_what_is_not_there_yet(tmp_path, monkeypatch)
     monkeypatch.setattr(FileStore, "put", lambda self, name, path, **kw: (sent.append(name), real(self, name, path,
                                                                                                **kw))[1])
     url = f"file://{tmp_path}/store/"
-    said = []
-    assert upload(str(src), url + "x/", creds=None, segment_size=1_000_000, log=said.append) == 2
+    said.clear()
+    assert upload(str(src), url + "x/", creds=None, segment_size=1_000_000) == 2
     assert sorted(sent) == ["a.txt", "d/b.bin"] and said[-1].startswith("uploaded 2 file(s)")
     sent.clear()
-    assert upload(str(src), url + "x/", creds=None, segment_size=1_000_000, log=said.append) == 2
+    assert upload(str(src), url + "x/", creds=None, segment_size=1_000_000) == 2
     assert sent == [] and said[-1].endswith("; 2 already there with the same size and MD5")
     (src / "a.txt").write_text("b")  # same size, other bytes
-    assert upload(str(src), url + "x/", creds=None, segment_size=1_000_000, log=said.append) == 2
+    assert upload(str(src), url + "x/", creds=None, segment_size=1_000_000) == 2
     assert sent == ["a.txt"] and (tmp_path / "store" / "x" / "a.txt").read_text() == "b"
 
 
@@ -176,7 +176,7 @@ def test_a_file_rewritten_in_place_at_the_same_size_is_fetched_again(tmp_path):
     assert stage(st, "d/", out).files_skipped == 2
 
 
-def test_a_second_pack_sends_only_the_shards_the_store_lacks(tmp_path, monkeypatch):
+def test_a_second_pack_sends_only_the_shards_the_store_lacks(tmp_path, monkeypatch, said):
     """`appliance data pack` re-run after an interruption (or over unchanged files) sent every shard again; shards
     are deterministic (tar mtimes 0), so those the store holds with the same MD5 now stay; index.json is rewritten."""
     from appliance.data.pack import pack
@@ -187,14 +187,14 @@ def test_a_second_pack_sends_only_the_shards_the_store_lacks(tmp_path, monkeypat
     for i in range(30):
         (src / f"{i:03d}.bin").write_bytes(bytes([i]) * 3000)
     store = FileStore(str(tmp_path / "store"))
-    said = []
-    first = pack(src, store, "p", shard_size=20_000, log=said.append)
+    said.clear()
+    first = pack(src, store, "p", shard_size=20_000)
     assert len(first["shards"]) == 5
     sent = []
     real = FileStore.put
     monkeypatch.setattr(FileStore, "put", lambda self, name, path, **kw: (sent.append(name), real(self, name, path,
                                                                                                    **kw))[1])
     (tmp_path / "store" / "p" / "shard-000003.tar").unlink()  # the interruption: one shard never arrived
-    again = pack(src, store, "p", shard_size=20_000, log=said.append)
+    again = pack(src, store, "p", shard_size=20_000)
     assert again == first and sorted(sent) == ["p/index.json", "p/shard-000003.tar"]
     assert said[-1].endswith("; 4 of them already in the store with the same MD5, not sent again")

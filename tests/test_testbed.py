@@ -23,17 +23,17 @@ def _link_exists(name):
 @pytest.mark.slow
 @needs_netns
 def test_lifecycle_idempotent_and_clean():
-    tb = testbed.up("lc", 2, log=lambda m: None)
+    tb = testbed.up("lc", 2)
     try:
         pids = [n.sshd_pid for n in tb.nodes]
         st = testbed.status("lc")
         assert st["up"] and [n["name"] for n in st["nodes"]] == ["node1", "node2"]
         # a second `up` of the same size is a no-op
-        again = testbed.up("lc", 2, log=lambda m: None)
+        again = testbed.up("lc", 2)
         assert [n.sshd_pid for n in again.nodes] == pids
         # a different size while up is a clear error, not a mess
         with pytest.raises(ApplianceError, match="is up with 2 nodes"):
-            testbed.up("lc", 3, log=lambda m: None)
+            testbed.up("lc", 3)
         # each node: own hostname, own /etc/hosts, own disk, reachable over SSH with the pinned key
         cl = from_testbed(tb, name="lc-cluster")
         with Session(cl) as s:
@@ -44,7 +44,7 @@ def test_lifecycle_idempotent_and_clean():
         host_hosts = open("/etc/hosts").read()
         assert "node1" not in host_hosts  # the host's own /etc/hosts is untouched
     finally:
-        removed = testbed.down("lc", log=lambda m: None)
+        removed = testbed.down("lc")
     assert any("bridge" in r for r in removed)
     assert "apl-lc-" not in _netns_names()
     assert not _link_exists("apl-lc")
@@ -53,7 +53,7 @@ def test_lifecycle_idempotent_and_clean():
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or "sshd" not in open(f"/proc/{pid}/cmdline").read()
     assert testbed.load("lc") is None
-    assert testbed.down("lc", log=lambda m: None) == []  # idempotent
+    assert testbed.down("lc") == []  # idempotent
 
 
 @pytest.mark.slow
@@ -75,19 +75,19 @@ def test_changed_host_key_is_rejected(cluster2, tmp_path):
         connect(dataclasses.replace(cluster2, known_hosts=str(empty)), cluster2.nodes[0])
 
 
-def test_single_host_fallback_when_not_root(monkeypatch):
+def test_single_host_fallback_when_not_root(monkeypatch, said):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     ok, why = testbed.namespaces_available()
     assert not ok and "root" in why
-    msgs = []
-    tb = testbed.up("sh", 2, log=msgs.append)
+    said.clear()
+    tb = testbed.up("sh", 2)
     try:
         assert tb.mode == "single-host" and len(tb.nodes) == 1 and tb.nodes[0].slots == 2
-        assert any("single-host mode" in m and "root" in m for m in msgs)
+        assert any("single-host mode" in m and "root" in m for m in said)
         cl = from_testbed(tb)
         assert cl.single_host and cl.world_size == 2
     finally:
-        testbed.down("sh", log=lambda m: None)
+        testbed.down("sh")
 
 
 def test_a_process_that_ends_between_two_proc_reads_is_not_alive(monkeypatch):

@@ -32,8 +32,8 @@ def test_digits_across_two_nodes(cluster2, tmp_path):
 
 
 def test_contextualize_is_idempotent_and_ssh_is_strict(cluster2):
-    contextualize(cluster2, log=lambda m: None)
-    contextualize(cluster2, log=lambda m: None)
+    contextualize(cluster2)
+    contextualize(cluster2)
     _, pub = cluster_key(cluster2)
     with Session(cluster2) as s:
         r = s["node1"].run("grep -c 'BEGIN appliance cluster' /etc/hosts; grep -cxF %r /root/.ssh/authorized_keys; "
@@ -77,7 +77,7 @@ def test_rank_crash_stops_job_and_names_rank(cluster2, jobs_dir, tmp_path):
 
 
 def test_killed_node_stops_job_within_60s(jobs_dir, tmp_path):
-    tb = testbed.up("pk", 2, log=lambda m: None)
+    tb = testbed.up("pk", 2)
     try:
         cl = from_testbed(tb, name="pk-cluster")
         spec = load_spec(write_spec(tmp_path, "python loop.py", code=jobs_dir, name="killnode"))
@@ -95,7 +95,7 @@ def test_killed_node_stops_job_within_60s(jobs_dir, tmp_path):
         assert ended - killed_at["t"] < 60
         assert "node2" in res.failure
     finally:
-        testbed.down("pk", log=lambda m: None)
+        testbed.down("pk")
     assert not testbed.status("pk")["nodes"]
 
 
@@ -139,7 +139,7 @@ def test_the_job_goes_on_when_the_launchers_connection_drops(cluster2, tb2, jobs
 
 
 def test_single_host_mode_trains(tmp_path):
-    tb = testbed.up("sh", 2, mode="single-host", log=lambda m: None)
+    tb = testbed.up("sh", 2, mode="single-host")
     try:
         cl = from_testbed(tb, name="sh-cluster")
         spec = load_spec(write_spec(tmp_path, "python train.py --epochs 3", code=ROOT / "examples" / "digits",
@@ -149,7 +149,7 @@ def test_single_host_mode_trains(tmp_path):
         assert sorted(res.results) == [0, 1]
         assert len({r["weights_sha256"] for r in res.results.values()}) == 1
     finally:
-        testbed.down("sh", log=lambda m: None)
+        testbed.down("sh")
 
 
 def test_code_copy_skips_virtualenvs_and_caches(tmp_path):

@@ -31,6 +31,9 @@ from ..errors import ApplianceError
 from ..protocol import rank_environment
 from ..train.launch import train as train_job
 from ..spec import Checkpoint, Spec
+from .. import report
+
+log = report.get(__name__)
 
 JOB_DIR = Path(__file__).with_name("job")
 MODELS = ("resnet50", "cnn", "mlp")
@@ -124,7 +127,7 @@ def scaling(runs: list[dict]) -> list[dict]:
 
 
 def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | None = None,
-              out: Callable[[str], None] | None = None, log: Callable[[str], None] = print,
+              out: Callable[[str], None] | None = None,
               command: str = "appliance bench", run_job: Callable | None = None) -> dict:
     """Run the synthetic benchmark on 1..N nodes of ``cluster``; write bench.json, bench.md and the plots to
     ``out_dir`` (default: the run's results folder); return the report. ``run_job``: how a job runs (flows.run_job:
@@ -141,8 +144,8 @@ def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | No
     try:
         for n in counts:
             part = cluster if n == len(cluster.nodes) else cluster.subset(n)
-            log(f"[bench] {n} node(s), {part.world_size} rank(s): {', '.join(cfg.models)} x batch "
-                f"{', '.join(map(str, cfg.batch_sizes))}, {cfg.steps} steps after {cfg.warmup} warm-up")
+            log.info(f"[bench] {n} node(s), {part.world_size} rank(s): {', '.join(cfg.models)} x batch "
+                     f"{', '.join(map(str, cfg.batch_sizes))}, {cfg.steps} steps after {cfg.warmup} warm-up")
             res = train(bspec, part, out=out)
             jobs.append({"nodes": n, "job_id": res.job_id, "exit_code": res.exit_code, "wall_s": round(res.wall_s, 2),
                          "log": res.log_path})
@@ -155,7 +158,8 @@ def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | No
         if counts and counts[-1] != len(cluster.nodes):  # the last job contextualized a part: put the whole back
             from ..provision.contextualize import contextualize
 
-            contextualize(cluster, log=lambda m: None)
+            with report.muted():
+                contextualize(cluster)
     first = runs[0]["cells"][0] if runs and runs[0]["cells"] else {}
     device = first.get("device", "?")
     rep = {
@@ -217,7 +221,7 @@ def bare_horovodrun(cluster: Cluster, spec: Spec, session, on_line=None) -> tupl
 
 
 def overhead(spec: Spec, cluster: Cluster, cfg: BenchConfig, repeats: int = 3,
-             out: Callable[[str], None] | None = None, log: Callable[[str], None] = print,
+             out: Callable[[str], None] | None = None,
              run_job: Callable | None = None) -> dict:
     """The same synthetic job through `appliance train` and through bare horovodrun on the same nodes,
     alternately ``repeats`` times each; best throughput of each path, ratio = appliance / bare."""
@@ -253,9 +257,9 @@ def overhead(spec: Spec, cluster: Cluster, cfg: BenchConfig, repeats: int = 3,
     for i in range(repeats):  # alternate the order (A B, B A, ...) so neither path always runs first
         for step in ((via_appliance, via_bare) if i % 2 == 0 else (via_bare, via_appliance)):
             step()
-        log(f"[bench] overhead round {i + 1}/{repeats}: appliance train {samples['appliance'][-1]:.1f} samples/s "
-            f"(job {walls['appliance'][-1]:.1f} s end to end), bare horovodrun {samples['bare'][-1]:.1f} samples/s "
-            f"({walls['bare'][-1]:.1f} s)")
+        log.info(f"[bench] overhead round {i + 1}/{repeats}: appliance train {samples['appliance'][-1]:.1f} "
+                 f"samples/s (job {walls['appliance'][-1]:.1f} s end to end), bare horovodrun "
+                 f"{samples['bare'][-1]:.1f} samples/s ({walls['bare'][-1]:.1f} s)")
     best = {k: max(v) for k, v in samples.items()}
     paired = sorted(a / b for a, b in zip(samples["appliance"], samples["bare"]))
     return {"model": cfg.models[0], "batch": cfg.batch_sizes[0], "steps": cfg.steps, "nodes": len(cluster.nodes),

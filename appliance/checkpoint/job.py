@@ -30,6 +30,9 @@ from ..store.runlock import INTERVAL, LOCK, TTL, RunLock
 from ..store.checkpoints import CheckpointStore, retrying
 from ..store.objects import StoreRefused, parse_url
 from ..train.launch import JobContext, JobHooks, JobResult
+from .. import report
+
+log = report.get(__name__)
 
 
 def code_hash(code_dir: str) -> str:
@@ -178,7 +181,7 @@ class JobCheckpoints(JobHooks):
     def started(self, ctx: JobContext) -> None:
         self.launched_at = time.time()
         self._start_lock_beat(ctx)
-        site = for_cluster(self.cluster, log=lambda m: None) if self.cluster.lease_id else None
+        site = for_cluster(self.cluster) if self.cluster.lease_id else None
         if site is not None:
             from .watchdog import LeaseWatch
 
@@ -501,10 +504,10 @@ def protection_line(spec, cluster) -> str:
 
 def store_creds(spec, url: str | None = None):
     """The object-store credentials of the spec's site (for ``url``)."""
-    return for_spec(spec, log=lambda m: None).store_creds(url)
+    return for_spec(spec).store_creds(url)
 
 
 def job_store_creds(spec, url: str, *, name: str, lease_end, say):
     """What the job's nodes get for ``url``, and how to withdraw it (Site.job_store_creds)."""
-    return for_spec(spec, log=lambda m: None).job_store_creds(url, name=name, lease_end=lease_end, say=say)
+    return for_spec(spec).job_store_creds(url, name=name, lease_end=lease_end, say=say)
 

@@ -20,6 +20,9 @@ from ..store.checkpoints import CheckpointStore
 from ..store.objects import parse_url
 from . import runs
 from .job import store_creds
+from .. import report
+
+log = report.get(__name__)
 
 
 def creds_for(spec: Spec, url: str):
@@ -55,14 +58,15 @@ def find_spec(run: str, spec_path: str | None = None, url: str | None = None, cr
                          "--spec SPEC.yaml` (see `appliance runs`)")
 
 
-def choose_checkpoint(spec: Spec, log: Callable[[str], None] = print):
+def choose_checkpoint(spec: Spec):
     """(CheckpointStore, Committed) of the newest committed checkpoint that verifies."""
     url = spec.checkpoint.url
     if not url:
         raise ApplianceError(f"run {spec.name!r} has no checkpoint.url in its spec, so there is nothing to resume",
                              "add checkpoint: {url: swift://checkpoints/} and start it with `appliance train`")
     cs = CheckpointStore(url, spec.name, creds_for(spec, url))
-    good, problems = cs.newest_good(log=lambda m: log(f"[resume] {m}"))
+    with report.prefixed("[resume] "):
+        good, problems = cs.newest_good()
     if good is None:
         if problems:
             raise ApplianceError(f"run {spec.name!r}: no committed checkpoint in {url} passed verification "
@@ -70,8 +74,8 @@ def choose_checkpoint(spec: Spec, log: Callable[[str], None] = print):
         raise ApplianceError(f"run {spec.name!r} has no committed checkpoint in {url}",
                              f"start it with `appliance train {spec.path}`")
     if problems:
-        log(f"[resume] the newest checkpoint is unusable ({problems[0]}); using {good.name} "
-            f"(step {good.step}) instead")
+        log.info(f"[resume] the newest checkpoint is unusable ({problems[0]}); using {good.name} "
+                 f"(step {good.step}) instead")
     return cs, good
 
 

@@ -21,6 +21,9 @@ from ..protocol import Line, parse
 from ..remote import Session
 from ..store.objects import StoreCreds, large_object_etags, open_store, unreachable
 from ..store.parts import s3transfer_part
+from .. import report
+
+log = report.get(__name__)
 
 
 def _bar(p: dict) -> str:
@@ -54,7 +57,7 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
                   keep_names: bool = False, keep_extra: bool = False,
                   out: Callable[[str], None] | None = None) -> dict[str, dict]:
     """Run the stager on every node in parallel; returns each node's result. Raises on any node's failure."""
-    say = out or (lambda m: print(m, flush=True))
+    say = out or log.info
     scoped = creds.scoped(url) if creds is not None else None
     progress: dict[str, dict] = {}
     results: dict[str, dict] = {}
@@ -164,7 +167,7 @@ def _already_there(store, listed: dict, path: Path, name: str, segment_size: int
 
 
 def upload(src: str, url: str, *, creds: StoreCreds | None, segment_size: int = 5 * 1024**3,
-           concurrency: int = 16, log=print) -> int:
+           concurrency: int = 16) -> int:
     """`appliance data upload DIR URL`: every file under DIR to URL/<relative path>, in parallel. A file the store
     already holds with the same size and MD5 (a re-run after an interruption) is not sent again. Returns how many
     files of DIR are at URL."""
@@ -172,7 +175,7 @@ def upload(src: str, url: str, *, creds: StoreCreds | None, segment_size: int = 
     files = [p for p in sorted(root.rglob("*")) if p.is_file()] if root.is_dir() else [root]
     if not files:
         raise ApplianceError(f"{src}: nothing to upload", "give a file or a non-empty directory")
-    with _open(url, creds, log, create=True) as (store, prefix):
+    with _open(url, creds, create=True) as (store, prefix):
         base = root if root.is_dir() else root.parent
         names = [(p, f"{prefix.rstrip('/') + '/' if prefix else ''}{p.relative_to(base).as_posix()}")
                  for p in files]
@@ -198,24 +201,23 @@ def upload(src: str, url: str, *, creds: StoreCreds | None, segment_size: int = 
             with lock:
                 el = max(time.monotonic() - t0, 1e-6)
                 rate = done["bytes"] / el
-                log("[upload] " + _bar({"files": done["files"], "files_total": len(todo), "bytes": done["bytes"],
-                                        "bytes_total": total, "rate": rate,
-                                        "eta": (total - done["bytes"]) / rate if rate > 0 else None}))
+                log.info("[upload] " + _bar({"files": done["files"], "files_total": len(todo), "bytes": done["bytes"],
+                                             "bytes_total": total, "rate": rate,
+                                             "eta": (total - done["bytes"]) / rate if rate > 0 else None}))
 
         with _every(2.0, show), ThreadPoolExecutor(max_workers=concurrency) as ex:
             list(ex.map(put, todo))
     kept = len(names) - len(todo)
-    log(f"uploaded {len(todo)} file(s) ({_fmt_bytes(total)}) to {url}"
-        + (f"; {kept} already there with the same size and MD5" if kept else ""))
+    log.info(f"uploaded {len(todo)} file(s) ({_fmt_bytes(total)}) to {url}"
+             + (f"; {kept} already there with the same size and MD5" if kept else ""))
     return len(names)
 
 
 @contextmanager
-def _open(url: str, creds: StoreCreds | None, log, *, create: bool = False):
-    """(store, prefix) for a `data` verb: a listing asked again says so through ``log``, and a store that never
-    answers is one line with the fix (not requests' or botocore's chain of wrappers)."""
+def _open(url: str, creds: StoreCreds | None, *, create: bool = False):
+    """(store, prefix) for a `data` verb: a store that never answers is one line with the fix (not requests' or
+    botocore's chain of wrappers)."""
     store, prefix = open_store(url, creds)
-    store.on_retry = log
     try:
         if create and hasattr(store, "ensure_container"):  # Swift's container, S3's bucket
             store.ensure_container()
@@ -227,30 +229,30 @@ def _open(url: str, creds: StoreCreds | None, log, *, create: bool = False):
         raise said from None
 
 
-def pack_dir(src: str, url: str, *, creds: StoreCreds | None, shard_size: int = 64 * 1024**2, fmt: str = "tar",
-             log=print) -> dict:
+def pack_dir(src: str, url: str, *, creds: StoreCreds | None, shard_size: int = 64 * 1024**2,
+             fmt: str = "tar") -> dict:
     """`appliance data pack DIR URL`: shards + index.json under URL."""
     from .pack import pack
 
-    with _open(url, creds, log, create=True) as (store, prefix):
-        return pack(src, store, prefix, shard_size=shard_size, fmt=fmt, log=log)
+    with _open(url, creds, create=True) as (store, prefix):
+        return pack(src, store, prefix, shard_size=shard_size, fmt=fmt)
 
 
-def dataset_summary(url: str, *, creds: StoreCreds | None, log=print) -> dict:
+def dataset_summary(url: str, *, creds: StoreCreds | None) -> dict:
     """What `appliance stage` fetches from URL (to every node in full mode): its objects and bytes, read by the
     stager's own rules (a folder or one object; folder markers are directories), or the stager's one line when
     URL names nothing. `appliance check --online` asks it before a lease is paid for."""
     from ..node.stage import dataset_objects, is_dir_marker
 
-    with _open(url, creds, log) as (store, prefix):
+    with _open(url, creds) as (store, prefix):
         objs, named = dataset_objects(store, prefix, "a lease would stage nothing")
     files = [o for o in objs if not is_dir_marker(o, named)]
     total = sum(o.size for o in files)
     return {"url": url, "objects": len(files), "bytes": total, "size": _fmt_bytes(total)}
 
 
-def listing(url: str, *, creds: StoreCreds | None, log=print) -> list[dict]:
-    with _open(url, creds, log) as (store, prefix):
+def listing(url: str, *, creds: StoreCreds | None) -> list[dict]:
+    with _open(url, creds) as (store, prefix):
         try:
             return [o.__dict__ for o in store.list(prefix)]
         except FileNotFoundError:
@@ -258,9 +260,9 @@ def listing(url: str, *, creds: StoreCreds | None, log=print) -> list[dict]:
                                  "check the name; `appliance data upload DIR URL` makes it") from None
 
 
-def remove(url: str, *, creds: StoreCreds | None, log=print) -> int:
+def remove(url: str, *, creds: StoreCreds | None) -> int:
     """Delete every object under URL; returns how many (0 when the container does not exist)."""
-    with _open(url, creds, log) as (store, prefix):
+    with _open(url, creds) as (store, prefix):
         try:
             names = [o.name for o in store.list(prefix)]
         except FileNotFoundError:

@@ -27,6 +27,9 @@ from pathlib import Path
 
 from ..errors import ApplianceError
 from ..store.objects import Store, md5_file as _md5
+from .. import report
+
+log = report.get(__name__)
 
 
 def sample_key(rel: str) -> tuple[str, str]:
@@ -98,7 +101,7 @@ class _ShardWriter:
 
 
 def pack(src: str | Path, store: Store, prefix: str, *, shard_size: int = 64 * 1024**2, fmt: str = "tar",
-         concurrency: int = 8, log=print) -> dict:
+         concurrency: int = 8) -> dict:
     """Pack ``src`` into shards under ``prefix`` in ``store``; returns the index."""
     if fmt not in ("tar", "tfrecord"):
         raise ApplianceError(f"unknown shard format {fmt!r}", "use tar (WebDataset) or tfrecord")
@@ -162,6 +165,6 @@ def pack(src: str | Path, store: Store, prefix: str, *, shard_size: int = 64 * 1
         store.put(prefix + "index.json", Path(tmpname))  # last: the commit point
     finally:
         os.unlink(tmpname)
-    log(f"packed {n_files} files ({len(items)} samples, {n_bytes / 1e6:.1f} MB) into {len(shards)} {fmt} shard(s)"
-        + (f"; {len(kept)} of them already in the store with the same MD5, not sent again" if kept else ""))
+    log.info(f"packed {n_files} files ({len(items)} samples, {n_bytes / 1e6:.1f} MB) into {len(shards)} {fmt} shard(s)"
+             + (f"; {len(kept)} of them already in the store with the same MD5, not sent again" if kept else ""))
     return index

@@ -23,6 +23,9 @@ import yaml
 
 from .. import paths, testbed
 from ..errors import ApplianceError
+from .. import report
+
+log = report.get(__name__)
 
 CLOUD_NAME = "appliance-local"
 # the Keystone user the local RGW validates tokens as (kolla-ansible ceph-guide: ``ceph_rgw_keystone_user``)
@@ -124,7 +127,7 @@ def _health(base: str) -> bool:
         return False
 
 
-def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0, log=print,
+def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0,
           timeout: float = 30.0, hosts: int | None = None) -> dict:
     """Start the local cloud if it is not running. Idempotent. ``hosts``: compute_local hosts in Blazar's pool
     (default 4; the scale benchmark asks for 16)."""
@@ -159,7 +162,7 @@ def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0, 
         time.sleep(0.05)  # readiness poll of a local port
     base = _public_base((d / "endpoint").read_text().strip())
     _write_clouds_yaml(d, base, creds)
-    log(f"local cloud up at {base} (time x{time_scale:g}); clouds.yaml entry {CLOUD_NAME!r} in {clouds_yaml()}")
+    log.info(f"local cloud up at {base} (time x{time_scale:g}); clouds.yaml entry {CLOUD_NAME!r} in {clouds_yaml()}")
     return status()
 
 
@@ -185,12 +188,12 @@ def _store_server(kind: str, d: Path, bind_ip: str = "127.0.0.1"):
     return (RGWServer if kind == "rgw" else SwiftServer)(d / kind, bind_ip=bind_ip)
 
 
-def object_store(log=print) -> dict:
+def object_store() -> dict:
     """The local cloud's object store, started on first use: a real Ceph RGW (or a real Swift, see ``store_kind``),
     listening on the cloud's bridge address so its servers reach it. The RGW takes Keystone tokens as Chameleon's
     does (the catalog's object-store endpoint) and Swift v1 auth. Returns its v1 and S3 credentials."""
     d = state_dir()
-    start(log=log)
+    start()
     kind = store_kind()
     creds_file = d / "store.json"
     private = ("kind", "keystone")
@@ -207,11 +210,11 @@ def object_store(log=print) -> dict:
         srv.keystone = {"url": f"{endpoint()}/identity", "user": RGW_SERVICE_USER,
                         "password": cloud_creds["services"][RGW_SERVICE_USER], "project": "service",
                         "domain": "Default"}
-        log("starting the local object store (Ceph RGW: mon, memstore OSD, radosgw) ...")
+        log.info("starting the local object store (Ceph RGW: mon, memstore OSD, radosgw) ...")
     srv.start()
     creds = srv.credentials()
     _write_private(creds_file, json.dumps({**creds, "kind": kind, "keystone": kind == "rgw"}))
-    log(f"local object store ({'Ceph RGW' if kind == 'rgw' else 'OpenStack Swift'}) at {creds['s3_endpoint']}")
+    log.info(f"local object store ({'Ceph RGW' if kind == 'rgw' else 'OpenStack Swift'}) at {creds['s3_endpoint']}")
     return creds
 
 
@@ -231,7 +234,7 @@ def _store_answers(creds: dict) -> bool:
         return False
 
 
-def stop(log=print, timeout: float = 30.0) -> bool:
+def stop(timeout: float = 30.0) -> bool:
     """Stop the local cloud: its servers (testbed nodes) are deleted, its object store stopped. Idempotent."""
     pid = _pid()
     d = state_dir()
@@ -246,10 +249,11 @@ def stop(log=print, timeout: float = 30.0) -> bool:
             time.sleep(0.05)  # bounded wait for its clean shutdown
         if _pid():
             os.kill(pid, signal.SIGKILL)
-    testbed.down(testbed_name(), log=lambda m: None)  # whatever a crashed server left
+    with report.muted():
+        testbed.down(testbed_name())  # whatever a crashed server left
     for name in ("pid", "endpoint"):
         (d / name).unlink(missing_ok=True)
-    log("local cloud stopped" if pid else "local cloud was not running")
+    log.info("local cloud stopped" if pid else "local cloud was not running")
     return bool(pid)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from .. import testbed
+from .. import report, testbed
 
 
 class NodeBackend(ABC):
@@ -85,4 +85,5 @@ class TestbedNodes(NodeBackend):
         return testbed.listen_in_netns(self.metadata_netns, testbed.METADATA_IP, port)
 
     def shutdown(self) -> None:
-        testbed.down(self.name, log=lambda m: None)
+        with report.muted():
+            testbed.down(self.name)

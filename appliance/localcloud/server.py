@@ -38,6 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+from .. import report
 from . import admin_hooks, blazar, glance, keystone, neutron, nova, orchestration
 from .api import Request, dispatch
 from .cloud import DEFAULT_POOLS, ApiError, Cloud, _uuid
@@ -170,6 +171,7 @@ def main(argv=None) -> None:
     ap.add_argument("--testbed", default="cloud", help="name of the testbed its servers live on")
     ap.add_argument("--hosts", type=int, default=None, help="compute_local hosts in Blazar's pool (default 4)")
     a = ap.parse_args(argv)
+    report.default(lambda m: print(m, flush=True))  # what its steps say (its testbed's nodes) into server.log
     serve(Path(a.state), a.port, a.time_scale, a.boot_seconds, a.testbed, a.hosts)
 
 

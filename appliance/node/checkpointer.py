@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import report
 from ..protocol import VENDORDATA_MARGIN, Env, Line, emit
 from ..store.checkpoints import CheckpointStore, StoreUnavailable, ckpt_name
 from ..store.objects import StoreCreds
@@ -100,6 +101,10 @@ def layer_generators(model) -> list:
     return out
 
 
+def _say(msg: str) -> None:
+    print(f"[checkpoint] {msg}", flush=True)
+
+
 class Checkpointer:
     """Checkpoint/restore/stop for one rank. Settings come from the environment `appliance train` sets;
     arguments override them."""
@@ -110,6 +115,7 @@ class Checkpointer:
         import horovod.tensorflow as hvd_tf
 
         _note_made()
+        report.default(_say)  # the object store's notes (retries, pruning) in the job's output, as the Checkpointer's
         env = os.environ
         self._hvd = hvd_tf
         self.rank, self.size = hvd_tf.rank(), hvd_tf.size()
@@ -527,8 +533,7 @@ class Checkpointer:
                     if i == 0:
                         os.kill(os.getpid(), signal.SIGKILL)
             newer = lambda: self._pending is not None  # noqa: E731  (a newer checkpoint supersedes this one)
-            manifest = self._store.upload(local, meta, until=self._deadline, log=self._log, stop=newer,
-                                          fault=fault)
+            manifest = self._store.upload(local, meta, until=self._deadline, stop=newer, fault=fault)
         except StoreUnavailable as e:
             self._upload_error = str(e)
             self._log(f"checkpoint {local.name} NOT committed: {e}")
@@ -545,7 +550,7 @@ class Checkpointer:
         emit(Line.CKPT, {"step": meta["step"], "name": local.name, "bytes": size, "committed": True,
                             "save_s": round(getattr(self, "_save_s", 0.0), 3), "upload_s": round(upload_s, 3)})
         try:
-            self._store.prune(self.keep, log=self._log)
+            self._store.prune(self.keep)
         except Exception as e:
             self._log(f"pruning old checkpoints failed ({type(e).__name__}); will retry after the next commit")
         self._prune_local()
@@ -582,7 +587,7 @@ class Checkpointer:
         return self._wait_uploads(max(self._deadline or 0.0, time.time() + STOP_COMMIT_FLOOR))
 
     def _log(self, msg: str) -> None:
-        print(f"[checkpoint] {msg}", flush=True)
+        _say(msg)
 
     def _finish_stop(self) -> None:
         """Every rank: rank 0 saves + commits; all wait for it; rank 0 reports; exit 0."""

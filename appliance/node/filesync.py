@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from .. import report
 from ..protocol import EXIT_STOPPED, Env, Line, emit
 from ..store.filesync import FileSet
 from ..store.objects import StoreCreds, md5_file
@@ -42,6 +43,7 @@ class Syncer:
                  keep: int = 2):
         self.root, self.fs, self.every_s, self.stop_file, self.exclude, self.keep = \
             root, fs, every_s, stop_file, exclude, keep
+        report.default(_log)  # the object store's notes (retries, pruning) in the job's output
         self.seen: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) at the last scan
         self.hashes: dict[tuple[str, int, int], str] = {}
         self.pushed: dict[str, str] | None = None  # rel -> md5 of the last commit
@@ -103,7 +105,7 @@ class Syncer:
             self.seq += 1
             t0 = time.monotonic()
             try:
-                body = self.fs.push(self.root, files, self.seq, until=time.time() + 300, log=_log)
+                body = self.fs.push(self.root, files, self.seq, until=time.time() + 300)
             except Exception as e:  # never let the syncer kill training
                 _log(f"synced files NOT committed: {type(e).__name__}: {e}")
                 self.failed = True
@@ -113,7 +115,7 @@ class Syncer:
             emit(Line.FILES, {"seq": self.seq, "files": len(files), "bytes": sum(f["size"] for f in files.values()),
                               "seconds": round(time.monotonic() - t0, 3), "final": why})
             try:
-                self.fs.prune(self.keep, log=_log)
+                self.fs.prune(self.keep)
             except Exception as e:  # noqa: BLE001
                 _log(f"pruning synced files failed ({type(e).__name__}); retried after the next commit")
             return body
@@ -143,7 +145,7 @@ class Syncer:
         os._exit(EXIT_STOPPED)
 
     def restore(self) -> None:
-        body = self.fs.newest_good(log=_log)
+        body = self.fs.newest_good()
         if body is None:
             return
         self.seq = int(body["seq"])

@@ -9,6 +9,7 @@ as `APPLIANCE_ERROR {json}` with exit code 1.
 import json
 import sys
 
+from .. import report
 from ..errors import ApplianceError
 from ..protocol import Line, emit
 from ..store.objects import StoreCreds, StoreRefused, open_store, swift_fallback, unreachable
@@ -16,6 +17,11 @@ from .stage import stage
 
 
 def main() -> int:
+    with report.to(lambda m: emit(Line.NOTE, m)):  # the store's notes (a listing asked again) to the launcher
+        return _main()
+
+
+def _main() -> int:
     job = json.loads(sys.stdin.read())
     creds = StoreCreds(**job["creds"]) if job.get("creds") else None
 
@@ -25,7 +31,6 @@ def main() -> int:
     store = None
     try:
         store, prefix = open_store(job["url"], creds)
-        store.on_retry = lambda m: emit(Line.NOTE, m)
         try:
             res = stage(store, prefix, job["dest"], mode=job["mode"], rank=job["rank"], nodes=job["nodes"],
                         concurrency=job.get("concurrency", 16), progress=progress,
@@ -38,7 +43,6 @@ def main() -> int:
             if fb is None:
                 raise
             emit(Line.NOTE, f"S3 failed ({type(e).__name__}: {e}); falling back to Swift")
-            fb[0].on_retry = store.on_retry
             store = fb[0]
             res = stage(fb[0], fb[1], job["dest"], mode=job["mode"], rank=job["rank"], nodes=job["nodes"],
                         concurrency=job.get("concurrency", 16), progress=progress,

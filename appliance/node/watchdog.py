@@ -15,6 +15,9 @@ from collections.abc import Callable
 
 from ..protocol import NODE_WATCH_MARGIN, RUN_MARKER, Env
 from .vendordata import LIVE_URL, VENDORDATA, cached_lease_end, live_lease_end, reset_live_backoff
+from .. import report
+
+log = report.get(__name__)
 
 
 
@@ -80,8 +83,7 @@ def request_stop(run_dir: str, uids: set[int], body: dict) -> str | None:
 
 
 def node_watch(*, margin: float = NODE_WATCH_MARGIN, poll: float = 60.0, once: bool = False, vendordata=None,
-               live: str | None = LIVE_URL, proc: str = "/proc", log: Callable[[str], None] = print,
-               now: Callable[[], float] = time.time) -> list[str]:
+               live: str | None = LIVE_URL, proc: str = "/proc", now: Callable[[], float] = time.time) -> list[str]:
     """Watch Chameleon's on-node lease end (vendordata: live from the metadata service, else the hourly cache of
     the CC images) and, ``margin`` seconds before it, write the STOP file of every training job running on this
     node, as the launcher-side watchdog does: rank 0 then stops every rank after the same step and commits a
@@ -101,7 +103,7 @@ def node_watch(*, margin: float = NODE_WATCH_MARGIN, poll: float = 60.0, once: b
                 end = live_lease_end(live) or end
         if end is None:
             if not said_none:
-                log("no lease end in vendordata (not a Chameleon node, or the cache is not written yet)")
+                log.info("no lease end in vendordata (not a Chameleon node, or the cache is not written yet)")
                 said_none = True
         elif now() >= end - margin:
             for d, uids in sorted(running_jobs(proc).items()):
@@ -110,11 +112,11 @@ def node_watch(*, margin: float = NODE_WATCH_MARGIN, poll: float = 60.0, once: b
                 why = request_stop(d, uids, {"reason": "lease end (node watchdog)", "deadline": end - 30})
                 if why is None:
                     stopped.append(d)
-                    log(f"lease ends at {dt.datetime.fromtimestamp(end, dt.timezone.utc):%Y-%m-%d %H:%M} UTC: "
-                        f"asked the job in {d} to stop and checkpoint")
+                    log.info(f"lease ends at {dt.datetime.fromtimestamp(end, dt.timezone.utc):%Y-%m-%d %H:%M} UTC: "
+                             f"asked the job in {d} to stop and checkpoint")
                 elif why != "a stop was already asked for" and d not in refused:
                     refused.add(d)
-                    log(f"not stopping the job that names {d}: {why}")
+                    log.info(f"not stopping the job that names {d}: {why}")
         if once:
             return stopped
         time.sleep(poll)

@@ -19,6 +19,9 @@ from .. import paths
 from ..cluster import Cluster, Node
 from ..errors import ApplianceError
 from ..remote import Remote, Session
+from .. import report
+
+log = report.get(__name__)
 
 SCRIPT = Path(__file__).with_name("contextualize.sh")
 
@@ -92,7 +95,7 @@ def contextualize_node(cluster: Cluster, remote: Remote) -> dict[str, str]:
     return info
 
 
-def contextualize(cluster: Cluster, session: Session | None = None, log=print) -> str:
+def contextualize(cluster: Cluster, session: Session | None = None) -> str:
     """Bring every node to the cluster's state; returns the NIC for Gloo/NCCL. Idempotent."""
     if cluster.single_host:
         cluster.nic = "lo"
@@ -108,8 +111,8 @@ def contextualize(cluster: Cluster, session: Session | None = None, log=print) -
     nics = {name: i["APPLIANCE_NIC"] for name, i in infos.items()}
     nic = nics[cluster.head.name]
     if len(set(nics.values())) > 1:
-        log(f"note: nodes use different NIC names {nics}; horovodrun gets the head's ({nic})")
+        log.info(f"note: nodes use different NIC names {nics}; horovodrun gets the head's ({nic})")
     fw = {i["APPLIANCE_FIREWALL"] for i in infos.values()}
-    log(f"contextualized {len(infos)} node(s): NIC {nic}, firewalld {', '.join(sorted(fw))}")
+    log.info(f"contextualized {len(infos)} node(s): NIC {nic}, firewalld {', '.join(sorted(fw))}")
     cluster.nic = nic
     return nic

@@ -19,6 +19,9 @@ from pathlib import Path
 import yaml
 
 from ..errors import ApplianceError
+from .. import report
+
+log = report.get(__name__)
 
 HERE = Path(__file__).parent
 TEMPLATE = HERE.parents[1] / "heat-templates" / "horovod-cluster.yaml"
@@ -151,8 +154,7 @@ def heat_client(site):
     return heat_client_mod.Client("1", session=conn.session, region_name=conn.config.region_name)
 
 
-def adopt(site, stack: str, *, key_name: str | None = None, key_file: str | None = None, slots: int = 1,
-          log=print):
+def adopt(site, stack: str, *, key_name: str | None = None, key_file: str | None = None, slots: int = 1):
     """`appliance adopt STACK`: a cluster record for a stack made from heat-templates/horovod-cluster.yaml on
     ``site`` (appliance.sites.Site)."""
     from .. import paths
@@ -194,8 +196,8 @@ def adopt(site, stack: str, *, key_name: str | None = None, key_file: str | None
                       site=SiteRecord(region=site.region, key_name=key.name, key_file=key.file, stack=stack,
                                       stack_id=st.id, servers={n.name: n.server_id for n in nodes}))
     cluster.save()
-    log(f"stack {stack}: head {nodes[0].name} at {nodes[0].address}, {len(nodes) - 1} worker(s)"
-        + (f", lease {lease.name} until {lease.end:%Y-%m-%d %H:%M} UTC" if lease else ", no lease found"))
-    finish(site, cluster, log)
-    log(f"cluster {stack} adopted: `appliance train SPEC --cluster {stack}` runs on it")
+    log.info(f"stack {stack}: head {nodes[0].name} at {nodes[0].address}, {len(nodes) - 1} worker(s)"
+             + (f", lease {lease.name} until {lease.end:%Y-%m-%d %H:%M} UTC" if lease else ", no lease found"))
+    finish(site, cluster)
+    log.info(f"cluster {stack} adopted: `appliance train SPEC --cluster {stack}` runs on it")
     return cluster

@@ -24,6 +24,9 @@ from .. import paths
 from ..cluster import Cluster
 from ..errors import ApplianceError
 from ..remote import Remote, Session
+from .. import report
+
+log = report.get(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = paths.LOCK
@@ -52,14 +55,14 @@ def bundle(dest: Path) -> Path:
 _pin = paths.lock_pin
 
 
-def fetch_cached_wheel(store, key: str, dest: Path, log=print) -> str | None:
+def fetch_cached_wheel(store, key: str, dest: Path) -> str | None:
     """The newest cached Horovod wheel under ``key``, downloaded into ``dest`` if its recorded SHA-256 (the
     ``.sha256`` object written beside it when it was cached) matches its bytes; None otherwise (the head node then
     builds, and the entry is written again). Nodes install it as root, so no unchecked bytes are used."""
     names = sorted(o.name for o in store.list(key))
     for name in sorted((n for n in names if n.endswith(".whl")), reverse=True):
         if name + ".sha256" not in names:
-            log(f"[install] horovod: {Path(name).name} in the wheel cache has no recorded SHA-256; not using it")
+            log.info(f"[install] horovod: {Path(name).name} in the wheel cache has no recorded SHA-256; not using it")
             continue
         want = bytearray()
         store.get(name + ".sha256", want.extend)
@@ -71,14 +74,14 @@ def fetch_cached_wheel(store, key: str, dest: Path, log=print) -> str | None:
         if recorded and h.hexdigest() == recorded[0]:
             return local.name
         local.unlink(missing_ok=True)
-        log(f"[install] horovod: {Path(name).name} in the wheel cache does not match its recorded SHA-256; "
-            "not using it")
+        log.info(f"[install] horovod: {Path(name).name} in the wheel cache does not match its recorded SHA-256; "
+                 "not using it")
     return None
 
 
 def install_stack(cluster: Cluster, *, variant: str, venv: str, cache_url: str = DEFAULT_CACHE, creds=None,
                   system_deps: bool = True, pip_env: dict[str, str] | None = None, sudo: bool = False,
-                  python: str = "python3.11", log=print) -> dict:
+                  python: str = "python3.11") -> dict:
     """Install the stack on every node into ``venv``; returns {"python", "tag", "built", "cached"}."""
     from ..store.objects import SwiftStore, open_store
 
@@ -92,12 +95,12 @@ def install_stack(cluster: Cluster, *, variant: str, venv: str, cache_url: str =
         src = bundle(work / "bundle")
         wheels_here = work / "wheels"
         (wheels_here / tag).mkdir(parents=True)
-        cached = fetch_cached_wheel(store, key, wheels_here / tag, log=log)
+        cached = fetch_cached_wheel(store, key, wheels_here / tag)
         if cached:
-            log(f"[install] horovod: the wheel cache has {cached} ({tag}, SHA-256 checked); no build")
+            log.info(f"[install] horovod: the wheel cache has {cached} ({tag}, SHA-256 checked); no build")
         else:
-            log(f"[install] horovod: no wheel for {tag} in {cache_url}; the head node builds it once (~5 min on "
-                f"a 2-core machine, less on a GPU node) and it is cached for every later cluster")
+            log.info(f"[install] horovod: no wheel for {tag} in {cache_url}; the head node builds it once (~5 min on "
+                     f"a 2-core machine, less on a GPU node) and it is cached for every later cluster")
         with Session(cluster) as session:
             def inst(r: Remote) -> str:
                 return f"{r.node.workdir}/appliance/installer"
@@ -111,7 +114,7 @@ def install_stack(cluster: Cluster, *, variant: str, venv: str, cache_url: str =
                 cmd = (f"{'sudo -n ' if sudo else ''}env {env} bash {d}/images/install-stack.sh --variant {variant} "
                        f"--venv {shlex.quote(venv)} --lock {d}/requirements.lock --appliance {d} "
                        f"--wheels {d}-wheels --python {shlex.quote(python)}" + (" --system-deps" if system_deps else ""))
-                res = r.run(cmd, on_line=lambda _s, line: log(f"[install|{r.node.name}] {line}")
+                res = r.run(cmd, on_line=lambda _s, line: log.info(f"[install|{r.node.name}] {line}")
                             if line.startswith("install-stack") else None, timeout=3600)
                 m = re.search(r"^APPLIANCE_STACK ok .* wheel=(\S+)$", res.out, re.M)
                 if res.rc != 0 or not m:
@@ -134,7 +137,7 @@ def install_stack(cluster: Cluster, *, variant: str, venv: str, cache_url: str =
                 digest.write_text(hashlib.sha256(local.read_bytes()).hexdigest() + "\n")
                 store.put(f"{key}{local.name}.sha256", digest)  # written after the wheel: a cache entry is both
                 built = local.name
-                log(f"[install] horovod wheel {local.name} cached in {cache_url}{tag}/")
+                log.info(f"[install] horovod wheel {local.name} cached in {cache_url}{tag}/")
                 rest = [n for n in cluster.nodes if n is not cluster.head]
                 for n in rest:
                     session[n.name].put_dir(wheels_here, f"{inst(session[n.name])}-wheels")

@@ -23,6 +23,9 @@ from ..sites import Site, for_cluster
 from ..sites.openstack import fmt_date
 from ..spec import Spec, duration_seconds
 from .contextualize import contextualize
+from .. import report
+
+log = report.get(__name__)
 
 HOSTKEYS_SCRIPT = (Path(__file__).with_name("hostkeys.sh")).read_text()  # every server's user_data
 
@@ -56,7 +59,7 @@ def image_upload(site: Site, path: str, name: str, *, disk_format: str | None = 
     lock = Path(__file__).resolve().parents[2] / "requirements.lock"
     props = {"appliance_lock_sha256": hashlib.sha256(lock.read_bytes()).hexdigest()[:16] if lock.exists() else "",
              "appliance_stack": "tensorflow 2.18.1, tf-keras 2.18.0, horovod 0.28.1 (NCCL, Gloo)"}
-    site.log(f"uploading {p} ({p.stat().st_size / 1e9:.2f} GB, {fmt}) to Glance as {name!r}"
+    log.info(f"uploading {p} ({p.stat().st_size / 1e9:.2f} GB, {fmt}) to Glance as {name!r}"
              + (f" at {site.region}" if site.region else ""))
     return site.cloud.upload_image(str(p), name, disk_format=fmt, properties=props)
 
@@ -91,7 +94,7 @@ def lease_delete(site: Site, lease_id: str) -> bool:
 # up
 
 
-def _wait_servers(site: Site, cluster: Cluster, log) -> dict[str, object]:
+def _wait_servers(site: Site, cluster: Cluster) -> dict[str, object]:
     """Until every server is ACTIVE; fail fast on ERROR; progress, not silence."""
     deadline = time.monotonic() + site.boot_timeout
     t0 = time.monotonic()
@@ -105,7 +108,7 @@ def _wait_servers(site: Site, cluster: Cluster, log) -> dict[str, object]:
                 raise ApplianceError(f"server {node.name} ({node.server_id}) disappeared while booting",
                                      "run `appliance status`; the lease may have ended")
             if srv.status != last.get(node.name):
-                log(f"  {node.name}: {srv.status} ({time.monotonic() - t0:.0f}s)")
+                log.info(f"  {node.name}: {srv.status} ({time.monotonic() - t0:.0f}s)")
                 last[node.name] = srv.status
             if srv.status == "ERROR":
                 fault = (srv.fault or {}).get("message", "no fault message") if hasattr(srv, "fault") else ""
@@ -117,8 +120,8 @@ def _wait_servers(site: Site, cluster: Cluster, log) -> dict[str, object]:
             return servers
         if time.monotonic() >= next_note:  # a line a minute while bare metal deploys, not silence
             waiting = ", ".join(f"{n} {s.status}" for n, s in servers.items() if s.status != "ACTIVE")
-            log(f"  still booting after {time.monotonic() - t0:.0f}s: {waiting} "
-                f"(timeout {site.boot_timeout:.0f}s)")
+            log.info(f"  still booting after {time.monotonic() - t0:.0f}s: {waiting} "
+                     f"(timeout {site.boot_timeout:.0f}s)")
             next_note += 60
         if time.monotonic() > deadline:
             slow = [n for n, s in servers.items() if s.status != "ACTIVE"]
@@ -127,7 +130,7 @@ def _wait_servers(site: Site, cluster: Cluster, log) -> dict[str, object]:
         time.sleep(site.poll)  # polling a remote API
 
 
-def _wait_ssh(site: Site, cluster: Cluster, log) -> None:
+def _wait_ssh(site: Site, cluster: Cluster) -> None:
     deadline = time.monotonic() + site.ssh_timeout
     last_err: ApplianceError | None = None
     while time.monotonic() < deadline:
@@ -158,12 +161,12 @@ def _fan_out(fn: Callable, items: Iterable) -> list:
     return [f.result() for f in futs]
 
 
-def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: float | None = None, log=print,
+def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: float | None = None,
        install: bool = False, variant: str | None = None, wheel_cache: str | None = None,
        finish_nodes: Callable | None = None, timings: dict[str, float] | None = None) -> Cluster:
     """Lease (or reuse) -> servers on the reservation -> floating IP -> host keys -> SSH -> contextualize
-    [-> the training stack installed on every node, `install`: for stock images]. ``finish_nodes(site, cluster,
-    log)``: the steps on the booted machines (default `finish`; the fast tests pass their own, as Horovod's runner
+    [-> the training stack installed on every node, `install`: for stock images]. ``finish_nodes(site,
+    cluster)``: the steps on the booted machines (default `finish`; the fast tests pass their own, as Horovod's runner
     takes its behaviour as callables). ``timings``: filled with the seconds of each phase ("lease", "boot",
     "ssh + contextualize", "install"), which `appliance resume` reports."""
     timings = {} if timings is None else timings
@@ -183,8 +186,8 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
     if cluster is not None and cluster.lease_id:
         info = c.get_lease(cluster.lease_id)
         if info is None or info.status in ("TERMINATED", "DELETED", "ERROR"):
-            log(f"the lease of {spec.name} has ended ({info.status if info else 'deleted'}); its servers are gone. "
-                "Making a new lease.")
+            log.info(f"the lease of {spec.name} has ended ({info.status if info else 'deleted'}); its servers are "
+                     "gone. Making a new lease.")
             delete_cluster(spec.name)
             cluster = None
     if cluster is None:
@@ -199,8 +202,8 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
         info = c.create_lease(_lease_name(spec), spec.nodes.node_type, spec.nodes.count,
                               dt.timedelta(seconds=duration_seconds(spec.lease.duration)),
                               floating_ip=spec.lease.floating_ip)
-        log(f"lease {info.name} ({info.id}) created: {spec.nodes.count} x {spec.nodes.node_type} until "
-            f"{fmt_date(info.end)} UTC")
+        log.info(f"lease {info.name} ({info.id}) created: {spec.nodes.count} x {spec.nodes.node_type} until "
+                 f"{fmt_date(info.end)} UTC")
     else:
         info = c.get_lease(lid)
         if info is None:
@@ -208,7 +211,7 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
     cluster.lease_id, cluster.reservation_id = info.id, info.reservation_id
     cluster.site.fip_reservation_id = info.fip_reservation_id
     cluster.save()
-    info = c.wait_lease(info.id, log=log)
+    info = c.wait_lease(info.id)
     cluster.lease_end = info.end.isoformat() + "Z"
     cluster.save()
     phase("lease")
@@ -225,7 +228,7 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
             if srv is not None and srv.status != "ERROR":
                 return
             if srv is not None:
-                log(f"  {name}: replacing a server in ERROR")
+                log.info(f"  {name}: replacing a server in ERROR")
                 c.delete_server(sid)
         new = c.create_server(name, reservation_id=info.reservation_id, image=spec.image, key_name=key.name,
                               network=spec.network, user_data=HOSTKEYS_SCRIPT)
@@ -238,10 +241,10 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
     cluster.site.servers = servers = {**{n: servers[n] for n in order}, **{n: s for n, s in servers.items()
                                                                             if n not in order}}
     cluster.save()
-    log(f"waiting for {spec.nodes.count} server(s) to boot{site.boot_note}")
+    log.info(f"waiting for {spec.nodes.count} server(s) to boot{site.boot_note}")
     cluster.nodes = [Node(name=n, private_ip="", address=None, workdir=site.workdir, slots=spec.nodes.slots,
                           user=site.user, server_id=sid) for n, sid in servers.items()]
-    srvs = _wait_servers(site, cluster, log)
+    srvs = _wait_servers(site, cluster)
     for node in cluster.nodes:
         node.private_ip = c.server_ip(srvs[node.name])
         node.address = node.private_ip
@@ -253,34 +256,34 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
         cluster.floating_ip = fip.floating_ip_address
         cluster.site.fip_id = fip.id
         cluster.save()
-        log(f"floating IP {cluster.floating_ip} on {head.name}")
+        log.info(f"floating IP {cluster.floating_ip} on {head.name}")
     head.address = cluster.floating_ip
     phase("boot")
-    (finish_nodes or finish)(site, cluster, log)
+    (finish_nodes or finish)(site, cluster)
     phase("ssh + contextualize")
     if install:
-        install_on(site, cluster, spec, variant=variant, wheel_cache=wheel_cache, log=log)
+        install_on(site, cluster, spec, variant=variant, wheel_cache=wheel_cache)
         phase("install")
-    log(f"cluster {cluster.name} ready: {len(cluster.nodes)} node(s), head {head.name} at {head.address}")
+    log.info(f"cluster {cluster.name} ready: {len(cluster.nodes)} node(s), head {head.name} at {head.address}")
     return cluster
 
 
 def install_on(site: Site, cluster: Cluster, spec: Spec, *, variant: str | None = None,
-               wheel_cache: str | None = None, log=print) -> None:
+               wheel_cache: str | None = None) -> None:
     """The boot-time installer on every node (provision/install.py); the cluster then trains with that venv."""
     from . import install
 
     variant = variant or ("gpu" if spec.nodes.node_type.startswith("gpu") else "cpu")
     opts = site.install_options()
-    log(f"installing the training stack ({variant}) on {len(cluster.nodes)} node(s) into {opts['venv']}")
+    log.info(f"installing the training stack ({variant}) on {len(cluster.nodes)} node(s) into {opts['venv']}")
     res = install.install_stack(cluster, variant=variant, cache_url=wheel_cache or install.DEFAULT_CACHE,
-                                creds=site.store_creds(), log=log, **opts)
+                                creds=site.store_creds(), **opts)
     cluster.python = res["python"]
     cluster.site.installed = {k: v for k, v in res.items() if k != "python"}
     cluster.save()
 
 
-def finish(site: Site, cluster: Cluster, log=print) -> None:
+def finish(site: Site, cluster: Cluster) -> None:
     """Pin every node's host key from what the node published (provision/hostkeys.sh through Nova's server
     password; a console log where one exists), wait for SSH, pick the local disk, contextualize.
     Shared by `up` and `adopt` (a Heat stack made in Horizon)."""
@@ -307,11 +310,11 @@ def finish(site: Site, cluster: Cluster, log=print) -> None:
     Path(cluster.known_hosts).write_text("".join(lines))
     cluster.save()
     # 5. SSH, then 6. contextualize
-    log("waiting for SSH")
-    _wait_ssh(site, cluster, log)
+    log.info("waiting for SSH")
+    _wait_ssh(site, cluster)
     with Session(cluster) as session:  # 7. the site's fast local disk (Chameleon: NVMe) for code, data, checkpoints
         site.prepare_nodes(cluster, session)
-    contextualize(cluster, log=log)
+    contextualize(cluster)
     cluster.save()
 
 
@@ -319,7 +322,7 @@ def finish(site: Site, cluster: Cluster, log=print) -> None:
 # status and down
 
 
-def status(name: str, log=print, site: Site | None = None) -> dict:
+def status(name: str, site: Site | None = None) -> dict:
     cluster = load_cluster(name)
     c = (site or _site_of(cluster)).cloud
     info, now = c.lease_at(cluster.lease_id) if cluster.lease_id else (None, c.now())
@@ -341,10 +344,10 @@ def status(name: str, log=print, site: Site | None = None) -> dict:
     return out
 
 
-def down(name: str, log=print, site: Site | None = None) -> list[str]:
+def down(name: str, site: Site | None = None) -> list[str]:
     """Delete servers, release the floating IP, delete the lease, forget the cluster. Idempotent."""
     if not state_path(name).exists():
-        log(f"no cluster named {name!r}; nothing to do")
+        log.info(f"no cluster named {name!r}; nothing to do")
         return []
     cluster = load_cluster(name)
     c = (site or _site_of(cluster)).cloud
@@ -362,12 +365,12 @@ def down(name: str, log=print, site: Site | None = None) -> list[str]:
     delete_cluster(name)
     for suffix in (".known_hosts", ".id_ed25519", ".id_ed25519.pub"):
         (paths.clusters_dir() / f"{name}{suffix}").unlink(missing_ok=True)
-    log(f"cluster {name}: removed " + (", ".join(done) if done else "its record (nothing left in the cloud)"))
+    log.info(f"cluster {name}: removed " + (", ".join(done) if done else "its record (nothing left in the cloud)"))
     return done
 
 
 def _site_of(cluster: Cluster) -> Site:
-    site = for_cluster(cluster, log=lambda m: None)
+    site = for_cluster(cluster)
     if site is None:
         raise ApplianceError(f"cluster {cluster.name!r} was not made on a cloud ({cluster.cloud})",
                              "`appliance testbed down` removes a testbed; a Heat stack is deleted in Horizon")

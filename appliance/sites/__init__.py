@@ -15,23 +15,23 @@ from .local import LocalSite
 KINDS: dict[str, type[Site]] = {"chameleon": ChameleonSite, "local": LocalSite}
 
 
-def open_site(kind: str, region: str | None = None, log=print) -> Site:
+def open_site(kind: str, region: str | None = None) -> Site:
     try:
-        return KINDS[kind](region, log=log)
+        return KINDS[kind](region)
     except KeyError:
         raise ApplianceError(f"unknown cloud {kind!r}", f"use one of {', '.join(KINDS)}") from None
 
 
-def for_spec(spec: Spec, log=print) -> Site:
-    return open_site(spec.cloud, spec.site, log=log)
+def for_spec(spec: Spec) -> Site:
+    return open_site(spec.cloud, spec.site)
 
 
-def for_cluster(cluster: Cluster, log=print) -> Site | None:
+def for_cluster(cluster: Cluster) -> Site | None:
     """The site a cluster record was made on; None for machines no site made (a testbed, a Heat head node's
     own view of its cluster)."""
     if cluster.cloud not in KINDS:
         return None
-    return open_site(cluster.cloud, cluster.site.region, log=log)
+    return open_site(cluster.cloud, cluster.site.region)
 
 
 def load_spec(path) -> Spec:

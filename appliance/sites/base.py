@@ -46,9 +46,8 @@ class Site(ABC):
     lease_poll: float = 0.5  # the lease watchdog's poll
     boot_note: str = ""  # said while waiting for servers
 
-    def __init__(self, region: str | None = None, log=print):
+    def __init__(self, region: str | None = None):
         self.region = region
-        self.log = log
         self._cloud = None
 
     # -- connection -------------------------------------------------------------------------------

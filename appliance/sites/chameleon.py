@@ -58,7 +58,7 @@ class ChameleonSite(Site):
 
     def prepare_nodes(self, cluster: Cluster, session) -> None:
         """The fast local disk (NVMe) for code, data and local checkpoints (sites/local_disk.py)."""
-        plans = session.each(lambda r: local_disk.prepare(r, self.workdir, self.user, log=self.log))
+        plans = session.each(lambda r: local_disk.prepare(r, self.workdir, self.user))
         for node in cluster.nodes:
             node.workdir = plans[node.name].workdir
 

@@ -19,6 +19,9 @@ from ..spec import Spec
 from ..store.objects import StoreCreds
 from .base import LoginKey, Site
 from .openstack import OpenStackCloud, connect
+from .. import report
+
+log = report.get(__name__)
 
 KEY_NAME = "appliance-local"
 LOCK = paths.LOCK
@@ -35,7 +38,7 @@ class LocalSite(Site):
     lease_poll = 0.5
 
     def connect(self):
-        localcloud.start(log=self.log)
+        localcloud.start()
         return OpenStackCloud(connect(cloud=localcloud.CLOUD_NAME, config_file=str(localcloud.clouds_yaml())))
 
     def login_key(self, key_name=None, key_file=None) -> LoginKey:
@@ -59,7 +62,7 @@ class LocalSite(Site):
         """The local cloud's store: its Ceph RGW takes Keystone tokens as Chameleon's does, so the same Keystone
         path, and for s3:// URLs the same EC2 credentials, which the RGW checks with Keystone (`store_creds`); the
         OpenStack Swift (APPLIANCE_LOCAL_STORE=swift) has only v1 auth and its own S3 keys."""
-        own = StoreCreds(**localcloud.object_store(log=self.log))
+        own = StoreCreds(**localcloud.object_store())
         if not localcloud.store_takes_keystone():
             return own
         from openstack.exceptions import ServiceDisabledException
@@ -91,13 +94,13 @@ class LocalSite(Site):
         """Nodes are namespaces here: no PyPI, the host's packages, a per-node venv."""
         return dict(venv=f"{self.workdir}/appliance/venv", system_deps=False, sudo=False,
                     python=getattr(sys, "_base_executable", sys.executable),
-                    pip_env={"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(local_wheelhouse(log=self.log))})
+                    pip_env={"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(local_wheelhouse())})
 
     def default_cluster(self, spec: Spec) -> Cluster:
         """The default testbed `tb` (brought up if needed), for runs with no cluster of their own."""
         tb = testbed.load("tb")
         if tb is None or not testbed.status("tb")["up"]:
-            tb = testbed.up("tb", spec.nodes.count, slots=spec.nodes.slots, log=self.log)
+            tb = testbed.up("tb", spec.nodes.count, slots=spec.nodes.slots)
         cl = from_testbed(tb)
         if cl.world_size != spec.world_size and not cl.single_host:
             raise ApplianceError(f"the testbed has {cl.world_size} slot(s) but {spec.path} asks for {spec.world_size}",
@@ -122,7 +125,7 @@ def _local_key() -> tuple[str, str]:
     return str(priv), (d / "id_ed25519.pub").read_text().strip()
 
 
-def local_wheelhouse(log=print) -> Path:
+def local_wheelhouse() -> Path:
     """The local cloud's nodes have no route to PyPI: fill a wheelhouse here (from pip's cache after the first
     time) that they read through the shared filesystem. Chameleon nodes use PyPI directly."""
     wh = Path.home() / ".cache" / "appliance" / "wheelhouse"
@@ -135,7 +138,7 @@ def local_wheelhouse(log=print) -> Path:
     have = {norm(p.name.split("-")[0]) for p in wh.iterdir()}
     missing = [r for r in reqs + ["pip", "setuptools", "wheel"] if norm(r.split("==")[0]) not in have]
     if missing or "horovod" not in have:
-        log(f"filling the local wheelhouse {wh} ({len(missing)} package(s), from PyPI or pip's cache)")
+        log.info(f"filling the local wheelhouse {wh} ({len(missing)} package(s), from PyPI or pip's cache)")
         pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "--no-deps", "-d", str(wh)]
         cmds = ([pip + missing] if missing else []) + [pip + ["--no-binary", ":all:", "horovod==" + paths.lock_pin("horovod")]]
         for cmd in cmds:

@@ -22,6 +22,9 @@ import shlex
 from dataclasses import dataclass
 
 from ..errors import ApplianceError
+from .. import report
+
+log = report.get(__name__)
 
 MOUNT_POINT = "/mnt/nvme"
 SYSTEM_MOUNTS = ("/boot", "/boot/efi", "[SWAP]", "/var", "/usr", "/home")
@@ -74,11 +77,11 @@ def choose(lsblk: dict | str, default_workdir: str, subdir: str = "appliance") -
     return DiskPlan(default_workdir, "no NVMe device: using the default work directory")
 
 
-def prepare(remote, default_workdir: str, user: str, log=print) -> DiskPlan:
+def prepare(remote, default_workdir: str, user: str) -> DiskPlan:
     """Run ``choose`` on a node and carry it out (mkfs + mount when needed); returns the plan."""
     r = remote.run(LSBLK)
     if r.rc != 0:
-        log(f"{remote.node.name}: lsblk failed ({r.err.strip()[:80]}); using {default_workdir}")
+        log.info(f"{remote.node.name}: lsblk failed ({r.err.strip()[:80]}); using {default_workdir}")
         return DiskPlan(default_workdir, "lsblk failed")
     plan = choose(r.out, default_workdir)
     if plan.mkfs:
@@ -97,5 +100,5 @@ def prepare(remote, default_workdir: str, user: str, log=print) -> DiskPlan:
         if r.rc != 0:
             raise ApplianceError(f"{remote.node.name}: could not create {plan.workdir}: {r.err.strip()[:120]}",
                                  fix="check `sudo -n true` works for the login user")
-    log(f"{remote.node.name}: local disk {plan.workdir} ({plan.reason})")
+    log.info(f"{remote.node.name}: local disk {plan.workdir} ({plan.reason})")
     return plan

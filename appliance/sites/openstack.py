@@ -22,6 +22,9 @@ import time
 from dataclasses import dataclass
 
 from ..errors import ApplianceError, socket_reason
+from .. import report
+
+log = report.get(__name__)
 
 API_DATE = "%Y-%m-%d %H:%M"
 MAX_LEASE = dt.timedelta(days=7)
@@ -368,7 +371,7 @@ class OpenStackCloud:
         except Exception as e:
             raise explain_blazar(e) from None
 
-    def wait_lease(self, lease_id: str, *, timeout: float = 600.0, poll: float = 2.0, log=print) -> LeaseInfo:
+    def wait_lease(self, lease_id: str, *, timeout: float = 600.0, poll: float = 2.0) -> LeaseInfo:
         """Until ACTIVE. Fails fast on ERROR or on hosts Blazar could not replace; real timeout.
 
         `degraded` alone is not a failure: Blazar's monitor sets it on the lease whenever it updates a reservation's
@@ -383,7 +386,7 @@ class OpenStackCloud:
             if info is None:
                 raise ApplianceError(f"lease {lease_id} disappeared while waiting for it", "create a new one")
             if info.status != last:
-                log(f"lease {info.name}: {info.status}")
+                log.info(f"lease {info.name}: {info.status}")
                 last = info.status
             if info.status == "ERROR":
                 raise ApplianceError(f"lease {info.name} ({lease_id}) is in ERROR",
@@ -393,7 +396,8 @@ class OpenStackCloud:
                                      "replacement",
                                      f"`openstack reservation host reallocate --lease-id {lease_id} <host>`, or a new lease")
             if info.degraded and not warned:
-                log(f"note: lease {info.name} is marked degraded: Blazar replaced a failed host; every host is there")
+                log.info(f"note: lease {info.name} is marked degraded: Blazar replaced a failed host; every host is "
+                         "there")
                 warned = True
             if info.status == "ACTIVE":
                 return info

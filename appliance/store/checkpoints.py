@@ -32,6 +32,9 @@ from pathlib import Path
 
 from .objects import ObjectInfo, StoreCreds, StoreRefused, large_object_etags, md5_file, open_store, parts_match
 from ..errors import ApplianceError
+from .. import report
+
+log = report.get(__name__)
 
 MANIFEST = "MANIFEST.json"
 CKPT_DIR = re.compile(r"^ckpt-(\d{9,})$")
@@ -69,7 +72,7 @@ def manifest_digest(body: dict) -> str:
 
 
 def retrying(fn: Callable, *, what: str, until: float | None = None, attempts: int | None = None,
-             log: Callable[[str], None] = lambda m: None, stop: Callable[[], bool] = lambda: False):
+             stop: Callable[[], bool] = lambda: False):
     """Call fn() until it succeeds: exponential backoff with jitter (0.5 s .. 30 s), bounded by a wall-clock
     deadline (time.time() value) and/or a number of attempts. Errors other than I/O and HTTP are raised."""
     delay, n = 0.5, 0
@@ -90,7 +93,7 @@ def retrying(fn: Callable, *, what: str, until: float | None = None, attempts: i
             wait = min(delay, 30.0) * (0.75 + random.random() / 2)
             if left is not None:
                 wait = max(0.05, min(wait, left))
-            log(f"{what}: {type(e).__name__}; retrying in {wait:.1f}s (attempt {n})")
+            log.info(f"{what}: {type(e).__name__}; retrying in {wait:.1f}s (attempt {n})")
             time.sleep(wait)  # backoff between retries of a failed request, not synchronisation
             delay *= 2
 
@@ -168,7 +171,7 @@ class CheckpointStore:
                 return f"{c.name}: {rel} has checksum {o.etag}, the manifest says {f['etag']} (corrupted)"
         return None
 
-    def newest_good(self, log: Callable[[str], None] = print) -> tuple[Committed | None, list[str]]:
+    def newest_good(self) -> tuple[Committed | None, list[str]]:
         """The newest committed checkpoint that verifies, and the problems met on the way."""
         problems = []
         for c in self.committed():
@@ -176,7 +179,7 @@ class CheckpointStore:
             if why is None:
                 return c, problems
             problems.append(why)
-            log(f"checkpoint {why}; trying the previous one")
+            log.info(f"checkpoint {why}; trying the previous one")
         return None, problems
 
     # -- writing -------------------------------------------------------------------------------------------
@@ -222,8 +225,7 @@ class CheckpointStore:
             tmp.unlink(missing_ok=True)
 
     def upload(self, local: Path, meta: dict, *, until: float | None = None,
-               log: Callable[[str], None] = lambda m: None, stop: Callable[[], bool] = lambda: False,
-               fault: Callable[[int], None] | None = None) -> dict:
+               stop: Callable[[], bool] = lambda: False, fault: Callable[[int], None] | None = None) -> dict:
         """Upload one local checkpoint directory, verify it in the store, then commit it (manifest last).
         Returns the manifest. Raises StoreUnavailable when the store stays down past ``until``."""
         local = Path(local)
@@ -243,14 +245,14 @@ class CheckpointStore:
             parts = size > seg and self.store.scheme in ("swift", "s3")
             expect[rel] = large_object_etags(p, seg, whole=not parts)
             retrying(lambda: self._put(f"{name}/{rel}", p, expect[rel]), what=f"upload {name}/{rel}",
-                     until=until, log=log, stop=stop)
+                     until=until, stop=stop)
             record[rel] = ({"size": size, "part_size": seg, "parts": expect[rel]["parts"]} if parts
                            else {"size": size, "md5": expect[rel]["md5"]})
             if fault:
                 fault(i)
         # verify what the store now holds before committing
         listed = {}
-        for o in retrying(lambda: self._objects(name + "/"), what=f"list {name}", until=until, log=log, stop=stop):
+        for o in retrying(lambda: self._objects(name + "/"), what=f"list {name}", until=until, stop=stop):
             listed[o.name[len(self.prefix) + len(name) + 1:]] = o
         for rel, f in record.items():
             o = listed.get(rel)
@@ -272,10 +274,10 @@ class CheckpointStore:
         body["digest"] = manifest_digest(body)
         text = json.dumps(body, indent=1, sort_keys=True)
         retrying(lambda: self.put_text(f"{name}/{MANIFEST}", text, local.parent), what=f"commit {name}",
-                 until=until, log=log, stop=stop)
+                 until=until, stop=stop)
         return body
 
-    def prune(self, keep: int, log: Callable[[str], None] = lambda m: None) -> list[str]:
+    def prune(self, keep: int) -> list[str]:
         """Keep the newest ``keep`` committed checkpoints that verify (at least 1); delete older ones, manifest
         first, and uncommitted leftovers older than the newest good one. A committed checkpoint that fails
         verification holds no slot and is never what makes a good one go: one newer than the newest good one is
@@ -294,7 +296,7 @@ class CheckpointStore:
                 good.append(c)
             else:
                 bad.append(c)
-                log(f"checkpoint {why}: it does not count towards checkpoint.keep and is not pruned")
+                log.info(f"checkpoint {why}: it does not count towards checkpoint.keep and is not pruned")
         if not good:  # nothing verifies: delete nothing
             return []
         kept = {c.name for c in good + bad}
@@ -310,7 +312,7 @@ class CheckpointStore:
             names.sort(key=lambda n: not n.endswith("/" + MANIFEST))  # un-commit first
             for n in names:
                 self.store.delete(n)
-            log(f"pruned {top}")
+            log.info(f"pruned {top}")
         return sorted(by_dir)
 
     def download(self, c: Committed, dest: Path) -> Path:

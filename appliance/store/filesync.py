@@ -26,6 +26,9 @@ from pathlib import Path, PurePosixPath
 from ..errors import ApplianceError
 from .checkpoints import CheckpointStore, StoreUnavailable, manifest_digest, retrying
 from .objects import ObjectInfo, StoreCreds, large_object_etags, md5_file
+from .. import report
+
+log = report.get(__name__)
 
 SUB = "files/"
 OBJECTS = "files/objects/"
@@ -73,26 +76,25 @@ class FileSet:
                 return f"manifest {body['seq']}: {rel} is missing or changed in the store"
         return None
 
-    def newest_good(self, log: Callable[[str], None] = lambda m: None) -> dict | None:
+    def newest_good(self) -> dict | None:
         listing = self._listing()
         for seq in self.manifests(listing):
             try:
                 body = self.read(seq)
             except Exception as e:  # noqa: BLE001 - unreadable: try the one before it
-                log(f"synced files: manifest {seq} unreadable ({type(e).__name__}); trying the one before it")
+                log.info(f"synced files: manifest {seq} unreadable ({type(e).__name__}); trying the one before it")
                 continue
             why = self.verify(body, listing)
             if why is None:
                 return body
-            log(f"synced files: {why}; trying the one before it")
+            log.info(f"synced files: {why}; trying the one before it")
         return None
 
-    def push(self, root: Path, files: dict[str, dict], seq: int, *, until: float | None = None,
-             log: Callable[[str], None] = lambda m: None) -> dict:
+    def push(self, root: Path, files: dict[str, dict], seq: int, *, until: float | None = None) -> dict:
         """Upload what the store lacks of ``files`` (rel -> {"md5", "size"}, the content of ``root/rel``), check
         every object against a fresh listing, then commit manifest ``seq``. Returns the manifest."""
         have = {o.name[len(self.prefix) + len(OBJECTS):]: o for o in retrying(
-            lambda: list(self.store.list(self.prefix + OBJECTS)), what="list synced files", until=until, log=log)}
+            lambda: list(self.store.list(self.prefix + OBJECTS)), what="list synced files", until=until)}
         record: dict[str, dict] = {}
         for rel, f in sorted(files.items()):
             obj = f"{f['md5']}-{f['size']}"
@@ -104,12 +106,12 @@ class FileSet:
             etags = large_object_etags(p, seg) if f["size"] > seg else None
             if (etags or {}).get("md5", f["md5"]) != f["md5"]:
                 raise StoreUnavailable(f"{rel} changed while it was being synced", "the next sync takes it")
-            retrying(lambda: self.cs._put(f"{SUB}objects/{obj}", p, etags), what=f"upload {rel}", until=until, log=log)
+            retrying(lambda: self.cs._put(f"{SUB}objects/{obj}", p, etags), what=f"upload {rel}", until=until)
             have[obj] = None  # uploaded: checked below
             if etags:
                 record[rel]["etag_expect"] = etags.get(self.store.scheme, f["md5"])
         listed = {o.name[len(self.prefix) + len(OBJECTS):]: o for o in retrying(
-            lambda: list(self.store.list(self.prefix + OBJECTS)), what="list synced files", until=until, log=log)}
+            lambda: list(self.store.list(self.prefix + OBJECTS)), what="list synced files", until=until)}
         for rel, r in record.items():
             o = listed.get(r["object"])
             want = r.pop("etag_expect", r["md5"])
@@ -121,7 +123,7 @@ class FileSet:
         body["digest"] = manifest_digest(body)
         text = json.dumps(body, indent=1, sort_keys=True)
         retrying(lambda: self.cs.put_text(f"files/manifest-{seq:09d}.json", text, root),
-                 what=f"commit synced files {seq}", until=until, log=log)
+                 what=f"commit synced files {seq}", until=until)
         return body
 
     def pull(self, body: dict, dest: Path, skip: Callable[[str], bool] = lambda rel: False) -> list[str]:
@@ -147,7 +149,7 @@ class FileSet:
             done.append(rel)
         return done
 
-    def prune(self, keep: int, log: Callable[[str], None] = lambda m: None) -> int:
+    def prune(self, keep: int) -> int:
         """Keep the newest ``keep`` manifests that verify and every object they name; delete the rest (older
         manifests first, then unnamed objects). Nothing is deleted when no manifest verifies."""
         listing = self._listing()
@@ -175,5 +177,5 @@ class FileSet:
                 self.store.delete(o.name)
                 gone += 1
         if gone:
-            log(f"synced files: pruned {gone} object(s) no kept manifest names")
+            log.info(f"synced files: pruned {gone} object(s) no kept manifest names")
         return gone

@@ -26,6 +26,9 @@ from urllib.parse import urlparse
 
 from ..errors import ApplianceError, socket_reason
 from .tcp import quickack_boto, quickack_swift
+from .. import report
+
+log = report.get(__name__)
 
 SWIFT_PAGE = 10000  # Swift returns at most 10,000 names per listing request; Ceph RGW caps it at 1,000
 LIST_DEADLINE = 120.0  # seconds a listing page is retried (5xx, resets, timeouts) before staging gives up
@@ -200,17 +203,15 @@ class Store:
     scheme = ""
     where = ""  # the container, bucket or root directory
     list_deadline: float | None = None  # seconds a failing listing page is retried (None: LIST_DEADLINE)
-    on_retry: Callable[[str], None] | None = None  # hears when a listing is asked again (said to the user)
 
     @property
     def endpoint(self) -> str:
         """Where the store answers (for messages)."""
         return ""
 
-    def _retry_note(self) -> Callable[[str], None] | None:
-        say = self.on_retry
-        return None if say is None else (lambda m: say(f"object store{f' at {self.endpoint}' if self.endpoint else ''}"
-                                                       f" did not answer ({m})"))
+    def _retry_note(self) -> Callable[[str], None]:
+        """Says (report) that a listing is asked again."""
+        return lambda m: log.info(f"object store{f' at {self.endpoint}' if self.endpoint else ''} did not answer ({m})")
 
     @property
     def holder(self) -> str:

@@ -41,6 +41,9 @@ from pathlib import Path
 
 from .. import paths
 from ..errors import ApplianceError
+from .. import report
+
+log = report.get(__name__)
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")
 NODE_MOUNT = "/mnt/local"  # where a node sees its local disk
@@ -262,7 +265,7 @@ def _healthy(tb: Testbed) -> bool:
 
 
 def up(name: str = "tb", nodes: int = 2, *, slots: int = 1, mode: str = "auto",
-       ready_timeout: float = 20.0, log=print) -> Testbed:
+       ready_timeout: float = 20.0) -> Testbed:
     """Bring up a testbed of ``nodes`` nodes. Idempotent: a healthy testbed of that size is reused."""
     if not NAME_RE.match(name):
         raise ApplianceError(f"testbed name {name!r} is invalid", "use 1-6 lowercase letters/digits, e.g. tb")
@@ -272,12 +275,12 @@ def up(name: str = "tb", nodes: int = 2, *, slots: int = 1, mode: str = "auto",
         tb = load(name)
         if tb is not None:
             if _healthy(tb) and (len(tb.nodes) == nodes or tb.mode == "single-host"):
-                log(f"testbed {name} is already up ({len(tb.nodes)} node(s), {tb.mode}); nothing to do")
+                log.info(f"testbed {name} is already up ({len(tb.nodes)} node(s), {tb.mode}); nothing to do")
                 return tb
             if _healthy(tb):
                 raise ApplianceError(f"testbed {name} is up with {len(tb.nodes)} nodes, not {nodes}",
                                      f"run `appliance testbed down --name {name}` first")
-            log(f"testbed {name} is partly down; cleaning up before bringing it up again")
+            log.info(f"testbed {name} is partly down; cleaning up before bringing it up again")
             _teardown(name, tb)
         ok, reason = namespaces_available() if mode in ("auto", "netns") else (False, "single-host mode requested")
         if not ok and mode == "netns":
@@ -286,9 +289,10 @@ def up(name: str = "tb", nodes: int = 2, *, slots: int = 1, mode: str = "auto",
         base.mkdir(parents=True, exist_ok=True)
         try:
             if ok:
-                tb = _up_netns(name, base, nodes, slots, ready_timeout, log)
+                tb = _up_netns(name, base, nodes, slots, ready_timeout)
             else:
-                log(f"testbed {name}: single-host mode ({reason}): all {nodes * slots} slots on this machine, no SSH")
+                log.info(f"testbed {name}: single-host mode ({reason}): all {nodes * slots} slots on this machine, "
+                         "no SSH")
                 tb = _up_single(name, base, nodes * slots, reason)
         except BaseException:
             partial = load(name)
@@ -487,13 +491,13 @@ def _wait_ready(tb: Testbed, nodes: list[TestbedNode], timeout: float) -> None:
             time.sleep(0.05)  # readiness poll of a local port
 
 
-def _up_netns(name: str, base: Path, count: int, slots: int, ready_timeout: float, log) -> Testbed:
+def _up_netns(name: str, base: Path, count: int, slots: int, ready_timeout: float) -> Testbed:
     tb = _make_bridge(name, base)
     pub = (base / "id_ed25519.pub").read_text()
     for i in range(1, count + 1):
         _start_node(tb, i, f"node{i}", pub, slots=slots)
     _wait_ready(tb, tb.nodes, ready_timeout)
-    log(f"testbed {name}: {count} node(s) up on {tb.bridge} ({tb.host_ip}/{tb.prefix})")
+    log.info(f"testbed {name}: {count} node(s) up on {tb.bridge} ({tb.host_ip}/{tb.prefix})")
     return tb
 
 
@@ -679,11 +683,11 @@ def _teardown(name: str, tb: Testbed | None) -> list[str]:
     return removed
 
 
-def down(name: str = "tb", log=print) -> list[str]:
+def down(name: str = "tb") -> list[str]:
     """Remove the testbed: processes (by PID), namespaces, bridge, state. Idempotent."""
     with _locked(name):
         removed = _teardown(name, load(name))
-    log(f"testbed {name}: removed " + (", ".join(removed) if removed else "nothing (it was not up)"))
+    log.info(f"testbed {name}: removed " + (", ".join(removed) if removed else "nothing (it was not up)"))
     return removed
 
 

@@ -39,6 +39,9 @@ from ..protocol import EXIT_STOPPED, Env, Line, job_files, parse, rank_environme
 from ..provision.contextualize import contextualize
 from ..remote import ConnectionLost, HostKeyMismatch, LocalRemote, Remote, Result, Session, SSHRemote
 from ..spec import Spec
+from .. import report
+
+log = report.get(__name__)
 
 RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 EXIT_LINE = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
@@ -608,8 +611,10 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
     rank_hosts = cluster.rank_hosts() if not cluster.single_host else [cluster.head.name] * cluster.world_size
     results: dict[int, dict] = {}
     try:
-        with Session(cluster) as session:
-            nic = contextualize(cluster, session, log=say)
+        # while the job runs, the appliance's own messages (contextualize, the store's retries, the lease watch's
+        # site) are lines of the job's output: in its log copy, and never drawn over the progress line
+        with report.to(say), Session(cluster) as session:
+            nic = contextualize(cluster, session)
             if cluster.name:
                 cluster.save()
             pkg_dir = _probe_head(session.head, cluster.python)
