@@ -20,7 +20,7 @@ from .checkpoint.runs import RunRecords, list_runs, record_resume, run_details, 
 from .cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
 from .data import dataset_summary, listing, pack_dir, remove, stage_cluster, unstaged, upload
 from .errors import ApplianceError, SpecError
-from . import paths
+from . import paths, report
 from .node import doctor as node_doctor
 from .node.watchdog import node_watch  # noqa: F401 (re-exported for the CLI)
 from .provision import heat, lifecycle
@@ -32,7 +32,6 @@ from .spec import Spec
 from .store.checkpoints import CheckpointStore
 from .store.objects import StoreRefused, parse_url, unreachable
 from .train.launch import JobResult, job_log, train
-from . import report
 
 log = report.get(__name__)
 
@@ -446,8 +445,6 @@ def doctor_cluster(cluster: Cluster, allreduce: bool = True) -> dict[str, list]:
         return {cluster.head.name: node_doctor.run_checks(cluster.python, cluster.config_dir(cluster.head), allreduce)}
     with Session(cluster) as session:
         return session.each(one)
-
-
 
 
 # -- leases and images (the site's verbs) -----------------------------------------------------------

@@ -107,6 +107,20 @@ def cloud():
         localcloud.stop()
 
 
+@pytest.fixture(autouse=True)
+def _messages_stay_in_their_test():
+    """A sink a test's code chose for the rest of its process (report.default: a Checkpointer or file syncer made
+    in the test process) ends with the test."""
+    import logging
+
+    root = logging.getLogger(report.ROOT)
+    handlers, level, propagate = list(root.handlers), root.level, root.propagate
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    root.propagate = propagate
+
+
 @pytest.fixture
 def said():
     """What the appliance's code said (appliance.report) while the test ran, line by line."""

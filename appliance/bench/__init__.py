@@ -135,7 +135,7 @@ def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | No
     train = run_job or train_job
 
     from .. import paths
-    from . import report
+    from . import report as files  # bench.md, bench.json, the plots (appliance.report is the messages)
 
     counts = node_counts(cfg, cluster)
     bspec = bench_spec(spec, cfg)
@@ -175,7 +175,7 @@ def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | No
             "per_rank_spread": "(fastest - slowest rank's samples/s) / mean",
         },
     }
-    report.write(rep, out_dir)
+    files.write(rep, out_dir)
     rep["out_dir"] = str(out_dir)
     return rep
 

@@ -30,9 +30,6 @@ from ..store.runlock import INTERVAL, LOCK, TTL, RunLock
 from ..store.checkpoints import CheckpointStore, retrying
 from ..store.objects import StoreRefused, parse_url
 from ..train.launch import JobContext, JobHooks, JobResult
-from .. import report
-
-log = report.get(__name__)
 
 
 def code_hash(code_dir: str) -> str:

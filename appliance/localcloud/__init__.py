@@ -21,9 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from .. import paths, testbed
+from .. import paths, report, testbed
 from ..errors import ApplianceError
-from .. import report
 
 log = report.get(__name__)
 

@@ -15,11 +15,10 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from .. import paths
+from .. import paths, report
 from ..cluster import Cluster, Node
 from ..errors import ApplianceError
 from ..remote import Remote, Session
-from .. import report
 
 log = report.get(__name__)
 

@@ -20,11 +20,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .. import paths
+from .. import paths, report
 from ..cluster import Cluster
 from ..errors import ApplianceError
 from ..remote import Remote, Session
-from .. import report
 
 log = report.get(__name__)
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
 
-from .. import paths
+from .. import paths, report
 from ..cluster import Cluster, Node, SiteRecord, delete_cluster, find_cluster, load_cluster, state_path
 from ..errors import ApplianceError
 from ..remote import HostKeyMismatch, Session
@@ -23,7 +23,6 @@ from ..sites import Site, for_cluster
 from ..sites.openstack import fmt_date
 from ..spec import Spec, duration_seconds
 from .contextualize import contextualize
-from .. import report
 
 log = report.get(__name__)
 

@@ -12,14 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .. import localcloud, paths, testbed
+from .. import localcloud, paths, report, testbed
 from ..cluster import Cluster, from_testbed
 from ..errors import ApplianceError, SpecError
 from ..spec import Spec
 from ..store.objects import StoreCreds
 from .base import LoginKey, Site
 from .openstack import OpenStackCloud, connect
-from .. import report
 
 log = report.get(__name__)
 
@@ -147,7 +146,6 @@ def local_wheelhouse() -> Path:
                 raise ApplianceError(f"pip download failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}",
                                      "check this machine reaches PyPI")
     return wh
-
 
 
 # `appliance cloud` and `appliance testbed`: the simulator itself, reached through the local site

@@ -39,9 +39,8 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import paths
+from .. import paths, report
 from ..errors import ApplianceError
-from .. import report
 
 log = report.get(__name__)
 

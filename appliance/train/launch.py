@@ -32,16 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import paths
+from .. import paths, report
 from ..cluster import Cluster, Node
 from ..errors import ApplianceError, JobFailed
 from ..protocol import EXIT_STOPPED, Env, Line, job_files, parse, rank_environment
 from ..provision.contextualize import contextualize
 from ..remote import ConnectionLost, HostKeyMismatch, LocalRemote, Remote, Result, Session, SSHRemote
 from ..spec import Spec
-from .. import report
 
-log = report.get(__name__)
 
 RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 EXIT_LINE = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
