@@ -198,3 +198,24 @@ def test_a_second_pack_sends_only_the_shards_the_store_lacks(tmp_path, monkeypat
     again = pack(src, store, "p", shard_size=20_000)
     assert again == first and sorted(sent) == ["p/index.json", "p/shard-000003.tar"]
     assert said[-1].endswith("; 4 of them already in the store with the same MD5, not sent again")
+
+
+@pytest.mark.parametrize("count", [1, 8])
+def test_many_large_objects_are_one_get_each_and_a_few_are_ranges(tmp_path, monkeypatch, count):
+    """A large plain object's MD5 cannot be combined from ranges: fetched as ranges, it is read back from the page
+    cache to be hashed. With 8 or more large objects the parallel GETs come from the objects: each is one GET,
+    hashed as it arrives (WHOLE_SHARE). A single one is still fetched as parallel ranges, and each is verified."""
+    monkeypatch.setattr(stage_mod, "LARGE", 64_000)
+    monkeypatch.setattr(stage_mod, "RANGE", 16_000)
+    monkeypatch.setattr(stage_mod, "MAX_RANGE", 32_000)
+    data = {f"d/big{i}": bytes([i]) * 100_000 + bytes(range(256)) for i in range(count)}
+    st = DictStore(data)
+    res = stage(st, "d/", tmp_path / "out", concurrency=4)
+    assert res.files_fetched == count and not res.size_only
+    for name, body in data.items():
+        assert (tmp_path / "out" / name[2:]).read_bytes() == body
+    gets = [g for g in st.gets if g[0] == "d/big0"]
+    if count == 8:
+        assert gets == [("d/big0", 0, 100_255)]  # one GET of the whole object
+    else:
+        assert len(gets) == 7 and {g[1] for g in gets} == set(range(0, 100_256, 16_000))
