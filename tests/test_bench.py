@@ -54,6 +54,40 @@ def test_bench_spec_replaces_the_job_only(tmp_path):
     assert (b.code_dir / "synthetic.py").exists()
 
 
+def test_a_bench_on_part_of_a_cluster_puts_the_whole_back_quietly_and_writes_its_report(tmp_path, monkeypatch,
+                                                                                          said):
+    """The benchmark's steps with a fake job runner (the job itself runs in the e2e test below): benching 1 node
+    of 2 contextualizes the whole cluster again at the end, without a word, and writes bench.md. It failed in
+    `make test` when the bench package's own `report` module shadowed the reporter (AttributeError)."""
+    from types import SimpleNamespace
+
+    import appliance.bench.report  # noqa: F401 - imported first, as the CLI does: it becomes the package's `report`
+    from appliance.provision import contextualize as ctx_mod
+    from appliance.report import get
+
+    spec = load_spec(write_spec(tmp_path, "python train.py", code=ROOT / "examples" / "digits", name="bq"))
+    nodes = [Node(f"n{i}", f"10.0.0.{i}", None, "/tmp") for i in (1, 2)]
+    cluster = Cluster(name="bq", cloud="testbed", nodes=nodes)
+    put_back = []
+
+    def contextualize(cl, session=None):
+        get("appliance.provision.contextualize").info("contextualized 2 node(s)")
+        put_back.append(len(cl.nodes))
+
+    def job(bspec, part, out=None):
+        cell = _cell("mlp", 8, 100.0, part.world_size) | {"device": "CPU"}
+        return SimpleNamespace(job_id="j", exit_code=0, wall_s=1.0, log_path="x.log", failure=None,
+                               results={0: {"hosts": ["n1"], "bench": [cell]}})
+
+    monkeypatch.setattr(ctx_mod, "contextualize", contextualize)
+    monkeypatch.setattr("appliance.bench.report.plots", lambda rep, out_dir: [])
+    rep = run_bench(spec, cluster, BenchConfig(models=["mlp"], batch_sizes=[8], nodes=[1]), out_dir=tmp_path / "o",
+                    run_job=job)
+    assert put_back == [2] and not [m for m in said if "contextualized" in m]
+    assert any(m.startswith("[bench] 1 node(s)") for m in said)
+    assert rep["runs"][0]["nodes"] == 1 and (tmp_path / "o" / "bench.md").exists()
+
+
 @pytest.mark.slow
 @needs_netns
 def test_bench_on_one_and_two_nodes(cluster2, tmp_path):

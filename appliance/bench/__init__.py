@@ -31,9 +31,9 @@ from ..errors import ApplianceError
 from ..protocol import rank_environment
 from ..train.launch import train as train_job
 from ..spec import Checkpoint, Spec
-from .. import report
+from .. import report as messages  # not `report`: bench/report.py, once imported, is this package's `report`
 
-log = report.get(__name__)
+log = messages.get(__name__)
 
 JOB_DIR = Path(__file__).with_name("job")
 MODELS = ("resnet50", "cnn", "mlp")
@@ -135,7 +135,7 @@ def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | No
     train = run_job or train_job
 
     from .. import paths
-    from . import report as files  # bench.md, bench.json, the plots (appliance.report is the messages)
+    from . import report
 
     counts = node_counts(cfg, cluster)
     bspec = bench_spec(spec, cfg)
@@ -158,7 +158,7 @@ def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | No
         if counts and counts[-1] != len(cluster.nodes):  # the last job contextualized a part: put the whole back
             from ..provision.contextualize import contextualize
 
-            with report.muted():
+            with messages.muted():
                 contextualize(cluster)
     first = runs[0]["cells"][0] if runs and runs[0]["cells"] else {}
     device = first.get("device", "?")
@@ -175,7 +175,7 @@ def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | No
             "per_rank_spread": "(fastest - slowest rank's samples/s) / mean",
         },
     }
-    files.write(rep, out_dir)
+    report.write(rep, out_dir)
     rep["out_dir"] = str(out_dir)
     return rep
 
