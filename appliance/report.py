@@ -7,10 +7,13 @@ Code below the entry points says what it is doing and never chooses where that g
 
 The entry point chooses, once, with ``report.to(sink)`` (a callable taking one line):
 
-- the CLI: ``click.echo``; under ``--json`` the messages go to stderr, so stdout holds only the JSON;
-- node-side code (the stager, the Checkpointer, the file syncer): the launcher<->node protocol's note lines, or
-  the job's output, with ``report.default(sink)``, which leaves a sink already chosen (a test's) in place;
-- a test: ``with report.to(said.append):`` instead of a ``log=`` argument.
+- the CLI: ``click.echo``; under ``--json`` stderr, so stdout holds only the JSON (or nowhere, for verbs whose JSON
+  says it all);
+- ``train``, while the job runs: the job's output, so the lines are in its log copy;
+- node-side code: the stager's entry, the launcher<->node protocol's note lines; the Checkpointer and the file
+  syncer, which live as long as the user's process, the job's output, with ``report.default(sink)``, which leaves
+  a sink already chosen (a test's) in place;
+- a test: the ``said`` fixture (``report.to(said.append)``) instead of a ``log=`` argument.
 
 With no sink chosen, INFO messages go nowhere (library use stays quiet) and warnings reach stderr (``logging``'s
 last resort). A ``logging`` handler is process-wide, so messages from the thread pools the steps start (one
