@@ -45,6 +45,7 @@ from .. import report
 from ..protocol import VENDORDATA_MARGIN, Env, Line, emit
 from ..store.checkpoints import CheckpointStore, StoreUnavailable, ckpt_name
 from ..store.objects import StoreCreds
+from .filesync import note
 from .vendordata import vendordata_lease_end
 
 CALIBRATION = 20  # steps timed after each start to pick the stop-check interval
@@ -101,10 +102,6 @@ def layer_generators(model) -> list:
     return out
 
 
-def _say(msg: str) -> None:
-    print(f"[checkpoint] {msg}", flush=True)
-
-
 class Checkpointer:
     """Checkpoint/restore/stop for one rank. Settings come from the environment `appliance train` sets;
     arguments override them."""
@@ -115,7 +112,7 @@ class Checkpointer:
         import horovod.tensorflow as hvd_tf
 
         _note_made()
-        report.default(_say)  # the object store's notes (retries, pruning) in the job's output, as the Checkpointer's
+        report.default(note)  # the object store's notes (retries, pruning) in the job's output, as the Checkpointer's
         env = os.environ
         self._hvd = hvd_tf
         self.rank, self.size = hvd_tf.rank(), hvd_tf.size()
@@ -587,7 +584,7 @@ class Checkpointer:
         return self._wait_uploads(max(self._deadline or 0.0, time.time() + STOP_COMMIT_FLOOR))
 
     def _log(self, msg: str) -> None:
-        _say(msg)
+        note(msg)
 
     def _finish_stop(self) -> None:
         """Every rank: rank 0 saves + commits; all wait for it; rank 0 reports; exit 0."""

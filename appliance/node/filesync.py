@@ -34,7 +34,8 @@ from ..store.objects import StoreCreds, md5_file
 SKIP_DIRS = {"__pycache__", ".git", ".ipynb_checkpoints"}
 
 
-def _log(msg: str) -> None:
+def note(msg: str) -> None:
+    """A `[checkpoint]` line in the job's output (the file syncer's and the Checkpointer's)."""
     print(f"[checkpoint] {msg}", flush=True)
 
 
@@ -43,7 +44,7 @@ class Syncer:
                  keep: int = 2):
         self.root, self.fs, self.every_s, self.stop_file, self.exclude, self.keep = \
             root, fs, every_s, stop_file, exclude, keep
-        report.default(_log)  # the object store's notes (retries, pruning) in the job's output
+        report.default(note)  # the object store's notes (retries, pruning) in the job's output
         self.seen: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) at the last scan
         self.hashes: dict[tuple[str, int, int], str] = {}
         self.pushed: dict[str, str] | None = None  # rel -> md5 of the last commit
@@ -107,7 +108,7 @@ class Syncer:
             try:
                 body = self.fs.push(self.root, files, self.seq, until=time.time() + 300)
             except Exception as e:  # never let the syncer kill training
-                _log(f"synced files NOT committed: {type(e).__name__}: {e}")
+                note(f"synced files NOT committed: {type(e).__name__}: {e}")
                 self.failed = True
                 return None
             self.pushed = {r: f["md5"] for r, f in files.items()}
@@ -117,7 +118,7 @@ class Syncer:
             try:
                 self.fs.prune(self.keep)
             except Exception as e:  # noqa: BLE001
-                _log(f"pruning synced files failed ({type(e).__name__}); retried after the next commit")
+                note(f"pruning synced files failed ({type(e).__name__}); retried after the next commit")
             return body
 
     _last_files: dict | None = None
@@ -152,7 +153,7 @@ class Syncer:
         got = self.fs.pull(body, self.root, skip=lambda rel: rel in self.exclude)
         self.pushed = {r: f["md5"] for r, f in body["files"].items()}
         self._last_files = {r: {"md5": f["md5"], "size": f["size"]} for r, f in body["files"].items()}
-        _log(f"restored {len(got)} synced file(s) of manifest {body['seq']} into {self.root}")
+        note(f"restored {len(got)} synced file(s) of manifest {body['seq']} into {self.root}")
 
     def run(self) -> None:
         next_at = time.monotonic() + self.every_s
@@ -199,7 +200,7 @@ def start_in_rank0() -> Syncer | None:
         try:
             s.restore()
         except Exception as e:  # the script still runs; it will not find its files
-            _log(f"synced files NOT restored: {type(e).__name__}: {e}")
+            note(f"synced files NOT restored: {type(e).__name__}: {e}")
     threading.Thread(target=s.run, name="appliance-filesync", daemon=True).start()
 
     def at_exit():
