@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -224,3 +226,18 @@ def median_ms(fn, n: int = 9) -> float:
         fn()
         took.append(time.monotonic() - t)
     return sorted(took)[n // 2] * 1000
+
+
+@contextlib.contextmanager
+def http_server(handler):
+    """``http://127.0.0.1:PORT`` of a threaded http.server with ``handler``, shut down and closed on exit."""
+    from http.server import ThreadingHTTPServer
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -50,8 +50,8 @@ def test_an_object_store_that_does_not_answer_is_said_while_waiting_and_then_in_
     from appliance.store import objects
     from appliance.store.objects import StoreCreds
 
-    # long enough that the first try (boto3 builds its client, botocore retries a refused connection itself: over
-    # 0.5 s on a loaded machine, when no second try was left to announce) leaves time to ask again
+    # long enough that the first try (over 0.5 s on a loaded machine when boto3 built its client and botocore
+    # retried a refused connection itself, leaving no second try to announce) leaves time to ask again
     monkeypatch.setattr(objects, "LIST_DEADLINE", 3.0)
     url = f"http://127.0.0.1:{_closed_port()}"
     creds = StoreCreds(auth_url=f"{url}/auth/v1.0", user="u", key="k") if scheme == "swift" else \

@@ -9,11 +9,18 @@ as `APPLIANCE_ERROR {json}` with exit code 1.
 import json
 import sys
 
-from .. import report
-from ..errors import ApplianceError
-from ..protocol import Line, emit
-from ..store.objects import StoreCreds, StoreRefused, open_store, swift_fallback, unreachable
-from .stage import stage
+# swiftclient imports python-keystoneclient whenever it is installed (python-swiftclient 4.x, swiftclient/client.py:
+# the try at its top; requirements.lock has it for python-openstackclient), 0.15 s of CPU on every node's start, for
+# Keystone password auth (auth_version 2 or 3) that this process never asks for: SwiftStore authenticates with v1
+# auth or with a keystoneauth1 session (an application credential). A None in sys.modules fails that import, which
+# swiftclient expects (ImportError: those auth versions then say "require python-keystoneclient").
+sys.modules.setdefault("keystoneclient", None)
+
+from .. import report  # noqa: E402
+from ..errors import ApplianceError  # noqa: E402
+from ..protocol import Line, emit  # noqa: E402
+from ..store.objects import StoreCreds, StoreRefused, open_store, swift_fallback, unreachable  # noqa: E402
+from .stage import stage  # noqa: E402
 
 
 def main() -> int:

@@ -28,9 +28,11 @@ BUF = 1 << 20
 class HTTPError(Exception):
     """A non-2xx answer. ``http_status`` is what ``objects._transient`` reads: 5xx and 429 are retried."""
 
-    def __init__(self, status: int, reason: str, url: str):
-        super().__init__(f"HTTP {status} {reason} for GET {url.split('?')[0]}")
+    def __init__(self, status: int, reason: str, url: str, *, method: str = "GET", code: str | None = None):
+        said = " ".join(filter(None, (f"HTTP {status}", reason, f"({code})" if code else "")))
+        super().__init__(f"{said} for {method} {url.split('?')[0]}")
         self.http_status = status
+        self.code = code  # S3's error code (NoSuchBucket, AccessDenied, ...), when the answer named one
 
 
 _local = threading.local()
@@ -118,11 +120,8 @@ def pwrite_all(fd: int, view: memoryview, pos: int) -> None:
         done += os.pwrite(fd, view[done:], pos + done)
 
 
-def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None,
-             *, timeout: float = 60.0) -> tuple[int, dict]:
-    """GET ``url`` and write its body to ``fd`` from ``offset`` on; ``sink`` sees each piece as it is written.
-    Returns (bytes written, response headers with lower-case names). Raises HTTPError for a non-2xx answer,
-    http.client.IncompleteRead when the body ends early, OSError for the network or the disk."""
+def _send(method: str, url: str, headers: dict, timeout: float):
+    """(connection, response) of one request on this thread's kept-alive connection to the URL's host."""
     u = urlsplit(url)
     path = (u.path or "/") + (f"?{u.query}" if u.query else "")
     fresh = False
@@ -130,18 +129,53 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
         conn, reused = _connection(u.scheme, u.netloc, timeout, fresh)
         try:
             if conn.appliance_via is not None:
-                conn.request("GET", f"http://{u.netloc}{path}", headers={**headers, **conn.appliance_via})
+                conn.request(method, f"http://{u.netloc}{path}", headers={**headers, **conn.appliance_via})
             else:
-                conn.request("GET", path, headers=headers)
+                conn.request(method, path, headers=headers)
             quickack(conn.sock)  # Ceph RGW's body otherwise waits 40 ms for our ACK of its headers (tcp.py)
-            resp = conn.getresponse()
-            break
+            return conn, conn.getresponse()
         except (OSError, http.client.HTTPException):
             _drop(u.scheme, u.netloc)
             if reused and not fresh:  # the server closed an idle keep-alive connection: one more try, new socket
                 fresh = True
                 continue
             raise
+
+
+def request(method: str, url: str, headers: dict, *, timeout: float = 60.0) -> tuple[int, dict, bytes]:
+    """A small request (a listing page, a HEAD) on the same connections as ``get_into``: (status, response headers
+    with lower-case names, body). Any status is returned; OSError and http.client's errors are raised."""
+    u = urlsplit(url)
+    conn, resp = _send(method, url, headers, timeout)
+    try:
+        chunks = []
+        while True:
+            quickack(conn.sock)  # a body's last short segment waits for the ACK of the ones before it, too
+            b = resp.read(BUF)
+            if not b:
+                break
+            chunks.append(b)
+    except BaseException:
+        _drop(u.scheme, u.netloc)
+        raise
+    if resp.will_close:
+        _drop(u.scheme, u.netloc)
+    body, hdrs = b"".join(chunks), {k.lower(): v for k, v in resp.getheaders()}
+    length = hdrs.get("content-length")
+    if method != "HEAD" and length is not None and "chunked" not in hdrs.get("transfer-encoding", "") \
+            and len(body) != int(length):
+        _drop(u.scheme, u.netloc)  # a body cut short is not a shorter answer
+        raise http.client.IncompleteRead(body, int(length) - len(body))
+    return resp.status, hdrs, body
+
+
+def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None,
+             *, timeout: float = 60.0) -> tuple[int, dict]:
+    """GET ``url`` and write its body to ``fd`` from ``offset`` on; ``sink`` sees each piece as it is written.
+    Returns (bytes written, response headers with lower-case names). Raises HTTPError for a non-2xx answer,
+    http.client.IncompleteRead when the body ends early, OSError for the network or the disk."""
+    u = urlsplit(url)
+    conn, resp = _send("GET", url, headers, timeout)
     hdrs = {k.lower(): v for k, v in resp.getheaders()}
     if resp.status >= 300:
         resp.read(1 << 16)

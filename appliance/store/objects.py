@@ -582,24 +582,67 @@ class S3Store(Store):
                 quickack_boto(self._client)  # listings from Ceph RGW without a 40 ms wait each (tcp.py)
             return self._client
 
+    def _signer(self):
+        if self._presigner is None:
+            from .sigv4 import Presigner
+
+            self._presigner = Presigner(self.creds.s3_endpoint, self.creds.s3_access_key, self.creds.s3_secret_key,
+                                        self.creds.s3_region)
+        return self._presigner
+
+    def _ask(self, method: str, key: str = "", params: dict | None = None) -> tuple[int, dict, bytes]:
+        """One small signed request (a listing page, a HEAD) through httpget's connections: the stager lists and
+        asks for part sizes without importing boto3 (0.21-0.25 s of CPU on each node's start: docs/staging.md)."""
+        from .httpget import request
+
+        signer = self._signer()
+        return request(method, signer.url(self.bucket, key, method=method, params=params), {"Host": signer.host})
+
+    def _list_page(self, prefix: str, token: str | None):
+        """One ListObjectsV2 page (AWS's API reference: ListObjectsV2), its names URL-encoded by the store
+        (``encoding-type=url``, as boto3 asks: a name with characters XML 1.0 cannot carry still lists)."""
+        from xml.etree import ElementTree
+
+        from .httpget import HTTPError
+
+        params = {"list-type": "2", "prefix": prefix, "encoding-type": "url",
+                  **({"continuation-token": token} if token else {})}
+        status, _, body = self._ask("GET", params=params)
+        if status >= 300:
+            m = re.search(rb"<Code>([^<]{1,64})</Code>", body)
+            code = m.group(1).decode(errors="replace") if m else None
+            if code == "NoSuchBucket" or (status == 404 and code is None):
+                raise FileNotFoundError(f"s3://{self.bucket}: no such bucket")
+            if status in (401, 403):
+                raise self._refused(code or str(status))
+            raise HTTPError(status, "", f"{self.endpoint}/{self.bucket}", code=code)
+        try:
+            page = ElementTree.fromstring(body)
+        except ElementTree.ParseError:
+            page = None
+        if page is None or not page.tag.endswith("ListBucketResult"):
+            raise ApplianceError(f"the S3 endpoint {self.endpoint} answered a bucket listing with something that "
+                                 f"is not one ({body[:60]!r})", "check APPLIANCE_S3_ENDPOINT (the object store's "
+                                 "S3 endpoint, e.g. https://chi.tacc.chameleoncloud.org:7480)")
+        return page
+
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Every object under ``prefix``; a page that fails transiently is asked again (up to LIST_DEADLINE)."""
+        """Every object under ``prefix``, a page of up to 1,000 after another while the store says the listing is
+        truncated; a page that fails transiently is asked again (up to LIST_DEADLINE)."""
+        from urllib.parse import unquote_plus
+
+        ns = "{http://s3.amazonaws.com/doc/2006-03-01/}"
         token = None
         while True:
-            kw = {"Bucket": self.bucket, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
-            try:
-                page = transient_retry(lambda: self.client().list_objects_v2(**kw), deadline=self.list_deadline,
-                                       note=self._retry_note())
-            except Exception as e:
-                if getattr(e, "response", {}).get("Error", {}).get("Code") == "NoSuchBucket":
-                    raise FileNotFoundError(f"s3://{self.bucket}: no such bucket") from None
-                if _status(e) in (401, 403):
-                    raise self._refused(e.response.get("Error", {}).get("Code") or str(_status(e))) from None
-                raise
-            for o in page.get("Contents", []):
-                yield ObjectInfo(o["Key"], int(o["Size"]), o["ETag"].strip('"'))
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
+            page = transient_retry(lambda: self._list_page(prefix, token), deadline=self.list_deadline,
+                                   note=self._retry_note())
+            for o in page.iterfind(f"{ns}Contents"):
+                # botocore decodes these names with unquote_plus (botocore/handlers.py decode_list_object_v2):
+                # AWS writes a space as '+', Ceph RGW and Swift's s3api as %20, and both write '+' as %2B
+                yield ObjectInfo(unquote_plus(o.findtext(f"{ns}Key")), int(o.findtext(f"{ns}Size")),
+                                 (o.findtext(f"{ns}ETag") or "").strip('"'))
+            token = page.findtext(f"{ns}NextContinuationToken")
+            if page.findtext(f"{ns}IsTruncated") != "true" or not token:
                 return
 
     def get(self, name, write, *, start=None, end=None) -> dict:
@@ -613,13 +656,9 @@ class S3Store(Store):
         from .httpget import HTTPError, get_into
 
         # a presigned URL signs only the host, so the Range header may be added; signed here (sigv4), no request
-        if self._presigner is None:
-            from .sigv4 import Presigner
-
-            self._presigner = Presigner(self.creds.s3_endpoint, self.creds.s3_access_key, self.creds.s3_secret_key,
-                                        self.creds.s3_region)
-        url = self._presigner.url(self.bucket, name)
-        headers = {"Host": self._presigner.host}
+        signer = self._signer()
+        url = signer.url(self.bucket, name)
+        headers = {"Host": signer.host}
         if start is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end}"
         try:
@@ -634,26 +673,25 @@ class S3Store(Store):
     def part_sizes(self, name, n, *, every=False):
         """HEAD ?partNumber=K: AWS, OpenStack Swift's s3api (swift/common/middleware/s3api/controllers/obj.py) and
         Ceph RGW from Reef on answer with that part's length, its Content-Range and x-amz-mp-parts-count. Ceph RGW
-        16 (Pacific) answers with the whole object and no count: then None, and this store is not asked again."""
-        from botocore.exceptions import ClientError
-
+        16 (Pacific) answers with the whole object and no count: then None, and this store is not asked again.
+        Any refusal of a HEAD is None too (the parts' sizes are then guessed: store/parts.py)."""
         from .parts import layout
 
         if self._no_part_numbers:
             return None
         sizes = []
         for k in range(1, (n if every else 1) + 1):
-            try:
-                h = self.client().head_object(Bucket=self.bucket, Key=name, PartNumber=k)
-            except ClientError:
+            status, h, _ = self._ask("HEAD", name, {"partNumber": str(k)})
+            if status >= 300:
                 return None
-            if h.get("PartsCount") != n:
-                self._no_part_numbers = h.get("PartsCount") is None
+            count = h.get("x-amz-mp-parts-count")
+            if count is None or not count.isdigit() or int(count) != n:
+                self._no_part_numbers = count is None
                 return None
-            sizes.append(int(h["ContentLength"]))
+            sizes.append(int(h.get("content-length", "0")))
         if every:
             return sizes
-        total = str(h.get("ContentRange", "")).rpartition("/")[2]
+        total = str(h.get("content-range", "")).rpartition("/")[2]
         return layout(int(total), sizes[0]) if total.isdigit() and sizes[0] > 0 else None
 
     def _refused(self, why: str) -> StoreRefused:

@@ -1,11 +1,14 @@
-"""A presigned S3 GET URL (AWS Signature Version 4, query parameters), signed here in microseconds.
+"""Presigned S3 URLs (AWS Signature Version 4, query parameters), signed here in microseconds.
 
 botocore's ``generate_presigned_url`` costs ~0.3 ms of CPU per URL (measured: bench/results/stage-rgw.md), more than
-a 100 KB GET itself through ``httpget``; the stager signs one URL per object. The algorithm is AWS's "Authenticating
+a 100 KB GET itself through ``httpget``; the stager signs one URL per object, and its listing pages and part HEADs
+too, so a stager through S3 never imports boto3 (its import and client cost 0.21-0.25 s of CPU: docs/staging.md).
+The algorithm is AWS's "Authenticating
 Requests: Using Query Parameters (AWS Signature Version 4)" (docs.aws.amazon.com/AmazonS3/latest/API/
 sigv4-query-string-auth.html), as botocore implements it in ``botocore/auth.py`` (``S3SigV4QueryAuth``): path-style
 URL, only ``host`` signed (so a Range header may be added), payload ``UNSIGNED-PAYLOAD``. tests/test_httpget.py checks
-that it gives botocore's signature byte for byte; the e2e staging tests have a real Ceph RGW accept it.
+that it gives botocore's signature byte for byte (GetObject, ListObjectsV2, HeadObject with a part number); the e2e
+staging tests have a real Ceph RGW and OpenStack Swift's s3api accept it.
 """
 
 from __future__ import annotations
@@ -34,16 +37,19 @@ class Presigner:
             self._keys = {date: k}
         return k
 
-    def url(self, bucket: str, key: str, *, expires: int = 3600, now: dt.datetime | None = None) -> str:
-        """The presigned URL of ``GET bucket/key``; send it with ``Host: self.host`` (what was signed)."""
+    def url(self, bucket: str, key: str = "", *, method: str = "GET", params: dict[str, str] | None = None,
+            expires: int = 3600, now: dt.datetime | None = None) -> str:
+        """The presigned URL of ``method bucket/key?params`` (no key: the bucket itself, as a listing asks); send it
+        with ``Host: self.host`` (what was signed)."""
         now = now or dt.datetime.now(dt.timezone.utc)
         amz_date, date = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
         scope = f"{date}/{self.region}/s3/aws4_request"
-        path = f"{self.base}/{quote(bucket, safe='~')}/{quote(key, safe='/~')}"
-        query = "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in sorted({
+        path = f"{self.base}/{quote(bucket, safe='~')}" + (f"/{quote(key, safe='/~')}" if key else "")
+        query = "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted({
+            **(params or {}),
             "X-Amz-Algorithm": "AWS4-HMAC-SHA256", "X-Amz-Credential": f"{self.access_key}/{scope}",
             "X-Amz-Date": amz_date, "X-Amz-Expires": str(expires), "X-Amz-SignedHeaders": "host"}.items()))
-        canonical = f"GET\n{path}\n{query}\nhost:{self.host}\n\nhost\nUNSIGNED-PAYLOAD"
+        canonical = f"{method}\n{path}\n{query}\nhost:{self.host}\n\nhost\nUNSIGNED-PAYLOAD"
         to_sign = f"AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
         sig = hmac.new(self._signing_key(date), to_sign.encode(), hashlib.sha256).hexdigest()
         return f"{self.scheme}://{self.host}{path}?{query}&X-Amz-Signature={sig}"
