@@ -135,27 +135,38 @@ def tool_env(sw, tv: Path) -> tuple[dict, str, str]:
              "AWS_EC2_METADATA_DISABLED": "true"}, ak, sk)
 
 
-def tools(sw, tv: Path, c: int) -> dict:
-    """Each tool: (dataset container) -> (argv, env, stdin)."""
+def tools(sw, tv: Path, c: int, baseline: str = "") -> dict:
+    """Each tool: (dataset container) -> (argv, env, stdin). With ``baseline`` (another checkout), our stager from
+    it too, as "appliance (...) at REV": a change measured beside what it replaces, in one run."""
     base_env, ak, sk = tool_env(sw, tv)
     awscfg = Path(tempfile.mkdtemp()) / "config"
     awscfg.write_text(f"[default]\ns3 =\n  max_concurrent_requests = {c}\n  addressing_style = path\n")
     creds = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key).scoped()
 
-    def ours(cont, dest):
+    def ours(cont, dest, root=ROOT):  # -P: PYTHONPATH picks the checkout
         job = {"url": f"swift://{cont}/", "dest": dest, "mode": "full", "rank": 0, "nodes": 1, "concurrency": c,
                "creds": creds.__dict__}
-        return [sys.executable, "-m", "appliance.node.stage_main"], {**base_env, "PYTHONPATH": str(ROOT)}, json.dumps(job)
+        return [sys.executable, "-P", "-m", "appliance.node.stage_main"], {**base_env, "PYTHONPATH": str(root)}, \
+            json.dumps(job)
 
-    def ours_s3(cont, dest):
+    def ours_s3(cont, dest, root=ROOT):
         s3 = StoreCreds(s3_endpoint=sw.s3_endpoint, s3_access_key=ak, s3_secret_key=sk)
         job = {"url": f"s3://{cont}/", "dest": dest, "mode": "full", "rank": 0, "nodes": 1, "concurrency": c,
                "creds": s3.__dict__}
-        return [sys.executable, "-m", "appliance.node.stage_main"], {**base_env, "PYTHONPATH": str(ROOT)}, json.dumps(job)
+        return [sys.executable, "-P", "-m", "appliance.node.stage_main"], {**base_env, "PYTHONPATH": str(root)}, \
+            json.dumps(job)
 
+    before = {}
+    if baseline:
+        old = Path(baseline).resolve()
+        rev = subprocess.run(["git", "-C", str(old), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip() or "baseline"
+        before = {f"appliance (swift) at {rev}": lambda cont, dest: ours(cont, dest, old),
+                  f"appliance (s3) at {rev}": lambda cont, dest: ours_s3(cont, dest, old)}
     return {
         "appliance (swift)": ours,
         "appliance (s3)": ours_s3,
+        **before,
         # the A/B of quick ACKs (appliance/store/tcp.py): only with --only, where latency is the limit
         "appliance (swift) without quick ACKs": lambda cont, dest: (lambda a, e, i: (a, {**e, "APPLIANCE_QUICKACK": "0"},
                                                                                  i))(*ours(cont, dest)),
@@ -263,7 +274,8 @@ def main() -> None:
                          "upload (a checkpoint-sized file up), packed")
     ap.add_argument("--upload-size", type=int, default=1536 * 1024**2, help="bytes of the upload dataset's file")
     ap.add_argument("--baseline", default="", help="another checkout of this repository (e.g. a git worktree of "
-                    "the commit before a change): the upload rows run its checkpoint commit too, as '[baseline]'")
+                    "the commit before a change): every dataset runs its stager too and the upload rows its "
+                    "checkpoint commit, as '... at REV'")
     ap.add_argument("--store", choices=("swift", "rgw"), default="swift",
                     help="the server: OpenStack Swift 2.38 (proxy + s3api) or Ceph RGW (what Chameleon runs)")
     args = ap.parse_args()
@@ -276,7 +288,7 @@ def main() -> None:
         info = seed(sw, args)
         disk = disk_write_mb_s(work)
         print(f"disk write (dd, fdatasync): {disk} MB/s", flush=True)
-        ts = tools(sw, tv, args.concurrency)
+        ts = tools(sw, tv, args.concurrency, args.baseline)
         only = set(filter(None, args.only.split(",")))
         datasets = [("small", "bsmall", info["small"], info["small"] * info["small_size"]),
                     ("large", "blarge", info["large"], info["large"] * info["large_size"]),
