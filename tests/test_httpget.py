@@ -166,6 +166,16 @@ def test_an_s3_listing_in_two_writes_is_not_held_for_the_delayed_ack(server):
     assert median_ms(lambda: list(store.list())) < 20
 
 
+def test_boto3s_small_answers_are_not_held_for_the_delayed_ack(server):
+    """boto3 still makes buckets, HEADs them, uploads and deletes (the checkpoint store's pruning: an answer per
+    object): its client's connections take quick ACKs too (tcp.quickack_boto), here asked for a listing page."""
+    from appliance.store.objects import S3Store, StoreCreds
+
+    client = S3Store("c", StoreCreds(s3_endpoint=server, s3_access_key="a", s3_secret_key="b")).client()
+    assert [o["Key"] for o in client.list_objects_v2(Bucket="c")["Contents"]] == ["o"]
+    assert median_ms(lambda: client.list_objects_v2(Bucket="c")) < 20
+
+
 @pytest.mark.parametrize("key", ["plain.bin", "dir/sub dir/ü é+&=?.bin", "a~b_c-d.e/!*'()"])
 @pytest.mark.parametrize("endpoint", ["http://127.0.0.1:8080", "https://chi.tacc.chameleoncloud.org:7480"])
 def test_the_presigned_url_is_botocores_byte_for_byte(monkeypatch, key, endpoint):

@@ -579,7 +579,7 @@ class S3Store(Store):
                     config=Config(retries={"max_attempts": 1}, s3={"addressing_style": "path"},
                                   max_pool_connections=64, signature_version="s3v4",
                                   request_checksum_calculation="when_required"))
-                quickack_boto(self._client)  # listings from Ceph RGW without a 40 ms wait each (tcp.py)
+                quickack_boto(self._client)  # small answers from Ceph RGW without a 40 ms wait each (tcp.py)
             return self._client
 
     def _signer(self):
