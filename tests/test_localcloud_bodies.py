@@ -36,6 +36,8 @@ class InstantNodes(NodeBackend):
 
     def __init__(self, root: Path):
         self.root, self.nodes, self.addresses = root, {}, []
+        self.teardown = threading.Event()  # a node's teardown (a server's delete) waits for it
+        self.teardown.set()
 
     def add(self, hostname, authorized_keys, user="root"):
         d = self.root / hostname
@@ -51,6 +53,7 @@ class InstantNodes(NodeBackend):
         return subprocess.CompletedProcess([], 0, "", "")
 
     def remove(self, hostname):
+        assert self.teardown.wait(10)
         self.nodes.pop(hostname, None)
 
     def netns_of(self, hostname):
@@ -250,7 +253,13 @@ def session(tmp_path: Path) -> list:
                      {"stack_name": "hs", "template": TEMPLATE, "parameters": {"reservation_id": "nope"}},
                      note="unknown reservation")
         call("PUT", f"/reservation/v1/leases/{lease['id']}", {"end_date": "2999-01-01 00:00"}, note="too far")
-        call("DELETE", f"/compute/v2.1/servers/{ids[1]}")
+        cloud.nodes.teardown.clear()  # the node's teardown held: what Nova answers meanwhile
+        call("DELETE", f"/compute/v2.1/servers/{ids[1]}", note="answered at once: the compute tears it down")
+        call("GET", f"/compute/v2.1/servers/{ids[1]}", note="deleting")
+        call("DELETE", f"/compute/v2.1/servers/{ids[1]}", note="again, while it is deleting: ignored")
+        cloud.nodes.teardown.set()
+        cloud.wait_deleted([cloud.servers[ids[1]]])
+        call("GET", f"/compute/v2.1/servers/{ids[1]}", note="gone")
         stack = call("POST", f"/orchestration/v1/{pid}/stacks",
                      {"stack_name": "hs", "template": TEMPLATE, "parameters": {"reservation_id": host_res["id"]}})
         wait(f"/orchestration/v1/{pid}/stacks/hs/{stack['stack']['id']}", "stack", "stack_status",
@@ -272,6 +281,7 @@ def session(tmp_path: Path) -> list:
 
         call("POST", "/_admin/faults", {"lease_degraded": 1})
         call("DELETE", f"/reservation/v1/leases/{lease['id']}", note="ends it: its servers go")
+        cloud.wait_deleted(list(cloud.servers.values()))  # as a client polls until they are gone
         call("GET", "/compute/v2.1/servers")
         call("GET", "/network/v2.0/floatingips")
         deg = call("POST", "/reservation/v1/leases", {**body, "name": "deg"})["lease"]

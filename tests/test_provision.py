@@ -46,6 +46,16 @@ def os_cloud() -> OpenStackCloud:
     return OpenStackCloud(connect(cloud=localcloud.CLOUD_NAME, config_file=str(localcloud.clouds_yaml())))
 
 
+def wait_gone(c: OpenStackCloud, server_ids) -> None:
+    """As a client of Nova waits after a delete (openstacksdk's wait_for_delete): DELETE answers at once and the
+    server is listed with task_state "deleting" until its node is torn down (nova/compute/api.py)."""
+    for sid in server_ids:
+        srv = c.get_server(sid)
+        if srv is not None:
+            assert srv.task_state == "deleting", srv.task_state
+            c.conn.compute.wait_for_delete(srv, interval=0.1, wait=120)
+
+
 def requests(method, pattern):
     return [r for r in localcloud.admin("GET", "/requests")["requests"]
             if r["method"] == method and re.fullmatch(pattern, r["path"])]
@@ -86,6 +96,7 @@ def test_full_cycle_lease_up_train_down(cloud, tmp_path):
     assert find_cluster("cycle") is None
     c = os_cloud()
     assert c.get_lease(cl.lease_id) is None
+    wait_gone(c, [n.server_id for n in cl.nodes])
     assert all(c.get_server(n.server_id) is None for n in cl.nodes)
     assert not [n for n in (testbed.load(localcloud.testbed_name()).nodes) if n.name.startswith("cycle-")]
     assert flows.down("cycle") == []  # idempotent
@@ -166,8 +177,10 @@ def test_lease_end_deletes_servers_and_up_makes_a_new_lease(cloud, tmp_path, sai
         localcloud.admin("POST", "/advance", {"seconds": 3700})  # the cloud's clock passes the lease end
         st = flows.status("ending")
         assert st["lease_status"] == "TERMINATED"
-        assert st["nodes"][0]["state"] == "GONE"
+        assert st["nodes"][0]["state"] in ("DELETING", "GONE")  # Nova tears it down after the lease's end
         assert "deleted" in st["message"] and "appliance up" in st["message"]
+        wait_gone(os_cloud(), [n.server_id for n in cl.nodes])
+        assert flows.status("ending")["nodes"][0]["state"] == "GONE"
         assert not Path(node.disk).exists()  # the node's local disk is gone with it
         assert "ending-0" not in [n.name for n in testbed.load(localcloud.testbed_name()).nodes]
         said.clear()

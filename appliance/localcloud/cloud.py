@@ -135,6 +135,7 @@ class Cloud:
         self.boot_seconds = boot_seconds
         self.base_url = base_url
         self.lock = threading.RLock()
+        self._terminating: list[threading.Thread] = []  # the deletes' teardowns (Nova's terminate_instance casts)
         self.creds = json.loads((state_dir / "credentials.json").read_text())
         self.project_id = self.creds["project_id"]
         self.user_id = self.creds["user_id"]
@@ -379,6 +380,14 @@ class Cloud:
             raise ApiError(400, "Network could not be found.", "BadRequest")
         count = int(s.get("min_count", 1))
         count = max(count, int(s.get("max_count", count)))
+        # Blazar frees an ended lease's hosts at once (host_plugin.py on_end destroys the allocations) while Nova
+        # still tears its servers down; here that teardown takes a fraction of a second (Ironic's cleaning takes
+        # minutes), so a server for a host whose last server is still going waits for it rather than failing
+        with self.lock:
+            _, res = self.reservation(hints.get("reservation", ""))
+            going = [x for x in self.servers.values() if x.deleting and x.status != "DELETED"
+                     and isinstance(res, HostReservation) and x.host in res.hosts]
+        self.wait_deleted(going, timeout=120)
         ids = []
         with self.lock:
             lease, res = self.reservation(hints.get("reservation", ""))
@@ -429,6 +438,10 @@ class Cloud:
             kp = self.keypairs.get(srv.key_name or "")
             pub = kp.public_key if kp else ""
             hostname = self._hostname(srv.name)
+            with self.lock:  # a testbed node is named after its server: an earlier one of that name gone first
+                going = [x for x in self.servers.values() if x is not srv and x.deleting and x.status != "DELETED"
+                         and self._hostname(x.name) == hostname]
+            self.wait_deleted(going, timeout=120)
             if self.faults.get("ssh_never", 0) > 0:
                 self.faults["ssh_never"] -= 1
                 pub = ""
@@ -446,8 +459,9 @@ class Cloud:
             if srv.no_ssh:
                 self.nodes.stop_sshd(node)  # booted (cloud-init ran), but sshd never answers
             with self.lock:
-                if srv.status == "DELETED":
+                if srv.deleting:  # deleted while it booted: its teardown is this thread's
                     self.nodes.remove(hostname)
+                    self._gone(srv)
                     return
                 srv.node = hostname
                 mac = "fa:16:3e:%02x:%02x:%02x" % tuple(secrets.token_bytes(3))
@@ -460,6 +474,9 @@ class Cloud:
                 srv.progress = 100
         except Exception as e:  # a failed boot is a server in ERROR, as on Nova
             with self.lock:
+                if srv.deleting:
+                    self._gone(srv)
+                    return
                 srv.status = "ERROR"
                 srv.fault = {"code": 500, "message": f"boot failed: {e}", "created": srv.created}
 
@@ -470,13 +487,47 @@ class Cloud:
         return srv
 
     def _delete_server(self, srv: Server) -> None:
+        """Nova's delete (called under the lock), which does not wait for the machine: the API marks the instance
+        task_state "deleting" and casts terminate_instance to its compute service (nova/compute/api.py
+        ``_delete_instance`` -> ``_delete`` -> ``_do_delete``; nova/compute/rpcapi.py ``terminate_instance`` is a
+        ``cctxt.cast``), and DELETE /servers/{id} answers 204 at once (nova/api/openstack/compute/servers.py). The
+        server is listed, ACTIVE with task_state "deleting", and keeps its host until its node is torn down; then
+        it is gone (404). A second delete of a deleting server is ignored, as Nova's ``_delete`` does."""
+        if srv.deleting or srv.status == "DELETED":
+            return
+        srv.deleting = True
+        t = threading.Thread(target=self._terminate, args=(srv,), daemon=True)
+        self._terminating.append(t)
+        t.start()
+
+    def _terminate(self, srv: Server) -> None:
+        """The compute side of a delete: the floating IP off its port, the node torn down (outside the cloud's
+        lock: the testbed's own lock orders the teardowns), then the server gone."""
+        with self.lock:
+            if srv.status == "BUILD":  # its boot thread sees `deleting` and ends it
+                return
+            for fip in self.fips.values():
+                if srv.port and fip.port_id == srv.port.id:
+                    self._disassociate(fip)
+            node, srv.node = srv.node, None
+        try:
+            if node:
+                self.nodes.remove(node)
+        finally:
+            with self.lock:
+                self._gone(srv)
+
+    @staticmethod
+    def _gone(srv: Server) -> None:
         srv.status = "DELETED"
-        for fip in self.fips.values():
-            if srv.port and fip.port_id == srv.port.id:
-                self._disassociate(fip)
-        if srv.node:
-            self.nodes.remove(srv.node)
-            srv.node = None
+        srv.gone.set()
+
+    def wait_deleted(self, servers, timeout: float = 300.0) -> None:
+        """Until every server given is gone (not under the lock): what Heat's stack delete waits for, and a new
+        server for a host or a node name an earlier one still holds."""
+        for srv in servers:
+            if srv.deleting:  # a server no one deleted is not waited for
+                srv.gone.wait(timeout)
 
     # -- Neutron ----------------------------------------------------------------------------------
 
@@ -543,4 +594,7 @@ class Cloud:
             for srv in list(self.servers.values()):
                 if srv.status != "DELETED":
                     self._delete_server(srv)
+            terminating = list(self._terminating)
+        for t in terminating:  # every teardown finished before the testbed goes
+            t.join(300)
         self.nodes.shutdown()

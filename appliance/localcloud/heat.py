@@ -297,13 +297,18 @@ class Heat:
 
     def delete(self, st: Stack) -> None:
         c = self.cloud
+        servers = []
         with c.lock:
             for r in st.resources.values():
                 for m in [r] + r.get("members", []):
                     if m.get("server") and m["server"] in c.servers:
-                        c._delete_server(c.servers[m["server"]])
+                        servers.append(c.servers[m["server"]])
+                        c._delete_server(servers[-1])
                     if m.get("fip"):
                         c._release_fip(m["fip"])
                     if m.get("keypair"):
                         c.keypairs.pop(m["keypair"], None)
+        # a server resource's delete is complete once Nova no longer finds the server, not while its task_state
+        # is "deleting" (heat/engine/clients/os/nova.py check_delete_server_complete)
+        c.wait_deleted(servers)
         st.status, st.reason = "DELETE_COMPLETE", "Stack DELETE completed successfully"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -245,6 +246,8 @@ class Server:
     port: Port | None = None
     password: str = ""  # what it POSTed to the metadata service's password
     no_ssh: bool = False
+    deleting: bool = False  # a delete was asked: task_state "deleting" until its node is torn down
+    gone: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)  # set once DELETED
 
     def view(self, updated: str) -> dict:
         out = {"id": self.id, "name": self.name, "status": self.status, "addresses": copy.deepcopy(self.addresses),
@@ -256,7 +259,7 @@ class Server:
             out["fault"] = copy.deepcopy(self.fault)
         out["OS-EXT-STS:vm_state"] = {"ACTIVE": "active", "BUILD": "building", "ERROR": "error"}.get(self.status,
                                                                                                       "deleted")
-        out["OS-EXT-STS:task_state"] = "spawning" if self.status == "BUILD" else None
+        out["OS-EXT-STS:task_state"] = "deleting" if self.deleting else "spawning" if self.status == "BUILD" else None
         out["OS-EXT-STS:power_state"] = 1 if self.status == "ACTIVE" else 0
         out["updated"] = updated
         return out

@@ -224,9 +224,9 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
         sid = servers.get(name)
         if sid:
             srv = c.get_server(sid)
-            if srv is not None and srv.status != "ERROR":
+            if srv is not None and srv.status != "ERROR" and not _deleting(srv):
                 return
-            if srv is not None:
+            if srv is not None and not _deleting(srv):
                 log.info(f"  {name}: replacing a server in ERROR")
                 c.delete_server(sid)
         new = c.create_server(name, reservation_id=info.reservation_id, image=spec.image, key_name=key.name,
@@ -321,6 +321,13 @@ def finish(site: Site, cluster: Cluster) -> None:
 # status and down
 
 
+def _deleting(srv) -> bool:
+    """A server Nova is deleting: still listed (its status unchanged, ACTIVE as a rule) with task_state "deleting"
+    until its compute has torn it down (nova/compute/api.py ``_delete``), minutes on bare metal. It is going, not
+    a node to use or to delete again."""
+    return getattr(srv, "task_state", None) == "deleting"
+
+
 def status(name: str, site: Site | None = None) -> dict:
     cluster = load_cluster(name)
     c = (site or _site_of(cluster)).cloud
@@ -338,8 +345,9 @@ def status(name: str, site: Site | None = None) -> dict:
                               "local disks included. `appliance up SPEC` makes a new lease.")
     for node in cluster.nodes:
         srv = c.get_server(node.server_id) if node.server_id else None
+        state = "GONE" if srv is None else "DELETING" if _deleting(srv) else srv.status
         out["nodes"].append({"name": node.name, "server_id": node.server_id, "private_ip": node.private_ip,
-                             "address": node.address, "state": srv.status if srv else "GONE"})
+                             "address": node.address, "state": state})
     return out
 
 
