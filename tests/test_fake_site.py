@@ -51,7 +51,7 @@ def test_a_server_in_error_fails_up_and_a_rerun_replaces_only_it(tmp_path):
     lifecycle.down("fe", site=site)
 
 
-def test_a_server_nova_is_deleting_is_said_as_such_and_a_rerun_of_up_replaces_it(tmp_path):
+def test_a_server_nova_is_deleting_is_said_as_such_and_a_rerun_of_up_replaces_it(tmp_path, said):
     """Nova lists a deleted server, ACTIVE with task_state "deleting", until its machine is torn down (minutes on
     bare metal). `status` said ACTIVE for it, and a re-run of `up` kept it as a node."""
     site, spec = FakeSite(), spec_of(tmp_path, "fdel")
@@ -59,8 +59,10 @@ def test_a_server_nova_is_deleting_is_said_as_such_and_a_rerun_of_up_replaces_it
     going = cl.site.servers["fdel-1"]
     site.cloud.servers[going].task_state = "deleting"  # someone deleted it; its teardown goes on
     assert [n["state"] for n in lifecycle.status("fdel", site=site)["nodes"]] == ["ACTIVE", "DELETING"]
+    said.clear()
     cl2 = up(site, spec)
     assert cl2.site.servers["fdel-1"] != going and len(site.cloud.verbs("create_server")) == 3
+    assert any("fdel-1: its server is being deleted" in m for m in said)
     assert site.cloud.verbs("delete_server") == []  # not deleted again: Nova ignores that, it is going already
     lifecycle.down("fdel", site=site)
 

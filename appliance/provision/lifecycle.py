@@ -226,7 +226,9 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
             srv = c.get_server(sid)
             if srv is not None and srv.status != "ERROR" and not _deleting(srv):
                 return
-            if srv is not None and not _deleting(srv):
+            if srv is not None and _deleting(srv):
+                log.info(f"  {name}: its server is being deleted; asking for a new one")
+            elif srv is not None:
                 log.info(f"  {name}: replacing a server in ERROR")
                 c.delete_server(sid)
         new = c.create_server(name, reservation_id=info.reservation_id, image=spec.image, key_name=key.name,
