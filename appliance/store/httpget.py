@@ -28,9 +28,9 @@ BUF = 1 << 20
 class HTTPError(Exception):
     """A non-2xx answer. ``http_status`` is what ``objects._transient`` reads: 5xx and 429 are retried."""
 
-    def __init__(self, status: int, reason: str, url: str, *, method: str = "GET", code: str | None = None):
+    def __init__(self, status: int, reason: str, url: str, *, code: str | None = None):
         said = " ".join(filter(None, (f"HTTP {status}", reason, f"({code})" if code else "")))
-        super().__init__(f"{said} for {method} {url.split('?')[0]}")
+        super().__init__(f"{said} for GET {url.split('?')[0]}")
         self.http_status = status
         self.code = code  # S3's error code (NoSuchBucket, AccessDenied, ...), when the answer named one
 
@@ -161,12 +161,18 @@ def request(method: str, url: str, headers: dict, *, timeout: float = 60.0) -> t
     if resp.will_close:
         _drop(u.scheme, u.netloc)
     body, hdrs = b"".join(chunks), {k.lower(): v for k, v in resp.getheaders()}
-    length = hdrs.get("content-length")
-    if method != "HEAD" and length is not None and "chunked" not in hdrs.get("transfer-encoding", "") \
-            and len(body) != int(length):
-        _drop(u.scheme, u.netloc)  # a body cut short is not a shorter answer
-        raise http.client.IncompleteRead(body, int(length) - len(body))
+    if method != "HEAD":
+        _whole(u, hdrs, len(body))
     return resp.status, hdrs, body
+
+
+def _whole(u, hdrs: dict, n: int) -> None:
+    """Raises IncompleteRead when fewer than Content-Length bytes came: http.client ends a body quietly when the
+    server closes early, and a body cut short is not a shorter answer."""
+    length = hdrs.get("content-length")
+    if length is not None and "chunked" not in hdrs.get("transfer-encoding", "") and n != int(length):
+        _drop(u.scheme, u.netloc)
+        raise http.client.IncompleteRead(b"", int(length) - n)
 
 
 def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None,
@@ -199,8 +205,5 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
         raise
     if resp.will_close:
         _drop(u.scheme, u.netloc)
-    length = hdrs.get("content-length")
-    if length is not None and "chunked" not in hdrs.get("transfer-encoding", "") and n != int(length):
-        _drop(u.scheme, u.netloc)  # http.client ends the body quietly when the server closes early: say so
-        raise http.client.IncompleteRead(b"", int(length) - n)
+    _whole(u, hdrs, n)
     return n, hdrs

@@ -3,12 +3,12 @@
 botocore's ``generate_presigned_url`` costs ~0.3 ms of CPU per URL (measured: bench/results/stage-rgw.md), more than
 a 100 KB GET itself through ``httpget``; the stager signs one URL per object, and its listing pages and part HEADs
 too, so a stager through S3 never imports boto3 (its import and client cost 0.21-0.25 s of CPU: docs/staging.md).
-The algorithm is AWS's "Authenticating
-Requests: Using Query Parameters (AWS Signature Version 4)" (docs.aws.amazon.com/AmazonS3/latest/API/
-sigv4-query-string-auth.html), as botocore implements it in ``botocore/auth.py`` (``S3SigV4QueryAuth``): path-style
-URL, only ``host`` signed (so a Range header may be added), payload ``UNSIGNED-PAYLOAD``. tests/test_httpget.py checks
-that it gives botocore's signature byte for byte (GetObject, ListObjectsV2, HeadObject with a part number); the e2e
-staging tests have a real Ceph RGW and OpenStack Swift's s3api accept it.
+The algorithm is AWS's "Authenticating Requests: Using Query Parameters (AWS Signature Version 4)"
+(docs.aws.amazon.com/AmazonS3/latest/API/sigv4-query-string-auth.html), as botocore implements it in
+``botocore/auth.py`` (``S3SigV4QueryAuth``): path-style URL, only ``host`` signed (so a Range header may be added),
+payload ``UNSIGNED-PAYLOAD``. tests/test_httpget.py checks that it gives botocore's signature byte for byte
+(GetObject, ListObjectsV2, HeadObject with a part number); the e2e staging tests have a real Ceph RGW and OpenStack
+Swift's s3api accept it.
 """
 
 from __future__ import annotations

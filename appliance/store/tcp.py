@@ -110,8 +110,9 @@ def _boto_classes() -> dict:
 
 def quickack_boto(client) -> None:
     """A botocore client whose connections use quick ACKs: its small answers (bucket HEADs, deletes: the checkpoint
-    store's pruning asks one per object) come back from Ceph RGW without the 40 ms. botocore's URLLib3Session (botocore/httpsession.py) hands its pool managers
-    ``_pool_classes_by_scheme``; a botocore without them is left as it is (tests/test_httpget.py would say so)."""
+    store's pruning asks one per object) come back from Ceph RGW without the 40 ms. botocore's URLLib3Session
+    (botocore/httpsession.py) hands its pool managers ``_pool_classes_by_scheme``; a botocore without them is left as
+    it is (tests/test_httpget.py would say so)."""
     if _QUICKACK is None:
         return
     http = getattr(getattr(client, "_endpoint", None), "http_session", None)
