@@ -16,7 +16,7 @@ CEPH_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
 PYTEST_ARGS ?=
 
 .PHONY: help install system-deps deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \
-	image image-lint
+	image image-lint bench-scale bench-scale-light
 
 help:
 	@echo "make deploy   install, local cloud, digits to its Swift, up 2 nodes, stage, train until the lease ends, resume, down"
@@ -26,7 +26,8 @@ help:
 	@echo "make bench    benchmarks: bench-train (appliance bench: throughput, scaling, launch overhead),"
 	@echo "              bench-stage (staging vs rclone/s5cmd/aws/swift), bench-ckpt (checkpoint overhead,"
 	@echo "              deadline -> commit, steps lost at lease end), bench-scale (up, stage, launch,"
-	@echo "              down on 2-16 nodes); results in bench/results"
+	@echo "              down on 2-16 nodes; bench-scale-light: 16-64 nodes, no TensorFlow in the job);"
+	@echo "              results in bench/results"
 	@echo "make image    the GPU appliance image with diskimage-builder (docs/image.md)"
 	@echo "make clean    remove the testbed and .venv"
 
@@ -115,6 +116,11 @@ bench-train: install
 # the launcher's peak memory, threads, files. bench/results/scale.{json,md,png}
 bench-scale: install
 	$(PY) bench/scale_bench.py
+
+# Where the testbed cannot go with TensorFlow on every node: 16, 32, 64 nodes, a job with no TensorFlow (one result
+# line per rank), a 64 MB dataset: the launcher's side at scale. bench/results/scale-light.{json,md,png}
+bench-scale-light: install
+	$(PY) bench/scale_bench.py --light
 
 bench: bench-train bench-stage bench-ckpt bench-scale
 

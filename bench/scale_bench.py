@@ -31,12 +31,12 @@ DATA_DIR = Path("/var/tmp/appliance-bench/scale-data")
 URL = "swift://bench-scale/"
 
 
-def write_spec(d: Path, n: int, mode: str) -> str:
+def write_spec(d: Path, n: int, mode: str, job: str = "tiny.py") -> str:
     p = d / f"scale{n}-{mode}.yaml"
     p.write_text("\n".join([
         f"name: scale{n}", "cloud: local", f"nodes: {{count: {n}, node_type: compute_local, slots: 1}}",
         "image: appliance-cpu", "lease: {duration: 2h}", "train:", f"  code: {ROOT / 'bench' / 'scale_job'}",
-        "  command: python tiny.py", f"dataset: {{source: {URL}, dest: data/scale-{mode}, mode: {mode}}}"]) + "\n")
+        f"  command: python {job}", f"dataset: {{source: {URL}, dest: data/scale-{mode}, mode: {mode}}}"]) + "\n")
     return str(p)
 
 
@@ -54,46 +54,62 @@ class Sampler(threading.Thread):
             self.fds = max(self.fds, len(os.listdir("/proc/self/fd")))
 
 
-def one(n: int, tmp: Path) -> dict:
+def machine_cpu() -> float:
+    """CPU seconds this machine has spent since boot, every core and process (/proc/stat: user, nice, system, irq,
+    softirq; not idle, iowait or steal)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:7]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def one(n: int, tmp: Path, job_file: str = "tiny.py") -> dict:
     """One N, in this process: every phase's seconds and the launcher's peaks."""
     from appliance import flows
     from appliance.flows import run_job
 
     quiet = lambda m: None  # noqa: E731
-    full, shard = write_spec(tmp, n, "full"), write_spec(tmp, n, "shard")
+    full, shard = write_spec(tmp, n, "full", job_file), write_spec(tmp, n, "shard", job_file)
     s = Sampler()
     s.start()
     t: dict[str, float] = {}
     cpu: dict[str, float] = {}  # the launcher's own CPU seconds (this process: the nodes' processes are not ours)
     phases: dict[str, float] = {}
 
+    mcpu: dict[str, float] = {}  # the whole machine's CPU seconds (every process: launcher, nodes, cloud, store)
+
     def cpu_now() -> float:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
 
-    t0, c0 = time.monotonic(), cpu_now()
+    t0, c0, m0 = time.monotonic(), cpu_now(), machine_cpu()
     cl = flows.up(full, timings=phases)
-    t["up"], cpu["up"] = time.monotonic() - t0, cpu_now() - c0
+    t["up"], cpu["up"], mcpu["up"] = time.monotonic() - t0, cpu_now() - c0, machine_cpu() - m0
     try:
         for mode, spec in (("full", full), ("shard", shard)):
-            t0, c0 = time.monotonic(), cpu_now()
+            t0, c0, m0 = time.monotonic(), cpu_now(), machine_cpu()
             res = flows.stage_spec(spec, cl.name, out=quiet)
             t[f"stage {mode}"], cpu[f"stage {mode}"] = time.monotonic() - t0, cpu_now() - c0
+            mcpu[f"stage {mode}"] = machine_cpu() - m0
             assert len(res) == n, res
-        c0 = cpu_now()
+        c0, m0 = cpu_now(), machine_cpu()
         job = run_job(flows.load_spec(full), cl, out=quiet)
-        cpu["job"] = cpu_now() - c0
+        cpu["job"], mcpu["job"] = cpu_now() - c0, machine_cpu() - m0
         assert job.exit_code == 0, job.failure
         assert sorted(job.results) == list(range(n)), job.results
         t["job setup"] = job.timeline["launched"] - job.started_at
         t["horovod job"] = job.wall_s - t["job setup"]
     finally:
-        t0, c0 = time.monotonic(), cpu_now()
+        t0, c0, m0 = time.monotonic(), cpu_now(), machine_cpu()
         flows.down(cl.name)
-        t["down"], cpu["down"] = time.monotonic() - t0, cpu_now() - c0
+        t["down"], cpu["down"], mcpu["down"] = time.monotonic() - t0, cpu_now() - c0, machine_cpu() - m0
     s.done.set()
     out = {k: round(v, 2) for k, v in {**phases, **t}.items()}
     out.update({f"cpu {k}": round(v, 2) for k, v in cpu.items()})
+    # busy: the machine's CPU over (wall x cores); near 1, the phase waited for the shared cores, not for a step
+    # done one node after another
+    walls = {"up": t["up"], "stage full": t["stage full"], "stage shard": t["stage shard"],
+             "job": t["job setup"] + t["horovod job"], "down": t["down"]}
+    out.update({f"busy {k}": round(mcpu[k] / (walls[k] * (os.cpu_count() or 1)), 2) for k in mcpu if walls[k] > 0})
     out.update({"n": n, "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "peak_threads": s.threads, "peak_fds": s.fds})
     return out
@@ -154,15 +170,22 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", default="2,4,8,16")
-    ap.add_argument("--dataset-mb", type=int, default=1024)
+    ap.add_argument("--nodes", default=None, help="the node counts (default 2,4,8,16; with --light 16,32,64)")
+    ap.add_argument("--dataset-mb", type=int, default=None, help="MB of 64 MiB files (default 1024; --light 64)")
+    ap.add_argument("--light", action="store_true",
+                    help="where the testbed cannot go with TensorFlow on every node: the job is bench/scale_job/"
+                         "light.py (a result line per rank, no TensorFlow or Horovod import) and the dataset 64 MB, "
+                         "so what grows with N is the launcher's side. Results: scale-light.{json,md,png}")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    job_file, stem = ("light.py", "scale-light") if a.light else ("tiny.py", "scale")
+    a.nodes = a.nodes or ("16,32,64" if a.light else "2,4,8,16")
+    a.dataset_mb = a.dataset_mb or (64 if a.light else 1024)
     if a.one is not None:
         import tempfile
         with tempfile.TemporaryDirectory() as d:
-            print("SCALE_ROW " + json.dumps(one(a.one, Path(d))), flush=True)
+            print("SCALE_ROW " + json.dumps(one(a.one, Path(d), job_file)), flush=True)
         return
     from appliance import localcloud, report
 
@@ -175,8 +198,8 @@ def main() -> None:
         seed(a.dataset_mb)
         for n in ns:
             print(f"N={n} ...", flush=True)
-            p = subprocess.run([sys.executable, __file__, "--one", str(n)], capture_output=True, text=True,
-                               cwd=ROOT)
+            p = subprocess.run([sys.executable, __file__, "--one", str(n), *(["--light"] if a.light else [])],
+                               capture_output=True, text=True, cwd=ROOT)
             row = next((json.loads(x[len("SCALE_ROW "):]) for x in p.stdout.splitlines()
                         if x.startswith("SCALE_ROW ")), None)
             if row is None:
@@ -187,20 +210,22 @@ def main() -> None:
         localcloud.stop()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = "make bench-scale  # python bench/scale_bench.py " + " ".join(sys.argv[1:])
-    (out / "scale.json").write_text(json.dumps({"command": cmd, "measured": time.strftime("%Y-%m-%d"),
+    cmd = ("make bench-scale-light" if a.light else "make bench-scale") + "  # python bench/scale_bench.py " + \
+        " ".join(sys.argv[1:])
+    (out / f"{stem}.json").write_text(json.dumps({"command": cmd, "measured": time.strftime("%Y-%m-%d"),
                                                 "dataset_mb": a.dataset_mb, "rows": rows}, indent=1) + "\n")
     for r in rows:  # staging's aggregate rate: full moves N copies of the dataset, shard one
         r["stage full MB/s"] = round(r["n"] * a.dataset_mb * 1.048576 / r["stage full"], 1)
         r["stage shard MB/s"] = round(a.dataset_mb * 1.048576 / r["stage shard"], 1)
     cols = ["n", *PHASES, "stage full MB/s", "stage shard MB/s", "cpu up", "cpu stage full", "cpu stage shard",
-            "cpu job", "cpu down", "peak_rss_mb", "peak_threads", "peak_fds"]
+            "cpu job", "cpu down", "busy up", "busy stage full", "busy stage shard", "busy job", "busy down",
+            "peak_rss_mb", "peak_threads", "peak_fds"]
     md = [f"# Control plane at scale (`{cmd}`, {time.strftime('%Y-%m-%d')}, dataset {a.dataset_mb} MB, "
           f"{os.cpu_count()} cores)", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    (out / "scale.md").write_text("\n".join(md) + "\n")
-    plot(rows, out / "scale.png")
-    print(f"wrote {out / 'scale.md'}, scale.json, scale.png")
+    (out / f"{stem}.md").write_text("\n".join(md) + "\n")
+    plot(rows, out / f"{stem}.png")
+    print(f"wrote {out / stem}.md, .json, .png")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import itertools
+import re
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -128,6 +129,12 @@ class FakeCloud:
 
     def get_server(self, server_id):
         return self.servers.get(server_id)
+
+    def get_servers(self, server_ids, name_regex):
+        """One listing filtered by name as Nova filters it (a regular expression search)."""
+        self._call("get_servers", name_regex)
+        listed = {sid: srv for sid, srv in self.servers.items() if re.search(name_regex, srv.name)}
+        return {sid: listed.get(sid) for sid in server_ids}
 
     @_effect
     def delete_server(self, server_id) -> bool:

@@ -438,3 +438,77 @@ def test_staging_nodes_get_an_application_credential_of_their_own_deleted_after(
     assert len(cloud.verbs("create_app_cred")) == 2 and not cloud.app_creds  # and when it failed
     flows.stage_to_nodes(spec, cluster, "file:///tmp/x/", "data", mode="full")
     assert seen[-1][0] is None and len(cloud.verbs("create_app_cred")) == 2
+
+
+def test_up_waits_for_its_servers_with_one_listing_a_round_not_a_request_per_server(tmp_path, monkeypatch):
+    """make bench-scale-light: waiting for 64 servers asked Nova for each one in turn, every round (64 requests,
+    ~36 ms of the launcher's CPU each for openstacksdk's parsing). Now one listing filtered by up's own names."""
+    site, spec = FakeSite(), spec_of(tmp_path, "fl", nodes=4)
+
+    def one_by_one(sid):
+        raise AssertionError("a request per server")
+
+    monkeypatch.setattr(site.cloud, "get_server", one_by_one)
+    cl = up(site, spec)
+    assert site.cloud.verbs("get_servers") == [("^fl-[0-9]+$",)]
+    assert [n.name for n in cl.nodes] == ["fl-0", "fl-1", "fl-2", "fl-3"]
+    lifecycle.down("fl", site=site)
+
+
+def test_a_server_missing_from_the_listing_is_said_to_have_disappeared(tmp_path):
+    site, spec = FakeSite(), spec_of(tmp_path, "fm", nodes=2)
+    site.cloud.faults["create_server"] = "BUILD"
+    real = site.cloud.get_servers
+
+    def without_the_first(ids, name_regex):
+        got = real(ids, name_regex)
+        got[ids[0]] = None  # deleted by someone while it booted
+        return got
+
+    site.cloud.get_servers = without_the_first
+    with pytest.raises(ApplianceError, match="fm-0 .* disappeared while booting"):
+        up(site, spec)
+    del site.cloud.get_servers
+    lifecycle.down("fm", site=site)
+
+
+def test_finish_asks_for_the_nodes_host_keys_at_once_and_opens_one_ssh_session(tmp_path, monkeypatch):
+    """make bench-scale-light: host keys were asked for one node after another (64 round trips to Nova), and SSH
+    was opened three times over (to wait for it, for the disk, to contextualize): 3 x 64 key exchanges."""
+    site, spec = FakeSite(), spec_of(tmp_path, "fh", nodes=4)
+    cl = up(site, spec)
+    for i, n in enumerate(cl.nodes):
+        n.private_ip = f"10.0.0.{i + 10}"
+    barrier = threading.Barrier(4, timeout=10)
+
+    def host_keys(sid):
+        barrier.wait()  # passes only with the four requests in flight at once
+        return [f"ssh-ed25519 AAAAkey{sid}"]
+
+    opened = []
+
+    class OneSession:
+        def __init__(self, cluster, timeout=15.0):
+            opened.append(self)
+            self.closed = False
+
+        def close(self):
+            self.closed = True
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
+    used = []
+    monkeypatch.setattr(site.cloud, "server_host_keys", host_keys, raising=False)
+    monkeypatch.setattr(lifecycle, "Session", OneSession)
+    monkeypatch.setattr(site, "prepare_nodes", lambda cluster, session: used.append(("disk", session)))
+    monkeypatch.setattr(lifecycle, "contextualize", lambda cluster, session=None: used.append(("ctx", session)))
+    lifecycle.finish(site, cl)
+    assert len(opened) == 1 and opened[0].closed
+    assert used == [("disk", opened[0]), ("ctx", opened[0])]
+    pinned = open(cl.known_hosts).read().splitlines()
+    assert [line.split()[0].split(",")[0] for line in pinned] == ["fh-0", "fh-1", "fh-2", "fh-3"]  # the nodes' order
+    lifecycle.down("fh", site=site)

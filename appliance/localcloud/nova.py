@@ -60,6 +60,9 @@ def keypair(req: Request, name: str):
 
 
 def list_servers(req: Request, detail: str | None):
+    # `name` is a regular expression searched in the name, for any user: openstack/nova
+    # nova/api/openstack/compute/servers.py `_get_server_search_options` (a non-admin's filters include it),
+    # nova/db/main/api.py `_regex_instance_filter` (the database's REGEXP: a search, not a whole-name match)
     out = [req.cloud.server_view(s) for s in req.cloud.servers.values() if s.status != "DELETED"]
     if "name" in req.query:
         out = [s for s in out if re.search(req.query["name"], s["name"])]

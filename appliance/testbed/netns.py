@@ -237,8 +237,11 @@ def _sshd_config(node: TestbedNode) -> str:
         "PermitRootLogin prohibit-password",
         "PubkeyAuthentication yes",
         "AuthorizedKeysFile .ssh/authorized_keys",
-        "MaxStartups 200:30:400",
-        "MaxSessions 100",
+        # A Chameleon node's sshd limits, as OpenSSH ships them: ChameleonCloud/CC-Images leaves sshd_config to the
+        # distribution, whose file keeps OpenSSH's defaults (sshd_config(5): MaxStartups 10:30:100, MaxSessions 10).
+        # (This testbed had 200:30:400 and 100, under which a launcher that needs more would pass here and fail there.)
+        "MaxStartups 10:30:100",
+        "MaxSessions 10",
         "ClientAliveInterval 5",
         "ClientAliveCountMax 3",
         "Subsystem sftp internal-sftp",
