@@ -20,6 +20,17 @@ Three small hooks into tf_keras 2.18 (the version the lock pins), installed in e
   NumPy arrays, which Keras turns into one dataset of all epochs) ``epoch * steps_per_epoch + batch`` elements.
   The skipped batches go through the input pipeline, not through training.
 
+- **A fit's input iterators are let go off the main thread.** Deleting a ``tf.data`` iterator joins its autotuning
+  thread (``RootDataset::Iterator``'s destructor waits for ``Model::OptimizeLoop``), which in TensorFlow 2.18 often
+  sleeps out its optimisation period first: ``fit`` returned 0-2.1 s after its last callback, in C++, with nothing
+  in any Python profile (gdb and py-spy stacks, 2026-11-25). A loop of one ``fit`` per epoch lost that much per
+  epoch, and a stop asked for in that time waited for it (issue 16 goal 3: the maximum deadline -> commit); so did
+  every epoch of a ``fit`` whose iterator Keras makes anew each epoch. ``DataHandler.enumerate_epochs`` hands each
+  iterator it is done with (an epoch's, when the next is made; the last, when ``fit`` leaves its epoch loop) to a
+  thread of its own, which waits until it holds the last reference (``fit`` lets go of it as it returns) and
+  deletes it while the main thread goes on: the destructor waits without the GIL. That thread is not a daemon, so
+  a process that ends right after waits for it rather than tearing TensorFlow down under it.
+
 - **Autolog** (level 2, ``checkpoint.auto``): ``Model.fit`` gets the appliance's callback appended when the call has
   none, once per process (the first ``fit``).
 """
@@ -29,6 +40,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
+import time
 
 from ..protocol import Env
 
@@ -58,6 +71,20 @@ def install_data_hooks() -> None:
 
     @functools.wraps(enumerate_epochs)
     def _enumerate_epochs(self):
+        current = None
+        try:
+            for e, iterator in _planned_epochs(self):
+                if current is not None and current is not iterator:
+                    _let_go(current)  # the epoch before's: Keras made a new one
+                current = iterator
+                del iterator
+                yield e, current
+        finally:  # the epoch loop ended, or fit left it (a break, an error)
+            if current is not None:
+                _let_go(current)
+                del current
+
+    def _planned_epochs(self):
         plan = getattr(self._model, "_appliance_skip", None) if self._model is not None else None
         if plan is None:
             yield from enumerate_epochs(self)
@@ -82,6 +109,27 @@ def install_data_hooks() -> None:
     cls.__init__ = __init__
     cls.enumerate_epochs = _enumerate_epochs
     _STATE["data"] = True
+
+
+LET_GO_WAIT = 10.0  # seconds a let-go iterator waits for its last other holder before it is simply dropped
+
+
+def _let_go(iterator) -> None:
+    """Delete ``iterator`` on a thread of its own once nothing else holds it (the module docstring says why). The
+    caller drops its own reference right after."""
+    box = [iterator]
+
+    def run():
+        it = box.pop()
+        deadline, pause = time.monotonic() + LET_GO_WAIT, 0.001
+        main = threading.main_thread()
+        # 2: ``it`` and getrefcount's argument. The main thread gone: the interpreter is ending, stop waiting.
+        while sys.getrefcount(it) > 2 and time.monotonic() < deadline and main.is_alive():
+            time.sleep(pause)  # fit returns within milliseconds of leaving its epoch loop
+            pause = min(pause * 2, 0.05)
+        del it  # the destructor's wait, here and not on the main thread
+
+    threading.Thread(target=run, name="appliance-iterator", daemon=False).start()
 
 
 def _skip(iterator, n: int) -> int:

@@ -1,0 +1,64 @@
+"""A fit's tf.data iterators are deleted off the main thread (appliance/node/keras_fit.py, issue 16 goal 3).
+
+Deleting a tf.data iterator joins its autotuning thread, which in TensorFlow 2.18 often sleeps out its optimisation
+period first: `fit` returned up to 2.1 s after its last callback, on the main thread, so a loop of one `fit` per
+epoch lost that per epoch and a stop asked for in that time waited for it (bench/results/ckpt.md: the maximum
+deadline -> commit). Which thread deleted each iterator is what the test reads (a weakref finalizer runs on the
+thread that lets go of the last reference); the seconds themselves vary with TensorFlow's timing and are not
+asserted."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r'''
+import os, sys, threading, weakref
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+import numpy as np, tensorflow as tf
+from appliance.node import keras_fit
+keras_fit.install_data_hooks()
+from tf_keras.src.engine import data_adapter
+inner = data_adapter.DataHandler.enumerate_epochs
+where = []
+
+def spy(self):
+    for e, it in inner(self):
+        weakref.finalize(it, lambda: where.append(threading.current_thread().name))
+        yield e, it
+
+data_adapter.DataHandler.enumerate_epochs = spy
+x = np.random.RandomState(0).rand(64, 8).astype("float32")
+y = np.zeros(64, "int64")
+m = tf.keras.Sequential([tf.keras.layers.Input(shape=(8,)), tf.keras.layers.Dense(2)])
+m.compile(optimizer="sgd", loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+for epoch in range(2):  # the loop: one fit per epoch on NumPy arrays (one iterator per fit)
+    m.fit(x, y, batch_size=16, epochs=epoch + 1, initial_epoch=epoch, verbose=0)
+ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+m.fit(ds, epochs=3, verbose=0)  # a finite dataset: Keras makes a new iterator every epoch
+
+
+class Stop(tf.keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.stop_training = True
+
+
+m.fit(x, y, batch_size=16, epochs=5, verbose=0, callbacks=[Stop()])  # a fit that leaves its epoch loop early
+for t in threading.enumerate():
+    if t.name == "appliance-iterator":
+        t.join()
+print("DELETED_ON", where)
+'''
+
+
+@pytest.mark.e2e  # TensorFlow in a process of its own (~10 s)
+def test_a_fits_iterators_are_deleted_off_the_main_thread():
+    p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("DELETED_ON ")), None)
+    assert line is not None, p.stdout[-2000:] + p.stderr[-3000:]
+    where = ast.literal_eval(line[len("DELETED_ON "):])  # the thread names the script printed
+    assert where == ["appliance-iterator"] * 6, where
