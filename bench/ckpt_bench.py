@@ -244,7 +244,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ckpt.json").write_text(json.dumps(result, indent=1))
-    (out / "ckpt.md").write_text(report(result))
+    (out / "ckpt.md").write_text(render(result))
     plot = Path(args.tools_venv) / "bin" / "python"
     if plot.exists():
         subprocess.run([str(plot), str(ROOT / "bench" / "plot_ckpt.py"), str(out / "ckpt.json"),
@@ -253,7 +253,7 @@ def main() -> int:
     return 0
 
 
-def report(r: dict) -> str:
+def render(r: dict) -> str:
     s = r["summary"]
     lines = ["# Checkpoint benchmark", "", f"Command: {r['command']}.", "",
              f"Machine: {r['machine']}. Job: bench/ckpt_job/ckpt_job.py (MLP, synthetic data, 2 ranks).", "",
