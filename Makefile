@@ -16,7 +16,7 @@ CEPH_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
 PYTEST_ARGS ?=
 
 .PHONY: help install system-deps deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \
-	image image-lint bench-scale bench-scale-light
+	image image-lint bench-scale bench-scale-light bench-resume
 
 help:
 	@echo "make deploy   install, local cloud, digits to its Swift, up 2 nodes, stage, train until the lease ends, resume, down"
@@ -26,7 +26,8 @@ help:
 	@echo "make bench    benchmarks: bench-train (appliance bench: throughput, scaling, launch overhead),"
 	@echo "              bench-stage (staging vs rclone/s5cmd/aws/swift), bench-ckpt (checkpoint overhead,"
 	@echo "              deadline -> commit, steps lost at lease end), bench-scale (up, stage, launch,"
-	@echo "              down on 2-16 nodes; bench-scale-light: 16-64 nodes, no TensorFlow in the job);"
+	@echo "              down on 2-16 nodes; bench-scale-light: 16-64 nodes, no TensorFlow in the job),"
+	@echo "              bench-resume (a resume's downtime by phase);"
 	@echo "              results in bench/results"
 	@echo "make image    the GPU appliance image with diskimage-builder (docs/image.md)"
 	@echo "make clean    remove the testbed and .venv"
@@ -122,7 +123,14 @@ bench-scale: install
 bench-scale-light: install
 	$(PY) bench/scale_bench.py --light
 
-bench: bench-train bench-stage bench-ckpt bench-scale
+# A resume's downtime, phase by phase (issue 16 goal 5): make deploy's lease-end demo, recording its resume.
+# bench/results/resume.{json,md,png}
+bench-resume: install
+	$(PY) examples/digits/make_dataset.py build/digits-data
+	$(APPLIANCE) data upload build/digits-data swift://digits-data/v1/ --cloud local
+	$(PY) examples/lease_demo.py examples/digits.yaml --record bench/results
+
+bench: bench-train bench-stage bench-ckpt bench-scale bench-resume
 
 # The Heat template is generated from appliance/provision/{heat_boot,contextualize}.sh (one source of truth)
 heat-template: install

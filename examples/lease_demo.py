@@ -21,7 +21,8 @@ Throughout, the local cloud's Keystone tokens live 60 s (a day on Chameleon): th
 run, the object store refuses the expired ones, and the checkpoints keep committing, because the job's nodes hold
 an application credential of the job's own and get new tokens with it (docs/chameleon.md).
 
-Run as `python examples/lease_demo.py [SPEC]` after the dataset is uploaded (see the Makefile).
+Run as `python examples/lease_demo.py [SPEC] [--record DIR]` after the dataset is uploaded (see the Makefile).
+``--record DIR`` (`make bench-resume`) also writes the resume's downtime, phase by phase, to DIR/resume.{json,md,png}.
 """
 
 import dataclasses
@@ -56,7 +57,13 @@ def weights(res) -> str:
 
 
 def main() -> int:
-    spec_path = sys.argv[1] if len(sys.argv) > 1 else "examples/digits.yaml"
+    args = sys.argv[1:]
+    record = None
+    if "--record" in args:
+        i = args.index("--record")
+        record = Path(args[i + 1])
+        del args[i:i + 2]
+    spec_path = args[0] if args else "examples/digits.yaml"
     spec = load_spec(spec_path)
     if spec.checkpoint.url:  # the demo starts its run over: an earlier demo's checkpoints would be resumed
         n = flows.data_remove(f"{spec.checkpoint.url.rstrip('/')}/{spec.name}/", cloud=spec.cloud)
@@ -65,7 +72,7 @@ def main() -> int:
     localcloud.admin("POST", "/tokens", {"seconds": TOKEN_SECONDS})
     print(f"[demo] the local cloud's Keystone tokens live {TOKEN_SECONDS} s in this demo (a day on Chameleon)")
     try:
-        return demo(spec_path, spec)
+        return demo(spec_path, spec, record)
     finally:
         localcloud.admin("POST", "/tokens", {"seconds": 86400})
 
@@ -94,7 +101,40 @@ def book_after_end(cloud, cluster, minutes: int = 10) -> list[str]:
     return ids
 
 
-def demo(spec_path: str, spec) -> int:
+def record_breakdown(out: Path, b: dict, stop_step: int, resumed_step: int) -> None:
+    """The resume's downtime by phase: resume.json, a table (resume.md) and a bar of its parts (resume.png)."""
+    from appliance.flows import RESUME_PHASES
+
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = "make bench-resume  # python examples/lease_demo.py examples/digits.yaml --record " + str(out)
+    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [(k, b[k]) for k in RESUME_PHASES if b.get(k) is not None]
+    (out / "resume.json").write_text(json.dumps({"command": cmd, "measured": when, "breakdown": b,
+                                                 "stop_step": stop_step, "resumed_step": resumed_step}, indent=1) + "\n")
+    md = [f"# A resume's downtime, phase by phase (`{cmd}`, {when}, {os.cpu_count()} cores, the local cloud)", "",
+          f"The job stopped for the lease end after step {stop_step} and resumed at step {resumed_step} on a new lease "
+          "(new servers, the dataset and the checkpoint staged again). From `appliance resume` to the job's first "
+          f"step: **{b.get('total', 0):.1f} s**.", "", "| phase | seconds |", "|---|---|"]
+    md += [f"| {k} | {v:.2f} |" for k, v in parts] + [f"| **total** | **{b.get('total', 0):.2f}** |"]
+    (out / "resume.md").write_text("\n".join(md) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 3.2))
+    left = 0.0
+    for i, (k, v) in enumerate(parts):
+        ax.barh([0], [v], left=left, color=plt.cm.tab20(i % 20), label=f"{k} {v:.1f}s")
+        left += v
+    ax.set_yticks([])
+    ax.set_xlabel("seconds from `appliance resume` to the first step")
+    ax.legend(fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(out / "resume.png", dpi=110)
+    print(f"[demo] wrote {out / 'resume.md'}, resume.json, resume.png")
+
+
+def demo(spec_path: str, spec, record: Path | None = None) -> int:
     say(f"1. up + stage: {spec_path}")
     cluster = flows.up(spec_path)
     flows.stage_spec(spec_path)
@@ -152,6 +192,8 @@ def demo(spec_path: str, spec) -> int:
     if second is None or second.exit_code != 0:
         print(f"demo: the resumed run failed: {second.failure if second else 'nothing to resume'}")
         return 1
+    if record is not None and second.resume_breakdown:
+        record_breakdown(record, second.resume_breakdown, stop_step, second.resumed["step"])
 
     say("5. a reference run, uninterrupted (same seed, same world size, no checkpoints)")
     ref_dir = Path(tempfile.mkdtemp(prefix="appliance-ref-"))
