@@ -16,7 +16,7 @@ CEPH_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
 PYTEST_ARGS ?=
 
 .PHONY: help install system-deps deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \
-	image image-lint bench-scale bench-scale-light bench-resume
+	image image-lint bench-scale bench-scale-light bench-resume digits-data
 
 help:
 	@echo "make deploy   install, local cloud, digits to its Swift, up 2 nodes, stage, train until the lease ends, resume, down"
@@ -58,9 +58,12 @@ $(VENV)/.installed: requirements.lock pyproject.toml images/install-stack.sh
 	  --wheels $(WHEEL_CACHE) --appliance . --editable
 	touch $@
 
-deploy: install
+# the digits dataset in the local cloud's store (starts the local cloud): what the lease-end demo stages
+digits-data: install
 	$(PY) examples/digits/make_dataset.py build/digits-data
 	$(APPLIANCE) data upload build/digits-data swift://digits-data/v1/ --cloud local
+
+deploy: digits-data
 	@# up, stage, train; the lease ends mid-training; resume on a new lease; compare with an uninterrupted run
 	$(PY) examples/lease_demo.py examples/digits.yaml
 	@echo ""
@@ -125,9 +128,7 @@ bench-scale-light: install
 
 # A resume's downtime, phase by phase (issue 16 goal 5): make deploy's lease-end demo, recording its resume.
 # bench/results/resume.{json,md,png}
-bench-resume: install
-	$(PY) examples/digits/make_dataset.py build/digits-data
-	$(APPLIANCE) data upload build/digits-data swift://digits-data/v1/ --cloud local
+bench-resume: digits-data
 	$(PY) examples/lease_demo.py examples/digits.yaml --record bench/results
 
 bench: bench-train bench-stage bench-ckpt bench-scale bench-resume
