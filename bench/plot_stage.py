@@ -12,9 +12,10 @@ res = json.load(open(sys.argv[1]))
 rows = res["rows"]
 small = [r for r in rows if r["dataset"] == "small"]
 large = [r for r in rows if r["dataset"] == "large"]
+ours = [r for r in rows if r["dataset"] == "large-ours"]
 multi = [r for r in rows if r["dataset"] == "multipart"]
 upload = [r for r in rows if r["dataset"].startswith("upload")]
-panels = 3 + bool(multi) + bool(upload)
+panels = 3 + bool(ours) + bool(multi) + bool(upload)
 fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.5))
 axes[0].barh([r["tool"] for r in small], [r["objects_per_s"] for r in small], color="tab:blue")
 axes[0].set_xlabel("objects/s (higher is better)")
@@ -28,6 +29,12 @@ axes[2].set_xlabel("MB/s (higher is better)")
 axes[2].set_title(f"{res['dataset']['large']} x {res['dataset']['large_size'] // 2**20} MB")
 axes[2].legend(loc="lower right")
 nxt = 3
+if ours:
+    axes[nxt].barh([r["tool"] for r in ours], [r["mb_per_s"] for r in ours], color="tab:cyan")
+    axes[nxt].axvline(res["disk_write_mb_s"], color="k", ls="--")
+    axes[nxt].set_xlabel("MB/s (higher is better)")
+    axes[nxt].set_title("the same size, put by `appliance data upload`\n(our stager checks their CRC-32)")
+    nxt += 1
 if multi:
     axes[nxt].barh([r["tool"] + ("" if r["ok"] else " (FAILED)") for r in multi], [r["mb_per_s"] for r in multi],
                    color=["tab:olive" if r["ok"] else "tab:red" for r in multi])

@@ -39,9 +39,11 @@ from appliance.localcloud.rgw_server import RGWServer  # noqa: E402
 from appliance.localcloud.swift_server import SwiftServer  # noqa: E402
 
 
-# large: 8 x 256 MB as plain objects; multipart: the same as `aws s3 cp` uploads them (ETag <md5>-32, checked part by
-# part); upload: one 1.6 GB file up; packed: 1 GB of small files as 64 MB shards
-ALL_DATASETS = "small,large,multipart,upload,packed"
+# large: 8 x 256 MB as plain objects; large-ours: 8 others of that size as `appliance data upload` puts them (with
+# their CRC-32, which our stager checks instead of an MD5: CRC_META in appliance/store/objects.py); multipart: the
+# same as `aws s3 cp` uploads them (ETag <md5>-32, checked part by part); upload: one 1.6 GB file up; packed: 1 GB of
+# small files as 64 MB shards
+ALL_DATASETS = "small,large,large-ours,multipart,upload,packed"
 
 
 def multipart_client(sw):
@@ -99,6 +101,24 @@ def seed(sw, args) -> dict:
     info = {"small": args.small, "small_size": args.small_size, "large": args.large, "large_size": args.large_size}
     marker.write_text(json.dumps(info))
     return info
+
+
+def seed_ours(sw, args) -> None:
+    """The large-ours dataset: ``args.large`` objects of ``args.large_size`` random bytes, put as `appliance data
+    upload` puts them (SwiftStore.put: one PUT each, its ETag checked, its CRC_META written)."""
+    store = SwiftStore("bours", StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key))
+    store.ensure_container()
+    have = {o.name for o in store.list() if o.size == args.large_size}
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        big = Path(tmp) / "big.bin"
+        for i in range(args.large):
+            if f"large-{i:02d}.bin" in have:
+                continue
+            with open(big, "wb") as fh:
+                for _ in range(args.large_size // (1 << 20)):
+                    fh.write(os.urandom(1 << 20))
+            store.put(f"large-{i:02d}.bin", big)
+    print(f"seeded {args.large} large objects as `appliance data upload` puts them", flush=True)
 
 
 def _category(dataset: str) -> str:
@@ -270,8 +290,9 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated tool names to run")
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each row is the median of its runs")
     ap.add_argument("--datasets", default=ALL_DATASETS,
-                    help="comma-separated: small, large, multipart (the large objects as `aws s3 cp` uploads them), "
-                         "upload (a checkpoint-sized file up), packed")
+                    help="comma-separated: small, large, large-ours (large objects as `appliance data upload` puts "
+                         "them), multipart (the large objects as `aws s3 cp` uploads them), upload (a checkpoint-sized "
+                         "file up), packed")
     ap.add_argument("--upload-size", type=int, default=1536 * 1024**2, help="bytes of the upload dataset's file")
     ap.add_argument("--baseline", default="", help="another checkout of this repository (e.g. a git worktree of "
                     "the commit before a change): every dataset runs its stager too and the upload rows its "
@@ -286,12 +307,15 @@ def main() -> None:
     rows = []
     try:
         info = seed(sw, args)
+        if "large-ours" in args.datasets.split(","):
+            seed_ours(sw, args)
         disk = disk_write_mb_s(work)
         print(f"disk write (dd, fdatasync): {disk} MB/s", flush=True)
         ts = tools(sw, tv, args.concurrency, args.baseline)
         only = set(filter(None, args.only.split(",")))
         datasets = [("small", "bsmall", info["small"], info["small"] * info["small_size"]),
                     ("large", "blarge", info["large"], info["large"] * info["large_size"]),
+                    ("large-ours", "bours", info["large"], info["large"] * info["large_size"]),
                     ("multipart", "bmulti", info["large"], info["large"] * info["large_size"])]
         wanted = set(args.datasets.split(","))
         for ds, cont, n, nbytes in [d for d in datasets if d[0] in wanted]:

@@ -178,6 +178,17 @@ def test_corrupted_download_is_detected_and_refetched(creds, tmp_path):
     check_tree(tmp_path / "d", expect, "c/")
 
 
+class NoCrc(SwiftStore):
+    """Our uploads read as another tool's: their CRC_META unread, so their SLO segments' MD5s (or their own) check
+    them."""
+
+    def crc32(self, name, etag):
+        return None
+
+    def fetch(self, *a, on_headers=None, **kw):
+        return super().fetch(*a, **kw)
+
+
 def test_slo_round_trip_small_segments(swift, creds, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -189,18 +200,20 @@ def test_slo_round_trip_small_segments(swift, creds, tmp_path):
     segs = st.slo_segments("x/big file ü.bin")
     # an SLO of 1 MB segments; RGW gives no manifest (../shared/docs/rgw.md): read from slo_segments' listing
     assert segs is not None and len(segs) == 4
-    res = stage(st, "x/", tmp_path / "d")
-    assert res.files_fetched == 2
-    assert (tmp_path / "d" / "big file ü.bin").read_bytes() == data
     import appliance.node.stage as sm
 
-    old = sm.LARGE
-    sm.LARGE = 1_000_000  # the ranged, per-segment path
-    try:
-        res = stage(st, "x/", tmp_path / "d2")
-    finally:
-        sm.LARGE = old
-    assert (tmp_path / "d2" / "big file ü.bin").read_bytes() == data
+    for store in (st, NoCrc("slo", creds)):  # checked by the CRC our upload wrote; by the segments' MD5s
+        res = stage(store, "x/", tmp_path / "d" / type(store).__name__)
+        assert res.files_fetched == 2 and res.size_only == []
+        assert (tmp_path / "d" / type(store).__name__ / "big file ü.bin").read_bytes() == data
+        old = sm.LARGE
+        sm.LARGE = 1_000_000  # the ranged, per-segment path
+        try:
+            res = stage(store, "x/", tmp_path / "d2" / type(store).__name__)
+        finally:
+            sm.LARGE = old
+        assert res.size_only == []
+        assert (tmp_path / "d2" / type(store).__name__ / "big file ü.bin").read_bytes() == data
     # delete: a plain object goes; an SLO goes with its segments
     st.delete("x/small.txt")
     st.delete("x/big file ü.bin")
@@ -593,9 +606,9 @@ class DamageFirstGet(S3Store):
         super().__init__(*a, **kw)
         self.victim, self.done = victim, False
 
-    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None):
+    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None):
         if name != self.victim or self.done or start not in (None, 0):
-            return super().fetch(name, fd, offset, sink, start=start, end=end)
+            return super().fetch(name, fd, offset, sink, start=start, end=end, on_headers=on_headers)
         self.done = True
         first = [True]
 
@@ -607,7 +620,7 @@ class DamageFirstGet(S3Store):
             if sink is not None:
                 sink(view)
 
-        return super().fetch(name, fd, offset, damaged, start=start, end=end)
+        return super().fetch(name, fd, offset, damaged, start=start, end=end, on_headers=on_headers)
 
 
 def test_s3_multipart_objects_are_verified(swift, creds, tmp_path):
@@ -648,3 +661,43 @@ def test_s3_multipart_objects_are_verified(swift, creds, tmp_path):
         res = stage(DamageFirstGet("mpart", creds, victim=victim), victim, tmp_path / "damaged" / victim)
         assert res.corrupt_refetched == 1 and res.size_only == ([victim] if victim in unchecked else [])
         assert (tmp_path / "damaged" / victim / victim[2:]).read_bytes() == data
+
+
+def test_our_uploads_are_checked_by_crc(swift, creds, tmp_path, monkeypatch):
+    """What `appliance data upload` writes carries its CRC-32, bound to its ETag (CRC_META), through either API and
+    read through either: a plain object, a Swift SLO, an S3 multipart upload. The stager checks them by it, starts
+    no MD5, and a damaged transfer is still caught and fetched again (tests/test_stage_crc.py in the fast tier)."""
+    import types
+    import zlib
+
+    import appliance.node.stage as sm
+    from appliance.store.parts import MiB
+
+    data = {"small.bin": os.urandom(5000), "slo.bin": os.urandom(3_500_000), "mp.bin": os.urandom(12 * MiB + 5)}
+    for api, names, seg in (("swift", ("small.bin", "slo.bin"), 1_000_000), ("s3", ("mp.bin",), 5 * MiB)):
+        src = tmp_path / api
+        src.mkdir()
+        for n in names:
+            (src / n).write_bytes(data[n])
+        assert upload(str(src), f"{api}://crc/u/", creds=creds, segment_size=seg) == len(names)
+    assert {o.name: o for o in S3Store("crc", creds).list("u/")}["u/mp.bin"].etag.endswith("-3")
+    made = []
+
+    def md5(*a):
+        made.append(1)
+        return hashlib.md5(*a)
+
+    monkeypatch.setattr(sm, "hashlib", types.SimpleNamespace(md5=md5, sha256=hashlib.sha256))
+    monkeypatch.setattr(sm, "LARGE", 1_000_000)  # the SLO and the multipart object through ranged GETs
+    for st in (SwiftStore("crc", creds), S3Store("crc", creds)):
+        for o in st.list("u/"):
+            assert st.crc32(o.name, o.etag) == zlib.crc32(data[o.name[2:]]), (st.scheme, o)
+        res = stage(st, "u/", tmp_path / "d" / st.scheme)
+        assert res.files_fetched == 3 and res.size_only == [] and res.corrupt_refetched == 0
+        assert {n: (tmp_path / "d" / st.scheme / n).read_bytes() for n in data} == data
+        assert made == [], st.scheme
+    for victim in ("u/small.bin", "u/slo.bin", "u/mp.bin"):
+        res = stage(DamageFirstGet("crc", creds, victim=victim), victim, tmp_path / "damaged" / victim)
+        assert res.corrupt_refetched == 1 and res.size_only == []
+        assert (tmp_path / "damaged" / victim / victim[2:]).read_bytes() == data[victim[2:]]
+    assert made == []

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import ApplianceError
-from ..store.objects import ObjectInfo, Store, md5_range, slo_etag
+from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, md5_range, slo_etag
 from ..store.parts import guesses, layout, multipart_etag, part_count
 
 MANIFEST = ".appliance-manifest.json"
@@ -378,6 +379,12 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
     is one GET (_fetch_ranges)."""
     etag = o.etag.strip('"')
     n_parts = part_count(etag)
+    if o.size >= LARGE or n_parts is not None:
+        want = store.crc32(o.name, etag)  # a HEAD: our uploads' CRC-32 for these bytes, if it holds (CRC_META)
+        if want is not None:
+            if _fetch_crc(store, o, part, pool, prog, one_get) != want:
+                raise Corrupt(o.name)
+            return True
     if n_parts is not None:
         return _fetch_multipart(store, o, part, pool, prog, etag, n_parts, seen, one_get)
     if o.size >= LARGE:
@@ -391,19 +398,24 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
         if segments is None and hashes[0].hexdigest() != etag:
             raise Corrupt(o.name)
         return segments is None
-    h = hashlib.md5()
+    check = _Check(etag)
 
     def sink(view: memoryview) -> None:
-        h.update(view)
+        check.update(view)
         prog.add(len(view))
 
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        n, headers = store.fetch(o.name, fd, 0, sink)
+        n, headers = store.fetch(o.name, fd, 0, sink, on_headers=check.headers)
     finally:
         os.close(fd)
     if n != o.size:
         raise Corrupt(o.name)
+    if check.crc is not None:
+        if check.crc.value != check.want:
+            raise Corrupt(o.name)
+        return True
+    h = check.md5 or hashlib.md5()
     if str(headers.get("x-static-large-object", "")).lower() == "true":
         segments = store.slo_segments(o.name) or []
         if not segments:
@@ -465,6 +477,30 @@ def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolEx
     raise Recheck(o.name) if before is None else Corrupt(o.name)
 
 
+class _Check:
+    """How one GET's bytes are checked: by the CRC-32 in the answer's CRC_META when it holds for this ETag (what our
+    uploads write; 5x an MD5's speed), else by their MD5. Decided by the headers, before the first byte."""
+
+    def __init__(self, etag: str):
+        self.etag = etag
+        self.want: int | None = None
+        self.crc: Crc32 | None = None
+        self.md5 = None
+
+    def headers(self, h: dict) -> None:
+        if self.crc is None and self.md5 is None:
+            self.want = crc_from(h, self.etag)
+            self.crc = Crc32() if self.want is not None else None
+
+    def update(self, view: memoryview) -> None:
+        if self.crc is not None:
+            self.crc.update(view)
+            return
+        if self.md5 is None:
+            self.md5 = hashlib.md5()
+        self.md5.update(view)
+
+
 class _InOrderMD5:
     """The MD5 of a file whose ranges arrive out of order. An MD5 cannot be combined from parts, so each range is
     hashed once every range before it is: by the thread that completed the range that made this possible, read
@@ -503,13 +539,39 @@ class _InOrderMD5:
         return self.h
 
 
+def _get_pieces(store: Store, o: ObjectInfo, fd: int, pool: ThreadPoolExecutor, prog: _Progress,
+                pieces: list[tuple[int, int, Callable | None, Callable[[], None] | None]]) -> None:
+    """GET each (offset, size, update, done) piece of ``o`` into ``fd`` in parallel: ``update`` (a hash's) sees its
+    bytes as they arrive, ``done`` runs once all are in. Returns once no piece writes to ``fd`` any more."""
+    def one(off, size, update, done):
+        def sink(view: memoryview) -> None:
+            if update is not None:
+                update(view)
+            prog.add(len(view))
+
+        n, _ = store.fetch(o.name, fd, off, sink, start=off, end=off + size - 1)
+        if n != size:
+            raise Corrupt(o.name)
+        if done is not None:
+            done()
+
+    futs = [pool.submit(one, *piece) for piece in pieces]
+    try:
+        for f in futs:
+            f.result()
+    finally:
+        for f in futs:  # the fd stays open until no range writes to it any more
+            f.cancel()
+        wait(futs)
+
+
 def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hashed: bool = True,
                   one_get: int = MAX_RANGE) -> list:
     """Fetch ``o`` into ``part`` as parallel ranged GETs and return the MD5 (a hashlib object) of each group:
     consecutive byte counts that add up to the object (SLO segments, multipart parts, or the whole object). A
     group of at most ``one_get`` bytes (MAX_RANGE or more) is one GET, hashed as it arrives; a larger one is
     RANGE-sized GETs, hashed in order as they complete (_InOrderMD5). ``hashed=False``: fetched only."""
-    ranges = []  # (offset, size, the group's MD5 when hashed as it arrives, (in-order MD5, index) otherwise)
+    ranges = []  # (offset, size, the group's MD5's update when hashed as it arrives, the in-order MD5's callback)
     whole = []
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -520,35 +582,35 @@ def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hashed: bool
                 pieces = [(off, size)] if size <= one_get else [(a, min(RANGE, off + size - a))
                                                                   for a in range(off, off + size, RANGE)]
                 h = hashlib.md5() if hashed else None
-                ranges.extend((a, k, h, None) for a, k in pieces if k > 0)
+                ranges.extend((a, k, h and h.update, None) for a, k in pieces if k > 0)
                 whole.append(h)
             else:
                 pieces = [(a, min(RANGE, off + size - a)) for a in range(off, off + size, RANGE)]
                 inorder = _InOrderMD5(fd, pieces)
-                ranges.extend((a, k, None, (inorder, j)) for j, (a, k) in enumerate(pieces))
+                ranges.extend((a, k, None, functools.partial(inorder.completed, j))
+                              for j, (a, k) in enumerate(pieces))
                 whole.append(inorder)
             off += size
-
-        def one(off, size, h, inorder):
-            def sink(view: memoryview) -> None:
-                if h is not None:
-                    h.update(view)
-                prog.add(len(view))
-
-            n, _ = store.fetch(o.name, fd, off, sink, start=off, end=off + size - 1)
-            if n != size:
-                raise Corrupt(o.name)
-            if inorder is not None:
-                inorder[0].completed(inorder[1])
-
-        futs = [pool.submit(one, *r) for r in ranges]
-        try:
-            for f in futs:
-                f.result()
-        finally:
-            for f in futs:  # the fd stays open until no range writes to it any more
-                f.cancel()
-            wait(futs)
+        _get_pieces(store, o, fd, pool, prog, ranges)
         return [w.md5() if isinstance(w, _InOrderMD5) else w for w in whole]
     finally:
         os.close(fd)
+
+
+def _fetch_crc(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
+               one_get: int = MAX_RANGE) -> int:
+    """Fetch ``o`` into ``part`` (one GET up to ``one_get`` bytes, else RANGE-sized GETs in parallel) and return
+    its CRC-32: each range's taken as it arrives, then combined (crc32_combine), so no range waits for the ones
+    before it and no byte is read back."""
+    pieces = [(0, o.size)] if o.size <= one_get else [(a, min(RANGE, o.size - a)) for a in range(0, o.size, RANGE)]
+    crcs = [Crc32() for _ in pieces]
+    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, o.size)
+        _get_pieces(store, o, fd, pool, prog, [(a, k, c.update, None) for (a, k), c in zip(pieces, crcs) if k > 0])
+    finally:
+        os.close(fd)
+    crc = 0
+    for c in crcs:
+        crc = crc32_combine(crc, c.value, c.size)
+    return crc

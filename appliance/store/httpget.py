@@ -176,10 +176,11 @@ def _whole(u, hdrs: dict, n: int) -> None:
 
 
 def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None,
-             *, timeout: float = 60.0) -> tuple[int, dict]:
-    """GET ``url`` and write its body to ``fd`` from ``offset`` on; ``sink`` sees each piece as it is written.
-    Returns (bytes written, response headers with lower-case names). Raises HTTPError for a non-2xx answer,
-    http.client.IncompleteRead when the body ends early, OSError for the network or the disk."""
+             *, timeout: float = 60.0, on_headers: Callable[[dict], None] | None = None) -> tuple[int, dict]:
+    """GET ``url`` and write its body to ``fd`` from ``offset`` on; ``sink`` sees each piece as it is written,
+    ``on_headers`` a 2xx answer's headers (lower-case names) before the body. Returns (bytes written, those
+    headers). Raises HTTPError for a non-2xx answer, http.client.IncompleteRead when the body ends early, OSError
+    for the network or the disk."""
     u = urlsplit(url)
     conn, resp = _send("GET", url, headers, timeout)
     hdrs = {k.lower(): v for k, v in resp.getheaders()}
@@ -187,6 +188,12 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
         resp.read(1 << 16)
         _drop(u.scheme, u.netloc)
         raise HTTPError(resp.status, resp.reason, url)
+    if on_headers is not None:
+        try:
+            on_headers(hdrs)
+        except BaseException:
+            _drop(u.scheme, u.netloc)  # the body is left unread: the connection cannot be reused
+            raise
     buf = _buffer()
     n = 0
     try:
