@@ -19,7 +19,7 @@ from appliance import localcloud, testbed
 from appliance.cluster import find_cluster
 from appliance.errors import ApplianceError
 from appliance import flows
-from appliance.sites.openstack import OpenStackCloud, connect, explain_blazar
+from appliance.sites.openstack import ListedServer, OpenStackCloud, connect, explain_blazar
 from appliance.flows import run_job as train
 from appliance.spec import load_spec
 from conftest import ROOT, needs_netns
@@ -334,6 +334,11 @@ def test_user_data_runs_at_boot(cloud, tmp_path):
             __import__("time").sleep(0.1)  # polling the cloud's API, as a client does
         assert node is not None
         assert (Path(node.disk) / "cloud-init.txt").read_text().strip() == "booted-udata-0"
+        # what `up` waits with: one listing, read as Nova's JSON (no openstacksdk resource per server)
+        listed = c.get_servers([sid, "no-such-id"], "^udata-[0-9]+$")
+        assert isinstance(listed[sid], ListedServer) and listed["no-such-id"] is None
+        assert listed[sid].status == "ACTIVE" and c.server_ip(listed[sid]) == node.ip
+        assert c.get_servers([sid], "^udata-x")[sid] is None  # the name filter is Nova's
     finally:
         c.delete_lease(info.id)
 
