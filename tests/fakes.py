@@ -130,10 +130,10 @@ class FakeCloud:
     def get_server(self, server_id):
         return self.servers.get(server_id)
 
-    def get_servers(self, server_ids, name_regex):
-        """One listing filtered by name as Nova filters it (a regular expression search)."""
+    def get_servers(self, server_ids, name_regex=None):
+        """One listing filtered by name as Nova filters it (a regular expression search), or of every server."""
         self._call("get_servers", name_regex)
-        listed = {sid: srv for sid, srv in self.servers.items() if re.search(name_regex, srv.name)}
+        listed = {sid: srv for sid, srv in self.servers.items() if not name_regex or re.search(name_regex, srv.name)}
         return {sid: listed.get(sid) for sid in server_ids}
 
     @_effect

@@ -455,12 +455,31 @@ def test_up_waits_for_its_servers_with_one_listing_a_round_not_a_request_per_ser
     lifecycle.down("fl", site=site)
 
 
+def test_status_reads_its_nodes_from_one_listing(tmp_path, monkeypatch):
+    """`appliance status` asked Nova for each node in turn (find_server: a GET, and a listing more for one gone).
+    Now one listing, unfiltered: a cluster adopted from a Heat stack has other names."""
+    site, spec = FakeSite(), spec_of(tmp_path, "fs", nodes=3)
+    up(site, spec)
+    gone = site.cloud.servers.pop(next(iter(site.cloud.servers)))
+
+    def one_by_one(sid):
+        raise AssertionError("a request per server")
+
+    monkeypatch.setattr(site.cloud, "get_server", one_by_one)
+    site.cloud.calls.clear()
+    states = {n["name"]: n["state"] for n in lifecycle.status("fs", site=site)["nodes"]}
+    assert states == {gone.name: "GONE", **{s.name: "ACTIVE" for s in site.cloud.servers.values()}}
+    assert site.cloud.verbs("get_servers") == [(None,)]
+    monkeypatch.undo()
+    lifecycle.down("fs", site=site)
+
+
 def test_a_server_missing_from_the_listing_is_said_to_have_disappeared(tmp_path):
     site, spec = FakeSite(), spec_of(tmp_path, "fm", nodes=2)
     site.cloud.faults["create_server"] = "BUILD"
     real = site.cloud.get_servers
 
-    def without_the_first(ids, name_regex):
+    def without_the_first(ids, name_regex=None):
         got = real(ids, name_regex)
         got[ids[0]] = None  # deleted by someone while it booted
         return got

@@ -351,8 +351,11 @@ def status(name: str, site: Site | None = None) -> dict:
         if info.status in ("TERMINATED", "DELETED"):
             out["message"] = (f"the lease ended at {fmt_date(info.end)} UTC: every server of it was deleted, "
                               "local disks included. `appliance up SPEC` makes a new lease.")
+    # one listing, not a GET per node (find_server: a second request, a listing, for each one gone); no name filter:
+    # an adopted cluster's servers have the stack's names
+    listed = c.get_servers([n.server_id for n in cluster.nodes if n.server_id]) if cluster.nodes else {}
     for node in cluster.nodes:
-        srv = c.get_server(node.server_id) if node.server_id else None
+        srv = listed.get(node.server_id) if node.server_id else None
         state = "GONE" if srv is None else "DELETING" if _deleting(srv) else srv.status
         out["nodes"].append({"name": node.name, "server_id": node.server_id, "private_ip": node.private_ip,
                              "address": node.address, "state": state})

@@ -492,7 +492,7 @@ class OpenStackCloud:
     def get_server(self, server_id: str):
         return self.conn.compute.find_server(server_id)
 
-    def get_servers(self, server_ids: list[str], name_regex: str) -> dict[str, object]:
+    def get_servers(self, server_ids: list[str], name_regex: str | None = None) -> dict[str, object]:
         """{id: server (ListedServer), or None when it is gone} for many servers from one listing (GET
         /servers/detail?name=..., every page), where a GET per server costs N requests a round: 64 at 0.2-0.3 s
         each on a real Nova, and ~36 ms of the launcher's CPU each for openstacksdk's parsing (make
@@ -500,11 +500,12 @@ class OpenStackCloud:
         server cost ~21 ms of CPU more (a cProfile of `up` at 64 nodes: 6.95 s over 5 rounds). Nova matches ``name``
         as a regular expression for any user (nova/api/openstack/compute/servers.py ``_get_server_search_options``
         keeps it for non-admins; nova/db/main/api.py ``_regex_instance_filter``: the database's REGEXP), so
-        ``name_regex`` is plain POSIX (``^run-[0-9]+$``): MySQL's and MariaDB's REGEXP alike."""
+        ``name_regex`` is plain POSIX (``^run-[0-9]+$``): MySQL's and MariaDB's REGEXP alike. Without it, the
+        project's every server is listed (a cluster adopted from a Heat stack has other names)."""
         import openstack.exceptions
 
         want, found = set(server_ids), {}
-        url, params = "/servers/detail", {"name": name_regex}
+        url, params = "/servers/detail", ({"name": name_regex} if name_regex else None)
         while url:  # Nova pages at its [api] max_limit (1000): servers_links names the next page
             resp = self.conn.compute.get(url, params=params)
             openstack.exceptions.raise_from_response(resp)
