@@ -330,3 +330,19 @@ def test_gets_go_through_the_proxy_the_environment_names_as_requests_does(server
         os.close(fd)
         httpget._local.__dict__.clear()
         proxy.shutdown()
+
+
+def test_the_receive_buffer_stays_in_the_cores_l2_cache(tmp_path):
+    """A 1 MiB buffer on a core with 512 KiB of L2 cost the stager 4.21 s of system time for 2 GiB, 512 KiB 2.15 s
+    (appliance/store/httpget.py buffer_size): the buffer is the L2 sysfs names, from 256 KiB to 1 MiB."""
+    from appliance.store.httpget import _l2_bytes, buffer_size
+
+    for i, (level, size) in enumerate([("1", "32K"), ("1", "32K"), ("2", "512K"), ("3", "32768K")]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(level + "\n")
+        (d / "size").write_text(size + "\n")
+    assert _l2_bytes(str(tmp_path)) == 512 << 10
+    assert _l2_bytes(str(tmp_path / "none")) is None
+    assert buffer_size(512 << 10) == 512 << 10 and buffer_size(2 << 20) == 1 << 20
+    assert buffer_size(128 << 10) == 256 << 10 and buffer_size(None) == 512 << 10

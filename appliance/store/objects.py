@@ -39,7 +39,8 @@ SEGMENTS_IN_FLIGHT = 8  # SLO segments / S3 parts uploaded at once
 EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"  # Ceph RGW lists an SLO with this hash and the manifest's length
 # The object's CRC-32, in its user metadata, for the stager to check its bytes with instead of an MD5 (5x the speed:
 # 2.9 GB/s against 0.6 here, and ranges combine: crc32_combine). Written by our uploads from the same read of the
-# file that gave the MD5s the store's ETag is checked against, and bound to that ETag: "<crc32 hex> <etag>". A
+# file that gave the MD5s the store's ETag is checked against, and bound to that ETag: "<crc32 hex> <etag>..." (a
+# file in parts: the ETags either API lists it with). A
 # stager trusts it only while the object's ETag is that one, so bytes that changed after the hashing (a file
 # rewritten during its upload; an object replaced, metadata copied) are checked by their MD5 as before. Swift's
 # X-Object-Meta-* and S3's x-amz-meta-* are one set of metadata in Ceph RGW and in Swift's s3api.
