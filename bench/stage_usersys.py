@@ -3,73 +3,125 @@ and put as `appliance data upload` puts them (checked by their CRC-32: CRC_META 
 through both APIs, beside s5cmd and rclone s3, in a rotated order each round. One Ceph RGW on 127.0.0.1.
 
     python bench/stage_usersys.py [ROUNDS] [OUT_DIR]     # default 4, bench/results/stage-usersys
+BENCH_OBJECTS and BENCH_MIB change the 8 x 256 MiB (a quick check of the script itself).
 """
-import json, os, shutil, statistics, subprocess, sys, time
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
-ROOT = Path(__file__).resolve().parents[1]; sys.path.insert(0, str(ROOT))
-from appliance.localcloud.rgw_server import RGWServer
-from appliance.store.objects import StoreCreds, SwiftStore
-import swiftclient
-work = Path("/var/tmp/appliance-usersys")  # removed at the end; shutil.rmtree(work, ignore_errors=True); work.mkdir(parents=True)
-tv = ROOT / "bench/.venv-tools"
-sw = RGWServer(work / "rgw").start()
-try:
-    cr = sw.credentials()
-    creds = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from appliance.localcloud.rgw_server import RGWServer  # noqa: E402
+from appliance.store.objects import StoreCreds, SwiftStore  # noqa: E402
+
+TOOLS = ROOT / "bench" / ".venv-tools"
+OBJECTS, SIZE_MIB = int(os.environ.get("BENCH_OBJECTS", 8)), int(os.environ.get("BENCH_MIB", 256))
+
+
+def seed(sw, work: Path, *, plain: bool = True) -> None:
+    """Container ``bours``: OBJECTS random objects put as our uploads put them (SwiftStore.put, CRC_META); with
+    ``plain``, ``bplain`` too: as many others put by plain swiftclient (no metadata: checked by MD5)."""
+    import swiftclient
+
+    ours = SwiftStore("bours", StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key))
+    ours.ensure_container()
     conn = swiftclient.Connection(authurl=sw.auth_url, user=sw.user, key=sw.key, timeout=600, retries=0)
-    conn.put_container("bplain"); ours = SwiftStore("bours", creds); ours.ensure_container()
+    if plain:
+        conn.put_container("bplain")
     big = work / "big.bin"
-    for i in range(8):
+    for i in range(OBJECTS):
         with open(big, "wb") as fh:
-            for _ in range(256): fh.write(os.urandom(1 << 20))
-        with open(big, "rb") as fh:
-            conn.put_object("bplain", f"large-{i:02d}.bin", fh, content_length=big.stat().st_size)
+            for _ in range(SIZE_MIB):
+                fh.write(os.urandom(1 << 20))
+        if plain:
+            with open(big, "rb") as fh:
+                conn.put_object("bplain", f"large-{i:02d}.bin", fh, content_length=big.stat().st_size)
         ours.put(f"large-{i:02d}.bin", big)
     big.unlink()
-    ak, sk = cr["s3_access_key"], cr["s3_secret_key"]
-    env = {"PATH": f"{tv}/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)}
-    def stager(cont, api, dest):
-        c = creds.scoped().__dict__ if api == "swift" else StoreCreds(s3_endpoint=sw.s3_endpoint, s3_access_key=ak, s3_secret_key=sk).__dict__
-        job = {"url": f"{api}://{cont}/", "dest": dest, "mode": "full", "rank": 0, "nodes": 1, "concurrency": 32, "creds": c}
-        return [sys.executable, "-P", "-m", "appliance.node.stage_main"], json.dumps(job)
-    runs = {
-        "ours s3, other tool's (MD5)": lambda d: stager("bplain", "s3", d),
-        "ours s3, data upload's (CRC)": lambda d: stager("bours", "s3", d),
-        "ours swift, other tool's (MD5)": lambda d: stager("bplain", "swift", d),
-        "ours swift, data upload's (CRC)": lambda d: stager("bours", "swift", d),
-        "s5cmd": lambda d: ([f"{tv}/bin/s5cmd", "--endpoint-url", sw.s3_endpoint, "--numworkers", "32", "cp", "s3://bours/*", d + "/"], None),
-        "rclone s3": lambda d: ([f"{tv}/bin/rclone", "copy", ":s3:bours", d, "--transfers", "32", "--checkers", "32"], None),
-    }
-    s3env = {"AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk, "AWS_DEFAULT_REGION": "us-east-1",
-             "RCLONE_S3_PROVIDER": "Other", "RCLONE_S3_ENDPOINT": sw.s3_endpoint, "RCLONE_S3_ACCESS_KEY_ID": ak,
-             "RCLONE_S3_SECRET_ACCESS_KEY": sk, "RCLONE_S3_FORCE_PATH_STYLE": "true"}
-    out = {k: [] for k in runs}
-    names = list(runs)
-    for rnd in range(int(sys.argv[1]) if len(sys.argv) > 1 else 3):
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-            dest = work / "dest"; shutil.rmtree(dest, ignore_errors=True); dest.mkdir(); os.sync()
-            argv, stdin = runs[name](str(dest))
-            r = subprocess.run(["/usr/bin/time", "-f", "TIME %U %S %e", *argv], input=stdin, text=True,
-                               capture_output=True, env={**env, **s3env})
-            u, s, e = map(float, r.stderr.strip().splitlines()[-1].split()[1:])
-            n = sum(1 for p in dest.iterdir() if p.is_file() and not p.name.startswith(".appliance"))
-            out[name].append((u, s, e, r.returncode, n))
-            print(json.dumps({"tool": name, "round": rnd, "user": u, "sys": s, "wall": e, "rc": r.returncode, "files": n}), flush=True)
-    out_dir = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "bench/results/stage-usersys"
+
+
+def stager_job(sw, container: str, api: str, dest: str) -> str:
+    """The stage_main job (its stdin) for the whole container through ``api`` at concurrency 32."""
+    cr = sw.credentials()
+    creds = (StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key).scoped() if api == "swift" else
+             StoreCreds(s3_endpoint=sw.s3_endpoint, s3_access_key=cr["s3_access_key"],
+                        s3_secret_key=cr["s3_secret_key"]))
+    return json.dumps({"url": f"{api}://{container}/", "dest": dest, "mode": "full", "rank": 0, "nodes": 1,
+                       "concurrency": 32, "creds": creds.__dict__})
+
+
+def timed(argv: list[str], stdin: str | None, env: dict, dest: Path) -> dict:
+    """Run ``argv`` under /usr/bin/time into an empty ``dest`` (after a sync): user, sys, wall, rc, files."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir()
+    os.sync()  # the last run's dirty pages are written before this one starts
+    r = subprocess.run(["/usr/bin/time", "-f", "TIME %U %S %e", *argv], input=stdin, text=True,
+                       capture_output=True, env=env)
+    user, sys_s, wall = map(float, r.stderr.strip().splitlines()[-1].split()[1:])
+    files = sum(1 for p in dest.iterdir() if p.is_file() and not p.name.startswith(".appliance"))
+    return {"user": user, "sys": sys_s, "wall": wall, "rc": r.returncode, "files": files}
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+    out_dir = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "bench" / "results" / "stage-usersys"
+    work = Path("/var/tmp/appliance-usersys")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    sw = RGWServer(work / "rgw").start()
+    try:
+        seed(sw, work)
+        cr = sw.credentials()
+        ak, sk = cr["s3_access_key"], cr["s3_secret_key"]
+        env = {"PATH": f"{TOOLS}/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
+               "PYTHONPATH": str(ROOT), "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk,
+               "AWS_DEFAULT_REGION": "us-east-1", "RCLONE_S3_PROVIDER": "Other", "RCLONE_S3_ENDPOINT": sw.s3_endpoint,
+               "RCLONE_S3_ACCESS_KEY_ID": ak, "RCLONE_S3_SECRET_ACCESS_KEY": sk, "RCLONE_S3_FORCE_PATH_STYLE": "true"}
+        ours = [sys.executable, "-P", "-m", "appliance.node.stage_main"]
+        runs = {
+            "ours s3, other tool's (MD5)": lambda d: (ours, stager_job(sw, "bplain", "s3", d)),
+            "ours s3, data upload's (CRC)": lambda d: (ours, stager_job(sw, "bours", "s3", d)),
+            "ours swift, other tool's (MD5)": lambda d: (ours, stager_job(sw, "bplain", "swift", d)),
+            "ours swift, data upload's (CRC)": lambda d: (ours, stager_job(sw, "bours", "swift", d)),
+            "s5cmd": lambda d: ([f"{TOOLS}/bin/s5cmd", "--endpoint-url", sw.s3_endpoint, "--numworkers", "32",
+                                 "cp", "s3://bours/*", d + "/"], None),
+            "rclone s3": lambda d: ([f"{TOOLS}/bin/rclone", "copy", ":s3:bours", d, "--transfers", "32",
+                                     "--checkers", "32"], None),
+        }
+        out: dict[str, list[dict]] = {k: [] for k in runs}
+        names = list(runs)
+        for rnd in range(rounds):
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                argv, stdin = runs[name](str(work / "dest"))
+                out[name].append(timed(argv, stdin, env, work / "dest"))
+                print(json.dumps({"tool": name, "round": rnd, **out[name][-1]}), flush=True)
+    finally:
+        sw.stop()
+        shutil.rmtree(work, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     cmd = "python bench/stage_usersys.py " + " ".join(sys.argv[1:])
-    (out_dir / "usersys.json").write_text(json.dumps({"command": cmd, "when": when, "machine": f"{os.cpu_count()} cores",
-        "runs": {k: [dict(zip(("user", "sys", "wall", "rc", "files"), r)) for r in v] for k, v in out.items()}}, indent=1))
+    (out_dir / "usersys.json").write_text(json.dumps({"command": cmd, "when": when,
+                                                      "machine": f"{os.cpu_count()} cores", "runs": out}, indent=1))
     lines = [f"# Stager user and system time ({when}, {os.cpu_count()} cores, `{cmd}`)", "",
-             "8 x 256 MiB from one Ceph RGW on 127.0.0.1, concurrency 32, each tool under `/usr/bin/time`, "
-             f"{len(next(iter(out.values())))} rounds in a rotated order. Ranges over the rounds; wall: the median too.", "",
-             "| run | user s | system s | wall s | wall median s | all 8 files |", "|---|---|---|---|---|---|"]
-    for k, v in out.items():
-        u, s, e = ([r[i] for r in v] for i in range(3))
-        lines.append(f"| {k} | {min(u)}-{max(u)} | {min(s)}-{max(s)} | {min(e)}-{max(e)} | "
-                     f"{statistics.median(e):.2f} | {'yes' if all(r[3] == 0 and r[4] == 8 for r in v) else 'NO'} |")
+             f"{OBJECTS} x {SIZE_MIB} MiB from one Ceph RGW on 127.0.0.1, concurrency 32, each tool under "
+             f"`/usr/bin/time`, {rounds} rounds in a rotated order. Ranges over the rounds; wall: the median too.", "",
+             f"| run | user s | system s | wall s | wall median s | all {OBJECTS} files |", "|---|---|---|---|---|---|"]
+    for name, rs in out.items():
+        u, s, e = ([r[k] for r in rs] for k in ("user", "sys", "wall"))
+        ok = all(r["rc"] == 0 and r["files"] == OBJECTS for r in rs)
+        lines.append(f"| {name} | {min(u)}-{max(u)} | {min(s)}-{max(s)} | {min(e)}-{max(e)} | "
+                     f"{statistics.median(e):.2f} | {'yes' if ok else 'NO'} |")
     (out_dir / "usersys.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-finally:
-    sw.stop(); shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -44,7 +44,7 @@ def test_the_crc_is_trusted_only_for_the_etag_it_was_written_for():
     assert crc_from({f"x-amz-meta-{CRC_META}": v}, "f" * 32) is None  # written for other bytes
     both = crc_meta(7, "a" * 32, "b" * 32 + "-3")  # a file in parts: its SLO and its multipart ETag
     assert crc_from({f"x-amz-meta-{CRC_META}": both}, "b" * 32 + "-3") == crc_from({f"x-amz-meta-{CRC_META}": both}, "a" * 32) == 7
-    for bad in ("deadbeef", "xyz12345 " + etag, "", "deadbee " + etag):
+    for bad in ("deadbeef", "xyz12345 " + etag, "", " ", "deadbee " + etag, "DEADBEEF " + etag):
         assert crc_from({f"x-amz-meta-{CRC_META}": bad}, etag) is None
     assert crc_from({}, etag) is None
 

@@ -1024,15 +1024,13 @@ def crc_meta(crc: int, *etags: str) -> str:
 def crc_from(headers: dict, etag: str) -> int | None:
     """The CRC-32 an object's headers (lower-case names; Swift's or S3's) carry in CRC_META, when it was written
     for ``etag`` (the listing's: the size staged is the listing's too); None when there is none, it is malformed,
-    or it was written for other bytes. It may name several ETags: a file in parts is listed with its SLO ETag through the
-    Swift API and its multipart ETag through S3 (OpenStack Swift's s3api), both made of the same parts' MD5s."""
-    v = headers.get(f"x-object-meta-{CRC_META}") or headers.get(f"x-amz-meta-{CRC_META}")
-    if not v:
+    or it was written for other bytes. It may name several ETags: a file in parts is listed with its SLO ETag
+    through the Swift API and its multipart ETag through S3 (OpenStack Swift's s3api), both made of the same parts'
+    MD5s."""
+    words = str(headers.get(f"x-object-meta-{CRC_META}") or headers.get(f"x-amz-meta-{CRC_META}") or "").split()
+    if len(words) < 2 or not re.fullmatch(r"[0-9a-f]{8}", words[0]):
         return None
-    crc, *written = str(v).split()
-    if not re.fullmatch(r"[0-9a-f]{8}", crc):
-        return None
-    return int(crc, 16) if etag and etag.strip('"') in written else None
+    return int(words[0], 16) if etag and etag.strip('"') in words[1:] else None
 
 
 def md5_file(p: Path) -> str:
