@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from stage_usersys import OBJECTS, ROOT, SIZE_MIB, seed, stager_job, timed  # bench/stage_usersys.py (this script's folder)
+from stage_usersys import OBJECTS, ROOT, SIZE_MIB, all_fetched, seed, stager_job, timed, write_report  # bench/stage_usersys.py (this script's folder)
 
 from appliance.localcloud.rgw_server import RGWServer
 from appliance.store.httpget import _l2_bytes
@@ -46,22 +46,16 @@ def main() -> None:
     cmd = "python bench/stage_buffer_ab.py " + " ".join(sys.argv[1:])
     l2 = _l2_bytes()
     l2s = f"{l2 >> 10}K" if l2 else "unknown"
-    out_dir = ROOT / "bench" / "results" / "stage-buffer"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "buffer.json").write_text(json.dumps({"command": cmd, "when": when, "l2_per_core": l2s,
-                                                     "runs": {str(b): v for b, v in out.items()}}, indent=1))
     lines = [f"# The stager's receive buffer ({when}, {os.cpu_count()} cores, L2 {l2s} per core, `{cmd}`)", "",
              f"{OBJECTS} x {SIZE_MIB} MiB put by our upload (checked by CRC-32), through S3, one Ceph RGW on 127.0.0.1; "
              f"medians of {rounds} rounds, the sizes in a rotated order.", "",
              "| buffer | user s | system s | wall s | system s, every round | all files |", "|---|---|---|---|---|---|"]
     for b, rs in out.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("user", "sys", "wall")}
-        ok = all(r["rc"] == 0 and r["files"] == OBJECTS for r in rs)
         lines.append(f"| {b >> 10} KiB | {med['user']:.2f} | {med['sys']:.2f} | {med['wall']:.2f} | "
-                     f"{', '.join(str(s) for s in sorted(r['sys'] for r in rs))} | {'yes' if ok else 'NO'} |")
-    (out_dir / "buffer.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+                     f"{', '.join(str(s) for s in sorted(r['sys'] for r in rs))} | {all_fetched(rs)} |")
+    write_report(ROOT / "bench" / "results" / "stage-buffer", "buffer",
+                 {"command": cmd, "when": when, "l2_per_core": l2s, "runs": {str(b): v for b, v in out.items()}}, lines)
 
 if __name__ == "__main__":
     main()

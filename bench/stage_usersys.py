@@ -69,6 +69,19 @@ def timed(argv: list[str], stdin: str | None, env: dict, dest: Path) -> dict:
     return {"user": user, "sys": sys_s, "wall": wall, "rc": r.returncode, "files": files}
 
 
+def all_fetched(rs: list[dict]) -> str:
+    """'yes' when every run of a row exited 0 with all OBJECTS files, else 'NO'."""
+    return "yes" if all(r["rc"] == 0 and r["files"] == OBJECTS for r in rs) else "NO"
+
+
+def write_report(out_dir: Path, stem: str, payload: dict, lines: list[str]) -> None:
+    """``stem``.json (every run) and ``stem``.md (the table) in ``out_dir``; the table on stdout too."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     out_dir = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "bench" / "results" / "stage-usersys"
@@ -105,23 +118,18 @@ def main() -> None:
     finally:
         sw.stop()
         shutil.rmtree(work, ignore_errors=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     cmd = "python bench/stage_usersys.py " + " ".join(sys.argv[1:])
-    (out_dir / "usersys.json").write_text(json.dumps({"command": cmd, "when": when,
-                                                      "machine": f"{os.cpu_count()} cores", "runs": out}, indent=1))
     lines = [f"# Stager user and system time ({when}, {os.cpu_count()} cores, `{cmd}`)", "",
              f"{OBJECTS} x {SIZE_MIB} MiB from one Ceph RGW on 127.0.0.1, concurrency 32, each tool under "
              f"`/usr/bin/time`, {rounds} rounds in a rotated order. Ranges over the rounds; wall: the median too.", "",
              f"| run | user s | system s | wall s | wall median s | all {OBJECTS} files |", "|---|---|---|---|---|---|"]
     for name, rs in out.items():
         u, s, e = ([r[k] for r in rs] for k in ("user", "sys", "wall"))
-        ok = all(r["rc"] == 0 and r["files"] == OBJECTS for r in rs)
         lines.append(f"| {name} | {min(u)}-{max(u)} | {min(s)}-{max(s)} | {min(e)}-{max(e)} | "
-                     f"{statistics.median(e):.2f} | {'yes' if ok else 'NO'} |")
-    (out_dir / "usersys.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+                     f"{statistics.median(e):.2f} | {all_fetched(rs)} |")
+    write_report(out_dir, "usersys", {"command": cmd, "when": when, "machine": f"{os.cpu_count()} cores",
+                                      "runs": out}, lines)
 
 if __name__ == "__main__":
     main()
