@@ -6,17 +6,14 @@ on 127.0.0.1, each buffer size in turn, in a rotated order each round.
 Writes bench/results/stage-buffer/buffer.{json,md}.
 """
 
-import json
 import os
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from stage_usersys import OBJECTS, ROOT, SIZE_MIB, all_fetched, seed, stager_job, timed, write_report  # bench/stage_usersys.py (this script's folder)
+from stage_usersys import OBJECTS, ROOT, SIZE_MIB, all_fetched, stager_variants, write_report  # bench/stage_usersys.py (this script's folder)
 
-from appliance.localcloud.rgw_server import RGWServer
 from appliance.store.httpget import _l2_bytes
 
 
@@ -24,24 +21,8 @@ def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     sizes = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1 << 20, 512 << 10, 256 << 10,
                                                                                  128 << 10]
-    work = Path("/var/tmp/appliance-bufab")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    sw = RGWServer(work / "rgw").start()
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/root")}
-    out: dict[int, list[dict]] = {b: [] for b in sizes}
-    try:
-        seed(sw, work, plain=False)
-        for rnd in range(rounds):
-            for b in sizes[rnd % len(sizes):] + sizes[:rnd % len(sizes)]:
-                code = (f"import appliance.store.httpget as h; h.BUF = {b}; import runpy; "
-                        "runpy.run_module('appliance.node.stage_main', run_name='__main__')")
-                argv = [sys.executable, "-P", "-c", code]
-                out[b].append(timed(argv, stager_job(sw, "bours", "s3", str(work / "dest")), env, work / "dest"))
-                print(json.dumps({"buf": b, "round": rnd, **out[b][-1]}), flush=True)
-    finally:
-        sw.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    variants = {b: f"import appliance.store.httpget as h; h.BUF = {b}" for b in sizes}
+    out = stager_variants(variants, rounds, Path("/var/tmp/appliance-bufab"))
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     cmd = "python bench/stage_buffer_ab.py " + " ".join(sys.argv[1:])
     l2 = _l2_bytes()

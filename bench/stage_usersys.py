@@ -82,6 +82,30 @@ def write_report(out_dir: Path, stem: str, payload: dict, lines: list[str]) -> N
     print("\n".join(lines))
 
 
+def stager_variants(variants: dict[str, str], rounds: int, work: Path) -> dict[str, list[dict]]:
+    """An A/B of the stager itself: for each round, each variant in a rotated order, ``timed`` runs of
+    stage_main fetching OBJECTS put by our upload (the CRC-32 path) through S3 from a fresh RGW in ``work``; a
+    variant is Python code run in the stager's process before stage_main (a setting changed)."""
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    sw = RGWServer(work / "rgw").start()
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", "/root")}
+    out: dict[str, list[dict]] = {v: [] for v in variants}
+    names = list(variants)
+    try:
+        seed(sw, work, plain=False)
+        for rnd in range(rounds):
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                code = f"{variants[name]}; import runpy; runpy.run_module('appliance.node.stage_main', run_name='__main__')"
+                out[name].append(timed([sys.executable, "-P", "-c", code],
+                                       stager_job(sw, "bours", "s3", str(work / "dest")), env, work / "dest"))
+                print(json.dumps({"variant": name, "round": rnd, **out[name][-1]}), flush=True)
+    finally:
+        sw.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     out_dir = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "bench" / "results" / "stage-usersys"
