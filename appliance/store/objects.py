@@ -11,6 +11,7 @@ renewed on a 401), and EC2-style keys for S3. They are never logged and never pu
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import json
@@ -32,7 +33,8 @@ from .. import report
 log = report.get(__name__)
 
 try:  # zlib-ng's CRC-32: zlib's function (the same values), folded with PCLMULQDQ/VPCLMULQDQ where the CPU has them.
-    # 9.9-14.8 GB/s on one core here against zlib's 2.8-3.5 (bench/crc_speed.py); it lets go of the GIL as zlib does.
+    # 9.9 GB/s on one core here against zlib's 3.5 (bench/crc_speed.py; 14.8 and 2.8 in another run). It lets go
+    # of the GIL as zlib does.
     from zlib_ng.zlib_ng import crc32 as _crc32
 except ImportError:  # not in the lock's venv (a node set up by hand): zlib's, slower, same values
     from zlib import crc32 as _crc32
@@ -43,7 +45,7 @@ MAX_OBJECT = 5 * 1024**3  # a single PUT is capped at 5 GiB
 SEGMENTS_IN_FLIGHT = 8  # SLO segments / S3 parts uploaded at once
 EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"  # Ceph RGW lists an SLO with this hash and the manifest's length
 # The object's CRC-32, in its user metadata, for the stager to check its bytes with instead of an MD5 (15x the
-# speed: 9.9 GB/s against 0.65 here with zlib-ng, 2.8 with zlib; and ranges combine: crc32_combine). Written by our
+# speed: 9.9 GB/s against 0.65 here with zlib-ng, 3.5 with zlib; and ranges combine: crc32_combine). Written by our
 # uploads from the same read of the file that gave the MD5s the store's ETag is checked against, and bound to that
 # ETag: "<crc32 hex> <etag>..." (a file in parts: the ETags either API lists it with). A stager trusts it only while
 # the object's ETag is that one, so bytes that changed after the hashing (a file rewritten during its upload; an
@@ -485,12 +487,12 @@ class SwiftStore(Store):
         conn = self.conn()
         if size <= segment_size:
             meta = _crc_header("X-Object-Meta-", md5s, md5s.get("md5"))
+            # the ETag header: the store checks the bytes it received against it and refuses them (422) when they
+            # differ, keeping what the name held (swift/obj/server.py PUT; Ceph RGW's Swift API too: tests/test_stage.py)
             with open(path, "rb") as fh:
-                etag = self._put_body(self.container, name, lambda: (fh.seek(0), fh)[1], content_length=size,
-                                      **({"headers": meta} if meta else {}))
-            if str(etag).strip('"') != md5s["md5"]:
-                raise ApplianceError(f"{name} arrived with ETag {etag}, the file's MD5 is {md5s['md5']}",
-                                     "retry the upload")
+                etag = self._checked_put(name, md5s["md5"], lambda: self._put_body(
+                    self.container, name, lambda: (fh.seek(0), fh)[1], content_length=size, etag=md5s["md5"],
+                    **({"headers": meta} if meta else {})))
             return etag
         seg_container = f"{self.container}_segments"
         self._call(conn.put_container, seg_container)
@@ -506,15 +508,13 @@ class SwiftStore(Store):
                     parts.append(_Slice(fh, n))
                     return parts[-1]
 
-                # the store's ETag is checked against the MD5 computed before the upload (md5s): the bytes are
-                # hashed once
-                etag = self._put_body(seg_container, seg, body, content_length=n, chunk_size=1 << 20)
-            part = parts[-1]
-            sent = md5s["parts"][i]
-            if part.left or str(etag).strip('"') != sent:
-                raise ApplianceError(f"segment {i} of {name} arrived with ETag {etag}, we sent {sent}",
-                                     "retry the upload")
-            return {"path": f"/{seg_container}/{seg}", "etag": sent, "size_bytes": n}
+                # the store checks the bytes against the MD5 computed before the upload (md5s; the ETag header),
+                # and its ETag is checked again below: the bytes are hashed once
+                etag = self._checked_put(f"segment {i} of {name}", md5s["parts"][i], lambda: self._put_body(
+                    seg_container, seg, body, content_length=n, chunk_size=1 << 20, etag=md5s["parts"][i]))
+            if parts[-1].left:  # the file ended early: it was cut while being sent
+                raise _damaged(f"segment {i} of {name}", md5s["parts"][i], etag)
+            return {"path": f"/{seg_container}/{seg}", "etag": md5s["parts"][i], "size_bytes": n}
 
         offsets = list(enumerate(range(0, size, segment_size)))
         # one stream of a Python client is far below a store's bandwidth (make bench-stage, "upload"): the segments
@@ -524,6 +524,21 @@ class SwiftStore(Store):
         meta = _crc_header("X-Object-Meta-", md5s, md5s.get("swift"))  # the manifest's metadata is the SLO's
         return self._call(conn.put_object, self.container, name, json.dumps(manifest),
                           query_string="multipart-manifest=put", **({"headers": meta} if meta else {}))
+
+    def _checked_put(self, what: str, md5: str, put: Callable[[], str]) -> str:
+        """``put()``, sent with ETag ``md5``: a store that received other bytes refuses them (422) and keeps what
+        the name held; one that answers with another ETag all the same is said so too."""
+        import swiftclient
+
+        try:
+            etag = put()
+        except swiftclient.ClientException as e:
+            if e.http_status != 422:
+                raise
+            raise _damaged(what, md5, None) from None
+        if str(etag).strip('"') != md5:
+            raise _damaged(what, md5, etag)
+        return etag
 
     def _put_body(self, container: str, name: str, body: Callable, **kwargs) -> str:
         """PUT ``body()``; once more with a fresh ``body()`` when a 401 came mid-request. An expired token is
@@ -595,18 +610,24 @@ class S3Store(Store):
                 # Timestamps stay the strings the store sent: botocore parses each listed object's LastModified
                 # with dateutil, 60% of a listing's CPU (0.126 -> 0.050 ms per object listed, measured against
                 # the real RGW), and nothing here reads them.
-                # No CRC32 of botocore's own on uploads (its default since 1.36: `when_supported`): every byte
-                # we send is checked by its MD5 against the store's ETag already, the CRC cost 0.6 s of CPU per
-                # 1.6 GB (make bench-stage STORE=rgw, the upload rows), and RGWs before Squid do not know the
+                # No CRC32 of botocore's own on uploads (its default since 1.36: `when_supported`): every PUT
+                # we send carries its bytes' MD5 (Content-MD5, which the store checks: put), the CRC cost 0.6 s of
+                # CPU per 1.6 GB (make bench-stage STORE=rgw, the upload rows), and RGWs before Squid do not know the
                 # x-amz-checksum-* headers and aws-chunked trailers it sends them with over HTTPS (ceph/ceph PRs
                 # 49986 and 63326; red-hat-storage/ceph-qe-scripts PR 766 lists the failures it met).
+                # No SHA-256 of the payload either (UNSIGNED-PAYLOAD; the signature still covers every header,
+                # Content-MD5 with them): botocore leaves it out itself over https when a PUT carries a checksum
+                # header (botocore/auth.py S3SigV4Auth._should_sha256_sign_payload), and signs every byte over http
+                # or without one. Ours always carry Content-MD5; the SHA-256 cost 0.5-0.6 s of CPU per 768 MiB
+                # uploaded (1.08-1.21 s against 0.50-0.58, 3 rounds each, one RGW here).
                 session = boto3.session.Session()
                 session._session.get_component("response_parser_factory").set_parser_defaults(
                     timestamp_parser=str)
                 self._client = session.client(
                     "s3", endpoint_url=self.creds.s3_endpoint, aws_access_key_id=self.creds.s3_access_key,
                     aws_secret_access_key=self.creds.s3_secret_key, region_name=self.creds.s3_region,
-                    config=Config(retries={"max_attempts": 1}, s3={"addressing_style": "path"},
+                    config=Config(retries={"max_attempts": 1},
+                                  s3={"addressing_style": "path", "payload_signing_enabled": False},
                                   max_pool_connections=64, signature_version="s3v4",
                                   request_checksum_calculation="when_required"))
                 quickack_boto(self._client)  # small answers from Ceph RGW without a 40 ms wait each (tcp.py)
@@ -755,27 +776,73 @@ class S3Store(Store):
                                 "AWS_SECRET_ACCESS_KEY) and APPLIANCE_S3_ENDPOINT")
 
     def put(self, name, path, *, segment_size=MAX_OBJECT, md5s=None) -> str:
-        # the multipart ETag is checked by the caller against md5s["s3"] (CheckpointStore.upload lists it)
-        from boto3.s3.transfer import TransferConfig
+        """A file of ``segment_size`` bytes or more goes up in parts (a multipart upload, parts as boto3's upload_file
+        sizes them: store/parts.py s3transfer_part, so the ETag is the one ``data upload`` expects), others in one
+        PUT. Every PUT carries its bytes' MD5 (Content-MD5): the store refuses bytes that differ (400 BadDigest;
+        AWS's PutObject and UploadPart, ceph src/rgw/rgw_op.cc, swift's s3api), and a multipart upload is completed
+        only once every part is in as sent, so a failed upload leaves the key what it was."""
+        from botocore.exceptions import ClientError
 
-        cfg = TransferConfig(multipart_threshold=segment_size, multipart_chunksize=segment_size,
-                             max_concurrency=SEGMENTS_IN_FLIGHT)
-        size = Path(path).stat().st_size
-        if md5s is None:  # for CRC_META: boto3 checks no ETag, the stager checks that the store's is this one's
-            from .parts import s3transfer_part
+        from .parts import s3transfer_part
 
-            md5s = large_object_etags(Path(path), s3transfer_part(segment_size, size), whole=False)
-        # s3transfer sends a file of multipart_threshold bytes or more in parts ("<md5 of the MD5s>-N", or -1)
+        path = Path(path)
+        size = path.stat().st_size
+        part = s3transfer_part(segment_size, size)
+        if md5s is None:  # the store checks the bytes against these, and its CRC_META is from the same reads
+            md5s = large_object_etags(path, part, whole=False)
+        # a file of segment_size or more goes in parts ("<md5 of the MD5s>-N", or -1 for one part)
         one = md5s.get("md5") and hashlib.md5(bytes.fromhex(md5s["md5"])).hexdigest() + "-1"
-        meta = _crc_header("", md5s, md5s.get("md5") if size < segment_size else md5s.get("s3") or one)
+        want = md5s.get("md5") if size < segment_size else md5s.get("s3") or one
+        meta = _crc_header("", md5s, want) or {}
         try:
-            self.client().upload_file(str(path), self.bucket, name, Config=cfg,
-                                      **({"ExtraArgs": {"Metadata": meta}} if meta else {}))
-        except Exception as e:
-            if "NoSuchBucket" in str(e):  # boto3 wraps it (S3UploadFailedError): said as Swift's missing container
+            if size < segment_size:
+                with open(path, "rb") as fh:
+                    got = self.client().put_object(Bucket=self.bucket, Key=name, Body=fh, ContentLength=size,
+                                                   Metadata=meta, ContentMD5=_b64(want))["ETag"]
+            else:
+                got = self._put_parts(name, path, size, part, md5s.get("parts") or [md5s["md5"]], meta)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code")
+            if code == "NoSuchBucket":  # said as Swift's missing container
                 raise FileNotFoundError(f"s3://{self.bucket}: no such bucket") from None
+            if code in ("BadDigest", "InvalidDigest"):
+                raise _damaged(name, want, None) from None
             raise
-        return ""
+        if got.strip('"') != want:
+            raise _damaged(name, want, got)
+        return got.strip('"')
+
+    def _put_parts(self, name: str, path: Path, size: int, part: int, md5s: list[str], meta: dict) -> str:
+        """A multipart upload: the parts in parallel (SEGMENTS_IN_FLIGHT, each on its own connection of the shared
+        client), each with its Content-MD5; completed once all are in, else aborted (the parts are dropped and the
+        key keeps what it held). Returns the store's ETag."""
+        client = self.client()
+        up = client.create_multipart_upload(Bucket=self.bucket, Key=name, Metadata=meta)["UploadId"]
+
+        def one(i: int) -> dict:
+            off, n = i * part, min(part, size - i * part)
+            with open(path, "rb") as fh:  # a handle per part; streamed, never held in memory
+                fh.seek(off)
+                body = _Slice(fh, n)
+                etag = client.upload_part(Bucket=self.bucket, Key=name, UploadId=up, PartNumber=i + 1, Body=body,
+                                          ContentLength=n, ContentMD5=_b64(md5s[i]))["ETag"]
+            if body.left or etag.strip('"') != md5s[i]:  # the file ended early; a store that did not check
+                raise _damaged(f"part {i + 1} of {name}", md5s[i], etag)
+            return {"PartNumber": i + 1, "ETag": etag}
+
+        try:
+            with ThreadPoolExecutor(max_workers=min(SEGMENTS_IN_FLIGHT, len(md5s))) as pool:
+                done = list(pool.map(one, range(len(md5s))))
+            etag = client.complete_multipart_upload(Bucket=self.bucket, Key=name, UploadId=up,
+                                                    MultipartUpload={"Parts": done}).get("ETag")
+            # Ceph RGW 16 answers the completion with an empty <ETag> (radosgw 16.2.15 here); its HEAD has it
+            return etag or client.head_object(Bucket=self.bucket, Key=name)["ETag"]
+        except BaseException:
+            try:
+                client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=up)
+            except Exception:  # noqa: BLE001 - the store's lifecycle rules drop what an abort could not
+                pass
+            raise
 
     def delete(self, name) -> None:
         self.client().delete_object(Bucket=self.bucket, Key=name)
@@ -883,6 +950,21 @@ class FileStore(Store):
                 break
 
 
+def _b64(md5_hex: str) -> str:
+    """An MD5 as the Content-MD5 header carries it."""
+    return base64.b64encode(bytes.fromhex(md5_hex)).decode()
+
+
+def _damaged(what: str, want: str, got: str | None) -> ApplianceError:
+    """An upload whose bytes at the store are not the file's (damaged on the way, or the file changed after it was
+    hashed): retried by the checkpoint uploader, one line for `data upload`."""
+    return ApplianceError(
+        f"{what} did not arrive as the file's bytes: the store "
+        + (f"made ETag {got.strip(chr(34))} of them, the file's is {want}" if got else
+           f"refused them, as they did not match the file's MD5 {want}; it keeps what it held"),
+        "upload it again; a file must not change while it is being uploaded")
+
+
 def _crc_header(prefix: str, md5s: dict | None, etag: str | None) -> dict:
     """The CRC_META header (``prefix``: Swift's X-Object-Meta-; boto3's Metadata takes the bare key) for an upload
     whose store ETag will be ``etag`` (and, for a file in parts, its ETag through the other API), when ``md5s``
@@ -896,15 +978,25 @@ def _crc_header(prefix: str, md5s: dict | None, etag: str | None) -> dict:
 
 
 class _Slice:
-    """At most ``n`` bytes of an open file, read in chunks (a segment streamed, never held in memory)."""
+    """At most ``n`` bytes of an open file from where it stands, read in chunks (a segment streamed, never held in
+    memory); seekable within them (botocore reads an S3 part once to sign its SHA-256 over http, then rewinds)."""
 
     def __init__(self, fh, n: int):
-        self.fh, self.left = fh, n
+        self.fh, self.left, self.n, self.start = fh, n, n, fh.tell()
 
-    def read(self, size: int = 1 << 20) -> bytes:
+    def seek(self, pos: int, whence: int = 0) -> int:
+        pos = max(0, min(self.n, pos + (0, self.n - self.left, self.n)[whence]))
+        self.fh.seek(self.start + pos)
+        self.left = self.n - pos
+        return pos
+
+    def tell(self) -> int:
+        return self.n - self.left
+
+    def read(self, size: int = -1) -> bytes:  # a file's read(): the rest when no size is given
         if self.left <= 0:
             return b""
-        data = self.fh.read(min(size if size and size > 0 else 1 << 20, self.left))
+        data = self.fh.read(min(size if size is not None and size >= 0 else self.left, self.left))
         self.left -= len(data)
         return data
 
