@@ -488,7 +488,7 @@ class SwiftStore(Store):
         if size <= segment_size:
             meta = _crc_header("X-Object-Meta-", md5s, md5s.get("md5"))
             # the ETag header: the store checks the bytes it received against it and refuses them (422) when they
-            # differ, keeping what the name held (swift/obj/server.py PUT; Ceph RGW's Swift API too: tests/test_stage.py)
+            # differ, keeping what the name held (swift/obj/server.py PUT; Ceph RGW's Swift API too: test_stage.py)
             with open(path, "rb") as fh:
                 etag = self._checked_put(name, md5s["md5"], lambda: self._put_body(
                     self.container, name, lambda: (fh.seek(0), fh)[1], content_length=size, etag=md5s["md5"],
@@ -788,7 +788,9 @@ class S3Store(Store):
         path = Path(path)
         size = path.stat().st_size
         part = s3transfer_part(segment_size, size)
-        if md5s is None:  # the store checks the bytes against these, and its CRC_META is from the same reads
+        if md5s is None or (size >= segment_size and len(md5s.get("parts") or [0]) != max(1, -(-size // part))):
+            # the store checks the bytes against these, and its CRC_META is from the same reads (a caller's, made
+            # for parts of another size than S3's smallest, would send every part with a wrong Content-MD5)
             md5s = large_object_etags(path, part, whole=False)
         # a file of segment_size or more goes in parts ("<md5 of the MD5s>-N", or -1 for one part)
         one = md5s.get("md5") and hashlib.md5(bytes.fromhex(md5s["md5"])).hexdigest() + "-1"
