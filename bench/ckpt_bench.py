@@ -84,7 +84,7 @@ def overhead(d: Path, cluster, hidden: int, every: int, repeats: int, epochs: in
             if mode == "ckpt" and res.commits:
                 ckpt_bytes = res.commits[-1]["bytes"]
                 params = r0["params"]
-    # best of the runs: on this 2-core machine other processes (the co-located Swift, the launcher) only ever
+    # best of the runs: on this 2-core machine other processes (the co-located object store, the launcher) only ever
     # slow a run down, so the fastest run of each mode is the least disturbed measurement of it
     best = {m: max(v) for m, v in rates.items()}
     return {"hidden": hidden, "params": params, "checkpoint_bytes": ckpt_bytes, "every_steps": every,
@@ -188,7 +188,9 @@ def main() -> int:
     cluster = flows.up(base)
     store = CheckpointStore("swift://bench-ckpt/", "bench", sites.open_site("local").store_creds())
     result = {"command": "make bench-ckpt" if not args.skip_overhead else
-              "make bench-ckpt for the overhead; the trials: python bench/ckpt_bench.py --skip-overhead", "machine": "2 cores, co-located Swift + 2 netns nodes",
+              "make bench-ckpt for the overhead; the trials: python bench/ckpt_bench.py --skip-overhead",
+              "machine": "2 cores, the local cloud's Ceph RGW (through its Swift API, swift://bench-ckpt/) on the same "
+                         "machine + 2 netns nodes",
               "overhead": [], "trials": []}
     try:
         if not args.skip_overhead:  # what one collective stop check costs (bench/ckpt_job/stopcheck_cost.py)
