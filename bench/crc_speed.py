@@ -9,13 +9,12 @@ Writes bench/results/crc/crc.{json,md}. BENCH_OBJECTS and BENCH_MIB change the 8
 
 import hashlib
 import os
-import statistics
 import sys
 import time
 import zlib
 from pathlib import Path
 
-from stage_usersys import OBJECTS, ROOT, SIZE_MIB, all_fetched, stager_variants, write_report  # bench/ (this folder)
+from stage_usersys import OBJECTS, ROOT, SIZE_MIB, median_rows, stager_variants, write_report  # bench/ (this folder)
 
 from zlib_ng import zlib_ng
 
@@ -61,10 +60,7 @@ def main() -> None:
     lines += ["", f"The stager, {OBJECTS} x {SIZE_MIB} MiB put by our upload (checked by CRC-32), through S3, one Ceph "
               f"RGW on 127.0.0.1, concurrency 32; medians of {rounds} rounds, the two in a rotated order:", "",
               "| CRC-32 by | user s | system s | wall s | user s, every round | all files |", "|---|---|---|---|---|---|"]
-    for name, rs in out.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("user", "sys", "wall")}
-        lines.append(f"| {name} | {med['user']:.2f} | {med['sys']:.2f} | {med['wall']:.2f} | "
-                     f"{', '.join(str(r['user']) for r in sorted(rs, key=lambda r: r['user']))} | {all_fetched(rs)} |")
+    lines += median_rows(out, str, "user")
     write_report(ROOT / "bench" / "results" / "crc", "crc",
                  {"command": cmd, "when": when, "one_core_gb_s": rates, "runs": out}, lines)
 

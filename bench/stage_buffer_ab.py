@@ -7,12 +7,11 @@ Writes bench/results/stage-buffer/buffer.{json,md}.
 """
 
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
-from stage_usersys import OBJECTS, ROOT, SIZE_MIB, all_fetched, stager_variants, write_report  # bench/stage_usersys.py (this script's folder)
+from stage_usersys import OBJECTS, ROOT, SIZE_MIB, median_rows, stager_variants, write_report  # bench/stage_usersys.py (this script's folder)
 
 from appliance.store.httpget import _l2_bytes
 
@@ -31,10 +30,7 @@ def main() -> None:
              f"{OBJECTS} x {SIZE_MIB} MiB put by our upload (checked by CRC-32), through S3, one Ceph RGW on 127.0.0.1; "
              f"medians of {rounds} rounds, the sizes in a rotated order.", "",
              "| buffer | user s | system s | wall s | system s, every round | all files |", "|---|---|---|---|---|---|"]
-    for b, rs in out.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("user", "sys", "wall")}
-        lines.append(f"| {b >> 10} KiB | {med['user']:.2f} | {med['sys']:.2f} | {med['wall']:.2f} | "
-                     f"{', '.join(str(s) for s in sorted(r['sys'] for r in rs))} | {all_fetched(rs)} |")
+    lines += median_rows(out, lambda b: f"{b >> 10} KiB", "sys")
     write_report(ROOT / "bench" / "results" / "stage-buffer", "buffer",
                  {"command": cmd, "when": when, "l2_per_core": l2s, "runs": {str(b): v for b, v in out.items()}}, lines)
 

@@ -82,6 +82,17 @@ def write_report(out_dir: Path, stem: str, payload: dict, lines: list[str]) -> N
     print("\n".join(lines))
 
 
+def median_rows(out: dict, label, every: str) -> list[str]:
+    """A table row per variant of ``stager_variants``' runs: ``label(variant)``, the medians of user, system and
+    wall time, ``every`` (a key) over every round sorted, and whether every run fetched every file."""
+    rows = []
+    for v, rs in out.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("user", "sys", "wall")}
+        rows.append(f"| {label(v)} | {med['user']:.2f} | {med['sys']:.2f} | {med['wall']:.2f} | "
+                    f"{', '.join(str(x) for x in sorted(r[every] for r in rs))} | {all_fetched(rs)} |")
+    return rows
+
+
 def stager_variants(variants: dict[str, str], rounds: int, work: Path) -> dict[str, list[dict]]:
     """An A/B of the stager itself: for each round, each variant in a rotated order, ``timed`` runs of
     stage_main fetching OBJECTS put by our upload (the CRC-32 path) through S3 from a fresh RGW in ``work``; a
