@@ -14,7 +14,7 @@ import time
 import zlib
 from pathlib import Path
 
-from stage_usersys import OBJECTS, ROOT, SIZE_MIB, median_rows, stager_variants, write_report  # bench/ (this folder)
+from stage_usersys import OBJECTS, SIZE_MIB, rates_and_variants_report, stager_variants  # bench/ (this folder)
 
 from zlib_ng import zlib_ng
 
@@ -51,18 +51,11 @@ def main() -> None:
     variants = {"zlib": "import zlib, appliance.store.objects as o; o._crc32 = zlib.crc32",
                 "zlib-ng": "import appliance.store.objects as o; assert 'zlib_ng' in o._crc32.__module__"}
     out = stager_variants(variants, rounds, Path("/var/tmp/appliance-crc"))
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    cmd = "python bench/crc_speed.py " + " ".join(sys.argv[1:])
-    lines = [f"# The stager's CRC-32: zlib and zlib-ng ({when}, {os.cpu_count()} cores, `{cmd}`)", "",
-             f"One core, a {BUF >> 10} KiB buffer (the stager's) hashed over 1 GiB, best of 5:", "",
-             "| function | GB/s |", "|---|---|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in rates.items()]
-    lines += ["", f"The stager, {OBJECTS} x {SIZE_MIB} MiB put by our upload (checked by CRC-32), through S3, one Ceph "
-              f"RGW on 127.0.0.1, concurrency 32; medians of {rounds} rounds, the two in a rotated order:", "",
-              "| CRC-32 by | user s | system s | wall s | user s, every round | all files |", "|---|---|---|---|---|---|"]
-    lines += median_rows(out, str, "user")
-    write_report(ROOT / "bench" / "results" / "crc", "crc",
-                 {"command": cmd, "when": when, "one_core_gb_s": rates, "runs": out}, lines)
+    rates_and_variants_report(
+        "crc_speed.py", "crc", "The stager's CRC-32: zlib and zlib-ng",
+        f"One core, a {BUF >> 10} KiB buffer (the stager's) hashed over 1 GiB, best of 5:", "function", rates,
+        f"The stager, {OBJECTS} x {SIZE_MIB} MiB put by our upload (checked by CRC-32), through S3, one Ceph RGW on "
+        f"127.0.0.1, concurrency 32; medians of {rounds} rounds, the two in a rotated order:", "CRC-32 by", out)
 
 
 if __name__ == "__main__":

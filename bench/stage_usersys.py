@@ -93,10 +93,29 @@ def median_rows(out: dict, label, every: str) -> list[str]:
     return rows
 
 
-def stager_variants(variants: dict[str, str], rounds: int, work: Path) -> dict[str, list[dict]]:
+def rates_and_variants_report(script: str, stem: str, title: str, rates_caption: str, rates_header: str,
+                              rates: dict[str, float], stager_caption: str, variant_header: str,
+                              out: dict[str, list[dict]]) -> None:
+    """bench/results/``stem``/``stem``.{json,md} of a one-core rates + ``stager_variants`` benchmark (crc_speed.py,
+    md5_lanes.py): the title with the time and the command, the rates table, the stager's median rows."""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    cmd = f"python bench/{script} " + " ".join(sys.argv[1:])
+    lines = [f"# {title} ({when}, {os.cpu_count()} cores, `{cmd}`)", "", rates_caption, "",
+             f"| {rates_header} | GB/s |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in rates.items()]
+    lines += ["", stager_caption, "", f"| {variant_header} | user s | system s | wall s | user s, every round | all files |",
+              "|---|---|---|---|---|---|"]
+    lines += median_rows(out, str, "user")
+    write_report(ROOT / "bench" / "results" / stem, stem,
+                 {"command": cmd, "when": when, "one_core_gb_s": rates, "runs": out}, lines)
+
+
+def stager_variants(variants: dict[str, str], rounds: int, work: Path, container: str = "bours"
+                    ) -> dict[str, list[dict]]:
     """An A/B of the stager itself: for each round, each variant in a rotated order, ``timed`` runs of
-    stage_main fetching OBJECTS put by our upload (the CRC-32 path) through S3 from a fresh RGW in ``work``; a
-    variant is Python code run in the stager's process before stage_main (a setting changed)."""
+    stage_main fetching OBJECTS through S3 from a fresh RGW in ``work``: put by our upload (``bours``, the CRC-32
+    path) or by plain swiftclient (``bplain``, the MD5 path); a variant is Python code run in the stager's process
+    before stage_main (a setting changed)."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     sw = RGWServer(work / "rgw").start()
@@ -104,12 +123,12 @@ def stager_variants(variants: dict[str, str], rounds: int, work: Path) -> dict[s
     out: dict[str, list[dict]] = {v: [] for v in variants}
     names = list(variants)
     try:
-        seed(sw, work, plain=False)
+        seed(sw, work, plain=container == "bplain")
         for rnd in range(rounds):
             for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                 code = f"{variants[name]}; import runpy; runpy.run_module('appliance.node.stage_main', run_name='__main__')"
                 out[name].append(timed([sys.executable, "-P", "-c", code],
-                                       stager_job(sw, "bours", "s3", str(work / "dest")), env, work / "dest"))
+                                       stager_job(sw, container, "s3", str(work / "dest")), env, work / "dest"))
                 print(json.dumps({"variant": name, "round": rnd, **out[name][-1]}), flush=True)
     finally:
         sw.stop()

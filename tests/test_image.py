@@ -43,7 +43,7 @@ def test_element_layout_and_one_set_of_steps():
     assert "images/install-stack.sh" in install and '"${DIB_APPLIANCE_VARIANT:-gpu}"' in install
     assert "images/install-stack.sh --variant cpu" in (ROOT / "Makefile").read_text()
     copied = (ELEMENT / "extra-data.d" / "50-appliance-source").read_text()
-    for f in ("appliance", "pyproject.toml", "README.md", "requirements.lock", "images/install-stack.sh"):
+    for f in ("appliance", "pyproject.toml", "setup.py", "README.md", "requirements.lock", "images/install-stack.sh"):
         assert f in copied and (ROOT / f).exists()
     unit = (ELEMENT / "static" / "etc" / "systemd" / "system" / "appliance-watchdog.service").read_text()
     assert "ExecStart=/opt/appliance/venv/bin/appliance watchdog --node" in unit
@@ -225,3 +225,12 @@ def test_doctor_on_a_gpu_machine_without_the_stack(monkeypatch):
     assert checks["cuda"].status == "ok" and "13.0" in checks["cuda"].detail
     assert "no Horovod" in checks["nccl"].detail and "no TensorFlow" in checks["tensorflow sees the GPUs"].detail
     assert checks["nccl"].fix == doctor.INSTALL_FIX
+
+
+def test_the_node_bundle_builds_its_own_c_part(tmp_path):
+    """`appliance up --install` ships setup.py and the C source, never this machine's build of it."""
+    from appliance.provision import install
+
+    d = install.bundle(tmp_path / "b")
+    assert (d / "setup.py").is_file() and (d / "appliance" / "store" / "_md5lanes.c").is_file()
+    assert not list(d.rglob("*.so"))

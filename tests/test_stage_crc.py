@@ -75,14 +75,20 @@ def uploaded(objects: dict[str, bytes]) -> DictStore:
 
 @pytest.fixture
 def md5s(monkeypatch):
-    """How many MD5s the stager starts."""
+    """How many MD5s the stager starts: hashlib's, and the streams of its hasher (store/md5lanes.py)."""
     made = []
 
     def md5(*a):
         made.append(1)
         return hashlib.md5(*a)
 
+    class Counted(sm.Hasher):
+        def stream(self, *a):
+            made.append(1)
+            return super().stream(*a)
+
     monkeypatch.setattr(sm, "hashlib", types.SimpleNamespace(md5=md5, sha256=hashlib.sha256))
+    monkeypatch.setattr(sm, "Hasher", Counted)
     return made
 
 

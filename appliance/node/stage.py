@@ -18,8 +18,8 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import ApplianceError
-from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, md5_range, slo_etag
+from ..store.md5lanes import Hasher, md5_ranges
+from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, slo_etag
 from ..store.parts import guesses, layout, multipart_etag, part_count
 
 MANIFEST = ".appliance-manifest.json"
@@ -302,6 +303,7 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
             journal.write(json.dumps([o.name, *rec]) + "\n")
 
     big_pool = ThreadPoolExecutor(max_workers=concurrency)  # ranged parts of large objects
+    hasher = Hasher()  # their MD5s, many objects' at once (store/md5lanes.py)
 
     seen: dict[str, bytes] = {}  # multipart objects no part-size rule verified: their parts' MD5s, per fetch
 
@@ -315,7 +317,7 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
         while attempt < retries:
             attempt += 1
             try:
-                verified = _fetch_one(store, o, part, big_pool, prog, seen, one_get)
+                verified = _fetch_one(store, o, part, big_pool, prog, seen, one_get, hasher)
                 if not verified:
                     with mlock:
                         res.size_only.append(o.name)
@@ -360,6 +362,7 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
                     raise f.exception()
     finally:
         big_pool.shutdown(wait=True)
+        hasher.close()
         with mlock:
             journal.close()
             _save_manifest(dest, manifest)
@@ -371,12 +374,15 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
 
 
 def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
-               seen: dict[str, bytes] | None = None, one_get: int = MAX_RANGE) -> bool:
+               seen: dict[str, bytes] | None = None, one_get: int = MAX_RANGE, hasher: Hasher | None = None) -> bool:
     """Fetch ``o`` into ``part`` and verify it; raise Corrupt when it does not verify. Returns False when its
     content could be checked only by size: an SLO whose segments the store does not show (Ceph RGW gives no
     manifest, and its segments are not where uploads put them), or an S3 multipart object whose part sizes neither
     the store nor any known upload tool's rule gives. ``one_get``: a part, segment or object up to this many bytes
-    is one GET (_fetch_ranges)."""
+    is one GET (_fetch_ranges). ``hasher``: what takes a large object's MD5s (one of its own if None)."""
+    if hasher is None and (o.size >= LARGE or part_count(o.etag.strip('"')) is not None):
+        with Hasher() as own:
+            return _fetch_one(store, o, part, pool, prog, seen, one_get, own)
     etag = o.etag.strip('"')
     n_parts = part_count(etag)
     if o.size >= LARGE or n_parts is not None:
@@ -386,15 +392,17 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
                 raise Corrupt(o.name)
             return True
     if n_parts is not None:
-        return _fetch_multipart(store, o, part, pool, prog, etag, n_parts, seen, one_get)
+        return _fetch_multipart(store, o, part, pool, prog, etag, n_parts, seen, one_get, hasher)
     if o.size >= LARGE:
         segments = store.slo_segments(o.name) if store.scheme == "swift" else None
         if segments:  # one ranged GET per segment, each checked against the segment's MD5
-            hashes = _fetch_ranges(store, o, part, pool, prog, [s["bytes"] for s in segments], one_get=one_get)
+            hashes = _fetch_ranges(store, o, part, pool, prog, [s["bytes"] for s in segments], hasher=hasher,
+                                   one_get=one_get)
             if [h.hexdigest() for h in hashes] != [s["hash"] for s in segments] or slo_etag(segments) != etag:
                 raise Corrupt(o.name)
             return True
-        hashes = _fetch_ranges(store, o, part, pool, prog, [o.size], hashed=segments is None, one_get=one_get)
+        hashes = _fetch_ranges(store, o, part, pool, prog, [o.size], hasher=hasher if segments is None else None,
+                               one_get=one_get)
         if segments is None and hashes[0].hexdigest() != etag:
             raise Corrupt(o.name)
         return segments is None
@@ -420,13 +428,9 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
         segments = store.slo_segments(o.name) or []
         if not segments:
             return False
-        off = 0
-        with open(part, "rb") as fh:
-            for seg in segments:
-                if hashlib.md5(fh.read(seg["bytes"])).hexdigest() != seg["hash"]:
-                    raise Corrupt(o.name)
-                off += seg["bytes"]
-        if slo_etag(segments) != etag or off != o.size:
+        if sum(seg["bytes"] for seg in segments) != o.size or slo_etag(segments) != etag:
+            raise Corrupt(o.name)
+        if [d.hex() for d in _md5_layout(part, [seg["bytes"] for seg in segments])] != [seg["hash"] for seg in segments]:
             raise Corrupt(o.name)
     elif h.hexdigest() != etag:
         raise Corrupt(o.name)
@@ -434,7 +438,8 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
 
 
 def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress, etag: str,
-                     n: int, seen: dict[str, bytes] | None, one_get: int = MAX_RANGE) -> bool:
+                     n: int, seen: dict[str, bytes] | None, one_get: int = MAX_RANGE, hasher: Hasher | None = None
+                     ) -> bool:
     """An S3 multipart object (ETag ``<md5>-N``): fetched part by part, each part hashed as it arrives, the parts'
     MD5s checked against the ETag (store/parts.py). The part sizes: the store's (``partNumber``), else the first
     of the upload tools' rules; when that does not give the ETag, the file is hashed again (page cache) for the
@@ -446,26 +451,18 @@ def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolEx
     layouts = ([told] if told else []) + [layout(o.size, p) for p in guesses(o.size, n)]
     layouts = [x for i, x in enumerate(layouts) if sum(x) == o.size and x not in layouts[:i]]
     if not layouts:  # no rule gives N parts of this size: nothing to check the bytes against
-        _fetch_ranges(store, o, part, pool, prog, [o.size], hashed=False)
+        _fetch_ranges(store, o, part, pool, prog, [o.size])
         return False
-    hashes = _fetch_ranges(store, o, part, pool, prog, layouts[0], one_get=one_get)
+    hashes = _fetch_ranges(store, o, part, pool, prog, layouts[0], hasher=hasher, one_get=one_get)
     if multipart_etag(h.digest() for h in hashes) == etag:
         return True
     if told is not None:  # the store answers partNumber: ask it for every part, should they differ in size
         every = store.part_sizes(o.name, n, every=True)
         if every and every not in layouts:
             layouts.append(every)
-    fd = os.open(part, os.O_RDONLY)
-    try:
-        for sizes in layouts[1:]:
-            digests, off = [], 0
-            for size in sizes:
-                digests.append(md5_range(fd, off, size).digest())
-                off += size
-            if multipart_etag(digests) == etag:
-                return True
-    finally:
-        os.close(fd)
+    for sizes in layouts[1:]:
+        if multipart_etag(_md5_layout(part, sizes)) == etag:
+            return True
     if told is not None:
         raise Corrupt(o.name)
     if seen is None:
@@ -475,6 +472,18 @@ def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolEx
     if before == mine:
         return False
     raise Recheck(o.name) if before is None else Corrupt(o.name)
+
+
+def _md5_layout(part: Path, sizes: list[int]) -> list[bytes]:
+    """The MD5 of each of the consecutive ``sizes`` of the file ``part`` (read back: the page cache), 8 at once
+    where the lanes are (store/md5lanes.py). Corrupt if the file is shorter."""
+    fd = os.open(part, os.O_RDONLY)
+    try:
+        return md5_ranges(fd, list(zip(itertools.accumulate(sizes[:-1], initial=0), sizes)))
+    except OSError:
+        raise Corrupt(part.name) from None
+    finally:
+        os.close(fd)
 
 
 class _Check:
@@ -501,49 +510,11 @@ class _Check:
         self.md5.update(view)
 
 
-class _InOrderMD5:
-    """The MD5 of a file whose ranges arrive out of order. An MD5 cannot be combined from parts, so each range is
-    hashed once every range before it is: by the thread that completed the range that made this possible, read
-    back from the page cache while other ranges still download (no second pass over the file at the end)."""
-
-    def __init__(self, fd: int, offsets: list[tuple[int, int]]):
-        self.fd, self.offsets = fd, offsets
-        self.h = hashlib.md5()
-        self.done: set[int] = set()
-        self.next = 0
-        self.busy = False
-        self.lock = threading.Lock()
-
-    def completed(self, i: int) -> None:
-        with self.lock:
-            self.done.add(i)
-            if self.busy:
-                return  # the hashing thread will come to it
-            self.busy = True
-        while True:
-            with self.lock:
-                if self.next not in self.done:
-                    self.busy = False
-                    return
-                off, size = self.offsets[self.next]
-            try:
-                md5_range(self.fd, off, size, self.h)
-            except OSError:
-                raise Corrupt("short read") from None
-            with self.lock:
-                self.next += 1
-
-    def md5(self):
-        if self.next != len(self.offsets):
-            raise Corrupt("not every range was hashed")
-        return self.h
-
-
 def _get_pieces(store: Store, o: ObjectInfo, fd: int, pool: ThreadPoolExecutor, prog: _Progress,
-                pieces: list[tuple[int, int, Callable | None, Callable[[], None] | None]]) -> None:
-    """GET each (offset, size, update, done) piece of ``o`` into ``fd`` in parallel: ``update`` (a hash's) sees its
-    bytes as they arrive, ``done`` runs once all are in. Returns once no piece writes to ``fd`` any more."""
-    def one(off, size, update, done):
+                pieces: list[tuple[int, int, Callable[[memoryview], None] | None]]) -> None:
+    """GET each (offset, size, update) piece of ``o`` into ``fd`` in parallel: ``update`` sees its bytes as they
+    are written. Returns once no piece writes to ``fd`` any more."""
+    def one(off, size, update):
         def sink(view: memoryview) -> None:
             if update is not None:
                 update(view)
@@ -552,8 +523,6 @@ def _get_pieces(store: Store, o: ObjectInfo, fd: int, pool: ThreadPoolExecutor, 
         n, _ = store.fetch(o.name, fd, off, sink, start=off, end=off + size - 1)
         if n != size:
             raise Corrupt(o.name)
-        if done is not None:
-            done()
 
     futs = [pool.submit(one, *piece) for piece in pieces]
     try:
@@ -565,35 +534,32 @@ def _get_pieces(store: Store, o: ObjectInfo, fd: int, pool: ThreadPoolExecutor, 
         wait(futs)
 
 
-def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hashed: bool = True,
+def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hasher: Hasher | None = None,
                   one_get: int = MAX_RANGE) -> list:
-    """Fetch ``o`` into ``part`` as parallel ranged GETs and return the MD5 (a hashlib object) of each group:
-    consecutive byte counts that add up to the object (SLO segments, multipart parts, or the whole object). A
-    group of at most ``one_get`` bytes (MAX_RANGE or more) is one GET, hashed as it arrives; a larger one is
-    RANGE-sized GETs, hashed in order as they complete (_InOrderMD5). ``hashed=False``: fetched only."""
-    ranges = []  # (offset, size, the group's MD5's update when hashed as it arrives, the in-order MD5's callback)
-    whole = []
+    """Fetch ``o`` into ``part`` as parallel ranged GETs and return the MD5 (``digest()``, ``hexdigest()``) of each
+    group: consecutive byte counts that add up to the object (SLO segments, multipart parts, or the whole object).
+    A group of at most ``one_get`` bytes (MAX_RANGE or more) is one GET, a larger one RANGE-sized GETs. ``hasher``
+    (store/md5lanes.py) takes each group's MD5 as its bytes come in, from the page cache, many groups in one call;
+    None: fetched only."""
+    ranges = []  # (offset, size, the group's stream's update)
+    streams = []
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, o.size)
         off = 0
         for size in groups:
-            if size <= one_get or not hashed:
-                pieces = [(off, size)] if size <= one_get else [(a, min(RANGE, off + size - a))
-                                                                  for a in range(off, off + size, RANGE)]
-                h = hashlib.md5() if hashed else None
-                ranges.extend((a, k, h and h.update, None) for a, k in pieces if k > 0)
-                whole.append(h)
-            else:
-                pieces = [(a, min(RANGE, off + size - a)) for a in range(off, off + size, RANGE)]
-                inorder = _InOrderMD5(fd, pieces)
-                ranges.extend((a, k, None, functools.partial(inorder.completed, j))
-                              for j, (a, k) in enumerate(pieces))
-                whole.append(inorder)
+            pieces = [(off, size)] if size <= one_get else [(a, min(RANGE, off + size - a))
+                                                             for a in range(off, off + size, RANGE)]
+            s = hasher.stream(fd, pieces) if hasher is not None else None
+            streams.append(s)
+            ranges.extend((a, k, s and s.writer(j)) for j, (a, k) in enumerate(pieces) if k > 0)
             off += size
         _get_pieces(store, o, fd, pool, prog, ranges)
-        return [w.md5() if isinstance(w, _InOrderMD5) else w for w in whole]
+        return [s and s.result() for s in streams]
     finally:
+        for s in streams:
+            if s is not None:
+                s.cancel()  # after a failed GET; nothing once hashed
         os.close(fd)
 
 
@@ -607,7 +573,7 @@ def _fetch_crc(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, o.size)
-        _get_pieces(store, o, fd, pool, prog, [(a, k, c.update, None) for (a, k), c in zip(pieces, crcs) if k > 0])
+        _get_pieces(store, o, fd, pool, prog, [(a, k, c.update) for (a, k), c in zip(pieces, crcs) if k > 0])
     finally:
         os.close(fd)
     crc = 0

@@ -1,0 +1,161 @@
+"""store/md5lanes.py: MD5s of many files' ranges at once, as their bytes are written (the stager's check of other
+tools' objects), with the C lanes (appliance/store/_md5lanes.c) and with hashlib where they are not built."""
+
+import hashlib
+import os
+import random
+
+import pytest
+
+from appliance.store import md5lanes
+
+SIZES = [0, 1, 55, 56, 63, 64, 65, 119, 120, 128, md5lanes.CHUNK - 1, md5lanes.CHUNK, md5lanes.CHUNK + 1,
+         3 * md5lanes.CHUNK + 77]
+
+
+@pytest.fixture(params=["lanes", "hashlib"])
+def lanes(request, monkeypatch):
+    if request.param == "hashlib":
+        monkeypatch.setattr(md5lanes, "LANES", 1)
+    elif md5lanes.LANES == 1:
+        pytest.skip("the lanes are not built or the CPU has no AVX2")
+    return request.param
+
+
+def avx2() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return " avx2" in f.read()
+
+
+@pytest.mark.skipif(not avx2(), reason="this CPU has no AVX2")
+def test_the_lanes_are_built_and_used_on_this_machine():
+    """make install builds the C extension (setup.py); a build that quietly failed would leave hashlib's speed."""
+    from appliance.store import _md5lanes
+
+    assert _md5lanes.LANES == 8 and md5lanes.lanes_in_use() == 8
+
+
+def test_the_lanes_give_hashlibs_md5_for_any_lengths_and_mixes():
+    if md5lanes._md5lanes is None:
+        pytest.skip("not built")
+    rng = random.Random(5)
+    for _ in range(300):
+        data = [os.urandom(rng.choice(SIZES[:10] + [rng.randrange(5000)])) for _ in range(rng.randint(1, 8))]
+        states = [bytearray(md5lanes._IV) for _ in data]
+        md5lanes._md5lanes.update([(s, d[:len(d) // 64 * 64]) for s, d in zip(states, data)])
+        md5lanes._md5lanes.update([(s, d[len(d) // 64 * 64:] + md5lanes._padding(len(d))) for s, d in zip(states, data)])
+        assert [bytes(s).hex() for s in states] == [hashlib.md5(d).hexdigest() for d in data]
+
+
+def test_the_c_update_refuses_what_it_cannot_hash():
+    if md5lanes._md5lanes is None:
+        pytest.skip("not built")
+    st = bytearray(md5lanes._IV)
+    with pytest.raises(ValueError):
+        md5lanes._md5lanes.update([(st, b"x" * 65)])  # not whole blocks
+    with pytest.raises(ValueError):
+        md5lanes._md5lanes.update([(bytearray(md5lanes._IV), b"")] * 9)  # more than 8
+    with pytest.raises(BufferError):
+        md5lanes._md5lanes.update([(b"read-only state!", b"")])
+    assert bytes(st) == md5lanes._IV
+
+
+def test_md5_ranges_of_a_file(tmp_path, lanes):
+    data = os.urandom(sum(SIZES) + 11)
+    (tmp_path / "f").write_bytes(data)
+    ranges, off = [], 5
+    for k in SIZES:
+        ranges.append((off, k))
+        off += k
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        got = md5lanes.md5_ranges(fd, ranges)
+        with pytest.raises(OSError):
+            md5lanes.md5_ranges(fd, [(0, len(data) + 1)])
+    finally:
+        os.close(fd)
+    assert [d.hex() for d in got] == [hashlib.md5(data[a:a + k]).hexdigest() for a, k in ranges]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_streams_written_out_of_order_in_any_pieces(tmp_path, lanes):
+    """Eleven files at once, each in pieces written in random order and random chunks, as parallel GETs write them:
+    every stream's MD5 is the file's, and the hasher lets go of every fd it took."""
+    rng = random.Random(7)
+    before = open_fds()
+    files = []
+    with md5lanes.Hasher() as h:
+        for i, size in enumerate(SIZES[3:]):
+            data = os.urandom(size)
+            fd = os.open(tmp_path / str(i), os.O_RDWR | os.O_CREAT)
+            os.ftruncate(fd, size)
+            cuts = sorted({0, size, *(rng.randrange(size + 1) for _ in range(3))})
+            pieces = [(a, b - a) for a, b in zip(cuts, cuts[1:])] or [(0, 0)]
+            files.append((data, fd, h.stream(fd, pieces), pieces))
+        todo = [(f, j) for f in files for j in range(len(f[3]))]
+        rng.shuffle(todo)
+        for (data, fd, s, pieces), j in todo:
+            a, k = pieces[j]
+            pos = a
+            while pos < a + k:  # a GET's buffers, written then shown
+                n = min(a + k - pos, rng.choice([1, 100, 4096, 70000]))
+                os.pwrite(fd, data[pos:pos + n], pos)
+                s.wrote(j, n)
+                pos += n
+        for data, fd, s, _ in files:
+            os.close(fd)  # the writer's fd: the hasher reads its own
+        assert [s.result().hexdigest() for _, _, s, _ in files] == [hashlib.md5(d).hexdigest() for d, *_ in files]
+    assert open_fds() == before
+
+
+def test_ready_streams_are_hashed_together(tmp_path, monkeypatch):
+    """Eight files complete at once: one call of the lanes takes all eight (the point of them)."""
+    if md5lanes.LANES == 1:
+        pytest.skip("the lanes are not built or the CPU has no AVX2")
+    widths = []
+    real = md5lanes._md5lanes.update
+
+    class Counting:
+        LANES = 8
+
+        @staticmethod
+        def update(jobs):
+            widths.append(len(jobs))
+            return real(jobs)
+
+    monkeypatch.setattr(md5lanes, "_md5lanes", Counting)
+    data = [os.urandom(md5lanes.CHUNK * 2 + i) for i in range(8)]
+    with md5lanes.Hasher() as h:
+        streams = []
+        with h.cv:  # every stream is ready before the hashing thread looks
+            for i, d in enumerate(data):
+                (tmp_path / str(i)).write_bytes(d)
+                fd = os.open(tmp_path / str(i), os.O_RDONLY)
+                s = h.stream(fd, [(0, len(d))])
+                os.close(fd)
+                s.wrote(0, len(d))
+                streams.append(s)
+        assert [s.result().hexdigest() for s in streams] == [hashlib.md5(d).hexdigest() for d in data]
+    assert widths[0] == 8 and max(widths) == 8
+
+
+def test_a_cancelled_short_or_abandoned_stream_fails_rather_than_hangs(tmp_path, lanes):
+    before = open_fds()
+    (tmp_path / "f").write_bytes(b"x" * 1000)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    with md5lanes.Hasher() as h:
+        cancelled = h.stream(fd, [(0, 1000)])
+        cancelled.wrote(0, 10)
+        cancelled.cancel()
+        cancelled.cancel()  # twice: nothing more
+        with pytest.raises(ValueError):
+            h.stream(fd, [(0, 3000)])  # bytes the file does not have: said when the stream is made, never read
+        unfinished = h.stream(fd, [(0, 1000)])
+        with pytest.raises(ValueError):
+            unfinished.digest()  # not every byte was written: a caller's mistake, said at once
+    assert unfinished.done.is_set() and isinstance(unfinished.error, OSError)  # closing the hasher ended it
+    os.close(fd)
+    assert open_fds() == before
