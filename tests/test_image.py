@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from appliance.node import doctor
 from appliance.node.watchdog import node_watch
+from appliance.store import md5lanes
 from appliance.cli import main
 from appliance.errors import ApplianceError
 from conftest import ROOT, needs_netns
@@ -96,6 +97,7 @@ def test_doctor_passes_on_this_machine(tmp_path):
     by = {c.name: c for c in checks}
     assert by["horovod build"].status == "ok" and "Gloo" in by["horovod build"].detail
     assert by["allreduce (2 ranks)"].status == "ok"
+    assert by["staging md5"].status == "ok" and ("8 streams" in by["staging md5"].detail) == (md5lanes.LANES == 8)
     if not Path("/dev/nvidia0").exists():
         assert by["nvidia driver"].status == "skip" and "CPU node" in by["nvidia driver"].detail
 

@@ -2,7 +2,8 @@
 
 Checks, in order: Python, TensorFlow, tf-keras, Horovod (version, built with TensorFlow + Gloo, NCCL on GPU
 nodes), the NVIDIA driver, CUDA, NCCL, TensorFlow sees every GPU, a 2-rank allreduce through horovodrun on
-this node, the NIC the cluster uses, firewalld's trusted peers. GPU checks are skipped (not failed) on a node
+this node, the NIC the cluster uses, firewalld's trusted peers; and whether the stager's MD5 lanes are built
+(said, not failed: without them it checks at hashlib's speed). GPU checks are skipped (not failed) on a node
 without NVIDIA GPUs; everything else must pass. The stack is probed in a child process with the venv's
 Python, so the doctor still reports when TensorFlow or Horovod is broken or missing.
 """
@@ -47,6 +48,11 @@ try:
     out["hvd_mpi"] = bool(hvd.mpi_built())
 except Exception as e:
     out["horovod_error"] = f"{type(e).__name__}: {e}"
+try:
+    from appliance.store import md5lanes
+    out["md5_lanes"] = md5lanes.lanes_in_use()
+except Exception as e:
+    out["md5_lanes_error"] = f"{type(e).__name__}: {e}"
 print("APPLIANCE_PROBE " + json.dumps(out))
 """
 
@@ -154,6 +160,11 @@ def stack_checks(p: dict, pins: dict[str, str]) -> list[Check]:
         ok = p.get("hvd_gloo") and "tensorflow" in p
         checks.append(Check("horovod build", "ok" if ok else "fail", f"TensorFlow, {', '.join(built) or 'no controller'}",
                             None if ok else "rebuild Horovod with HOROVOD_WITH_GLOO=1 (images/install-stack.sh)"))
+    if p.get("md5_lanes") == 8:
+        checks.append(Check("staging md5", "ok", "8 streams at once (AVX2 lanes, appliance/store/_md5lanes.c)"))
+    elif "md5_lanes" in p:  # staging works without them, at hashlib's speed: said, not failed
+        checks.append(Check("staging md5", "ok", "hashlib, a stream per core (the C lanes are not built or the CPU "
+                            "has no AVX2; with a C compiler and python3.11-dev, install-stack.sh builds them)"))
     return checks
 
 

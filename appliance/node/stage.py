@@ -11,7 +11,8 @@
 4. download in parallel: one GET per small object, parallel ranged GETs for large ones; an SLO is
    fetched segment by segment and each segment checked against its MD5; an S3 multipart object part by part,
    the parts' MD5s checked against its ETag (store/parts.py); everything else is checked against its ETag
-   (MD5). A file appears under its name only once verified (downloaded into
+   (MD5), our uploads' objects by their CRC-32 (CRC_META). A large object's MD5s are taken as its bytes are
+   written, many objects' in one call (store/md5lanes.py); a small one's in its GET's thread. A file appears under its name only once verified (downloaded into
    ``.appliance-staging/`` in the destination, then renamed);
 5. retry with backoff; record each verified file in the manifest, so a killed run resumes.
 """
@@ -43,10 +44,10 @@ STAGING = ".appliance-staging"  # downloads in progress, on the same file system
 RESERVED = {MANIFEST, JOURNAL, STAGING, f".{MANIFEST}.tmp"}
 LARGE = 64 * 1024**2  # objects above this are fetched as parallel ranged GETs
 RANGE = 16 * 1024**2
-MAX_RANGE = 2 * RANGE  # a part or segment up to this size is one GET, hashed as it arrives
+MAX_RANGE = 2 * RANGE  # a part or segment up to this size is one GET
 # ... and so is one up to this share of the large objects' bytes to fetch: with 8 or more of them, the parallel GETs
-# come from the objects, and a large plain object's MD5 is taken as it arrives instead of read back from the page
-# cache once its ranges are in (8 x 256 MiB from Ceph RGW: 5.8 s of client CPU instead of 6.5-6.8, docs/staging.md)
+# come from the objects (8 x 256 MiB from Ceph RGW: 5.8 s of client CPU instead of 6.5-6.8, docs/staging.md, when
+# each GET's thread took its MD5; the hasher, store/md5lanes.py, follows a GET's bytes as they are written either way)
 WHOLE_SHARE = 8
 DISK_MARGIN = 256 * 1024**2  # leave this much free
 
@@ -440,8 +441,8 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
 def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress, etag: str,
                      n: int, seen: dict[str, bytes] | None, one_get: int = MAX_RANGE, hasher: Hasher | None = None
                      ) -> bool:
-    """An S3 multipart object (ETag ``<md5>-N``): fetched part by part, each part hashed as it arrives, the parts'
-    MD5s checked against the ETag (store/parts.py). The part sizes: the store's (``partNumber``), else the first
+    """An S3 multipart object (ETag ``<md5>-N``): fetched part by part, each part hashed as it is written (the
+    hasher, 8 parts or objects at once), the parts' MD5s checked against the ETag (store/parts.py). The part sizes: the store's (``partNumber``), else the first
     of the upload tools' rules; when that does not give the ETag, the file is hashed again (page cache) for the
     other rules. None gives it: with the store's own part sizes the bytes are wrong (Corrupt, fetched again);
     without them, it is fetched a second time (Recheck): parts that hash differently mean a damaged transfer
