@@ -1,6 +1,7 @@
 """The MD5 the stager checks other tools' objects by (their ETag): hashlib's, one stream per core, against the lanes
 of appliance/store/_md5lanes.c (8 streams in one AVX2 register) on one core; then the stager itself on 8 x 256 MiB
-put by plain swiftclient (no CRC_META: checked by MD5), through S3 from one Ceph RGW on 127.0.0.1: the code before
+put by plain swiftclient (no CRC_META: checked by MD5), and on 8 put by boto3 as multipart uploads (checked by their
+parts' MD5s), through S3 from one Ceph RGW on 127.0.0.1: the code before
 the lanes (a worktree of BASE, MD5s in each GET's thread), the hasher with hashlib, the hasher with the lanes, in a
 rotated order each round.
 
@@ -56,12 +57,17 @@ def main() -> None:
     variants = {f"before ({commit}): hashlib in each GET's thread": f"import sys; sys.path.insert(0, {str(base)!r})",
                 "hasher, hashlib": "import appliance.store.md5lanes as m; m.LANES = 1",
                 "hasher, lanes": "import appliance.store.md5lanes as m; assert m.LANES == 8"}
-    out = stager_variants(variants, rounds, Path("/var/tmp/appliance-md5"), container="bplain")
+    out = {}
+    for container, what in (("bplain", "plain objects (ETag: the MD5)"),
+                            ("bmulti", "multipart objects (8 MiB parts: the parts' MD5s)")):
+        runs = stager_variants(variants, rounds, Path("/var/tmp/appliance-md5"), container=container)
+        out.update({f"{what}: {v}": rs for v, rs in runs.items()})
     rates_and_variants_report(
         "md5_lanes.py", "md5", "The stager's MD5: hashlib and the lanes",
         f"One core, {md5lanes.CHUNK >> 10} KiB buffers (the hasher's) hashed over 1 GiB, best of 5:", "MD5 by", rates,
-        f"The stager, {OBJECTS} x {SIZE_MIB} MiB put by plain swiftclient (checked by MD5: their ETag), through S3, "
-        f"one Ceph RGW on 127.0.0.1, concurrency 32; medians of {rounds} rounds, in a rotated order:", "MD5s", out)
+        f"The stager, {OBJECTS} x {SIZE_MIB} MiB put by plain swiftclient, then {OBJECTS} x {SIZE_MIB} MiB put by "
+        "boto3's upload_file at its defaults (`aws s3 cp`'s), through S3, one Ceph RGW on 127.0.0.1, concurrency 32; "
+        f"medians of {rounds} rounds, in a rotated order:", "objects: MD5s", out)
 
 
 if __name__ == "__main__":

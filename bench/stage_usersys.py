@@ -25,25 +25,32 @@ TOOLS = ROOT / "bench" / ".venv-tools"
 OBJECTS, SIZE_MIB = int(os.environ.get("BENCH_OBJECTS", 8)), int(os.environ.get("BENCH_MIB", 256))
 
 
-def seed(sw, work: Path, *, plain: bool = True) -> None:
-    """Container ``bours``: OBJECTS random objects put as our uploads put them (SwiftStore.put, CRC_META); with
-    ``plain``, ``bplain`` too: as many others put by plain swiftclient (no metadata: checked by MD5)."""
+def seed(sw, work: Path, containers=("bours", "bplain")) -> None:
+    """OBJECTS random objects in each of ``containers``: ``bours`` put as our uploads put them (SwiftStore.put,
+    CRC_META), ``bplain`` by plain swiftclient (no metadata: checked by MD5), ``bmulti`` by boto3's upload_file at
+    its defaults (`aws s3 cp`'s: 8 MiB parts, ETag ``<md5>-32``; checked by the parts' MD5s)."""
+    import boto3
     import swiftclient
 
     ours = SwiftStore("bours", StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key))
-    ours.ensure_container()
     conn = swiftclient.Connection(authurl=sw.auth_url, user=sw.user, key=sw.key, timeout=600, retries=0)
-    if plain:
-        conn.put_container("bplain")
+    cr = sw.credentials()
+    s3 = boto3.client("s3", endpoint_url=sw.s3_endpoint, aws_access_key_id=cr["s3_access_key"],
+                      aws_secret_access_key=cr["s3_secret_key"], region_name="us-east-1")
+    for c in containers:
+        conn.put_container(c)
     big = work / "big.bin"
     for i in range(OBJECTS):
         with open(big, "wb") as fh:
             for _ in range(SIZE_MIB):
                 fh.write(os.urandom(1 << 20))
-        if plain:
+        if "bplain" in containers:
             with open(big, "rb") as fh:
                 conn.put_object("bplain", f"large-{i:02d}.bin", fh, content_length=big.stat().st_size)
-        ours.put(f"large-{i:02d}.bin", big)
+        if "bmulti" in containers:
+            s3.upload_file(str(big), "bmulti", f"large-{i:02d}.bin")
+        if "bours" in containers:
+            ours.put(f"large-{i:02d}.bin", big)
     big.unlink()
 
 
@@ -113,8 +120,8 @@ def rates_and_variants_report(script: str, stem: str, title: str, rates_caption:
 def stager_variants(variants: dict[str, str], rounds: int, work: Path, container: str = "bours"
                     ) -> dict[str, list[dict]]:
     """An A/B of the stager itself: for each round, each variant in a rotated order, ``timed`` runs of
-    stage_main fetching OBJECTS through S3 from a fresh RGW in ``work``: put by our upload (``bours``, the CRC-32
-    path) or by plain swiftclient (``bplain``, the MD5 path); a variant is Python code run in the stager's process
+    stage_main fetching OBJECTS through S3 from a fresh RGW in ``work``, in ``container`` (``seed``: our uploads'
+    objects, the CRC-32 path; another tool's, the MD5 path; multipart uploads, their parts' MD5s); a variant is Python code run in the stager's process
     before stage_main (a setting changed)."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -123,7 +130,7 @@ def stager_variants(variants: dict[str, str], rounds: int, work: Path, container
     out: dict[str, list[dict]] = {v: [] for v in variants}
     names = list(variants)
     try:
-        seed(sw, work, plain=container == "bplain")
+        seed(sw, work, (container,))
         for rnd in range(rounds):
             for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                 code = f"{variants[name]}; import runpy; runpy.run_module('appliance.node.stage_main', run_name='__main__')"
