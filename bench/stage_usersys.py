@@ -110,8 +110,8 @@ def rates_and_variants_report(script: str, stem: str, title: str, rates_caption:
     lines = [f"# {title} ({when}, {os.cpu_count()} cores, `{cmd}`)", "", rates_caption, "",
              f"| {rates_header} | GB/s |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in rates.items()]
-    lines += ["", stager_caption, "", f"| {variant_header} | user s | system s | wall s | user s, every round | all files |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", stager_caption, "", f"| {variant_header} | user s | system s | wall s | user s, every round | "
+              "all files |", "|---|---|---|---|---|---|"]
     lines += median_rows(out, str, "user")
     write_report(ROOT / "bench" / "results" / stem, stem,
                  {"command": cmd, "when": when, "one_core_gb_s": rates, "runs": out}, lines)

@@ -43,7 +43,8 @@ def test_the_lanes_give_hashlibs_md5_for_any_lengths_and_mixes():
         data = [os.urandom(rng.choice(SIZES[:10] + [rng.randrange(5000)])) for _ in range(rng.randint(1, 8))]
         states = [bytearray(md5lanes._IV) for _ in data]
         md5lanes._md5lanes.update([(s, d[:len(d) // 64 * 64]) for s, d in zip(states, data)])
-        md5lanes._md5lanes.update([(s, d[len(d) // 64 * 64:] + md5lanes._padding(len(d))) for s, d in zip(states, data)])
+        md5lanes._md5lanes.update([(s, d[len(d) // 64 * 64:] + md5lanes._padding(len(d)))
+                                   for s, d in zip(states, data)])
         assert [bytes(s).hex() for s in states] == [hashlib.md5(d).hexdigest() for d in data]
 
 
@@ -159,3 +160,27 @@ def test_a_cancelled_short_or_abandoned_stream_fails_rather_than_hangs(tmp_path,
     assert unfinished.done.is_set() and isinstance(unfinished.error, OSError)  # closing the hasher ended it
     os.close(fd)
     assert open_fds() == before
+
+
+def test_a_files_streams_share_one_map(tmp_path, lanes):
+    """A multipart object has up to 10,000 parts and a process up to vm.max_map_count maps (65,530 by default):
+    16 such objects at once with a map per part would pass it. One map per file, gone once its streams are."""
+    path = tmp_path / "many"
+    data = os.urandom(3000 * 100)
+    path.write_bytes(data)
+
+    def maps() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(1 for line in f if line.rstrip().endswith(str(path)))
+
+    fd = os.open(path, os.O_RDONLY)
+    with md5lanes.Hasher() as h:
+        streams = h.streams(fd, [[(a, 100)] for a in range(0, len(data), 100)])
+        os.close(fd)
+        assert maps() == 1
+        for s in streams:
+            s.wrote(0, 100)
+        assert [s.result().hexdigest() for s in streams] == [hashlib.md5(data[a:a + 100]).hexdigest()
+                                                              for a in range(0, len(data), 100)]
+        del s, streams
+    assert maps() == 0

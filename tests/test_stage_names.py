@@ -1,6 +1,7 @@
 """The stager's names and paths (issue 14, items 6 and 7), in the fast tier with an in-memory store
 (tests/fakes.py). The same stager runs against a real Swift and S3 in test_stage.py."""
 
+import os
 import threading
 
 import pytest
@@ -219,3 +220,16 @@ def test_many_large_objects_are_one_get_each_and_a_few_are_ranges(tmp_path, monk
         assert gets == [("d/big0", 0, 100_255)]  # one GET of the whole object
     else:
         assert len(gets) == 7 and {g[1] for g in gets} == set(range(0, 100_256, 16_000))
+
+
+def test_a_download_is_named_for_this_process(tmp_path, monkeypatch):
+    """The hasher maps a large download's file (store/md5lanes.py): another stager on the same directory, opening
+    the same name with O_TRUNC, would shrink it under the map and kill this process with SIGBUS. Each process's
+    downloads have names of their own; another stager can only unlink them."""
+    st = DictStore({"d/x": b"A" * 1000})
+    parts = []
+    real = stage_mod._fetch_one
+    monkeypatch.setattr(stage_mod, "_fetch_one", lambda store, o, part, *a: (parts.append(part),
+                                                                               real(store, o, part, *a))[1])
+    stage(st, "d/", tmp_path / "out")
+    assert [p.name.split(".")[1:] for p in parts] == [[str(os.getpid()), "part"]]

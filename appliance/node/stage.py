@@ -12,8 +12,8 @@
    fetched segment by segment and each segment checked against its MD5; an S3 multipart object part by part,
    the parts' MD5s checked against its ETag (store/parts.py); everything else is checked against its ETag
    (MD5), our uploads' objects by their CRC-32 (CRC_META). A large object's MD5s are taken as its bytes are
-   written, many objects' in one call (store/md5lanes.py); a small one's in its GET's thread. A file appears under its name only once verified (downloaded into
-   ``.appliance-staging/`` in the destination, then renamed);
+   written, many objects' in one call (store/md5lanes.py); a small one's in its GET's thread. A file appears
+   under its name only once verified (downloaded into ``.appliance-staging/`` in the destination, then renamed);
 5. retry with backoff; record each verified file in the manifest, so a killed run resumes.
 """
 
@@ -311,8 +311,10 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
     def fetch(o: ObjectInfo) -> None:
         target = dest / paths[o.name]
         target.parent.mkdir(parents=True, exist_ok=True)
-        # in the staging directory, under a name no object can have: `x` never writes over object `x.part`
-        part = staging / (hashlib.sha256(o.name.encode()).hexdigest() + ".part")
+        # in the staging directory, under a name no object can have: `x` never writes over object `x.part`; and
+        # this process's own: another stager on the same directory may unlink it, never truncate it under the
+        # hasher's map of it (store/md5lanes.py: a mapped file that shrinks would kill this process with SIGBUS)
+        part = staging / f"{hashlib.sha256(o.name.encode()).hexdigest()}.{os.getpid()}.part"
         rechecked = False
         attempt = -1
         while attempt < retries:
@@ -431,7 +433,8 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
             return False
         if sum(seg["bytes"] for seg in segments) != o.size or slo_etag(segments) != etag:
             raise Corrupt(o.name)
-        if [d.hex() for d in _md5_layout(part, [seg["bytes"] for seg in segments])] != [seg["hash"] for seg in segments]:
+        got = _md5_layout(part, [seg["bytes"] for seg in segments])
+        if [d.hex() for d in got] != [seg["hash"] for seg in segments]:
             raise Corrupt(o.name)
     elif h.hexdigest() != etag:
         raise Corrupt(o.name)
@@ -442,12 +445,13 @@ def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolEx
                      n: int, seen: dict[str, bytes] | None, one_get: int = MAX_RANGE, hasher: Hasher | None = None
                      ) -> bool:
     """An S3 multipart object (ETag ``<md5>-N``): fetched part by part, each part hashed as it is written (the
-    hasher, 8 parts or objects at once), the parts' MD5s checked against the ETag (store/parts.py). The part sizes: the store's (``partNumber``), else the first
-    of the upload tools' rules; when that does not give the ETag, the file is hashed again (page cache) for the
-    other rules. None gives it: with the store's own part sizes the bytes are wrong (Corrupt, fetched again);
-    without them, it is fetched a second time (Recheck): parts that hash differently mean a damaged transfer
-    (Corrupt), the same hashes twice mean the store's bytes in a layout no rule knows, checked by size only
-    (False; the summary names it). Before, such an object was checked by size only and counted as verified."""
+    hasher, 8 parts or objects at once), the parts' MD5s checked against the ETag (store/parts.py). The part
+    sizes: the store's (``partNumber``), else the first of the upload tools' rules; when that does not give the
+    ETag, the file is hashed again (page cache) for the other rules. None gives it: with the store's own part
+    sizes the bytes are wrong (Corrupt, fetched again); without them, it is fetched a second time (Recheck):
+    parts that hash differently mean a damaged transfer (Corrupt), the same hashes twice mean the store's bytes
+    in a layout no rule knows, checked by size only (False; the summary names it). Before, such an object was
+    checked by size only and counted as verified."""
     told = store.part_sizes(o.name, n)
     layouts = ([told] if told else []) + [layout(o.size, p) for p in guesses(o.size, n)]
     layouts = [x for i, x in enumerate(layouts) if sum(x) == o.size and x not in layouts[:i]]
@@ -542,19 +546,18 @@ def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hasher: Hash
     A group of at most ``one_get`` bytes (MAX_RANGE or more) is one GET, a larger one RANGE-sized GETs. ``hasher``
     (store/md5lanes.py) takes each group's MD5 as its bytes come in, from the page cache, many groups in one call;
     None: fetched only."""
-    ranges = []  # (offset, size, the group's stream's update)
+    each, off = [], 0  # each group's pieces
+    for size in groups:
+        each.append([(off, size)] if size <= one_get else [(a, min(RANGE, off + size - a))
+                                                           for a in range(off, off + size, RANGE)])
+        off += size
     streams = []
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, o.size)
-        off = 0
-        for size in groups:
-            pieces = [(off, size)] if size <= one_get else [(a, min(RANGE, off + size - a))
-                                                             for a in range(off, off + size, RANGE)]
-            s = hasher.stream(fd, pieces) if hasher is not None else None
-            streams.append(s)
-            ranges.extend((a, k, s and s.writer(j)) for j, (a, k) in enumerate(pieces) if k > 0)
-            off += size
+        streams = hasher.streams(fd, each) if hasher is not None else [None] * len(each)
+        ranges = [(a, k, s and s.writer(j)) for pieces, s in zip(each, streams)  # (offset, size, its stream's update)
+                  for j, (a, k) in enumerate(pieces) if k > 0]
         _get_pieces(store, o, fd, pool, prog, ranges)
         return [s and s.result() for s in streams]
     finally:

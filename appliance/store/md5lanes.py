@@ -6,11 +6,11 @@ runs up to 8 of them through the lanes of one AVX2 register: ~3 GB/s of MD5 on o
 (``bench/md5_lanes.py``). Where it did not build or the CPU has no AVX2, hashlib does the same work, a stream per
 thread.
 
-``Hasher`` owns the hashing threads (one with lanes: it takes up to 8 streams' next 256 KiB each, reads them back
-from the page cache and hashes them in one call, the GIL released). ``Hasher.stream(fd, pieces)`` is the MD5 of
-the bytes ``pieces`` (consecutive (offset, size) ranges) cover in the open file ``fd``; whoever writes them says how
-far each piece has come (``wrote``), in any order, and the stream hashes what is contiguous from its start as it
-comes. ``digest()`` waits for the last bytes. ``md5_ranges`` is the same for bytes already in a file (an upload's
+``Hasher`` owns the hashing threads (one with lanes: it takes up to 8 streams' next 256 KiB each, where the writes
+put them in the page cache (a read-only mmap, no copy), and hashes them in one call, the GIL released).
+``Hasher.streams(fd, groups)`` gives, for each group of consecutive (offset, size) pieces of the open file ``fd``,
+the MD5 of the bytes they cover; whoever writes them says how far each piece has come (``wrote``), in any order,
+and the stream hashes what is contiguous from its start as it comes. ``digest()`` waits for the last bytes. ``md5_ranges`` is the same for bytes already in a file (an upload's
 parts), in the calling thread.
 """
 
@@ -29,7 +29,7 @@ except ImportError:  # not built here (no compiler when the package was installe
     _md5lanes = None
 
 LANES = _md5lanes.LANES if _md5lanes is not None else 1
-CHUNK = 256 * 1024  # bytes of each stream per call: 8 of them stay near one core's L2 here (512 KiB)
+CHUNK = 256 * 1024  # bytes of each stream per call (md5_ranges: its read buffer, one per lane)
 _IV = struct.pack("<4I", 0x67452301, 0xEFCDAB89, 0x98BADCFE, 0x10325476)  # RFC 1321, 3.3
 
 
@@ -96,20 +96,14 @@ def _hash(batch: list[tuple[_State, memoryview, int | None]]) -> None:
 
 
 class Stream:
-    """The MD5 of consecutive ``pieces`` of a file, fed by ``Hasher`` as ``wrote`` says they arrive. The stream maps
-    the pieces' bytes (mmap, read-only) when it is made, so the file must have its size already (ftruncate) and
-    must not shrink while mapped (the stager's own files in its staging directory): the hasher reads the page cache
-    where the writes put it, with no copy (a pread of 1 GiB cost 0.08-0.6 s of system time here, the mapping
-    0.005 s)."""
+    """The MD5 of consecutive ``pieces`` of a file, fed by ``Hasher`` as ``wrote`` says they arrive, read from
+    ``view``: the file's map (``Hasher.streams``)."""
 
-    def __init__(self, hasher: Hasher, fd: int, pieces: list[tuple[int, int]]):
+    def __init__(self, hasher: Hasher, view: memoryview | None, pieces: list[tuple[int, int]]):
         self.hasher = hasher
         self.start = pieces[0][0] if pieces else 0
         self.end = self.start + sum(k for _, k in pieces)
-        self.base = self.start - self.start % mmap.ALLOCATIONGRANULARITY
-        # ValueError if the file is shorter than the pieces; the map outlives the writer's fd
-        self.map = (memoryview(mmap.mmap(fd, self.end - self.base, offset=self.base, access=mmap.ACCESS_READ))
-                    if self.end > self.start else None)
+        self.map = view
         self.pieces = pieces
         self.written = [0] * len(pieces)
         self.k = 0  # the first piece not yet complete
@@ -170,27 +164,39 @@ class Hasher:
     def __init__(self, threads: int | None = None):
         self.lanes = lanes_in_use()
         self.cv = threading.Condition()
-        self.streams: list[Stream] = []
+        self.live: list[Stream] = []
         self.closed = False
         n = threads or (1 if self.lanes > 1 else min(8, os.cpu_count() or 1))
         self.threads = [threading.Thread(target=self._work, name=f"md5-{i}", daemon=True) for i in range(n)]
         for t in self.threads:
             t.start()
 
-    def stream(self, fd: int, pieces: list[tuple[int, int]]) -> Stream:
-        s = Stream(self, fd, pieces)
+    def streams(self, fd: int, groups: list[list[tuple[int, int]]]) -> list[Stream]:
+        """A stream per group of consecutive (offset, size) pieces of the open file ``fd``, all read from one map of
+        the file (mmap, read-only: the hasher reads the page cache where the writes put it, with no copy; a pread
+        of 1 GiB cost 0.08-0.6 s of system time here, the mapping 0.005 s). One map per file, not per stream: a
+        multipart object has up to 10,000 parts, and a process up to vm.max_map_count maps (65,530 by default).
+        The file must have its size already (ftruncate; ValueError if it is shorter than the pieces) and must not
+        shrink while mapped: the stager's own downloads, named for its process. The map outlives ``fd``."""
+        end = max((a + k for pieces in groups for a, k in pieces), default=0)
+        view = memoryview(mmap.mmap(fd, end, access=mmap.ACCESS_READ)) if end else None
+        made = [Stream(self, view, pieces) for pieces in groups]
         with self.cv:
             if self.closed:
                 raise RuntimeError("the hasher is closed")
-            self.streams.append(s)
-            if s.ready():
+            self.live.extend(made)
+            if any(s.ready() for s in made):
                 self.cv.notify()
-        return s
+        return made
+
+    def stream(self, fd: int, pieces: list[tuple[int, int]]) -> Stream:
+        """One group's stream (``streams``)."""
+        return self.streams(fd, [pieces])[0]
 
     def close(self) -> None:
         with self.cv:
             self.closed = True
-            for s in list(self.streams):
+            for s in list(self.live):
                 s.error = s.error or OSError("the hasher was closed")
                 self._finish(s)
             self.cv.notify_all()
@@ -207,8 +213,8 @@ class Hasher:
         """Under ``cv``: the stream is done (hashed, failed or cancelled). A thread that still hashes it holds its
         own reference to the map, which goes when the last one does."""
         s.finished = True
-        if s in self.streams:
-            self.streams.remove(s)
+        if s in self.live:
+            self.live.remove(s)
         s.map = None
         s.done.set()
 
@@ -216,7 +222,7 @@ class Hasher:
         while True:
             with self.cv:
                 while True:
-                    ready = [s for s in self.streams if not s.busy and s.ready()]
+                    ready = [s for s in self.live if not s.busy and s.ready()]
                     if ready or self.closed:
                         break
                     self.cv.wait()
@@ -227,7 +233,7 @@ class Hasher:
                     s.busy = True
                     last = s.frontier == s.end and s.end - s.hashed <= CHUNK
                     n = s.end - s.hashed if last else CHUNK
-                    view = s.map[s.hashed - s.base:s.hashed - s.base + n] if n else memoryview(b"")
+                    view = s.map[s.hashed:s.hashed + n] if n else memoryview(b"")
                     take.append((s, s.hashed, n, last, view))
             error = None
             try:
