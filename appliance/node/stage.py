@@ -377,15 +377,12 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
 
 
 def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
-               seen: dict[str, bytes] | None = None, one_get: int = MAX_RANGE, hasher: Hasher | None = None) -> bool:
+               seen: dict[str, bytes] | None, one_get: int, hasher: Hasher) -> bool:
     """Fetch ``o`` into ``part`` and verify it; raise Corrupt when it does not verify. Returns False when its
     content could be checked only by size: an SLO whose segments the store does not show (Ceph RGW gives no
     manifest, and its segments are not where uploads put them), or an S3 multipart object whose part sizes neither
     the store nor any known upload tool's rule gives. ``one_get``: a part, segment or object up to this many bytes
-    is one GET (_fetch_ranges). ``hasher``: what takes a large object's MD5s (one of its own if None)."""
-    if hasher is None and (o.size >= LARGE or part_count(o.etag.strip('"')) is not None):
-        with Hasher() as own:
-            return _fetch_one(store, o, part, pool, prog, seen, one_get, own)
+    is one GET (_fetch_ranges). ``hasher``: what takes a large object's MD5s (the stage's)."""
     etag = o.etag.strip('"')
     n_parts = part_count(etag)
     if o.size >= LARGE or n_parts is not None:
@@ -442,8 +439,7 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
 
 
 def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress, etag: str,
-                     n: int, seen: dict[str, bytes] | None, one_get: int = MAX_RANGE, hasher: Hasher | None = None
-                     ) -> bool:
+                     n: int, seen: dict[str, bytes] | None, one_get: int, hasher: Hasher) -> bool:
     """An S3 multipart object (ETag ``<md5>-N``): fetched part by part, each part hashed as it is written (the
     hasher, 8 parts or objects at once), the parts' MD5s checked against the ETag (store/parts.py). The part
     sizes: the store's (``partNumber``), else the first of the upload tools' rules; when that does not give the

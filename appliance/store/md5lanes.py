@@ -35,7 +35,7 @@ _IV = struct.pack("<4I", 0x67452301, 0xEFCDAB89, 0x98BADCFE, 0x10325476)  # RFC 
 
 def lanes_in_use() -> int:
     """How many streams one hashing call takes: 8 with ``_md5lanes`` on an AVX2 CPU, else 1 (hashlib)."""
-    return LANES if LANES > 1 else 1
+    return LANES
 
 
 def _padding(total: int) -> bytes:
@@ -53,19 +53,6 @@ class _State:
 
     def digest(self) -> bytes:
         return bytes(self.raw) if self.raw is not None else self.h.digest()
-
-
-class _Done:
-    """What ``digest()`` gives back: hashlib's interface, as the stager's other checks use it."""
-
-    def __init__(self, d: bytes):
-        self._d = d
-
-    def digest(self) -> bytes:
-        return self._d
-
-    def hexdigest(self) -> str:
-        return self._d.hex()
 
 
 def _read(fd: int, view: memoryview, pos: int) -> None:
@@ -147,8 +134,14 @@ class Stream:
             raise self.error
         return self.state.digest()
 
-    def result(self) -> _Done:
-        return _Done(self.digest())
+    def hexdigest(self) -> str:
+        return self.digest().hex()
+
+    def result(self) -> Stream:
+        """The stream, once hashed (``digest``, ``hexdigest``: hashlib's interface, as the stager's other checks
+        use it); a caller that cancels the streams it gave up on waits for this first."""
+        self.digest()
+        return self
 
     def cancel(self) -> None:
         """The writer gave up (a failed GET): stop hashing it."""
