@@ -235,6 +235,7 @@ class DictStore(Store):
         self.gets: list[tuple[str, int | None, int | None]] = []
         self.slow: dict[str, threading.Event] = {}
         self.got: dict[str, threading.Event] = defaultdict(threading.Event)  # set when a GET has returned
+        self.started: dict[str, threading.Event] = defaultdict(threading.Event)  # ... has written its first half
         self.meta: dict[str, dict] = {}  # name -> the headers its GETs and HEADs answer with (CRC_META)
         self.heads: list[str] = []
         self._md5 = hashlib.md5
@@ -269,6 +270,7 @@ class DictStore(Store):
             data = bytes([data[0] ^ 0xFF]) + data[1:]
         half = len(data) // 2
         write(data[:half])
+        self.started[name].set()
         if name in self.slow:
             self.slow[name].wait(10)
         write(data[half:])

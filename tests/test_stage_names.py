@@ -2,6 +2,7 @@
 (tests/fakes.py). The same stager runs against a real Swift and S3 in test_stage.py."""
 
 import os
+import shutil
 import threading
 
 import pytest
@@ -233,3 +234,38 @@ def test_a_download_is_named_for_this_process(tmp_path, monkeypatch):
                                                                                real(store, o, part, *a))[1])
     stage(st, "d/", tmp_path / "out")
     assert [p.name.split(".")[1:] for p in parts] == [[str(os.getpid()), "part"]]
+
+
+def test_a_second_stager_on_the_same_directory_is_refused_and_the_first_finishes(tmp_path):
+    """Two stagers on one directory cleared each other's downloads (.appliance-staging/): the first failed with
+    "object ... vanished from the store", which was not so. The second is now refused before it touches anything,
+    with the fix, and the first finishes."""
+    st = DictStore({"d/x": b"A" * 400_000, "d/y": b"B" * 1000})
+    st.slow["d/x"] = threading.Event()
+    out = tmp_path / "out"
+    first: dict = {}
+    t = threading.Thread(target=lambda: first.update(res=stage(st, "d/", out, concurrency=2)))
+    t.start()
+    try:
+        assert st.got["d/y"].wait(10)  # the first stager is under way, its download of x held
+        with pytest.raises(ApplianceError, match="another staging run is writing into") as e:
+            stage(DictStore({"d/x": b"C" * 10}), "d/", out)
+        assert "wait for it" in e.value.fix
+    finally:
+        st.slow["d/x"].set()
+        t.join(20)
+    assert first["res"].files_fetched == 2 and (out / "x").read_bytes() == b"A" * 400_000
+    assert stage(st, "d/", out).files_skipped == 2  # the lock goes with the run that held it
+
+
+def test_a_download_removed_by_something_else_is_said_as_such(tmp_path):
+    """A download that something else removed from the staging directory was reported as an object that "vanished
+    from the store"; the store still has it."""
+    st = DictStore({"d/x": b"A" * 400_000})
+    st.slow["d/x"] = threading.Event()
+    out = tmp_path / "out"
+    threading.Thread(target=lambda: (st.started["d/x"].wait(10), shutil.rmtree(out / ".appliance-staging"),
+                                     st.slow["d/x"].set()), daemon=True).start()
+    with pytest.raises(ApplianceError, match="was removed while 'd/x' was staged") as e:
+        stage(st, "d/", out)
+    assert "vanished" not in str(e.value) and "let nothing else write into" in e.value.fix

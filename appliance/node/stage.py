@@ -15,10 +15,12 @@
    written, many objects' in one call (store/md5lanes.py); a small one's in its GET's thread. A file appears
    under its name only once verified (downloaded into ``.appliance-staging/`` in the destination, then renamed);
 5. retry with backoff; record each verified file in the manifest, so a killed run resumes.
+One staging run at a time per directory (a lock on it): a second is refused before it changes anything.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
@@ -246,6 +248,36 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
     t0 = time.monotonic()
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
+    lock = _only_stager(dest)
+    try:
+        return _stage(store, prefix, dest, t0, mode=mode, rank=rank, nodes=nodes, concurrency=concurrency,
+                      retries=retries, progress=progress, keep_names=keep_names, keep_extra=keep_extra)
+    finally:
+        if lock is not None:
+            os.close(lock)  # and with it the lock
+
+
+def _only_stager(dest: Path) -> int | None:
+    """Lock ``dest`` for this staging run (flock on the directory, gone with the process): a second stager on the
+    same directory would clear this one's downloads (``.appliance-staging/``) and leave it failing with a wrong
+    reason. None where the file system has no flock for a directory (some network ones): not locked."""
+    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        raise ApplianceError(f"another staging run is writing into {dest}; nothing was changed",
+                             "wait for it to finish (re-running then fetches only what it has not), or stage into "
+                             "another directory") from None
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank: int, nodes: int,
+           concurrency: int, retries: int, progress: Callable[[dict], None] | None, keep_names: bool,
+           keep_extra: bool) -> StageResult:
     listing, prefix = dataset_objects(store, prefix, "nothing was staged")
     markers = [o for o in listing if is_dir_marker(o, prefix)]
     mine = select([o for o in listing if not is_dir_marker(o, prefix)], mode=mode, rank=rank, nodes=nodes)
@@ -340,7 +372,11 @@ def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", ra
             except Corrupt:
                 res.corrupt_refetched += 1
                 err = "checksum mismatch"
-            except FileNotFoundError:
+            except FileNotFoundError as e:
+                if e.filename is not None:  # a local path (the store says a missing object with none)
+                    raise ApplianceError(f"{e.filename} was removed while {o.name!r} was staged into it",
+                                         f"let nothing else write into {dest} while stage runs, then re-run "
+                                         "stage") from None
                 raise ApplianceError(f"object {o.name!r} vanished from the store while staging", "re-run stage") from None
             except ApplianceError:
                 raise
