@@ -16,11 +16,16 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import hmac
+import re
+import time
 from urllib.parse import quote, urlsplit
+
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.~/-]*")  # what quote(key, safe="/~") leaves as it is
+_clock = time.time
 
 
 def _hmac(key: bytes, msg: str) -> bytes:
-    return hmac.new(key, msg.encode(), hashlib.sha256).digest()
+    return hmac.digest(key, msg.encode(), "sha256")
 
 
 class Presigner:
@@ -29,6 +34,8 @@ class Presigner:
         self.scheme, self.host, self.base = u.scheme, u.netloc, u.path
         self.access_key, self.secret_key, self.region = access_key, secret_key, region
         self._keys: dict[str, bytes] = {}  # date -> signing key (derived once a day)
+        self._second: tuple = (None, "", "")  # (the clock's second, its X-Amz-Date, its date)
+        self._query: tuple = (None, "")  # ((X-Amz-Date, expires), a GET's query string without parameters)
 
     def _signing_key(self, date: str) -> bytes:
         k = self._keys.get(date)
@@ -41,15 +48,28 @@ class Presigner:
             expires: int = 3600, now: dt.datetime | None = None) -> str:
         """The presigned URL of ``method bucket/key?params`` (no key: the bucket itself, as a listing asks); send it
         with ``Host: self.host`` (what was signed)."""
-        now = now or dt.datetime.now(dt.timezone.utc)
-        amz_date, date = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+        if now is None:  # one URL per object: what changes only once a second is made once a second (~10 us a URL)
+            sec = int(_clock())
+            if self._second[0] != sec:
+                now = dt.datetime.fromtimestamp(sec, dt.timezone.utc)
+                self._second = (sec, now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d"))
+            amz_date, date = self._second[1], self._second[2]
+        else:
+            amz_date, date = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
         scope = f"{date}/{self.region}/s3/aws4_request"
-        path = f"{self.base}/{quote(bucket, safe='~')}" + (f"/{quote(key, safe='/~')}" if key else "")
-        query = "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted({
-            **(params or {}),
-            "X-Amz-Algorithm": "AWS4-HMAC-SHA256", "X-Amz-Credential": f"{self.access_key}/{scope}",
-            "X-Amz-Date": amz_date, "X-Amz-Expires": str(expires), "X-Amz-SignedHeaders": "host"}.items()))
+        path = f"{self.base}/{quote(bucket, safe='~')}"
+        if key:
+            path += "/" + (key if _PLAIN_KEY.fullmatch(key) else quote(key, safe="/~"))
+        if params or self._query[0] != (amz_date, expires):
+            query = "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted({
+                **(params or {}),
+                "X-Amz-Algorithm": "AWS4-HMAC-SHA256", "X-Amz-Credential": f"{self.access_key}/{scope}",
+                "X-Amz-Date": amz_date, "X-Amz-Expires": str(expires), "X-Amz-SignedHeaders": "host"}.items()))
+            if not params:
+                self._query = ((amz_date, expires), query)
+        else:
+            query = self._query[1]
         canonical = f"{method}\n{path}\n{query}\nhost:{self.host}\n\nhost\nUNSIGNED-PAYLOAD"
         to_sign = f"AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
-        sig = hmac.new(self._signing_key(date), to_sign.encode(), hashlib.sha256).hexdigest()
+        sig = hmac.digest(self._signing_key(date), to_sign.encode(), "sha256").hex()
         return f"{self.scheme}://{self.host}{path}?{query}&X-Amz-Signature={sig}"
