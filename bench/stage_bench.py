@@ -7,8 +7,9 @@ Datasets (seeded once into a Swift whose BASE is reused between runs):
   large   M x L-byte objects (default 8 x 256 MB)
   packed  the same small objects packed into 64 MB tar shards (appliance data pack)
 
-Every tool runs as its own process, downloads one dataset to an empty directory on the same disk, and
-is measured for wall time and its *own* CPU time (user + system, from wait4), so the co-located server's
+Every tool runs as its own process, downloads one dataset to an empty directory on a fresh ext4 with a journal,
+formatted as `appliance up` formats a node's disk (bench/nodedisk.py: this machine's own root file system has no
+journal, which makes every new file slower after many were deleted), and is measured for wall time and its *own* CPU time (user + system, from wait4), so the co-located server's
 CPU is not counted. Reported: objects/s, MB/s, client CPU ms per object, and the disk's own write speed
 (dd with fdatasync) as the ceiling. Results: bench/results/stage.json, stage.md, stage.png.
 On 2 cores the Swift server uses most of the CPU (shared/docs/swift.md), so wall-clock rates here
@@ -37,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from appliance.store.objects import StoreCreds, SwiftStore  # noqa: E402
 from appliance.localcloud.rgw_server import RGWServer  # noqa: E402
 from appliance.localcloud.swift_server import SwiftServer  # noqa: E402
+from nodedisk import node_disk  # noqa: E402
 
 
 # large: 8 x 256 MB as plain objects; large-ours: 8 others of that size as `appliance data upload` puts them (with
@@ -304,99 +306,115 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     sw = (SwiftServer(work / "swift", proxy_workers=2) if args.store == "swift" else RGWServer(work / "rgw")).start()
-    rows = []
+    # the largest dataset half again (the stager keeps 256 MiB free), and room for the 1 GiB of the dd ceiling
+    disk_bytes = max(args.small * args.small_size, args.large * args.large_size) * 3 // 2 + (2 << 30)
+    fs = "the work directory's file system"
     try:
         info = seed(sw, args)
         if "large-ours" in args.datasets.split(","):
             seed_ours(sw, args)
-        disk = disk_write_mb_s(work)
-        print(f"disk write (dd, fdatasync): {disk} MB/s", flush=True)
-        ts = tools(sw, tv, args.concurrency, args.baseline)
-        only = set(filter(None, args.only.split(",")))
-        datasets = [("small", "bsmall", info["small"], info["small"] * info["small_size"]),
-                    ("large", "blarge", info["large"], info["large"] * info["large_size"]),
-                    ("large-ours", "bours", info["large"], info["large"] * info["large_size"]),
-                    ("multipart", "bmulti", info["large"], info["large"] * info["large_size"])]
-        wanted = set(args.datasets.split(","))
-        for ds, cont, n, nbytes in [d for d in datasets if d[0] in wanted]:
-            names = [t for t in ts if t in only] if only else [t for t in ts if "without quick ACKs" not in t]
-            runs: dict[str, list] = {t: [] for t in names}
-            for rep in range(args.repeat):  # each round in a rotated order: no tool always runs first
-                for name in names[rep % len(names):] + names[:rep % len(names)]:
-                    dest = work / "dest"
-                    shutil.rmtree(dest, ignore_errors=True)
-                    dest.mkdir()
-                    os.sync()  # the last run's dirty pages are written before this one starts
-                    argv, env, stdin = ts[name](cont, str(dest))
-                    wall, cpu, rc, tail = measure(argv, env, stdin)
-                    got = sum(1 for p in dest.rglob("*") if p.is_file() and not p.name.startswith(".appliance"))
-                    runs[name].append((wall, cpu, rc, got, tail))
-                    print(json.dumps({"dataset": ds, "tool": name, "round": rep, "seconds": round(wall, 2),
-                                      "client_cpu_s": round(cpu, 2), "objects": got, "rc": rc}), flush=True)
-            for name in names:
-                rs = runs[name]
-                wall = statistics.median(r[0] for r in rs)
-                cpu = statistics.median(r[1] for r in rs)
-                got = min(r[3] for r in rs)
-                ok = all(r[2] == 0 and r[3] == n for r in rs)
-                row = {"dataset": ds, "tool": name, "concurrency": args.concurrency, "seconds": round(wall, 2),
-                       "objects": got, "ok": ok, "objects_per_s": round(n / wall, 1),
-                       "mb_per_s": round(nbytes / 1e6 / wall, 1), "client_cpu_s": round(cpu, 2),
-                       "client_cpu_ms_per_object": round(1000 * cpu / n, 2), "repeats": len(rs),
-                       "runs_s": [round(r[0], 2) for r in rs], "runs_cpu_s": [round(r[1], 2) for r in rs]}
-                if not ok:
-                    row["error"] = next(r[4] for r in rs if r[2] != 0 or r[3] != n)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        if "upload" in wanted:  # a large checkpoint file up to the store: our commit vs the peers' uploads
-            src = work / "upload-src"
-            src.mkdir(exist_ok=True)
-            f = src / "state.data"
-            if not f.exists() or f.stat().st_size != args.upload_size:
-                with open(f, "wb") as fh:
-                    for _ in range(args.upload_size // (1 << 20)):
-                        fh.write(os.urandom(1 << 20))
-            uts = upload_tools(sw, tv, args.baseline)
-            names = [t for t in uts if not only or t in only]
-            runs = {t: [] for t in names}
-            import swiftclient
-
-            swiftclient.Connection(authurl=sw.auth_url, user=sw.user, key=sw.key).put_container("bupload")
-            for rep in range(args.repeat):
-                for name in names[rep % len(names):] + names[:rep % len(names)]:
-                    os.sync()
-                    argv, env, stdin = uts[name](src, "bupload")
-                    wall, cpu, rc, tail = measure(argv, env, stdin)
-                    runs[name].append((wall, cpu, rc, tail))
-                    print(json.dumps({"dataset": "upload", "tool": name, "round": rep, "seconds": round(wall, 2),
-                                      "client_cpu_s": round(cpu, 2), "rc": rc}), flush=True)
-                    empty(sw, "bupload")
-            for name in names:
-                rs = runs[name]
-                wall, cpu = statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)
-                ok = all(r[2] == 0 for r in rs)
-                row = {"dataset": f"upload {args.upload_size / 1e9:.2f} GB", "tool": name, "seconds": round(wall, 2),
-                       "ok": ok, "mb_per_s": round(args.upload_size / 1e6 / wall, 1), "client_cpu_s": round(cpu, 2),
-                       "objects": 1, "client_cpu_ms_per_object": round(1000 * cpu, 2), "repeats": len(rs),
-                       "runs_s": [round(r[0], 2) for r in rs]}
-                if not ok:
-                    row["error"] = next(r[3] for r in rs if r[2] != 0)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        # packed shards vs the same data as small objects, with our stager
-        for ds, cont in (("packed shards", "bpacked"), ("small objects", "bsmall")) if "packed" in wanted else ():
-            dest = work / "dest"
-            shutil.rmtree(dest, ignore_errors=True)
-            dest.mkdir()
-            argv, env, stdin = ts["appliance (swift)"](cont, str(dest))
-            wall, cpu, rc, tail = measure(argv, env, stdin)
-            rows.append({"dataset": f"{info['small'] * info['small_size'] / 1e9:.2f} GB as {ds}", "tool": "appliance (swift)", "concurrency": args.concurrency,
-                         "seconds": round(wall, 2), "ok": rc == 0, "client_cpu_s": round(cpu, 2),
-                         "mb_per_s": round(info["small"] * info["small_size"] / 1e6 / wall, 1)})
-            print(json.dumps(rows[-1]), flush=True)
+        with node_disk(work, disk_bytes) as (disk_root, fs):
+            disk = disk_write_mb_s(disk_root)
+            print(f"destination: {fs}", flush=True)
+            rows = run_datasets(sw, args, info, disk_root, tv, disk)
     finally:
         sw.stop()
-        shutil.rmtree(work / "dest", ignore_errors=True)
+    write_results(args, out, tv, rows, info, disk, fs)
+
+
+def run_datasets(sw, args, info: dict, disk_root: Path, tv: Path, disk: float) -> list[dict]:
+    """Every wanted dataset's rows: each tool ``--repeat`` times into ``disk_root/dest``, in a rotated order."""
+    work = Path(args.work)
+    rows: list[dict] = []
+    print(f"disk write (dd, fdatasync): {disk} MB/s", flush=True)
+    ts = tools(sw, tv, args.concurrency, args.baseline)
+    only = set(filter(None, args.only.split(",")))
+    datasets = [("small", "bsmall", info["small"], info["small"] * info["small_size"]),
+                ("large", "blarge", info["large"], info["large"] * info["large_size"]),
+                ("large-ours", "bours", info["large"], info["large"] * info["large_size"]),
+                ("multipart", "bmulti", info["large"], info["large"] * info["large_size"])]
+    wanted = set(args.datasets.split(","))
+    for ds, cont, n, nbytes in [d for d in datasets if d[0] in wanted]:
+        names = [t for t in ts if t in only] if only else [t for t in ts if "without quick ACKs" not in t]
+        runs: dict[str, list] = {t: [] for t in names}
+        for rep in range(args.repeat):  # each round in a rotated order: no tool always runs first
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                dest = disk_root / "dest"
+                shutil.rmtree(dest, ignore_errors=True)
+                dest.mkdir()
+                os.sync()  # the last run's dirty pages are written before this one starts
+                argv, env, stdin = ts[name](cont, str(dest))
+                wall, cpu, rc, tail = measure(argv, env, stdin)
+                got = sum(1 for p in dest.rglob("*") if p.is_file() and not p.name.startswith(".appliance"))
+                runs[name].append((wall, cpu, rc, got, tail))
+                print(json.dumps({"dataset": ds, "tool": name, "round": rep, "seconds": round(wall, 2),
+                                  "client_cpu_s": round(cpu, 2), "objects": got, "rc": rc}), flush=True)
+        for name in names:
+            rs = runs[name]
+            wall = statistics.median(r[0] for r in rs)
+            cpu = statistics.median(r[1] for r in rs)
+            got = min(r[3] for r in rs)
+            ok = all(r[2] == 0 and r[3] == n for r in rs)
+            row = {"dataset": ds, "tool": name, "concurrency": args.concurrency, "seconds": round(wall, 2),
+                   "objects": got, "ok": ok, "objects_per_s": round(n / wall, 1),
+                   "mb_per_s": round(nbytes / 1e6 / wall, 1), "client_cpu_s": round(cpu, 2),
+                   "client_cpu_ms_per_object": round(1000 * cpu / n, 2), "repeats": len(rs),
+                   "runs_s": [round(r[0], 2) for r in rs], "runs_cpu_s": [round(r[1], 2) for r in rs]}
+            if not ok:
+                row["error"] = next(r[4] for r in rs if r[2] != 0 or r[3] != n)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if "upload" in wanted:  # a large checkpoint file up to the store: our commit vs the peers' uploads
+        src = work / "upload-src"
+        src.mkdir(exist_ok=True)
+        f = src / "state.data"
+        if not f.exists() or f.stat().st_size != args.upload_size:
+            with open(f, "wb") as fh:
+                for _ in range(args.upload_size // (1 << 20)):
+                    fh.write(os.urandom(1 << 20))
+        uts = upload_tools(sw, tv, args.baseline)
+        names = [t for t in uts if not only or t in only]
+        runs = {t: [] for t in names}
+        import swiftclient
+
+        swiftclient.Connection(authurl=sw.auth_url, user=sw.user, key=sw.key).put_container("bupload")
+        for rep in range(args.repeat):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                os.sync()
+                argv, env, stdin = uts[name](src, "bupload")
+                wall, cpu, rc, tail = measure(argv, env, stdin)
+                runs[name].append((wall, cpu, rc, tail))
+                print(json.dumps({"dataset": "upload", "tool": name, "round": rep, "seconds": round(wall, 2),
+                                  "client_cpu_s": round(cpu, 2), "rc": rc}), flush=True)
+                empty(sw, "bupload")
+        for name in names:
+            rs = runs[name]
+            wall, cpu = statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)
+            ok = all(r[2] == 0 for r in rs)
+            row = {"dataset": f"upload {args.upload_size / 1e9:.2f} GB", "tool": name, "seconds": round(wall, 2),
+                   "ok": ok, "mb_per_s": round(args.upload_size / 1e6 / wall, 1), "client_cpu_s": round(cpu, 2),
+                   "objects": 1, "client_cpu_ms_per_object": round(1000 * cpu, 2), "repeats": len(rs),
+                   "runs_s": [round(r[0], 2) for r in rs]}
+            if not ok:
+                row["error"] = next(r[3] for r in rs if r[2] != 0)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    # packed shards vs the same data as small objects, with our stager
+    for ds, cont in (("packed shards", "bpacked"), ("small objects", "bsmall")) if "packed" in wanted else ():
+        dest = disk_root / "dest"
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir()
+        argv, env, stdin = ts["appliance (swift)"](cont, str(dest))
+        wall, cpu, rc, tail = measure(argv, env, stdin)
+        rows.append({"dataset": f"{info['small'] * info['small_size'] / 1e9:.2f} GB as {ds}", "tool": "appliance (swift)", "concurrency": args.concurrency,
+                     "seconds": round(wall, 2), "ok": rc == 0, "client_cpu_s": round(cpu, 2),
+                     "mb_per_s": round(info["small"] * info["small_size"] / 1e6 / wall, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def write_results(args, out: Path, tv: Path, rows: list[dict], info: dict, disk: float, fs: str) -> None:
+    """bench/results/stage[-rgw].{json,md,png}: this run's rows, and a partial run's (--datasets) others kept."""
     stem = "stage" if args.store == "swift" else "stage-rgw"
     command = "make bench-stage" + ("" if args.store == "swift" else " STORE=rgw")
     server = ("Swift 2.38.3 on 127.0.0.1 (2 proxy workers, memcached)" if args.store == "swift" else
@@ -414,11 +432,13 @@ def main() -> None:
     order = ALL_DATASETS.split(",")
     rows.sort(key=lambda r: order.index(_category(r["dataset"])) if _category(r["dataset"]) in order else 9)
     result = {"command": command, "store": args.store, "machine": f"{os.cpu_count()} cores", "disk_write_mb_s": disk,
+              "destination": fs,
               "dataset": info, "rows": rows, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     lines = [f"# Staging benchmark ({result['when']}, {result['machine']}, `{command}`)", "",
              f"{server}, same machine as the clients. "
-             f"Disk write ceiling (dd, fdatasync): {disk} MB/s. Concurrency {args.concurrency} for every tool; "
+             f"Destination: {fs}. Disk write ceiling (dd, fdatasync): {disk} MB/s. "
+             f"Concurrency {args.concurrency} for every tool; "
              + (f"each row is the median of {args.repeat} runs, the tools in a rotated order each round."
                 if args.repeat > 1 else "each row is one run."), "",
              "| dataset | tool | s | objects/s | MB/s | client CPU ms/object | ok |", "|---|---|---|---|---|---|---|"]
