@@ -9,8 +9,8 @@ Datasets (seeded once into a Swift whose BASE is reused between runs):
 
 Every tool runs as its own process, downloads one dataset to an empty directory on a fresh ext4 with a journal,
 formatted as `appliance up` formats a node's disk (bench/nodedisk.py: this machine's own root file system has no
-journal, which makes every new file slower after many were deleted), and is measured for wall time and its *own* CPU time (user + system, from wait4), so the co-located server's
-CPU is not counted. Reported: objects/s, MB/s, client CPU ms per object, and the disk's own write speed
+journal, which makes every new file slower after many were deleted), and is measured for wall time and its
+*own* CPU time (user + system, from wait4), so the co-located server's CPU is not counted. Reported: objects/s, MB/s, client CPU ms per object, and the disk's own write speed
 (dd with fdatasync) as the ceiling. Results: bench/results/stage.json, stage.md, stage.png.
 On 2 cores the Swift server uses most of the CPU (shared/docs/swift.md), so wall-clock rates here
 measure the server as much as the client; CPU per object is the client's own cost.
@@ -57,52 +57,76 @@ def multipart_client(sw):
 
 
 def seed(sw, args) -> dict:
-    marker = sw.base / f"seeded-{args.small}x{args.small_size}-{args.large}x{args.large_size}"
+    """Put the wanted datasets' objects: ``bsmall`` and ``bpacked`` (small, packed), ``blarge`` (large), ``bmulti``
+    (multipart). Only what ``--datasets`` asks for: a Ceph RGW keeps them in its OSD's memory (memstore). A Swift
+    keeps its disk between runs, so a group seeded before (its marker file) is not seeded again."""
+    wanted = set(args.datasets.split(","))
     creds = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key)
-    if marker.exists() and sw.kind == "swift":  # Swift keeps its disk between runs; RGW (memstore) starts empty
-        return json.loads(marker.read_text())
     import swiftclient
 
     conn = swiftclient.Connection(authurl=sw.auth_url, user=sw.user, key=sw.key, timeout=600, retries=0)
     for c in ("bsmall", "blarge", "bpacked", "bmulti"):
         conn.put_container(c)
+
+    def todo(group: str, n: int, size: int) -> Path | None:
+        marker = sw.base / f"seeded-{group}-{n}x{size}"
+        return None if marker.exists() and sw.kind == "swift" else marker
+
     t = time.time()
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-        src = Path(tmp) / "small"
-        src.mkdir()
-        for first in range(0, args.small, 2000):
-            bio = io.BytesIO()
-            with tarfile.open(fileobj=bio, mode="w") as tf:
-                for i in range(first, min(args.small, first + 2000)):
-                    data = os.urandom(args.small_size)
-                    (src / f"{i:06d}.bin").write_bytes(data)
-                    ti = tarfile.TarInfo(f"{i:06d}.bin")
-                    ti.size = len(data)
-                    tf.addfile(ti, io.BytesIO(data))
-            conn.put_object("bsmall", None, bio.getvalue(), query_string="extract-archive=tar",
-                            headers={"Accept": "application/json"})
-        print(f"seeded {args.small} small objects in {time.time() - t:.0f}s", flush=True)
-        from appliance import report
-        from appliance.data.pack import pack
+        marker = todo("small", args.small, args.small_size) if wanted & {"small", "packed"} else None
+        if marker:
+            src = Path(tmp) / "small"
+            src.mkdir()
+            for first in range(0, args.small, 2000):
+                bio = io.BytesIO()
+                with tarfile.open(fileobj=bio, mode="w") as tf:
+                    for i in range(first, min(args.small, first + 2000)):
+                        data = os.urandom(args.small_size)
+                        (src / f"{i:06d}.bin").write_bytes(data)
+                        ti = tarfile.TarInfo(f"{i:06d}.bin")
+                        ti.size = len(data)
+                        tf.addfile(ti, io.BytesIO(data))
+                conn.put_object("bsmall", None, bio.getvalue(), query_string="extract-archive=tar",
+                                headers={"Accept": "application/json"})
+            print(f"seeded {args.small} small objects in {time.time() - t:.0f}s", flush=True)
+            from appliance import report
+            from appliance.data.pack import pack
 
-        with report.to(print):
-            pack(src, SwiftStore("bpacked", creds), "", shard_size=64 * 1024**2)
-        big = Path(tmp) / "big.bin"
-        for i in range(args.large):
-            with open(big, "wb") as fh:
-                for _ in range(args.large_size // (1 << 20)):
-                    fh.write(os.urandom(1 << 20))
-            with open(big, "rb") as fh:
-                conn.put_object("blarge", f"large-{i:02d}.bin", fh, content_length=big.stat().st_size)
-            if "multipart" in getattr(args, "datasets", ""):  # the same objects as `aws s3 cp` uploads them
-                from boto3.s3.transfer import TransferConfig  # its defaults: parts of 8 MiB above 8 MiB
+            with report.to(print):
+                pack(src, SwiftStore("bpacked", creds), "", shard_size=64 * 1024**2)
+            marker.write_text("")
+        plain = todo("large", args.large, args.large_size) if "large" in wanted else None
+        multi = todo("multipart", args.large, args.large_size) if "multipart" in wanted else None
+        if plain or multi:
+            big = Path(tmp) / "big.bin"
+            for i in range(args.large):
+                with open(big, "wb") as fh:
+                    for _ in range(args.large_size // (1 << 20)):
+                        fh.write(os.urandom(1 << 20))
+                if plain:
+                    with open(big, "rb") as fh:
+                        conn.put_object("blarge", f"large-{i:02d}.bin", fh, content_length=big.stat().st_size)
+                if multi:  # the same objects as `aws s3 cp` uploads them
+                    from boto3.s3.transfer import TransferConfig  # its defaults: parts of 8 MiB above 8 MiB
 
-                multipart_client(sw).upload_file(str(big), "bmulti", f"large-{i:02d}.bin", Config=TransferConfig(
-                    multipart_threshold=8 * 1024**2, multipart_chunksize=8 * 1024**2))
-        print(f"seeded {args.large} large objects", flush=True)
-    info = {"small": args.small, "small_size": args.small_size, "large": args.large, "large_size": args.large_size}
-    marker.write_text(json.dumps(info))
-    return info
+                    multipart_client(sw).upload_file(str(big), "bmulti", f"large-{i:02d}.bin", Config=TransferConfig(
+                        multipart_threshold=8 * 1024**2, multipart_chunksize=8 * 1024**2))
+            for m in (plain, multi):
+                if m:
+                    m.write_text("")
+            print(f"seeded {args.large} large objects", flush=True)
+    return {"small": args.small, "small_size": args.small_size, "large": args.large, "large_size": args.large_size}
+
+
+def store_bytes(args) -> int:
+    """What the wanted datasets put in the store, a quarter again and 1 GiB more: a Ceph RGW's memstore cap
+    (RGWServer ``memstore_bytes``; a full one leaves writes hanging)."""
+    wanted = set(args.datasets.split(","))
+    small = 2 * args.small * args.small_size if wanted & {"small", "packed"} else 0  # bsmall and bpacked
+    large = sum(args.large * args.large_size for d in ("large", "large-ours", "multipart") if d in wanted)
+    up = args.upload_size if "upload" in wanted else 0
+    return (small + large + up) * 5 // 4 + (1 << 30)
 
 
 def seed_ours(sw, args) -> None:
@@ -305,7 +329,8 @@ def main() -> None:
     work, out, tv = Path(args.work), Path(args.out), Path(args.tools_venv)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    sw = (SwiftServer(work / "swift", proxy_workers=2) if args.store == "swift" else RGWServer(work / "rgw")).start()
+    sw = (SwiftServer(work / "swift", proxy_workers=2) if args.store == "swift" else
+          RGWServer(work / "rgw", memstore_bytes=store_bytes(args))).start()
     # the largest dataset half again (the stager keeps 256 MiB free), and room for the 1 GiB of the dd ceiling
     disk_bytes = max(args.small * args.small_size, args.large * args.large_size) * 3 // 2 + (2 << 30)
     fs = "the work directory's file system"

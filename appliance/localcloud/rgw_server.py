@@ -52,7 +52,7 @@ class RGWServer:
     kind = "rgw"
 
     def __init__(self, base: str | Path, *, bind_ip: str = "127.0.0.1", token_seconds: int = 86400,
-                 keystone: dict | None = None, uid: str = "test"):
+                 keystone: dict | None = None, uid: str = "test", memstore_bytes: int | None = None):
         """token_seconds: how long a Swift v1 token lives (``rgw swift token expiration``; RGW refuses an older
         one with 401: ceph src/rgw/rgw_swift_auth.cc, ``SignedTokenEngine::authenticate``). A day by default,
         as RGW's own default and Chameleon's Keystone tokens; tests use seconds.
@@ -67,9 +67,15 @@ class RGWServer:
         same containers, as Chameleon's EC2 credentials and tokens both name the project. With Keystone the RGW
         checks S3 keys with Keystone (``rgw s3 auth use keystone``: POST /v3/s3tokens, then the secret from
         /v3/users/<user>/credentials/OS-EC2/<access>), as Chameleon's S3 keys are EC2 credentials, and the user
-        gets no S3 keys of the RGW's own."""
+        gets no S3 keys of the RGW's own.
+
+        memstore_bytes: the most the OSD keeps (MEMSTORE_BYTES by default). Writes into a full one are not refused
+        but held: a full cluster makes RADOS clients pause until it is not (ceph doc/cephfs/full.rst, "Handling a
+        full Ceph file system", at ``mon_osd_full_ratio``), so RGW's PUT hangs. A staging benchmark that put 8.5 GB
+        under the 8 GiB default hung so (bench/stage_bench.py now asks for what it puts)."""
         self.keystone = keystone
         self.uid = uid
+        self.memstore_bytes = int(memstore_bytes or MEMSTORE_BYTES)
         self.base = Path(base)
         self.token_seconds = int(token_seconds)
         self.bind_ip = bind_ip
@@ -136,7 +142,7 @@ class RGWServer:
             "\n[mon]\n"
             f"mon data = {b / 'mon'}/$id\n"
             "\n[osd]\n"
-            f"osd data = {b / 'osd'}/$id\nosd objectstore = memstore\nmemstore device bytes = {MEMSTORE_BYTES}\n"
+            f"osd data = {b / 'osd'}/$id\nosd objectstore = memstore\nmemstore device bytes = {self.memstore_bytes}\n"
             "osd max object size = 1073741824\n"
             "\n[client.rgw.local]\n"
             # beast without tcp_nodelay, Ceph's default (doc/radosgw/frontends.rst; src/rgw/rgw_asio_frontend.cc):
