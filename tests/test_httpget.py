@@ -204,6 +204,31 @@ def test_the_presigned_url_is_botocores_byte_for_byte(monkeypatch, key, endpoint
     assert "X-Amz-Date=20261123T123457Z" in p.url("bucket", key)
 
 
+def test_urls_signed_by_many_threads_across_midnight_are_each_whole(monkeypatch):
+    """The stager's threads share one presigner, whose date strings change once a second: every URL signed while
+    the clock crosses midnight (the date changes too) is the URL of its own X-Amz-Date, never a mix of two."""
+    import itertools
+
+    utc = dt.timezone.utc
+    ticks, base = itertools.count(), dt.datetime(2026, 11, 23, 23, 59, 58, tzinfo=utc).timestamp()
+    monkeypatch.setattr(sigv4, "_clock", lambda: base + next(ticks) * 0.005)  # 4 s over 800 URLs
+    p = Presigner("http://127.0.0.1:8080", "AK", "SK/x+y", "us-east-1")
+    urls: list[str] = []
+    threads = [threading.Thread(target=lambda: urls.extend(p.url("bucket", f"k{i}") for i in range(100)))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dates = set()
+    for u in urls:
+        q = dict(x.split("=", 1) for x in u.split("?")[1].split("&"))
+        when = dt.datetime.strptime(q["X-Amz-Date"], "%Y%m%dT%H%M%SZ").replace(tzinfo=utc)
+        assert u == p.url("bucket", u.split("?")[0].rsplit("/", 1)[1], now=when)
+        dates.add(when.date())
+    assert len(urls) == 800 and len(dates) == 2
+
+
 @pytest.mark.parametrize("endpoint", ["http://127.0.0.1:8080", "https://chi.tacc.chameleoncloud.org:7480/base"])
 def test_the_listing_and_part_head_urls_are_botocores_byte_for_byte(monkeypatch, endpoint):
     """What S3Store lists and asks part sizes with (no boto3 in the stager): ListObjectsV2 with botocore's own

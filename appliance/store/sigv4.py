@@ -48,19 +48,20 @@ class Presigner:
             expires: int = 3600, now: dt.datetime | None = None) -> str:
         """The presigned URL of ``method bucket/key?params`` (no key: the bucket itself, as a listing asks); send it
         with ``Host: self.host`` (what was signed)."""
-        if now is None:  # one URL per object: what changes only once a second is made once a second (~10 us a URL)
-            sec = int(_clock())
-            if self._second[0] != sec:
+        if now is None:  # one URL per object: what changes only once a second is made once a second (~6 us a URL)
+            sec, second = int(_clock()), self._second  # read once: other threads sign with this presigner too
+            if second[0] != sec:
                 now = dt.datetime.fromtimestamp(sec, dt.timezone.utc)
-                self._second = (sec, now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d"))
-            amz_date, date = self._second[1], self._second[2]
+                second = self._second = (sec, now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d"))
+            amz_date, date = second[1], second[2]
         else:
             amz_date, date = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
         scope = f"{date}/{self.region}/s3/aws4_request"
         path = f"{self.base}/{quote(bucket, safe='~')}"
         if key:
             path += "/" + (key if _PLAIN_KEY.fullmatch(key) else quote(key, safe="/~"))
-        if params or self._query[0] != (amz_date, expires):
+        cached = self._query
+        if params or cached[0] != (amz_date, expires):
             query = "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted({
                 **(params or {}),
                 "X-Amz-Algorithm": "AWS4-HMAC-SHA256", "X-Amz-Credential": f"{self.access_key}/{scope}",
@@ -68,7 +69,7 @@ class Presigner:
             if not params:
                 self._query = ((amz_date, expires), query)
         else:
-            query = self._query[1]
+            query = cached[1]
         canonical = f"{method}\n{path}\n{query}\nhost:{self.host}\n\nhost\nUNSIGNED-PAYLOAD"
         to_sign = f"AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
         sig = hmac.digest(self._signing_key(date), to_sign.encode(), "sha256").hex()
