@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -326,6 +327,10 @@ def main() -> None:
     ap.add_argument("--store", choices=("swift", "rgw"), default="swift",
                     help="the server: OpenStack Swift 2.38 (proxy + s3api) or Ceph RGW (what Chameleon runs)")
     args = ap.parse_args()
+    # a TERM, or an INT (which a shell's background job ignores), ends the run through its finally blocks: the
+    # store's processes and the loop-mounted disk go with it, not only this process
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     work, out, tv = Path(args.work), Path(args.out), Path(args.tools_venv)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
