@@ -136,14 +136,8 @@ class Headers:
     def items(self) -> list[tuple[str, str]]:
         return list(self._items)
 
-    def keys(self) -> list[str]:
-        return [k for k, _ in self._items]
-
     def __contains__(self, name: str) -> bool:
         return name.lower() in self._first
-
-    def __getitem__(self, name: str):
-        return self._first.get(name.lower())
 
 
 class _Response(http.client.HTTPResponse):
