@@ -33,16 +33,34 @@ class JobFailed(ApplianceError):
     """The training job ran and failed; exit_code is the job's."""
 
 
-def socket_reason(e: BaseException | str) -> str:
-    """Why a connection failed, from an exception (and the ones it was raised from) or its text: the socket's own
-    words ("Connection refused", "Name or service not known", "timed out"), not the chain of HTTP libraries
-    wrapped around them (botocore's EndpointConnectionError names the socket's error only in its cause)."""
+def _chain_text(e: BaseException | str) -> str:
+    """The texts of an exception and of the ones it was raised from (botocore keeps the socket's error in
+    ``kwargs['error']``)."""
     texts, seen = [], set()
     while isinstance(e, BaseException) and id(e) not in seen:
         seen.add(id(e))
         texts.append(str(e))
         e = e.__cause__ or e.__context__ or getattr(e, "kwargs", {}).get("error")
-    text = "\n".join(texts) if texts else str(e)
+    return "\n".join(texts) if texts else str(e)
+
+
+def untrusted_certificate(e: BaseException | str) -> str | None:
+    """Why the server's certificate was refused (OpenSSL's words: "self-signed certificate", "unable to get local
+    issuer certificate", "Hostname mismatch, ..."), when that is what failed, in the exception or anything it was
+    raised from (ssl's SSLCertVerificationError, as requests, urllib3 and botocore wrap it); else None. Not a
+    failure that goes away when asked again."""
+    m = re.search(r"certificate verify failed: ?([^\n]*)", _chain_text(e), re.IGNORECASE)
+    if not m:
+        return None
+    why = re.split(r" \(_ssl\.c:\d+\)", m.group(1))[0].rstrip("'\")] ")
+    return why or "certificate verify failed"
+
+
+def socket_reason(e: BaseException | str) -> str:
+    """Why a connection failed, from an exception (and the ones it was raised from) or its text: the socket's own
+    words ("Connection refused", "Name or service not known", "timed out"), not the chain of HTTP libraries
+    wrapped around them (botocore's EndpointConnectionError names the socket's error only in its cause)."""
+    text = _chain_text(e)
     m = re.search(r"\[Errno -?\d+\] ([^'\")\]\n]+)", text)
     if m:
         return m.group(1).strip()

@@ -63,6 +63,40 @@ def test_a_refusal_is_not_retried(monkeypatch):
     assert conn.calls == 1
 
 
+def test_a_certificate_this_machine_does_not_trust_is_not_retried_and_is_said_as_such(monkeypatch):
+    """An https store (Chameleon's are) whose certificate no CA bundle here vouches for: the page was asked again
+    for 2 minutes, then said as "cannot reach the object store ... check the network". Now one try, and the line
+    says what failed and how to trust it. The texts are those requests (swiftclient) and ssl (the stager's S3
+    requests) raise; tests/test_stage_https.py meets them from a real RGW over https."""
+    import ssl
+
+    import requests
+
+    monkeypatch.setattr(objects.time, "sleep", lambda s: pytest.fail("a certificate failure was asked again"))
+    verify = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: "
+                                             "self-signed certificate (_ssl.c:1006)")
+    wrapped = requests.exceptions.SSLError(
+        "HTTPSConnectionPool(host='127.0.0.1', port=7480): Max retries exceeded with url: /auth/v1.0 (Caused by "
+        f"SSLError({verify!r}))")
+
+    class Conn(FakeConn):
+        def get_container(self, *a, **kw):
+            self.calls += 1
+            raise wrapped
+
+    conn = Conn(["a"])
+    st = store(conn)
+    with pytest.raises(requests.exceptions.SSLError) as e:
+        list(st.list())
+    assert conn.calls == 1
+    for err in (e.value, verify):
+        said = objects.unreachable(st, err)
+        assert said.message == ("the object store at http://store.invalid/v1/AUTH_x sent a certificate this machine "
+                                "does not trust (self-signed certificate)")
+        assert "REQUESTS_CA_BUNDLE" in said.fix
+    assert "cannot reach" in objects.unreachable(st, ConnectionRefusedError(111, "Connection refused")).message
+
+
 def test_retries_stop_at_the_deadline(monkeypatch):
     monkeypatch.setattr(objects, "LIST_DEADLINE", 0.0)
     conn = FakeConn(["a"], fail=[503] * 100)

@@ -11,6 +11,11 @@ and is stopped by PID (radosgw first: SIGTERM to all three at once makes radosgw
     rgw.auth_url, rgw.user, rgw.key      # Swift API, v1 auth: X-Storage-Url http://ADDR:PORT/swift/v1
     rgw.s3_endpoint                      # S3 API: access key / secret in credentials()
     rgw.stop()
+
+With ``tls=True`` the beast frontend serves https only, as Chameleon's store does
+(``https://chi.uc.chameleoncloud.org``, its S3 endpoint on port 7480: ../shared/docs/chameleon.md B10), with a
+certificate made here for ``bind_ip`` (``rgw.ca_file``: clients trust it through REQUESTS_CA_BUNDLE / SSL_CERT_FILE /
+AWS_CA_BUNDLE).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -43,6 +49,35 @@ def _free_port(ip: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def self_signed(d: Path, ip: str) -> tuple[Path, Path]:
+    """A self-signed certificate (a CA, ``ip`` its IP SAN, a month) and its key (0600), in ``d``: (cert.pem,
+    key.pem). A client that trusts cert.pem (REQUESTS_CA_BUNDLE, SSL_CERT_FILE, AWS_CA_BUNDLE) verifies the server."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ip)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    d.mkdir(parents=True, exist_ok=True)
+    keyfile, certfile = d / "key.pem", d / "cert.pem"
+    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    os.chmod(keyfile, 0o600)
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return certfile, keyfile
+
+
 def installed() -> bool:
     return all(shutil.which(b) for b in ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool"))
 
@@ -52,7 +87,8 @@ class RGWServer:
     kind = "rgw"
 
     def __init__(self, base: str | Path, *, bind_ip: str = "127.0.0.1", token_seconds: int = 86400,
-                 keystone: dict | None = None, uid: str = "test", memstore_bytes: int | None = None):
+                 keystone: dict | None = None, uid: str = "test", memstore_bytes: int | None = None,
+                 tls: bool = False):
         """token_seconds: how long a Swift v1 token lives (``rgw swift token expiration``; RGW refuses an older
         one with 401: ceph src/rgw/rgw_swift_auth.cc, ``SignedTokenEngine::authenticate``). A day by default,
         as RGW's own default and Chameleon's Keystone tokens; tests use seconds.
@@ -72,8 +108,13 @@ class RGWServer:
         memstore_bytes: the most the OSD keeps (MEMSTORE_BYTES by default). Writes into a full one are not refused
         but held: a full cluster makes RADOS clients pause until it is not (ceph doc/cephfs/full.rst, "Handling a
         full Ceph file system", at ``mon_osd_full_ratio``), so RGW's PUT hangs. A staging benchmark that put 8.5 GB
-        under the 8 GiB default hung so (bench/stage_bench.py now asks for what it puts)."""
+        under the 8 GiB default hung so (bench/stage_bench.py now asks for what it puts).
+
+        tls: https only (beast's ``ssl_endpoint``, ``ssl_certificate``, ``ssl_private_key``: ceph
+        doc/radosgw/frontends.rst; src/rgw/rgw_asio_frontend.cc ``AsioFrontend::init_ssl``), with a self-signed
+        certificate for ``bind_ip`` made at start (``ca_file``)."""
         self.keystone = keystone
+        self.tls = tls
         self.uid = uid
         self.memstore_bytes = int(memstore_bytes or MEMSTORE_BYTES)
         self.base = Path(base)
@@ -97,7 +138,17 @@ class RGWServer:
 
     @property
     def s3_endpoint(self) -> str:
-        return f"http://{self.bind_ip}:{self.ports['rgw']}"
+        return f"{'https' if self.tls else 'http'}://{self.bind_ip}:{self.ports['rgw']}"
+
+    @property
+    def ca_file(self) -> Path | None:
+        """The certificate the https endpoint serves, for clients to trust (None without ``tls``)."""
+        return self.base / "tls" / "cert.pem" if self.tls else None
+
+    def _make_certificate(self) -> str:
+        """The certificate and key under base/tls (``self_signed``); beast's options for them."""
+        cert, key = self_signed(self.base / "tls", self.bind_ip)
+        return f"ssl_certificate={cert} ssl_private_key={key}"
 
     @property
     def auth_url(self) -> str:
@@ -147,7 +198,8 @@ class RGWServer:
             "\n[client.rgw.local]\n"
             # beast without tcp_nodelay, Ceph's default (doc/radosgw/frontends.rst; src/rgw/rgw_asio_frontend.cc):
             # answers go out as headers, then body, with Nagle on; our clients ACK at once (store/tcp.py)
-            f"rgw frontends = beast endpoint={self.bind_ip}:{self.ports['rgw']}\n"
+            f"rgw frontends = beast {'ssl_' if self.tls else ''}endpoint={self.bind_ip}:{self.ports['rgw']}"
+            f"{' ' + self._make_certificate() if self.tls else ''}\n"
             "ms mon client mode = crc\n"
             "rgw dns name = localhost\n"
             f"rgw swift token expiration = {self.token_seconds}\n"
@@ -196,7 +248,8 @@ class RGWServer:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.s3_endpoint}/", timeout=2) as r:  # anonymous ListBuckets
+            ctx = ssl.create_default_context(cafile=str(self.ca_file)) if self.tls else None
+            with urllib.request.urlopen(f"{self.s3_endpoint}/", timeout=2, context=ctx) as r:  # anonymous ListBuckets
                 return r.status == 200
         except OSError:
             return False

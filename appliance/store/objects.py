@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..errors import ApplianceError, socket_reason
+from ..errors import ApplianceError, socket_reason, untrusted_certificate
 from . import md5lanes
 from .tcp import quickack_boto, quickack_swift
 from .. import report
@@ -131,8 +131,9 @@ def _status(e: BaseException) -> int | None:
 
 
 def _transient(e: BaseException) -> bool:
-    """A failure worth asking again: a 5xx or 429, a reset or a timeout; not a 4xx answer or our own refusal."""
-    if isinstance(e, (ApplianceError, FileNotFoundError)):
+    """A failure worth asking again: a 5xx or 429, a reset or a timeout; not a 4xx answer, our own refusal, or a
+    certificate this machine does not trust (it was asked again for 2 minutes and then said as "cannot reach")."""
+    if isinstance(e, (ApplianceError, FileNotFoundError)) or untrusted_certificate(e):
         return False
     status = _status(e)
     if status is not None:
@@ -1145,14 +1146,20 @@ def md5_file(p: Path) -> str:
 
 
 def unreachable(store: Store, e: BaseException) -> ApplianceError | None:
-    """A store that never answered (refused, unresolvable, reset, timed out), in one line with the fix; None for
-    any other failure (an HTTP answer, our own refusal)."""
+    """A store that never answered (refused, unresolvable, reset, timed out), or whose certificate this machine
+    does not trust, in one line with the fix; None for any other failure (an HTTP answer, our own refusal)."""
+    where = f" at {store.endpoint}" if store.endpoint else ""
+    why = untrusted_certificate(e)
+    if why:  # an https store (Chameleon's are) whose certificate no CA bundle here vouches for
+        return ApplianceError(f"the object store{where} sent a certificate this machine does not trust ({why})",
+                              "point REQUESTS_CA_BUNDLE (or SSL_CERT_FILE) at the CA bundle that signed it, or "
+                              "update the system's CA certificates (the ca-certificates package)")
     if not _no_answer(e):
         return None
     fix = {"s3": "check APPLIANCE_S3_ENDPOINT (or the object-store endpoint in OS_CLOUD's catalog) and the network",
            "swift": "check ST_AUTH (or the object-store endpoint in OS_CLOUD's catalog) and the network"}
-    return ApplianceError(f"cannot reach the object store{f' at {store.endpoint}' if store.endpoint else ''} "
-                          f"({socket_reason(e)})", fix.get(store.scheme, "check the network"))
+    return ApplianceError(f"cannot reach the object store{where} ({socket_reason(e)})",
+                          fix.get(store.scheme, "check the network"))
 
 
 def open_store(url: str, creds: StoreCreds | None) -> tuple[Store, str]:
