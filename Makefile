@@ -52,7 +52,8 @@ system-deps:
 
 # The stack is installed by images/install-stack.sh, the same steps the image build and the boot-time installer
 # (`appliance up --install`) run on GPU nodes; here its CPU variant, so CI exercises them on every run.
-$(VENV)/.installed: requirements.lock pyproject.toml setup.py appliance/store/_md5lanes.c images/install-stack.sh
+$(VENV)/.installed: requirements.lock pyproject.toml setup.py appliance/store/_md5lanes.c appliance/store/_tlsread.c \
+  images/install-stack.sh
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (fix: install Python 3.11, e.g. apt-get install python3.11-venv)"; exit 1; }
 	bash images/install-stack.sh --variant cpu --python $(PYTHON) --venv $(VENV) --lock requirements.lock \
 	  --wheels $(WHEEL_CACHE) --appliance . --editable
@@ -97,9 +98,11 @@ bench/.venv-tools/.installed: bench/requirements-tools.txt
 
 # Staging: our stager vs rclone (swift, s3), s5cmd, aws s3 cp, swift download; bench/results/stage.{json,md,png}
 # STORE=rgw: against Ceph RGW (what Chameleon runs): bench/results/stage-rgw.{json,md,png}
+# STORE=rgw TLS=1: the RGW over https, as Chameleon serves it: bench/results/stage-rgw-https.{json,md,png}
 STORE ?= swift
+TLS ?=
 bench-stage: install bench/.venv-tools/.installed
-	$(PY) bench/stage_bench.py --tools-venv bench/.venv-tools --store $(STORE)
+	$(PY) bench/stage_bench.py --tools-venv bench/.venv-tools --store $(STORE) $(if $(TLS),--tls)
 
 # Checkpoints: overhead (goal >= 0.98), deadline -> commit, steps lost at 20 random lease ends (goal 0)
 bench-ckpt: install bench/.venv-tools/.installed

@@ -53,8 +53,12 @@ def multipart_client(sw):
     import boto3
 
     cr = sw.credentials()
+    from botocore.config import Config
+
+    # no CRC32 trailer (botocore's default since 1.36, sent aws-chunked over https), which RGWs before Squid refuse
     return boto3.client("s3", endpoint_url=sw.s3_endpoint, aws_access_key_id=cr["s3_access_key"],
-                        aws_secret_access_key=cr["s3_secret_key"], region_name="us-east-1")
+                        aws_secret_access_key=cr["s3_secret_key"], region_name="us-east-1",
+                        config=Config(request_checksum_calculation="when_required"))
 
 
 def seed(sw, args) -> dict:
@@ -173,13 +177,20 @@ def measure(cmd, env, stdin=None):
     return wall, cpu, p.returncode, (p.stdout + p.stderr)[-800:]
 
 
+def ca_env(sw) -> dict:
+    """With an https store (``--tls``), the variables through which every tool trusts its certificate: requests'
+    (swiftclient, `swift`, our stager's listings), OpenSSL's and Go's (our stager's GETs, s5cmd, rclone), botocore's."""
+    ca = getattr(sw, "ca_file", None)
+    return {v: str(ca) for v in ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "AWS_CA_BUNDLE")} if ca else {}
+
+
 def tool_env(sw, tv: Path) -> tuple[dict, str, str]:
     """(the environment every tool runs with, the store's S3 access key, its secret)."""
     cr = sw.credentials()
     ak, sk = cr["s3_access_key"], cr["s3_secret_key"]
     return ({"PATH": f"{tv}/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
              "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk, "AWS_DEFAULT_REGION": "us-east-1",
-             "AWS_EC2_METADATA_DISABLED": "true"}, ak, sk)
+             "AWS_EC2_METADATA_DISABLED": "true", **ca_env(sw)}, ak, sk)
 
 
 def tools(sw, tv: Path, c: int, baseline: str = "") -> dict:
@@ -326,7 +337,12 @@ def main() -> None:
                     "checkpoint commit, as '... at REV'")
     ap.add_argument("--store", choices=("swift", "rgw"), default="swift",
                     help="the server: OpenStack Swift 2.38 (proxy + s3api) or Ceph RGW (what Chameleon runs)")
+    ap.add_argument("--tls", action="store_true",
+                    help="with --store rgw: the RGW serves https only, as Chameleon's store does (a certificate made "
+                         "for the run, which every tool is told to trust); results in stage-rgw-https.*")
     args = ap.parse_args()
+    if args.tls and args.store != "rgw":
+        ap.error("--tls needs --store rgw")
     # a TERM, or an INT (which a shell's background job ignores), ends the run through its finally blocks: the
     # store's processes and the loop-mounted disk go with it, not only this process
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -335,7 +351,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     sw = (SwiftServer(work / "swift", proxy_workers=2) if args.store == "swift" else
-          RGWServer(work / "rgw", memstore_bytes=store_bytes(args))).start()
+          RGWServer(work / "rgw", memstore_bytes=store_bytes(args), tls=args.tls)).start()
+    os.environ.update(ca_env(sw))  # the seeding's clients (swiftclient, boto3, SwiftStore) trust it too
     # the largest dataset half again (the stager keeps 256 MiB free), and room for the 1 GiB of the dd ceiling
     disk_bytes = max(args.small * args.small_size, args.large * args.large_size) * 3 // 2 + (2 << 30)
     fs = "the work directory's file system"
@@ -445,10 +462,12 @@ def run_datasets(sw, args, info: dict, disk_root: Path, tv: Path, disk: float) -
 
 def write_results(args, out: Path, tv: Path, rows: list[dict], info: dict, disk: float, fs: str) -> None:
     """bench/results/stage[-rgw].{json,md,png}: this run's rows, and a partial run's (--datasets) others kept."""
-    stem = "stage" if args.store == "swift" else "stage-rgw"
-    command = "make bench-stage" + ("" if args.store == "swift" else " STORE=rgw")
+    stem = "stage" if args.store == "swift" else "stage-rgw-https" if args.tls else "stage-rgw"
+    command = "make bench-stage" + ("" if args.store == "swift" else " STORE=rgw") + (" TLS=1" if args.tls else "")
     server = ("Swift 2.38.3 on 127.0.0.1 (2 proxy workers, memcached)" if args.store == "swift" else
-              "Ceph RGW (radosgw beast, one memstore OSD) on 127.0.0.1")
+              "Ceph RGW (radosgw beast, one memstore OSD) on 127.0.0.1" + (", https only (TLS 1.3, a "
+                                                                          "certificate made for the run)"
+                                                                          if args.tls else ""))
     prev = out / f"{stem}.json"
     if prev.exists() and set(args.datasets.split(",")) != set(ALL_DATASETS.split(",")):
         # a partial run (--datasets): the other datasets' rows of the last run stay, marked with their own date
@@ -456,7 +475,7 @@ def write_results(args, out: Path, tv: Path, rows: list[dict], info: dict, disk:
         for r in old.get("rows", []):
             if _category(r["dataset"]) not in args.datasets.split(","):
                 rows.append({**r, "measured": r.get("measured", old.get("when"))})
-    mine = [a for a in sys.argv[1:] if a not in ("--tools-venv", args.tools_venv, "--store", args.store)]
+    mine = [a for a in sys.argv[1:] if a not in ("--tools-venv", args.tools_venv, "--store", args.store, "--tls")]
     if mine:  # not what make runs: the whole command, so that the table can be made again
         command += f" (this run: python bench/stage_bench.py {shlex.join(sys.argv[1:])})"
     order = ALL_DATASETS.split(",")

@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from appliance.store import sigv4
+from appliance.localcloud.rgw_server import self_signed
+from appliance.store import httpget, sigv4
 from appliance.store.httpget import Headers, HTTPError, get_into, request
 from conftest import delayed_acks, http_server
 from appliance.store.objects import _transient
@@ -88,18 +89,25 @@ def server():
         yield url
 
 
-def test_the_body_lands_at_the_offset_and_the_sink_sees_every_byte(server, tmp_path):
+def _body_and_a_range(url: str, tmp_path) -> dict:
+    """The whole body at offset 100 (the sink sees every piece), then bytes 10-19 at 0 on the same kept-alive
+    connection: the file holds both where they belong. Returns the first answer's headers."""
     p = tmp_path / "f"
     p.write_bytes(b"\0" * 100)
     seen = bytearray()
     fd = os.open(p, os.O_WRONLY)
     try:
-        n, hdrs = get_into(f"{server}/c/o", {}, fd, 100, seen.extend)
-        n2, _ = get_into(f"{server}/c/o", {"Range": "bytes=10-19"}, fd, 0, None)  # same connection, kept alive
+        n, hdrs = get_into(f"{url}/c/o", {}, fd, 100, seen.extend)
+        n2, _ = get_into(f"{url}/c/o", {"Range": "bytes=10-19"}, fd, 0, None)  # same connection, kept alive
     finally:
         os.close(fd)
-    assert n == len(BODY) and bytes(seen) == BODY and hdrs["x-static-large-object"] == "False"
+    assert n == len(BODY) and bytes(seen) == BODY
     assert n2 == 10 and p.read_bytes() == BODY[10:20] + b"\0" * 90 + BODY
+    return hdrs
+
+
+def test_the_body_lands_at_the_offset_and_the_sink_sees_every_byte(server, tmp_path):
+    assert _body_and_a_range(server, tmp_path)["x-static-large-object"] == "False"
 
 
 def test_a_body_cut_short_is_an_error_not_a_short_file(server, tmp_path):
@@ -305,13 +313,7 @@ def _serve(handler, wrap=None):
 def test_gets_go_through_the_proxy_the_environment_names_as_requests_does(server, tmp_path, monkeypatch):
     """The listing goes through requests, which honours HTTP(S)_PROXY and NO_PROXY: the stager's GETs must take the
     same way out, or a node behind a proxy lists a dataset and then cannot fetch a byte of it."""
-    import datetime
     import ssl
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
 
     from appliance.store import httpget
 
@@ -337,25 +339,11 @@ def test_gets_go_through_the_proxy_the_environment_names_as_requests_does(server
         assert len(Proxy.seen) == 1
         monkeypatch.delenv("NO_PROXY")
         # https: a CONNECT tunnel; the proxy sees the host and port, never the path or the token
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-        now = datetime.datetime.now(datetime.timezone.utc)
-        import ipaddress
-        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-                .serial_number(1).not_valid_before(now - datetime.timedelta(days=1))
-                .not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                               critical=False)
-                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                .sign(key, hashes.SHA256()))
-        (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (tmp_path / "k.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                           serialization.PrivateFormat.PKCS8,
-                                                           serialization.NoEncryption()))
+        cert, key = self_signed(tmp_path, "127.0.0.1")
         sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        sctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
+        sctx.load_cert_chain(cert, key)
         tls = _serve(Handler, lambda s: sctx.wrap_socket(s, server_side=True))
-        monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tmp_path / "c.pem"))
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
         httpget._local.__dict__.clear()
         target = f"127.0.0.1:{tls.server_address[1]}"
         assert get_into(f"https://{target}/c/o", {"X-Auth-Token": "secret"}, fd, 0)[0] == len(BODY)
@@ -437,3 +425,114 @@ def test_chunked_continued_and_closing_answers_come_whole(tmp_path):
         t.join(10)
         lsock.close()
     assert len(conns) == 1 and not t.is_alive()  # one connection for the three, closed after Connection: close
+
+
+@pytest.fixture
+def tls_server(tmp_path, monkeypatch):
+    """Handler over https (a certificate made here, trusted through REQUESTS_CA_BUNDLE), as Chameleon's store."""
+    import ssl
+
+    cert, key = self_signed(tmp_path / "tls", "127.0.0.1")
+    sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    sctx.load_cert_chain(cert, key)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
+    Handler.mode, Handler.requests = "ok", []
+    httpget._local.__dict__.clear()
+    srv = _serve(Handler, lambda s: sctx.wrap_socket(s, server_side=True))
+    try:
+        yield f"https://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        httpget._local.__dict__.clear()
+
+
+def _counting(monkeypatch) -> list[int]:
+    """Each call of _tlsread.recv_into (the bytes it returned), through a wrapper."""
+    calls: list[int] = []
+    real = httpget._tlsread.recv_into
+
+    class Counted:
+        @staticmethod
+        def recv_into(*a):
+            calls.append(real(*a))
+            return calls[-1]
+
+    monkeypatch.setattr(httpget, "_tlsread", Counted)
+    return calls
+
+
+@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
+def test_an_https_body_is_read_a_buffer_at_a_time_and_lands_whole(tls_server, tmp_path, monkeypatch):
+    """Over https the body comes 16 KiB TLS record by record; _tlsread reads a buffer's worth of them per call with
+    the GIL released once (the ssl module took and gave back the GIL per record). The bytes, the sink and the
+    kept-alive connection are as over http."""
+    calls = _counting(monkeypatch)
+    _body_and_a_range(tls_server, tmp_path)
+    fd = os.open(tmp_path / "g", os.O_WRONLY | os.O_CREAT)
+    try:  # a second whole body on the same connection, after the first was read past http.client
+        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "g").read_bytes() == BODY
+    assert len(Handler.requests) == 3 and len({id(c) for c in httpget._local.conns.values()}) == 1
+    # 2 bodies of 3 MiB: a call per buffer (512 KiB, 32 records), not per record (~400 for the two)
+    assert 2 <= len(calls) <= 2 * (len(BODY) // httpget.BUF + 2) and sum(calls) > len(BODY)
+
+
+def test_an_https_body_without_the_extension_comes_through_the_ssl_module(tls_server, tmp_path, monkeypatch):
+    monkeypatch.setattr(httpget, "_tlsread", None)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == BODY
+
+
+def test_an_https_body_cut_short_is_an_error_that_is_retried(tls_server, tmp_path):
+    Handler.mode = "short"
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises((http.client.IncompleteRead, OSError)) as e:
+            get_into(f"{tls_server}/c/o", {}, fd, 0)
+    finally:
+        os.close(fd)
+    assert _transient(e.value)  # the stager fetches it again
+
+
+@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
+def test_an_https_body_that_stops_coming_times_out(tmp_path, monkeypatch):
+    """The store stops sending mid-body (it holds the rest until the test ends): the read gives up after the
+    connection's timeout, as the ssl module's would, rather than waiting for ever."""
+    import ssl
+
+    cert, key = self_signed(tmp_path / "tls", "127.0.0.1")
+    sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    sctx.load_cert_chain(cert, key)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
+    httpget._local.__dict__.clear()
+    calls = _counting(monkeypatch)
+    held = threading.Event()
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        c, _ = lsock.accept()
+        with sctx.wrap_socket(c, server_side=True) as t:
+            while b"\r\n\r\n" not in t.recv(65536):
+                pass
+            t.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY[:1 << 20])
+            held.wait(60)
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(TimeoutError) as e:
+            get_into(f"https://127.0.0.1:{lsock.getsockname()[1]}/c/o", {}, fd, 0, timeout=0.5)
+        assert _transient(e.value) and calls  # it was _tlsread's read that timed out
+    finally:
+        held.set()
+        os.close(fd)
+        th.join(10)
+        lsock.close()
+        httpget._local.__dict__.clear()

@@ -16,9 +16,8 @@ from click.testing import CliRunner
 
 from appliance.node import doctor
 from appliance.node.watchdog import node_watch
-from appliance.store import md5lanes
+from appliance.store import httpget, md5lanes
 from appliance.cli import main
-from appliance.errors import ApplianceError
 from conftest import ROOT, needs_netns
 
 ELEMENT = ROOT / "images" / "elements" / "appliance-stack"
@@ -98,6 +97,8 @@ def test_doctor_passes_on_this_machine(tmp_path):
     assert by["horovod build"].status == "ok" and "Gloo" in by["horovod build"].detail
     assert by["allreduce (2 ranks)"].status == "ok"
     assert by["staging md5"].status == "ok" and ("8 streams" in by["staging md5"].detail) == (md5lanes.LANES == 8)
+    assert by["staging https"].status == "ok" and ("buffer of TLS records" in by["staging https"].detail) == (
+        httpget._tlsread is not None)
     if not Path("/dev/nvidia0").exists():
         assert by["nvidia driver"].status == "skip" and "CPU node" in by["nvidia driver"].detail
 
@@ -229,10 +230,11 @@ def test_doctor_on_a_gpu_machine_without_the_stack(monkeypatch):
     assert checks["nccl"].fix == doctor.INSTALL_FIX
 
 
-def test_the_node_bundle_builds_its_own_c_part(tmp_path):
-    """`appliance up --install` ships setup.py and the C source, never this machine's build of it."""
+def test_the_node_bundle_builds_its_own_c_parts(tmp_path):
+    """`appliance up --install` ships setup.py and the C sources, never this machine's builds of them."""
     from appliance.provision import install
 
     d = install.bundle(tmp_path / "b")
     assert (d / "setup.py").is_file() and (d / "appliance" / "store" / "_md5lanes.c").is_file()
+    assert (d / "appliance" / "store" / "_tlsread.c").is_file()
     assert not list(d.rglob("*.so"))

@@ -2,10 +2,10 @@
 
 Checks, in order: Python, TensorFlow, tf-keras, Horovod (version, built with TensorFlow + Gloo, NCCL on GPU
 nodes), the NVIDIA driver, CUDA, NCCL, TensorFlow sees every GPU, a 2-rank allreduce through horovodrun on
-this node, the NIC the cluster uses, firewalld's trusted peers; and whether the stager's MD5 lanes are built
-(said, not failed: without them it checks at hashlib's speed). GPU checks are skipped (not failed) on a node
-without NVIDIA GPUs; everything else must pass. The stack is probed in a child process with the venv's
-Python, so the doctor still reports when TensorFlow or Horovod is broken or missing.
+this node, the NIC the cluster uses, firewalld's trusted peers; and whether the stager's MD5 lanes and https reads
+are built (said, not failed: without them it checks at hashlib's speed and reads https a TLS record per call). GPU
+checks are skipped (not failed) on a node without NVIDIA GPUs; everything else must pass. The stack is probed in a
+child process with the venv's Python, so the doctor still reports when TensorFlow or Horovod is broken or missing.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ try:
     out["md5_lanes"] = md5lanes.lanes_in_use()
 except Exception as e:
     out["md5_lanes_error"] = f"{type(e).__name__}: {e}"
+try:
+    from appliance.store import httpget
+    out["tls_reads"] = httpget._tlsread is not None
+except Exception as e:
+    out["tls_reads_error"] = f"{type(e).__name__}: {e}"
 print("APPLIANCE_PROBE " + json.dumps(out))
 """
 
@@ -165,6 +170,11 @@ def stack_checks(p: dict, pins: dict[str, str]) -> list[Check]:
     elif "md5_lanes" in p:  # staging works without them, at hashlib's speed: said, not failed
         checks.append(Check("staging md5", "ok", "hashlib, a stream per core (the C lanes are not built or the CPU "
                             "has no AVX2; with a C compiler and python3.11-dev, install-stack.sh builds them)"))
+    if p.get("tls_reads"):
+        checks.append(Check("staging https", "ok", "a buffer of TLS records per read (appliance/store/_tlsread.c)"))
+    elif "tls_reads" in p:  # https staging works without it, a record per read: said, not failed
+        checks.append(Check("staging https", "ok", "the ssl module's reads, a TLS record per call (_tlsread is not "
+                            "built; with a C compiler and python3.11-dev, install-stack.sh builds it)"))
     return checks
 
 

@@ -23,6 +23,12 @@ from urllib.parse import unquote, urlsplit
 
 from .tcp import quickack
 
+try:
+    from . import _tlsread  # an https body many TLS records per call (appliance/store/_tlsread.c)
+except ImportError:  # not built here (no compiler when the package was installed): the ssl module's reads
+    _tlsread = None
+if _tlsread is not None and not _tlsread.available():
+    _tlsread = None
 
 
 def _l2_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
@@ -140,12 +146,51 @@ class Headers:
         return name.lower() in self._first
 
 
+# more than the buffer of http.client's reader (socket.makefile's, io.DEFAULT_BUFFER_SIZE): a ``readinto1`` of it then
+# leaves nothing in that reader
+_READAHEAD = 64 * 1024
+
+
 class _Response(http.client.HTTPResponse):
     """http.client's answer with its headers parsed by ``Headers``. http.client parses them with the email package
     (``parse_headers``): about 0.2 ms of CPU per answer here, a third of a 100 KB GET's CPU in this process (a
     cProfile of 2,000 GETs from Ceph RGW: ``HTTPResponse.begin`` 2.9 of 6.3 s), which on a dataset of small files is
     the stager's limit. ``begin`` is CPython 3.11's (Lib/http/client.py, ``HTTPResponse.begin``) but for that line;
     the rest of HTTPResponse (chunked bodies, lengths, keep-alive) is untouched."""
+
+    def __init__(self, sock, *args, **kwargs):
+        super().__init__(sock, *args, **kwargs)
+        self._tls = sock if _tlsread is not None and isinstance(sock, ssl.SSLSocket) else None
+        self._drained = False  # the bytes http.client's reader took ahead of the body's rest are read
+
+    def readinto(self, b) -> int:
+        """http.client's, but the body of an https answer of known length is read by ``_tlsread``: a buffer's worth
+        of TLS records (512 KiB: 32) per call with the GIL released once, where the ssl module releases and takes it
+        back for every record (16 KiB): 8 threads reading 1 GiB over TLS made 34,106 voluntary context switches
+        that way against 186, at 2.43 against 1.46 s of CPU (bench/results/tls-reads/tls.md); the stager takes 928
+        ms of CPU per 256 MiB object from Ceph RGW over https against 1,351 before (bench/results/stage-tls-ab). The
+        first call takes what http.client's buffered reader holds (it reads ahead while it parses the headers;
+        ``readinto1`` empties it for a buffer larger than its own); every later one reads the TLS connection itself.
+        Bookkeeping (``length``, the end of the body) as http.client's ``readinto``."""
+        tls = self._tls
+        if tls is None or self.fp is None or self.chunked or not self.length or self._method == "HEAD":
+            return super().readinto(b)
+        b = memoryview(b)[:self.length]
+        if len(b) <= _READAHEAD:
+            return super().readinto(b)
+        if not self._drained:
+            self._drained = True
+            n = self.fp.readinto1(b)
+        else:
+            t = tls.gettimeout()
+            n = _tlsread.recv_into(tls._sslobj, tls.fileno(), b, -1 if t is None else max(1, int(t * 1000)))
+        if not n:
+            self._close_conn()
+            return 0
+        self.length -= n
+        if not self.length:
+            self._close_conn()
+        return n
 
     def begin(self):
         if self.headers is not None:

@@ -1,0 +1,155 @@
+/* An https body read many TLS records at a time with the GIL released (appliance/store/httpget.py).
+ *
+ * Python's ssl module reads one TLS record (at most 16 KiB) per call, and each call releases and takes back the
+ * GIL: 131,072 calls for 2 GiB. With the stager's threads on few cores every one of them is a hand-over of the GIL
+ * between threads (a futex wake, a context switch). recv_into() here loops SSL_read_ex() over the records of one
+ * buffer (512 KiB: 32 records) with the GIL released once; what OpenSSL does with each record is unchanged.
+ * The same approach as SABnzbd's sabctools (its unlocked_ssl_recv_into); written for this package.
+ *
+ * The SSL* is the one Python's ssl module made: an ssl.SSLSocket's ``_sslobj`` is a ``_ssl._SSLSocket``, whose C
+ * struct starts with PyObject_HEAD, a weakref to the socket and the SSL* (python/cpython Modules/_ssl.c,
+ * ``PySSLSocket``, the same from 3.7 to 3.14). The OpenSSL functions are those of the library Python's _ssl module
+ * loaded (dlopen of its file with RTLD_NOLOAD, then dlsym), never another copy of OpenSSL. Each call checks that the
+ * object is a _ssl._SSLSocket and that SSL_get_fd() of its SSL* is the socket's descriptor the caller gives;
+ * available() is false where any of this cannot be had (httpget then reads through the ssl module, as before).
+ *
+ * recv_into(sslobj, fd, buffer, timeout_ms): fills ``buffer`` (a writable bytes-like object) from the TLS connection
+ * and returns the bytes read, fewer only at the end of the stream (0: it had ended). The socket may be non-blocking
+ * (Python's sockets with a timeout are): a record not yet there is waited for with poll(), up to timeout_ms
+ * (negative: no limit) without any byte coming, then TimeoutError; a signal meanwhile returns what came, or runs its
+ * Python handler and waits on. A TLS error raises ConnectionError with OpenSSL's error code; the thread's OpenSSL
+ * error queue is left empty.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <poll.h>
+#include <string.h>
+
+#define SSL_ERROR_SSL 1
+#define SSL_ERROR_WANT_READ 2
+#define SSL_ERROR_WANT_WRITE 3
+#define SSL_ERROR_SYSCALL 5
+#define SSL_ERROR_ZERO_RETURN 6
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *Socket; /* weakref to the socket (Python's own use) */
+    void *ssl;        /* SSL* */
+} SSLSocketHead;
+
+static int (*p_SSL_read_ex)(void *, void *, size_t, size_t *);
+static int (*p_SSL_get_error)(const void *, int);
+static int (*p_SSL_get_fd)(const void *);
+static void (*p_ERR_clear_error)(void);
+
+static int linked(void) { return p_SSL_read_ex && p_SSL_get_error && p_SSL_get_fd && p_ERR_clear_error; }
+
+static void link_openssl(void) {
+    PyObject *mod = PyImport_ImportModule("_ssl");
+    if (!mod) { PyErr_Clear(); return; }
+    PyObject *file = PyObject_GetAttrString(mod, "__file__");
+    Py_DECREF(mod);
+    if (!file) { PyErr_Clear(); return; } /* _ssl built into the interpreter: its OpenSSL is not a library here */
+    const char *path = PyUnicode_AsUTF8(file);
+    void *h = path ? dlopen(path, RTLD_LAZY | RTLD_NOLOAD) : NULL;
+    Py_DECREF(file);
+    PyErr_Clear();
+    if (!h) return;
+    /* dlsym on the module's handle searches it and the libraries it was linked with: its libssl and libcrypto */
+    *(void **)&p_SSL_read_ex = dlsym(h, "SSL_read_ex");
+    *(void **)&p_SSL_get_error = dlsym(h, "SSL_get_error");
+    *(void **)&p_SSL_get_fd = dlsym(h, "SSL_get_fd");
+    *(void **)&p_ERR_clear_error = dlsym(h, "ERR_clear_error");
+    if (!linked()) p_SSL_read_ex = NULL;
+}
+
+static int is_sslobj(PyObject *o) { return strcmp(Py_TYPE(o)->tp_name, "_ssl._SSLSocket") == 0; }
+
+static PyObject *available(PyObject *self, PyObject *noargs) { return PyBool_FromLong(linked()); }
+
+static PyObject *recv_into(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    int fd, timeout_ms;
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "Oiw*i", &obj, &fd, &buf, &timeout_ms)) return NULL;
+    if (!linked() || !is_sslobj(obj)) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_TypeError, "recv_into() takes an ssl.SSLSocket's _sslobj (and OpenSSL linked)");
+        return NULL;
+    }
+    void *ssl = ((SSLSocketHead *)obj)->ssl;
+    if (!ssl || p_SSL_get_fd(ssl) != fd) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "recv_into(): the TLS object is not on that socket");
+        return NULL;
+    }
+    char *mem = buf.buf;
+    size_t want = (size_t)buf.len, got = 0;
+    int err, timed_out, interrupted, sys_errno;
+    for (;;) {
+        err = timed_out = interrupted = sys_errno = 0;
+        Py_BEGIN_ALLOW_THREADS
+        while (got < want) {
+            size_t n = 0;
+            if (p_SSL_read_ex(ssl, mem + got, want - got, &n)) {
+                got += n;
+                continue;
+            }
+            err = p_SSL_get_error(ssl, 0);
+            if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
+                struct pollfd p = {fd, err == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT, 0};
+                int r = poll(&p, 1, timeout_ms);
+                if (r == 0) { timed_out = 1; break; }
+                if (r < 0) {
+                    if (errno == EINTR) { interrupted = 1; err = 0; break; }
+                    sys_errno = errno;
+                    err = SSL_ERROR_SYSCALL;
+                    break;
+                }
+                err = 0;
+                continue;
+            }
+            if (err == SSL_ERROR_ZERO_RETURN) err = 0; /* the peer closed the TLS stream: what came is all */
+            else sys_errno = errno;
+            break;
+        }
+        if (err) p_ERR_clear_error();
+        Py_END_ALLOW_THREADS
+        /* a signal while waiting: its Python handler runs now (a TERM's exit, a ^C), then the wait goes on */
+        if (!interrupted || got) break;
+        if (PyErr_CheckSignals() < 0) {
+            PyBuffer_Release(&buf);
+            return NULL;
+        }
+    }
+    PyBuffer_Release(&buf);
+    if (timed_out) {
+        PyErr_SetString(PyExc_TimeoutError, "timed out");
+        return NULL;
+    }
+    if (err) {
+        if (err == SSL_ERROR_SYSCALL && sys_errno) {
+            errno = sys_errno;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        if (err == SSL_ERROR_SYSCALL && got) /* EOF without close_notify after some bytes: the caller counts them */
+            return PyLong_FromSize_t(got);
+        PyErr_Format(PyExc_ConnectionError, "TLS read failed (OpenSSL error %d)", err);
+        return NULL;
+    }
+    return PyLong_FromSize_t(got);
+}
+
+static PyMethodDef methods[] = {
+    {"recv_into", recv_into, METH_VARARGS, "recv_into(sslobj, fd, buffer, timeout_ms) -> bytes read"},
+    {"available", available, METH_NOARGS, "whether Python's OpenSSL was found"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tlsread", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__tlsread(void) {
+    link_openssl();
+    return PyModule_Create(&module);
+}
