@@ -51,10 +51,9 @@ ALL_DATASETS = "small,large,large-ours,multipart,upload,packed"
 
 def multipart_client(sw):
     import boto3
-
-    cr = sw.credentials()
     from botocore.config import Config
 
+    cr = sw.credentials()
     # no CRC32 trailer (botocore's default since 1.36, sent aws-chunked over https), which RGWs before Squid refuse
     return boto3.client("s3", endpoint_url=sw.s3_endpoint, aws_access_key_id=cr["s3_access_key"],
                         aws_secret_access_key=cr["s3_secret_key"], region_name="us-east-1",
@@ -461,7 +460,8 @@ def run_datasets(sw, args, info: dict, disk_root: Path, tv: Path, disk: float) -
 
 
 def write_results(args, out: Path, tv: Path, rows: list[dict], info: dict, disk: float, fs: str) -> None:
-    """bench/results/stage[-rgw].{json,md,png}: this run's rows, and a partial run's (--datasets) others kept."""
+    """bench/results/stage[-rgw[-https]].{json,md,png}: this run's rows, and a partial run's (--datasets) others
+    kept."""
     stem = "stage" if args.store == "swift" else "stage-rgw-https" if args.tls else "stage-rgw"
     command = "make bench-stage" + ("" if args.store == "swift" else " STORE=rgw") + (" TLS=1" if args.tls else "")
     server = ("Swift 2.38.3 on 127.0.0.1 (2 proxy workers, memcached)" if args.store == "swift" else
