@@ -449,12 +449,14 @@ def tls_server(tmp_path, monkeypatch):
 def _counting(monkeypatch) -> list[int]:
     """Each call of _tlsread.recv_into (the bytes it returned), through a wrapper."""
     calls: list[int] = []
-    real = httpget._tlsread.recv_into
+    real = httpget._tlsread
 
     class Counted:
+        recv_some, send_all = real.recv_some, real.send_all
+
         @staticmethod
         def recv_into(*a):
-            calls.append(real(*a))
+            calls.append(real.recv_into(*a))
             return calls[-1]
 
     monkeypatch.setattr(httpget, "_tlsread", Counted)
@@ -500,10 +502,9 @@ def test_an_https_body_cut_short_is_an_error_that_is_retried(tls_server, tmp_pat
     assert _transient(e.value)  # the stager fetches it again
 
 
-@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
-def test_an_https_body_that_stops_coming_times_out(tmp_path, monkeypatch):
-    """The store stops sending mid-body (it holds the rest until the test ends): the read gives up after the
-    connection's timeout, as the ssl module's would, rather than waiting for ever."""
+def _times_out(tmp_path, monkeypatch, answer: bytes) -> BaseException:
+    """A GET (timeout 0.5 s) from an https server that takes the request, sends ``answer`` and then nothing (it
+    holds the connection until the test ends): the TimeoutError it raised."""
     import ssl
 
     cert, key = self_signed(tmp_path / "tls", "127.0.0.1")
@@ -511,7 +512,6 @@ def test_an_https_body_that_stops_coming_times_out(tmp_path, monkeypatch):
     sctx.load_cert_chain(cert, key)
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
     httpget._local.__dict__.clear()
-    calls = _counting(monkeypatch)
     held = threading.Event()
     lsock = socket.create_server(("127.0.0.1", 0))
 
@@ -520,7 +520,8 @@ def test_an_https_body_that_stops_coming_times_out(tmp_path, monkeypatch):
         with sctx.wrap_socket(c, server_side=True) as t:
             while b"\r\n\r\n" not in t.recv(65536):
                 pass
-            t.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY[:1 << 20])
+            if answer:
+                t.sendall(answer)
             held.wait(60)
 
     th = threading.Thread(target=serve, daemon=True)
@@ -529,10 +530,76 @@ def test_an_https_body_that_stops_coming_times_out(tmp_path, monkeypatch):
     try:
         with pytest.raises(TimeoutError) as e:
             get_into(f"https://127.0.0.1:{lsock.getsockname()[1]}/c/o", {}, fd, 0, timeout=0.5)
-        assert _transient(e.value) and calls  # it was _tlsread's read that timed out
+        assert not httpget._local.conns  # the connection was dropped, not kept for the next request
+        return e.value
     finally:
         held.set()
         os.close(fd)
         th.join(10)
         lsock.close()
         httpget._local.__dict__.clear()
+
+
+@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
+def test_an_https_body_that_stops_coming_times_out(tmp_path, monkeypatch):
+    """The store stops sending mid-body (it holds the rest until the test ends): the read gives up after the
+    connection's timeout, as the ssl module's would, rather than waiting for ever."""
+    calls = _counting(monkeypatch)
+    e = _times_out(tmp_path, monkeypatch, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY[:1 << 20])
+    assert _transient(e) and calls  # it was _tlsread's read that timed out
+
+
+@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
+def test_an_https_request_and_the_wait_for_its_answer_each_cross_into_c_once(tls_server, tmp_path, monkeypatch):
+    """The ssl module releases the GIL for every wait on the socket and every record: a request was a poll and a
+    write, the wait for an answer's headers a read that found nothing, a poll and a read. Each is one call of
+    _tlsread now (send_all, recv_some), the ssl module's read and send not at all; the bytes are as before."""
+    import ssl
+
+    real = httpget._tlsread
+    calls = {"send_all": 0, "recv_some": 0, "ssl read": 0, "ssl send": 0}
+
+    def counted(name, f):
+        def call(*a, **k):
+            if not (isinstance(a[0], ssl.SSLSocket) and a[0].server_side):  # the test's server is this process
+                calls[name] += 1
+            return f(*a, **k)
+        return call
+
+    class Counted:
+        recv_into = real.recv_into
+        send_all = staticmethod(counted("send_all", real.send_all))
+        recv_some = staticmethod(counted("recv_some", real.recv_some))
+
+    monkeypatch.setattr(httpget, "_tlsread", Counted)
+    monkeypatch.setattr(ssl.SSLSocket, "read", counted("ssl read", ssl.SSLSocket.read))
+    monkeypatch.setattr(ssl.SSLSocket, "send", counted("ssl send", ssl.SSLSocket.send))
+    Handler.mode = "small"
+    for i in range(3):  # on one kept-alive connection
+        assert request("GET", f"{tls_server}/c/o", {})[2] == BODY[:1000]
+    assert calls["send_all"] == 3 and 3 <= calls["recv_some"] <= 6  # the headers and the body may come apart
+    assert calls["ssl read"] == calls["ssl send"] == 0
+    assert len({id(c) for c in httpget._local.conns.values()}) == 1
+
+
+@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
+def test_a_body_is_written_and_hashed_a_full_buffer_at_a_time(tls_server, tmp_path):
+    """The sink (hashing, progress) and the pwrite see whole buffers, the last one short: a small object is one
+    write and one hash (each a release of the GIL). The first piece used to be what http.client's reader held."""
+    pieces: list[int] = []
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert get_into(f"{tls_server}/c/o", {}, fd, 0, lambda v: pieces.append(len(v)))[0] == len(BODY)
+        Handler.mode = "small"
+        assert get_into(f"{tls_server}/c/o", {}, fd, 0, lambda v: pieces.append(len(v)))[0] == 1000
+    finally:
+        os.close(fd)
+    full, rest = divmod(len(BODY), httpget.BUF)
+    assert pieces == [httpget.BUF] * full + [rest] + [1000]
+
+
+@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
+def test_an_https_store_that_never_answers_times_out(tmp_path, monkeypatch):
+    """The request is taken and no answer comes: the wait for the headers (recv_some) gives up after the
+    connection's timeout, an error the stager retries, as the ssl module's wait did."""
+    assert _transient(_times_out(tmp_path, monkeypatch, b""))

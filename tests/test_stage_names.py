@@ -269,3 +269,27 @@ def test_a_download_removed_by_something_else_is_said_as_such(tmp_path):
     with pytest.raises(ApplianceError, match="was removed while 'd/x' was staged") as e:
         stage(st, "d/", out)
     assert "vanished" not in str(e.value) and "let nothing else write into" in e.value.fix
+
+
+def test_a_file_where_a_directory_goes_is_one_line_before_any_fetch(tmp_path, monkeypatch):
+    """The directories the files go into are made once, before the fetches (each fetch asked for its own, a system
+    call and an exception per file). A file standing where one must go was 5 fetches of every object in it with
+    backoff, then "could not fetch"; it is one line naming the path, and nothing is fetched."""
+    st = DictStore({"d/a/1.bin": b"1", "d/a/2.bin": b"2", "d/b/c/3.bin": b"3", "d/4.bin": b"4"})
+    out = tmp_path / "out"
+    mkdirs = []
+    real = os.mkdir
+    monkeypatch.setattr(os, "mkdir", lambda p, *a, **k: (mkdirs.append(str(p)), real(p, *a, **k))[1])
+    stage(st, "d/", out, concurrency=2)
+    assert sorted((out / n[2:]).read_bytes() for n in st.objects) == [b"1", b"2", b"3", b"4"]
+    made = [p for p in mkdirs if ".appliance" not in p and p != str(out)]
+    assert sorted(made) == [str(out / "a"), str(out / "b"), str(out / "b" / "c")]  # each once, not once per file
+
+    st2 = DictStore({"d/a/1.bin": b"1", "d/x/2.bin": b"2"})
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    (out2 / "x").write_bytes(b"mine")  # a file where directory x must go
+    with pytest.raises(ApplianceError, match="cannot make the directory .*x to stage into") as e:
+        stage(st2, "d/", out2)
+    assert str(out2 / "x") in e.value.fix and not st2.gets  # nothing was fetched
+    assert (out2 / "x").read_bytes() == b"mine"

@@ -275,6 +275,17 @@ def _only_stager(dest: Path) -> int | None:
         return None
 
 
+def _make_dirs(dest: Path, dirs) -> None:
+    """``dirs`` (paths under ``dest``) and the directories above them, each parent before its children."""
+    for d in sorted({q for p in dirs for q in (p, *p.parents) if q != PurePosixPath(".")}):
+        try:
+            (dest / d).mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where the directory goes (exist_ok takes only a directory), a read-only disk
+            raise ApplianceError(f"cannot make the directory {dest / d} to stage into: {e.strerror or e}",
+                                 f"move what is at {e.filename or dest / d} out of the way, or stage into another "
+                                 "directory") from None
+
+
 def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank: int, nodes: int,
            concurrency: int, retries: int, progress: Callable[[dict], None] | None, keep_names: bool,
            keep_extra: bool) -> StageResult:
@@ -288,8 +299,7 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
                              f"object's path or with the stager's own files: {shown}; nothing was written",
                              "rename those objects in the store (no '..', '.', '//', leading '/', or parts over "
                              "255 bytes; no two names for one path)")
-    for d in dirs:
-        (dest / d).mkdir(parents=True, exist_ok=True)
+    _make_dirs(dest, dirs)  # the store's directory markers
     manifest = load_manifest(dest)
     removed = 0
     if not keep_extra:  # objects deleted from the store (or now another node's shard) leave this node too
@@ -340,9 +350,12 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
 
     seen: dict[str, bytes] = {}  # multipart objects no part-size rule verified: their parts' MD5s, per fetch
 
+    # each directory the files go into, made once here rather than asked for by every file (a mkdir that finds
+    # it there: a system call and an exception per file, each a hand-over of the GIL among the fetching threads)
+    _make_dirs(dest, {paths[o.name].parent for o in todo})
+
     def fetch(o: ObjectInfo) -> None:
         target = dest / paths[o.name]
-        target.parent.mkdir(parents=True, exist_ok=True)
         # in the staging directory, under a name no object can have: `x` never writes over object `x.part`; and
         # this process's own: another stager on the same directory may unlink it, never truncate it under the
         # hasher's map of it (store/md5lanes.py: a mapped file that shrinks would kill this process with SIGBUS)

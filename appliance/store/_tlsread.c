@@ -19,6 +19,11 @@
  * (negative: no limit) without any byte coming, then TimeoutError; a signal meanwhile returns what came, or runs its
  * Python handler and waits on. A TLS error raises ConnectionError with OpenSSL's error code; the thread's OpenSSL
  * error queue is left empty.
+ * recv_some(sslobj, fd, buffer, timeout_ms): the same, but returns once something has come and nothing more is
+ * there without waiting (a socket's recv_into: what http.client's reader asks for an answer's headers).
+ * send_all(sslobj, fd, data, timeout_ms): writes all of ``data`` (waiting for room as recv_into waits for bytes).
+ * The ssl module releases the GIL for each record and again for each poll(): an answer's headers were a read that
+ * found nothing, a poll and a read; a request a poll and a write. Each is one release here.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -40,11 +45,14 @@ typedef struct {
 } SSLSocketHead;
 
 static int (*p_SSL_read_ex)(void *, void *, size_t, size_t *);
+static int (*p_SSL_write_ex)(void *, const void *, size_t, size_t *);
 static int (*p_SSL_get_error)(const void *, int);
 static int (*p_SSL_get_fd)(const void *);
 static void (*p_ERR_clear_error)(void);
 
-static int linked(void) { return p_SSL_read_ex && p_SSL_get_error && p_SSL_get_fd && p_ERR_clear_error; }
+static int linked(void) {
+    return p_SSL_read_ex && p_SSL_write_ex && p_SSL_get_error && p_SSL_get_fd && p_ERR_clear_error;
+}
 
 static void link_openssl(void) {
     PyObject *mod = PyImport_ImportModule("_ssl");
@@ -59,6 +67,7 @@ static void link_openssl(void) {
     if (!h) return;
     /* dlsym on the module's handle searches it and the libraries it was linked with: its libssl and libcrypto */
     *(void **)&p_SSL_read_ex = dlsym(h, "SSL_read_ex");
+    *(void **)&p_SSL_write_ex = dlsym(h, "SSL_write_ex");
     *(void **)&p_SSL_get_error = dlsym(h, "SSL_get_error");
     *(void **)&p_SSL_get_fd = dlsym(h, "SSL_get_fd");
     *(void **)&p_ERR_clear_error = dlsym(h, "ERR_clear_error");
@@ -69,36 +78,42 @@ static int is_sslobj(PyObject *o) { return strcmp(Py_TYPE(o)->tp_name, "_ssl._SS
 
 static PyObject *available(PyObject *self, PyObject *noargs) { return PyBool_FromLong(linked()); }
 
-static PyObject *recv_into(PyObject *self, PyObject *args) {
-    PyObject *obj;
-    int fd, timeout_ms;
-    Py_buffer buf;
-    if (!PyArg_ParseTuple(args, "Oiw*i", &obj, &fd, &buf, &timeout_ms)) return NULL;
+enum { FILL, SOME, WRITE };
+
+/* The SSL* of ``obj`` when it is a _ssl._SSLSocket on descriptor ``fd``, else NULL with an exception set. */
+static void *ssl_of(PyObject *obj, int fd, const char *fn) {
     if (!linked() || !is_sslobj(obj)) {
-        PyBuffer_Release(&buf);
-        PyErr_SetString(PyExc_TypeError, "recv_into() takes an ssl.SSLSocket's _sslobj (and OpenSSL linked)");
+        PyErr_Format(PyExc_TypeError, "%s() takes an ssl.SSLSocket's _sslobj (and OpenSSL linked)", fn);
         return NULL;
     }
     void *ssl = ((SSLSocketHead *)obj)->ssl;
     if (!ssl || p_SSL_get_fd(ssl) != fd) {
-        PyBuffer_Release(&buf);
-        PyErr_SetString(PyExc_ValueError, "recv_into(): the TLS object is not on that socket");
+        PyErr_Format(PyExc_ValueError, "%s(): the TLS object is not on that socket", fn);
         return NULL;
     }
-    char *mem = buf.buf;
-    size_t want = (size_t)buf.len, got = 0;
+    return ssl;
+}
+
+/* FILL: read until ``buf`` is full or the stream ends. SOME: wait for a first byte, then take what has come
+ * without waiting again. WRITE: send all of ``buf``. The GIL is released once for the whole of it. */
+static PyObject *transfer(void *ssl, int fd, Py_buffer *buf, int timeout_ms, int mode) {
+    char *mem = buf->buf;
+    size_t want = (size_t)buf->len, got = 0;
     int err, timed_out, interrupted, sys_errno;
     for (;;) {
         err = timed_out = interrupted = sys_errno = 0;
         Py_BEGIN_ALLOW_THREADS
         while (got < want) {
             size_t n = 0;
-            if (p_SSL_read_ex(ssl, mem + got, want - got, &n)) {
+            int ok = mode == WRITE ? p_SSL_write_ex(ssl, mem + got, want - got, &n)
+                                   : p_SSL_read_ex(ssl, mem + got, want - got, &n);
+            if (ok) {
                 got += n;
                 continue;
             }
             err = p_SSL_get_error(ssl, 0);
             if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
+                if (mode == SOME && got) { err = 0; break; } /* what had come is returned; no second wait */
                 struct pollfd p = {fd, err == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT, 0};
                 int r = poll(&p, 1, timeout_ms);
                 if (r == 0) { timed_out = 1; break; }
@@ -111,20 +126,16 @@ static PyObject *recv_into(PyObject *self, PyObject *args) {
                 err = 0;
                 continue;
             }
-            if (err == SSL_ERROR_ZERO_RETURN) err = 0; /* the peer closed the TLS stream: what came is all */
+            if (err == SSL_ERROR_ZERO_RETURN && mode != WRITE) err = 0; /* the peer closed the TLS stream */
             else sys_errno = errno;
             break;
         }
         if (err) p_ERR_clear_error();
         Py_END_ALLOW_THREADS
         /* a signal while waiting: its Python handler runs now (a TERM's exit, a ^C), then the wait goes on */
-        if (!interrupted || got) break;
-        if (PyErr_CheckSignals() < 0) {
-            PyBuffer_Release(&buf);
-            return NULL;
-        }
+        if (!interrupted || (got && mode != WRITE)) break;
+        if (PyErr_CheckSignals() < 0) return NULL;
     }
-    PyBuffer_Release(&buf);
     if (timed_out) {
         PyErr_SetString(PyExc_TimeoutError, "timed out");
         return NULL;
@@ -134,16 +145,34 @@ static PyObject *recv_into(PyObject *self, PyObject *args) {
             errno = sys_errno;
             return PyErr_SetFromErrno(PyExc_OSError);
         }
-        if (err == SSL_ERROR_SYSCALL && got) /* EOF without close_notify after some bytes: the caller counts them */
-            return PyLong_FromSize_t(got);
-        PyErr_Format(PyExc_ConnectionError, "TLS read failed (OpenSSL error %d)", err);
+        /* EOF without close_notify after some bytes: the caller counts them */
+        if (err == SSL_ERROR_SYSCALL && got && mode != WRITE) return PyLong_FromSize_t(got);
+        PyErr_Format(PyExc_ConnectionError, "TLS %s failed (OpenSSL error %d)", mode == WRITE ? "write" : "read",
+                     err);
         return NULL;
     }
     return PyLong_FromSize_t(got);
 }
 
+static PyObject *call(PyObject *args, const char *parse, int mode, const char *fn) {
+    PyObject *obj;
+    int fd, timeout_ms;
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, parse, &obj, &fd, &buf, &timeout_ms)) return NULL;
+    void *ssl = ssl_of(obj, fd, fn);
+    PyObject *r = ssl ? transfer(ssl, fd, &buf, timeout_ms, mode) : NULL;
+    PyBuffer_Release(&buf);
+    return r;
+}
+
+static PyObject *recv_into(PyObject *self, PyObject *args) { return call(args, "Oiw*i", FILL, "recv_into"); }
+static PyObject *recv_some(PyObject *self, PyObject *args) { return call(args, "Oiw*i", SOME, "recv_some"); }
+static PyObject *send_all(PyObject *self, PyObject *args) { return call(args, "Oiy*i", WRITE, "send_all"); }
+
 static PyMethodDef methods[] = {
-    {"recv_into", recv_into, METH_VARARGS, "recv_into(sslobj, fd, buffer, timeout_ms) -> bytes read"},
+    {"recv_into", recv_into, METH_VARARGS, "recv_into(sslobj, fd, buffer, timeout_ms) -> bytes read (a full buffer)"},
+    {"recv_some", recv_some, METH_VARARGS, "recv_some(sslobj, fd, buffer, timeout_ms) -> bytes read (what has come)"},
+    {"send_all", send_all, METH_VARARGS, "send_all(sslobj, fd, data, timeout_ms) -> bytes sent (all of them)"},
     {"available", available, METH_NOARGS, "whether Python's OpenSSL was found"},
     {NULL, NULL, 0, NULL}};
 
