@@ -482,9 +482,14 @@ def test_an_https_body_is_read_a_buffer_at_a_time_and_lands_whole(tls_server, tm
 
 
 def test_an_https_body_without_the_extension_comes_through_the_ssl_module(tls_server, tmp_path, monkeypatch):
+    Handler.mode = "small"
+    assert request("GET", f"{tls_server}/c/o", {})[2] == BODY[:1000]  # a connection made with the extension there
+    Handler.mode = "ok"
     monkeypatch.setattr(httpget, "_tlsread", None)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     try:
+        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)  # on it, and then on a new one
+        httpget._local.__dict__.clear()
         assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)
     finally:
         os.close(fd)

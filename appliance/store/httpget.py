@@ -102,7 +102,7 @@ class _TLSSocket(ssl.SSLSocket):
 
     def recv_into(self, buffer, nbytes=0, flags=0):
         t = self.gettimeout()
-        if flags or t == 0 or self._sslobj is None:
+        if flags or t == 0 or self._sslobj is None or _tlsread is None:
             return super().recv_into(buffer, nbytes, flags)
         b = memoryview(buffer).cast("B")
         if nbytes:
@@ -113,7 +113,7 @@ class _TLSSocket(ssl.SSLSocket):
 
     def sendall(self, data, flags=0):
         t = self.gettimeout()
-        if flags or t == 0 or self._sslobj is None:
+        if flags or t == 0 or self._sslobj is None or _tlsread is None:
             return super().sendall(data, flags)
         with memoryview(data) as view, view.cast("B") as b:
             if len(b):
