@@ -91,6 +91,11 @@ def _ssl_context() -> ssl.SSLContext:
     return ctx
 
 
+def _ms(timeout: float | None) -> int:
+    """A socket's timeout as _tlsread takes it: milliseconds, -1 for none."""
+    return -1 if timeout is None else max(1, int(timeout * 1000))
+
+
 class _TLSSocket(ssl.SSLSocket):
     """The ssl module's socket, but a read and a write each release the GIL once (``_tlsread``). The ssl module
     releases it for each TLS record and again for each wait on the socket: the wait for an answer's headers was 3
@@ -109,7 +114,7 @@ class _TLSSocket(ssl.SSLSocket):
             b = b[:nbytes]
         if not len(b):
             return 0
-        return _tlsread.recv_some(self._sslobj, self.fileno(), b, -1 if t is None else max(1, int(t * 1000)))
+        return _tlsread.recv_some(self._sslobj, self.fileno(), b, _ms(t))
 
     def sendall(self, data, flags=0):
         t = self.gettimeout()
@@ -117,7 +122,7 @@ class _TLSSocket(ssl.SSLSocket):
             return super().sendall(data, flags)
         with memoryview(data) as view, view.cast("B") as b:
             if len(b):
-                _tlsread.send_all(self._sslobj, self.fileno(), b, -1 if t is None else max(1, int(t * 1000)))
+                _tlsread.send_all(self._sslobj, self.fileno(), b, _ms(t))
 
 
 def _proxy(scheme: str, netloc: str) -> tuple[str, dict] | None:
@@ -214,7 +219,7 @@ class _Response(http.client.HTTPResponse):
             n = self.fp.readinto1(b)
         else:
             t = tls.gettimeout()
-            n = _tlsread.recv_into(tls._sslobj, tls.fileno(), b, -1 if t is None else max(1, int(t * 1000)))
+            n = _tlsread.recv_into(tls._sslobj, tls.fileno(), b, _ms(t))
         if not n:
             self._close_conn()
             return 0
