@@ -184,3 +184,107 @@ def test_a_files_streams_share_one_map(tmp_path, lanes):
                                                               for a in range(0, len(data), 100)]
         del s, streams
     assert maps() == 0
+
+
+def test_bodies_give_hashlibs_md5_eight_in_a_call_and_one_alone_after_the_wait():
+    """``Bodies``: the small objects' MD5s (the stager copies each body in and goes on). 8 queued bodies are one
+    call of the lanes; fewer wait ``flush`` seconds for more, then go as they are (one alone through hashlib)."""
+    if md5lanes.LANES == 1:
+        pytest.skip("the lanes are not built or the CPU has no AVX2")
+    import threading
+
+    sizes = [s for s in SIZES if s <= 1 << 20][:8]
+    data = [os.urandom(n) for n in sizes] + [os.urandom(100_000)]
+    got = {}
+    done = threading.Event()
+
+    def verdict(i):
+        def d(digest):
+            got[i] = digest
+            if len(got) == len(data):
+                done.set()
+        return d
+
+    with md5lanes.Bodies(flush=3600) as b:  # only a full batch goes before close
+        for i, x in enumerate(data[:8]):
+            job = b.job(len(x))
+            job.buf[:] = x
+            b.submit(job, verdict(i))
+        job = b.job(len(data[8]))
+        job.buf[:] = data[8]
+        b.submit(job, verdict(8))
+    assert b.batches == {8: 1, 1: 1} and not b.errors  # the 9th went at close
+    assert [got[i] for i in range(9)] == [hashlib.md5(x).digest() for x in data]
+
+    got.clear()
+    done = threading.Event()
+    b = md5lanes.Bodies(flush=0.001)
+    job = b.job(3)
+    job.buf[:] = b"abc"
+    b.submit(job, lambda digest: (got.setdefault(0, digest), done.set()))
+    assert done.wait(10) and got[0] == hashlib.md5(b"abc").digest()  # alone, after its wait: not held to close
+    b.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        b.submit(b.job(1), lambda d: None)
+
+
+def test_a_body_verdict_that_raises_leaves_the_others_theirs():
+    b = md5lanes.Bodies(flush=3600)
+    out = []
+    for i in range(3):
+        job = b.job(10)
+        job.buf[:] = bytes([i]) * 10
+
+        def done(digest, i=i):
+            if i == 1:
+                raise ValueError("a verdict's own bug")
+            out.append(digest)
+        b.submit(job, done)
+    b.close()
+    assert out == [hashlib.md5(bytes([i]) * 10).digest() for i in (0, 2)]
+    assert [str(e) for e in b.errors] == ["a verdict's own bug"]
+
+
+def test_bodies_wait_for_room_when_their_queue_is_full():
+    """A submitter that outruns the hashing waits (the copies are memory) rather than queues without end."""
+    import threading
+    import time
+
+    b = md5lanes.Bodies(flush=3600, queued=2)  # no batch before close: 2 < LANES, and an hour's wait
+    hashed, third = [], []
+    for i in range(2):
+        b.submit(b.job(1), hashed.append)
+
+    def submit_third():
+        try:
+            b.submit(b.job(1), hashed.append)
+            third.append("queued")
+        except RuntimeError as e:
+            third.append(str(e))
+    t = threading.Thread(target=submit_third)
+    t.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # until the third submitter waits for room
+        with b.lock:
+            if b.room._waiters:
+                break
+    with b.lock:
+        assert b.room._waiters and len(b.waiting) == 2 and not third
+    b.close()  # hashes the 2 queued; the third, still waiting, is refused
+    t.join(10)
+    assert len(hashed) == 2 and third == ["the hashing of bodies is closed"]
+
+
+def test_bodies_reuse_their_buffers_whatever_the_mix_of_sizes():
+    """A buffer given back was reused only if it was the last one given back and big enough: sizes in a random mix
+    made a new one nearly every time, and kept them all."""
+    rng = random.Random(5)
+    b = md5lanes.Bodies(flush=3600)
+    made = set()
+    for _ in range(500):
+        jobs = [b.job(rng.randrange(1, 1 << 20)) for _ in range(8)]  # 8 in hand at once
+        made.update(id(j.store) for j in jobs)
+        for j in jobs:
+            b.drop(j)
+    b.close()
+    assert len(made) <= 8 * 5  # classes 64 KiB .. 1 MiB, 8 of each at most

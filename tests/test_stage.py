@@ -17,6 +17,7 @@ import pytest
 
 from appliance.data import dataset_summary, stage_cluster, unstaged, upload
 from appliance.node.stage import MANIFEST, safe_relpath, stage
+from appliance.store import md5lanes
 from appliance.store.objects import S3Store, Store, StoreCreds, SwiftStore
 from appliance.errors import ApplianceError
 from appliance.localcloud.rgw_server import RGWServer
@@ -107,7 +108,9 @@ def test_resume_after_kill(creds, swift, tmp_path):
     """The stager killed (SIGKILL) half-way: a second run fetches only what the first had not verified. The object
     store's answers stop after 200 objects (a proxy holds the rest) and the kill comes once both of the stager's
     threads wait on a held one, so it is half-way on any machine (it used to come on a progress line, which a fast
-    run could print only once it had all 600)."""
+    run could print only once it had all 600). A thread goes on to its next object once it has its body, before the
+    body's MD5 (store/md5lanes.py, Bodies): a kill loses the few whose MD5 was still queued, and the second run
+    fetches them again."""
     from faultproxy import FaultProxy
 
     st = SwiftStore("resume", creds)
@@ -132,7 +135,8 @@ def test_resume_after_kill(creds, swift, tmp_path):
         proxy.stop()
     assert p.returncode == -signal.SIGKILL
     done_before = sum(1 for f in dest.rglob("*.bin"))
-    assert done_before == 200
+    # all 200 answered, less those whose MD5 was still queued for the lanes (a batch of 8 and 7 waiting at most)
+    assert 200 - 2 * md5lanes.LANES < done_before <= 200
     assert not list(dest.rglob("*.part")) or True  # a cut .part may remain; it is never taken for a file
     res = stage(st, "r/", dest)
     assert res.files_skipped >= done_before - 2  # what was verified before the kill is not fetched again

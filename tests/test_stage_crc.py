@@ -75,7 +75,8 @@ def uploaded(objects: dict[str, bytes]) -> DictStore:
 
 @pytest.fixture
 def md5s(monkeypatch):
-    """How many MD5s the stager starts: hashlib's, and the streams of its hasher (store/md5lanes.py)."""
+    """How many MD5s the stager starts: hashlib's, the streams of its hasher and the bodies it hands to the lanes
+    (store/md5lanes.py)."""
     made = []
 
     def md5(*a):
@@ -87,8 +88,14 @@ def md5s(monkeypatch):
             made.extend(1 for _ in groups)
             return super().streams(fd, groups)
 
+    class CountedBodies(sm.Bodies):
+        def submit(self, job, done):
+            made.append(1)
+            return super().submit(job, done)
+
     monkeypatch.setattr(sm, "hashlib", types.SimpleNamespace(md5=md5, sha256=hashlib.sha256))
     monkeypatch.setattr(sm, "Hasher", Counted)
+    monkeypatch.setattr(sm, "Bodies", CountedBodies)
     return made
 
 

@@ -12,7 +12,8 @@
    fetched segment by segment and each segment checked against its MD5; an S3 multipart object part by part,
    the parts' MD5s checked against its ETag (store/parts.py); everything else is checked against its ETag
    (MD5), our uploads' objects by their CRC-32 (CRC_META). A large object's MD5s are taken as its bytes are
-   written, many objects' in one call (store/md5lanes.py); a small one's in its GET's thread. A file appears
+   written, many objects' in one call (store/md5lanes.py); a small one's (up to 1 MiB) from a copy of its body, 8
+   at a time, in a thread of their own, while its GET's thread goes on to the next object. A file appears
    under its name only once verified (downloaded into ``.appliance-staging/`` in the destination, then renamed);
 5. retry with backoff; record each verified file in the manifest, so a killed run resumes.
 One staging run at a time per directory (a lock on it): a second is refused before it changes anything.
@@ -31,12 +32,12 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import ApplianceError
-from ..store.md5lanes import Hasher, md5_ranges
+from ..store.md5lanes import Bodies, Hasher, lanes_in_use, md5_ranges
 from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, slo_etag
 from ..store.parts import guesses, layout, multipart_etag, part_count
 
@@ -46,6 +47,7 @@ STAGING = ".appliance-staging"  # downloads in progress, on the same file system
 RESERVED = {MANIFEST, JOURNAL, STAGING, f".{MANIFEST}.tmp"}
 LARGE = 64 * 1024**2  # objects above this are fetched as parallel ranged GETs
 RANGE = 16 * 1024**2
+SMALL = 1024**2  # objects up to this size are checked after their GET, their MD5s 8 at a time (md5lanes.Bodies)
 MAX_RANGE = 2 * RANGE  # a part or segment up to this size is one GET
 # ... and so is one up to this share of the large objects' bytes to fetch: with 8 or more of them, the parallel GETs
 # come from the objects (8 x 256 MiB from Ceph RGW: 5.8 s of client CPU instead of 6.5-6.8, docs/staging.md, when
@@ -184,6 +186,43 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+class _Left:
+    """The objects a stage has left to place, and the first error: what the stage waits for. An object is placed by
+    the thread that fetched it, or by the bodies' thread once its MD5 is taken (store/md5lanes.py), which also hands
+    a damaged one back to the pool."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.over = threading.Event()
+        if not n:
+            self.over.set()
+
+    def one_done(self) -> None:
+        with self.lock:
+            self.n -= 1
+            if not self.n:
+                self.over.set()
+
+    def fail(self, e: BaseException) -> None:
+        with self.lock:
+            self.error = self.error or e
+        self.over.set()
+
+    def run(self, fn: Callable, *args) -> None:
+        """``fn(*args)`` in a pool's thread: what it raises ends the stage."""
+        try:
+            fn(*args)
+        except BaseException as e:
+            self.fail(e)
+
+    def wait(self) -> None:
+        self.over.wait()
+        if self.error is not None:
+            raise self.error
 
 
 class _Progress:
@@ -338,15 +377,11 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
     one_get = max(MAX_RANGE, sum(o.size for o in todo if o.size >= LARGE) // WHOLE_SHARE)
     mlock = threading.Lock()
     journal = open(dest / JOURNAL, "a", buffering=1)
-
-    def record(o: ObjectInfo, target: Path) -> None:
-        rec = [o.size, o.etag, target.stat().st_mtime_ns]
-        with mlock:
-            manifest[o.name] = rec
-            journal.write(json.dumps([o.name, *rec]) + "\n")
+    left = _Left(len(todo))
 
     big_pool = ThreadPoolExecutor(max_workers=concurrency)  # ranged parts of large objects
     hasher = Hasher()  # their MD5s, many objects' at once (store/md5lanes.py)
+    bodies = Bodies() if lanes_in_use() > 1 else None  # small objects' MD5s, 8 at a time, after their fetch
 
     seen: dict[str, bytes] = {}  # multipart objects no part-size rule verified: their parts' MD5s, per fetch
 
@@ -354,65 +389,93 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
     # it there: a system call and an exception per file, each a hand-over of the GIL among the fetching threads)
     _make_dirs(dest, {paths[o.name].parent for o in todo})
 
-    def fetch(o: ObjectInfo) -> None:
+    def place(o: ObjectInfo, part: Path, verified: bool, rechecked: bool) -> None:
+        """A fetched and checked object under its name, recorded (the journal line a killed run resumes from)."""
         target = dest / paths[o.name]
+        part.replace(target)
+        rec = [o.size, o.etag, target.stat().st_mtime_ns]
+        with mlock:
+            if not verified:
+                res.size_only.append(o.name)
+            elif rechecked:  # the first fetch did not verify and the second did: the first was damaged
+                res.corrupt_refetched += 1
+            res.files_fetched += 1
+            res.bytes_fetched += o.size
+            manifest[o.name] = rec
+            journal.write(json.dumps([o.name, *rec]) + "\n")
+        prog.add(files=1)
+        left.one_done()
+
+    def failed(o: ObjectInfo, part: Path, attempt: int, err: str, corrupt: bool) -> None:
+        """A try that failed: counted, its download removed; the last one's error raised."""
+        with mlock:
+            res.retries += 1
+            res.corrupt_refetched += corrupt
+        part.unlink(missing_ok=True)
+        if attempt == retries:
+            raise ApplianceError(f"could not fetch {o.name!r} after {retries + 1} tries ({err})",
+                                 "check the object store; re-running stage resumes where it stopped")
+
+    def fetch(o: ObjectInfo, attempt: int = 0, rechecked: bool = False) -> None:
         # in the staging directory, under a name no object can have: `x` never writes over object `x.part`; and
         # this process's own: another stager on the same directory may unlink it, never truncate it under the
         # hasher's map of it (store/md5lanes.py: a mapped file that shrinks would kill this process with SIGBUS)
         part = staging / f"{hashlib.sha256(o.name.encode()).hexdigest()}.{os.getpid()}.part"
-        rechecked = False
-        attempt = -1
-        while attempt < retries:
-            attempt += 1
+        pause = attempt > 0  # a try after a failed one waits first
+        while True:
+            if pause:
+                time.sleep(min(8.0, 0.2 * 2 ** (attempt - 1)) * (0.5 + random.random()))  # backoff before a retry
             try:
-                verified = _fetch_one(store, o, part, big_pool, prog, seen, one_get, hasher)
-                if not verified:
-                    with mlock:
-                        res.size_only.append(o.name)
-                elif rechecked:  # the first fetch did not verify and the second did: the first was damaged
-                    res.corrupt_refetched += 1
-                part.replace(target)
-                record(o, target)
-                prog.add(files=1)
-                res.files_fetched += 1
-                res.bytes_fetched += o.size
+                verified = _fetch_one(store, o, part, big_pool, prog, seen, one_get, hasher, bodies,
+                                      lambda ok, a=attempt, r=rechecked: later(o, part, a, r, ok))
+                if verified is not None:
+                    place(o, part, verified, rechecked)
+                # else its MD5 is taken with 7 others' in the bodies' thread, which places it (later)
                 return
             except Recheck:
                 part.unlink(missing_ok=True)
-                rechecked = True
-                attempt -= 1  # not a failure: the second fetch decides
+                rechecked = True  # not a failure: the second fetch decides, at once
+                pause = False
                 continue
             except Corrupt:
-                res.corrupt_refetched += 1
-                err = "checksum mismatch"
+                failed(o, part, attempt, "checksum mismatch", True)
             except FileNotFoundError as e:
                 if e.filename is not None:  # a local path (the store says a missing object with none)
-                    raise ApplianceError(f"{e.filename} was removed while {o.name!r} was staged into it",
-                                         f"let nothing else write into {dest} while stage runs, then re-run "
-                                         "stage") from None
+                    raise gone(o, e) from None
                 raise ApplianceError(f"object {o.name!r} vanished from the store while staging", "re-run stage") from None
             except ApplianceError:
                 raise
             except Exception as e:  # network errors, 5xx: retry with backoff
-                err = f"{type(e).__name__}: {e}"
-            res.retries += 1
-            part.unlink(missing_ok=True)
-            if attempt == retries:
-                break
-            time.sleep(min(8.0, 0.2 * 2 ** attempt) * (0.5 + random.random()))  # backoff before a retry
-        raise ApplianceError(f"could not fetch {o.name!r} after {retries + 1} tries ({err})",
-                             "check the object store; re-running stage resumes where it stopped")
+                failed(o, part, attempt, f"{type(e).__name__}: {e}", False)
+            attempt += 1
+            pause = True
 
+    def gone(o: ObjectInfo, e: FileNotFoundError) -> ApplianceError:
+        return ApplianceError(f"{e.filename} was removed while {o.name!r} was staged into it",
+                              f"let nothing else write into {dest} while stage runs, then re-run stage")
+
+    def later(o: ObjectInfo, part: Path, attempt: int, rechecked: bool, ok: bool) -> None:
+        """The verdict on a small object's MD5, in the bodies' thread: placed, or fetched again by the pool."""
+        try:
+            if ok:
+                place(o, part, True, rechecked)
+                return
+            failed(o, part, attempt, "checksum mismatch", True)
+            pool.submit(left.run, fetch, o, attempt + 1, rechecked)
+        except FileNotFoundError as e:
+            left.fail(gone(o, e))
+        except BaseException as e:
+            left.fail(e)
+
+    pool = ThreadPoolExecutor(max_workers=concurrency)
     try:
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            futs = [pool.submit(fetch, o) for o in sorted(todo, key=lambda o: -o.size)]
-            done, pending = wait(futs, return_when=FIRST_EXCEPTION)
-            for f in done:
-                if f.exception():
-                    for p in pending:
-                        p.cancel()
-                    raise f.exception()
+        for o in sorted(todo, key=lambda o: -o.size):
+            pool.submit(left.run, fetch, o)
+        left.wait()
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        if bodies is not None:
+            bodies.close()  # the verdicts on what was fetched: placed and recorded, even when the stage failed
         big_pool.shutdown(wait=True)
         hasher.close()
         with mlock:
@@ -426,12 +489,15 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
 
 
 def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
-               seen: dict[str, bytes] | None, one_get: int, hasher: Hasher) -> bool:
+               seen: dict[str, bytes] | None, one_get: int, hasher: Hasher, bodies: Bodies | None = None,
+               later: Callable[[bool], None] | None = None) -> bool | None:
     """Fetch ``o`` into ``part`` and verify it; raise Corrupt when it does not verify. Returns False when its
     content could be checked only by size: an SLO whose segments the store does not show (Ceph RGW gives no
     manifest, and its segments are not where uploads put them), or an S3 multipart object whose part sizes neither
     the store nor any known upload tool's rule gives. ``one_get``: a part, segment or object up to this many bytes
-    is one GET (_fetch_ranges). ``hasher``: what takes a large object's MD5s (the stage's)."""
+    is one GET (_fetch_ranges). ``hasher``: what takes a large object's MD5s (the stage's). ``bodies``: what takes
+    a small object's MD5 (up to SMALL bytes) after its GET, with 7 others: then this returns None at once, and
+    ``later(matches)`` is called in the bodies' thread."""
     etag = o.etag.strip('"')
     n_parts = part_count(etag)
     if o.size >= LARGE or n_parts is not None:
@@ -456,18 +522,35 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
             raise Corrupt(o.name)
         return segments is None
     check = _Check(etag)
+    body = bodies.job(o.size) if bodies is not None and later is not None and 0 < o.size <= SMALL else None
+    got = 0
 
     def sink(view: memoryview) -> None:
-        check.update(view)
-        prog.add(len(view))
+        nonlocal got
+        k = len(view)
+        if body is None or check.crc is not None:
+            check.update(view)
+        elif got + k <= o.size:  # a copy for the bodies' thread to hash (more than the listing said: Corrupt, below)
+            body.buf[got:got + k] = view
+        got += k
+        prog.add(k)
 
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        n, headers = store.fetch(o.name, fd, 0, sink, on_headers=check.headers)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            n, headers = store.fetch(o.name, fd, 0, sink, on_headers=check.headers)
+        finally:
+            os.close(fd)
+        if n != o.size or (body is not None and got != n):
+            raise Corrupt(o.name)
+        if body is not None and check.crc is None and \
+                str(headers.get("x-static-large-object", "")).lower() != "true":
+            bodies.submit(body, lambda digest: later(digest.hex() == etag))
+            body = None  # the bodies' thread has it now
+            return None
     finally:
-        os.close(fd)
-    if n != o.size:
-        raise Corrupt(o.name)
+        if body is not None:
+            bodies.drop(body)
     if check.crc is not None:
         if check.crc.value != check.want:
             raise Corrupt(o.name)

@@ -12,6 +12,10 @@ put them in the page cache (a read-only mmap, no copy), and hashes them in one c
 the MD5 of the bytes they cover; whoever writes them says how far each piece has come (``wrote``), in any order,
 and the stream hashes what is contiguous from its start as it comes. ``digest()`` waits for the last bytes. ``md5_ranges`` is the same for bytes already in a file (an upload's
 parts), in the calling thread.
+
+``Bodies`` is the same for small objects, whose bodies are whole in memory after their GET: a copy of each is queued
+and hashed with 7 others in one call, in a thread of its own, while the thread that fetched it goes on to its next
+object (100 KB: 35 microseconds of CPU each in a call of 8, 155 with hashlib).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import mmap
 import os
 import struct
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 
 try:
@@ -274,3 +280,112 @@ def md5_ranges(fd: int, ranges: list[tuple[int, int]], crcs: list | None = None)
             _hash(batch)
             group = left
     return [s.digest() for s in states]
+
+
+class Body:
+    """A buffer to copy one small object's body into (``Bodies.job``): ``buf``, of the object's size."""
+
+    def __init__(self, store: bytearray, size: int):
+        self.store = store
+        self.buf = memoryview(store)[:size]
+
+
+class Bodies:
+    """The MD5s of small objects' bodies, many in one call of the lanes, in a thread of its own (``md5-bodies``).
+
+    ``job(size)`` gives a buffer to copy a body into; ``submit(job, done)`` queues it and returns at once (it waits
+    only while ``queued`` bodies wait already), and the hashing thread calls ``done(digest)`` once it is hashed; a
+    job given up goes back with ``drop(job)``. A batch is hashed once LANES bodies wait, or once the oldest has waited
+    ``flush`` seconds (a run's last objects, a slow trickle: a wait for the verdict, not for the fetches, which go
+    on), or at ``close``, which hashes what is queued and calls each ``done`` before it returns. ``done`` runs in the
+    hashing thread and must not raise (what it raises is kept in ``errors``, with anything else unexpected). Only worth it with the lanes: where
+    they are not, hashlib in the fetching thread costs the same with no copy."""
+
+    def __init__(self, flush: float = 0.02, queued: int = 4 * LANES):
+        self.flush, self.queued = flush, queued
+        self.lock = threading.Lock()
+        self.ready = threading.Condition(self.lock)  # the hashing thread waits for a batch
+        self.room = threading.Condition(self.lock)  # a submitter waits for the queue to shrink
+        self.waiting: list[tuple[Body, Callable[[bytes], None], float]] = []
+        self.free: dict[int, list[bytearray]] = {}  # buffers given back, by their size's power of 2
+        self.closed = False
+        self.batches: Counter[int] = Counter()  # calls by how many bodies each hashed (the tests, the benchmark)
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._work, name="md5-bodies", daemon=True)
+        self.thread.start()
+
+    def job(self, size: int) -> Body:
+        """A buffer for a body of ``size`` bytes: one given back before, of the same power-of-2 class (from 64 KiB),
+        or a new one. As many are made of a class as bodies of it are in hand at once, at most: the fetching
+        threads', the queued and the batch."""
+        cls = max(16, (size - 1).bit_length())
+        with self.lock:
+            free = self.free.get(cls)
+            store = free.pop() if free else None
+        return Body(store if store is not None else bytearray(1 << cls), size)
+
+    def drop(self, job: Body) -> None:
+        job.buf.release()
+        with self.lock:
+            self.free.setdefault(len(job.store).bit_length() - 1, []).append(job.store)
+
+    def submit(self, job: Body, done: Callable[[bytes], None]) -> None:
+        with self.lock:
+            while len(self.waiting) >= self.queued and not self.closed:
+                self.room.wait()
+            if self.closed:
+                raise RuntimeError("the hashing of bodies is closed")
+            self.waiting.append((job, done, time.monotonic()))
+            if len(self.waiting) in (1, LANES):  # the first starts the flush clock, the LANES-th fills a batch
+                self.ready.notify()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.ready.notify()
+            self.room.notify_all()
+        self.thread.join()
+
+    def __enter__(self) -> Bodies:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _next(self) -> list[tuple[Body, Callable[[bytes], None], float]]:
+        with self.lock:
+            while True:
+                if len(self.waiting) >= LANES or (self.waiting and self.closed):
+                    break
+                if not self.waiting:
+                    if self.closed:
+                        return []
+                    self.ready.wait()
+                    continue
+                left = self.waiting[0][2] + self.flush - time.monotonic()
+                if left <= 0:
+                    break
+                self.ready.wait(left)
+            batch, self.waiting = self.waiting[:LANES], self.waiting[LANES:]
+            self.room.notify_all()
+            return batch
+
+    def _work(self) -> None:
+        while batch := self._next():
+            digests = None
+            if len(batch) > 1 and LANES > 1:  # the lanes take as long for 1 body as for 8: hashlib is faster
+                states = [_State(True) for _ in batch]
+                try:
+                    _hash([(st, job.buf, len(job.buf)) for st, (job, _, _) in zip(states, batch)])
+                    digests = [st.digest() for st in states]
+                except Exception as e:  # not expected: hashlib gives the same digests
+                    self.errors.append(e)
+            if digests is None:
+                digests = [hashlib.md5(job.buf).digest() for job, _, _ in batch]
+            self.batches[len(batch)] += 1
+            for (job, done, _), digest in zip(batch, digests):
+                self.drop(job)
+                try:
+                    done(digest)
+                except BaseException as e:  # not expected: kept, so that the thread goes on with the others
+                    self.errors.append(e)
