@@ -58,6 +58,11 @@ try:
     out["tls_reads"] = httpget._tlsread is not None
 except Exception as e:
     out["tls_reads_error"] = f"{type(e).__name__}: {e}"
+try:
+    from appliance.store import heldio
+    out["held_io"] = heldio.built()
+except Exception as e:
+    out["held_io_error"] = f"{type(e).__name__}: {e}"
 print("APPLIANCE_PROBE " + json.dumps(out))
 """
 
@@ -175,6 +180,11 @@ def stack_checks(p: dict, pins: dict[str, str]) -> list[Check]:
     elif "tls_reads" in p:  # https staging works without it, a record per read: said, not failed
         checks.append(Check("staging https", "ok", "the ssl module's reads, a TLS record per call (_tlsread is not "
                             "built; with a C compiler and python3.11-dev, install-stack.sh builds it)"))
+    if p.get("held_io"):
+        checks.append(Check("staging file calls", "ok", "with the GIL held (appliance/store/_heldio.c)"))
+    elif "held_io" in p:  # staging works without it, a hand-over of the GIL per call: said, not failed
+        checks.append(Check("staging file calls", "ok", "the os module's, the GIL handed over per call (_heldio is "
+                            "not built; with a C compiler and python3.11-dev, install-stack.sh builds it)"))
     return checks
 
 

@@ -1,0 +1,141 @@
+/* A stager's small file-system calls with the GIL held: open, close, rename, the mtime, an append.
+ *
+ * Python's os module gives the GIL back around every system call. With 32 fetching threads on a few cores, each
+ * of those is a hand-over: futex calls and, as often as not, a context switch, which cost more than the call
+ * itself when the call is a rename or a stat of a file the page cache holds (a few microseconds). Small objects
+ * made ten such calls each (docs/staging.md, "Small objects over https"); these five are made here without the
+ * hand-over. Only for calls on the stager's local destination, which do not wait on a device: a stat or rename
+ * on a network file system that hangs would hold every thread with it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* A path argument: its file-system form (str or bytes, what an error names, as the os module's errors do) and
+ * the bytes the system call takes. 0 with an exception set where it is not a path. */
+typedef struct {
+    PyObject *named;
+    PyObject *bytes;
+} path_t;
+
+static int path_of(PyObject *arg, path_t *p) {
+    p->named = PyOS_FSPath(arg);
+    p->bytes = NULL;
+    if (p->named == NULL)
+        return 0;
+    if (!PyUnicode_FSConverter(p->named, &p->bytes)) {
+        Py_CLEAR(p->named);
+        return 0;
+    }
+    return 1;
+}
+
+static void path_done(path_t *p) {
+    Py_CLEAR(p->named);
+    Py_CLEAR(p->bytes);
+}
+
+static PyObject *error_for(path_t *p) {
+    return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, p->named);
+}
+
+/* open(path, flags, mode) -> fd */
+static PyObject *h_open(PyObject *self, PyObject *args) {
+    PyObject *arg;
+    int flags, mode;
+    path_t path;
+    if (!PyArg_ParseTuple(args, "Oii", &arg, &flags, &mode) || !path_of(arg, &path))
+        return NULL;
+    int fd;
+    do {
+        fd = open(PyBytes_AS_STRING(path.bytes), flags | O_CLOEXEC, mode);
+    } while (fd < 0 && errno == EINTR);
+    PyObject *r = fd < 0 ? error_for(&path) : PyLong_FromLong(fd);
+    path_done(&path);
+    return r;
+}
+
+/* close(fd) */
+static PyObject *h_close(PyObject *self, PyObject *arg) {
+    int fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    if (close(fd) < 0 && errno != EINTR)  /* EINTR: the descriptor is gone all the same (Linux) */
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+/* replace(src, dst): rename, over dst if it is there */
+static PyObject *h_replace(PyObject *self, PyObject *args) {
+    PyObject *a, *b;
+    path_t src, dst;
+    if (!PyArg_ParseTuple(args, "OO", &a, &b) || !path_of(a, &src))
+        return NULL;
+    if (!path_of(b, &dst)) {
+        path_done(&src);
+        return NULL;
+    }
+    PyObject *r = NULL;
+    if (rename(PyBytes_AS_STRING(src.bytes), PyBytes_AS_STRING(dst.bytes)) < 0)
+        PyErr_SetFromErrnoWithFilenameObjects(PyExc_OSError, src.named, dst.named);
+    else
+        r = Py_NewRef(Py_None);
+    path_done(&src);
+    path_done(&dst);
+    return r;
+}
+
+/* mtime_ns(path) -> st_mtime in nanoseconds, as os.stat(path).st_mtime_ns */
+static PyObject *h_mtime_ns(PyObject *self, PyObject *arg) {
+    path_t path;
+    if (!path_of(arg, &path))
+        return NULL;
+    struct stat st;
+    PyObject *r;
+    if (stat(PyBytes_AS_STRING(path.bytes), &st) < 0)
+        r = error_for(&path);
+    else
+        r = PyLong_FromLongLong((long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec);
+    path_done(&path);
+    return r;
+}
+
+/* write(fd, data): all of it (a file opened with O_APPEND: one line of a journal) */
+static PyObject *h_write(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "iy*", &fd, &b))
+        return NULL;
+    const char *p = b.buf;
+    Py_ssize_t left = b.len;
+    while (left > 0) {
+        ssize_t k = write(fd, p, left);
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            PyBuffer_Release(&b);
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        p += k;
+        left -= k;
+    }
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"open", h_open, METH_VARARGS, "open(path, flags, mode) -> fd, the GIL held"},
+    {"close", h_close, METH_O, "close(fd), the GIL held"},
+    {"replace", h_replace, METH_VARARGS, "replace(src, dst): rename, the GIL held"},
+    {"mtime_ns", h_mtime_ns, METH_O, "mtime_ns(path) -> os.stat(path).st_mtime_ns, the GIL held"},
+    {"write", h_write, METH_VARARGS, "write(fd, data): all of data, the GIL held"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_heldio", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__heldio(void) { return PyModule_Create(&module); }

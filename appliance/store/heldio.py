@@ -1,0 +1,44 @@
+"""A stager's small file-system calls (open, close, rename, a file's mtime, a journal's line) with the GIL held:
+``_heldio`` (a C extension, appliance/store/_heldio.c) where it is built, else the os module's, which give the GIL
+back around each call. With 32 fetching threads on a few cores each such hand-over costs more than the call:
+docs/staging.md, "Small objects: their MD5s in the lanes, their file calls with the GIL held". Only for the
+stager's local destination: a call that waits on a device holds every thread with it."""
+
+from __future__ import annotations
+
+import os
+
+try:
+    from . import _heldio
+except ImportError:  # not built here (no compiler when the package was installed): the os module's calls
+    _heldio = None
+
+
+def built() -> bool:
+    return _heldio is not None
+
+
+def open_file(path, flags: int, mode: int = 0o644) -> int:
+    return _heldio.open(path, flags, mode) if _heldio is not None else os.open(path, flags, mode)
+
+
+def close(fd: int) -> None:
+    (_heldio or os).close(fd)
+
+
+def replace(src, dst) -> None:
+    (_heldio or os).replace(src, dst)
+
+
+def mtime_ns(path) -> int:
+    return _heldio.mtime_ns(path) if _heldio is not None else os.stat(path).st_mtime_ns
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """All of ``data`` (a file opened with O_APPEND: one line, in one piece)."""
+    if _heldio is not None:
+        _heldio.write(fd, data)
+        return
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
