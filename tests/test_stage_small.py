@@ -39,7 +39,7 @@ def objects(n: int) -> dict[str, bytes]:
 
 
 def test_small_objects_are_hashed_eight_in_one_call_while_their_threads_fetch_on(tmp_path, bodies):
-    """Each small object's MD5 was taken by hashlib in its GET's thread (155 microseconds for 100 KB here; 35 in a
+    """Each small object's MD5 was taken by hashlib in its GET's thread (155 microseconds for 100 KB here; 41 in a
     call of 8 lanes). 16 objects through 4 threads: two calls of 8. A thread that waited for its object's verdict
     would leave at most 4 bodies waiting, and each call would wait its 5 s for the rest."""
     bodies.flush = 5.0
