@@ -135,8 +135,8 @@ def test_resume_after_kill(creds, swift, tmp_path):
         proxy.stop()
     assert p.returncode == -signal.SIGKILL
     done_before = sum(1 for f in dest.rglob("*.bin"))
-    # all 200 answered, less those whose MD5 was still queued for the lanes (a batch of 8 and 7 waiting at most)
-    assert 200 - 2 * md5lanes.LANES < done_before <= 200
+    # all 200 answered, less those whose MD5 was still queued or being hashed (md5lanes.Bodies: 32 and 8 at most)
+    assert 200 - 5 * md5lanes.LANES <= done_before <= 200
     assert not list(dest.rglob("*.part")) or True  # a cut .part may remain; it is never taken for a file
     res = stage(st, "r/", dest)
     assert res.files_skipped >= done_before - 2  # what was verified before the kill is not fetched again

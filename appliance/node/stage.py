@@ -193,7 +193,7 @@ def _fmt_bytes(n: float) -> str:
 class _Left:
     """The objects a stage has left to place, and the first error: what the stage waits for. An object is placed by
     the thread that fetched it, or by the bodies' thread once its MD5 is taken (store/md5lanes.py), which also hands
-    a damaged one back in the fetching threads' queue."""
+    a damaged one back into the fetching threads' queue."""
 
     def __init__(self, n: int):
         self.n = n

@@ -298,8 +298,8 @@ class Bodies:
     job given up goes back with ``drop(job)``. A batch is hashed once LANES bodies wait, or once the oldest has waited
     ``flush`` seconds (a run's last objects, a slow trickle: a wait for the verdict, not for the fetches, which go
     on), or at ``close``, which hashes what is queued and calls each ``done`` before it returns. ``done`` runs in the
-    hashing thread and must not raise (what it raises is kept in ``errors``, with anything else unexpected). Only worth it with the lanes: where
-    they are not, hashlib in the fetching thread costs the same with no copy."""
+    hashing thread and must not raise (what it raises is kept in ``errors``, with anything else unexpected). Only
+    worth it with the lanes: where they are not, hashlib in the fetching thread costs the same with no copy."""
 
     def __init__(self, flush: float = 0.02, queued: int = 4 * LANES):
         self.flush, self.queued = flush, queued
