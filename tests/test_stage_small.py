@@ -2,8 +2,10 @@
 threads that fetched them go on: in the fast tier with an in-memory store (tests/fakes.py). The same stager stages
 small objects from a real Swift and Ceph RGW in test_stage.py (a damaged one fetched again, resume after a kill)."""
 
+import hashlib
 import json
 import os
+import zlib
 
 import pytest
 
@@ -11,6 +13,7 @@ from appliance.errors import ApplianceError
 from appliance.node import stage as sm
 from appliance.node.stage import MANIFEST, stage
 from appliance.store import md5lanes
+from appliance.store.objects import CRC_META, crc_meta
 from fakes import DictStore
 
 pytestmark = pytest.mark.skipif(md5lanes.LANES == 1, reason="the lanes are not built or the CPU has no AVX2")
@@ -81,10 +84,6 @@ def test_a_small_object_damaged_on_every_try_fails_the_stage_and_keeps_the_rest(
 def test_objects_over_a_mebibyte_and_our_uploads_are_checked_in_their_own_threads(tmp_path, bodies):
     """Above SMALL the copy would cost more memory than the lanes save; a CRC-32 (our uploads) costs a fifth of an
     MD5: neither goes to the lanes."""
-    from appliance.store.objects import CRC_META, crc_meta
-    import hashlib
-    import zlib
-
     data = {"d/big.bin": os.urandom(sm.SMALL + 1), "d/ours.bin": os.urandom(5000), "d/other.bin": os.urandom(5000)}
     st = DictStore(data)
     ours = data["d/ours.bin"]
