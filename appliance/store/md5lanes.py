@@ -123,8 +123,9 @@ class Stream:
             self.written[j] += n
             if j != self.k:
                 return
+            was = self.ready()
             self._advance()
-            if not self.busy and self.ready():
+            if not was and not self.busy and self.ready():  # it became ready: the hasher may count it in
                 self.hasher.cv.notify()
 
     def writer(self, j: int) -> Callable[[memoryview], None]:
@@ -158,13 +159,22 @@ class Stream:
 
 
 class Hasher:
-    """The threads that hash every stream of one staging run: one with lanes, else one per core (up to 8)."""
+    """The threads that hash every stream of one staging run: one with lanes, else one per core (up to 8).
 
-    def __init__(self, threads: int | None = None):
+    A call of the lanes costs as much for two streams as for eight, so fewer than 8 ready streams are hashed only
+    once the first of them has waited ``flush`` seconds, or when no other stream could become ready (none is
+    unfinished, or the rest are being hashed). Hashing whatever was ready made 8 x 256 MiB multipart objects from
+    Ceph RGW over https 2,928 calls, 1,153 of them one stream alone (302 MB at hashlib's speed) and 231 of eight;
+    the writers keep on meanwhile (they only say how far they came), so the wait delays a verdict, not a GET.
+    ``batches``: calls by how many streams each took (the tests, the benchmark)."""
+
+    def __init__(self, threads: int | None = None, flush: float = 0.02):
         self.lanes = lanes_in_use()
+        self.flush = flush
         self.cv = threading.Condition()
         self.live: list[Stream] = []
         self.closed = False
+        self.batches: Counter[int] = Counter()
         n = threads or (1 if self.lanes > 1 else min(8, os.cpu_count() or 1))
         self.threads = [threading.Thread(target=self._work, name=f"md5-{i}", daemon=True) for i in range(n)]
         for t in self.threads:
@@ -217,16 +227,32 @@ class Hasher:
         s.map = None
         s.done.set()
 
+    def _next(self) -> list[Stream]:
+        """Under ``cv``: the streams to hash in the next call, once a batch is worth it (the class's docstring);
+        [] once closed."""
+        since = None  # when fewer than a full batch were first found ready
+        while True:
+            ready = [s for s in self.live if not s.busy and s.ready()]
+            if self.closed or len(ready) >= self.lanes:
+                return ready
+            if not ready:
+                since = None
+                self.cv.wait()
+                continue
+            coming = any(not s.busy and not s.ready() for s in self.live)  # unfinished: more bytes to come
+            now = time.monotonic()
+            since = now if since is None else since
+            if not coming or now - since >= self.flush:
+                return ready
+            self.cv.wait(since + self.flush - now)
+
     def _work(self) -> None:
         while True:
             with self.cv:
-                while True:
-                    ready = [s for s in self.live if not s.busy and s.ready()]
-                    if ready or self.closed:
-                        break
-                    self.cv.wait()
+                ready = self._next()
                 if not ready:
                     return
+                self.batches[min(len(ready), self.lanes)] += 1
                 take = []
                 for s in ready[:self.lanes]:  # the oldest streams first: they finish first
                     s.busy = True
