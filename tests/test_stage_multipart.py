@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from appliance.node.stage import stage
+from appliance.node.stage import MAX_RANGE, _gets, _split, stage
 from appliance.store.parts import MiB, guesses, layout, multipart_etag, part_count
 from fakes import DictStore
 
@@ -36,7 +36,36 @@ def test_a_multipart_object_is_verified_by_its_parts(tmp_path, part):
     res = stage(st, "d/", tmp_path / "out")
     assert (tmp_path / "out" / "big.bin").read_bytes() == DATA
     assert res.size_only == [] and res.corrupt_refetched == 0 and res.files_fetched == 1
-    assert len([g for g in st.gets if g[0] == "d/big.bin"]) == 3  # one ranged GET per part of the first rule
+    # the 3 parts of the first rule share one GET (up to MAX_RANGE bytes), each part's MD5 taken as its bytes pass
+    assert len([g for g in st.gets if g[0] == "d/big.bin"]) == 1
+
+
+def test_small_groups_share_gets_and_a_large_one_is_ranges():
+    """8 MiB parts of a 256 MiB object were 32 GETs of a part each: they are 8 GETs of 32 MiB (MAX_RANGE), or one
+    of the whole object where ``one_get`` allows; a group above ``one_get`` is still RANGE-sized GETs, and a GET's
+    bytes reach each group's stream in order, split at the groups' edges."""
+    each, gets = _gets([8 * MiB] * 32, MAX_RANGE)
+    assert each == [[(a, 8 * MiB)] for a in range(0, 256 * MiB, 8 * MiB)]
+    assert [(a, k) for a, k, _ in gets] == [(a, MAX_RANGE) for a in range(0, 256 * MiB, MAX_RANGE)]
+    assert gets[1][2] == [(4, 0, 8 * MiB), (5, 0, 8 * MiB), (6, 0, 8 * MiB), (7, 0, 8 * MiB)]
+    assert [(a, k) for a, k, _ in _gets([8 * MiB] * 32, 256 * MiB)[1]] == [(0, 256 * MiB)]
+    each, gets = _gets([5, 0, 3, 100, 4], 10)  # 100 > one_get: RANGE pieces (here one, RANGE being 16 MiB)
+    assert each == [[(0, 5)], [(5, 0)], [(5, 3)], [(8, 100)], [(108, 4)]]
+    assert gets == [(0, 8, [(0, 0, 5), (2, 0, 3)]), (8, 100, [(3, 0, 100)]), (108, 4, [(4, 0, 4)])]
+
+    told = []
+
+    class S:
+        def __init__(self, g):
+            self.g = g
+
+        def wrote(self, j, n):
+            told.append((self.g, j, n))
+
+    sink = _split([S(g) for g in range(3)], [(0, 0, 5), (1, 0, 0), (2, 0, 3)])
+    for chunk in (b"abc", b"defg", b"h", b"past the end"):
+        sink(memoryview(chunk))
+    assert told == [(0, 0, 3), (0, 0, 2), (2, 0, 2), (2, 0, 1)]
 
 
 @pytest.mark.parametrize("told", [False, True])

@@ -690,28 +690,70 @@ def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hasher: Hash
                   one_get: int = MAX_RANGE) -> list:
     """Fetch ``o`` into ``part`` as parallel ranged GETs and return the MD5 (``digest()``, ``hexdigest()``) of each
     group: consecutive byte counts that add up to the object (SLO segments, multipart parts, or the whole object).
-    A group of at most ``one_get`` bytes (MAX_RANGE or more) is one GET, a larger one RANGE-sized GETs. ``hasher``
+    A group larger than ``one_get`` bytes (MAX_RANGE or more) is RANGE-sized GETs; consecutive smaller ones share a
+    GET of up to ``one_get`` bytes, whose bytes each group's stream sees as they pass (_gets). ``hasher``
     (store/md5lanes.py) takes each group's MD5 as its bytes come in, from the page cache, many groups in one call;
     None: fetched only."""
-    each, off = [], 0  # each group's pieces
-    for size in groups:
-        each.append([(off, size)] if size <= one_get else [(a, min(RANGE, off + size - a))
-                                                           for a in range(off, off + size, RANGE)])
-        off += size
+    each, gets = _gets(groups, one_get)
     streams = []
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, o.size)
-        streams = hasher.streams(fd, each) if hasher is not None else [None] * len(each)
-        ranges = [(a, k, s and s.writer(j)) for pieces, s in zip(each, streams)  # (offset, size, its stream's update)
-                  for j, (a, k) in enumerate(pieces) if k > 0]
-        _get_pieces(store, o, fd, pool, prog, ranges)
-        return [s and s.result() for s in streams]
+        streams = hasher.streams(fd, each) if hasher is not None else []
+        _get_pieces(store, o, fd, pool, prog, [(a, k, _split(streams, spans) if streams else None)
+                                               for a, k, spans in gets])
+        return [s.result() for s in streams] if streams else [None] * len(each)
     finally:
         for s in streams:
-            if s is not None:
-                s.cancel()  # after a failed GET; nothing once hashed
+            s.cancel()  # after a failed GET; nothing once hashed
         os.close(fd)
+
+
+def _gets(groups: list[int], one_get: int) -> tuple[list[list[tuple[int, int]]], list[tuple[int, int, list]]]:
+    """(each group's (offset, size) pieces, the GETs: (offset, size, [(group, piece, bytes), ...] in the order the
+    GET's bytes come)). A group above ``one_get`` is RANGE-sized pieces, a GET each; consecutive groups up to
+    ``one_get`` are one piece each, as many in one GET as fit in ``one_get`` bytes: 8 objects of 256 MiB uploaded in
+    8 MiB parts were 256 GETs of a part each, and are 8 (one each when ``one_get`` is the object's size)."""
+    each, gets, off, open_get = [], [], 0, False  # open_get: the last GET takes more small groups
+    for g, size in enumerate(groups):
+        if size > one_get:
+            pieces = [(a, min(RANGE, off + size - a)) for a in range(off, off + size, RANGE)]
+            gets += [(a, k, [(g, j, k)]) for j, (a, k) in enumerate(pieces)]
+            open_get = False
+        else:
+            pieces = [(off, size)]
+            if size:
+                if open_get and gets[-1][1] + size <= one_get:
+                    a, k, spans = gets[-1]
+                    gets[-1] = (a, k + size, spans + [(g, 0, size)])
+                else:
+                    gets.append((off, size, [(g, 0, size)]))
+                    open_get = True
+        each.append(pieces)
+        off += size
+    return each, gets
+
+
+def _split(streams: list, spans: list[tuple[int, int, int]]) -> Callable[[memoryview], None]:
+    """What one GET's sink calls with each buffer it wrote: the bytes told to the streams of the groups the GET
+    covers, in order (``spans``: (group, piece, bytes)). Bytes past the last span are the GET's error, said by its
+    length check."""
+    at = [0, spans[0][2]]  # the span now, its bytes not yet told
+
+    def sink(view: memoryview) -> None:
+        k = len(view)
+        while k and at[0] < len(spans):
+            g, j, _ = spans[at[0]]
+            n = min(k, at[1])
+            if n:
+                streams[g].wrote(j, n)
+            k -= n
+            at[1] -= n
+            if not at[1]:
+                at[0] += 1
+                if at[0] < len(spans):
+                    at[1] = spans[at[0]][2]
+    return sink
 
 
 def _fetch_crc(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
