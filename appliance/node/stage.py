@@ -761,7 +761,7 @@ def _fetch_crc(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
     """Fetch ``o`` into ``part`` (one GET up to ``one_get`` bytes, else RANGE-sized GETs in parallel) and return
     its CRC-32: each range's taken as it arrives, then combined (crc32_combine), so no range waits for the ones
     before it and no byte is read back."""
-    pieces = [(0, o.size)] if o.size <= one_get else [(a, min(RANGE, o.size - a)) for a in range(0, o.size, RANGE)]
+    pieces = _gets([o.size], one_get)[0][0]  # one GET, or RANGE-sized ones
     crcs = [Crc32() for _ in pieces]
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

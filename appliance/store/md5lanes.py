@@ -128,10 +128,6 @@ class Stream:
             if not was and not self.busy and self.ready():  # it became ready: the hasher may count it in
                 self.hasher.cv.notify()
 
-    def writer(self, j: int) -> Callable[[memoryview], None]:
-        """What the GET of piece ``j`` calls with each buffer it wrote."""
-        return lambda view: self.wrote(j, len(view))
-
     def digest(self) -> bytes:
         """The MD5, once every byte is hashed (the writer has said so for every piece): waits for the hasher."""
         if self.frontier != self.end:
