@@ -428,13 +428,17 @@ def test_chunked_continued_and_closing_answers_come_whole(tmp_path):
 
 
 @pytest.fixture
-def tls_server(tmp_path, monkeypatch):
-    """Handler over https (a certificate made here, trusted through REQUESTS_CA_BUNDLE), as Chameleon's store."""
+def tls_server(tmp_path, monkeypatch, request):
+    """Handler over https (a certificate made here, trusted through REQUESTS_CA_BUNDLE), as Chameleon's store.
+    Python's server context picks the cipher suite by its own order; parametrized (indirect) with "client's order",
+    by the client's, as OpenSSL's default and so RGW's beast frontend do."""
     import ssl
 
     cert, key = self_signed(tmp_path / "tls", "127.0.0.1")
     sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     sctx.load_cert_chain(cert, key)
+    if getattr(request, "param", None) == "client's order":
+        sctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
     Handler.mode, Handler.requests = "ok", []
     httpget._local.__dict__.clear()
@@ -452,7 +456,7 @@ def _counting(monkeypatch) -> list[int]:
     real = httpget._tlsread
 
     class Counted:
-        recv_some, send_all = real.recv_some, real.send_all
+        recv_some, send_all, set_ciphersuites = real.recv_some, real.send_all, real.set_ciphersuites
 
         @staticmethod
         def recv_into(*a):
@@ -479,6 +483,29 @@ def test_an_https_body_is_read_a_buffer_at_a_time_and_lands_whole(tls_server, tm
     assert len(Handler.requests) == 3 and len({id(c) for c in httpget._local.conns.values()}) == 1
     # 2 bodies of 3 MiB: a call per buffer (512 KiB, 32 records), not per record (~400 for the two)
     assert 2 <= len(calls) <= 2 * (len(BODY) // httpget.BUF + 2) and sum(calls) > len(BODY)
+
+
+@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
+@pytest.mark.parametrize("tls_server", ["client's order"], indirect=True)
+def test_tls_1_3_offers_aes_128_gcm_first_and_a_server_on_the_clients_order_takes_it(tls_server, tmp_path):
+    """OpenSSL's client offers AES-256-GCM first; Go's (s5cmd, rclone) AES-128-GCM, which a server that honours the
+    client's order (OpenSSL's default) then uses, and which costs less on both ends (httpget.TLS13_SUITES)."""
+    import ssl
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == BODY
+    (conn,) = set(httpget._local.conns.values())
+    assert conn.sock.cipher()[:2] == ("TLS_AES_128_GCM_SHA256", "TLSv1.3")
+    offered = [c["name"] for c in httpget._ssl_context().get_ciphers() if c["protocol"] == "TLSv1.3"]
+    assert offered == httpget.TLS13_SUITES.split(":")
+    with pytest.raises(TypeError):  # only an ssl.SSLContext's SSL_CTX is touched
+        httpget._tlsread.set_ciphersuites(object(), httpget.TLS13_SUITES)
+    with pytest.raises(ValueError):
+        httpget._tlsread.set_ciphersuites(ssl.create_default_context(), "TLS_NO_SUCH_SUITE")
 
 
 def test_an_https_body_without_the_extension_comes_through_the_ssl_module(tls_server, tmp_path, monkeypatch):
@@ -572,7 +599,7 @@ def test_an_https_request_and_the_wait_for_its_answer_each_cross_into_c_once(tls
         return call
 
     class Counted:
-        recv_into = real.recv_into
+        recv_into, set_ciphersuites = real.recv_into, real.set_ciphersuites
         send_all = staticmethod(counted("send_all", real.send_all))
         recv_some = staticmethod(counted("recv_some", real.recv_some))
 

@@ -106,6 +106,16 @@ def test_every_kind_of_object_is_staged_and_verified_over_https(rgw, dataset, tr
     assert _tree(tmp_path / "d") == dataset
 
 
+@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
+def test_the_store_encrypts_with_the_suite_the_stager_offers_first(rgw, trusted):
+    """RGW's beast frontend (OpenSSL: the client's order) encrypts what the stager reads with AES-128-GCM, the suite
+    s5cmd and rclone get from it too, not OpenSSL's first choice AES-256-GCM (httpget.TLS13_SUITES)."""
+    status = httpget.request("GET", rgw.s3_endpoint + "/", {})[0]  # anonymous: any answer will do
+    assert status < 500
+    (conn,) = set(httpget._local.conns.values())
+    assert conn.sock.cipher()[:2] == ("TLS_AES_128_GCM_SHA256", "TLSv1.3")
+
+
 def _stage_main(rgw, api: str, dest: Path, env: dict) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """The node's stager (appliance.node.stage_main, as the launcher runs it over SSH) on the RGW's https URL:
     (the process, its APPLIANCE_ERROR lines)."""

@@ -22,6 +22,10 @@
  * recv_some(sslobj, fd, buffer, timeout_ms): the same, but returns once something has come and nothing more is
  * there without waiting (a socket's recv_into: what http.client's reader asks for an answer's headers).
  * send_all(sslobj, fd, data, timeout_ms): writes all of ``data`` (waiting for room as recv_into waits for bytes).
+ * set_ciphersuites(context, suites): SSL_CTX_set_ciphersuites() on an ssl.SSLContext (a _ssl._SSLContext, whose C
+ * struct starts with PyObject_HEAD and the SSL_CTX*: ``PySSLContext``, the same from 3.7 to 3.14). Python has no
+ * setter for TLS 1.3's suites (set_ciphers() is TLS 1.2's), and OpenSSL offers AES-256-GCM first; httpget offers
+ * AES-128-GCM first, as Go's crypto/tls client (s5cmd, rclone) and Mozilla's recommended server order do.
  * The ssl module releases the GIL for each record and again for each poll(): an answer's headers were a read that
  * found nothing, a poll and a read; a request a poll and a write. Each is one release here.
  */
@@ -49,6 +53,7 @@ static int (*p_SSL_write_ex)(void *, const void *, size_t, size_t *);
 static int (*p_SSL_get_error)(const void *, int);
 static int (*p_SSL_get_fd)(const void *);
 static void (*p_ERR_clear_error)(void);
+static int (*p_SSL_CTX_set_ciphersuites)(void *, const char *);
 
 static int linked(void) {
     return p_SSL_read_ex && p_SSL_write_ex && p_SSL_get_error && p_SSL_get_fd && p_ERR_clear_error;
@@ -71,6 +76,7 @@ static void link_openssl(void) {
     *(void **)&p_SSL_get_error = dlsym(h, "SSL_get_error");
     *(void **)&p_SSL_get_fd = dlsym(h, "SSL_get_fd");
     *(void **)&p_ERR_clear_error = dlsym(h, "ERR_clear_error");
+    *(void **)&p_SSL_CTX_set_ciphersuites = dlsym(h, "SSL_CTX_set_ciphersuites"); /* OpenSSL >= 1.1.1 */
     if (!linked()) p_SSL_read_ex = NULL;
 }
 
@@ -165,6 +171,35 @@ static PyObject *call(PyObject *args, const char *parse, int mode, const char *f
     return r;
 }
 
+typedef struct {
+    PyObject_HEAD
+    void *ctx; /* SSL_CTX* */
+} SSLContextHead;
+
+/* ssl.SSLContext is a Python subclass of _ssl._SSLContext: its C struct is the base's, fields appended after */
+static int is_sslcontext(PyObject *o) {
+    for (PyTypeObject *t = Py_TYPE(o); t; t = t->tp_base)
+        if (strcmp(t->tp_name, "_ssl._SSLContext") == 0) return 1;
+    return 0;
+}
+
+static PyObject *set_ciphersuites(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    const char *suites;
+    if (!PyArg_ParseTuple(args, "Os", &obj, &suites)) return NULL;
+    if (!linked() || !p_SSL_CTX_set_ciphersuites || !is_sslcontext(obj)) {
+        PyErr_SetString(PyExc_TypeError, "set_ciphersuites() takes an ssl.SSLContext (and OpenSSL >= 1.1.1 linked)");
+        return NULL;
+    }
+    void *ctx = ((SSLContextHead *)obj)->ctx;
+    if (!ctx || !p_SSL_CTX_set_ciphersuites(ctx, suites)) {
+        p_ERR_clear_error();
+        PyErr_Format(PyExc_ValueError, "set_ciphersuites(): OpenSSL took none of %s", suites);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *recv_into(PyObject *self, PyObject *args) { return call(args, "Oiw*i", FILL, "recv_into"); }
 static PyObject *recv_some(PyObject *self, PyObject *args) { return call(args, "Oiw*i", SOME, "recv_some"); }
 static PyObject *send_all(PyObject *self, PyObject *args) { return call(args, "Oiy*i", WRITE, "send_all"); }
@@ -173,6 +208,8 @@ static PyMethodDef methods[] = {
     {"recv_into", recv_into, METH_VARARGS, "recv_into(sslobj, fd, buffer, timeout_ms) -> bytes read (a full buffer)"},
     {"recv_some", recv_some, METH_VARARGS, "recv_some(sslobj, fd, buffer, timeout_ms) -> bytes read (what has come)"},
     {"send_all", send_all, METH_VARARGS, "send_all(sslobj, fd, data, timeout_ms) -> bytes sent (all of them)"},
+    {"set_ciphersuites", set_ciphersuites, METH_VARARGS,
+     "set_ciphersuites(context, 'A:B:C'): the TLS 1.3 cipher suites an ssl.SSLContext offers, in its order"},
     {"available", available, METH_NOARGS, "whether Python's OpenSSL was found"},
     {NULL, NULL, 0, NULL}};
 

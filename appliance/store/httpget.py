@@ -72,6 +72,12 @@ class HTTPError(Exception):
 
 _local = threading.local()
 
+# TLS 1.3's suites in the order offered: AES-128-GCM first, as Go's crypto/tls client offers them on CPUs with AES
+# instructions (s5cmd and rclone get it) and as Mozilla's server configurations list them; OpenSSL's own order puts
+# AES-256-GCM first. A server that honours the client's order (OpenSSL's default, so RGW's beast frontend here)
+# then encrypts with the cheaper one: 2.74 against 2.37 GB/s on one core here (`openssl speed -evp`).
+TLS13_SUITES = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256"
+
 
 def _ssl_context() -> ssl.SSLContext:
     ctx = getattr(_local, "ssl", None)
@@ -88,6 +94,10 @@ def _ssl_context() -> ssl.SSLContext:
         ctx = _local.ssl = ssl.create_default_context(cafile=cafile)
         if _tlsread is not None:
             ctx.sslsocket_class = _TLSSocket
+            try:
+                _tlsread.set_ciphersuites(ctx, TLS13_SUITES)
+            except (TypeError, ValueError):
+                pass  # an OpenSSL without TLS 1.3: its own order
     return ctx
 
 
