@@ -2,7 +2,7 @@
 
 An MD5 cannot be split within one stream, so one core hashes one stream at ~0.6 GB/s (OpenSSL's, hashlib's). A
 dataset's objects are independent streams, though, and ``_md5lanes`` (a C extension, appliance/store/_md5lanes.c)
-runs up to 8 of them through the lanes of one AVX2 register: ~3 GB/s of MD5 on one core here against hashlib's 0.65
+runs up to 8 of them through the lanes of one AVX2 register: ~3.4 GB/s of MD5 on one core here against hashlib's 0.65
 (``bench/md5_lanes.py``). Where it did not build or the CPU has no AVX2, hashlib does the same work, a stream per
 thread.
 
