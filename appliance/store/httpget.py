@@ -72,10 +72,11 @@ class HTTPError(Exception):
 
 _local = threading.local()
 
-# TLS 1.3's suites in the order offered: AES-128-GCM first, as Go's crypto/tls client offers them on CPUs with AES
-# instructions (s5cmd and rclone get it) and as Mozilla's server configurations list them; OpenSSL's own order puts
-# AES-256-GCM first. A server that honours the client's order (OpenSSL's default, so RGW's beast frontend here)
-# then encrypts with the cheaper one: 2.74 against 2.37 GB/s on one core here (`openssl speed -evp`).
+# TLS 1.3's suites in the order offered: AES-128-GCM first, as Go's crypto/tls client offers them (s5cmd and rclone
+# get it: bench/results/stage-md5-aes128/negotiated-suites.txt) and as Mozilla's server configurations list them;
+# OpenSSL's own order puts AES-256-GCM first. A server that honours the client's order (OpenSSL's default, so RGW's
+# beast frontend here) then encrypts with the cheaper one: 3.29 against 2.73 GB/s on one core here
+# (`openssl speed -evp`, bench/results/stage-md5-aes128/openssl-speed.txt).
 TLS13_SUITES = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256"
 
 
