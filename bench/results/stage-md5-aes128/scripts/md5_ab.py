@@ -7,13 +7,14 @@
         -o /tmp/md5ab/$v/_md5lanes.cpython-311-x86_64-linux-gnu.so /tmp/md5ab/$v/_md5lanes.c; done
     .venv/bin/python bench/results/stage-md5-aes128/scripts/md5_ab.py
 """
-import importlib.util, os, time, hashlib, sys
+import importlib.util, os, time
+
+from appliance.store.md5lanes import _IV as IV, CHUNK  # MD5's initial state and the hasher's buffer, as the stager
 def load(d):
     spec = importlib.util.spec_from_file_location("_md5lanes", [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".so")][0])
     m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
 mods = {v: load(f"/tmp/md5ab/{v}") for v in ("old", "new")}
-IV = bytes.fromhex("0123456789abcdeffedcba9876543210")
-bufs = [os.urandom(256 << 10) for _ in range(8)]
+bufs = [os.urandom(CHUNK) for _ in range(8)]
 # correctness: one block-aligned buffer each, compare states
 for v, m in mods.items():
     st = [bytearray(IV) for _ in range(8)]; m.update(list(zip(st, bufs)))
