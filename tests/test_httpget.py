@@ -21,7 +21,7 @@ import pytest
 from appliance.localcloud.rgw_server import self_signed
 from appliance.store import httpget, sigv4
 from appliance.store.httpget import Headers, HTTPError, get_into, request
-from conftest import delayed_acks, http_server
+from conftest import delayed_acks, http_server, resident_pages
 from appliance.store.objects import _transient
 from appliance.store.sigv4 import Presigner
 
@@ -635,3 +635,109 @@ def test_an_https_store_that_never_answers_times_out(tmp_path, monkeypatch):
     """The request is taken and no answer comes: the wait for the headers (recv_some) gives up after the
     connection's timeout, an error the stager retries, as the ssl module's wait did."""
     assert _transient(_times_out(tmp_path, monkeypatch, b""))
+
+
+def test_direct_writes_leave_the_page_cache_and_give_the_same_bytes(tmp_path):
+    """write_at: the whole 4 KiB blocks of a write from an aligned place go past the page cache (O_DIRECT), the
+    rest (an unaligned place, a short tail) through it; the file holds every byte where it belongs either way."""
+    p = tmp_path / "f"
+    size = 8 * (1 << 20) + 5000
+    fd = os.open(p, os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, size)
+    direct = httpget.open_direct(p)
+    if direct is None:
+        pytest.skip(f"{tmp_path}'s file system does not take O_DIRECT")
+    data = os.urandom(size)
+    buf = httpget._POOL.take()
+    try:
+        pos = 0
+        for n in (len(buf), len(buf), 3000, len(buf), size):  # aligned, aligned, a short one, then unaligned ones
+            n = min(n, size - pos, len(buf))
+            buf[:n] = data[pos:pos + n]
+            httpget.write_at(fd, direct, buf[:n], pos)
+            pos += n
+        while pos < size:
+            n = min(len(buf), size - pos)
+            buf[:n] = data[pos:pos + n]
+            httpget.write_at(fd, direct, buf[:n], pos)
+            pos += n
+    finally:
+        os.close(direct)
+        os.close(fd)
+    # the first two buffers went direct: none of their 256 pages is cached (the page cache copies every other)
+    assert resident_pages(p) <= (size - 2 * len(buf)) // 4096 + 2
+    assert p.read_bytes() == data
+
+
+def test_a_direct_write_the_file_system_refuses_goes_through_the_page_cache(tmp_path, monkeypatch):
+    """A file system that opens with O_DIRECT but refuses a write (EINVAL: here an address not on a page boundary,
+    elsewhere a larger block than 4 KiB) gets it, and every later one, through the page cache."""
+    monkeypatch.setattr(httpget, "_direct_refused", False)
+    p = tmp_path / "f"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT)
+    direct = httpget.open_direct(p)
+    if direct is None:
+        pytest.skip(f"{tmp_path}'s file system does not take O_DIRECT")
+    data = os.urandom(3 * 8192)
+    try:
+        httpget.write_at(fd, direct, memoryview(bytearray(b"x" + data))[1:8193], 0)  # one byte past an allocation
+        assert httpget._direct_refused
+        httpget.write_at(fd, direct, memoryview(data)[8192:], 8192)
+    finally:
+        os.close(direct)
+        os.close(fd)
+    assert p.read_bytes() == data
+
+
+def test_held_buffers_are_written_direct_and_replaced_from_the_pool(server, tmp_path):
+    """get_into offers each buffer to ``hold`` before writing it: a piece held goes past the page cache and the
+    thread goes on with another buffer, the holder's until it releases it; a piece declined is written through the
+    page cache and shown to the sink."""
+    p = tmp_path / "f"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, len(BODY))
+    direct = httpget.open_direct(p)
+    if direct is None:
+        pytest.skip(f"{tmp_path}'s file system does not take O_DIRECT")
+    held, seen, bufs, lent = [], bytearray(), set(), httpget._POOL.lent
+
+    def hold(view, lease):
+        if len(held) >= 2:  # the first two buffers held, the rest declined
+            return False
+        lease.share()
+        held.append((bytes(view), lease))
+        bufs.add(id(lease.buf))
+        return True
+
+    try:
+        n, _ = get_into(f"{server}/c/o", {}, fd, 0, seen.extend, direct=direct, hold=hold)
+    finally:
+        os.close(direct)
+        os.close(fd)
+    assert resident_pages(p) <= (len(BODY) - 2 * httpget.BUF) // 4096 + 2  # before the read below caches them
+    assert n == len(BODY) and p.read_bytes() == BODY
+    assert b"".join(b for b, _ in held) + bytes(seen) == BODY and len(bufs) == 2
+    assert httpget._local.buf.obj is not held[0][1].buf.obj  # the thread went on with a spare
+    assert all(lease.refs == 1 for _, lease in held) and httpget._POOL.lent == lent + 2
+    free = len(httpget._POOL.free)
+    for _, lease in held:
+        lease.release()
+    assert len(httpget._POOL.free) == free + 2 and httpget._POOL.lent == lent  # back once the holder lets go
+
+
+def test_what_may_be_lent_is_bounded_and_past_it_pieces_go_through_the_page_cache(server, tmp_path, monkeypatch):
+    assert httpget.lent_most(64 << 30, 512 << 10) == 512  # 256 MiB
+    assert httpget.lent_most(1 << 30, 512 << 10) == 128  # a 16th of 1 GiB
+    assert httpget.lent_most(None, 512 << 10) == 128 and httpget.lent_most(1, 512 << 10) == 1
+    monkeypatch.setattr(httpget._POOL, "most", httpget._POOL.lent)  # none left to lend
+    offered, seen = [], bytearray()
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    direct = httpget.open_direct(tmp_path / "f")
+    try:
+        n, _ = get_into(f"{server}/c/o", {}, fd, 0, seen.extend, direct=direct,
+                        hold=lambda view, lease: offered.append(1) or True)
+    finally:
+        if direct is not None:
+            os.close(direct)
+        os.close(fd)
+    assert n == len(BODY) and not offered and bytes(seen) == BODY == (tmp_path / "f").read_bytes()

@@ -48,6 +48,25 @@ def test_the_lanes_give_hashlibs_md5_for_any_lengths_and_mixes():
         assert [bytes(s).hex() for s in states] == [hashlib.md5(d).hexdigest() for d in data]
 
 
+def test_a_lanes_data_may_be_a_list_of_pieces_hashed_in_turn():
+    """The hasher hands each stream's bytes of a call as the buffers they are in (receive buffers, the file's map):
+    any number of whole-block pieces, empty ones too, give the MD5 of them joined, beside streams given whole."""
+    if md5lanes._md5lanes is None:
+        pytest.skip("not built")
+    rng = random.Random(6)
+    for _ in range(200):
+        pieces = [[os.urandom(64 * rng.randrange(0, 30)) for _ in range(rng.randint(0, 5))]
+                  for _ in range(rng.randint(1, 8))]
+        states = [bytearray(md5lanes._IV) for _ in pieces]
+        md5lanes._md5lanes.update([(s, p if rng.random() < 0.8 else b"".join(p)) for s, p in zip(states, pieces)])
+        md5lanes._md5lanes.update([(s, md5lanes._padding(sum(map(len, p)))) for s, p in zip(states, pieces)])
+        assert [bytes(s).hex() for s in states] == [hashlib.md5(b"".join(p)).hexdigest() for p in pieces]
+    with pytest.raises(ValueError):
+        md5lanes._md5lanes.update([(bytearray(md5lanes._IV), [b"x" * 64, b"x" * 63])])  # a piece not whole blocks
+    with pytest.raises(TypeError):
+        md5lanes._md5lanes.update([(bytearray(md5lanes._IV), [b"x" * 64, 7])])
+
+
 def test_the_c_update_refuses_what_it_cannot_hash():
     if md5lanes._md5lanes is None:
         pytest.skip("not built")
@@ -82,22 +101,29 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _files_in_pieces(h, tmp_path, sizes, rng, cuts: int, step: int) -> tuple[list, list]:
+    """A file per size (random bytes, its size made), a stream of ``h`` over it in up to ``cuts`` + 1 pieces cut at
+    multiples of ``step``; and every (file, piece) in a random order, as parallel GETs come."""
+    files = []
+    for i, size in enumerate(sizes):
+        data = os.urandom(size)
+        fd = os.open(tmp_path / str(i), os.O_RDWR | os.O_CREAT)
+        os.ftruncate(fd, size)
+        at = sorted({0, size, *(rng.randrange(0, size + 1, step) for _ in range(cuts))})
+        pieces = [(a, b - a) for a, b in zip(at, at[1:])] or [(0, 0)]
+        files.append((data, fd, h.stream(fd, pieces), pieces))
+    todo = [(f, j) for f in files for j in range(len(f[3]))]
+    rng.shuffle(todo)
+    return files, todo
+
+
 def test_streams_written_out_of_order_in_any_pieces(tmp_path, lanes):
     """Eleven files at once, each in pieces written in random order and random chunks, as parallel GETs write them:
     every stream's MD5 is the file's, and the hasher lets go of every fd it took."""
     rng = random.Random(7)
     before = open_fds()
-    files = []
     with md5lanes.Hasher() as h:
-        for i, size in enumerate(SIZES[3:]):
-            data = os.urandom(size)
-            fd = os.open(tmp_path / str(i), os.O_RDWR | os.O_CREAT)
-            os.ftruncate(fd, size)
-            cuts = sorted({0, size, *(rng.randrange(size + 1) for _ in range(3))})
-            pieces = [(a, b - a) for a, b in zip(cuts, cuts[1:])] or [(0, 0)]
-            files.append((data, fd, h.stream(fd, pieces), pieces))
-        todo = [(f, j) for f in files for j in range(len(f[3]))]
-        rng.shuffle(todo)
+        files, todo = _files_in_pieces(h, tmp_path, SIZES[3:], rng, 3, 1)
         for (data, fd, s, pieces), j in todo:
             a, k = pieces[j]
             pos = a
@@ -329,3 +355,59 @@ def test_bodies_reuse_their_buffers_whatever_the_mix_of_sizes():
             b.drop(j)
     b.close()
     assert len(made) <= 8 * 5  # classes 64 KiB .. 1 MiB, 8 of each at most
+
+
+def test_streams_fed_from_receive_buffers_and_the_file_at_once(tmp_path, lanes):
+    """The stager's GETs hand the bytes that come where a stream's written bytes end to the stream itself (``hold``,
+    their buffer shared until hashed; httpget writes them past the page cache) and write the rest to the file
+    (``wrote``). The held bytes are written to the file as garbage here: every MD5 is still the data's, so they
+    were hashed from the buffers, and every buffer is given back."""
+    from appliance.store.httpget import _POOL, Lease
+
+    rng = random.Random(11)
+    leases, lent = [], _POOL.lent
+    with md5lanes.Hasher() as h:
+        sizes = [md5lanes.CHUNK * 5 + 300, 64 * 1000, 3 * md5lanes.CHUNK, 1000, 0]
+        files, todo = _files_in_pieces(h, tmp_path, sizes, rng, 2, 64)
+        for (data, fd, s, pieces), j in todo:
+            a, k = pieces[j]
+            pos = a
+            while pos < a + k:
+                n = min(a + k - pos, rng.choice([64 * 5, 4096, 70000, md5lanes.CHUNK * 2]))
+                with h.cv:
+                    held = s.holds(j, n)
+                    if held:
+                        lease = Lease(_POOL.spare())  # a receive buffer, as get_into lends it
+                        lease.buf[:n] = data[pos:pos + n]
+                        s.hold(j, lease.buf[:n], lease)
+                        leases.append(lease)
+                if held:
+                    os.pwrite(fd, b"\xee" * n, pos)  # not the bytes: the hash must not read them from here
+                    lease.release()  # the lender's share
+                else:
+                    os.pwrite(fd, data[pos:pos + n], pos)
+                    s.wrote(j, n)
+                pos += n
+        assert [s.result().hexdigest() for _, _, s, _ in files] == [hashlib.md5(d).hexdigest() for d, *_ in files]
+        for _, fd, _, _ in files:
+            os.close(fd)
+    assert leases and all(lease.refs == 0 for lease in leases) and _POOL.lent == lent
+
+
+def test_a_cancelled_stream_gives_its_held_buffers_back(tmp_path, lanes):
+    from appliance.store.httpget import _POOL, Lease
+
+    lent = _POOL.lent
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, 4 * md5lanes.CHUNK)
+    with md5lanes.Hasher() as h:
+        s = h.stream(fd, [(0, 4 * md5lanes.CHUNK)])
+        with h.cv:
+            assert s.holds(0, 128) and not s.holds(1, 128) and not s.holds(0, 100)
+            lease = Lease(_POOL.spare())
+            s.hold(0, lease.buf[:128], lease)
+        lease.release()
+        s.cancel()
+        assert s.done.is_set() and isinstance(s.error, OSError)
+    os.close(fd)
+    assert lease.refs == 0 and _POOL.lent == lent

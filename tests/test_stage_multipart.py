@@ -5,6 +5,8 @@ real Ceph RGW 16 (which does not) in test_stage.py::test_s3_multipart_objects_ar
 
 import hashlib
 import os
+import threading
+import types
 
 import pytest
 
@@ -56,16 +58,37 @@ def test_small_groups_share_gets_and_a_large_one_is_ranges():
     told = []
 
     class S:
-        def __init__(self, g):
-            self.g = g
+        hasher = types.SimpleNamespace(cv=threading.Condition())
+
+        def __init__(self, g, takes=True):
+            self.g, self.takes = g, takes
 
         def wrote(self, j, n):
             told.append((self.g, j, n))
 
-    sink = _split([S(g) for g in range(3)], [(0, 0, 5), (1, 0, 0), (2, 0, 3)])
+        def holds(self, j, n):
+            return self.takes
+
+        def hold(self, j, view, lease):
+            told.append(("held", self.g, j, bytes(view)))
+
+    spans = [(0, 0, 5), (1, 0, 0), (2, 0, 3)]
+    sink, _ = _split([S(g) for g in range(3)], spans)
     for chunk in (b"abc", b"defg", b"h", b"past the end"):
         sink(memoryview(chunk))
     assert told == [(0, 0, 3), (0, 0, 2), (2, 0, 2), (2, 0, 1)]
+    # a buffer offered before it is written (httpget's hold) is held by every stream it reaches or by none, and
+    # what is not held is told after its write, from the same place in the spans
+    told.clear()
+    sink, hold = _split([S(0), S(1), S(2, takes=False)], spans)
+    assert hold(memoryview(b"abc"), None) and told == [("held", 0, 0, b"abc")]
+    assert not hold(memoryview(b"defg"), None) and len(told) == 1  # its last two bytes are group 2's: declined
+    sink(memoryview(b"defg"))
+    assert told[1:] == [(0, 0, 2), (2, 0, 2)]
+    told.clear()
+    sink, hold = _split([S(g) for g in range(3)], spans)
+    assert hold(memoryview(b"abcdefgh"), None) and told == [("held", 0, 0, b"abcde"), ("held", 2, 0, b"fgh")]
+    assert not hold(memoryview(b"x"), None)  # past the last span: written, and the GET's length check says so
 
 
 @pytest.mark.parametrize("told", [False, True])

@@ -39,6 +39,7 @@ from pathlib import Path, PurePosixPath
 
 from ..errors import ApplianceError
 from ..store import heldio
+from ..store.httpget import open_direct
 from ..store.md5lanes import Bodies, Hasher, lanes_in_use, md5_ranges
 from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, slo_etag
 from ..store.parts import guesses, layout, multipart_etag, part_count
@@ -663,16 +664,25 @@ class _Check:
 
 
 def _get_pieces(store: Store, o: ObjectInfo, fd: int, pool: ThreadPoolExecutor, prog: _Progress,
-                pieces: list[tuple[int, int, Callable[[memoryview], None] | None]]) -> None:
-    """GET each (offset, size, update) piece of ``o`` into ``fd`` in parallel: ``update`` sees its bytes as they
-    are written. Returns once no piece writes to ``fd`` any more."""
-    def one(off, size, update):
+                pieces: list[tuple[int, int, Callable[[memoryview], None] | None, Callable | None]],
+                direct: int | None = None) -> None:
+    """GET each (offset, size, update, hold) piece of ``o`` into ``fd`` in parallel: ``update`` sees its bytes as
+    they are written, ``hold`` is offered them first (httpget.get_into; ``direct``: ``fd``'s file open with
+    O_DIRECT). Returns once no piece writes to ``fd`` any more."""
+    def one(off, size, update, hold):
         def sink(view: memoryview) -> None:
             if update is not None:
                 update(view)
             prog.add(len(view))
 
-        n, _ = store.fetch(o.name, fd, off, sink, start=off, end=off + size - 1)
+        def held(view: memoryview, lease) -> bool:
+            if not hold(view, lease):
+                return False
+            prog.add(len(view))
+            return True
+
+        n, _ = store.fetch(o.name, fd, off, sink, start=off, end=off + size - 1, direct=direct,
+                           hold=held if hold is not None else None)
         if n != size:
             raise Corrupt(o.name)
 
@@ -692,20 +702,25 @@ def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hasher: Hash
     group: consecutive byte counts that add up to the object (SLO segments, multipart parts, or the whole object).
     A group larger than ``one_get`` bytes (MAX_RANGE or more) is RANGE-sized GETs; consecutive smaller ones share a
     GET of up to ``one_get`` bytes, whose bytes each group's stream sees as they pass (_gets). ``hasher``
-    (store/md5lanes.py) takes each group's MD5 as its bytes come in, from the page cache, many groups in one call;
-    None: fetched only."""
+    (store/md5lanes.py) takes each group's MD5 as its bytes come in, many groups in one call: the bytes that come
+    in order from the receive buffer they came in, written past the page cache (O_DIRECT, where the file system
+    takes it), the rest from the page cache. None: fetched only, every byte past the page cache."""
     each, gets = _gets(groups, one_get)
     streams = []
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    direct = None
     try:
         os.ftruncate(fd, o.size)
+        direct = open_direct(part)
         streams = hasher.streams(fd, each) if hasher is not None else []
-        _get_pieces(store, o, fd, pool, prog, [(a, k, _split(streams, spans) if streams else None)
-                                               for a, k, spans in gets])
+        _get_pieces(store, o, fd, pool, prog, [(a, k, *(_split(streams, spans) if streams else (None, None)))
+                                               for a, k, spans in gets], direct)
         return [s.result() for s in streams] if streams else [None] * len(each)
     finally:
         for s in streams:
             s.cancel()  # after a failed GET; nothing once hashed
+        if direct is not None:
+            os.close(direct)
         os.close(fd)
 
 
@@ -734,11 +749,34 @@ def _gets(groups: list[int], one_get: int) -> tuple[list[list[tuple[int, int]]],
     return each, gets
 
 
-def _split(streams: list, spans: list[tuple[int, int, int]]) -> Callable[[memoryview], None]:
-    """What one GET's sink calls with each buffer it wrote: the bytes told to the streams of the groups the GET
-    covers, in order (``spans``: (group, piece, bytes)). Bytes past the last span are the GET's error, said by its
-    length check."""
+def _split(streams: list, spans: list[tuple[int, int, int]]) -> tuple[Callable[[memoryview], None], Callable]:
+    """(sink, hold) of one GET: what it calls with each buffer it wrote (the bytes told to the streams of the groups
+    the GET covers, in order; ``spans``: (group, piece, bytes)), and what it offers each buffer before writing it
+    (httpget.get_into): every stream the buffer's bytes go to holds them (Stream.hold), or none does and they go
+    through the page cache and ``sink``. Bytes past the last span are the GET's error, said by its length check."""
     at = [0, spans[0][2]]  # the span now, its bytes not yet told
+    cv = streams[0].hasher.cv
+
+    def hold(view: memoryview, lease) -> bool:
+        k, i, left, o, plan = len(view), at[0], at[1], 0, []
+        with cv:
+            while k and i < len(spans):
+                g, j, _ = spans[i]
+                n = min(k, left)
+                if n:
+                    if not streams[g].holds(j, n):
+                        return False
+                    plan.append((streams[g], j, o, n))
+                o, k, left = o + n, k - n, left - n
+                if not left:
+                    i += 1
+                    left = spans[i][2] if i < len(spans) else 0
+            if k:
+                return False
+            for st, j, o, n in plan:
+                st.hold(j, view[o:o + n], lease)
+            at[0], at[1] = i, left
+        return True
 
     def sink(view: memoryview) -> None:
         k = len(view)
@@ -753,7 +791,7 @@ def _split(streams: list, spans: list[tuple[int, int, int]]) -> Callable[[memory
                 at[0] += 1
                 if at[0] < len(spans):
                     at[1] = spans[at[0]][2]
-    return sink
+    return sink, hold
 
 
 def _fetch_crc(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
@@ -764,10 +802,15 @@ def _fetch_crc(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
     pieces = _gets([o.size], one_get)[0][0]  # one GET, or RANGE-sized ones
     crcs = [Crc32() for _ in pieces]
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    direct = None
     try:
         os.ftruncate(fd, o.size)
-        _get_pieces(store, o, fd, pool, prog, [(a, k, c.update) for (a, k), c in zip(pieces, crcs) if k > 0])
+        direct = open_direct(part)  # each range's CRC-32 is taken before its next read: nothing is read back
+        _get_pieces(store, o, fd, pool, prog, [(a, k, c.update, None) for (a, k), c in zip(pieces, crcs) if k > 0],
+                    direct)
     finally:
+        if direct is not None:
+            os.close(direct)
         os.close(fd)
     crc = 0
     for c in crcs:

@@ -8,7 +8,8 @@
  *
  * update(jobs): jobs is a list of up to 8 (state, data) pairs: state a writable 16-byte buffer (MD5's A, B, C, D as
  * little-endian words, RFC 1321), data a bytes-like object whose length is a multiple of 64 (whole blocks; the
- * padding is the caller's). Every job's blocks are hashed into its state; the GIL is released meanwhile. Lanes of
+ * padding is the caller's), or a list of such objects, hashed one after the other as one stream (the stager's
+ * receive buffers of one object: a call takes all that is there, so the GIL is taken back once for many). Every job's blocks are hashed into its state; the GIL is released meanwhile. Lanes of
  * different lengths run together while two or more have blocks left; the last one runs alone, one block at a time.
  * LANES is 8 where the CPU has AVX2 (checked at import), else 1 (the same results, one stream at a time).
  */
@@ -146,17 +147,27 @@ AVX2 static void md5x8(uint32_t *st[8], const uint8_t *p[8], size_t nblocks) {
 }
 #endif
 
-/* n <= 8 streams of nb[i] blocks each: together while two or more have blocks, the last alone */
-static void run(int n, uint32_t *st[8], const uint8_t *p[8], size_t nb[8]) {
+/* One stream's data in a call: segments of whole blocks, hashed one after the other. */
+typedef struct {
+    const uint8_t **p;
+    size_t *nb;
+    Py_ssize_t nseg, cur;
+} stream_t;
+
+/* n <= 8 streams: together while two or more have blocks, the last alone */
+static void run(int n, uint32_t *st[8], stream_t s[8]) {
     for (;;) {
         int active = 0, last = -1;
         size_t least = 0;
-        for (int i = 0; i < n; i++)
-            if (nb[i]) {
-                if (!active || nb[i] < least) least = nb[i];
+        for (int i = 0; i < n; i++) {
+            while (s[i].cur < s[i].nseg && !s[i].nb[s[i].cur]) s[i].cur++;
+            if (s[i].cur < s[i].nseg) {
+                size_t k = s[i].nb[s[i].cur];
+                if (!active || k < least) least = k;
                 active++;
                 last = i;
             }
+        }
         if (!active) return;
 #if defined(__x86_64__) && defined(__GNUC__)
         if (active >= 2 && lanes == 8) {
@@ -164,22 +175,23 @@ static void run(int n, uint32_t *st[8], const uint8_t *p[8], size_t nb[8]) {
             uint32_t *s8[8];
             const uint8_t *p8[8];
             for (int l = 0; l < 8; l++) {
-                int on = l < n && nb[l];
+                int on = l < n && s[l].cur < s[l].nseg;
                 s8[l] = on ? st[l] : junk[l];
                 if (!on) memcpy(junk[l], st[last], 16);
-                p8[l] = on ? p[l] : p[last];
+                p8[l] = on ? s[l].p[s[l].cur] : s[last].p[s[last].cur];
             }
             md5x8(s8, p8, least);
             for (int i = 0; i < n; i++)
-                if (nb[i]) { p[i] += least * 64; nb[i] -= least; }
+                if (s[i].cur < s[i].nseg) { s[i].p[s[i].cur] += least * 64; s[i].nb[s[i].cur] -= least; }
             continue;
         }
 #endif
         for (int i = 0; i < n; i++)
-            if (nb[i]) { md5_blocks(st[i], p[i], nb[i]); p[i] += nb[i] * 64; nb[i] = 0; }
+            for (; s[i].cur < s[i].nseg; s[i].cur++) md5_blocks(st[i], s[i].p[s[i].cur], s[i].nb[s[i].cur]);
     }
 }
 
+/* update(jobs): see the top of the file. A job's data is one bytes-like object or a list of them, hashed in turn. */
 static PyObject *update(PyObject *self, PyObject *jobs) {
     PyObject *seq = PySequence_Fast(jobs, "update() takes a list of (state, data) pairs");
     if (!seq) return NULL;
@@ -189,47 +201,76 @@ static PyObject *update(PyObject *self, PyObject *jobs) {
         PyErr_SetString(PyExc_ValueError, "update() takes at most 8 jobs");
         return NULL;
     }
-    Py_buffer sb[8], db[8];
-    int got = 0;
+    PyObject *parts[8] = {NULL};   /* each job's data as a sequence (a one-item tuple for a single buffer) */
+    Py_buffer sb[8];
+    int states = 0;
+    Py_buffer *db = NULL;          /* every segment's buffer, jobs one after the other */
+    Py_ssize_t total = 0, held = 0;
+    const uint8_t **pp = NULL;
+    size_t *nn = NULL;
     uint32_t *st[8];
-    const uint8_t *p[8];
-    size_t nb[8];
+    stream_t sm[8];
     PyObject *ret = NULL;
-    for (; got < n; got++) {
-        PyObject *job = PySequence_Fast_GET_ITEM(seq, got);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *job = PySequence_Fast_GET_ITEM(seq, i);
         PyObject *state, *data;
         if (!PyArg_ParseTuple(job, "OO", &state, &data)) goto done;
-        if (PyObject_GetBuffer(state, &sb[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
-        if (PyObject_GetBuffer(data, &db[got], PyBUF_C_CONTIGUOUS) < 0) {
-            PyBuffer_Release(&sb[got]);
-            goto done;
-        }
-        if (sb[got].len != 16 || db[got].len % 64) {
-            PyBuffer_Release(&sb[got]);
-            PyBuffer_Release(&db[got]);
+        parts[i] = (PyList_Check(data) || PyTuple_Check(data)) ? PySequence_Fast(data, "data") : PyTuple_Pack(1, data);
+        if (!parts[i]) goto done;
+        total += PySequence_Fast_GET_SIZE(parts[i]);
+    }
+    db = PyMem_Calloc(total ? total : 1, sizeof(Py_buffer));
+    pp = PyMem_Calloc(total ? total : 1, sizeof(*pp));
+    nn = PyMem_Calloc(total ? total : 1, sizeof(*nn));
+    if (!db || !pp || !nn) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *state = PyTuple_GetItem(PySequence_Fast_GET_ITEM(seq, i), 0);
+        if (!state) goto done;
+        if (PyObject_GetBuffer(state, &sb[states], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        states++;
+        if (sb[i].len != 16) {
             PyErr_SetString(PyExc_ValueError, "a state is 16 bytes and data whole 64-byte blocks");
             goto done;
         }
-        st[got] = (uint32_t *)sb[got].buf; /* little-endian hosts only (x86-64, aarch64): the state's words */
-        p[got] = (const uint8_t *)db[got].buf;
-        nb[got] = (size_t)db[got].len / 64;
+        st[i] = (uint32_t *)sb[i].buf; /* little-endian hosts only (x86-64, aarch64): the state's words */
+        sm[i].p = pp + held;
+        sm[i].nb = nn + held;
+        sm[i].nseg = PySequence_Fast_GET_SIZE(parts[i]);
+        sm[i].cur = 0;
+        for (Py_ssize_t k = 0; k < sm[i].nseg; k++) {
+            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(parts[i], k), &db[held], PyBUF_C_CONTIGUOUS) < 0)
+                goto done;
+            held++;
+            if (db[held - 1].len % 64) {
+                PyErr_SetString(PyExc_ValueError, "a state is 16 bytes and data whole 64-byte blocks");
+                goto done;
+            }
+            sm[i].p[k] = (const uint8_t *)db[held - 1].buf;
+            sm[i].nb[k] = (size_t)db[held - 1].len / 64;
+        }
     }
     Py_BEGIN_ALLOW_THREADS
-    run((int)n, st, p, nb);
+    run((int)n, st, sm);
     Py_END_ALLOW_THREADS
     ret = Py_None;
     Py_INCREF(ret);
 done:
-    for (int i = 0; i < got; i++) {
-        PyBuffer_Release(&sb[i]);
-        PyBuffer_Release(&db[i]);
-    }
+    for (Py_ssize_t k = 0; k < held; k++) PyBuffer_Release(&db[k]);
+    for (int i = 0; i < states; i++) PyBuffer_Release(&sb[i]);
+    for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(parts[i]);
+    PyMem_Free(db);
+    PyMem_Free(pp);
+    PyMem_Free(nn);
     Py_DECREF(seq);
     return ret;
 }
 
 static PyMethodDef methods[] = {
-    {"update", update, METH_O, "update([(state, data), ...]): hash up to 8 streams' whole blocks, lanes at once"},
+    {"update", update, METH_O,
+     "update([(state, data), ...]): hash up to 8 streams' whole blocks, lanes at once (data: a buffer or a list)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_md5lanes", "MD5 of up to 8 streams at once (AVX2)",

@@ -6,11 +6,14 @@ runs up to 8 of them through the lanes of one AVX2 register: ~3.4 GB/s of MD5 on
 (``bench/md5_lanes.py``). Where it did not build or the CPU has no AVX2, hashlib does the same work, a stream per
 thread.
 
-``Hasher`` owns the hashing threads (one with lanes: it takes up to 8 streams' next 256 KiB each, where the writes
-put them in the page cache (a read-only mmap, no copy), and hashes them in one call, the GIL released).
-``Hasher.streams(fd, groups)`` gives, for each group of consecutive (offset, size) pieces of the open file ``fd``,
-the MD5 of the bytes they cover; whoever writes them says how far each piece has come (``wrote``), in any order,
-and the stream hashes what is contiguous from its start as it comes. ``digest()`` waits for the last bytes. ``md5_ranges`` is the same for bytes already in a file (an upload's
+``Hasher`` owns the hashing threads (one with lanes: it takes up to 8 streams' next 256 KiB each and hashes them in
+one call, the GIL released). ``Hasher.streams(fd, groups)`` gives, for each group of consecutive (offset, size)
+pieces of the open file ``fd``, the MD5 of the bytes they cover, hashed as they come, contiguous from the start.
+Bytes that come where a stream's bytes so far end are handed to it in the buffer they were received in
+(``holds``/``hold``: the stager's GETs, httpget.get_into, then write them past the page cache with O_DIRECT and go
+on with another buffer); bytes that come ahead of that (parallel ranges of one object) are written to the file
+first and said with ``wrote``, in any order, and read from the page cache (a read-only mmap, no copy).
+``digest()`` waits for the last bytes. ``md5_ranges`` is the same for bytes already in a file (an upload's
 parts), in the calling thread.
 
 ``Bodies`` is the same for small objects, whose bodies are whole in memory after their GET: a copy of each is queued
@@ -26,7 +29,7 @@ import os
 import struct
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 try:
@@ -35,7 +38,8 @@ except ImportError:  # not built here (no compiler when the package was installe
     _md5lanes = None
 
 LANES = _md5lanes.LANES if _md5lanes is not None else 1
-CHUNK = 256 * 1024  # bytes of each stream per call (md5_ranges: its read buffer, one per lane)
+CHUNK = 256 * 1024  # the least of a stream a call waits for (md5_ranges: its read buffer, one per lane)
+PER_CALL = 32 * CHUNK  # the most of a stream one call of the hasher takes
 _IV = struct.pack("<4I", 0x67452301, 0xEFCDAB89, 0x98BADCFE, 0x10325476)  # RFC 1321, 3.3
 
 
@@ -70,19 +74,26 @@ def _read(fd: int, view: memoryview, pos: int) -> None:
         got += k
 
 
-def _hash(batch: list[tuple[_State, memoryview, int | None]]) -> None:
-    """Hash each (state, bytes, the stream's length if these are its last bytes) together: the lanes take whole
-    blocks, then the last bytes of streams that end here with MD5's padding."""
+def _hash(batch: list[tuple[_State, memoryview | list[memoryview], int | None]]) -> None:
+    """Hash each (state, bytes or a list of them in order, the stream's length if these are its last bytes)
+    together: the lanes take whole blocks (every piece but a last one is whole blocks), then the last bytes of
+    streams that end here with MD5's padding."""
     if batch and batch[0][0].raw is None:
-        for st, view, _ in batch:
-            st.h.update(view)
+        for st, views, _ in batch:
+            for view in views if isinstance(views, list) else [views]:
+                st.h.update(view)
         return
     jobs, tails = [], []
-    for st, view, total in batch:
-        whole = len(view) // 64 * 64
-        jobs.append((st.raw, view[:whole]))
-        if total is not None:
+    for st, views, total in batch:
+        views = list(views) if isinstance(views, list) else [views]
+        if total is not None and views:
+            view = views[-1]
+            whole = len(view) // 64 * 64
             tails.append((st.raw, bytes(view[whole:]) + _padding(total)))
+            views[-1] = view[:whole]
+        elif total is not None:
+            tails.append((st.raw, _padding(total)))
+        jobs.append((st.raw, views))
     _md5lanes.update(jobs)
     if tails:
         _md5lanes.update(tails)
@@ -105,6 +116,8 @@ class Stream:
         self.hashed = self.start
         self.state = _State(hasher.lanes > 1)
         self.busy = False  # a hashing thread reads it now
+        self.held: deque = deque()  # (position, bytes, Lease): bytes at the frontier still in a receive buffer
+        self.using: tuple = ()  # the Leases a hashing thread reads now
         self.finished = False
         self.error: Exception | None = None
         self.done = threading.Event()
@@ -116,6 +129,46 @@ class Stream:
         while self.k < len(self.pieces) and self.written[self.k] >= self.pieces[self.k][1]:
             self.k += 1
         self.frontier = (self.pieces[self.k][0] + self.written[self.k]) if self.k < len(self.pieces) else self.end
+
+    def holds(self, j: int, n: int) -> bool:
+        """Under the hasher's ``cv``: whether the ``n`` bytes that come next in piece ``j`` may be hashed from the
+        buffer they came in (``hold``) rather than from the file: the piece is where the stream's written bytes
+        end, and they leave the blocks whole (64 bytes from the stream's start, or its end)."""
+        return (not self.finished and j == self.k and (self.frontier - self.start) % 64 == 0
+                and (n % 64 == 0 or self.frontier + n == self.end))
+
+    def hold(self, j: int, view: memoryview, lease) -> None:
+        """Under the hasher's ``cv``, once ``holds`` said so: the next bytes of piece ``j`` are ``view``, in a
+        receive buffer the stream holds a share of (``httpget.Lease``) until they are hashed; the file need not
+        have them (httpget writes them past the page cache, O_DIRECT)."""
+        lease.share()
+        self.held.append((self.frontier, view, lease))
+        was = self.ready()
+        self.written[j] += len(view)
+        self._advance()
+        if not was and not self.busy and self.ready():
+            self.hasher.cv.notify()
+
+    def pieces_of(self, n: int) -> tuple[list[memoryview], tuple]:
+        """Under the hasher's ``cv``: the next ``n`` bytes to hash, in order, as views of the receive buffers that
+        hold them and of the file's map between them, and the buffers' Leases (what a hashing thread reads)."""
+        views, leases, pos, end = [], [], self.hashed, self.hashed + n
+        for at, buf, lease in self.held:
+            if pos >= end:
+                break
+            if at > pos:  # written through the page cache before this buffer's bytes
+                k = min(at, end) - pos
+                views.append(self.map[pos:pos + k])
+                pos += k
+                if pos >= end:
+                    break
+            k = min(at + len(buf), end) - pos
+            views.append(buf[pos - at:pos - at + k])
+            leases.append(lease)
+            pos += k
+        if pos < end:
+            views.append(self.map[pos:end])
+        return views, tuple(leases)
 
     def wrote(self, j: int, n: int) -> None:
         """``n`` more bytes of piece ``j`` are in the file, contiguous from the piece's start."""
@@ -184,7 +237,12 @@ class Hasher:
         The file must have its size already (ftruncate; ValueError if it is shorter than the pieces) and must not
         shrink while mapped: the stager's own downloads, named for its process. The map outlives ``fd``."""
         end = max((a + k for pieces in groups for a, k in pieces), default=0)
-        view = memoryview(mmap.mmap(fd, end, access=mmap.ACCESS_READ)) if end else None
+        m = mmap.mmap(fd, end, access=mmap.ACCESS_READ) if end else None
+        if m is not None and hasattr(m, "madvise"):
+            # no read-ahead past the page a read needs: bytes written past the page cache (O_DIRECT, httpget)
+            # must never be read into it from the disk before they land there
+            m.madvise(mmap.MADV_RANDOM)
+        view = memoryview(m) if m is not None else None
         made = [Stream(self, view, pieces) for pieces in groups]
         with self.cv:
             if self.closed:
@@ -221,6 +279,10 @@ class Hasher:
         if s in self.live:
             self.live.remove(s)
         s.map = None
+        for _, _, lease in s.held:
+            if not any(lease is u for u in s.using):  # those the hashing thread gives back
+                lease.release()
+        s.held.clear()
         s.done.set()
 
     def _next(self) -> list[Stream]:
@@ -249,25 +311,37 @@ class Hasher:
                 if not ready:
                     return
                 self.batches[min(len(ready), self.lanes)] += 1
+                batch = ready[:self.lanes]  # the oldest streams first: they finish first
+                # as much of each as the least of those still coming has (the lanes run whole together), at least
+                # CHUNK (each has that), at most PER_CALL: a call takes back the GIL once for all of it
+                going = [s.frontier - s.hashed for s in batch if s.frontier != s.end]
+                most = min(PER_CALL, max(CHUNK, min(going))) if going else PER_CALL
                 take = []
-                for s in ready[:self.lanes]:  # the oldest streams first: they finish first
+                for s in batch:
                     s.busy = True
-                    last = s.frontier == s.end and s.end - s.hashed <= CHUNK
-                    n = s.end - s.hashed if last else CHUNK
-                    view = s.map[s.hashed:s.hashed + n] if n else memoryview(b"")
-                    take.append((s, s.hashed, n, last, view))
+                    n = min(most, s.frontier - s.hashed)
+                    if s.hashed + n != s.end:
+                        n = n // 64 * 64
+                    views, s.using = s.pieces_of(n)
+                    take.append((s, s.hashed, n, s.hashed + n == s.end, views))
             error = None
             try:
-                _hash([(s.state, view, s.end - s.start if last else None) for s, _, _, last, view in take])
+                _hash([(s.state, views, s.end - s.start if last else None) for s, _, _, last, views in take])
             except Exception as e:  # not expected: every stream of the batch fails with it rather than hangs
                 error = e
             with self.cv:
-                for s, pos, n, last, view in take:
-                    view.release()
+                for s, pos, n, last, views in take:
+                    for view in views:
+                        view.release()
                     s.busy = False
                     s.hashed = pos + n
-                    if s.finished:
+                    leases, s.using = s.using, ()
+                    if s.finished:  # _finish left these to this thread
+                        for lease in leases:
+                            lease.release()
                         continue
+                    while s.held and s.held[0][0] + len(s.held[0][1]) <= s.hashed:
+                        s.held.popleft()[2].release()
                     if error is not None:
                         s.error = error
                     if last or error is not None:

@@ -253,10 +253,12 @@ class Store:
 
     def fetch(self, name: str, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None, *,
               start: int | None = None, end: int | None = None,
-              on_headers: Callable[[dict], None] | None = None) -> tuple[int, dict]:
+              on_headers: Callable[[dict], None] | None = None, direct: int | None = None,
+              hold: Callable | None = None) -> tuple[int, dict]:
         """Write an object (or bytes start..end inclusive) to ``fd`` from ``offset`` on, showing each piece to
-        ``sink``. Returns (bytes written, headers). Swift and S3 GET straight into the file (httpget), and show
-        the answer's headers to ``on_headers`` before its body; other stores do not call it."""
+        ``sink``. Returns (bytes written, headers). Swift and S3 GET straight into the file (httpget.get_into,
+        which says what ``direct`` and ``hold`` are), and show the answer's headers to ``on_headers`` before its
+        body; other stores call none of the three."""
         from .httpget import pwrite_all
 
         pos = offset
@@ -417,7 +419,7 @@ class SwiftStore(Store):
             write(chunk)
         return {k.lower(): v for k, v in hdrs.items()}
 
-    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None):
+    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None, direct=None, hold=None):
         from urllib.parse import quote
 
         from .httpget import HTTPError, get_into
@@ -429,7 +431,7 @@ class SwiftStore(Store):
                 self._call(c.get_auth)
             try:
                 return get_into(f"{c.url}/{quote(self.container)}/{quote(name)}", {**headers, "X-Auth-Token": c.token},
-                                fd, offset, sink, on_headers=on_headers)
+                                fd, offset, sink, on_headers=on_headers, direct=direct, hold=hold)
             except HTTPError as e:
                 if e.http_status == 404:
                     raise FileNotFoundError(f"swift://{self.container}/{name}") from None
@@ -710,7 +712,7 @@ class S3Store(Store):
             write(chunk)
         return {k.lower(): v for k, v in r["ResponseMetadata"]["HTTPHeaders"].items()}
 
-    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None):
+    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None, direct=None, hold=None):
         from .httpget import HTTPError, get_into
 
         # a presigned URL signs only the host, so the Range header may be added; signed here (sigv4), no request
@@ -720,7 +722,7 @@ class S3Store(Store):
         if start is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end}"
         try:
-            return get_into(url, headers, fd, offset, sink, on_headers=on_headers)
+            return get_into(url, headers, fd, offset, sink, on_headers=on_headers, direct=direct, hold=hold)
         except HTTPError as e:
             if e.http_status == 404:
                 raise FileNotFoundError(f"s3://{self.bucket}/{name}") from None
