@@ -748,6 +748,7 @@ def test_large_objects_land_past_the_page_cache_and_verified(swift, creds, tmp_p
     from appliance.store.httpget import open_direct
 
     MiB = 1 << 20
+    monkeypatch.setattr(sm, "page_cache_room", lambda: 10 * MiB)  # a dataset more than half the memory
     monkeypatch.setattr(sm, "LARGE", 2 * MiB)
     monkeypatch.setattr(sm, "RANGE", MiB)
     monkeypatch.setattr(sm, "MAX_RANGE", 2 * MiB)
@@ -774,8 +775,14 @@ def test_large_objects_land_past_the_page_cache_and_verified(swift, creds, tmp_p
         dest = tmp_path / f"{st.scheme}-{prefix[0]}"
         res = stage(st, prefix, dest)
         assert res.files_fetched == res.files_total and not res.size_only and not res.corrupt_refetched
+        assert res.past_page_cache
         files = {n: dest / n[2:] for n in data if n.startswith(prefix)}
         cached = {n: resident_pages(p) for n, p in files.items()}  # before the reads below cache them
         assert {n: p.read_bytes() == data[n] for n, p in files.items()} == {n: True for n in files}
         if prefix == "w/":  # in order: at most each file's last, unaligned page went through the page cache
             assert all(k <= 1 for k in cached.values()), (st.scheme, list(cached.values()))
+    # a dataset that fits stays in the page cache, for the training's first epoch
+    monkeypatch.setattr(sm, "page_cache_room", lambda: 1 << 40)
+    res = stage(S3Store("direct", creds), "w/", tmp_path / "fits")
+    assert not res.past_page_cache
+    assert all(resident_pages(p) > 1000 for p in (tmp_path / "fits").glob("*.bin"))

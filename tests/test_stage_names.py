@@ -19,8 +19,8 @@ def test_x_and_x_part_do_not_collide(tmp_path, monkeypatch):
     st = DictStore({"d/x": b"A" * 400_000, "d/x.part": b"B" * 1000})
     parts = []
     real = stage_mod._fetch_one
-    monkeypatch.setattr(stage_mod, "_fetch_one", lambda store, o, part, *a: (parts.append((o.name, part)),
-                                                                               real(store, o, part, *a))[1])
+    monkeypatch.setattr(stage_mod, "_fetch_one", lambda store, o, part, *a, **kw: (parts.append((o.name, part)),
+                                                                                     real(store, o, part, *a, **kw))[1])
     st.slow["d/x"] = threading.Event()
     threading.Thread(target=lambda: (st.got["d/x.part"].wait(10), st.slow["d/x"].set()), daemon=True).start()
     stage(st, "d/", tmp_path / "out", concurrency=4)
@@ -230,8 +230,8 @@ def test_a_download_is_named_for_this_process(tmp_path, monkeypatch):
     st = DictStore({"d/x": b"A" * 1000})
     parts = []
     real = stage_mod._fetch_one
-    monkeypatch.setattr(stage_mod, "_fetch_one", lambda store, o, part, *a: (parts.append(part),
-                                                                               real(store, o, part, *a))[1])
+    monkeypatch.setattr(stage_mod, "_fetch_one", lambda store, o, part, *a, **kw: (parts.append(part),
+                                                                                     real(store, o, part, *a, **kw))[1])
     stage(st, "d/", tmp_path / "out")
     assert [p.name.split(".")[1:] for p in parts] == [[str(os.getpid()), "part"]]
 

@@ -92,3 +92,30 @@ def test_objects_over_a_mebibyte_and_our_uploads_are_checked_in_their_own_thread
     assert res.files_fetched == 3 and res.corrupt_refetched == 0
     assert {n: (tmp_path / "out" / n[2:]).read_bytes() for n in data} == data
     assert sum(k * v for k, v in bodies[0].batches.items()) == 1  # d/other.bin only
+
+
+def test_the_page_cache_room_is_memavailable_or_the_cgroups_less(tmp_path):
+    """What decides whether a stage writes past the page cache: MemAvailable, or what the process's memory cgroup
+    leaves (v2 memory.max - memory.current; v1 memory.limit_in_bytes - memory.usage_in_bytes), the less of them."""
+    proc, cg = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    (proc / "self" / "cgroup").write_text("0::/user.slice/job\n")
+    assert sm.page_cache_room(proc, cg) == 20000000 * 1024  # no cgroup files there: the kernel's figure
+    (cg / "user.slice" / "job").mkdir(parents=True)
+    (cg / "user.slice" / "job" / "memory.max").write_text("max\n")
+    (cg / "user.slice" / "job" / "memory.current").write_text("1000\n")
+    assert sm.page_cache_room(proc, cg) == 20000000 * 1024  # no limit
+    (cg / "user.slice" / "job" / "memory.max").write_text(f"{1 << 30}\n")
+    assert sm.page_cache_room(proc, cg) == (1 << 30) - 1000
+    (proc / "self" / "cgroup").write_text("4:memory:/process_api/x\n1:cpu:/\n")  # v1
+    (cg / "memory" / "process_api" / "x").mkdir(parents=True)
+    (cg / "memory" / "process_api" / "x" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (cg / "memory" / "process_api" / "x" / "memory.usage_in_bytes").write_text("5\n")
+    assert sm.page_cache_room(proc, cg) == 20000000 * 1024  # v1's "no limit"
+    (cg / "memory" / "process_api" / "x" / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
+    assert sm.page_cache_room(proc, cg) == (2 << 30) - 5
+    assert sm.page_cache_room(tmp_path / "none", cg) is None
+    assert sm.page_cache_room() is not None  # this machine's
+    assert not sm.writes_past_the_page_cache(10 << 30, 24 << 30) and sm.writes_past_the_page_cache(13 << 30, 24 << 30)
+    assert not sm.writes_past_the_page_cache(1 << 40, None)  # unknown: as before, through the page cache

@@ -82,6 +82,7 @@ class StageResult:
     seconds: float = 0.0
     dest: str = ""
     names: list[str] = field(default_factory=list)  # this node's names (kept only when asked)
+    past_page_cache: bool = False  # large objects written with O_DIRECT (writes_past_the_page_cache)
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -181,6 +182,48 @@ def _save_manifest(dest: Path, m: dict) -> None:
 def free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def page_cache_room(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """How many bytes the page cache could keep for this process: the kernel's MemAvailable, or less where the
+    process's memory cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) leaves less; None when unknown."""
+    room = None
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                room = int(line.split()[1]) * 1024
+        groups = (proc / "self" / "cgroup").read_text().splitlines()
+    except (OSError, ValueError, IndexError):
+        return room
+    for line in groups:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            d = cgroups / path.lstrip("/")
+            limit, used = _read_int(d / "memory.max"), _read_int(d / "memory.current")
+        elif "memory" in controllers.split(","):
+            d = cgroups / "memory" / path.lstrip("/")
+            limit, used = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
+        else:
+            continue
+        if limit is not None and used is not None and limit < 1 << 60:
+            room = max(0, limit - used) if room is None else min(room, max(0, limit - used))
+    return room
+
+
+def writes_past_the_page_cache(need: int, room: int | None) -> bool:
+    """Whether a stage of ``need`` bytes writes its large objects past the page cache (O_DIRECT): when they are more
+    than half of what the page cache could keep (``page_cache_room``). A dataset that fits stays in the page cache
+    for the training's first epoch (read back at 0.15 s per 2 GiB here against 2.1-3.5 s from the disk:
+    bench/results/stage-direct/read-after.txt); one that does not would only be copied there and pushed out again,
+    and the copy was most of the stager's system time (docs/staging.md, "Past the page cache")."""
+    return room is not None and need > room // 2
 
 
 def _fmt_bytes(n: float) -> str:
@@ -384,6 +427,7 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
 
     big_pool = ThreadPoolExecutor(max_workers=concurrency)  # ranged parts of large objects
     hasher = Hasher()  # their MD5s, many objects' at once (store/md5lanes.py)
+    direct = res.past_page_cache = writes_past_the_page_cache(need, page_cache_room())
     bodies = Bodies() if lanes_in_use() > 1 else None  # small objects' MD5s, 8 at a time, after their fetch
 
     seen: dict[str, bytes] = {}  # multipart objects no part-size rule verified: their parts' MD5s, per fetch
@@ -430,7 +474,7 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
                 time.sleep(min(8.0, 0.2 * 2 ** (attempt - 1)) * (0.5 + random.random()))  # backoff before a retry
             try:
                 verified = _fetch_one(store, o, part, big_pool, prog, seen, one_get, hasher, bodies,
-                                      lambda ok, a=attempt, r=rechecked: later(o, part, a, r, ok))
+                                      lambda ok, a=attempt, r=rechecked: later(o, part, a, r, ok), direct=direct)
                 if verified is not None:
                     place(o, part, verified, rechecked)
                 # else its MD5 is taken with 7 others' in the bodies' thread, which places it (later)
@@ -510,34 +554,35 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
 
 def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
                seen: dict[str, bytes] | None, one_get: int, hasher: Hasher, bodies: Bodies | None = None,
-               later: Callable[[bool], None] | None = None) -> bool | None:
+               later: Callable[[bool], None] | None = None, *, direct: bool = False) -> bool | None:
     """Fetch ``o`` into ``part`` and verify it; raise Corrupt when it does not verify. Returns False when its
     content could be checked only by size: an SLO whose segments the store does not show (Ceph RGW gives no
     manifest, and its segments are not where uploads put them), or an S3 multipart object whose part sizes neither
     the store nor any known upload tool's rule gives. ``one_get``: a part, segment or object up to this many bytes
     is one GET (_fetch_ranges). ``hasher``: what takes a large object's MD5s (the stage's). ``bodies``: what takes
     a small object's MD5 (up to SMALL bytes) after its GET, with 7 others: then this returns None at once, and
-    ``later(matches)`` is called in the bodies' thread."""
+    ``later(matches)`` is called in the bodies' thread. ``direct``: a large object's bytes go past the page cache
+    (writes_past_the_page_cache)."""
     etag = o.etag.strip('"')
     n_parts = part_count(etag)
     if o.size >= LARGE or n_parts is not None:
         want = store.crc32(o.name, etag)  # a HEAD: our uploads' CRC-32 for these bytes, if it holds (CRC_META)
         if want is not None:
-            if _fetch_crc(store, o, part, pool, prog, one_get) != want:
+            if _fetch_crc(store, o, part, pool, prog, one_get, direct=direct) != want:
                 raise Corrupt(o.name)
             return True
     if n_parts is not None:
-        return _fetch_multipart(store, o, part, pool, prog, etag, n_parts, seen, one_get, hasher)
+        return _fetch_multipart(store, o, part, pool, prog, etag, n_parts, seen, one_get, hasher, direct=direct)
     if o.size >= LARGE:
         segments = store.slo_segments(o.name) if store.scheme == "swift" else None
         if segments:  # one ranged GET per segment, each checked against the segment's MD5
             hashes = _fetch_ranges(store, o, part, pool, prog, [s["bytes"] for s in segments], hasher=hasher,
-                                   one_get=one_get)
+                                   one_get=one_get, direct=direct)
             if [h.hexdigest() for h in hashes] != [s["hash"] for s in segments] or slo_etag(segments) != etag:
                 raise Corrupt(o.name)
             return True
         hashes = _fetch_ranges(store, o, part, pool, prog, [o.size], hasher=hasher if segments is None else None,
-                               one_get=one_get)
+                               one_get=one_get, direct=direct)
         if segments is None and hashes[0].hexdigest() != etag:
             raise Corrupt(o.name)
         return segments is None
@@ -591,7 +636,8 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
 
 
 def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress, etag: str,
-                     n: int, seen: dict[str, bytes] | None, one_get: int, hasher: Hasher) -> bool:
+                     n: int, seen: dict[str, bytes] | None, one_get: int, hasher: Hasher, *,
+                     direct: bool = False) -> bool:
     """An S3 multipart object (ETag ``<md5>-N``): fetched part by part, each part hashed as it is written (the
     hasher, 8 parts or objects at once), the parts' MD5s checked against the ETag (store/parts.py). The part
     sizes: the store's (``partNumber``), else the first of the upload tools' rules; when that does not give the
@@ -604,9 +650,9 @@ def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolEx
     layouts = ([told] if told else []) + [layout(o.size, p) for p in guesses(o.size, n)]
     layouts = [x for i, x in enumerate(layouts) if sum(x) == o.size and x not in layouts[:i]]
     if not layouts:  # no rule gives N parts of this size: nothing to check the bytes against
-        _fetch_ranges(store, o, part, pool, prog, [o.size])
+        _fetch_ranges(store, o, part, pool, prog, [o.size], direct=direct)
         return False
-    hashes = _fetch_ranges(store, o, part, pool, prog, layouts[0], hasher=hasher, one_get=one_get)
+    hashes = _fetch_ranges(store, o, part, pool, prog, layouts[0], hasher=hasher, one_get=one_get, direct=direct)
     if multipart_etag(h.digest() for h in hashes) == etag:
         return True
     if told is not None:  # the store answers partNumber: ask it for every part, should they differ in size
@@ -697,30 +743,31 @@ def _get_pieces(store: Store, o: ObjectInfo, fd: int, pool: ThreadPoolExecutor, 
 
 
 def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hasher: Hasher | None = None,
-                  one_get: int = MAX_RANGE) -> list:
+                  one_get: int = MAX_RANGE, direct: bool = False) -> list:
     """Fetch ``o`` into ``part`` as parallel ranged GETs and return the MD5 (``digest()``, ``hexdigest()``) of each
     group: consecutive byte counts that add up to the object (SLO segments, multipart parts, or the whole object).
     A group larger than ``one_get`` bytes (MAX_RANGE or more) is RANGE-sized GETs; consecutive smaller ones share a
     GET of up to ``one_get`` bytes, whose bytes each group's stream sees as they pass (_gets). ``hasher``
-    (store/md5lanes.py) takes each group's MD5 as its bytes come in, many groups in one call: the bytes that come
-    in order from the receive buffer they came in, written past the page cache (O_DIRECT, where the file system
-    takes it), the rest from the page cache. None: fetched only, every byte past the page cache."""
+    (store/md5lanes.py) takes each group's MD5 as its bytes come in, many groups in one call, from the page cache;
+    None: fetched only. With ``direct`` (writes_past_the_page_cache), bytes go past the page cache (O_DIRECT, where
+    the file system takes it): those that come in order are hashed from the buffer they came in, those that come
+    ahead of them (parallel ranges of one object) through the page cache as before."""
     each, gets = _gets(groups, one_get)
     streams = []
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    direct = None
+    dfd = None
     try:
         os.ftruncate(fd, o.size)
-        direct = open_direct(part)
+        dfd = open_direct(part) if direct else None
         streams = hasher.streams(fd, each) if hasher is not None else []
-        _get_pieces(store, o, fd, pool, prog, [(a, k, *(_split(streams, spans) if streams else (None, None)))
-                                               for a, k, spans in gets], direct)
+        _get_pieces(store, o, fd, pool, prog, [(a, k, *(_split(streams, spans, dfd is not None) if streams
+                                                        else (None, None))) for a, k, spans in gets], dfd)
         return [s.result() for s in streams] if streams else [None] * len(each)
     finally:
         for s in streams:
             s.cancel()  # after a failed GET; nothing once hashed
-        if direct is not None:
-            os.close(direct)
+        if dfd is not None:
+            os.close(dfd)
         os.close(fd)
 
 
@@ -749,11 +796,13 @@ def _gets(groups: list[int], one_get: int) -> tuple[list[list[tuple[int, int]]],
     return each, gets
 
 
-def _split(streams: list, spans: list[tuple[int, int, int]]) -> tuple[Callable[[memoryview], None], Callable]:
+def _split(streams: list, spans: list[tuple[int, int, int]],
+           lend: bool = True) -> tuple[Callable[[memoryview], None], Callable | None]:
     """(sink, hold) of one GET: what it calls with each buffer it wrote (the bytes told to the streams of the groups
     the GET covers, in order; ``spans``: (group, piece, bytes)), and what it offers each buffer before writing it
     (httpget.get_into): every stream the buffer's bytes go to holds them (Stream.hold), or none does and they go
-    through the page cache and ``sink``. Bytes past the last span are the GET's error, said by its length check."""
+    through the page cache and ``sink``; no hold without ``lend``. Bytes past the last span are the GET's error,
+    said by its length check."""
     at = [0, spans[0][2]]  # the span now, its bytes not yet told
     cv = streams[0].hasher.cv
 
@@ -791,26 +840,26 @@ def _split(streams: list, spans: list[tuple[int, int, int]]) -> tuple[Callable[[
                 at[0] += 1
                 if at[0] < len(spans):
                     at[1] = spans[at[0]][2]
-    return sink, hold
+    return sink, hold if lend else None
 
 
 def _fetch_crc(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
-               one_get: int = MAX_RANGE) -> int:
+               one_get: int = MAX_RANGE, *, direct: bool = False) -> int:
     """Fetch ``o`` into ``part`` (one GET up to ``one_get`` bytes, else RANGE-sized GETs in parallel) and return
     its CRC-32: each range's taken as it arrives, then combined (crc32_combine), so no range waits for the ones
     before it and no byte is read back."""
     pieces = _gets([o.size], one_get)[0][0]  # one GET, or RANGE-sized ones
     crcs = [Crc32() for _ in pieces]
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    direct = None
+    dfd = None
     try:
         os.ftruncate(fd, o.size)
-        direct = open_direct(part)  # each range's CRC-32 is taken before its next read: nothing is read back
+        dfd = open_direct(part) if direct else None  # each range's CRC-32 is taken as it comes: none is read back
         _get_pieces(store, o, fd, pool, prog, [(a, k, c.update, None) for (a, k), c in zip(pieces, crcs) if k > 0],
-                    direct)
+                    dfd)
     finally:
-        if direct is not None:
-            os.close(direct)
+        if dfd is not None:
+            os.close(dfd)
         os.close(fd)
     crc = 0
     for c in crcs:
