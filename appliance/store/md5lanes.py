@@ -9,10 +9,11 @@ thread.
 ``Hasher`` owns the hashing threads (one with lanes: it takes up to 8 streams' next 256 KiB each and hashes them in
 one call, the GIL released). ``Hasher.streams(fd, groups)`` gives, for each group of consecutive (offset, size)
 pieces of the open file ``fd``, the MD5 of the bytes they cover, hashed as they come, contiguous from the start.
-Bytes that come where a stream's bytes so far end are handed to it in the buffer they were received in
-(``holds``/``hold``: the stager's GETs, httpget.get_into, then write them past the page cache with O_DIRECT and go
-on with another buffer); bytes that come ahead of that (parallel ranges of one object) are written to the file
-first and said with ``wrote``, in any order, and read from the page cache (a read-only mmap, no copy).
+Where the stager writes past the page cache (a dataset more than half the memory: stage.writes_past_the_page_cache),
+bytes that come where a stream's bytes so far end are handed to it in the buffer they were received in
+(``holds``/``hold``: httpget.get_into then writes them with O_DIRECT and goes on with another buffer); the rest
+(every byte otherwise, and bytes that come ahead: parallel ranges of one object) are written to the file first and
+said with ``wrote``, in any order, and read from the page cache (a read-only mmap, no copy).
 ``digest()`` waits for the last bytes. ``md5_ranges`` is the same for bytes already in a file (an upload's
 parts), in the calling thread.
 
