@@ -84,9 +84,9 @@ def md5s(monkeypatch):
         return hashlib.md5(*a)
 
     class Counted(sm.Hasher):
-        def streams(self, fd, groups):
+        def streams(self, fd, groups, **kw):
             made.extend(1 for _ in groups)
-            return super().streams(fd, groups)
+            return super().streams(fd, groups, **kw)
 
     class CountedBodies(sm.Bodies):
         def submit(self, job, done):

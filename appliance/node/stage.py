@@ -759,7 +759,7 @@ def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hasher: Hash
     try:
         os.ftruncate(fd, o.size)
         dfd = open_direct(part) if direct else None
-        streams = hasher.streams(fd, each) if hasher is not None else []
+        streams = hasher.streams(fd, each, direct=dfd is not None) if hasher is not None else []
         _get_pieces(store, o, fd, pool, prog, [(a, k, *(_split(streams, spans, dfd is not None) if streams
                                                         else (None, None))) for a, k, spans in gets], dfd)
         return [s.result() for s in streams] if streams else [None] * len(each)

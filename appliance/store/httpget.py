@@ -429,8 +429,8 @@ def write_at(fd: int, direct: int | None, view: memoryview, pos: int) -> None:
     """All of ``view`` (the start of a receive buffer: page-aligned) at ``pos`` of a file open as ``fd``, and as
     ``direct`` with O_DIRECT: the whole 4 KiB blocks from an aligned ``pos`` through ``direct``, by DMA from the
     buffer, the rest through ``fd`` and the page cache. The page cache's copy is what buffered writes cost: 2 GiB
-    from one 512 KiB buffer into a fresh ext4 here took 3.2-4.5 s of system time buffered and 0.22-0.27 s direct
-    (bench/results/stage-direct/). A block is written one way only: the direct ones lie wholly inside this write,
+    from one 512 KiB buffer into a fresh ext4 here took 0.52-4.47 s of system time buffered, depending on the hour,
+    and 0.22-0.27 s direct (bench/results/stage-direct/direct-write.txt). A block is written one way only: the direct ones lie wholly inside this write,
     the rest share a block with another write, and those go through the page cache too."""
     global _direct_refused
     if direct is not None and not _direct_refused and pos % ALIGN == 0 and len(view) >= ALIGN:

@@ -230,7 +230,7 @@ class Hasher:
         for t in self.threads:
             t.start()
 
-    def streams(self, fd: int, groups: list[list[tuple[int, int]]]) -> list[Stream]:
+    def streams(self, fd: int, groups: list[list[tuple[int, int]]], *, direct: bool = False) -> list[Stream]:
         """A stream per group of consecutive (offset, size) pieces of the open file ``fd``, all read from one map of
         the file (mmap, read-only: the hasher reads the page cache where the writes put it, with no copy; a pread
         of 1 GiB cost 0.08-0.6 s of system time here, the mapping 0.005 s). One map per file, not per stream: a
@@ -239,9 +239,9 @@ class Hasher:
         shrink while mapped: the stager's own downloads, named for its process. The map outlives ``fd``."""
         end = max((a + k for pieces in groups for a, k in pieces), default=0)
         m = mmap.mmap(fd, end, access=mmap.ACCESS_READ) if end else None
-        if m is not None and hasattr(m, "madvise"):
-            # no read-ahead past the page a read needs: bytes written past the page cache (O_DIRECT, httpget)
-            # must never be read into it from the disk before they land there
+        if direct and m is not None and hasattr(m, "madvise"):
+            # ``direct``: other bytes of the file are written past the page cache (O_DIRECT, httpget); no read-ahead
+            # past the page a read needs, so none of theirs is read into it from the disk before they land there
             m.madvise(mmap.MADV_RANDOM)
         view = memoryview(m) if m is not None else None
         made = [Stream(self, view, pieces) for pieces in groups]
