@@ -736,9 +736,10 @@ def test_our_uploads_are_checked_by_crc(swift, creds, tmp_path, monkeypatch):
 
 
 def test_large_objects_land_past_the_page_cache_and_verified(swift, creds, tmp_path, monkeypatch):
-    """Large objects another tool put (checked by their MD5s): the bytes of each stream that come in order are
-    hashed from the buffer they were received in and written with O_DIRECT, so the staged files are not in the page
-    cache (the page cache's copy was most of the stager's system time: bench/results/stage-direct). One object
+    """A dataset more than half of what the page cache could keep, of large objects another tool put (checked by
+    their MD5s): the bytes of each stream that come in order are hashed from the buffer they were received in and
+    written with O_DIRECT, so the staged files are not in the page cache (the page cache's copy was most of the
+    stager's system time: bench/results/stage-direct). One object
     fetched as many parallel ranges mixes both ways (ranges ahead of the hash go through the page cache and are
     read back from it); a multipart one is hashed part by part. Every file is whole and verified."""
     import boto3
