@@ -561,8 +561,8 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
     the store nor any known upload tool's rule gives. ``one_get``: a part, segment or object up to this many bytes
     is one GET (_fetch_ranges). ``hasher``: what takes a large object's MD5s (the stage's). ``bodies``: what takes
     a small object's MD5 (up to SMALL bytes) after its GET, with 7 others: then this returns None at once, and
-    ``later(matches)`` is called in the bodies' thread. ``direct``: a large object's bytes go past the page cache
-    (writes_past_the_page_cache)."""
+    ``later(matches)`` is called in the bodies' thread. ``direct``: the bytes of an object over SMALL go past the
+    page cache (writes_past_the_page_cache)."""
     etag = o.etag.strip('"')
     n_parts = part_count(etag)
     if o.size >= LARGE or n_parts is not None:
@@ -602,9 +602,14 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
 
     try:
         fd = heldio.open_file(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        # past the page cache too when the stage is (its sink takes every byte as it passes), but not a small one:
+        # a second open per object costs more than its copy
+        dfd = open_direct(part) if direct and o.size > SMALL else None
         try:
-            n, headers = store.fetch(o.name, fd, 0, sink, on_headers=check.headers)
+            n, headers = store.fetch(o.name, fd, 0, sink, on_headers=check.headers, direct=dfd)
         finally:
+            if dfd is not None:
+                heldio.close(dfd)
             heldio.close(fd)
         if n != o.size or (body is not None and got != n):
             raise Corrupt(o.name)
