@@ -39,7 +39,7 @@ from pathlib import Path, PurePosixPath
 
 from ..errors import ApplianceError
 from ..store import heldio
-from ..store.httpget import open_direct
+from ..store.httpget import mem_available, open_direct
 from ..store.md5lanes import Bodies, Hasher, lanes_in_use, md5_ranges
 from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, slo_etag
 from ..store.parts import guesses, layout, multipart_etag, part_count
@@ -194,13 +194,10 @@ def _read_int(path: Path) -> int | None:
 def page_cache_room(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int | None:
     """How many bytes the page cache could keep for this process: the kernel's MemAvailable, or less where the
     process's memory cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) leaves less; None when unknown."""
-    room = None
+    room = mem_available(proc / "meminfo")
     try:
-        for line in (proc / "meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                room = int(line.split()[1]) * 1024
         groups = (proc / "self" / "cgroup").read_text().splitlines()
-    except (OSError, ValueError, IndexError):
+    except OSError:
         return room
     for line in groups:
         _, controllers, path = line.split(":", 2)

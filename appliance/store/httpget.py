@@ -315,7 +315,8 @@ def _drop(scheme: str, netloc: str) -> None:
 ALIGN = 4096  # what O_DIRECT asks of a write's address, length and place: a 4 KiB-sector disk's block (512 divides it)
 
 
-def _mem_available(path: str = "/proc/meminfo") -> int | None:
+def mem_available(path="/proc/meminfo") -> int | None:
+    """The kernel's MemAvailable in bytes, None when unknown."""
     try:
         with open(path) as f:
             for line in f:
@@ -335,7 +336,7 @@ def lent_most(available: int | None, buf: int) -> int:
     return max(1, most // buf)
 
 
-LENT_MOST = lent_most(_mem_available(), BUF)  # past that many lent at once, a piece is not offered
+LENT_MOST = lent_most(mem_available(), BUF)  # past that many lent at once, a piece is not offered
 
 
 class _Pool:
