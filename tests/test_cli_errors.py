@@ -1,13 +1,16 @@
 """Bad credentials and unreachable endpoints, as a user meets them: the `appliance` command, one line on stderr
 with the fix and a non-zero exit (fast tier: nothing listens where the clouds.yaml points)."""
 
+import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
-import sys
 
 
 def _closed_port() -> int:
@@ -98,6 +101,39 @@ def test_resume_from_a_url_that_holds_no_such_run_says_so(tmp_path):
                                              rf"file://{tmp_path}/ckpts/digit/spec.yaml is not there") as e:
         find_spec("digit", url=f"file://{tmp_path}/ckpts/")
     assert "appliance data ls" in e.value.fix
+
+
+def test_resume_from_a_url_keeps_one_spec_with_the_run_record_and_nothing_in_tmp(tmp_path, monkeypatch):
+    """`appliance resume RUN --url URL` from a machine with no record of RUN made a /tmp/appliance-spec-* directory
+    per call (and one when the run was not there) and never removed it: 33 were left by one test session."""
+    from appliance.checkpoint import runs
+    from appliance.checkpoint.resume import find_spec
+    from appliance.errors import ApplianceError
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where tempfile would put it
+    url = f"file://{tmp_path}/ckpts/"
+    (tmp_path / "ckpts" / "urlrun").mkdir(parents=True)
+    text = "name: urlrun\ncloud: local\nnodes: {count: 1, node_type: compute_local}\nimage: appliance-cpu\n" \
+           f"train: {{code: {tmp_path}, command: python train.py}}\ncheckpoint: {{url: {json.dumps(url)}}}\n"
+    (tmp_path / "ckpts" / "urlrun" / "spec.yaml").write_text(text)
+    for _ in range(2):  # a second resume replaces the copy
+        spec = find_spec("urlrun", url=url)
+        assert spec.name == "urlrun" and spec.checkpoint.url == url
+        assert Path(spec.path) == runs.record_dir("urlrun") / "spec.yaml"
+        assert Path(spec.path).read_text() == text
+    with pytest.raises(ApplianceError, match="no run 'nosuch'"):
+        find_spec("nosuch", url=url)
+    with pytest.raises(ApplianceError, match="is not a run name"):
+        find_spec("../urlrun", url=url)
+    # a spec of another run under this run's name is refused, and replaces nothing
+    (tmp_path / "ckpts" / "other").mkdir()
+    (tmp_path / "ckpts" / "other" / "spec.yaml").write_text(text)
+    with pytest.raises(ApplianceError, match="is the spec of run 'urlrun', not 'other'"):
+        find_spec("other", url=url)
+    assert sorted(p.name for p in runs.record_dir("other").iterdir()) == []
+    assert list(scratch.iterdir()) == []
 
 
 def test_down_says_which_job_it_would_cut_short(appliance_home):

@@ -9,13 +9,13 @@ ETags, which were checked against the manifest) -> the job, restoring it.
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Callable
+import dataclasses
+import os
 from pathlib import Path
 
 from ..errors import ApplianceError
 from ..sites import load_spec
-from ..spec import Spec
+from ..spec import NAME_RE, Spec
 from ..store.checkpoints import CheckpointStore
 from ..store.objects import parse_url
 from . import runs
@@ -43,8 +43,10 @@ def find_spec(run: str, spec_path: str | None = None, url: str | None = None, cr
     if rec and rec.get("spec_path") and Path(rec["spec_path"]).exists():
         return load_spec(rec["spec_path"])
     if url:  # the copy saved beside the checkpoints: resume from another machine
+        if not NAME_RE.fullmatch(run):
+            raise ApplianceError(f"{run!r} is not a run name (a spec's name: a lowercase letter, then up to 38 "
+                                 "lowercase letters, digits or '-')", "give the `name:` of the run's spec")
         cs = CheckpointStore(url, run, creds)
-        tmp = Path(tempfile.mkdtemp(prefix="appliance-spec-")) / f"{run}.yaml"
         buf = bytearray()
         try:
             cs.store.get(cs.prefix + "spec.yaml", buf.extend)
@@ -52,8 +54,25 @@ def find_spec(run: str, spec_path: str | None = None, url: str | None = None, cr
             raise ApplianceError(f"no run {run!r} at {url}: {cs.store.url(cs.prefix + 'spec.yaml')} is not there",
                                  f"check the run's name and its checkpoint.url (`appliance data ls {url}` lists "
                                  "what is there)") from None
+        # kept with the run's record (~/.appliance/runs/RUN/), which names it from the job on, so a later
+        # `appliance resume RUN` finds it; one file per run, replaced whole by the next fetch (a temporary
+        # directory per resume was never removed)
+        where = runs.record_dir(run)
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / "spec.yaml"
+        tmp = where / "spec.yaml.tmp"
         tmp.write_bytes(bytes(buf))
-        return load_spec(str(tmp))
+        try:
+            spec = load_spec(str(tmp))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if spec.name != run:
+            tmp.unlink()
+            raise ApplianceError(f"{cs.store.url(cs.prefix + 'spec.yaml')} is the spec of run {spec.name!r}, not "
+                                 f"{run!r}", f"use `appliance resume {spec.name} --url {url}`")
+        os.replace(tmp, path)
+        return dataclasses.replace(spec, path=str(path))
     raise ApplianceError(f"no record of run {run!r} on this machine", f"give its spec: `appliance resume {run} "
                          "--spec SPEC.yaml` (see `appliance runs`)")
 
