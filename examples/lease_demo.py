@@ -196,15 +196,8 @@ def demo(spec_path: str, spec, record: Path | None = None) -> int:
         record_breakdown(record, second.resume_breakdown, stop_step, second.resumed["step"])
 
     say("5. a reference run, uninterrupted (same seed, same world size, no checkpoints)")
-    ref_dir = Path(tempfile.mkdtemp(prefix="appliance-ref-"))
-    raw = yaml.safe_load(Path(spec_path).read_text())
-    raw["name"] = f"{spec.name}-reference"
-    raw.pop("checkpoint", None)
-    raw["train"]["code"] = str(Path(spec.code_dir).resolve())
-    ref_spec = ref_dir / "reference.yaml"
-    ref_spec.write_text(yaml.safe_dump(raw))
     cluster = flows.up(spec_path)  # the resumed run's cluster (no-op)
-    ref = train(load_spec(str(ref_spec)), cluster, out=lambda line: None)
+    ref = train(reference_spec(spec_path, spec), cluster, out=lambda line: None)
     plain = plain_fit(cluster)
     flows.down(spec.name)
     # the demo's leases are gone: put the cloud's clock back on real time, so that a client dating a lease by this
@@ -236,6 +229,19 @@ def demo(spec_path: str, spec, record: Path | None = None) -> int:
     return 0 if same and plain.startswith("stopped") and "EQUAL" in plain else 1
 
 
+def reference_spec(spec_path: str, spec):
+    """The spec's uninterrupted twin: named RUN-reference, no checkpoints, the same code (read from a temporary
+    directory that is removed at once: a directory per demo was left in /tmp)."""
+    raw = yaml.safe_load(Path(spec_path).read_text())
+    raw["name"] = f"{spec.name}-reference"
+    raw.pop("checkpoint", None)
+    raw["train"]["code"] = str(Path(spec.code_dir).resolve())
+    with tempfile.TemporaryDirectory(prefix="appliance-ref-") as d:
+        ref_spec = Path(d) / "reference.yaml"
+        ref_spec.write_text(yaml.safe_dump(raw))
+        return load_spec(str(ref_spec))
+
+
 def plain_weights(lines: list[str]) -> str:
     found = [m.group(1) for m in (re.search(r"weights sha256 (\w+)", x) for x in lines) if m]
     return found[-1] if found else "none"
@@ -262,14 +268,8 @@ def plain_fit(cluster, spec_path: str = "examples/plain_fit.yaml") -> str:
     second = resume(spec.name, cluster_name=cluster.name, out=lambda m: (print(m, flush=True), lines.append(m)))
     if second is None or second.exit_code != 0:
         return f"the resume failed: {second.failure if second else 'nothing to resume'}"
-    raw = yaml.safe_load(Path(spec_path).read_text())
-    raw["name"] = f"{spec.name}-reference"
-    raw.pop("checkpoint", None)
-    raw["train"]["code"] = str(Path(spec.code_dir).resolve())
-    ref_spec = Path(tempfile.mkdtemp(prefix="appliance-ref-")) / "reference.yaml"
-    ref_spec.write_text(yaml.safe_dump(raw))
     ref_lines: list[str] = []
-    train(load_spec(str(ref_spec)), cluster, out=ref_lines.append)
+    train(reference_spec(spec_path, spec), cluster, out=ref_lines.append)
     same = plain_weights(lines) == plain_weights(ref_lines) != "none"
     return (f"stopped after step {first.stopped['step']} (epoch {first.stopped['epoch']}), committed; resumed at "
             f"step {second.resumed['step']}; final weights {'EQUAL' if same else 'DIFFER from'} the uninterrupted "
