@@ -46,6 +46,33 @@ def test_the_calls_do_what_the_os_modules_do(tmp_path, io):
     assert journal.read_text() == "one\ntwo \u00e9\n"
 
 
+def test_a_write_at_a_place_lands_whole_and_a_small_one_keeps_the_gil(tmp_path, io, monkeypatch):
+    """pwrite_all (httpget.get_into's writes): every byte where it belongs. Up to HELD_WRITE bytes go through
+    _heldio with the GIL held (os.pwrite gives it back: 1.5 waits for the GIL per 100 KB object among 32 threads,
+    bench/results/stage-switches/gil-waits.txt); larger ones, and all where the extension is not built, through
+    os.pwrite."""
+    p = tmp_path / "f"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT)
+    small, large = os.urandom(100 * 1024), os.urandom(heldio.HELD_WRITE + 4096)
+    through_os = []
+    real = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda f, b, at: (through_os.append(len(b)), real(f, b, at))[1])
+    try:
+        io.pwrite_all(fd, memoryview(small), 5)
+        io.pwrite_all(fd, memoryview(large), 5 + len(small))
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == bytes(5) + small + large
+    assert through_os == ([len(large)] if heldio.built() and io._heldio is not None else [len(small), len(large)])
+    ro = os.open(p, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as e:
+            io.pwrite_all(ro, memoryview(b"x"), 0)
+        assert e.value.errno == errno.EBADF
+    finally:
+        os.close(ro)
+
+
 def test_errors_are_the_os_modules_with_the_path(tmp_path, io):
     gone = tmp_path / "no" / "such"
     with pytest.raises(FileNotFoundError) as e:

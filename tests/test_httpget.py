@@ -212,6 +212,22 @@ def test_the_presigned_url_is_botocores_byte_for_byte(monkeypatch, key, endpoint
     assert "X-Amz-Date=20261123T123457Z" in p.url("bucket", key)
 
 
+def test_a_url_is_signed_without_the_one_shot_hmac_that_hands_the_gil_over(monkeypatch):
+    """hmac.digest (CPython's _hashlib.hmac_digest) gives the GIL back around every call, however short the message:
+    a wait for the GIL per URL among the stager's 32 threads (bench/results/stage-switches/gil-waits.txt). The
+    signature is the same made with an HMAC object."""
+    import hmac
+
+    now = dt.datetime(2026, 11, 23, 12, 34, 56, tzinfo=dt.timezone.utc)
+    want = Presigner("http://127.0.0.1:8080", "AK", "SK/x+y", "us-east-1").url("bucket", "k", now=now)
+
+    def one_shot(*a, **k):
+        raise AssertionError("hmac.digest gives the GIL back")
+
+    monkeypatch.setattr(hmac, "digest", one_shot)
+    assert Presigner("http://127.0.0.1:8080", "AK", "SK/x+y", "us-east-1").url("bucket", "k", now=now) == want
+
+
 def test_urls_signed_by_many_threads_across_midnight_are_each_whole(monkeypatch):
     """The stager's threads share one presigner, whose date strings change once a second: every URL signed while
     the clock crosses midnight (the date changes too) is the URL of its own X-Amz-Date, never a mix of two."""

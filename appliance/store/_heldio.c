@@ -1,10 +1,11 @@
-/* A stager's small file-system calls with the GIL held: open, close, rename, the mtime, an append.
+/* A stager's small file-system calls with the GIL held: open, close, rename, the mtime, an append, a small pwrite.
  *
  * Python's os module gives the GIL back around every system call. With 32 fetching threads on a few cores, each
  * of those is a hand-over: futex calls and, as often as not, a context switch, which cost more than the call
  * itself when the call is a rename or a stat of a file the page cache holds (a few microseconds). Small objects
  * made ten such calls each (docs/staging.md, "Small objects over https"); these five are made here without the
- * hand-over. Only for calls on the stager's local destination, which do not wait on a device: a stat or rename
+ * hand-over, and so is a small object's body's write (httpget.get_into, up to heldio.HELD_WRITE bytes: a copy
+ * into the page cache of tens of microseconds). Only for calls on the stager's local destination, which do not wait on a device: a stat or rename
  * on a network file system that hangs would hold every thread with it.
  */
 #define PY_SSIZE_T_CLEAN
@@ -105,26 +106,47 @@ static PyObject *h_mtime_ns(PyObject *self, PyObject *arg) {
 }
 
 /* write(fd, data): all of it (a file opened with O_APPEND: one line of a journal) */
+/* All of ``b``: at ``pos`` (pwrite), or where the file is (write) when ``pos`` is negative. */
+static PyObject *put_all(int fd, Py_buffer *b, long long pos) {
+    const char *p = b->buf;
+    Py_ssize_t left = b->len;
+    while (left > 0) {
+        ssize_t k = pos < 0 ? write(fd, p, left) : pwrite(fd, p, left, (off_t)pos);
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            PyBuffer_Release(b);
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        p += k;
+        left -= k;
+        if (pos >= 0)
+            pos += k;
+    }
+    PyBuffer_Release(b);
+    Py_RETURN_NONE;
+}
+
 static PyObject *h_write(PyObject *self, PyObject *args) {
     int fd;
     Py_buffer b;
     if (!PyArg_ParseTuple(args, "iy*", &fd, &b))
         return NULL;
-    const char *p = b.buf;
-    Py_ssize_t left = b.len;
-    while (left > 0) {
-        ssize_t k = write(fd, p, left);
-        if (k < 0) {
-            if (errno == EINTR)
-                continue;
-            PyBuffer_Release(&b);
-            return PyErr_SetFromErrno(PyExc_OSError);
-        }
-        p += k;
-        left -= k;
+    return put_all(fd, &b, -1);
+}
+
+static PyObject *h_pwrite(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer b;
+    long long pos;
+    if (!PyArg_ParseTuple(args, "iy*L", &fd, &b, &pos))
+        return NULL;
+    if (pos < 0) {
+        PyBuffer_Release(&b);
+        errno = EINVAL;
+        return PyErr_SetFromErrno(PyExc_OSError);
     }
-    PyBuffer_Release(&b);
-    Py_RETURN_NONE;
+    return put_all(fd, &b, pos);
 }
 
 static PyMethodDef methods[] = {
@@ -133,6 +155,7 @@ static PyMethodDef methods[] = {
     {"replace", h_replace, METH_VARARGS, "replace(src, dst): rename, the GIL held"},
     {"mtime_ns", h_mtime_ns, METH_O, "mtime_ns(path) -> os.stat(path).st_mtime_ns, the GIL held"},
     {"write", h_write, METH_VARARGS, "write(fd, data): all of data, the GIL held"},
+    {"pwrite", h_pwrite, METH_VARARGS, "pwrite(fd, data, pos): all of data at pos, the GIL held"},
     {NULL, NULL, 0, NULL},
 };
 

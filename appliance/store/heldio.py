@@ -1,8 +1,8 @@
-"""A stager's small file-system calls (open, close, rename, a file's mtime, a journal's line) with the GIL held:
-``_heldio`` (a C extension, appliance/store/_heldio.c) where it is built, else the os module's, which give the GIL
-back around each call. With 32 fetching threads on a few cores each such hand-over costs more than the call:
-docs/staging.md, "Small objects: their MD5s in the lanes, their file calls with the GIL held". Only for the
-stager's local destination: a call that waits on a device holds every thread with it."""
+"""A stager's small file-system calls (open, close, rename, a file's mtime, a journal's line, a small body's write)
+with the GIL held: ``_heldio`` (a C extension, appliance/store/_heldio.c) where it is built, else the os module's,
+which give the GIL back around each call. With 32 fetching threads on a few cores each such hand-over costs more
+than the call: docs/staging.md, "Small objects: their MD5s in the lanes, their file calls with the GIL held". Only
+for the stager's local destination: a call that waits on a device holds every thread with it."""
 
 from __future__ import annotations
 
@@ -42,3 +42,18 @@ def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+HELD_WRITE = 128 * 1024  # a write up to this size into the page cache is made with the GIL held (pwrite_all)
+
+
+def pwrite_all(fd: int, view, pos: int) -> None:
+    """All of ``view`` at ``pos`` of a file; up to HELD_WRITE bytes with the GIL held (a copy into the page cache
+    of a few tens of microseconds, less than a hand-over of the GIL among the fetching threads), more through the
+    os module. A regular file takes it all, short of a full disk (then ENOSPC is raised)."""
+    if _heldio is not None and len(view) <= HELD_WRITE:
+        _heldio.pwrite(fd, view, pos)
+        return
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], pos + done)

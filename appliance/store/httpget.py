@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Callable
 from urllib.parse import unquote, urlsplit
 
+from . import heldio
 from .tcp import quickack
 
 try:
@@ -405,11 +406,7 @@ def _buffer() -> memoryview:
     return b
 
 
-def pwrite_all(fd: int, view: memoryview, pos: int) -> None:
-    """All of ``view`` at ``pos``: a regular file takes it, short of a full disk (then ENOSPC is raised)."""
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], pos + done)
+pwrite_all = heldio.pwrite_all  # all of a view at a place in a file (a small one with the GIL held)
 
 
 def open_direct(path, flags: int = os.O_WRONLY) -> int | None:
