@@ -5,8 +5,8 @@
  * itself when the call is a rename or a stat of a file the page cache holds (a few microseconds). Small objects
  * made ten such calls each (docs/staging.md, "Small objects over https"); these five are made here without the
  * hand-over, and so is a small object's body's write (httpget.get_into, up to heldio.HELD_WRITE bytes: a copy
- * into the page cache of tens of microseconds). Only for calls on the stager's local destination, which do not wait on a device: a stat or rename
- * on a network file system that hangs would hold every thread with it.
+ * into the page cache of tens of microseconds). Only for calls on the stager's local destination, which do not
+ * wait on a device: a stat or rename on a network file system that hangs would hold every thread with it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -105,7 +105,6 @@ static PyObject *h_mtime_ns(PyObject *self, PyObject *arg) {
     return r;
 }
 
-/* write(fd, data): all of it (a file opened with O_APPEND: one line of a journal) */
 /* All of ``b``: at ``pos`` (pwrite), or where the file is (write) when ``pos`` is negative. */
 static PyObject *put_all(int fd, Py_buffer *b, long long pos) {
     const char *p = b->buf;
@@ -127,6 +126,7 @@ static PyObject *put_all(int fd, Py_buffer *b, long long pos) {
     Py_RETURN_NONE;
 }
 
+/* write(fd, data): all of it (a file opened with O_APPEND: one line of a journal) */
 static PyObject *h_write(PyObject *self, PyObject *args) {
     int fd;
     Py_buffer b;
@@ -135,6 +135,7 @@ static PyObject *h_write(PyObject *self, PyObject *args) {
     return put_all(fd, &b, -1);
 }
 
+/* pwrite(fd, data, pos): all of it at ``pos`` (a small object's body, httpget.get_into) */
 static PyObject *h_pwrite(PyObject *self, PyObject *args) {
     int fd;
     Py_buffer b;
