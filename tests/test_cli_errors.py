@@ -132,7 +132,11 @@ def test_resume_from_a_url_keeps_one_spec_with_the_run_record_and_nothing_in_tmp
     (tmp_path / "ckpts" / "other" / "spec.yaml").write_text(text)
     with pytest.raises(ApplianceError, match="is the spec of run 'urlrun', not 'other'"):
         find_spec("other", url=url)
-    assert sorted(p.name for p in runs.record_dir("other").iterdir()) == []
+    assert not runs.record_dir("other").exists()
+    (tmp_path / "ckpts" / "other" / "spec.yaml").write_text("name: [")  # not a spec: the same
+    with pytest.raises(ApplianceError):
+        find_spec("other", url=url)
+    assert not runs.record_dir("other").exists()
     assert list(scratch.iterdir()) == []
 
 

@@ -62,13 +62,20 @@ def find_spec(run: str, spec_path: str | None = None, url: str | None = None, cr
         path = where / "spec.yaml"
         tmp = where / "spec.yaml.tmp"
         tmp.write_bytes(bytes(buf))
+        def give_up() -> None:  # the copy, and the run's directory if this made it and it holds nothing else
+            tmp.unlink(missing_ok=True)
+            try:
+                where.rmdir()
+            except OSError:
+                pass
+
         try:
             spec = load_spec(str(tmp))
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            give_up()
             raise
         if spec.name != run:
-            tmp.unlink()
+            give_up()
             raise ApplianceError(f"{cs.store.url(cs.prefix + 'spec.yaml')} is the spec of run {spec.name!r}, not "
                                  f"{run!r}", f"use `appliance resume {spec.name} --url {url}`")
         os.replace(tmp, path)
