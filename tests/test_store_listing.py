@@ -5,6 +5,8 @@ Swift runs in test_stage.py."""
 
 import hashlib
 import os
+import threading
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import swiftclient
@@ -418,3 +420,65 @@ def test_s3_uploads_send_each_parts_md5_and_complete_only_when_all_arrived_as_se
     flip.clear(), sent.clear()  # MD5s a caller made for parts S3 does not take (under 5 MiB): made again for ours
     small = objects.large_object_etags(f, 1 * MiB)
     assert st.put("mp", f, segment_size=1 * MiB, md5s=small) == objects.large_object_etags(f, 5 * MiB)["s3"]
+
+
+class V1Swift(BaseHTTPRequestHandler):
+    """Swift's v1 auth (tempauth, or Ceph RGW's Swift users: GET /auth/v1.0 with X-Auth-User and X-Auth-Key, the
+    token and storage URL in X-Auth-Token and X-Storage-Url) and objects that take only the current token."""
+
+    protocol_version = "HTTP/1.1"
+    auths: list = []
+    token = "tk0"
+
+    def log_message(self, *a):
+        pass
+
+    def _answer(self, status: int, body: bytes = b"", **headers) -> None:
+        self.send_response(status)
+        for k, v in {"Content-Length": str(len(body)), **headers}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/auth/v1.0":
+            if (self.headers.get("X-Auth-User"), self.headers.get("X-Auth-Key")) != ("u:t", "k"):
+                return self._answer(401)
+            V1Swift.auths.append(V1Swift.token)
+            return self._answer(200, **{"X-Auth-Token": V1Swift.token,
+                                        "X-Storage-Url": f"http://{self.headers['Host']}/v1/AUTH_t"})
+        if self.headers.get("X-Auth-Token") != V1Swift.token:
+            return self._answer(401)
+        return self._answer(200, self.path.encode())
+
+
+def test_a_stagers_threads_share_one_v1_token_and_one_new_one_when_it_expires(tmp_path):
+    """Each of a stager's threads asked v1 auth for a token of its own, on a connection of its own: 17 token
+    requests at the start of an 8-object staging at 32 transfers (bench/results/stage-swift-token). One thread asks;
+    the others take its token, and when the store refuses it, the threads that were refused get one new one."""
+    from conftest import http_server
+
+    V1Swift.auths, V1Swift.token = [], "tk0"
+    with http_server(V1Swift) as url:
+        st = SwiftStore("c", StoreCreds(auth_url=f"{url}/auth/v1.0", user="u:t", key="k"))
+        fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+        gate = threading.Barrier(8)
+        got = []
+
+        def fetch(i):
+            gate.wait()  # all eight threads want a token at once
+            got.append(st.fetch(f"o{i}", fd, 0)[0])
+
+        try:
+            for expired in (False, True):
+                if expired:
+                    V1Swift.token = "tk1"  # the store no longer takes tk0
+                threads = [threading.Thread(target=fetch, args=(i,)) for i in range(8)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+        finally:
+            os.close(fd)
+    assert len(got) == 16 and all(n > 0 for n in got)
+    assert V1Swift.auths == ["tk0", "tk1"]

@@ -317,6 +317,11 @@ class SwiftStore(Store):
                 and not creds.app_cred:
             raise ApplianceError("no Swift credentials", "set OS_CLOUD (Keystone) or ST_AUTH/ST_USER/ST_KEY")
         self._auth = None  # the application credential's keystoneauth plugin, shared by every thread's connection
+        # v1 auth's (storage URL, token), shared by every thread's connection as the plugin's token is: each thread
+        # asking for its own was a token request on a connection (a TLS handshake) of its own per thread, 17 at the
+        # start of an 8-object staging at 32 transfers (bench/results/stage-swift-token)
+        self._shared: tuple[str, str] | None = None
+        self._token_lock = threading.Lock()
 
     def conn(self):
         c = getattr(self._local, "conn", None)
@@ -339,18 +344,41 @@ class SwiftStore(Store):
             else:
                 # with auth_url/user/key, swiftclient asks for a new token once when the store refuses one (401):
                 # an expired token is renewed, not fatal; with a bare token it cannot be
+                url, token = (self.creds.storage_url, self.creds.token) if self.creds.token else \
+                    (self._shared or (None, None))
                 c = swiftclient.Connection(authurl=self.creds.auth_url, user=self.creds.user, key=self.creds.key,
-                                           preauthurl=self.creds.storage_url if self.creds.token else None,
-                                           preauthtoken=self.creds.token, retries=0, timeout=60)
+                                           preauthurl=url, preauthtoken=token, retries=0, timeout=60)
             quickack_swift(c)  # listings and small GETs from Ceph RGW without a 40 ms wait each (tcp.py)
             self._local.conn = c
         return c
+
+    def _share(self) -> None:
+        """This thread's connection's v1 token for every connection made after it (a bare token is the creds'
+        own; a keystoneauth session's plugin is shared already)."""
+        c = getattr(self._local, "conn", None)
+        if getattr(c, "token", None) and getattr(c, "url", None) and not self.creds.token \
+                and getattr(c, "session", None) is None:
+            self._shared = (c.url, c.token)
+
+    def _authenticate(self, c, stale: str | None) -> None:
+        """A token for connection ``c``, which has none: the shared one unless it is ``stale`` (the one the store
+        has just refused), else a new one (swiftclient's get_auth), shared from then on. One thread asks at a time,
+        so threads refused the same expired token ask for one new one between them."""
+        with self._token_lock:
+            have = self._shared if getattr(c, "session", None) is None and not self.creds.token else None
+            if have is not None and have[1] != stale:
+                c.url, c.token = have
+                return
+            self._call(c.get_auth)
+            self._share()
 
     def _call(self, fn, *args, **kwargs):
         import swiftclient
 
         try:
-            return fn(*args, **kwargs)
+            got = fn(*args, **kwargs)
+            self._share()  # a token swiftclient asked for inside the call (on first use, or after a 401)
+            return got
         except swiftclient.ClientException as e:
             if e.http_status == 404:
                 raise FileNotFoundError(f"swift://{self.container}/{args[1] if len(args) > 1 else ''}") from None
@@ -425,10 +453,11 @@ class SwiftStore(Store):
         from .httpget import HTTPError, get_into
 
         headers = {"Range": f"bytes={start}-{'' if end is None else end}"} if start is not None else {}
+        stale = None
         for renewed in (False, True):
             c = self.conn()
             if not c.url or not c.token:  # v1 auth (or Keystone) on first use, and after a refused token
-                self._call(c.get_auth)
+                self._authenticate(c, stale)
             try:
                 return get_into(f"{c.url}/{quote(self.container)}/{quote(name)}", {**headers, "X-Auth-Token": c.token},
                                 fd, offset, sink, on_headers=on_headers, direct=direct, hold=hold)
@@ -438,7 +467,8 @@ class SwiftStore(Store):
                 if e.http_status == 401 and not renewed and self._renewable():
                     if c.session is not None:  # an application credential: the session's token is the stale one
                         c.session.invalidate()
-                    c.url = c.token = None  # expired: ask for a new token once, as swiftclient does
+                    # expired: ask for a new token once, as swiftclient does
+                    stale, c.url, c.token = c.token, None, None
                     continue
                 if e.http_status in (401, 403):
                     self._reset()

@@ -1,0 +1,85 @@
+"""Our stager through the Swift API, beside the same at another checkout and through S3, on one Ceph RGW over https.
+
+    python bench/results/stage-swift-token/ab.py N SIZE --baseline WORKTREE [--rounds R] [--work DIR]
+
+N objects of SIZE random bytes, put as `appliance data upload` puts them (SwiftStore.put: CRC_META), staged by
+`appliance.node.stage_main` at 32 parallel transfers with v1 auth (what bench/stage_bench.py gives it) through the
+Swift API from this checkout and from WORKTREE, and with the RGW's S3 keys through S3, in that order each round.
+Before each run the last one's pages are written and the page cache dropped. Prints one line per run and the
+medians; each run's CPU is the stager process's (stage_bench.measure).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import stage_bench as sb  # noqa: E402
+from appliance.localcloud.rgw_server import RGWServer  # noqa: E402
+from appliance.store.objects import StoreCreds, SwiftStore  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("n", type=int)
+    ap.add_argument("size", type=int)
+    ap.add_argument("--baseline", required=True, help="a worktree of the commit before (its extensions built)")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--work", default="/var/tmp/appliance-swift-token")
+    args = ap.parse_args()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    rev = subprocess.run(["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip()
+    sw = RGWServer(work / "rgw", tls=True).start()
+    os.environ.update(sb.ca_env(sw))
+    try:
+        c = sw.credentials()
+        SwiftStore("one", StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key)).ensure_container()
+        st = SwiftStore("one", StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key))
+        big = work / "big"
+        big.write_bytes(os.urandom(args.size))
+        for i in range(args.n):
+            st.put(f"o{i}", big)
+        swift = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key).scoped()
+        s3 = StoreCreds(s3_endpoint=sw.s3_endpoint, s3_access_key=c["s3_access_key"],
+                        s3_secret_key=c["s3_secret_key"])
+        tools = [("swift", "swift://one/", swift, ROOT), (f"swift at {rev}", "swift://one/", swift, args.baseline),
+                 ("s3", "s3://one/", s3, ROOT)]
+        runs: dict[str, list] = {t[0]: [] for t in tools}
+        for _ in range(args.rounds):
+            for name, url, creds, root in tools:
+                dest = tempfile.mkdtemp(dir=work)
+                os.sync()
+                Path("/proc/sys/vm/drop_caches").write_text("1")
+                job = {"url": url, "dest": dest, "mode": "full", "rank": 0, "nodes": 1, "concurrency": 32,
+                       "creds": creds.__dict__}
+                env = {**os.environ, "PYTHONPATH": str(root)}
+                wall, cpu, rc, tail, user = sb.measure([sys.executable, "-P", "-m", "appliance.node.stage_main"],
+                                                       env, json.dumps(job))
+                if rc:
+                    raise SystemExit(f"{name}: rc {rc}: {tail}")
+                runs[name].append((wall, cpu, user))
+                print(f"{name}: wall {wall:.3f} s, cpu {cpu:.3f} s, user {user:.3f} s", flush=True)
+                shutil.rmtree(dest)
+        print(f"medians of {args.rounds}, {args.n} x {args.size} bytes:")
+        for name, rs in runs.items():
+            print(f"  {name}: wall {statistics.median(r[0] for r in rs):.3f} s, "
+                  f"cpu {statistics.median(r[1] for r in rs):.3f} s, user {statistics.median(r[2] for r in rs):.3f} s")
+    finally:
+        sw.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
