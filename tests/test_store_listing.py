@@ -40,6 +40,9 @@ def store(conn):
         def conn(self):
             return conn
 
+        def head(self, name):  # the fake's HEAD (the store's own asks on httpget's connection: tests below)
+            return {k.lower(): v for k, v in conn.head_object(self.container, name).items()}
+
         def _reset(self):
             pass
 
@@ -429,6 +432,7 @@ class V1Swift(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     auths: list = []
     token = "tk0"
+    ports: list = []  # the client port of each object request: which connection it came on
 
     def log_message(self, *a):
         pass
@@ -447,9 +451,24 @@ class V1Swift(BaseHTTPRequestHandler):
             V1Swift.auths.append(V1Swift.token)
             return self._answer(200, **{"X-Auth-Token": V1Swift.token,
                                         "X-Storage-Url": f"http://{self.headers['Host']}/v1/AUTH_t"})
+        V1Swift.ports.append(self.client_address[1])
         if self.headers.get("X-Auth-Token") != V1Swift.token:
             return self._answer(401)
         return self._answer(200, self.path.encode())
+
+    def do_HEAD(self):
+        V1Swift.ports.append(self.client_address[1])
+        if self.headers.get("X-Auth-Token") != V1Swift.token:
+            return self._answer(401)
+        if self.path.endswith("/missing"):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", "7")
+        self.send_header("X-Object-Meta-Color", "blue")
+        self.end_headers()
 
 
 def test_a_stagers_threads_share_one_v1_token_and_one_new_one_when_it_expires(tmp_path):
@@ -481,4 +500,28 @@ def test_a_stagers_threads_share_one_v1_token_and_one_new_one_when_it_expires(tm
         finally:
             os.close(fd)
     assert len(got) == 16 and all(n > 0 for n in got)
+    assert V1Swift.auths == ["tk0", "tk1"]
+
+
+def test_a_head_goes_on_the_connection_the_threads_gets_use(tmp_path):
+    """The staging of a large object HEADs it (its CRC-32, an SLO?) before its GET. Through swiftclient each thread
+    opened a connection of its own for that, a TLS handshake more per thread on an https store; on httpget's kept-alive
+    connection, the one its GETs use, there is none. A refused token is renewed for a HEAD as for a GET."""
+    from conftest import http_server
+
+    V1Swift.auths, V1Swift.token, V1Swift.ports = [], "tk0", []
+    with http_server(V1Swift) as url:
+        st = SwiftStore("c", StoreCreds(auth_url=f"{url}/auth/v1.0", user="u:t", key="k"))
+        fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+        try:
+            st.fetch("a", fd, 0)
+            assert st.head("a")["x-object-meta-color"] == "blue"
+            V1Swift.token = "tk1"
+            assert st.head("b")["content-length"] == "7"
+            st.fetch("b", fd, 0)
+            with pytest.raises(FileNotFoundError):
+                st.head("missing")
+        finally:
+            os.close(fd)
+    assert len(V1Swift.ports) == 6 and len(set(V1Swift.ports)) == 1, V1Swift.ports  # b's first HEAD: a 401
     assert V1Swift.auths == ["tk0", "tk1"]

@@ -66,9 +66,9 @@ BUF = buffer_size(_l2_bytes())
 class HTTPError(Exception):
     """A non-2xx answer. ``http_status`` is what ``objects._transient`` reads: 5xx and 429 are retried."""
 
-    def __init__(self, status: int, reason: str, url: str, *, code: str | None = None):
+    def __init__(self, status: int, reason: str, url: str, *, code: str | None = None, method: str = "GET"):
         said = " ".join(filter(None, (f"HTTP {status}", reason, f"({code})" if code else "")))
-        super().__init__(f"{said} for GET {url.split('?')[0]}")
+        super().__init__(f"{said} for {method} {url.split('?')[0]}")
         self.http_status = status
         self.code = code  # S3's error code (NoSuchBucket, AccessDenied, ...), when the answer named one
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlparse
 
 from ..errors import ApplianceError, socket_reason, untrusted_certificate
@@ -32,6 +33,7 @@ from .tcp import quickack_boto, quickack_swift
 from .. import report
 
 log = report.get(__name__)
+T = TypeVar("T")
 
 try:  # zlib-ng's CRC-32: zlib's function (the same values), folded with PCLMULQDQ/VPCLMULQDQ where the CPU has them.
     # 9.9 GB/s on one core here against zlib's 3.5 (bench/crc_speed.py; 14.8 and 2.8 in another run). It lets go
@@ -429,10 +431,18 @@ class SwiftStore(Store):
             marker = page[-1].get("name") or page[-1].get("subdir")
 
     def head(self, name: str) -> dict:
-        """An object's headers (lower-case names), asked again on transient failures."""
-        hdrs = transient_retry(lambda: self._call(self.conn().head_object, self.container, name),
-                               deadline=self.list_deadline, reset=self._reset)
-        return {k.lower(): v for k, v in hdrs.items()}
+        """An object's headers (lower-case names), asked again on transient failures. On this thread's kept-alive
+        connection, the one its GETs use (httpget): through swiftclient each thread opened a connection of its own
+        for them, with a TLS handshake, and the staging of a plain object HEADs it twice (its CRC_META, an SLO?)."""
+        from .httpget import HTTPError, request
+
+        def ask(url: str, token: str) -> dict:
+            status, hdrs, _ = request("HEAD", url, {"X-Auth-Token": token})
+            if status >= 300:
+                raise HTTPError(status, "", url, method="HEAD")
+            return hdrs
+
+        return transient_retry(lambda: self._tokened(name, ask), deadline=self.list_deadline, reset=self._reset)
 
     def _reset(self) -> None:
         self._local.conn = None  # a connection that failed is not reused
@@ -447,20 +457,22 @@ class SwiftStore(Store):
             write(chunk)
         return {k.lower(): v for k, v in hdrs.items()}
 
-    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None, direct=None, hold=None):
+    def _tokened(self, name: str, send: Callable[[str, str], T]) -> T:
+        """``send(the object's URL, a token)`` with this thread's token, made (or taken from another thread) on
+        first use; once more with a new one when the store refuses it (401) and the credentials can make one, as
+        swiftclient does. A 404 is FileNotFoundError, a refusal StoreRefused; ``send`` raises httpget's
+        HTTPError for any other answer that is not 2xx."""
         from urllib.parse import quote
 
-        from .httpget import HTTPError, get_into
+        from .httpget import HTTPError
 
-        headers = {"Range": f"bytes={start}-{'' if end is None else end}"} if start is not None else {}
         stale = None
         for renewed in (False, True):
             c = self.conn()
             if not c.url or not c.token:  # v1 auth (or Keystone) on first use, and after a refused token
                 self._authenticate(c, stale)
             try:
-                return get_into(f"{c.url}/{quote(self.container)}/{quote(name)}", {**headers, "X-Auth-Token": c.token},
-                                fd, offset, sink, on_headers=on_headers, direct=direct, hold=hold)
+                return send(f"{c.url}/{quote(self.container)}/{quote(name)}", c.token)
             except HTTPError as e:
                 if e.http_status == 404:
                     raise FileNotFoundError(f"swift://{self.container}/{name}") from None
@@ -475,6 +487,13 @@ class SwiftStore(Store):
                     raise self._refused(e.http_status) from None
                 raise
         raise AssertionError("unreachable")
+
+    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None, direct=None, hold=None):
+        from .httpget import get_into
+
+        headers = {"Range": f"bytes={start}-{'' if end is None else end}"} if start is not None else {}
+        return self._tokened(name, lambda url, token: get_into(url, {**headers, "X-Auth-Token": token}, fd, offset,
+                                                               sink, on_headers=on_headers, direct=direct, hold=hold))
 
     def crc32(self, name, etag):
         return crc_from(self.head(name), etag)

@@ -1,10 +1,11 @@
 """Our stager through the Swift API, beside the same at another checkout and through S3, on one Ceph RGW over https.
 
-    python bench/results/stage-swift-token/ab.py N SIZE --baseline WORKTREE [--rounds R] [--work DIR]
+    python bench/results/stage-swift-token/ab.py N SIZE --baseline WORKTREE [--rounds R] [--put ours|plain|multipart]
 
-N objects of SIZE random bytes, put as `appliance data upload` puts them (SwiftStore.put: CRC_META), staged by
-`appliance.node.stage_main` at 32 parallel transfers with v1 auth (what bench/stage_bench.py gives it) through the
-Swift API from this checkout and from WORKTREE, and with the RGW's S3 keys through S3, in that order each round.
+N objects of SIZE random bytes, put as `appliance data upload` puts them (SwiftStore.put: CRC_META; or --put),
+staged by `appliance.node.stage_main` at 32 parallel transfers with v1 auth (what bench/stage_bench.py gives it)
+through the Swift API from this checkout and from WORKTREE, and with the RGW's S3 keys through S3, in that order
+each round.
 Before each run the last one's pages are written and the page cache dropped. Prints one line per run and the
 medians; each run's CPU is the stager process's (stage_bench.measure).
 """
@@ -34,6 +35,9 @@ def main() -> None:
     ap.add_argument("size", type=int)
     ap.add_argument("--baseline", required=True, help="a worktree of the commit before (its extensions built)")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--put", choices=("ours", "plain", "multipart"), default="ours",
+                    help="how the objects are put: as `appliance data upload` does (CRC_META), by boto3 in one PUT "
+                         "(their MD5 is all that checks them), or by boto3 in 8 MiB parts as `aws s3 cp`")
     ap.add_argument("--work", default="/var/tmp/appliance-swift-token")
     args = ap.parse_args()
     work = Path(args.work)
@@ -50,7 +54,14 @@ def main() -> None:
         big = work / "big"
         big.write_bytes(os.urandom(args.size))
         for i in range(args.n):
-            st.put(f"o{i}", big)
+            if args.put == "ours":
+                st.put(f"o{i}", big)
+            else:
+                from boto3.s3.transfer import TransferConfig
+
+                part = 8 << 20 if args.put == "multipart" else 5 << 30
+                sb.multipart_client(sw).upload_file(str(big), "one", f"o{i}", Config=TransferConfig(
+                    multipart_threshold=part, multipart_chunksize=part))
         swift = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key).scoped()
         s3 = StoreCreds(s3_endpoint=sw.s3_endpoint, s3_access_key=c["s3_access_key"],
                         s3_secret_key=c["s3_secret_key"])
@@ -72,7 +83,7 @@ def main() -> None:
                 runs[name].append((wall, cpu, user))
                 print(f"{name}: wall {wall:.3f} s, cpu {cpu:.3f} s, user {user:.3f} s", flush=True)
                 shutil.rmtree(dest)
-        print(f"medians of {args.rounds}, {args.n} x {args.size} bytes:")
+        print(f"medians of {args.rounds}, {args.n} x {args.size} bytes ({args.put}):")
         for name, rs in runs.items():
             print(f"  {name}: wall {statistics.median(r[0] for r in rs):.3f} s, "
                   f"cpu {statistics.median(r[1] for r in rs):.3f} s, user {statistics.median(r[2] for r in rs):.3f} s")
