@@ -367,12 +367,11 @@ class SwiftStore(Store):
         has just refused), else a new one (swiftclient's get_auth), shared from then on. One thread asks at a time,
         so threads refused the same expired token ask for one new one between them."""
         with self._token_lock:
-            have = self._shared if getattr(c, "session", None) is None and not self.creds.token else None
+            have = self._shared  # only ever v1's: _share keeps neither a bare token nor a session's
             if have is not None and have[1] != stale:
                 c.url, c.token = have
                 return
-            self._call(c.get_auth)
-            self._share()
+            self._call(c.get_auth)  # shared by _call
 
     def _call(self, fn, *args, **kwargs):
         import swiftclient
