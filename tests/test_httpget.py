@@ -472,7 +472,8 @@ def _counting(monkeypatch) -> list[int]:
     real = httpget._tlsread
 
     class Counted:
-        recv_some, send_all, set_ciphersuites = real.recv_some, real.send_all, real.set_ciphersuites
+        recv_some, send_all, set_ciphersuites, read_ahead = (real.recv_some, real.send_all, real.set_ciphersuites,
+                                                             real.read_ahead)
 
         @staticmethod
         def recv_into(*a):
@@ -499,6 +500,33 @@ def test_an_https_body_is_read_a_buffer_at_a_time_and_lands_whole(tls_server, tm
     assert len(Handler.requests) == 3 and len({id(c) for c in httpget._local.conns.values()}) == 1
     # 2 bodies of 3 MiB: a call per buffer (512 KiB, 32 records), not per record (~400 for the two)
     assert 2 <= len(calls) <= 2 * (len(BODY) // httpget.BUF + 2) and sum(calls) > len(BODY)
+
+
+def _thread_reads() -> int:
+    """The read system calls this thread has made (/proc/thread-self/io, syscr): read() on a socket among them."""
+    with open("/proc/thread-self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("syscr:"))
+
+
+@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
+def test_an_https_body_is_read_from_the_socket_several_records_a_read(tls_server, tmp_path):
+    """OpenSSL without read-ahead makes two read()s of the socket per TLS record, its 5-byte header and then its body:
+    262,000 system calls for 2 GiB. With read-ahead (httpget.READ_AHEAD) one read() takes what the socket holds, up
+    to two records' worth. The bytes are the same, and the kept-alive connection still serves the next answer."""
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)  # the connection and its handshake
+        before = _thread_reads()
+        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)
+        reads = _thread_reads() - before
+        Handler.mode = "small"
+        assert request("GET", f"{tls_server}/c/o", {})[2] == BODY[:1000]
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == BODY
+    assert len({id(c) for c in httpget._local.conns.values()}) == 1
+    records = len(BODY) // (16 << 10) + 1  # the server writes them in one go: they wait in the socket for the reader
+    assert reads < 1.5 * records, f"{reads} read()s for {records} TLS records"  # 2 a record and more before; ~0.7
 
 
 @pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
@@ -615,7 +643,7 @@ def test_an_https_request_and_the_wait_for_its_answer_each_cross_into_c_once(tls
         return call
 
     class Counted:
-        recv_into, set_ciphersuites = real.recv_into, real.set_ciphersuites
+        recv_into, set_ciphersuites, read_ahead = real.recv_into, real.set_ciphersuites, real.read_ahead
         send_all = staticmethod(counted("send_all", real.send_all))
         recv_some = staticmethod(counted("recv_some", real.recv_some))
 

@@ -1,11 +1,12 @@
 """Our stager through the Swift API, beside the same at another checkout and through S3, on one Ceph RGW over https.
 
     python bench/results/stage-swift-token/ab.py N SIZE --baseline WORKTREE [--rounds R] [--put ours|plain|multipart]
+        [--each-api]
 
 N objects of SIZE random bytes, put as `appliance data upload` puts them (SwiftStore.put: CRC_META; or --put),
 staged by `appliance.node.stage_main` at 32 parallel transfers with v1 auth (what bench/stage_bench.py gives it)
 through the Swift API from this checkout and from WORKTREE, and with the RGW's S3 keys through S3, in that order
-each round.
+each round; with --each-api, through S3 and through the Swift API each from this checkout and from WORKTREE.
 Before each run the last one's pages are written and the page cache dropped. Prints one line per run and the
 medians; each run's CPU is the stager process's (stage_bench.measure).
 """
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--put", choices=("ours", "plain", "multipart"), default="ours",
                     help="how the objects are put: as `appliance data upload` does (CRC_META), by boto3 in one PUT "
                          "(their MD5 is all that checks them), or by boto3 in 8 MiB parts as `aws s3 cp`")
+    ap.add_argument("--each-api", action="store_true", help="both APIs at both checkouts (bench/results/tls-read-ahead)")
     ap.add_argument("--work", default="/var/tmp/appliance-swift-token")
     args = ap.parse_args()
     work = Path(args.work)
@@ -67,6 +69,8 @@ def main() -> None:
                         s3_secret_key=c["s3_secret_key"])
         tools = [("swift", "swift://one/", swift, ROOT), (f"swift at {rev}", "swift://one/", swift, args.baseline),
                  ("s3", "s3://one/", s3, ROOT)]
+        if args.each_api:
+            tools = [("s3", "s3://one/", s3, ROOT), (f"s3 at {rev}", "s3://one/", s3, args.baseline), *tools[:2]]
         runs: dict[str, list] = {t[0]: [] for t in tools}
         for _ in range(args.rounds):
             for name, url, creds, root in tools:
