@@ -84,9 +84,10 @@ TLS13_SUITES = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1
 
 # How much a TLS connection of ours reads from its socket per read(): two of the largest records (16 KiB of data, 256
 # bytes of overhead, a 5-byte header). OpenSSL without read-ahead makes two read()s a record, its header and then its
-# body; with it, one read() takes what the socket holds. 8 streams of 256 MiB over TLS from a server process: 2.35 s
-# of the client's CPU against 2.67 without (bench/results/tls-read-ahead/). Larger buffers took the system time
-# lower but the user time higher (131 and 256 KiB there).
+# body (ssl3_read_n in OpenSSL's ssl/record/rec_layer_s3.c); with it, one read() takes what the socket holds. 8
+# streams of 256 MiB over TLS from a server process: 2.31 s of the client's CPU against 2.70 without, 87,789 read()s
+# against 262,521 (bench/results/tls-read-ahead/tls.md). Longer buffers made fewer read()s but took more user time
+# (lengths.txt there: 1.31 s at 128 KiB, 1.42 at 256 KiB, 1.18 at this length, 1.43 without).
 READ_AHEAD = 2 * (5 + 16384 + 256)
 
 
