@@ -47,10 +47,14 @@ def serve(cert: Path, key: Path, size: int, port_q) -> None:
         threading.Thread(target=one, args=(c,), daemon=True).start()
 
 
-def read(port: int, cert: Path, size: int, how: str) -> None:
+def read(port: int, cert: Path, size: int, how: str, ahead: int | None = None) -> None:
+    """One stream read to its end by ``how``; ``ahead``: OpenSSL's read-ahead length (0: none; default: httpget's
+    for "read-ahead", none for the others)."""
     ctx = ssl.create_default_context(cafile=str(cert))
-    if how == "read-ahead":
-        httpget._tlsread.read_ahead(ctx, httpget.READ_AHEAD)
+    if ahead is None:
+        ahead = httpget.READ_AHEAD if how == "read-ahead" else 0
+    if ahead:
+        httpget._tlsread.read_ahead(ctx, ahead)
     s = socket.create_connection(("127.0.0.1", port))
     s.settimeout(60)  # as httpget's connections: non-blocking underneath
     with ctx.wrap_socket(s, server_hostname="127.0.0.1") as t:
@@ -73,7 +77,7 @@ def syscr() -> int:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:]]
+    args = sys.argv[1:]
     out = ROOT / "bench" / "results" / "tls-reads"
     if "--out" in args:
         i = args.index("--out")

@@ -7,7 +7,6 @@ own one-record buffer, ~17 KB; more: a buffer of that many bytes), the lengths i
 
 import multiprocessing as mp
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -21,25 +20,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import tls_reads  # noqa: E402
 from appliance.localcloud.rgw_server import self_signed  # noqa: E402
-from appliance.store import httpget  # noqa: E402
-
-
-def read(port: int, cert: Path, size: int, length: int) -> None:
-    import ssl
-
-    ctx = ssl.create_default_context(cafile=str(cert))
-    if length:
-        httpget._tlsread.read_ahead(ctx, length)
-    s = socket.create_connection(("127.0.0.1", port))
-    s.settimeout(60)
-    with ctx.wrap_socket(s, server_hostname="127.0.0.1") as t:
-        buf = memoryview(bytearray(httpget.BUF))
-        n = 0
-        while n < size:
-            k = httpget._tlsread.recv_into(t._sslobj, t.fileno(), buf[:min(len(buf), size - n)], 60000)
-            if not k:
-                raise RuntimeError("the stream ended early")
-            n += k
 
 
 def main() -> None:
@@ -54,7 +34,8 @@ def main() -> None:
         for rnd in range(rounds):
             for n in lengths[rnd % len(lengths):] + lengths[:rnd % len(lengths)]:
                 c0, r0 = tls_reads.syscr(), resource.getrusage(resource.RUSAGE_SELF)
-                ts = [threading.Thread(target=read, args=(port, cert, size, n)) for _ in range(tls_reads.STREAMS)]
+                ts = [threading.Thread(target=tls_reads.read, args=(port, cert, size, "tlsread", n))
+                      for _ in range(tls_reads.STREAMS)]
                 for t in ts:
                     t.start()
                 for t in ts:
