@@ -441,6 +441,55 @@ def test_a_job_with_only_keystone_credentials_keeps_committing_as_its_tokens_exp
     assert left["application_credentials"] == []
 
 
+def test_a_node_stages_with_its_application_credential_through_keystone_and_no_client_library(cloud, tmp_path,
+                                                                                                 monkeypatch):
+    """What a node gets on Chameleon for a swift:// URL (OS_CLOUD only): an application credential of the job's
+    own. The node's stager (appliance.node.stage_main) takes its token from the local cloud's Keystone and its
+    store from the catalog, and the Ceph RGW validates the token with Keystone, as Chameleon's does; the files arrive
+    byte for byte, and the process never imports swiftclient, keystoneauth1 or requests (0.3-0.5 s of CPU at each
+    node's start: store/swiftauth.py)."""
+    import subprocess
+    import sys
+
+    from appliance.store.objects import SwiftStore
+
+    for var in ("ST_AUTH", "ST_USER", "ST_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    site = sites.open_site("local")
+    creds = site.store_creds()
+    assert creds.token and not creds.user  # the Keystone path, not the store's own v1 user
+    store = SwiftStore("ksstage", creds)
+    store.ensure_container()
+    want = {f"f{i}": os.urandom(100_000 + i) for i in range(3)}
+    for name, data in want.items():
+        (tmp_path / name).write_bytes(data)
+        store.put(f"ds/{name}", tmp_path / name)
+    node, withdraw = site.job_store_creds("swift://ksstage/ds/", name="ksstage", lease_end=None)
+    assert node.app_cred and not node.token
+    localcloud.admin("DELETE", "/requests")
+    job = {"url": "swift://ksstage/ds/", "dest": str(tmp_path / "d"), "mode": "full", "rank": 0, "nodes": 1,
+           "concurrency": 4, "creds": node.__dict__}
+    run = ("import atexit, runpy, sys; atexit.register(lambda: print('LOADED', sorted(m for m in ('swiftclient', "
+           "'keystoneauth1', 'requests') if m in sys.modules))); "
+           "runpy.run_module('appliance.node.stage_main', run_name='__main__')")
+    try:
+        p = subprocess.run([sys.executable, "-c", run], input=json.dumps(job), text=True, capture_output=True,
+                           timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        if withdraw is not None:
+            withdraw()
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stdout.splitlines()[-1] == "LOADED []"
+    got = {f.name: f.read_bytes() for f in (tmp_path / "d").iterdir() if f.is_file() and
+           not f.name.startswith(".appliance")}
+    assert got == want  # byte for byte
+    reqs = localcloud.admin("GET", "/requests")["requests"]
+    assert [r for r in reqs if r["method"] == "POST" and r["path"].endswith("/auth/tokens")
+            and (r["body"] or {}).get("auth", {}).get("identity", {}).get("application_credential", {}).get("id")
+            == node.app_cred_id]
+    assert any(r["method"] == "GET" and r["path"].endswith("/auth/tokens") for r in reqs)  # the RGW validated
+
+
 def _own_app_cred() -> str:
     return json.loads((localcloud.state_dir() / "credentials.json").read_text())["app_cred_id"]
 

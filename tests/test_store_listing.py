@@ -1,19 +1,50 @@
 """Listings: every page until an empty one (Ceph RGW answers at most 1,000 names whatever `limit` asks for, and the
 old lister stopped at the first short page: staging saw the first 1,000 objects and reported success), and a page
-that fails transiently is asked again (issue 14, item 8; issue 12, item 5). A fake Swift connection here; the real
-Swift runs in test_stage.py."""
+that fails transiently is asked again (issue 14, item 8; issue 12, item 5). A fake Swift here (its listing and
+manifest GETs answered at httpget.request, its writes as swiftclient's connection); the real Swift runs in
+test_stage.py."""
 
 import hashlib
+import json
 import os
 import threading
 from http.server import BaseHTTPRequestHandler
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import pytest
 import swiftclient
 
 from appliance.errors import ApplianceError
-from appliance.store import objects
+from appliance.store import httpget, objects
+from appliance.store.httpget import HTTPError
 from appliance.store.objects import StoreCreds, SwiftStore
+
+_FAKE: list = [None]  # the fake the last store() made answers its reads
+
+
+@pytest.fixture(autouse=True)
+def swift_reads(monkeypatch):
+    """The store's reads (a listing page, an SLO's manifest) go through httpget.request: answered by the fake's
+    get_container and get_object as the Swift API answers them (a JSON page; a failure's status)."""
+    real = httpget.request
+
+    def request(method, url, headers, **kw):
+        conn, u = _FAKE[0], urlsplit(url)
+        if u.hostname != "store.invalid":  # a real server's (the tests' own)
+            return real(method, url, headers, **kw)
+        q = dict(parse_qsl(u.query))
+        container, _, name = unquote(u.path).split("/AUTH_x/", 1)[1].partition("/")
+        try:
+            if "multipart-manifest" in q:
+                hdrs, body = conn.get_object(container, name, query_string="multipart-manifest=get")
+                return 200, hdrs, body
+            _, page = conn.get_container(container, prefix=q.get("prefix"), marker=q.get("marker"),
+                                         limit=int(q["limit"]))
+        except swiftclient.ClientException as e:
+            return e.http_status, {}, b""
+        return 200, {}, json.dumps(page).encode()
+
+    monkeypatch.setattr(httpget, "request", request)
 
 
 class FakeConn:
@@ -46,6 +77,7 @@ def store(conn):
         def _reset(self):
             pass
 
+    _FAKE[0] = conn
     return S("c", StoreCreds(storage_url="http://store.invalid/v1/AUTH_x", token="t"))
 
 
@@ -71,8 +103,8 @@ def test_a_refusal_is_not_retried(monkeypatch):
 def test_a_certificate_this_machine_does_not_trust_is_not_retried_and_is_said_as_such(monkeypatch):
     """An https store (Chameleon's are) whose certificate no CA bundle here vouches for: the page was asked again
     for 2 minutes, then said as "cannot reach the object store ... check the network". Now one try, and the line
-    says what failed and how to trust it. The texts are those requests (swiftclient) and ssl (the stager's S3
-    requests) raise; tests/test_stage_https.py meets them from a real RGW over https."""
+    says what failed and how to trust it. The texts are those ssl (the stager's requests) and requests (swiftclient's
+    writes) raise; tests/test_stage_https.py meets them from a real RGW over https."""
     import ssl
 
     import requests
@@ -87,14 +119,14 @@ def test_a_certificate_this_machine_does_not_trust_is_not_retried_and_is_said_as
     class Conn(FakeConn):
         def get_container(self, *a, **kw):
             self.calls += 1
-            raise wrapped
+            raise verify
 
     conn = Conn(["a"])
     st = store(conn)
-    with pytest.raises(requests.exceptions.SSLError) as e:
+    with pytest.raises(ssl.SSLCertVerificationError):
         list(st.list())
     assert conn.calls == 1
-    for err in (e.value, verify):
+    for err in (wrapped, verify):
         said = objects.unreachable(st, err)
         assert said.message == ("the object store at http://store.invalid/v1/AUTH_x sent a certificate this machine "
                                 "does not trust (self-signed certificate)")
@@ -105,7 +137,7 @@ def test_a_certificate_this_machine_does_not_trust_is_not_retried_and_is_said_as
 def test_retries_stop_at_the_deadline(monkeypatch):
     monkeypatch.setattr(objects, "LIST_DEADLINE", 0.0)
     conn = FakeConn(["a"], fail=[503] * 100)
-    with pytest.raises(swiftclient.ClientException):
+    with pytest.raises(HTTPError, match="HTTP 503"):
         list(store(conn).list())
 
 
@@ -427,12 +459,35 @@ def test_s3_uploads_send_each_parts_md5_and_complete_only_when_all_arrived_as_se
 
 class V1Swift(BaseHTTPRequestHandler):
     """Swift's v1 auth (tempauth, or Ceph RGW's Swift users: GET /auth/v1.0 with X-Auth-User and X-Auth-Key, the
-    token and storage URL in X-Auth-Token and X-Storage-Url) and objects that take only the current token."""
+    token and storage URL in X-Auth-Token and X-Storage-Url), Keystone's application credential tokens (POST
+    /v3/auth/tokens: the token in X-Subject-Token, the store in the catalog, one endpoint per region), and objects
+    and a container listing (GET /v1/AUTH_t/c?format=json, marker-paged) that take only the current token."""
 
     protocol_version = "HTTP/1.1"
     auths: list = []
     token = "tk0"
     ports: list = []  # the client port of each object request: which connection it came on
+    names = ["a", "b"]
+
+    def do_POST(self):
+        if self.path != "/v3/auth/tokens":
+            return self._answer(404)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ident = body["auth"]["identity"]
+        if ident["methods"] != ["application_credential"] or ident["application_credential"] != {"id": "ac",
+                                                                                                 "secret": "s"}:
+            return self._answer(401)
+        V1Swift.auths.append(V1Swift.token)
+        host = self.headers["Host"]
+        catalog = [{"type": "identity", "endpoints": [{"interface": "public", "region_id": "CHI@fake",
+                                                       "url": f"http://{host}/v3"}]},
+                   {"type": "object-store", "endpoints": [
+                       {"interface": "public", "region_id": "CHI@other", "url": "http://other.invalid/v1/AUTH_t"},
+                       {"interface": "internal", "region_id": "CHI@fake", "url": "http://internal.invalid/v1/AUTH_t"},
+                       {"interface": "public", "region_id": "CHI@fake", "url": f"http://{host}/v1/AUTH_t"}]}]
+        answer = json.dumps({"token": {"methods": ["application_credential"], "catalog": catalog,
+                                       "expires_at": "2099-01-01T00:00:00.000000Z"}}).encode()
+        return self._answer(201, answer, **{"X-Subject-Token": V1Swift.token, "Content-Type": "application/json"})
 
     def log_message(self, *a):
         pass
@@ -454,6 +509,13 @@ class V1Swift(BaseHTTPRequestHandler):
         V1Swift.ports.append(self.client_address[1])
         if self.headers.get("X-Auth-Token") != V1Swift.token:
             return self._answer(401)
+        path, _, query = self.path.partition("?")
+        if path == "/v1/AUTH_t/c":
+            q = dict(parse_qsl(query))
+            assert q["format"] == "json"
+            page = [{"name": n, "bytes": len(f"/v1/AUTH_t/c/{n}"), "hash": hashlib.md5(f"/v1/AUTH_t/c/{n}".encode())
+                     .hexdigest()} for n in V1Swift.names if n > q.get("marker", "")][:int(q["limit"])]
+            return self._answer(200, json.dumps(page).encode(), **{"Content-Type": "application/json"})
         return self._answer(200, self.path.encode())
 
     def do_HEAD(self):
@@ -525,3 +587,63 @@ def test_a_head_goes_on_the_connection_the_threads_gets_use(tmp_path):
             os.close(fd)
     assert len(V1Swift.ports) == 6 and len(set(V1Swift.ports)) == 1, V1Swift.ports  # b's first HEAD: a 401
     assert V1Swift.auths == ["tk0", "tk1"]
+
+
+_READS = """
+import json, os, sys
+from appliance.store.objects import StoreCreds, SwiftStore
+url, how, dest = sys.argv[1:]
+creds = StoreCreds(auth_url=url + "/auth/v1.0", user="u:t", key="k") if how == "v1" else \
+    StoreCreds(keystone_url=url + "/v3", app_cred_id="ac", app_cred_secret="s", region="CHI@fake")
+st = SwiftStore("c", creds)
+listed = [(o.name, o.size, o.etag) for o in st.list()]
+fd = os.open(dest, os.O_WRONLY | os.O_CREAT)
+got = [st.fetch(name, fd, 0)[0] for name, _, _ in listed]
+print(json.dumps({"listed": listed, "got": got, "head": st.head("a")["content-length"],
+                  "loaded": sorted(m for m in ("swiftclient", "keystoneauth1", "requests", "urllib3")
+                                   if m in sys.modules)}))
+"""
+
+
+@pytest.mark.parametrize("how", ["v1", "keystone"])
+def test_a_stagers_reads_and_their_token_import_no_http_library_but_our_own(tmp_path, how):
+    """A stager's reads (the listing, HEADs, GETs) and their token, from v1 auth or from Keystone with an
+    application credential (what Chameleon's nodes get), go through httpget's connections. Through swiftclient the
+    listing and the token imported swiftclient, requests and urllib3, and keystoneauth1 for a credential: 0.3-0.5 s
+    of CPU at each node's start (docs/staging.md, "The Swift API's own costs"). The token comes from the catalog's
+    public object-store endpoint in the credential's region, and a refused one is renewed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import http_server
+
+    root = Path(__file__).resolve().parents[1]
+    V1Swift.auths, V1Swift.token, V1Swift.ports, V1Swift.names = [], "tk0", [], ["a", "b", "c"]
+    with http_server(V1Swift) as url:
+        p = subprocess.run([sys.executable, "-c", _READS, url, how, str(tmp_path / "f")], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+        assert p.returncode == 0, p.stderr[-2000:]
+        got = json.loads(p.stdout)
+        assert [n for n, _, _ in got["listed"]] == ["a", "b", "c"] and got["got"] == [14, 14, 14]
+        assert got["head"] == "7" and got["loaded"] == [] and V1Swift.auths == ["tk0"]
+        # in this process: a token the store refuses is renewed once, from the same source
+        creds = StoreCreds(auth_url=url + "/auth/v1.0", user="u:t", key="k") if how == "v1" else \
+            StoreCreds(keystone_url=url + "/v3", app_cred_id="ac", app_cred_secret="s", region="CHI@fake")
+        st = SwiftStore("c", creds)
+        assert [o.name for o in st.list()] == ["a", "b", "c"]
+        V1Swift.token = "tk1"
+        assert [o.name for o in st.list()] == ["a", "b", "c"] and V1Swift.auths == ["tk0", "tk0", "tk1"]
+
+
+def test_keystones_catalog_gives_the_public_object_store_of_the_region():
+    from appliance.store import swiftauth
+
+    cat = [{"type": "identity", "endpoints": [{"interface": "public", "region_id": "R", "url": "http://id"}]},
+           {"type": "object-store", "endpoints": [
+               {"interface": "admin", "region_id": "R", "url": "http://admin"},
+               {"interface": "public", "region": "Q", "url": "http://q"},
+               {"interface": "public", "region_id": "R", "url": "http://r"}]}]
+    assert swiftauth.object_store(cat, "R") == "http://r" and swiftauth.object_store(cat, "Q") == "http://q"
+    assert swiftauth.object_store(cat, None) == "http://q" and swiftauth.object_store(cat, "S") is None
+    assert swiftauth.fresh(None) and swiftauth.fresh(1000.0, now=900.0) and not swiftauth.fresh(1000.0, now=990.0)

@@ -319,10 +319,12 @@ class SwiftStore(Store):
                 and not creds.app_cred:
             raise ApplianceError("no Swift credentials", "set OS_CLOUD (Keystone) or ST_AUTH/ST_USER/ST_KEY")
         self._auth = None  # the application credential's keystoneauth plugin, shared by every thread's connection
-        # v1 auth's (storage URL, token), shared by every thread's connection as the plugin's token is: each thread
-        # asking for its own was a token request on a connection (a TLS handshake) of its own per thread, 17 at the
-        # start of an 8-object staging at 32 transfers (bench/results/stage-swift-token)
+        # (storage URL, token) of every thread's reads (listing, HEAD, GET: ``_tokened``), made without swiftclient
+        # (store/swiftauth.py), and with v1 auth every thread's swiftclient connection's too: each thread asking for
+        # its own was a token request on a connection (a TLS handshake) of its own per thread, 17 at the start of
+        # an 8-object staging at 32 transfers (bench/results/stage-swift-token)
         self._shared: tuple[str, str] | None = None
+        self._expires: float | None = None  # a Keystone token's end (time.time()); v1 says none
         self._token_lock = threading.Lock()
 
     def conn(self):
@@ -362,16 +364,33 @@ class SwiftStore(Store):
                 and getattr(c, "session", None) is None:
             self._shared = (c.url, c.token)
 
-    def _authenticate(self, c, stale: str | None) -> None:
-        """A token for connection ``c``, which has none: the shared one unless it is ``stale`` (the one the store
-        has just refused), else a new one (swiftclient's get_auth), shared from then on. One thread asks at a time,
-        so threads refused the same expired token ask for one new one between them."""
+    def _read_token(self, stale: str | None = None) -> tuple[str, str]:
+        """(storage URL, token) for the reads: the one this store holds unless it is ``stale`` (the one the store has
+        just refused) or a Keystone token about to expire; else the creds' own token unless it is ``stale``; else a
+        new one from v1 auth or Keystone (store/swiftauth.py: no swiftclient), held from then on. One thread asks at
+        a time, so threads refused the same expired token ask for one new one between them. A refusal of the
+        credentials is StoreRefused."""
+        from . import swiftauth
+        from .httpget import HTTPError
+
         with self._token_lock:
-            have = self._shared  # only ever v1's: _share keeps neither a bare token nor a session's
-            if have is not None and have[1] != stale:
-                c.url, c.token = have
-                return
-            self._call(c.get_auth)  # shared by _call
+            have = self._shared
+            if have is not None and have[1] != stale and swiftauth.fresh(self._expires):
+                return have
+            if self.creds.token and self.creds.storage_url and (self.creds.token != stale or not self._renewable()):
+                return self.creds.storage_url, self.creds.token  # refused once: renewed below when it can be
+            try:
+                if self.creds.app_cred:
+                    url, token, self._expires = swiftauth.keystone(self.creds.keystone_url, self.creds.app_cred_id,
+                                                                   self.creds.app_cred_secret, self.creds.region)
+                else:
+                    url, token = swiftauth.v1(self.creds.auth_url, self.creds.user, self.creds.key)
+            except HTTPError as e:
+                if e.http_status in (401, 403):
+                    raise self._refused(e.http_status) from None
+                raise
+            self._shared = (url, token)
+            return self._shared
 
     def _call(self, fn, *args, **kwargs):
         import swiftclient
@@ -413,10 +432,8 @@ class SwiftStore(Store):
         that fails (5xx, a reset, a timeout) is asked again with backoff, for up to LIST_DEADLINE seconds."""
         marker = ""
         while True:
-            _, page = transient_retry(lambda: self._call(self.conn().get_container, self.container,
-                                                         prefix=prefix or None, marker=marker or None,
-                                                         limit=SWIFT_PAGE),
-                                      deadline=self.list_deadline, reset=self._reset, note=self._retry_note())
+            page = transient_retry(lambda: self._page(prefix, marker), deadline=self.list_deadline,
+                                   reset=self._reset, note=self._retry_note())
             if not page:
                 return
             for o in page:
@@ -428,6 +445,24 @@ class SwiftStore(Store):
                     size, etag = int(hdrs.get("content-length", size)), str(hdrs.get("etag", etag)).strip('"')
                 yield ObjectInfo(o["name"], size, etag)
             marker = page[-1].get("name") or page[-1].get("subdir")
+
+    def _page(self, prefix: str, marker: str) -> list[dict]:
+        """One page of the container's listing (JSON), through httpget's connections (as swiftclient's
+        ``get_container`` asks for it: ``format=json``, ``prefix``, ``marker``, ``limit``; 204 is an empty one)."""
+        from urllib.parse import urlencode
+
+        from .httpget import HTTPError, request
+
+        query = urlencode({"format": "json", **({"prefix": prefix} if prefix else {}),
+                           **({"marker": marker} if marker else {}), "limit": SWIFT_PAGE})
+
+        def ask(url: str, token: str) -> list[dict]:
+            status, _, body = request("GET", f"{url}?{query}", {"X-Auth-Token": token, "Accept": "application/json"})
+            if status >= 300:
+                raise HTTPError(status, "", url)
+            return json.loads(body) if status != 204 and body else []
+
+        return self._tokened(None, ask)
 
     def head(self, name: str) -> dict:
         """An object's headers (lower-case names), asked again on transient failures. On this thread's kept-alive
@@ -456,10 +491,10 @@ class SwiftStore(Store):
             write(chunk)
         return {k.lower(): v for k, v in hdrs.items()}
 
-    def _tokened(self, name: str, send: Callable[[str, str], T]) -> T:
-        """``send(the object's URL, a token)`` with this thread's token, made (or taken from another thread) on
-        first use; once more with a new one when the store refuses it (401) and the credentials can make one, as
-        swiftclient does. A 404 is FileNotFoundError, a refusal StoreRefused; ``send`` raises httpget's
+    def _tokened(self, name: str | None, send: Callable[[str, str], T]) -> T:
+        """``send(the object's URL (the container's for a None ``name``), a token)`` with the reads' token
+        (``_read_token``); once more with a new one when the store refuses it (401) and the credentials can make
+        one, as swiftclient does. A 404 is FileNotFoundError, a refusal StoreRefused; ``send`` raises httpget's
         HTTPError for any other answer that is not 2xx."""
         from urllib.parse import quote
 
@@ -467,22 +502,16 @@ class SwiftStore(Store):
 
         stale = None
         for renewed in (False, True):
-            c = self.conn()
-            if not c.url or not c.token:  # v1 auth (or Keystone) on first use, and after a refused token
-                self._authenticate(c, stale)
+            url, token = self._read_token(stale)
             try:
-                return send(f"{c.url}/{quote(self.container)}/{quote(name)}", c.token)
+                return send(f"{url}/{quote(self.container)}" + ("" if name is None else f"/{quote(name)}"), token)
             except HTTPError as e:
                 if e.http_status == 404:
-                    raise FileNotFoundError(f"swift://{self.container}/{name}") from None
+                    raise FileNotFoundError(f"swift://{self.container}/{name or ''}") from None
                 if e.http_status == 401 and not renewed and self._renewable():
-                    if c.session is not None:  # an application credential: the session's token is the stale one
-                        c.session.invalidate()
-                    # expired: ask for a new token once, as swiftclient does
-                    stale, c.url, c.token = c.token, None, None
+                    stale = token  # expired: ask for a new token once, as swiftclient does
                     continue
                 if e.http_status in (401, 403):
-                    self._reset()
                     raise self._refused(e.http_status) from None
                 raise
         raise AssertionError("unreachable")
@@ -509,7 +538,15 @@ class SwiftStore(Store):
         head = self.head(name)
         if str(head.get("x-static-large-object", "")).lower() != "true":
             return None
-        _, body = self._call(self.conn().get_object, self.container, name, query_string="multipart-manifest=get")
+        from .httpget import HTTPError, request
+
+        def manifest_of(url: str, token: str) -> bytes:
+            status, _, body = request("GET", f"{url}?multipart-manifest=get", {"X-Auth-Token": token})
+            if status >= 300:
+                raise HTTPError(status, "", url)
+            return body
+
+        body = transient_retry(lambda: self._tokened(name, manifest_of), deadline=self.list_deadline)
         try:
             manifest = json.loads(body) if body else None
         except ValueError:
