@@ -329,6 +329,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--only", default="", help="comma-separated tool names to run")
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each row is the median of its runs")
+    ap.add_argument("--warm", type=int, default=0, metavar="GIB",
+                    help="before each run, write and free GIB GiB of tmpfs (/dev/shm): memory this VM had given back "
+                         "to its host is its own again, so a tool's page-cache writes do not pay for that "
+                         "(bench/results/stage-write-size)")
     ap.add_argument("--datasets", default=ALL_DATASETS,
                     help="comma-separated: small, large, large-ours (large objects as `appliance data upload` puts "
                          "them), multipart (the large objects as `aws s3 cp` uploads them), upload (a checkpoint-sized "
@@ -371,6 +375,22 @@ def main() -> None:
     write_results(args, out, tv, rows, info, disk, fs)
 
 
+def warm_memory(gib: int, shm: Path = Path("/dev/shm")) -> None:
+    """Write ``gib`` GiB of zeros to a tmpfs file and free them. This VM gives free memory back to its host (free
+    page reporting: /sys/module/page_reporting), and the first touch of such a page costs a fault in the host, which
+    the guest counts as the system time of whatever touched it: 512 KiB page-cache writes (large folios) paid 5.2-7.6
+    s of system time per 2 GiB, s5cmd's 16 KiB ones 2.5-3.5, and 2.9-4.0 s after this
+    (bench/results/stage-write-size). A bare-metal node has no such cost."""
+    f = shm / f"appliance-warm-{os.getpid()}"
+    try:
+        with open(f, "wb") as fh:
+            block = bytes(1 << 20)
+            for _ in range(gib << 10):
+                fh.write(block)
+    finally:
+        f.unlink(missing_ok=True)
+
+
 def run_datasets(sw, args, info: dict, disk_root: Path, tv: Path, disk: float) -> list[dict]:
     """Every wanted dataset's rows: each tool ``--repeat`` times into ``disk_root/dest``, in a rotated order."""
     work = Path(args.work)
@@ -392,6 +412,8 @@ def run_datasets(sw, args, info: dict, disk_root: Path, tv: Path, disk: float) -
                 shutil.rmtree(dest, ignore_errors=True)
                 dest.mkdir()
                 os.sync()  # the last run's dirty pages are written before this one starts
+                if args.warm:
+                    warm_memory(args.warm)
                 argv, env, stdin = ts[name](cont, str(dest))
                 wall, cpu, rc, tail, user = measure(argv, env, stdin)
                 got = sum(1 for p in dest.rglob("*") if p.is_file() and not p.name.startswith(".appliance"))
@@ -496,7 +518,9 @@ def write_results(args, out: Path, tv: Path, rows: list[dict], info: dict, disk:
              f"Destination: {fs}. Disk write ceiling (dd, fdatasync): {disk} MB/s. "
              f"Concurrency {args.concurrency} for every tool; "
              + (f"each row is the median of {args.repeat} runs, the tools in a rotated order each round."
-                if args.repeat > 1 else "each row is one run."), "",
+                if args.repeat > 1 else "each row is one run.")
+             + (f" Before each run {args.warm} GiB of tmpfs were written and freed (`--warm`: this VM's memory its "
+                "own again, as a bare-metal node's is)." if args.warm else ""), "",
              "Client CPU: user and system time of the tool's processes; \"of it user\": the part in user space "
              "(TLS, hashing, the tool's own code), the rest being the kernel's (socket, page cache).", "",
              "| dataset | tool | s | objects/s | MB/s | client CPU ms/object | of it user | ok |",
