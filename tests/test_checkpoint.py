@@ -446,8 +446,8 @@ def test_a_node_stages_with_its_application_credential_through_keystone_and_no_c
     """What a node gets on Chameleon for a swift:// URL (OS_CLOUD only): an application credential of the job's
     own. The node's stager (appliance.node.stage_main) takes its token from the local cloud's Keystone and its
     store from the catalog, and the Ceph RGW validates the token with Keystone, as Chameleon's does; the files arrive
-    byte for byte, and the process never imports swiftclient, keystoneauth1 or requests (0.3-0.5 s of CPU at each
-    node's start: store/swiftauth.py)."""
+    byte for byte, and the process never imports swiftclient, keystoneauth1 or requests (0.15 s of CPU per
+    staging: bench/results/stage-swift-auth)."""
     import subprocess
     import sys
 

@@ -609,8 +609,8 @@ print(json.dumps({"listed": listed, "got": got, "head": st.head("a")["content-le
 def test_a_stagers_reads_and_their_token_import_no_http_library_but_our_own(tmp_path, how):
     """A stager's reads (the listing, HEADs, GETs) and their token, from v1 auth or from Keystone with an
     application credential (what Chameleon's nodes get), go through httpget's connections. Through swiftclient the
-    listing and the token imported swiftclient, requests and urllib3, and keystoneauth1 for a credential: 0.3-0.5 s
-    of CPU at each node's start (docs/staging.md, "The Swift API's own costs"). The token comes from the catalog's
+    listing and the token imported swiftclient, requests and urllib3, and keystoneauth1 for a credential (0.15 s of
+    CPU per staging on the Keystone path: bench/results/stage-swift-auth). The token comes from the catalog's
     public object-store endpoint in the credential's region, and a refused one is renewed."""
     import subprocess
     import sys
@@ -647,3 +647,18 @@ def test_keystones_catalog_gives_the_public_object_store_of_the_region():
     assert swiftauth.object_store(cat, "R") == "http://r" and swiftauth.object_store(cat, "Q") == "http://q"
     assert swiftauth.object_store(cat, None) == "http://q" and swiftauth.object_store(cat, "S") is None
     assert swiftauth.fresh(None) and swiftauth.fresh(1000.0, now=900.0) and not swiftauth.fresh(1000.0, now=990.0)
+
+
+def test_a_token_given_and_refused_is_not_taken_again_once_a_new_one_was_made():
+    """Credentials with a token and the v1 user and key that make new ones: the given token until the store refuses
+    it, then one from v1 auth; when that one is refused too, a newer one, never the given one again (it had been
+    refused already: asking with it again was a second 401 and then "refused access")."""
+    from conftest import http_server
+
+    V1Swift.auths, V1Swift.token, V1Swift.ports, V1Swift.names = [], "tk0", [], ["a"]
+    with http_server(V1Swift) as url:
+        st = SwiftStore("c", StoreCreds(storage_url=f"{url}/v1/AUTH_t", token="given", auth_url=f"{url}/auth/v1.0",
+                                        user="u:t", key="k"))
+        assert [o.name for o in st.list()] == ["a"] and V1Swift.auths == ["tk0"]
+        V1Swift.token = "tk1"
+        assert [o.name for o in st.list()] == ["a"] and V1Swift.auths == ["tk0", "tk1"]

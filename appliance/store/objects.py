@@ -366,8 +366,8 @@ class SwiftStore(Store):
 
     def _read_token(self, stale: str | None = None) -> tuple[str, str]:
         """(storage URL, token) for the reads: the one this store holds unless it is ``stale`` (the one the store has
-        just refused) or a Keystone token about to expire; else the creds' own token unless it is ``stale``; else a
-        new one from v1 auth or Keystone (store/swiftauth.py: no swiftclient), held from then on. One thread asks at
+        just refused) or a Keystone token about to expire; else the creds' own token until the store refuses it
+        (never again after a new one was made); else a new one from v1 auth or Keystone (store/swiftauth.py: no swiftclient), held from then on. One thread asks at
         a time, so threads refused the same expired token ask for one new one between them. A refusal of the
         credentials is StoreRefused."""
         from . import swiftauth
@@ -377,8 +377,9 @@ class SwiftStore(Store):
             have = self._shared
             if have is not None and have[1] != stale and swiftauth.fresh(self._expires):
                 return have
-            if self.creds.token and self.creds.storage_url and (self.creds.token != stale or not self._renewable()):
-                return self.creds.storage_url, self.creds.token  # refused once: renewed below when it can be
+            if self.creds.token and self.creds.storage_url and \
+                    (have is None and self.creds.token != stale or not self._renewable()):
+                return self.creds.storage_url, self.creds.token  # until refused once; then renewed when it can be
             try:
                 if self.creds.app_cred:
                     url, token, self._expires = swiftauth.keystone(self.creds.keystone_url, self.creds.app_cred_id,

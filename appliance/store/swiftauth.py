@@ -1,5 +1,6 @@
 """A Swift storage URL and token through httpget's connections, without importing swiftclient, keystoneauth1 and
-requests: 0.3-0.5 s of CPU at each stager's start, the import alone (docs/staging.md, "The Swift API's own costs").
+requests: 0.15 s of CPU and 0.18 s of wall time less per staging on the Keystone path, 0.05 and 0.07 with v1 auth
+(bench/results/stage-swift-auth; docs/staging.md, "The stager's token and listing without swiftclient").
 The stager's reads (listing, HEAD, GET: objects.SwiftStore) take their token from here; its writes (checkpoints)
 still go through swiftclient, which authenticates the same way.
 
