@@ -378,9 +378,9 @@ def main() -> None:
 def warm_memory(gib: int, shm: Path = Path("/dev/shm")) -> None:
     """Write ``gib`` GiB of zeros to a tmpfs file and free them. This VM gives free memory back to its host (free
     page reporting: /sys/module/page_reporting), and the first touch of such a page costs a fault in the host, which
-    the guest counts as the system time of whatever touched it: 512 KiB page-cache writes (large folios) paid 5.2-7.6
-    s of system time per 2 GiB, s5cmd's 16 KiB ones 2.5-3.5, and 2.9-4.0 s after this
-    (bench/results/stage-write-size). A bare-metal node has no such cost."""
+    the guest counts as the system time of whatever touched it: our stager's 512 KiB page-cache writes (large
+    folios) paid 5.2-7.6 s of system time per 2 GiB, s5cmd's 16 KiB ones 2.5-3.5 in 5 rounds of 6, and ours 1.8-4.0 s
+    (median 2.9) after this (bench/results/stage-write-size). A bare-metal node has no such cost."""
     f = shm / f"appliance-warm-{os.getpid()}"
     try:
         with open(f, "wb") as fh:
