@@ -449,35 +449,21 @@ class SwiftStore(Store):
 
     def _page(self, prefix: str, marker: str) -> list[dict]:
         """One page of the container's listing (JSON), through httpget's connections (as swiftclient's
-        ``get_container`` asks for it: ``format=json``, ``prefix``, ``marker``, ``limit``; 204 is an empty one)."""
+        ``get_container`` asks for it: ``format=json``, ``prefix``, ``marker``, ``limit``; 204, no body, is an
+        empty one)."""
         from urllib.parse import urlencode
-
-        from .httpget import HTTPError, request
 
         query = urlencode({"format": "json", **({"prefix": prefix} if prefix else {}),
                            **({"marker": marker} if marker else {}), "limit": SWIFT_PAGE})
-
-        def ask(url: str, token: str) -> list[dict]:
-            status, _, body = request("GET", f"{url}?{query}", {"X-Auth-Token": token, "Accept": "application/json"})
-            if status >= 300:
-                raise HTTPError(status, "", url)
-            return json.loads(body) if status != 204 and body else []
-
-        return self._tokened(None, ask)
+        body = self._tokened(None, lambda url, token: _asked("GET", f"{url}?{query}", token)[1])
+        return json.loads(body) if body else []
 
     def head(self, name: str) -> dict:
         """An object's headers (lower-case names), asked again on transient failures. On this thread's kept-alive
         connection, the one its GETs use (httpget): through swiftclient each thread opened a connection of its own
         for them, with a TLS handshake, and the staging of a plain object HEADs it twice (its CRC_META, an SLO?)."""
-        from .httpget import HTTPError, request
-
-        def ask(url: str, token: str) -> dict:
-            status, hdrs, _ = request("HEAD", url, {"X-Auth-Token": token})
-            if status >= 300:
-                raise HTTPError(status, "", url, method="HEAD")
-            return hdrs
-
-        return transient_retry(lambda: self._tokened(name, ask), deadline=self.list_deadline, reset=self._reset)
+        return transient_retry(lambda: self._tokened(name, lambda url, token: _asked("HEAD", url, token)[0]),
+                               deadline=self.list_deadline, reset=self._reset)
 
     def _reset(self) -> None:
         self._local.conn = None  # a connection that failed is not reused
@@ -539,15 +525,8 @@ class SwiftStore(Store):
         head = self.head(name)
         if str(head.get("x-static-large-object", "")).lower() != "true":
             return None
-        from .httpget import HTTPError, request
-
-        def manifest_of(url: str, token: str) -> bytes:
-            status, _, body = request("GET", f"{url}?multipart-manifest=get", {"X-Auth-Token": token})
-            if status >= 300:
-                raise HTTPError(status, "", url)
-            return body
-
-        body = transient_retry(lambda: self._tokened(name, manifest_of), deadline=self.list_deadline)
+        body = transient_retry(lambda: self._tokened(name, lambda url, token: _asked(
+            "GET", f"{url}?multipart-manifest=get", token)[1]), deadline=self.list_deadline)
         try:
             manifest = json.loads(body) if body else None
         except ValueError:
@@ -662,6 +641,17 @@ class SwiftStore(Store):
     def ensure_container(self) -> None:
         _check_name("swift", self.container)
         self._call(self.conn().put_container, self.container)
+
+
+def _asked(method: str, url: str, token: str) -> tuple[dict, bytes]:
+    """(headers, body) of one small Swift request with ``token`` on httpget's connections; httpget's HTTPError for
+    an answer that is not 2xx (``SwiftStore._tokened`` turns 401, 403 and 404 into what they mean)."""
+    from .httpget import HTTPError, request
+
+    status, hdrs, body = request(method, url, {"X-Auth-Token": token})
+    if status >= 300:
+        raise HTTPError(status, "", url, method=method)
+    return hdrs, body
 
 
 # ---------------------------------------------------------------------------------------------
