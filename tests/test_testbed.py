@@ -38,6 +38,11 @@ def test_lifecycle_idempotent_and_clean():
         cl = from_testbed(tb, name="lc-cluster")
         with Session(cl) as s:
             outs = s.each(lambda r: r.run("hostname; cat /etc/hosts; touch /mnt/local/mine; ls /mnt/local", check=True).out)
+            # each node's /dev/shm is its own, as a machine's is: what a killed job leaves there (multiprocessing's
+            # named semaphores) goes with the node, not into the host's
+            shm = s.each(lambda r: r.run("touch /dev/shm/apl-mine-$(hostname); ls /dev/shm", check=True).out.split())
+        assert shm == {"node1": ["apl-mine-node1"], "node2": ["apl-mine-node2"]}
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith("apl-mine-")]
         assert outs["node1"].splitlines()[0] == "node1" and outs["node2"].splitlines()[0] == "node2"
         assert "10.77." in outs["node1"] and outs["node1"] != outs["node2"]
         assert os.path.exists(os.path.join(tb.nodes[0].disk, "mine"))

@@ -378,8 +378,12 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
         _run("ip", "-n", ns, "route", "add", f"{METADATA_IP}/32", "via", tb.metadata_ip)
     else:  # no metadata here: fail fast, never reach the host's own cloud metadata through its default route
         _run("ip", "-n", ns, "route", "add", "unreachable", f"{METADATA_IP}/32")
+    # /dev/shm: a tmpfs of the node's own, as a machine's is (mode 1777, as systemd mounts it: src/shared/mount-setup.c
+    # in systemd/systemd), gone with the node's mount namespace when its last process ends, with what a killed job
+    # left there (multiprocessing's named semaphores)
     script = (
-        f"hostname {node_name} && mount --bind {d}/hosts /etc/hosts && mount --bind {etc_ssh} /etc/ssh && "
+        f"hostname {node_name} && mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm && "
+        f"mount --bind {d}/hosts /etc/hosts && mount --bind {etc_ssh} /etc/ssh && "
         f"mount --bind {d}/disk {NODE_MOUNT} && {mounts}mount --bind {d}/ssh {root_home}/.ssh && "
         f"exec {SSHD} -D -f {d}/sshd_config -E {d}/sshd.log"
     )
