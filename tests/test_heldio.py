@@ -46,14 +46,16 @@ def test_the_calls_do_what_the_os_modules_do(tmp_path, io):
     assert journal.read_text() == "one\ntwo \u00e9\n"
 
 
-def test_a_write_at_a_place_lands_whole_and_a_small_one_keeps_the_gil(tmp_path, io, monkeypatch):
+def test_a_write_at_a_place_lands_whole_a_small_one_keeps_the_gil_and_a_large_one_goes_in_pieces(tmp_path, io,
+                                                                                                monkeypatch):
     """pwrite_all (httpget.get_into's writes): every byte where it belongs. Up to HELD_WRITE bytes go through
     _heldio with the GIL held (os.pwrite gives it back: 1.5 waits for the GIL per 100 KB object among 32 threads,
-    bench/results/stage-switches/gil-waits.txt); larger ones, and all where the extension is not built, through
-    os.pwrite."""
+    bench/results/stage-switches/gil-waits.txt); larger ones through _heldio.pwrite_pieces, the GIL released once,
+    and where the extension is not built through os.pwrite, in pieces of WRITE_PIECE bytes at most."""
+    monkeypatch.setattr(heldio, "WRITE_PIECE", 64 * 1024)
     p = tmp_path / "f"
     fd = os.open(p, os.O_RDWR | os.O_CREAT)
-    small, large = os.urandom(100 * 1024), os.urandom(heldio.HELD_WRITE + 4096)
+    small, large = os.urandom(100 * 1024), os.urandom(max(heldio.HELD_WRITE, 3 * heldio.WRITE_PIECE) + 4096)
     through_os = []
     real = os.pwrite
     monkeypatch.setattr(os, "pwrite", lambda f, b, at: (through_os.append(len(b)), real(f, b, at))[1])
@@ -63,12 +65,14 @@ def test_a_write_at_a_place_lands_whole_and_a_small_one_keeps_the_gil(tmp_path, 
     finally:
         os.close(fd)
     assert p.read_bytes() == bytes(5) + small + large
-    assert through_os == ([len(large)] if heldio.built() and io._heldio is not None else [len(small), len(large)])
+    pieces = [64 * 1024] * (len(large) // (64 * 1024)) + [4096]
+    assert through_os == ([] if io._heldio is not None else [64 * 1024, 100 * 1024 - 64 * 1024] + pieces)
     ro = os.open(p, os.O_RDONLY)
     try:
-        with pytest.raises(OSError) as e:
-            io.pwrite_all(ro, memoryview(b"x"), 0)
-        assert e.value.errno == errno.EBADF
+        for view in (memoryview(b"x"), memoryview(large)):
+            with pytest.raises(OSError) as e:
+                io.pwrite_all(ro, view, 0)
+            assert e.value.errno == errno.EBADF
     finally:
         os.close(ro)
 

@@ -150,6 +150,50 @@ static PyObject *h_pwrite(PyObject *self, PyObject *args) {
     return put_all(fd, &b, pos);
 }
 
+/* pwrite_pieces(fd, data, pos, piece): all of ``data`` at ``pos``, the GIL released once around the whole of it,
+ * in pwrite calls of at most ``piece`` bytes (heldio.WRITE_PIECE: the page cache's folio for each call is sized by
+ * the call, docs/staging.md "Large page-cache writes on this VM") */
+static PyObject *h_pwrite_pieces(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer b;
+    long long pos;
+    Py_ssize_t piece;
+    if (!PyArg_ParseTuple(args, "iy*Ln", &fd, &b, &pos, &piece))
+        return NULL;
+    if (pos < 0 || piece <= 0) {
+        PyBuffer_Release(&b);
+        errno = EINVAL;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    const char *p = b.buf;
+    Py_ssize_t left = b.len;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (left > 0) {
+        ssize_t k = pwrite(fd, p, left < piece ? left : piece, (off_t)pos);
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            err = errno;
+            break;
+        }
+        if (k == 0) { /* a regular file takes something or says why; never spin on nothing */
+            err = EIO;
+            break;
+        }
+        p += k;
+        left -= k;
+        pos += k;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"open", h_open, METH_VARARGS, "open(path, flags, mode) -> fd, the GIL held"},
     {"close", h_close, METH_O, "close(fd), the GIL held"},
@@ -157,6 +201,8 @@ static PyMethodDef methods[] = {
     {"mtime_ns", h_mtime_ns, METH_O, "mtime_ns(path) -> os.stat(path).st_mtime_ns, the GIL held"},
     {"write", h_write, METH_VARARGS, "write(fd, data): all of data, the GIL held"},
     {"pwrite", h_pwrite, METH_VARARGS, "pwrite(fd, data, pos): all of data at pos, the GIL held"},
+    {"pwrite_pieces", h_pwrite_pieces, METH_VARARGS,
+     "pwrite_pieces(fd, data, pos, piece): all of data at pos in writes of at most piece bytes, the GIL released"},
     {NULL, NULL, 0, NULL},
 };
 

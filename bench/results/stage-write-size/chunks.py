@@ -5,8 +5,9 @@ per pwrite) and s5cmd, on one Ceph RGW over https, into the bench's fresh ext4 (
 
 8 x 256 MiB put by boto3 in one PUT each (plain: their MD5 checks them) and 8 more as `appliance data upload`
 puts them (ours: CRC-32), staged through S3 at 32 parallel transfers by `appliance.node.stage_main` from CHECKOUT
-(default: this one) with httpget.pwrite_all replaced by a loop of os.pwrite of CHUNK bytes each (the GIL released
-around each, as os.pwrite does), and by s5cmd; in a rotated order each round, the page cache dropped before each
+(default: this one) with its page-cache writes in pieces of CHUNK bytes (from 2026-11-28, heldio.WRITE_PIECE: one
+C call per receive buffer, the GIL released once; in a checkout without it, httpget.pwrite_all replaced by a loop of
+os.pwrite of CHUNK bytes each, the GIL released around each), and by s5cmd; in a rotated order each round, the page cache dropped before each
 run. Prints each run and the medians (wall, CPU, user, system s). --strace-s5cmd first counts s5cmd's writes by
 size; --warm G writes and frees G GiB of tmpfs before each run of the odd rounds.
 """
@@ -35,14 +36,17 @@ from appliance.store.objects import StoreCreds, SwiftStore  # noqa: E402
 
 WRAP = """import os, sys
 sys.modules.setdefault("keystoneclient", None)
-from appliance.store import httpget
+from appliance.store import heldio, httpget
 CH = int(os.environ["APPLIANCE_WRITE_CHUNK"])
 def pwrite_all(fd, view, pos):
     for i in range(0, len(view), CH):
         v, d = view[i:i + CH], 0
         while d < len(v):
             d += os.pwrite(fd, v[d:], pos + i + d)
-httpget.pwrite_all = pwrite_all
+if hasattr(heldio, "WRITE_PIECE"):  # the stager's own pieces, one C call per buffer, the GIL released once
+    heldio.WRITE_PIECE = CH
+else:
+    httpget.pwrite_all = pwrite_all
 from appliance.node import stage_main
 sys.exit(stage_main.main())
 """
@@ -120,7 +124,7 @@ def main() -> None:
                 print("s5cmd's writes over 100 bytes, by size (bytes: count):",
                       ", ".join(f"{k}: {v}" for k, v in sizes.most_common(8)), flush=True)
             tools = ["s5cmd", *chunks]
-            name = {t: ("s5cmd" if t == "s5cmd" else "ours, 512 KiB writes (as it is)" if t == 0 else
+            name = {t: ("s5cmd" if t == "s5cmd" else "ours as it is" if t == 0 else
                         f"ours, {t >> 10} KiB writes") for t in tools}
             for cont in args.datasets.split(","):
                 runs = collections.defaultdict(list)
@@ -131,11 +135,12 @@ def main() -> None:
                         runs[(t, warm) if args.warm else t].append((wall, cpu, user))
                         print(f"{cont} round {r}{' (memory warmed)' if warm else ''}: {name[t]}: wall {wall:.2f} cpu {cpu:.2f} user {user:.2f} "
                               f"system {cpu - user:.2f}", flush=True)
-                print(f"{cont} objects, medians of {args.rounds} (wall / CPU / user / system s):")
+                print(f"{cont} objects, medians (wall / CPU / user / system s):")
                 for k, rs in runs.items():
                     t = k[0] if args.warm else k
                     m = [statistics.median(x[i] for x in rs) for i in range(3)]
-                    print(f"  {name[t]}{', memory warmed' if args.warm and k[1] else ''}: {m[0]:.2f} / {m[1]:.2f} / {m[2]:.2f} / "
+                    print(f"  {name[t]}{', memory warmed' if args.warm and k[1] else ''} ({len(rs)} runs): "
+                          f"{m[0]:.2f} / {m[1]:.2f} / {m[2]:.2f} / "
                           f"{statistics.median(x[1] - x[2] for x in rs):.2f}", flush=True)
     finally:
         sw.stop()
