@@ -7,6 +7,8 @@
  * hand-over, and so is a small object's body's write (httpget.get_into, up to heldio.HELD_WRITE bytes: a copy
  * into the page cache of tens of microseconds). Only for calls on the stager's local destination, which do not
  * wait on a device: a stat or rename on a network file system that hangs would hold every thread with it.
+ * A larger body's buffer goes the other way (pwrite_pieces): the GIL released once for all of it, written in
+ * pieces whose size the page cache sizes its folios by (heldio.WRITE_PIECE).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
