@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import uuid
 
 import pytest
 
@@ -40,9 +41,13 @@ def test_lifecycle_idempotent_and_clean():
             outs = s.each(lambda r: r.run("hostname; cat /etc/hosts; touch /mnt/local/mine; ls /mnt/local", check=True).out)
             # each node's /dev/shm is its own, as a machine's is: what a killed job leaves there (multiprocessing's
             # named semaphores) goes with the node, not into the host's
-            shm = s.each(lambda r: r.run("touch /dev/shm/apl-mine-$(hostname); ls /dev/shm", check=True).out.split())
-        assert shm == {"node1": ["apl-mine-node1"], "node2": ["apl-mine-node2"]}
-        assert not [f for f in os.listdir("/dev/shm") if f.startswith("apl-mine-")]
+            mark = f"apl-mine-{uuid.uuid4().hex[:8]}"  # this run's own: a file an earlier run left is not this one
+            shm = s.each(lambda r: r.run(f"touch /dev/shm/{mark}-$(hostname); ls /dev/shm", check=True).out.split())
+        leaked = [f for f in os.listdir("/dev/shm") if f.startswith(mark)]
+        for f in leaked:
+            os.unlink(f"/dev/shm/{f}")
+        assert shm == {"node1": [f"{mark}-node1"], "node2": [f"{mark}-node2"]}
+        assert not leaked
         assert outs["node1"].splitlines()[0] == "node1" and outs["node2"].splitlines()[0] == "node2"
         assert "10.77." in outs["node1"] and outs["node1"] != outs["node2"]
         assert os.path.exists(os.path.join(tb.nodes[0].disk, "mine"))

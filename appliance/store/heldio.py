@@ -47,11 +47,11 @@ def write_all(fd: int, data: bytes) -> None:
 
 HELD_WRITE = 128 * 1024  # a write up to this size into the page cache is made with the GIL held (pwrite_all)
 # The most one pwrite of a larger view puts into the page cache. The kernel sizes the page cache's folios by the
-# write: a 512 KiB receive buffer in one pwrite fills folios of up to 512 KiB, taken whole from the free lists; a VM
-# whose host takes back free memory (free page reporting) faults on the host at the first touch of their pages;
-# 128 KiB pieces cost less system time there and no more on memory the VM holds (2 GiB of 256 MiB objects, medians
-# of 3: plain objects 1.80 s against 3.59, our uploads' 1.42 against 2.35; warmed, 1.84 against 1.83 and 1.37
-# against 1.77: bench/results/stage-write-size/pieces.txt)
+# write: a receive buffer (a core's L2, up to 1 MiB) in one pwrite fills folios that large, taken whole from the free
+# lists; a VM whose host takes back free memory (free page reporting) faults on the host at the first touch of their
+# pages; 128 KiB pieces cost less system time there and no more on memory the VM holds (2 GiB of 256 MiB objects,
+# medians of 3, against 512 KiB pieces: plain objects 1.80 s against 3.59, our uploads' 1.42 against 2.35; warmed,
+# 1.84 against 1.83 and 1.37 against 1.77: bench/results/stage-write-size/pieces.txt)
 WRITE_PIECE = 128 * 1024
 
 
