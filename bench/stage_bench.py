@@ -199,7 +199,7 @@ def tools(sw, tv: Path, c: int, baseline: str = "") -> dict:
     """Each tool: (dataset container) -> (argv, env, stdin). With ``baseline`` (another checkout), our stager from
     it too, as "appliance (...) at REV": a change measured beside what it replaces, in one run."""
     base_env, ak, sk = tool_env(sw, tv)
-    awscfg = Path(tempfile.mkdtemp()) / "config"
+    awscfg = Path(sw.base) / "aws-config"  # in the store's directory under --work, not a new /tmp dir per run
     awscfg.write_text(f"[default]\ns3 =\n  max_concurrent_requests = {c}\n  addressing_style = path\n")
     creds = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key).scoped()
 
