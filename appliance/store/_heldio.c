@@ -107,24 +107,38 @@ static PyObject *h_mtime_ns(PyObject *self, PyObject *arg) {
     return r;
 }
 
-/* All of ``b``: at ``pos`` (pwrite), or where the file is (write) when ``pos`` is negative. */
-static PyObject *put_all(int fd, Py_buffer *b, long long pos) {
+/* All of ``b``: at ``pos`` (pwrite), or where the file is (write) when ``pos`` is negative; in calls of at most
+ * ``piece`` bytes (0: as much as the call takes), the GIL released around all of it where ``release``. */
+static PyObject *put_all(int fd, Py_buffer *b, long long pos, Py_ssize_t piece, int release) {
     const char *p = b->buf;
     Py_ssize_t left = b->len;
+    int err = 0;
+    PyThreadState *saved = release ? PyEval_SaveThread() : NULL;
     while (left > 0) {
-        ssize_t k = pos < 0 ? write(fd, p, left) : pwrite(fd, p, left, (off_t)pos);
+        size_t n = (size_t)(piece > 0 && left > piece ? piece : left);
+        ssize_t k = pos < 0 ? write(fd, p, n) : pwrite(fd, p, n, (off_t)pos);
         if (k < 0) {
             if (errno == EINTR)
                 continue;
-            PyBuffer_Release(b);
-            return PyErr_SetFromErrno(PyExc_OSError);
+            err = errno;
+            break;
+        }
+        if (k == 0) { /* a regular file takes something or says why; never spin on nothing */
+            err = EIO;
+            break;
         }
         p += k;
         left -= k;
         if (pos >= 0)
             pos += k;
     }
+    if (saved)
+        PyEval_RestoreThread(saved);
     PyBuffer_Release(b);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     Py_RETURN_NONE;
 }
 
@@ -134,7 +148,7 @@ static PyObject *h_write(PyObject *self, PyObject *args) {
     Py_buffer b;
     if (!PyArg_ParseTuple(args, "iy*", &fd, &b))
         return NULL;
-    return put_all(fd, &b, -1);
+    return put_all(fd, &b, -1, 0, 0);
 }
 
 /* pwrite(fd, data, pos): all of it at ``pos`` (a small object's body, httpget.get_into) */
@@ -149,7 +163,7 @@ static PyObject *h_pwrite(PyObject *self, PyObject *args) {
         errno = EINVAL;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    return put_all(fd, &b, pos);
+    return put_all(fd, &b, pos, 0, 0);
 }
 
 /* pwrite_pieces(fd, data, pos, piece): all of ``data`` at ``pos``, the GIL released once around the whole of it,
@@ -167,33 +181,7 @@ static PyObject *h_pwrite_pieces(PyObject *self, PyObject *args) {
         errno = EINVAL;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    const char *p = b.buf;
-    Py_ssize_t left = b.len;
-    int err = 0;
-    Py_BEGIN_ALLOW_THREADS
-    while (left > 0) {
-        ssize_t k = pwrite(fd, p, left < piece ? left : piece, (off_t)pos);
-        if (k < 0) {
-            if (errno == EINTR)
-                continue;
-            err = errno;
-            break;
-        }
-        if (k == 0) { /* a regular file takes something or says why; never spin on nothing */
-            err = EIO;
-            break;
-        }
-        p += k;
-        left -= k;
-        pos += k;
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&b);
-    if (err) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    Py_RETURN_NONE;
+    return put_all(fd, &b, pos, piece, 1);
 }
 
 static PyMethodDef methods[] = {
