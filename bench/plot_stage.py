@@ -14,8 +14,9 @@ small = [r for r in rows if r["dataset"] == "small"]
 large = [r for r in rows if r["dataset"] == "large"]
 ours = [r for r in rows if r["dataset"] == "large-ours"]
 multi = [r for r in rows if r["dataset"] == "multipart"]
+medium = [r for r in rows if r["dataset"] == "medium"]
 upload = [r for r in rows if r["dataset"].startswith("upload")]
-panels = 3 + bool(ours) + bool(multi) + bool(upload)
+panels = 3 + bool(ours) + bool(multi) + bool(medium) + bool(upload)
 fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.5))
 axes[0].barh([r["tool"] for r in small], [r["objects_per_s"] for r in small], color="tab:blue")
 axes[0].set_xlabel("objects/s (higher is better)")
@@ -41,6 +42,12 @@ if multi:
     axes[nxt].axvline(res["disk_write_mb_s"], color="k", ls="--")
     axes[nxt].set_xlabel("MB/s (higher is better)")
     axes[nxt].set_title("the same, uploaded as `aws s3 cp` does (8 MiB parts)")
+    nxt += 1
+if medium:
+    axes[nxt].barh([r["tool"] for r in medium], [r["mb_per_s"] for r in medium], color="tab:brown")
+    axes[nxt].axvline(res["disk_write_mb_s"], color="k", ls="--")
+    axes[nxt].set_xlabel("MB/s (higher is better)")
+    axes[nxt].set_title(f"{res['dataset']['medium']} x {res['dataset']['medium_size'] // 2**20} MB")
     nxt += 1
 if upload:
     axes[nxt].barh([r["tool"] for r in upload], [r["mb_per_s"] for r in upload], color="tab:purple")

@@ -44,9 +44,10 @@ from nodedisk import node_disk  # noqa: E402
 
 # large: 8 x 256 MB as plain objects; large-ours: 8 others of that size as `appliance data upload` puts them (with
 # their CRC-32, which our stager checks instead of an MD5: CRC_META in appliance/store/objects.py); multipart: the
-# same as `aws s3 cp` uploads them (ETag <md5>-32, checked part by part); upload: one 1.6 GB file up; packed: 1 GB of
-# small files as 64 MB shards
-ALL_DATASETS = "small,large,large-ours,multipart,upload,packed"
+# same as `aws s3 cp` uploads them (ETag <md5>-32, checked part by part); medium: 256 x 8 MiB as plain objects
+# (between the stager's small bodies and its ranged GETs: files of a few MB, images, audio, shards); upload: one 1.6 GB
+# file up; packed: 1 GB of small files as 64 MB shards
+ALL_DATASETS = "small,large,large-ours,multipart,medium,upload,packed"
 
 
 def multipart_client(sw):
@@ -62,14 +63,15 @@ def multipart_client(sw):
 
 def seed(sw, args) -> dict:
     """Put the wanted datasets' objects: ``bsmall`` and ``bpacked`` (small, packed), ``blarge`` (large), ``bmulti``
-    (multipart). Only what ``--datasets`` asks for: a Ceph RGW keeps them in its OSD's memory (memstore). A Swift
-    keeps its disk between runs, so a group seeded before (its marker file) is not seeded again."""
+    (multipart), ``bmedium`` (medium). Only what ``--datasets`` asks for: a Ceph RGW keeps them in its OSD's memory
+    (memstore). A Swift keeps its disk between runs, so a group seeded before (its marker file) is not seeded
+    again."""
     wanted = set(args.datasets.split(","))
     creds = StoreCreds(auth_url=sw.auth_url, user=sw.user, key=sw.key)
     import swiftclient
 
     conn = swiftclient.Connection(authurl=sw.auth_url, user=sw.user, key=sw.key, timeout=600, retries=0)
-    for c in ("bsmall", "blarge", "bpacked", "bmulti"):
+    for c in ("bsmall", "blarge", "bpacked", "bmulti", "bmedium"):
         conn.put_container(c)
 
     def todo(group: str, n: int, size: int) -> Path | None:
@@ -120,7 +122,15 @@ def seed(sw, args) -> dict:
                 if m:
                     m.write_text("")
             print(f"seeded {args.large} large objects", flush=True)
-    return {"small": args.small, "small_size": args.small_size, "large": args.large, "large_size": args.large_size}
+        marker = todo("medium", args.medium, args.medium_size) if "medium" in wanted else None
+        if marker:
+            block = os.urandom(args.medium_size)  # each object its own bytes: a counter in its first 8
+            for i in range(args.medium):
+                conn.put_object("bmedium", f"medium-{i:04d}.bin", i.to_bytes(8, "little") + block[8:])
+            marker.write_text("")
+            print(f"seeded {args.medium} medium objects", flush=True)
+    return {"small": args.small, "small_size": args.small_size, "large": args.large, "large_size": args.large_size,
+            "medium": args.medium, "medium_size": args.medium_size}
 
 
 def store_bytes(args) -> int:
@@ -130,7 +140,8 @@ def store_bytes(args) -> int:
     small = 2 * args.small * args.small_size if wanted & {"small", "packed"} else 0  # bsmall and bpacked
     large = sum(args.large * args.large_size for d in ("large", "large-ours", "multipart") if d in wanted)
     up = args.upload_size if "upload" in wanted else 0
-    return (small + large + up) * 5 // 4 + (1 << 30)
+    medium = args.medium * args.medium_size if "medium" in wanted else 0
+    return (small + large + medium + up) * 5 // 4 + (1 << 30)
 
 
 def seed_ours(sw, args) -> None:
@@ -323,6 +334,8 @@ def main() -> None:
     ap.add_argument("--small-size", type=int, default=100 * 1024)
     ap.add_argument("--large", type=int, default=8)
     ap.add_argument("--large-size", type=int, default=256 * 1024**2)
+    ap.add_argument("--medium", type=int, default=256)
+    ap.add_argument("--medium-size", type=int, default=8 * 1024**2)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--tools-venv", default=str(ROOT / "bench" / ".venv-tools"))
     ap.add_argument("--work", default="/var/tmp/appliance-bench")
@@ -335,7 +348,8 @@ def main() -> None:
                          "(bench/results/stage-write-size)")
     ap.add_argument("--datasets", default=ALL_DATASETS,
                     help="comma-separated: small, large, large-ours (large objects as `appliance data upload` puts "
-                         "them), multipart (the large objects as `aws s3 cp` uploads them), upload (a checkpoint-sized "
+                         "them), multipart (the large objects as `aws s3 cp` uploads them), medium (--medium objects "
+                         "of --medium-size), upload (a checkpoint-sized "
                          "file up), packed")
     ap.add_argument("--upload-size", type=int, default=1536 * 1024**2, help="bytes of the upload dataset's file")
     ap.add_argument("--baseline", default="", help="another checkout of this repository (e.g. a git worktree of "
@@ -360,7 +374,8 @@ def main() -> None:
           RGWServer(work / "rgw", memstore_bytes=store_bytes(args), tls=args.tls)).start()
     os.environ.update(ca_env(sw))  # the seeding's clients (swiftclient, boto3, SwiftStore) trust it too
     # the largest dataset half again (the stager keeps 256 MiB free), and room for the 1 GiB of the dd ceiling
-    disk_bytes = max(args.small * args.small_size, args.large * args.large_size) * 3 // 2 + (2 << 30)
+    disk_bytes = max(args.small * args.small_size, args.large * args.large_size,
+                     args.medium * args.medium_size) * 3 // 2 + (2 << 30)
     fs = "the work directory's file system"
     try:
         info = seed(sw, args)
@@ -401,7 +416,8 @@ def run_datasets(sw, args, info: dict, disk_root: Path, tv: Path, disk: float) -
     datasets = [("small", "bsmall", info["small"], info["small"] * info["small_size"]),
                 ("large", "blarge", info["large"], info["large"] * info["large_size"]),
                 ("large-ours", "bours", info["large"], info["large"] * info["large_size"]),
-                ("multipart", "bmulti", info["large"], info["large"] * info["large_size"])]
+                ("multipart", "bmulti", info["large"], info["large"] * info["large_size"]),
+                ("medium", "bmedium", info["medium"], info["medium"] * info["medium_size"])]
     wanted = set(args.datasets.split(","))
     for ds, cont, n, nbytes in [d for d in datasets if d[0] in wanted]:
         names = [t for t in ts if t in only] if only else [t for t in ts if "without quick ACKs" not in t]

@@ -772,6 +772,26 @@ def test_held_buffers_are_written_direct_and_replaced_from_the_pool(server, tmp_
     assert len(httpget._POOL.free) == free + 2 and httpget._POOL.lent == lent  # back once the holder lets go
 
 
+def test_a_hold_that_passes_leaves_the_pieces_direct_and_shown_to_the_sink(server, tmp_path):
+    """``hold`` answering None: nobody reads the bytes back (the stager's GET whose headers gave a CRC-32, taken as
+    the bytes pass): written past the page cache as with no ``hold``, and shown to the sink; nothing stays lent."""
+    p = tmp_path / "f"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT)
+    direct = httpget.open_direct(p)
+    if direct is None:
+        pytest.skip(f"{tmp_path}'s file system does not take O_DIRECT")
+    seen, offered, lent = bytearray(), [], httpget._POOL.lent
+    try:
+        n, _ = get_into(f"{server}/c/o", {}, fd, 0, seen.extend, direct=direct,
+                        hold=lambda view, lease: offered.append(len(view)))
+    finally:
+        os.close(direct)
+        os.close(fd)
+    assert resident_pages(p) <= 2  # at most the unaligned tail's page, before the read below caches them
+    assert n == len(BODY) and bytes(seen) == BODY == p.read_bytes() and sum(offered) == len(BODY)
+    assert httpget._POOL.lent == lent
+
+
 def test_what_may_be_lent_is_bounded_and_past_it_pieces_go_through_the_page_cache(server, tmp_path, monkeypatch):
     assert httpget.lent_most(64 << 30, 512 << 10) == 512  # 256 MiB
     assert httpget.lent_most(1 << 30, 512 << 10) == 128  # a 16th of 1 GiB

@@ -229,6 +229,55 @@ def test_a_cancelled_short_or_abandoned_stream_fails_rather_than_hangs(tmp_path,
     assert open_fds() == before
 
 
+def test_then_calls_back_once_each_stream_is_hashed_or_has_failed(tmp_path, lanes):
+    """``then``: the writer goes on and the verdict comes back in the hashing thread (the stager's objects of a few
+    MB), once per stream: after its hashing, or at once when it is done already; never for one not whole (a
+    cancelled GET). A callback that raises is kept and the others still run."""
+    import threading
+
+    data = os.urandom(3 * md5lanes.CHUNK + 77)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    seen, me = [], threading.get_ident()
+    with md5lanes.Hasher() as h:
+        a, b, done, bad = h.streams(fd, [[(0, len(data))], [(0, 100)], [(0, 64)], [(0, 1000)]])
+        with pytest.raises(ValueError):
+            a.then(seen.append)  # not every byte is written: a caller's mistake, said at once
+        done.wrote(0, 64)
+        done.result()
+        done.then(lambda s: seen.append(("done", s.hexdigest(), threading.get_ident() == me)))  # done: at once
+        assert seen == [("done", hashlib.md5(data[:64]).hexdigest(), True)]
+        bad.wrote(0, 1000)
+        bad.then(lambda s: 1 / 0)
+        a.wrote(0, len(data))
+        got = threading.Event()
+        a.then(lambda s: (seen.append(("a", s.error, s.hexdigest())), got.set()))
+        assert got.wait(30)
+        assert seen[1] == ("a", None, hashlib.md5(data).hexdigest())
+        b.wrote(0, 50)
+        b.cancel()
+        with pytest.raises(ValueError):
+            b.then(seen.append)
+        c = h.stream(fd, [(0, 10)])
+    os.close(fd)
+    assert bad.done.is_set() and any(isinstance(e, ZeroDivisionError) for e in h.errors)
+    assert len(seen) == 2 and c.done.is_set() and isinstance(c.error, OSError)
+
+
+def test_a_stream_ended_by_closing_the_hasher_calls_back_with_its_error(tmp_path, lanes):
+    (tmp_path / "f").write_bytes(b"y" * 5000)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    seen = []
+    h = md5lanes.Hasher(flush=60)
+    s, other = h.streams(fd, [[(0, 100)], [(0, 5000)]])
+    s.wrote(0, 100)
+    s.then(lambda st: seen.append(st.error))
+    os.close(fd)
+    h.close()  # a stage that failed: what was not hashed yet ends with the hasher, each verdict said once
+    assert len(seen) == 1 and (seen[0] is None or isinstance(seen[0], OSError))
+    assert other.done.is_set() and isinstance(other.error, OSError)
+
+
 def test_a_files_streams_share_one_map(tmp_path, lanes):
     """A multipart object has up to 10,000 parts and a process up to vm.max_map_count maps (65,530 by default):
     16 such objects at once with a map per part would pass it. One map per file, gone once its streams are."""

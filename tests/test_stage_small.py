@@ -5,6 +5,7 @@ small objects from a real Swift and Ceph RGW in test_stage.py (a damaged one fet
 import hashlib
 import json
 import os
+import threading
 import zlib
 
 import pytest
@@ -81,17 +82,105 @@ def test_a_small_object_damaged_on_every_try_fails_the_stage_and_keeps_the_rest(
     assert {n: (tmp_path / "out" / n[2:]).read_bytes() for n in data} == data
 
 
-def test_objects_over_a_mebibyte_and_our_uploads_are_checked_in_their_own_threads(tmp_path, bodies):
-    """Above SMALL the copy would cost more memory than the lanes save; a CRC-32 (our uploads) costs a fifth of an
-    MD5: neither goes to the lanes."""
-    data = {"d/big.bin": os.urandom(sm.SMALL + 1), "d/ours.bin": os.urandom(5000), "d/other.bin": os.urandom(5000)}
+@pytest.fixture
+def hashers(monkeypatch):
+    """The stage's Hasher, kept for the test, with the streams it was given."""
+    made = []
+
+    class Kept(md5lanes.Hasher):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.sizes = []
+            made.append(self)
+
+        def streams(self, fd, groups, **kw):
+            self.sizes += [sum(k for _, k in g) for g in groups]
+            return super().streams(fd, groups, **kw)
+
+    monkeypatch.setattr(sm, "Hasher", Kept)
+    return made
+
+
+def medium(n: int) -> dict[str, bytes]:
+    """Objects over SMALL and under LARGE (a few MB: images, audio, shards)."""
+    return {f"d/m{i:02d}.bin": os.urandom(sm.SMALL + 1 + i * 70_001) for i in range(n)}
+
+
+def test_our_uploads_are_checked_by_crc_in_their_own_threads_and_a_larger_one_goes_to_the_hasher(tmp_path, bodies,
+                                                                                                 hashers):
+    """A CRC-32 (our uploads) costs a fifth of an MD5 and is taken as the bytes pass: neither lanes nor hasher. A
+    small object another tool put goes to the bodies (a copy, 8 in a call); one over SMALL, whose copy would cost
+    more memory than the lanes save, to the hasher (read from the page cache, as a large object's)."""
+    data = {"d/big.bin": os.urandom(sm.SMALL + 1), "d/ours.bin": os.urandom(5000), "d/other.bin": os.urandom(5000),
+            "d/ours-big.bin": os.urandom(sm.SMALL + 7)}
     st = DictStore(data)
-    ours = data["d/ours.bin"]
-    st.meta["d/ours.bin"] = {f"x-object-meta-{CRC_META}": crc_meta(zlib.crc32(ours), hashlib.md5(ours).hexdigest())}
+    for name in ("d/ours.bin", "d/ours-big.bin"):
+        b = data[name]
+        st.meta[name] = {f"x-object-meta-{CRC_META}": crc_meta(zlib.crc32(b), hashlib.md5(b).hexdigest())}
     res = stage(st, "d/", tmp_path / "out", concurrency=4)
-    assert res.files_fetched == 3 and res.corrupt_refetched == 0
+    assert res.files_fetched == 4 and res.corrupt_refetched == 0
     assert {n: (tmp_path / "out" / n[2:]).read_bytes() for n in data} == data
     assert sum(k * v for k, v in bodies[0].batches.items()) == 1  # d/other.bin only
+    assert hashers[0].sizes == [sm.SMALL + 1]  # d/big.bin only
+
+
+def test_objects_of_a_few_mb_are_hashed_in_the_lanes_while_their_threads_fetch_on(tmp_path, bodies, hashers,
+                                                                                  monkeypatch):
+    """An object over SMALL and under LARGE was hashed by hashlib in its GET's thread: one core's MD5 (0.65 GB/s
+    here; the lanes take 8 streams at 3.2 GB/s). The hasher takes it now, and its thread goes on to the next object
+    as soon as the bytes are written; the verdict places it later. Here no hashing call may start before every GET
+    has returned: 12 objects through 3 threads, so a thread that waited for its object's verdict would wait for
+    ever (here: until the test gives up and lets hashing start, then fails)."""
+    data = medium(12)
+    st = DictStore(data)
+    let_hash, all_got = threading.Event(), []
+    real = md5lanes._hash
+
+    def gated(batch):
+        let_hash.wait(30)
+        return real(batch)
+
+    def watch():
+        all_got.append(all(st.got[n].wait(30) for n in data))
+        let_hash.set()
+
+    monkeypatch.setattr(md5lanes, "_hash", gated)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        res = stage(st, "d/", tmp_path / "out", concurrency=3)
+    finally:
+        let_hash.set()
+        watcher.join()
+    assert all_got == [True]
+    assert res.files_fetched == 12 and res.corrupt_refetched == 0 and res.retries == 0
+    assert {n: (tmp_path / "out" / n[2:]).read_bytes() for n in data} == data
+    assert sorted(hashers[0].sizes) == sorted(len(b) for b in data.values())
+    assert sum(hashers[0].batches.values()) and not hashers[0].errors
+    assert set(json.loads((tmp_path / "out" / MANIFEST).read_text())) == set(data)
+    assert not (tmp_path / "out" / ".appliance-staging").exists()
+
+
+def test_an_object_of_a_few_mb_damaged_on_the_way_is_fetched_again_on_its_verdict(tmp_path, bodies, hashers):
+    data = medium(6)
+    st = DictStore(data)
+    st.damage["d/m03.bin"] = 1  # its first GET arrives with byte 0 flipped
+    res = stage(st, "d/", tmp_path / "out", concurrency=3)
+    assert res.corrupt_refetched == 1 and res.retries == 1 and res.files_fetched == 6
+    assert {n: (tmp_path / "out" / n[2:]).read_bytes() for n in data} == data
+    assert [g[0] for g in st.gets].count("d/m03.bin") == 2
+
+
+def test_an_object_of_a_few_mb_damaged_on_every_try_fails_the_stage_and_keeps_the_rest(tmp_path, bodies, hashers):
+    data = medium(4)
+    st = DictStore(data)
+    st.damage["d/m01.bin"] = 2
+    with pytest.raises(ApplianceError, match=r"could not fetch 'd/m01.bin' after 2 tries \(checksum mismatch\)"):
+        stage(st, "d/", tmp_path / "out", concurrency=2, retries=1)
+    assert sorted(json.loads((tmp_path / "out" / MANIFEST).read_text())) == sorted(n for n in data if n != "d/m01.bin")
+    res = stage(st, "d/", tmp_path / "out")
+    assert res.files_fetched == 1 and res.files_skipped == 3
+    assert {n: (tmp_path / "out" / n[2:]).read_bytes() for n in data} == data
 
 
 def test_the_page_cache_room_is_memavailable_or_the_cgroups_less(tmp_path):

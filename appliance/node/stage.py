@@ -474,7 +474,7 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
                                       lambda ok, a=attempt, r=rechecked: later(o, part, a, r, ok), direct=direct)
                 if verified is not None:
                     place(o, part, verified, rechecked)
-                # else its MD5 is taken with 7 others' in the bodies' thread, which places it (later)
+                # else its MD5 is taken with others' in the bodies' or the hasher's thread, which places it (later)
                 return
             except Recheck:
                 part.unlink(missing_ok=True)
@@ -585,31 +585,58 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
         return segments is None
     check = _Check(etag)
     body = bodies.job(o.size) if bodies is not None and later is not None and 0 < o.size <= SMALL else None
+    # one of a few MB (over SMALL, under LARGE) checked by its MD5: hashed by the hasher with others in the lanes,
+    # from the page cache or the receive buffers, as a large object's; its verdict comes later, as a small one's
+    lanes = later is not None and hasher.lanes > 1 and SMALL < o.size < LARGE
+    stream, ssink, shold = None, None, None
     got = 0
+
+    def headers_seen(h: dict) -> None:
+        nonlocal stream, ssink, shold
+        check.headers(h)
+        if lanes and check.crc is None and str(h.get("x-static-large-object", "")).lower() != "true":
+            os.ftruncate(fd, o.size)  # the hasher maps the file
+            stream = hasher.streams(fd, [[(0, o.size)]], direct=dfd is not None)[0]
+            ssink, shold = _split([stream], [(0, 0, o.size)], dfd is not None)
 
     def sink(view: memoryview) -> None:
         nonlocal got
         k = len(view)
-        if body is None or check.crc is not None:
+        if ssink is not None:
+            ssink(view)
+        elif body is None or check.crc is not None:
             check.update(view)
         elif got + k <= o.size:  # a copy for the bodies' thread to hash (more than the listing said: Corrupt, below)
             body.buf[got:got + k] = view
         got += k
         prog.add(k)
 
+    def hold(view: memoryview, lease) -> bool | None:
+        if shold is None:
+            return None  # checked as it passes (its CRC-32): written past the page cache, as with no hold
+        if not shold(view, lease):
+            return False
+        prog.add(len(view))
+        return True
+
     try:
-        fd = heldio.open_file(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        fd = heldio.open_file(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
         # past the page cache too when the stage is (its sink takes every byte as it passes), but not a small one:
         # a second open per object costs more than its copy
         dfd = open_direct(part) if direct and o.size > SMALL else None
         try:
-            n, headers = store.fetch(o.name, fd, 0, sink, on_headers=check.headers, direct=dfd)
+            n, headers = store.fetch(o.name, fd, 0, sink, on_headers=headers_seen, direct=dfd,
+                                     hold=hold if lanes and dfd is not None else None)
         finally:
             if dfd is not None:
                 heldio.close(dfd)
             heldio.close(fd)
         if n != o.size or (body is not None and got != n):
             raise Corrupt(o.name)
+        if stream is not None:
+            stream.then(lambda s: later(s.error is None and s.hexdigest() == etag))
+            stream = None  # the hasher has it now
+            return None
         if body is not None and check.crc is None and \
                 str(headers.get("x-static-large-object", "")).lower() != "true":
             bodies.submit(body, lambda digest: later(digest.hex() == etag))
@@ -618,6 +645,8 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
     finally:
         if body is not None:
             bodies.drop(body)
+        if stream is not None:
+            stream.cancel()
     if check.crc is not None:
         if check.crc.value != check.want:
             raise Corrupt(o.name)

@@ -516,7 +516,7 @@ def _whole(u, hdrs: dict, n: int) -> None:
 
 def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None,
              *, timeout: float = 60.0, on_headers: Callable[[dict], None] | None = None, direct: int | None = None,
-             hold: Callable[[memoryview, Lease], bool] | None = None) -> tuple[int, dict]:
+             hold: Callable[[memoryview, Lease], bool | None] | None = None) -> tuple[int, dict]:
     """GET ``url`` and write its body to ``fd`` from ``offset`` on; ``sink`` sees each piece as it is written,
     ``on_headers`` a 2xx answer's headers (lower-case names) before the body. Returns (bytes written, those
     headers). Raises HTTPError for a non-2xx answer, http.client.IncompleteRead when the body ends early, OSError
@@ -527,7 +527,8 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
     lease)`` is offered each piece first, before it is written: True when it keeps the bytes in the buffer itself
     (``lease.share()``) and reads nothing of them from the file, for the hasher (store/md5lanes.py); then the
     thread goes on with a spare buffer, ``sink`` does not see the piece, and it may go direct. False (or no spare
-    buffer): written through the page cache, then shown to ``sink``."""
+    buffer): written through the page cache, then shown to ``sink``. None: nobody holds or reads back this piece
+    (a GET whose headers said it is checked as it passes): written as with no ``hold``, then shown to ``sink``."""
     u = urlsplit(url)
     conn, resp = _send("GET", url, headers, timeout)
     hdrs = {k.lower(): v for k, v in resp.getheaders()}
@@ -549,12 +550,14 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
             k = resp.readinto(buf[have:])
             have += k
             if have and (not k or have == len(buf)):
-                view, lease = buf[:have], None
+                view, lease, kept = buf[:have], None, None
                 if hold is not None:
                     spare = _POOL.spare()
+                    kept = False  # no spare: through the page cache, for whoever reads it back
                     if spare is not None:
                         lease = Lease(buf)
-                        if hold(view, lease):
+                        kept = hold(view, lease)
+                        if kept:
                             _local.buf = buf = spare  # this one is the holders' until they release it
                         else:
                             _POOL.unlent(spare)
@@ -565,7 +568,7 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
                     finally:
                         lease.release()
                 else:
-                    write_at(fd, direct if hold is None else None, view, offset + n)
+                    write_at(fd, direct if kept is None else None, view, offset + n)
                     if sink is not None:
                         sink(view)
                 n += have

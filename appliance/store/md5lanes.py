@@ -14,7 +14,8 @@ bytes that come where a stream's bytes so far end are handed to it in the buffer
 (``holds``/``hold``: httpget.get_into then writes them with O_DIRECT and goes on with another buffer); the rest
 (every byte otherwise, and bytes that come ahead: parallel ranges of one object) are written to the file first and
 said with ``wrote``, in any order, and read from the page cache (a read-only mmap, no copy).
-``digest()`` waits for the last bytes. ``md5_ranges`` is the same for bytes already in a file (an upload's
+``digest()`` waits for the last bytes, or ``then(fn)`` calls back once they are hashed (the stager's objects of a few
+MB, whose fetching threads go on meanwhile). ``md5_ranges`` is the same for bytes already in a file (an upload's
 parts), in the calling thread.
 
 ``Bodies`` is the same for small objects, whose bodies are whole in memory after their GET: a copy of each is queued
@@ -122,6 +123,7 @@ class Stream:
         self.finished = False
         self.error: Exception | None = None
         self.done = threading.Event()
+        self.then_fn: Callable[[Stream], None] | None = None
 
     def ready(self) -> bool:
         return not self.finished and (self.frontier - self.hashed >= CHUNK or self.frontier == self.end)
@@ -206,6 +208,20 @@ class Stream:
             if not self.finished:
                 self.error = self.error or OSError("cancelled")
                 self.hasher._finish(self)
+        self.hasher._run_due()
+
+    def then(self, fn: Callable[[Stream], None]) -> None:
+        """Once every byte is written (the writer has said so): ``fn(stream)`` once it is hashed (``error`` None,
+        ``hexdigest()``) or has failed (``error`` set), in the hashing thread, or at once here if it is already;
+        the writer goes on meanwhile (the stager's objects of a few MB: their verdict comes later, as a small
+        object's from ``Bodies``). ``fn`` must not raise (what it raises is kept in the hasher's ``errors``)."""
+        if self.frontier != self.end:
+            raise ValueError(f"bytes {self.frontier}..{self.end} were not written")
+        with self.hasher.cv:
+            self.then_fn = fn
+            if self.finished:
+                self.hasher.due.append(self)
+        self.hasher._run_due()
 
 
 class Hasher:
@@ -225,6 +241,8 @@ class Hasher:
         self.live: list[Stream] = []
         self.closed = False
         self.batches: Counter[int] = Counter()
+        self.due: list[Stream] = []  # finished streams whose ``then`` is to be called, once ``cv`` is let go
+        self.errors: list[BaseException] = []  # what a ``then`` raised
         n = threads or (1 if self.lanes > 1 else min(8, os.cpu_count() or 1))
         self.threads = [threading.Thread(target=self._work, name=f"md5-{i}", daemon=True) for i in range(n)]
         for t in self.threads:
@@ -264,8 +282,10 @@ class Hasher:
                 s.error = s.error or OSError("the hasher was closed")
                 self._finish(s)
             self.cv.notify_all()
+        self._run_due()
         for t in self.threads:
             t.join()
+        self._run_due()
 
     def __enter__(self) -> Hasher:
         return self
@@ -285,6 +305,22 @@ class Hasher:
                 lease.release()
         s.held.clear()
         s.done.set()
+        if s.then_fn is not None:
+            self.due.append(s)
+
+    def _run_due(self) -> None:
+        """Call the ``then`` of each stream finished so far, outside ``cv``, each once."""
+        while True:
+            with self.cv:
+                if not self.due:
+                    return
+                s = self.due.pop(0)
+                fn, s.then_fn = s.then_fn, None
+            if fn is not None:
+                try:
+                    fn(s)
+                except BaseException as e:  # not expected: kept, so that the thread goes on with the others
+                    self.errors.append(e)
 
     def _next(self) -> list[Stream]:
         """Under ``cv``: the streams to hash in the next call, once a batch is worth it (the class's docstring);
@@ -349,6 +385,7 @@ class Hasher:
                         self._finish(s)
                 take = None
                 self.cv.notify_all()
+            self._run_due()
 
 
 def md5_ranges(fd: int, ranges: list[tuple[int, int]], crcs: list | None = None) -> list[bytes]:
