@@ -29,10 +29,11 @@ def avx2() -> bool:
 
 @pytest.mark.skipif(not avx2(), reason="this CPU has no AVX2")
 def test_the_lanes_are_built_and_used_on_this_machine():
-    """make install builds the C extension (setup.py); a build that quietly failed would leave hashlib's speed."""
+    """make install builds the C extension (setup.py); a build that quietly failed would leave hashlib's speed.
+    16 lanes: two AVX2 registers of 8 streams, their steps interleaved."""
     from appliance.store import _md5lanes
 
-    assert _md5lanes.LANES == 8 and md5lanes.lanes_in_use() == 8
+    assert _md5lanes.LANES == 16 and md5lanes.lanes_in_use() == 16
 
 
 def test_the_lanes_give_hashlibs_md5_for_any_lengths_and_mixes():
@@ -40,7 +41,7 @@ def test_the_lanes_give_hashlibs_md5_for_any_lengths_and_mixes():
         pytest.skip("not built")
     rng = random.Random(5)
     for _ in range(300):
-        data = [os.urandom(rng.choice(SIZES[:10] + [rng.randrange(5000)])) for _ in range(rng.randint(1, 8))]
+        data = [os.urandom(rng.choice(SIZES[:10] + [rng.randrange(5000)])) for _ in range(rng.randint(1, 16))]
         states = [bytearray(md5lanes._IV) for _ in data]
         md5lanes._md5lanes.update([(s, d[:len(d) // 64 * 64]) for s, d in zip(states, data)])
         md5lanes._md5lanes.update([(s, d[len(d) // 64 * 64:] + md5lanes._padding(len(d)))
@@ -56,7 +57,7 @@ def test_a_lanes_data_may_be_a_list_of_pieces_hashed_in_turn():
     rng = random.Random(6)
     for _ in range(200):
         pieces = [[os.urandom(64 * rng.randrange(0, 30)) for _ in range(rng.randint(0, 5))]
-                  for _ in range(rng.randint(1, 8))]
+                  for _ in range(rng.randint(1, 16))]
         states = [bytearray(md5lanes._IV) for _ in pieces]
         md5lanes._md5lanes.update([(s, p if rng.random() < 0.8 else b"".join(p)) for s, p in zip(states, pieces)])
         md5lanes._md5lanes.update([(s, md5lanes._padding(sum(map(len, p)))) for s, p in zip(states, pieces)])
@@ -74,7 +75,7 @@ def test_the_c_update_refuses_what_it_cannot_hash():
     with pytest.raises(ValueError):
         md5lanes._md5lanes.update([(st, b"x" * 65)])  # not whole blocks
     with pytest.raises(ValueError):
-        md5lanes._md5lanes.update([(bytearray(md5lanes._IV), b"")] * 9)  # more than 8
+        md5lanes._md5lanes.update([(bytearray(md5lanes._IV), b"")] * 17)  # more than 16
     with pytest.raises(BufferError):
         md5lanes._md5lanes.update([(b"read-only state!", b"")])
     assert bytes(st) == md5lanes._IV
@@ -139,14 +140,14 @@ def test_streams_written_out_of_order_in_any_pieces(tmp_path, lanes):
 
 
 def test_ready_streams_are_hashed_together(tmp_path, monkeypatch):
-    """Eight files complete at once: one call of the lanes takes all eight (the point of them)."""
+    """LANES (16) files complete at once: one call of the lanes takes them all (the point of them)."""
     if md5lanes.LANES == 1:
         pytest.skip("the lanes are not built or the CPU has no AVX2")
     widths = []
     real = md5lanes._md5lanes.update
 
     class Counting:
-        LANES = 8
+        LANES = md5lanes.LANES
 
         @staticmethod
         def update(jobs):
@@ -154,7 +155,7 @@ def test_ready_streams_are_hashed_together(tmp_path, monkeypatch):
             return real(jobs)
 
     monkeypatch.setattr(md5lanes, "_md5lanes", Counting)
-    data = [os.urandom(md5lanes.CHUNK * 2 + i) for i in range(8)]
+    data = [os.urandom(md5lanes.CHUNK * 2 + i) for i in range(md5lanes.LANES)]
     with md5lanes.Hasher() as h:
         streams = []
         with h.cv:  # every stream is ready before the hashing thread looks
@@ -166,7 +167,7 @@ def test_ready_streams_are_hashed_together(tmp_path, monkeypatch):
                 s.wrote(0, len(d))
                 streams.append(s)
         assert [s.result().hexdigest() for s in streams] == [hashlib.md5(d).hexdigest() for d in data]
-    assert widths[0] == 8 and max(widths) == 8
+    assert widths[0] == md5lanes.LANES and max(widths) == md5lanes.LANES
 
 
 def _one_file_streams(tmp_path, h, n):
@@ -180,19 +181,19 @@ def _one_file_streams(tmp_path, h, n):
 
 
 def test_a_ready_stream_waits_for_a_full_batch_while_others_are_coming(tmp_path):
-    """A call of the lanes costs as much for two streams as for eight: a ready stream waits (up to ``flush``) while
-    others are unfinished. Before, the hasher took whatever was ready: 8 x 256 MiB multipart objects from Ceph RGW
+    """A call of the lanes costs as much for two streams as for eight (and for nine as for 16): a ready stream
+    waits (up to ``flush``) while others are unfinished. Before, the hasher took whatever was ready: 8 x 256 MiB multipart objects from Ceph RGW
     made 1,153 calls of one stream and 231 of eight."""
     if md5lanes.LANES == 1:
         pytest.skip("the lanes are not built or the CPU has no AVX2")
     with md5lanes.Hasher(flush=60) as h:
-        streams, want = _one_file_streams(tmp_path, h, 8)
+        streams, want = _one_file_streams(tmp_path, h, md5lanes.LANES)
         streams[0].wrote(0, md5lanes.CHUNK)
-        assert not streams[0].done.wait(0.2)  # held: seven more are coming
+        assert not streams[0].done.wait(0.2)  # held: more are coming
         for s in streams[1:]:
             s.wrote(0, md5lanes.CHUNK)
         assert [s.result().hexdigest() for s in streams] == want
-        assert h.batches == {8: 1}
+        assert h.batches == {md5lanes.LANES: 1}
 
 
 def test_a_ready_stream_goes_alone_when_nothing_else_can_come_or_after_the_flush(tmp_path, lanes):
@@ -302,14 +303,16 @@ def test_a_files_streams_share_one_map(tmp_path, lanes):
     assert maps() == 0
 
 
-def test_bodies_give_hashlibs_md5_eight_in_a_call_and_one_alone_after_the_wait():
-    """``Bodies``: the small objects' MD5s (the stager copies each body in and goes on). 8 queued bodies are one
-    call of the lanes; fewer wait ``flush`` seconds for more, then go as they are (one alone through hashlib)."""
+def test_bodies_give_hashlibs_md5_sixteen_in_a_call_and_one_alone_after_the_wait():
+    """``Bodies``: the small objects' MD5s (the stager copies each body in and goes on). LANES (16) queued bodies
+    are one call of the lanes; fewer wait ``flush`` seconds for more, then go as they are (one alone through
+    hashlib)."""
     if md5lanes.LANES == 1:
         pytest.skip("the lanes are not built or the CPU has no AVX2")
     import threading
 
-    sizes = [s for s in SIZES if s <= 1 << 20][:8]
+    L = md5lanes.LANES
+    sizes = ([s for s in SIZES if s <= 1 << 20] + [5000 + 999 * i for i in range(L)])[:L]
     data = [os.urandom(n) for n in sizes] + [os.urandom(100_000)]
     got = {}
     done = threading.Event()
@@ -322,15 +325,15 @@ def test_bodies_give_hashlibs_md5_eight_in_a_call_and_one_alone_after_the_wait()
         return d
 
     with md5lanes.Bodies(flush=3600) as b:  # only a full batch goes before close
-        for i, x in enumerate(data[:8]):
+        for i, x in enumerate(data[:L]):
             job = b.job(len(x))
             job.buf[:] = x
             b.submit(job, verdict(i))
-        job = b.job(len(data[8]))
-        job.buf[:] = data[8]
-        b.submit(job, verdict(8))
-    assert b.batches == {8: 1, 1: 1} and not b.errors  # the 9th went at close
-    assert [got[i] for i in range(9)] == [hashlib.md5(x).digest() for x in data]
+        job = b.job(len(data[L]))
+        job.buf[:] = data[L]
+        b.submit(job, verdict(L))
+    assert b.batches == {L: 1, 1: 1} and not b.errors  # the last went at close
+    assert [got[i] for i in range(L + 1)] == [hashlib.md5(x).digest() for x in data]
 
     got.clear()
     done = threading.Event()

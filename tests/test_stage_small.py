@@ -42,17 +42,17 @@ def objects(n: int) -> dict[str, bytes]:
     return {f"d/{i:03d}.bin": os.urandom(1 + i * 20_011 % (300 << 10)) for i in range(n)}
 
 
-def test_small_objects_are_hashed_eight_in_one_call_while_their_threads_fetch_on(tmp_path, bodies):
+def test_small_objects_are_hashed_sixteen_in_one_call_while_their_threads_fetch_on(tmp_path, bodies):
     """Each small object's MD5 was taken by hashlib in its GET's thread (155 microseconds for 100 KB here; 41 in a
-    call of 8 lanes). 16 objects through 4 threads: two calls of 8. A thread that waited for its object's verdict
+    call of 8 lanes). 32 objects through 4 threads: two calls of 16. A thread that waited for its object's verdict
     would leave at most 4 bodies waiting, and each call would wait its 5 s for the rest."""
     bodies.flush = 5.0
-    data = objects(16)
+    data = objects(32)
     st = DictStore(data)
     res = stage(st, "d/", tmp_path / "out", concurrency=4)
-    assert res.files_fetched == 16 and res.corrupt_refetched == 0 and res.retries == 0
+    assert res.files_fetched == 32 and res.corrupt_refetched == 0 and res.retries == 0
     assert {n: (tmp_path / "out" / n[2:]).read_bytes() for n in data} == data
-    assert bodies[0].batches == {8: 2} and not bodies[0].errors
+    assert bodies[0].batches == {md5lanes.LANES: 32 // md5lanes.LANES} and not bodies[0].errors
     assert set(json.loads((tmp_path / "out" / MANIFEST).read_text())) == set(data)
     assert not (tmp_path / "out" / ".appliance-staging").exists()
 

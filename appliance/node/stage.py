@@ -50,7 +50,7 @@ STAGING = ".appliance-staging"  # downloads in progress, on the same file system
 RESERVED = {MANIFEST, JOURNAL, STAGING, f".{MANIFEST}.tmp"}
 LARGE = 64 * 1024**2  # objects above this are fetched as parallel ranged GETs
 RANGE = 16 * 1024**2
-SMALL = 1024**2  # objects up to this size are checked after their GET, their MD5s 8 at a time (md5lanes.Bodies)
+SMALL = 1024**2  # objects up to this size are checked after their GET, their MD5s 16 at a time (md5lanes.Bodies)
 MAX_RANGE = 2 * RANGE  # a part or segment up to this size is one GET
 # ... and so is one up to this share of the large objects' bytes to fetch: with 8 or more of them, the parallel GETs
 # come from the objects (8 x 256 MiB from Ceph RGW: 5.8 s of client CPU instead of 6.5-6.8, docs/staging.md, when
@@ -425,7 +425,7 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
     big_pool = ThreadPoolExecutor(max_workers=concurrency)  # ranged parts of large objects
     hasher = Hasher()  # their MD5s, many objects' at once (store/md5lanes.py)
     direct = res.past_page_cache = writes_past_the_page_cache(need, page_cache_room())
-    bodies = Bodies() if lanes_in_use() > 1 else None  # small objects' MD5s, 8 at a time, after their fetch
+    bodies = Bodies() if lanes_in_use() > 1 else None  # small objects' MD5s, 16 at a time, after their fetch
 
     seen: dict[str, bytes] = {}  # multipart objects no part-size rule verified: their parts' MD5s, per fetch
 
@@ -557,7 +557,7 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
     manifest, and its segments are not where uploads put them), or an S3 multipart object whose part sizes neither
     the store nor any known upload tool's rule gives. ``one_get``: a part, segment or object up to this many bytes
     is one GET (_fetch_ranges). ``hasher``: what takes a large object's MD5s (the stage's). ``bodies``: what takes
-    a small object's MD5 (up to SMALL bytes) after its GET, with 7 others: then this returns None at once, and
+    a small object's MD5 (up to SMALL bytes) after its GET, with up to 15 others: then this returns None at once, and
     ``later(matches)`` is called in the bodies' thread. ``direct``: the bytes of an object over SMALL go past the
     page cache (writes_past_the_page_cache)."""
     etag = o.etag.strip('"')
@@ -705,7 +705,7 @@ def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolEx
 
 
 def _md5_layout(part: Path, sizes: list[int]) -> list[bytes]:
-    """The MD5 of each of the consecutive ``sizes`` of the file ``part`` (read back: the page cache), 8 at once
+    """The MD5 of each of the consecutive ``sizes`` of the file ``part`` (read back: the page cache), 16 at once
     where the lanes are (store/md5lanes.py). Corrupt if the file is shorter."""
     fd = os.open(part, os.O_RDONLY)
     try:

@@ -2,11 +2,11 @@
 
 An MD5 cannot be split within one stream, so one core hashes one stream at ~0.6 GB/s (OpenSSL's, hashlib's). A
 dataset's objects are independent streams, though, and ``_md5lanes`` (a C extension, appliance/store/_md5lanes.c)
-runs up to 8 of them through the lanes of one AVX2 register: ~3.4 GB/s of MD5 on one core here against hashlib's 0.65
-(``bench/md5_lanes.py``). Where it did not build or the CPU has no AVX2, hashlib does the same work, a stream per
-thread.
+runs 8 of them through the lanes of one AVX2 register: ~3.2-3.4 GB/s of MD5 on one core here against hashlib's 0.65
+(``bench/md5_lanes.py``), and 16 through two registers whose steps interleave: ~4.1-4.2 GB/s. Where it did not build
+or the CPU has no AVX2, hashlib does the same work, a stream per thread.
 
-``Hasher`` owns the hashing threads (one with lanes: it takes up to 8 streams' next 256 KiB each and hashes them in
+``Hasher`` owns the hashing threads (one with lanes: it takes up to 16 streams' next 256 KiB each and hashes them in
 one call, the GIL released). ``Hasher.streams(fd, groups)`` gives, for each group of consecutive (offset, size)
 pieces of the open file ``fd``, the MD5 of the bytes they cover, hashed as they come, contiguous from the start.
 Where the stager writes past the page cache (a dataset more than half the memory: stage.writes_past_the_page_cache),
@@ -19,8 +19,8 @@ MB, whose fetching threads go on meanwhile). ``md5_ranges`` is the same for byte
 parts), in the calling thread.
 
 ``Bodies`` is the same for small objects, whose bodies are whole in memory after their GET: a copy of each is queued
-and hashed with 7 others in one call, in a thread of its own, while the thread that fetched it goes on to its next
-object (100 KB: 41 microseconds of CPU each in a call of 8, 155 with hashlib: bench/results/stage-small-lanes).
+and hashed with up to 15 others in one call, in a thread of its own, while the thread that fetched it goes on to its
+next object (100 KB: 41 microseconds of CPU each in a call of 8, 155 with hashlib: bench/results/stage-small-lanes).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _IV = struct.pack("<4I", 0x67452301, 0xEFCDAB89, 0x98BADCFE, 0x10325476)  # RFC 
 
 
 def lanes_in_use() -> int:
-    """How many streams one hashing call takes: 8 with ``_md5lanes`` on an AVX2 CPU, else 1 (hashlib)."""
+    """How many streams one hashing call takes: 16 with ``_md5lanes`` on an AVX2 CPU, else 1 (hashlib)."""
     return LANES
 
 
@@ -227,12 +227,12 @@ class Stream:
 class Hasher:
     """The threads that hash every stream of one staging run: one with lanes, else one per core (up to 8).
 
-    A call of the lanes costs as much for two streams as for eight, so fewer than 8 ready streams are hashed only
-    once the first of them has waited ``flush`` seconds, or when no other stream could become ready (none is
-    unfinished, or the rest are being hashed). Hashing whatever was ready made 8 x 256 MiB multipart objects from
-    Ceph RGW over https 2,928 calls, 1,153 of them one stream alone (302 MB at hashlib's speed) and 231 of eight;
-    the writers keep on meanwhile (they only say how far they came), so the wait delays a verdict, not a GET.
-    ``batches``: calls by how many streams each took (the tests, the benchmark)."""
+    A call of the lanes costs as much for two streams as for eight (and for nine as for 16), so fewer than LANES
+    ready streams are hashed only once the first of them has waited ``flush`` seconds, or when no other stream could
+    become ready (none is unfinished, or the rest are being hashed). Hashing whatever was ready made 8 x 256 MiB
+    multipart objects from Ceph RGW over https 2,928 calls, 1,153 of them one stream alone (302 MB at hashlib's
+    speed) and 231 of eight; the writers keep on meanwhile (they only say how far they came), so the wait delays a
+    verdict, not a GET. ``batches``: calls by how many streams each took (the tests, the benchmark)."""
 
     def __init__(self, threads: int | None = None, flush: float = 0.02):
         self.lanes = lanes_in_use()
@@ -389,7 +389,7 @@ class Hasher:
 
 
 def md5_ranges(fd: int, ranges: list[tuple[int, int]], crcs: list | None = None) -> list[bytes]:
-    """The MD5 of each (offset, size) range of the open file ``fd`` (an upload's parts), in this thread: 8 ranges
+    """The MD5 of each (offset, size) range of the open file ``fd`` (an upload's parts), in this thread: 16 ranges
     at a time through the lanes, else one after another with hashlib. ``crcs``: an object per range whose
     ``update`` sees the same bytes (the parts' CRC-32s). Raises OSError if the file is shorter."""
     lanes = lanes_in_use()
@@ -435,7 +435,7 @@ class Bodies:
     hashing thread and must not raise (what it raises is kept in ``errors``, with anything else unexpected). Only
     worth it with the lanes: where they are not, hashlib in the fetching thread costs the same with no copy."""
 
-    def __init__(self, flush: float = 0.02, queued: int = 4 * LANES):
+    def __init__(self, flush: float = 0.02, queued: int = 32):
         self.flush, self.queued = flush, queued
         self.lock = threading.Lock()
         self.ready = threading.Condition(self.lock)  # the hashing thread waits for a batch
@@ -507,7 +507,7 @@ class Bodies:
     def _work(self) -> None:
         while batch := self._next():
             digests = None
-            if len(batch) > 1 and LANES > 1:  # the lanes take as long for 1 body as for 8: hashlib is faster
+            if len(batch) > 1 and LANES > 1:  # the lanes take as long for 1 body as for 8: hashlib is faster alone
                 states = [_State(True) for _ in batch]
                 try:
                     _hash([(st, job.buf, len(job.buf)) for st, (job, _, _) in zip(states, batch)])

@@ -1090,7 +1090,7 @@ def large_object_etags(p: Path, part_size: int, *, whole: bool = True) -> dict:
     """What a store reports for a file uploaded in parts of ``part_size``: ``md5`` of the content, and for a file
     larger than one part ``parts`` (each part's MD5), ``swift`` (a Static Large Object's ETag: the MD5 of its
     segments' hex MD5s, concatenated; swift/common/middleware/slo.py) and ``s3`` (a multipart upload's ETag: the
-    MD5 of the parts' binary MD5s, then "-" and the part count). The parts are hashed 8 at a time through the MD5
+    MD5 of the parts' binary MD5s, then "-" and the part count). The parts are hashed 8-16 at a time through the MD5
     lanes (md5lanes.py; one part per thread with hashlib where they are not), groups of them in parallel, on
     every core (positioned reads of the page cache). An MD5 cannot be split, so the whole file's is one more pass,
     in order, beside them; ``whole=False`` leaves it out of a file in parts (the parts' MD5s cover every byte).
@@ -1104,7 +1104,10 @@ def large_object_etags(p: Path, part_size: int, *, whole: bool = True) -> dict:
             return {"md5": one.hexdigest(), "parts": [one.hexdigest()] if size else [], "crc32": crc.value}
         ranges = [(a, min(part_size, size - a)) for a in range(0, size, part_size)]
         crcs = [Crc32() for _ in ranges]
-        per = md5lanes.lanes_in_use()  # ranges per call: 8 with the lanes, else 1 (a thread each)
+        # ranges per call: with the lanes, 8 to 16 (a call costs as much for 2 as for 8, for 9 as for 16), fewer to a
+        # call where that keeps every hashing thread busy; else 1 (a thread each)
+        lanes = md5lanes.lanes_in_use()
+        per = 1 if lanes == 1 else max(8, min(lanes, -(-len(ranges) // HASH_THREADS)))
         groups = [range(i, min(i + per, len(ranges))) for i in range(0, len(ranges), per)]
         with ThreadPoolExecutor(min(HASH_THREADS, len(groups) + whole)) as pool:
             full = pool.submit(md5_range, fd, 0, size) if whole else None
