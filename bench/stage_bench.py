@@ -207,8 +207,8 @@ def tool_env(sw, tv: Path) -> tuple[dict, str, str]:
 
 
 def tools(sw, tv: Path, c: int, baseline: str = "") -> dict:
-    """Each tool: (dataset container) -> (argv, env, stdin). With ``baseline`` (another checkout), our stager from
-    it too, as "appliance (...) at REV": a change measured beside what it replaces, in one run."""
+    """Each tool: (dataset container) -> (argv, env, stdin). With ``baseline`` (other checkouts, comma-separated),
+    our stager from each too, as "appliance (...) at REV": a change measured beside what it replaces, in one run."""
     base_env, ak, sk = tool_env(sw, tv)
     awscfg = Path(sw.base) / "aws-config"  # in the store's directory under --work, not a new /tmp dir per run
     awscfg.write_text(f"[default]\ns3 =\n  max_concurrent_requests = {c}\n  addressing_style = path\n")
@@ -228,12 +228,11 @@ def tools(sw, tv: Path, c: int, baseline: str = "") -> dict:
             json.dumps(job)
 
     before = {}
-    if baseline:
-        old = Path(baseline).resolve()
+    for old in [Path(b).resolve() for b in baseline.split(",") if b]:
         rev = subprocess.run(["git", "-C", str(old), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip() or "baseline"
-        before = {f"appliance (swift) at {rev}": lambda cont, dest: ours(cont, dest, old),
-                  f"appliance (s3) at {rev}": lambda cont, dest: ours_s3(cont, dest, old)}
+                             text=True).stdout.strip() or old.name
+        before |= {f"appliance (swift) at {rev}": lambda cont, dest, old=old: ours(cont, dest, old),
+                   f"appliance (s3) at {rev}": lambda cont, dest, old=old: ours_s3(cont, dest, old)}
     return {
         "appliance (swift)": ours,
         "appliance (s3)": ours_s3,
@@ -288,12 +287,12 @@ def upload_tools(sw, tv: Path, baseline: str = "") -> dict:
 
     one = {**env, "APPLIANCE_SEGMENT_BYTES": str(5 * 1024**3)}  # the commit as it was: a file up to 5 GiB in one PUT
     before = {}
-    if baseline:  # the same commit from another checkout (a change measured against what it replaces, in one run)
-        old = {**env, "PYTHONPATH": str(Path(baseline).resolve())}
-        rev = subprocess.run(["git", "-C", baseline, "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip() or "baseline"
-        before = {f"appliance checkpoint (swift) at {rev}": ours("swift", swift_creds, old),
-                  f"appliance checkpoint (s3) at {rev}": ours("s3", s3_creds, old)}
+    for b in [b for b in baseline.split(",") if b]:  # the same commit from other checkouts (a change measured
+        old = {**env, "PYTHONPATH": str(Path(b).resolve())}  # against what it replaces, in one run)
+        rev = subprocess.run(["git", "-C", b, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip() or Path(b).name
+        before |= {f"appliance checkpoint (swift) at {rev}": ours("swift", swift_creds, old),
+                   f"appliance checkpoint (s3) at {rev}": ours("s3", s3_creds, old)}
     return {
         "appliance checkpoint (swift)": ours("swift", swift_creds),
         "appliance checkpoint (swift, one PUT)": ours("swift", swift_creds, one),
@@ -352,9 +351,9 @@ def main() -> None:
                          "of --medium-size), upload (a checkpoint-sized "
                          "file up), packed")
     ap.add_argument("--upload-size", type=int, default=1536 * 1024**2, help="bytes of the upload dataset's file")
-    ap.add_argument("--baseline", default="", help="another checkout of this repository (e.g. a git worktree of "
-                    "the commit before a change): every dataset runs its stager too and the upload rows its "
-                    "checkpoint commit, as '... at REV'")
+    ap.add_argument("--baseline", default="", help="other checkouts of this repository, comma-separated (e.g. a git "
+                    "worktree of the commit before a change): every dataset runs their stagers too and the upload "
+                    "rows their checkpoint commit, as '... at REV'")
     ap.add_argument("--store", choices=("swift", "rgw"), default="swift",
                     help="the server: OpenStack Swift 2.38 (proxy + s3api) or Ceph RGW (what Chameleon runs)")
     ap.add_argument("--tls", action="store_true",

@@ -6,7 +6,7 @@
  * "multi-buffer" MD5 of Intel's isa-l_crypto md5_mb and of minio/md5-simd, which MinIO uses for concurrent uploads).
  * The staging of a dataset from another tool, whose objects only an MD5 checks, hashes many objects at once.
  *
- * Sixteen run as two registers of eight, whose steps interleave (md5_sets, below): 1.3-1.5x the bytes per second.
+ * Sixteen run as two registers of eight, whose steps interleave (md5_sets, below): 1.1-1.3x the bytes per second.
  *
  * update(jobs): jobs is a list of up to 16 (state, data) pairs: state a writable 16-byte buffer (MD5's A, B, C, D as
  * little-endian words, RFC 1321), data a bytes-like object whose length is a multiple of 64 (whole blocks; the
@@ -105,7 +105,8 @@ AVX2 static inline __attribute__((always_inline)) void load8(__m256i M[16], cons
  * nblocks blocks. A step's b waits for the step before's, a chain of 5-6 vector operations, while a step is ~10
  * operations and the core issues 3-4 a cycle: one register of 8 streams leaves most of the vector units idle, and
  * a second, independent one (SETS 2: 16 streams) runs in that room (isa-l_crypto's md5_mb_x8x2_avx2 does the same).
- * 4.1-4.7 GB/s of MD5 on one core here against 3.2 for one set (2026-11-28, an AMD EPYC of family 25). */
+ * 3.4-3.9 GB/s of MD5 on one core here against 3.1 for one set (2026-11-28, an AMD EPYC of family 25 with 512 KiB
+ * of L2: bench/results/stage-medium/md5_rates.txt). */
 AVX2 static inline __attribute__((always_inline)) void md5_sets(uint32_t *st[16], const uint8_t *p[16],
                                                                  size_t nblocks, const int sets) {
     __m256i a[2], b[2], c[2], d[2];

@@ -3,7 +3,7 @@
 An MD5 cannot be split within one stream, so one core hashes one stream at ~0.6 GB/s (OpenSSL's, hashlib's). A
 dataset's objects are independent streams, though, and ``_md5lanes`` (a C extension, appliance/store/_md5lanes.c)
 runs 8 of them through the lanes of one AVX2 register: ~3.2-3.4 GB/s of MD5 on one core here against hashlib's 0.65
-(``bench/md5_lanes.py``), and 16 through two registers whose steps interleave: ~4.1-4.2 GB/s. Where it did not build
+(``bench/md5_lanes.py``), and 16 through two registers whose steps interleave: 3.4-3.9 GB/s. Where it did not build
 or the CPU has no AVX2, hashlib does the same work, a stream per thread.
 
 ``Hasher`` owns the hashing threads (one with lanes: it takes up to 16 streams' next 256 KiB each and hashes them in
