@@ -57,14 +57,18 @@ def test_small_objects_are_hashed_sixteen_in_one_call_while_their_threads_fetch_
     assert not (tmp_path / "out" / ".appliance-staging").exists()
 
 
-def test_a_small_object_damaged_on_the_way_is_fetched_again_on_its_verdict(tmp_path, bodies):
-    data = objects(16)
+def damaged_once_is_fetched_again(tmp_path, data: dict[str, bytes], name: str, concurrency: int) -> None:
+    """``name``'s first GET arrives with byte 0 flipped: its verdict puts it back, and the second GET is right."""
     st = DictStore(data)
-    st.damage["d/005.bin"] = 1  # its first GET arrives with byte 0 flipped
-    res = stage(st, "d/", tmp_path / "out", concurrency=4)
-    assert res.corrupt_refetched == 1 and res.retries == 1 and res.files_fetched == 16
+    st.damage[name] = 1
+    res = stage(st, "d/", tmp_path / "out", concurrency=concurrency)
+    assert res.corrupt_refetched == 1 and res.retries == 1 and res.files_fetched == len(data)
     assert {n: (tmp_path / "out" / n[2:]).read_bytes() for n in data} == data
-    assert [g[0] for g in st.gets].count("d/005.bin") == 2
+    assert [g[0] for g in st.gets].count(name) == 2
+
+
+def test_a_small_object_damaged_on_the_way_is_fetched_again_on_its_verdict(tmp_path, bodies):
+    damaged_once_is_fetched_again(tmp_path, objects(16), "d/005.bin", 4)
 
 
 def test_a_small_object_damaged_on_every_try_fails_the_stage_and_keeps_the_rest(tmp_path, bodies):
@@ -162,13 +166,7 @@ def test_objects_of_a_few_mb_are_hashed_in_the_lanes_while_their_threads_fetch_o
 
 
 def test_an_object_of_a_few_mb_damaged_on_the_way_is_fetched_again_on_its_verdict(tmp_path, bodies, hashers):
-    data = medium(6)
-    st = DictStore(data)
-    st.damage["d/m03.bin"] = 1  # its first GET arrives with byte 0 flipped
-    res = stage(st, "d/", tmp_path / "out", concurrency=3)
-    assert res.corrupt_refetched == 1 and res.retries == 1 and res.files_fetched == 6
-    assert {n: (tmp_path / "out" / n[2:]).read_bytes() for n in data} == data
-    assert [g[0] for g in st.gets].count("d/m03.bin") == 2
+    damaged_once_is_fetched_again(tmp_path, medium(6), "d/m03.bin", 3)
 
 
 def test_an_object_of_a_few_mb_damaged_on_every_try_fails_the_stage_and_keeps_the_rest(tmp_path, bodies, hashers):
