@@ -281,3 +281,40 @@ def test_a_users_stop_asks_a_level3_job_to_end_after_its_sync_and_the_watchdogs_
     hook._user_stop("SIGTERM to appliance train")
     req = json.loads(head.commands[-1][1])
     assert (req["reason"], req.get("end")) == ("SIGTERM to appliance train", None)
+
+
+def test_a_reconnect_reaps_nothing():
+    """The launcher lost its connection to the head and reconnects (the watch paused, no failure): the watch reaped
+    the job on every node that still answered, as if it had failed (its wait for the grace counted from no failure
+    at all), and the job that was meant to go on ended with status 137 (test_train.py's connection-drop test, in 1
+    of ~14 runs: the reap reached node2 before its connection through the head went)."""
+    import threading
+
+    class Rounds(threading.Event):  # the watch's loop, a fixed number of times, without waiting
+        def __init__(self, n):
+            super().__init__()
+            self.n = n
+
+        def wait(self, timeout=None):
+            self.n -= 1
+            return self.n < 0
+
+    w, said = _watch_of(3)
+    reaps = []
+
+    def reap():
+        w.reaped = True
+        reaps.append(1)
+
+    w.reap = reap
+    w._round = lambda misses: reaps.append("round")  # no verdicts while paused either
+    w.paused.set()
+    w.done = Rounds(5)
+    w.run()
+    assert reaps == [] and not w.stop.is_set(), said
+    # a failure the watch saw before (or during) the reconnect is still reaped once its grace is over
+    w.done = Rounds(5)
+    w.fail("rank 1 on n1 exited with status 3")
+    w.failed_at -= 2 * w.grace
+    w.run()
+    assert reaps == [1] and w.stop.is_set()

@@ -741,8 +741,9 @@ def cut_connections(name: str, node: str, peer: str | None = None) -> int:
     tb, n = _netns_node(name, node)
     peer = peer or tb.host_ip
     out = _run("ip", "netns", "exec", n.netns, "ss", "-tnpH", "state", "established", "( sport = :22 )").stdout
+    # not the node's listening sshd, which holds a connection it accepted until it has forked the child that serves it
     pids = sorted({int(m) for line in out.splitlines() if line.split()[3].rsplit(":", 1)[0] == peer
-                   for m in re.findall(r"pid=(\d+)", line)})
+                   for m in re.findall(r"pid=(\d+)", line)} - {n.sshd_pid})
     _kill_pids(pids)
     return len(pids)
 

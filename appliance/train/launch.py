@@ -348,9 +348,10 @@ class _Watch:
         misses: dict[str, int] = {}
         try:
             while not self.done.wait(self.heartbeat if self.failure is None else 0.5):
-                if self.failure is None and not self.paused.is_set():
-                    self._round(misses)
-                elif time.monotonic() - (self.failed_at or 0) > self.grace and not self.reaped:
+                if self.failure is None:
+                    if not self.paused.is_set():  # a reconnect: no verdicts, and nothing failed to reap
+                        self._round(misses)
+                elif time.monotonic() - self.failed_at > self.grace and not self.reaped:
                     self.reap()
                     self.stop.set()
         finally:
