@@ -16,7 +16,8 @@ from appliance import flows, localcloud  # noqa: E402
 
 settings = sys.argv[1].split(",")  # e.g. plain,0.5,1,1000
 repeats, hidden, epochs = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-d = Path(tempfile.mkdtemp())
+tmp = tempfile.TemporaryDirectory(prefix="stopcheck-ab-")  # the specs, removed at the end
+d = Path(tmp.name)
 localcloud.start()
 base = cb.write_spec(d, "abx", "python ckpt_job.py", None)
 cluster = flows.up(base)
@@ -35,4 +36,5 @@ try:
             print(s, rates[s][-1], flush=True)
 finally:
     flows.down("abx")
+    tmp.cleanup()
 print(json.dumps({s: {"runs": v, "best": max(v), "median": sorted(v)[len(v) // 2]} for s, v in rates.items()}))

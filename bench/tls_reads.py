@@ -87,7 +87,8 @@ def main() -> None:
     size = (int(args[1]) if len(args) > 1 else 128) << 20
     if httpget._tlsread is None:
         sys.exit("appliance/store/_tlsread.c is not built here (pip install -e . builds it)")
-    cert, key = self_signed(Path(tempfile.mkdtemp()), "127.0.0.1")
+    tmp = tempfile.TemporaryDirectory(prefix="tls-reads-")  # the certificate and key, removed at the end
+    cert, key = self_signed(Path(tmp.name), "127.0.0.1")
     q = mp.Queue()
     srv = mp.Process(target=serve, args=(cert, key, size, q), daemon=True)
     srv.start()
@@ -112,6 +113,7 @@ def main() -> None:
                 print(json.dumps({"how": how, "round": rnd, **runs[how][-1]}), flush=True)
     finally:
         srv.terminate()
+        tmp.cleanup()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     cmd = "python bench/tls_reads.py " + " ".join(sys.argv[1:])
     total = lambda r: r["user"] + r["sys"]  # noqa: E731

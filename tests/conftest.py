@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 import textwrap
 import threading
 from pathlib import Path
@@ -56,6 +57,23 @@ def appliance_home(request, tmp_path_factory, one_session_at_a_time):
         os.environ.pop("APPLIANCE_HOME", None)
     else:
         os.environ["APPLIANCE_HOME"] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
+def autograph_files():
+    """TensorFlow's autograph writes each converted function to /tmp/__autograph_generated_file*.py and removes it
+    in an atexit handler (tensorflow/python/autograph/pyct/loader.py load_source), which a process killed by a
+    signal (the ranks the tests kill, horovodrun's ending of the others) never runs: ~250 were left per full run.
+    Those written during this session go with it."""
+    import glob
+    import time
+
+    t0 = time.time()
+    yield
+    for f in glob.glob(os.path.join(tempfile.gettempdir(), "__autograph_generated_file*.py")):
+        with contextlib.suppress(OSError):
+            if os.stat(f).st_mtime >= t0:
+                os.unlink(f)
 
 
 def make_testbed(name: str, nodes: int):
