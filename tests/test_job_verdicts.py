@@ -287,7 +287,8 @@ def test_a_reconnect_reaps_nothing():
     """The launcher lost its connection to the head and reconnects (the watch paused, no failure): the watch reaped
     the job on every node that still answered, as if it had failed (its wait for the grace counted from no failure
     at all), and the job that was meant to go on ended with status 137 (test_train.py's connection-drop test, in 1
-    of ~14 runs: the reap reached node2 before its connection through the head went)."""
+    of ~14 runs: those where the 5 s heartbeat fell inside the reconnect; node2's own connection was not cut, and
+    its reap saw the head's horovodrun, the testbed's nodes sharing one PID namespace)."""
     import threading
 
     class Rounds(threading.Event):  # the watch's loop, a fixed number of times, without waiting
