@@ -128,10 +128,7 @@ class Cluster:
                 return p
             full = json.loads(p.read_text())
             d["nodes"], d["site"], d["subset_of"] = full["nodes"], full.get("site", full.get("extra", {})), None
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(d, indent=2))
-        os.chmod(tmp, 0o600)
-        tmp.replace(p)
+        paths.write_private(p, json.dumps(d, indent=2).encode())
         return p
 
     @classmethod
@@ -200,8 +197,7 @@ def from_node_config(path: Path | None = None) -> Cluster:
     d = paths.clusters_dir()
     key = d / f"{name}.id_ed25519"
     if (ssh / "id_appliance").exists():
-        shutil.copyfile(ssh / "id_appliance", key)
-        os.chmod(key, 0o600)
+        paths.write_private(key, (ssh / "id_appliance").read_bytes())
         shutil.copyfile(ssh / "id_appliance.pub", d / f"{name}.id_ed25519.pub")
     known = d / f"{name}.known_hosts"
     lines, inside = [], False

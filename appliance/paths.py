@@ -32,3 +32,19 @@ def clusters_dir() -> Path:
     d = home() / "clusters"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` readable by its owner alone from the first byte (a file created 0600 beside it,
+    then renamed over it): never a moment at the umask's mode, as a copy-then-chmod leaves (issue 49)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -114,29 +114,48 @@ def _q(s: str) -> str:
     return shlex.quote(s)
 
 
+class _TooBig(Exception):
+    pass
+
+
+class _CappedBuffer(io.BytesIO):
+    """The tarball in memory, refused as soon as it passes MAX_CODE_BYTES (not once the whole tree is read)."""
+
+    def write(self, b) -> int:
+        if self.tell() + len(b) > MAX_CODE_BYTES:
+            raise _TooBig(f"over {MAX_CODE_BYTES / 2**20:.0f} MB compressed")
+        return super().write(b)
+
+
 def _tar_dir(path: Path, exclude: tuple[str, ...]) -> bytes:
     if not path.is_dir():
         raise ApplianceError(f"{path}: not a directory", "set train.code in the spec to the directory of your training code")
-    bio = io.BytesIO()
+    bio = _CappedBuffer()
+    raw = [0]
 
     def filt(ti: tarfile.TarInfo):
         parts = Path(ti.name).parts
         if any(p in exclude or p.startswith(".venv") for p in parts):  # never ship a virtualenv
             return None
+        raw[0] += ti.size
+        if raw[0] > MAX_CODE_RAW_BYTES:  # before its bytes are read: `train.code: /` stops here, not minutes later
+            raise _TooBig(f"over {MAX_CODE_RAW_BYTES / 2**30:.0f} GiB of files")
         ti.uid = ti.gid = 0
         ti.uname = ti.gname = "root"
         return ti
 
-    with tarfile.open(fileobj=bio, mode="w:gz") as tf:
-        tf.add(str(path), arcname=".", filter=filt)
-    if bio.tell() > MAX_CODE_BYTES:
-        raise ApplianceError(f"{path} is {bio.tell() / 2**20:.0f} MB compressed: too big to copy as training code",
+    try:
+        with tarfile.open(fileobj=bio, mode="w:gz") as tf:
+            tf.add(str(path), arcname=".", filter=filt)
+    except _TooBig as e:
+        raise ApplianceError(f"{path} is {e}: too big to copy as training code",
                              "keep data out of train.code (use dataset: to stage it) or point train.code at a "
-                             "smaller directory")
+                             "smaller directory") from None
     return bio.getvalue()
 
 
-MAX_CODE_BYTES = 256 * 2**20
+MAX_CODE_BYTES = 256 * 2**20  # the tarball
+MAX_CODE_RAW_BYTES = 2 * 2**30  # the files in it, before compression
 
 
 def pack_code(path: Path) -> bytes:

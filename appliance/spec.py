@@ -37,6 +37,7 @@ DURATION_RE = re.compile(r"(\d{1,9})([smhd])")
 MAX_DURATION_S = 366 * 86400  # no lease or margin is longer than a year (Chameleon's cap is 7 days)
 MAX_NODES, MAX_SLOTS = 1024, 64
 URL_RE = re.compile(r"(swift|s3)://[A-Za-z0-9][A-Za-z0-9._-]{0,254}(/[^\x00-\x1f]*)?|file:///[^\x00-\x1f]*")
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")  # a POSIX shell's variable name (fullmatch)
 DEST_PART_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # no hidden directories, no `.` or `..`
 
 
@@ -254,6 +255,15 @@ def _semantic_checks(spec: Spec) -> None:
         raise SpecError("train.command: is empty", "give the command every rank runs, e.g. python train.py")
     if spec.train.start_timeout < 1:
         raise SpecError("train.start_timeout: must be at least 1 second", "set e.g. train.start_timeout: 60")
+    for k in spec.train.env:
+        if not ENV_NAME_RE.fullmatch(str(k)):
+            raise SpecError(f"train.env: {str(k)[:60]!r} is not an environment variable name",
+                            "use letters, digits and '_', not starting with a digit (e.g. TF_CPP_MIN_LOG_LEVEL)")
+    for at, url in (("dataset.source", spec.dataset.source if spec.dataset else None),
+                    ("checkpoint.url", spec.checkpoint.url)):
+        if url and url.startswith(("swift:", "s3:")) and ("?" in url or "#" in url):
+            raise SpecError(f"{at}: {url!r} has a '?' or '#', which a URL reads as a query or fragment and drops",
+                            "remove it: object names under a prefix are written plainly, e.g. swift://ckpts/run1/")
     bad = denied_names(spec.train.env)
     if bad:
         raise SpecError(f"train.env: {', '.join(sorted(bad))} looks like a credential and would be forwarded to every rank",

@@ -1,6 +1,7 @@
 """An HTTP proxy that sits between clients and the real Swift proxy and injects faults.
 
-Modes: ``pass`` (forward everything), ``fail_puts = N`` (answer the next N PUTs with 503, then pass),
+Modes: ``pass`` (forward everything), ``arm(fail_at=K)`` / ``arm(reset_at=K)`` (the K-th request from now, any
+method, answered 503 / closed without an answer: the fault matrix, tests/faults.py), ``fail_puts = N`` (answer the next N PUTs with 503, then pass),
 ``fail_gets = N`` (the next N GETs, listings included, answered 503), ``reset_gets = N`` (the next N GETs: the
 connection is closed without an answer), ``down`` (answer every request with 503), ``hold_after = N`` (pass N
 object GETs, then hold every later one until ``release()``: a client stopped mid-way, at a point the test chose;
@@ -25,6 +26,9 @@ class FaultProxy:
         self.reset_gets = 0
         self.down = False
         self.hold_after: int | None = None
+        self.fail_at: int | None = None  # the fail_at-th request from now (any method, tokens aside): 503
+        self.reset_at: int | None = None  # ... closed without an answer
+        self.counted = 0  # requests counted for fail_at / reset_at
         self.released = threading.Event()
         self.objects_got = 0
         self.held = 0
@@ -40,6 +44,18 @@ class FaultProxy:
 
             def log_message(self, *a):
                 pass
+
+            def _nth(self) -> str | None:
+                """"fail" or "reset" when this request is the one fail_at or reset_at names."""
+                if "/auth/" in self.path:
+                    return None
+                with proxy._lock:
+                    proxy.counted += 1
+                    for what, at in (("fail", proxy.fail_at), ("reset", proxy.reset_at)):
+                        if at is not None and proxy.counted == at:
+                            proxy.failed.append(f"{what.upper()} {self.command} {self.path}")
+                            return what
+                return None
 
             def _fail(self) -> bool:
                 with proxy._lock:
@@ -79,11 +95,12 @@ class FaultProxy:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
                 self._hold()
-                if self._reset():
+                nth = self._nth()
+                if nth == "reset" or self._reset():
                     self.close_connection = True
                     self.connection.close()  # no answer at all: the client sees a reset / a closed connection
                     return
-                if self._fail():
+                if nth == "fail" or self._fail():
                     msg = b"503 Service Unavailable (injected)"
                     self.send_response(503)
                     self.send_header("Content-Length", str(len(msg)))
@@ -116,6 +133,11 @@ class FaultProxy:
 
     def release(self) -> None:
         self.released.set()
+
+    def arm(self, *, fail_at: int | None = None, reset_at: int | None = None) -> None:
+        """Count requests from now; fail (503) or reset the n-th one. ``arm()`` alone: count only."""
+        with self._lock:
+            self.counted, self.fail_at, self.reset_at = 0, fail_at, reset_at
 
     def wait_held(self, k: int, timeout: float = 120.0) -> bool:
         with self._held_cv:

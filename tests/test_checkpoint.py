@@ -691,7 +691,7 @@ def test_a_second_job_of_a_run_on_another_cluster_is_refused_by_the_store_lock(c
     cluster (here: node2 alone, another head node, so the head's own lock cannot see it) is refused by the run's lock
     in the store, with one line naming the running job, before it touches any node; the running job is undisturbed
     (bit-exact against the reference) and releases the lock when it ends."""
-    from appliance.store.runlock import LOCK
+    from appliance.store.runlock import RunLock
 
     two = Cluster(name="pt-two", cloud="testbed", nodes=[cluster2.nodes[1]], key_file=cluster2.key_file,
                   known_hosts=cluster2.known_hosts, python=cluster2.python, etc_dir=cluster2.etc_dir,
@@ -715,4 +715,4 @@ def test_a_second_job_of_a_run_on_another_cluster_is_refused_by_the_store_lock(c
     assert "on cluster pt-cluster (head node1)" in refused[0]
     assert sha(res) == reference_long
     cs = store_for(swift, "cklock")
-    assert not list(cs.store.list(cs.prefix + LOCK))  # released at the end
+    assert RunLock(cs, "", cluster="", head="").read() is None  # released at the end

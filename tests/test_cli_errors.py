@@ -243,3 +243,59 @@ def test_check_online_asks_the_store_before_a_lease_is_paid_for(tmp_path):
     r = check(f"file://{data}/", "--online")
     assert r.returncode == 0 and ("run 'onl' has 1 committed checkpoint(s), newest ckpt-000000010: `appliance "
                                   "resume onl` continues it") in r.stdout, r.stdout
+
+
+def test_training_code_too_big_is_refused_before_its_bytes_are_read(tmp_path):
+    """Issue 49: `train.code: /` was tarred whole in memory before the cap was checked (`appliance check` ran over a
+    minute and was killed). A tree past the cap is refused at the file that passes it, before reading that file: a
+    sparse 100 GiB file (compresses to almost nothing) was read whole, then passed."""
+    from appliance.errors import ApplianceError
+    from appliance.remote import pack_code
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text("print('hi')\n")
+    with open(code / "huge.bin", "wb") as fh:
+        fh.truncate(100 * 2**30)
+    with pytest.raises(ApplianceError, match="too big to copy as training code") as ei:
+        pack_code(code)
+    assert "GiB of files" in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_the_cluster_key_is_never_readable_by_others_on_its_way(tmp_path, monkeypatch):
+    """Issue 49: the head node's cluster key was copied (at the umask's mode), then chmod-ed to 0600: a window in
+    which another user could read it. Every file made on the way is 0600 from its first byte."""
+    import json as _json
+    import os
+    import socket
+    import stat
+
+    from appliance.cluster import from_node_config
+
+    home = tmp_path / "user"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_appliance").write_text("PRIVATE KEY\n")
+    (home / ".ssh" / "id_appliance.pub").write_text("ssh-ed25519 AAAA\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("APPLIANCE_HOME", str(tmp_path / "appl"))
+    cfg = tmp_path / "cluster.json"
+    cfg.write_text(_json.dumps({"name": "hc", "head": socket.gethostname(),
+                                "nodes": [{"name": socket.gethostname(), "ip": "127.0.0.1"}]}))
+    opened = []
+    real_open = os.open
+
+    def spy(path, flags, mode=0o777, *a, **kw):
+        if flags & os.O_CREAT:
+            opened.append((str(path), mode))
+        return real_open(path, flags, mode, *a, **kw)
+
+    monkeypatch.setattr(os, "open", spy)
+    old = os.umask(0o022)
+    try:
+        from_node_config(cfg)
+    finally:
+        os.umask(old)
+    key = tmp_path / "appl" / "clusters" / "hc.id_ed25519"
+    assert key.read_text() == "PRIVATE KEY\n" and stat.S_IMODE(key.stat().st_mode) == 0o600
+    made = [m for p, m in opened if "hc.id_ed25519" in p and not p.endswith(".pub")]
+    assert made and all(m == 0o600 for m in made), opened

@@ -134,3 +134,86 @@ def test_a_user_stop_ends_a_level3_job_once_its_files_are_committed(tmp_path, fs
     stopped = [body for got in lines if got for _, body in [got]]
     assert stopped == ([{"step": None, "committed": True, "reason": "Ctrl-C to appliance train", "files": 1,
                          "checkpoint": "files/manifest-1", "seconds": 0}] if end else [])
+
+
+def failing_reads(fs, match: str, times: int | None):
+    """The store's GET of objects whose name holds ``match`` fails (a reset) ``times`` times, or always (None)."""
+    real, left = fs.store.get, {"n": times}
+
+    def get(name, write, **kw):
+        if match in name and (left["n"] is None or left["n"] > 0):
+            if left["n"] is not None:
+                left["n"] -= 1
+            raise ConnectionResetError("reset by peer")
+        return real(name, write, **kw)
+
+    fs.store.get = get
+    fs.cs.store.get = get
+
+
+def synced(tmp_path, fs, files: dict, keep: int = 2) -> Syncer:
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    s = Syncer(work, fs, every_s=60, stop_file=None, exclude=set(), keep=keep)
+    for i, (name, data) in enumerate(files.items()):
+        (work / name).write_bytes(data)
+        os.utime(work / name, ns=(i + 10, i + 10))
+        s.sync()  # seen once, then the same: complete (no second of quiet to wait for)
+        s.sync()
+    return s
+
+
+def test_a_manifest_read_that_fails_once_is_retried_and_the_files_come_back(tmp_path, fs):
+    """Issue 49 defect 2, as reproduced there: one 503 on the manifest GET made the restore quietly find nothing;
+    two syncs of the new job later its prune had deleted model-epoch-40.h5 from the store."""
+    synced(tmp_path, fs, {"model-epoch-40.h5": b"m" * 100})
+    failing_reads(fs, "manifest-", 1)
+    new = tmp_path / "new"
+    new.mkdir()
+    r = Syncer(new, fs, every_s=60, stop_file=None, exclude=set())
+    r.restore()
+    assert (new / "model-epoch-40.h5").read_bytes() == b"m" * 100
+
+
+def test_a_store_that_stays_down_fails_the_restore_and_deletes_nothing(tmp_path, fs, monkeypatch):
+    from appliance.store import filesync
+    from appliance.store.checkpoints import StoreUnavailable
+
+    synced(tmp_path, fs, {"model-epoch-40.h5": b"m" * 100})
+    before = objects(fs)
+    monkeypatch.setattr(filesync, "READ_WAIT", 0.0)
+    failing_reads(fs, "manifest-", None)
+    new = tmp_path / "new"
+    new.mkdir()
+    r = Syncer(new, fs, every_s=60, stop_file=None, exclude=set())
+    with pytest.raises(StoreUnavailable):
+        r.restore()
+    with pytest.raises(StoreUnavailable):
+        fs.newest_good()
+    assert objects(fs) == before and fs.manifests() == [1]
+
+
+def test_prune_deletes_nothing_when_a_manifest_cannot_be_read(tmp_path, fs, monkeypatch):
+    """Issue 49 defect 3: an unreadable manifest was skipped, then every object no readable manifest named was
+    deleted: the newest sync's objects among them."""
+    from appliance.store import filesync
+    from appliance.store.checkpoints import StoreUnavailable
+
+    synced(tmp_path, fs, {"a.h5": b"1" * 10, "b.h5": b"2" * 10})
+    before = objects(fs)
+    assert fs.manifests() == [2, 1] and len(before) == 2
+    monkeypatch.setattr(filesync, "READ_WAIT", 0.0)
+    failing_reads(fs, "manifest-000000002", None)
+    with pytest.raises(StoreUnavailable):
+        fs.prune(keep=1)
+    assert objects(fs) == before and fs.manifests() == [2, 1]
+
+
+def test_a_file_name_near_name_max_is_restored(tmp_path, fs):
+    name = "m" * 250 + ".h5"  # 253 bytes: synced before, never restorable (the temp name added 25: ENAMETOOLONG)
+    synced(tmp_path, fs, {name: b"x" * 10})
+    new = tmp_path / "new"
+    new.mkdir()
+    Syncer(new, fs, every_s=60, stop_file=None, exclude=set()).restore()
+    assert (new / name).read_bytes() == b"x" * 10
+    assert [p.name for p in new.iterdir()] == [name]  # no temporary file left

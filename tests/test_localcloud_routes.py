@@ -274,3 +274,20 @@ def test_answers_go_out_without_waiting_for_the_clients_delayed_ack(tmp_path):
         httpd.shutdown()
         httpd.server_close()
     assert nodelay and all(nodelay)
+
+
+def test_the_request_log_keeps_no_secret_and_is_bounded(api, monkeypatch):
+    """Issue 49: the unauthenticated /_admin/requests kept every request body, Keystone passwords included, without
+    bound, and nodes can reach it."""
+    from appliance.localcloud import cloud as cloud_mod
+
+    call, creds = api
+    tok = token(call, creds)
+    reqs = call("GET", "/_admin/requests")[1]["requests"]
+    auth = [r for r in reqs if r["path"].endswith("/auth/tokens")][0]
+    assert auth["body"]["auth"]["identity"]["password"]["user"] == {"name": creds["username"], "password": "***"}
+    assert creds["password"] not in json.dumps(reqs)
+    for _ in range(cloud_mod.REQUEST_LOG + 10):
+        call("GET", "/_admin/health")
+    assert len(call("GET", "/_admin/requests")[1]["requests"]) == cloud_mod.REQUEST_LOG
+    assert tok

@@ -1,14 +1,23 @@
 """The store-level lease on a run (store/runlock.py), fast tier against a file:// store: a second job of the run is
 refused while the first renews its lock, a dead launcher's lock is taken over after its ttl, two takers at once
-leave one winner, and only the holder releases it."""
+leave one winner, only the holder renews or releases it, a read that fails is never "no lock", and a job that lost
+the lock commits and prunes nothing (issue 49, defect 4)."""
 
-from appliance.store.checkpoints import CheckpointStore
-from appliance.store.runlock import RunLock
+import json
+
+import pytest
+
+from appliance.store import runlock
+from appliance.store.checkpoints import CheckpointStore, LockLost, StoreUnavailable
+from appliance.store.runlock import RunLock, fence, fenced
+
+
+def store(tmp_path) -> CheckpointStore:
+    return CheckpointStore(f"file://{tmp_path / 'store'}/", "r", None)
 
 
 def lock(tmp_path, job, clock, **kw):
-    return RunLock(CheckpointStore(f"file://{tmp_path / 'store'}/", "r", None), job, cluster=f"c-{job}", head="h",
-                   interval=10, ttl=30, now=lambda: clock[0], **kw)
+    return RunLock(store(tmp_path), job, cluster=f"c-{job}", head="h", interval=10, ttl=30, now=lambda: clock[0], **kw)
 
 
 def test_a_live_lock_refuses_a_second_job_and_a_stale_one_is_taken_over(tmp_path):
@@ -18,7 +27,7 @@ def test_a_live_lock_refuses_a_second_job_and_a_stale_one_is_taken_over(tmp_path
     clock[0] += 25
     holder, _ = b.acquire(tmp_path)
     assert holder["job_id"] == "job-a" and holder["cluster"] == "c-job-a" and not b.held
-    a.heartbeat(tmp_path)  # renewed: still alive 25 s later
+    assert a.heartbeat(tmp_path)  # renewed: still alive 25 s later
     clock[0] += 25
     assert b.acquire(tmp_path)[0]["job_id"] == "job-a"
     clock[0] += 10  # 35 s since the last heartbeat: the launcher is dead
@@ -31,21 +40,21 @@ def test_a_live_lock_refuses_a_second_job_and_a_stale_one_is_taken_over(tmp_path
 
 
 def test_two_takers_at_once_leave_one_winner(tmp_path):
+    """The interleaving of the issue: read A, read B, write A, write B. Both saw no lock; both create generation 1;
+    the store lets one create it."""
     clock = [1000.0]
     a, b = lock(tmp_path, "job-a", clock), lock(tmp_path, "job-b", clock)
-    orig = a._write
-
-    def racing_write(tmp_dir):  # b writes between a's write and a's read-back
-        orig(tmp_dir)
-        b._write(tmp_dir)
-
-    a._write = racing_write
-    holder, _ = a.acquire(tmp_path)
-    assert holder["job_id"] == "job-b" and not a.held
+    seen_by_b = b.current()  # B read before A wrote
+    assert a.acquire(tmp_path) == (None, None)
+    real, calls = b.current, []
+    b.current = lambda: seen_by_b if not calls.append(1) and len(calls) == 1 else real()  # stale once, then real
+    holder, _ = b.acquire(tmp_path)
+    assert holder["job_id"] == "job-a" and not b.held and a.held
+    assert RunLock(store(tmp_path), "x", cluster="", head="").read()["job_id"] == "job-a"
 
 
 def test_a_lock_left_by_a_job_this_machine_knows_ended_is_taken_over_at_once(tmp_path):
-    """The store was down when the job ended, so its launcher could not delete the lock; this machine's run record
+    """The store was down when the job ended, so its launcher could not release the lock; this machine's run record
     says the job ended: an `appliance resume` right after need not wait for the ttl."""
     clock = [1000.0]
     a, b = lock(tmp_path, "job-a", clock), lock(tmp_path, "job-b", clock)
@@ -53,3 +62,58 @@ def test_a_lock_left_by_a_job_this_machine_knows_ended_is_taken_over_at_once(tmp
     assert b.acquire(tmp_path, ended=lambda jid: False)[0]["job_id"] == "job-a"
     holder, stale = b.acquire(tmp_path, ended=lambda jid: jid == "job-a")
     assert holder is None and stale["job_id"] == "job-a" and b.held
+
+
+def test_a_lock_that_cannot_be_read_is_not_taken(tmp_path, monkeypatch):
+    """RunLock.read() turned any error into "no lock", so acquire() wrote over a live holder."""
+    clock = [1000.0]
+    a, b = lock(tmp_path, "job-a", clock), lock(tmp_path, "job-b", clock)
+    a.acquire(tmp_path)
+    monkeypatch.setattr(runlock, "READ_WAIT", 0.0)
+
+    def reset(name, write, **kw):
+        raise ConnectionResetError("reset by peer")
+
+    b.cs.store.get = reset
+    with pytest.raises(StoreUnavailable):
+        b.acquire(tmp_path)
+    assert not b.held and a.read()["job_id"] == "job-a" and a.heartbeat(tmp_path)
+
+
+def test_a_job_that_lost_the_lock_neither_renews_it_nor_commits_nor_prunes(tmp_path):
+    clock = [1000.0]
+    a, b = lock(tmp_path, "job-a", clock), lock(tmp_path, "job-b", clock)
+    a.acquire(tmp_path)
+    mine = fence(store(tmp_path), "job-a")
+    local = tmp_path / "local" / "ckpt-000000010"
+    local.mkdir(parents=True)
+    (local / "state.data").write_bytes(b"s" * 100)
+    mine.upload(local, {"step": 10})  # a's, while it holds the lock
+    clock[0] += 60  # a's launcher and head node went quiet past the ttl; b takes over
+    assert b.acquire(tmp_path)[0] is None and b.held
+    before = json.loads((tmp_path / "store" / "r" / "lock" / f"{b.generation:09d}.json").read_text())
+    assert a.heartbeat(tmp_path) is False and not a.held  # it does not write over b's
+    assert json.loads((tmp_path / "store" / "r" / "lock" / f"{b.generation:09d}.json").read_text()) == before
+    assert fenced(mine, "job-a") == "job-b" and fenced(mine, "job-b") is None
+    with pytest.raises(LockLost, match="job job-b holds the run's lock"):
+        mine.upload(local, {"step": 20})
+    assert [c.step for c in mine.committed()] == [10]  # nothing of step 20 committed
+    with pytest.raises(LockLost):
+        mine.prune(keep=1)
+    b.release()  # b ended: the run is free, but a, which lost it, stays fenced
+    assert fenced(mine, "job-a") == "job-b"
+
+
+def test_generations_only_grow_and_old_ones_are_cleaned(tmp_path):
+    clock = [1000.0]
+    for i, job in enumerate(("j1", "j2", "j3", "j4")):
+        lk = lock(tmp_path, job, clock)
+        assert lk.acquire(tmp_path)[0] is None and lk.generation == i + 1
+        lk.release()
+    assert lock(tmp_path, "x", clock).generations() == [4, 3]
+    assert fenced(store(tmp_path), "j1") == "j4"
+
+
+def test_a_job_without_a_lock_in_the_store_is_not_fenced(tmp_path):
+    """A job whose launcher could not take the lock (the store was down then) commits as before."""
+    assert fenced(store(tmp_path), "job-a") is None

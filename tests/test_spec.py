@@ -41,6 +41,13 @@ def test_defaults_fill_in():
     ({**GOOD, "train": {"command": "x", "env": {"OS_PASSWORD": "p"}}}, "train.env", "credential"),
     ({**GOOD, "train": {"command": "x", "env": {"MY_API_TOKEN": "p"}}}, "train.env", "credential"),
     ({**GOOD, "train": {"command": "x", "env": ["A=1"]}}, "train.env", "mapping"),
+    # issue 49: keys went unquoted into the horovodrun shell line
+    ({**GOOD, "train": {"command": "x", "env": {"A;touch /tmp/x;B": "1"}}}, "train.env", "not an environment"),
+    ({**GOOD, "train": {"command": "x", "env": {"A\nB": "1"}}}, "train.env", "not an environment"),
+    ({**GOOD, "train": {"command": "x", "env": {"1A": "1"}}}, "train.env", "not an environment"),
+    # a fragment or query was silently dropped: the job used another prefix than the one written
+    ({**GOOD, "checkpoint": {"url": "swift://ckpts/run#frag/"}}, "checkpoint.url", "'?' or '#'"),
+    ({**GOOD, "dataset": {"source": "s3://data-sets/x?versionId=1"}}, "dataset.source", "'?' or '#'"),
     ({**GOOD, "dataset": {"source": "http://x/y"}}, "dataset.source", "swift://"),
     ({**GOOD, "dataset": {"source": "swift://data/p", "dest": "../etc"}}, "dataset.dest", "relative path"),
     ({**GOOD, "dataset": {"source": "swift://data/p", "mode": "half"}}, "dataset.mode", "one of"),

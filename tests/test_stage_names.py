@@ -67,6 +67,28 @@ def test_objects_deleted_from_the_store_leave_the_node_unless_kept(tmp_path):
     assert (out / "mine.txt").exists()
 
 
+def test_a_dest_staged_from_another_prefix_loses_that_stages_files_and_nothing_else(tmp_path):
+    """Issue 49: the manifest's names of a stage from data/v1/ were resolved against data/v2/: the files of v1 stayed,
+    and a file of the user's at dest/data/v1/x.bin (the name read as a path) was unlinked."""
+    st = DictStore({"data/v1/x.bin": b"1" * 100, "data/v1/sub/y.bin": b"2" * 100, "data/v2/z.bin": b"3" * 100})
+    out = tmp_path / "out"
+    stage(st, "data/v1/", out)
+    assert (out / "x.bin").exists() and (out / "sub" / "y.bin").exists()
+    (out / "data" / "v1").mkdir(parents=True)
+    (out / "data" / "v1" / "x.bin").write_bytes(b"the user's")  # where the old code looked
+    (out / "mine.txt").write_bytes(b"the user's too")
+    res = stage(st, "data/v2/", out)
+    assert res.files_fetched == 1 and (out / "z.bin").read_bytes() == b"3" * 100
+    assert not (out / "x.bin").exists() and not (out / "sub" / "y.bin").exists()  # v1's files went
+    assert (out / "data" / "v1" / "x.bin").read_bytes() == b"the user's"
+    assert (out / "mine.txt").read_bytes() == b"the user's too"
+    assert stage(st, "data/v2/", out).files_skipped == 1  # the same prefix again: nothing fetched
+    # a dest staged before the prefix was recorded: names outside the prefix are forgotten, never read as paths
+    (out / ".appliance-manifest.prefix").unlink()
+    stage(st, "data/v1/", out)
+    assert (out / "data" / "v1" / "x.bin").read_bytes() == b"the user's" and (out / "z.bin").exists()
+
+
 def test_a_url_that_lists_nothing_is_refused_and_the_nodes_copy_stays(tmp_path):
     """A dataset URL with a typo listed nothing, was staged as an empty dataset ("0 fetched", exit 0), and removed
     every file the node had staged from the right URL as "no longer in the store"."""

@@ -169,7 +169,10 @@ class JobCheckpoints(JobHooks):
         def beat():
             while not self._beat_stop.wait(self.lock.interval):
                 try:
-                    self.lock.heartbeat(tempfile.gettempdir())
+                    if not self.lock.heartbeat(tempfile.gettempdir()):
+                        self.say(f"[appliance] warning: the run's lock was taken by another job; this job commits "
+                                 f"and prunes nothing more (docs/checkpoints.md, the run lock)")
+                        return
                 except Exception:  # noqa: BLE001 - retried at the next beat; the ttl allows several misses
                     pass
 
@@ -189,7 +192,8 @@ class JobCheckpoints(JobHooks):
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *a: threading.Thread(
                 target=self._user_stop, args=("SIGTERM to appliance train",), daemon=True).start())
-            if self.spec.checkpoint.url:
+            # a launcher started with SIGINT ignored (a background job of a shell, nohup) keeps ignoring it
+            if self.spec.checkpoint.url and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
                 self._old_sigint = signal.signal(signal.SIGINT, self._on_ctrl_c)
 
     def _on_ctrl_c(self, *_) -> None:

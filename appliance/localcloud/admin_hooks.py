@@ -41,7 +41,7 @@ def requests(req: Request):
     if req.method == "DELETE":
         req.cloud.requests.clear()
         return 204, None
-    return 200, {"requests": req.cloud.requests}
+    return 200, {"requests": list(req.cloud.requests)}
 
 
 ROUTES = [

@@ -7,6 +7,7 @@ run on a node backend (nodes.py). See server.py for what is simulated and where 
 from __future__ import annotations
 
 import base64
+import collections
 import datetime as dt
 import json
 import re
@@ -24,6 +25,19 @@ from .state import (STAMP, AppCred, Ec2Cred, FipReservation, FloatingIp, Host, H
 MAX_LEASE_SECONDS = 7 * 86400
 EXTENSION_WINDOW_SECONDS = 48 * 3600
 API_DATE = "%Y-%m-%d %H:%M"
+REQUEST_LOG = 2000  # requests the admin API keeps for tests (a bound: the cloud may run for days)
+SECRET_KEYS = {"password", "secret", "secret_key", "token", "user_data_secret"}  # redacted in the request log
+
+
+def redacted(body):
+    """A request body for the log: every value under a secret's key replaced (Keystone passwords, application
+    credential secrets, EC2 secret keys), the rest as sent."""
+    if isinstance(body, dict):
+        return {k: "***" if k in SECRET_KEYS and v and not isinstance(v, (dict, list)) else redacted(v)
+                for k, v in body.items()}
+    if isinstance(body, list):
+        return [redacted(v) for v in body]
+    return body
 REGION = "CHI@local"
 DEFAULT_POOLS = {"compute_local": 4, "gpu_local": 2}
 # every image here stands for a CC image, whose cloud-init makes the default user cc (uid 1000, passwordless sudo)
@@ -169,7 +183,8 @@ class Cloud:
                   visibility="public", size=1 << 30, updated_at=made)
             for name in ("appliance-cpu", "CC-Ubuntu22.04", "CC-Ubuntu22.04-CUDA")]
         self.faults: dict[str, int] = {}
-        self.requests: list[dict] = []
+        # the last REQUEST_LOG requests, secrets redacted (admin_hooks.requests: what tests read back)
+        self.requests: collections.deque[dict] = collections.deque(maxlen=REQUEST_LOG)
         self.nodes: NodeBackend = nodes or TestbedNodes(testbed_name)
         sock = self.nodes.metadata_socket()
         self.metadata = MetadataService(self, sock) if sock is not None else None

@@ -41,7 +41,7 @@ from urllib.parse import parse_qs, urlparse
 from .. import report
 from . import admin_hooks, blazar, glance, keystone, neutron, nova, orchestration
 from .api import Request, dispatch
-from .cloud import DEFAULT_POOLS, ApiError, Cloud, _uuid
+from .cloud import DEFAULT_POOLS, ApiError, Cloud, _uuid, redacted
 
 SERVICES = {m.PREFIX: m for m in (keystone, blazar, nova, neutron, glance, orchestration, admin_hooks)}
 
@@ -95,7 +95,7 @@ class Handler(BaseHTTPRequestHandler):
         sub = path[len(prefix) + 1:] or "/"
         streamed = service is glance and glance.raw_body(self.command, sub)
         body = self._body() if self.command in ("POST", "PUT", "PATCH") and not streamed else None
-        self.cloud.requests.append({"method": self.command, "path": url.path, "query": query, "body": body})
+        self.cloud.requests.append({"method": self.command, "path": url.path, "query": query, "body": redacted(body)})
         self.cloud.tick()
         if service is None:
             raise ApiError(404, f"no such service: {path}", "NotFound")

@@ -43,8 +43,9 @@ import numpy as np
 
 from .. import report
 from ..protocol import VENDORDATA_MARGIN, Env, Line, emit
-from ..store.checkpoints import CheckpointStore, StoreUnavailable, ckpt_name
+from ..store.checkpoints import CheckpointStore, StoreUnavailable, ckpt_key, ckpt_name
 from ..store.objects import StoreCreds
+from ..store.runlock import fence
 from .filesync import note
 from .vendordata import vendordata_lease_end
 
@@ -166,6 +167,7 @@ class Checkpointer:
         self._uploader: threading.Thread | None = None
         self._uploading: Path | None = None
         self._last_commit: dict | None = None
+        self._last_commit_local: str | None = None  # its directory on the node
         self._upload_error: str | None = None
         self._commit_s: list[float] = []
         self._writer = None
@@ -447,9 +449,8 @@ class Checkpointer:
         states = states or [self._own_rng()]
         t0 = time.monotonic()
         epoch, offset = self._position()
-        name = ckpt_name(self.step)
-        final = self.local_dir / name
-        tmp = self.local_dir / f".tmp-{name}"
+        final = self._local_name(self.step)
+        tmp = self.local_dir / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self._tf_ckpt.write(str(tmp / "state"))
@@ -468,7 +469,6 @@ class Checkpointer:
         if self.metrics_dir.exists():
             shutil.copytree(self.metrics_dir, tmp / "metrics")
         (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True))
-        shutil.rmtree(final, ignore_errors=True)
         # atomic: a checkpoint directory is whole or absent, also after kill -9. Not fsynced: a node that loses
         # power is gone with its disk at the lease end anyway; durability is the store's job (the commit)
         os.rename(tmp, final)
@@ -481,6 +481,17 @@ class Checkpointer:
             self._ensure_uploader()
         self._prune_local()
         return final
+
+    def _local_name(self, step: int) -> Path:
+        """A directory no earlier save used: a re-save of a step (a periodic save at the last step, then close()'s;
+        a stop right after a save) never replaces one the uploader may be reading (ckpt-<step>.<n>, as in the
+        store: store/checkpoints.py free_name)."""
+        base = self.local_dir / ckpt_name(step)
+        path, n = base, 0
+        while path.exists():
+            n += 1
+            path = base.with_name(f"{base.name}.{n}")
+        return path
 
     def _ensure_uploader(self) -> None:
         if self._uploader is None:
@@ -500,7 +511,7 @@ class Checkpointer:
         What fails here is said by the first upload, with its retries."""
         try:
             if self._store is None:
-                self._store = CheckpointStore(self.url, self.run, self._creds())
+                self._store = fence(CheckpointStore(self.url, self.run, self._creds()), os.environ.get(Env.JOB_ID))
             self._store.connect()
         except Exception:  # noqa: BLE001 - only a head start; the upload owns the errors
             pass
@@ -523,7 +534,7 @@ class Checkpointer:
         meta = json.loads((local / "meta.json").read_text())
         try:
             if self._store is None:
-                self._store = CheckpointStore(self.url, self.run, self._creds())
+                self._store = fence(CheckpointStore(self.url, self.run, self._creds()), os.environ.get(Env.JOB_ID))
             fault = None
             if self._fault == f"kill-during-upload:{meta['step']}":
                 def fault(i):  # test hook: a real SIGKILL of rank 0 with half a checkpoint uploaded
@@ -541,10 +552,11 @@ class Checkpointer:
             return
         upload_s = time.monotonic() - t0
         self._commit_s.append(getattr(self, "_save_s", 0.0) + upload_s)
-        self._last_commit = manifest
+        with self._cv:
+            self._last_commit, self._last_commit_local = manifest, local.name
         self._upload_error = None
         size = sum(f["size"] for f in manifest["files"].values())
-        emit(Line.CKPT, {"step": meta["step"], "name": local.name, "bytes": size, "committed": True,
+        emit(Line.CKPT, {"step": meta["step"], "name": manifest["name"], "bytes": size, "committed": True,
                             "save_s": round(getattr(self, "_save_s", 0.0), 3), "upload_s": round(upload_s, 3)})
         try:
             self._store.prune(self.keep)
@@ -557,9 +569,9 @@ class Checkpointer:
         store, only the newest. Superseded uncommitted ones go, so a long store outage cannot fill the disk."""
         with self._cv:
             keep = {p.name for p in (self._pending, self._uploading) if p is not None}
-            if self._last_commit:
-                keep.add(self._last_commit["name"])
-        local = sorted(self.local_dir.glob("ckpt-*"))
+            if self._last_commit_local:
+                keep.add(self._last_commit_local)
+        local = sorted((p for p in self.local_dir.glob("ckpt-*") if ckpt_key(p.name)), key=lambda p: ckpt_key(p.name))
         if not self.url and local:
             keep = {local[-1].name}
         for p in local:
@@ -611,8 +623,9 @@ class Checkpointer:
             if self.url and committed:
                 committed = self._wait_stop_commit() and self._last_commit is not None and \
                     self._last_commit["step"] == self.step
+            name = self._last_commit["name"] if committed and self.url else local.name if local else None
             body = {"step": self.step, "epoch": self._position()[0], "reason": self.stop_reason,
-                    "committed": committed, "checkpoint": local.name if local else None,
+                    "committed": committed, "checkpoint": name,
                     "seconds": round(time.monotonic() - t0, 2),
                     "decided_at": self._stop_decided_at, **marks}
             if not committed:

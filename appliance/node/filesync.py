@@ -30,8 +30,10 @@ from .. import report
 from ..protocol import EXIT_STOPPED, Env, Line, emit
 from ..store.filesync import FileSet
 from ..store.objects import StoreCreds, md5_file
+from ..store.runlock import fence
 
 SKIP_DIRS = {"__pycache__", ".git", ".ipynb_checkpoints"}
+RESTORE_FAILED = 3  # rank 0's exit status when the synced files could not be read back (the job then fails)
 
 
 def note(msg: str) -> None:
@@ -146,8 +148,13 @@ class Syncer:
         os._exit(EXIT_STOPPED)
 
     def restore(self) -> None:
+        """The newest synced manifest's files into the directory. A store that does not answer raises (the job must
+        not start without them: its syncs would number after them and its prunes delete them)."""
         body = self.fs.newest_good()
         if body is None:
+            found = self.fs.manifests()
+            if found:
+                note(f"no synced manifest of the {len(found)} in the store verifies: the job starts without them")
             return
         self.seq = int(body["seq"])
         got = self.fs.pull(body, self.root, skip=lambda rel: rel in self.exclude)
@@ -191,7 +198,9 @@ def start_in_rank0() -> Syncer | None:
     exclude = set()
     if env.get(Env.CODE_FILES) and os.path.exists(env[Env.CODE_FILES]):
         exclude = set(json.loads(Path(env[Env.CODE_FILES]).read_text()))
-    s = Syncer(Path(root), FileSet(url, env.get(Env.RUN, "run"), creds),
+    fs = FileSet(url, env.get(Env.RUN, "run"), creds)
+    fence(fs.cs, env.get(Env.JOB_ID))  # a job that lost the run's lock commits and prunes no synced files
+    s = Syncer(Path(root), fs,
                every_s=float(env.get(Env.FILES_EVERY_SECONDS) or 60), exclude=exclude,
                stop_file=Path(env[Env.STOP_FILE]) if env.get(Env.STOP_FILE) else None,
                keep=int(env.get(Env.CKPT_KEEP) or 2))
@@ -199,8 +208,12 @@ def start_in_rank0() -> Syncer | None:
     if env.get(Env.FILES_RESTORE) == "1":
         try:
             s.restore()
-        except Exception as e:  # the script still runs; it will not find its files
-            note(f"synced files NOT restored: {type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - the job stops before the script runs: it would overwrite them
+            note(f"synced files NOT restored: {type(e).__name__}: {e}; the job stops here so that nothing of the "
+                 f"run's synced files is written over (fix: `appliance resume {env.get(Env.RUN, 'RUN')}` once the "
+                 "object store answers)")
+            sys.stdout.flush()
+            os._exit(RESTORE_FAILED)
     threading.Thread(target=s.run, name="appliance-filesync", daemon=True).start()
 
     def at_exit():

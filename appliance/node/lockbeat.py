@@ -72,9 +72,7 @@ def beat(lock: RunLock, run_dir: str, job_id: str, *, wait=time.sleep, clock=tim
 
 
 def _ours(lock: RunLock) -> bool:
-    cur = lock.read()
-    lock.held = cur is not None and cur.get("job_id") == lock.job_id
-    return lock.held
+    return lock.follow()
 
 
 def main(argv=None) -> int:

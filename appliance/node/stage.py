@@ -47,7 +47,8 @@ from ..store.parts import guesses, layout, multipart_etag, part_count
 MANIFEST = ".appliance-manifest.json"
 JOURNAL = ".appliance-manifest.journal"  # one line per verified file, so a killed run loses nothing
 STAGING = ".appliance-staging"  # downloads in progress, on the same file system; no object can be staged there
-RESERVED = {MANIFEST, JOURNAL, STAGING, f".{MANIFEST}.tmp"}
+PREFIX = ".appliance-manifest.prefix"  # the prefix the manifest's names were staged from (their paths follow it)
+RESERVED = {MANIFEST, JOURNAL, STAGING, PREFIX, f".{MANIFEST}.tmp", f".{PREFIX}.tmp"}
 LARGE = 64 * 1024**2  # objects above this are fetched as parallel ranged GETs
 RANGE = 16 * 1024**2
 SMALL = 1024**2  # objects up to this size are checked after their GET, their MD5s 16 at a time (md5lanes.Bodies)
@@ -160,6 +161,41 @@ def load_manifest(dest: Path) -> dict[str, list]:
     except OSError:
         pass
     return m
+
+
+def _forget_others(dest: Path, prefix: str, paths: dict[str, PurePosixPath], keep_extra: bool) -> tuple[dict, int]:
+    """The manifest of what ``dest`` holds from this prefix, and how many files went: those of objects no longer in
+    this stage (deleted from the store, or now another node's shard). A name is a path only relative to the prefix
+    it was staged from (PREFIX): a dest last staged from another prefix has that stage's files removed (unless
+    ``keep_extra``) and starts anew; one staged before PREFIX was kept forgets names outside this prefix rather than
+    guessing their paths (they resolved to unrelated files under dest, which were unlinked: issue 49)."""
+    manifest = load_manifest(dest)
+    try:
+        was = (dest / PREFIX).read_text()
+    except OSError:
+        was = None
+    removed = 0
+    same = was in (None, prefix)
+    for name in [n for n in manifest if n not in paths or not same]:
+        if keep_extra and same:  # kept on the node, and in the manifest: a later stage may still remove it
+            continue
+        if keep_extra or (was is None and not name.startswith(prefix)):
+            del manifest[name]
+            continue
+        try:
+            old = dest / safe_relpath(name, prefix if was is None else was)
+            if old.is_file() and (same or PurePosixPath(old.relative_to(dest)) not in paths.values()):
+                old.unlink()
+                removed += 1
+        except ValueError:
+            pass
+        del manifest[name]
+    if was != prefix:
+        _save_manifest(dest, manifest)  # what is left of the old names, then the new prefix they belong to
+        tmp = dest / f".{PREFIX}.tmp"
+        tmp.write_text(prefix)
+        tmp.replace(dest / PREFIX)
+    return manifest, removed
 
 
 def _unchanged(target: Path, rec: list) -> bool:
@@ -382,18 +418,7 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
                              "rename those objects in the store (no '..', '.', '//', leading '/', or parts over "
                              "255 bytes; no two names for one path)")
     _make_dirs(dest, dirs)  # the store's directory markers
-    manifest = load_manifest(dest)
-    removed = 0
-    if not keep_extra:  # objects deleted from the store (or now another node's shard) leave this node too
-        for name in [n for n in manifest if n not in paths]:
-            try:
-                old = dest / safe_relpath(name, prefix)
-                if old.is_file():
-                    old.unlink()
-                    removed += 1
-            except ValueError:
-                pass
-            del manifest[name]
+    manifest, removed = _forget_others(dest, prefix, paths, keep_extra)
     todo, skipped = [], 0
     for o in mine:
         rec = manifest.get(o.name)

@@ -8,7 +8,6 @@ they include the cluster's private key.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 from pathlib import Path
 
@@ -35,12 +34,8 @@ def cluster_key(cluster: Cluster) -> tuple[str, str]:
                                  serialization.NoEncryption()).decode()
         pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                             serialization.PublicFormat.OpenSSH).decode()
-        tmp = priv_p.with_name(f".{priv_p.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(priv)
         pub_p.write_text(f"{pub} appliance-cluster-{cluster.name}\n")
-        tmp.replace(priv_p)
+        paths.write_private(priv_p, priv.encode())
     return priv_p.read_text().strip(), pub_p.read_text().strip()
 
 

@@ -7,9 +7,12 @@ Layout under the spec's ``checkpoint.url`` (swift://, s3:// or file://)::
     <url>/<run>/ckpt-000000420/meta.json
     <url>/<run>/ckpt-000000420/metrics/...
     <url>/<run>/ckpt-000000420/MANIFEST.json           ... and its commit point, written last
+    <url>/<run>/ckpt-000000420.1/...                   a later save of the same step (never written over the first)
     <url>/<run>/spec.yaml                              the run's spec, for `appliance resume` elsewhere
 
 The rules that make "committed" mean something:
+- a committed checkpoint is never written over: an upload goes to a name no object of the store has yet
+  (``ckpt-<step>``, or ``ckpt-<step>.<n>`` after a save of that step), which sorts after every earlier save;
 - a checkpoint is committed once its MANIFEST.json exists; the manifest is written only after every
   file was uploaded and the store's listing showed each one with the expected size and MD5;
 - resume uses only committed checkpoints, and checks each against its manifest again (size and ETag of
@@ -28,7 +31,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .objects import ObjectInfo, StoreCreds, StoreRefused, large_object_etags, md5_file, open_store, parts_match
 from ..errors import ApplianceError
@@ -37,7 +40,7 @@ from .. import report
 log = report.get(__name__)
 
 MANIFEST = "MANIFEST.json"
-CKPT_DIR = re.compile(r"^ckpt-(\d{9,})$")
+CKPT_DIR = re.compile(r"^ckpt-(\d{9,})(?:\.(\d+))?$")  # ckpt-<step>, ckpt-<step>.<n> for the n-th re-save
 # A checkpoint file above this goes up as parallel parts (SLO segments, S3 multipart parts); a 1-2 GB model state
 # then uploads at the store's bandwidth rather than one Python stream's (make bench-stage, the upload rows)
 CKPT_SEGMENT = 128 * 1024**2
@@ -49,13 +52,32 @@ def ckpt_name(step: int) -> str:
     return f"ckpt-{step:09d}"
 
 
+def safe_rel(rel: str) -> bool:
+    """A relative path that stays inside the directory it is written into (a manifest's names are the store's
+    data: they are checked before a path is made of them)."""
+    p = PurePosixPath(rel)
+    return bool(rel) and not p.is_absolute() and ".." not in p.parts and "" not in rel.split("/") and \
+        "\x00" not in rel
+
+
+def ckpt_key(name: str) -> tuple[int, int] | None:
+    """(step, n) of a checkpoint directory's name, the order of saves; None for any other name."""
+    m = CKPT_DIR.match(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
 @dataclass
 class Committed:
     """A committed checkpoint as the store lists it."""
 
-    name: str  # ckpt-000000420
+    name: str  # ckpt-000000420 (ckpt-000000420.1: a later save of the same step)
     step: int
     manifest: dict | None = None  # read on demand
+    n: int = 0  # the save's number within its step
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.step, self.n)
 
     @property
     def epoch(self) -> int:
@@ -64,6 +86,10 @@ class Committed:
 
 class StoreUnavailable(ApplianceError):
     """The object store did not answer (or answered 5xx) after the retries allowed."""
+
+
+class LockLost(ApplianceError):
+    """Another job holds the run's lock now (store/runlock.py): this job commits and prunes nothing more."""
 
 
 def manifest_digest(body: dict) -> str:
@@ -111,6 +137,16 @@ class CheckpointStore:
         self._manifests: dict[tuple[str, str], dict] = {}  # (name, the manifest object's ETag) -> its body
         # files above this go up in parts (Swift SLO segments, S3 multipart), in parallel; a test makes it small
         self.segment_size = int(os.environ.get("APPLIANCE_SEGMENT_BYTES") or CKPT_SEGMENT)
+        # the job that holds the run's lock instead of ours, if one does (store/runlock.py ``fenced``), asked before
+        # every commit and prune: a job that lost the lock writes no manifest and deletes nothing
+        self.fence: Callable[[], str | None] | None = None
+
+    def check_fence(self, what: str) -> None:
+        """Raise LockLost when another job holds the run's lock (``fence``)."""
+        other = self.fence() if self.fence is not None else None
+        if other:
+            raise LockLost(f"{what}: not done: job {other} holds the run's lock now",
+                           "this job lost the run to another one (docs/checkpoints.md, the run lock); stop it")
 
     # -- listing -------------------------------------------------------------------------------------------
     def _objects(self, sub: str = "") -> list[ObjectInfo]:
@@ -123,10 +159,10 @@ class CheckpointStore:
             rel = o.name[len(self.prefix):]
             parts = rel.split("/")
             if len(parts) == 2 and parts[1] == MANIFEST:
-                m = CKPT_DIR.match(parts[0])
-                if m:
-                    found.append(Committed(parts[0], int(m.group(1))))
-        return sorted(found, key=lambda c: c.step, reverse=True)
+                k = ckpt_key(parts[0])
+                if k:
+                    found.append(Committed(parts[0], k[0], n=k[1]))
+        return sorted(found, key=lambda c: c.key, reverse=True)
 
     def read_json(self, rel: str) -> dict:
         buf = bytearray()
@@ -224,12 +260,28 @@ class CheckpointStore:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def free_name(self, step: int, *, until: float | None = None, stop: Callable[[], bool] = lambda: False) -> str:
+        """The name the next save of ``step`` goes up as: ``ckpt-<step>`` where the store has no object of that
+        step, else ``ckpt-<step>.<n>`` past every save of it there, committed or partial. A listing that fails is
+        retried (and then raised), never read as "none there"."""
+        base = ckpt_name(step)
+
+        def listed() -> list[ObjectInfo]:
+            try:
+                return self._objects(base)
+            except FileNotFoundError:  # no container yet (a 404, not a failure): nothing of this step
+                return []
+        taken = [k[1] for o in retrying(listed, what=f"list {base}", until=until, stop=stop)
+                 if (k := ckpt_key(o.name[len(self.prefix):].split("/", 1)[0])) and k[0] == step]
+        return base if not taken else f"{base}.{max(taken) + 1}"
+
     def upload(self, local: Path, meta: dict, *, until: float | None = None,
                stop: Callable[[], bool] = lambda: False, fault: Callable[[int], None] | None = None) -> dict:
-        """Upload one local checkpoint directory, verify it in the store, then commit it (manifest last).
-        Returns the manifest. Raises StoreUnavailable when the store stays down past ``until``."""
+        """Upload one local checkpoint directory under a name of its own (``free_name``: nothing committed is ever
+        written over), verify it in the store, then commit it (manifest last). Returns the manifest, whose
+        ``name`` is the store's. Raises StoreUnavailable when the store stays down past ``until``."""
         local = Path(local)
-        name = local.name
+        name = self.free_name(int(meta["step"]), until=until, stop=stop)
         files = sorted(p for p in local.rglob("*") if p.is_file())
         record: dict[str, dict] = {}
         expect: dict[str, dict] = {}
@@ -269,6 +321,7 @@ class CheckpointStore:
                 raise StoreUnavailable(f"{name}/{rel}: the store holds ETag {o.etag}, we expected {want}",
                                        "the checkpoint is kept on the node's disk")
             f["etag"] = o.etag
+        self.check_fence(f"commit {name}")
         body = {"format": FORMAT, "run": self.run, "name": name, "step": meta["step"], "meta": meta,
                 "files": record, "committed_at": time.time()}
         body["digest"] = manifest_digest(body)
@@ -284,6 +337,7 @@ class CheckpointStore:
         left in place (said so; resume skips it), one older than the kept ones goes with them. So the newest
         checkpoint that verifies is never deleted, whatever happened to the ones after it."""
         keep = max(1, keep)
+        self.check_fence("prune")
         listing = self._objects()  # one listing: what is committed, and each candidate checked against it
         committed = self.committed(listing)  # newest first
         good: list[Committed] = []
@@ -301,12 +355,12 @@ class CheckpointStore:
             return []
         kept = {c.name for c in good + bad}
         doomed = {c.name for c in committed if c.name not in kept}  # all older than the oldest good one kept
-        newest_good = good[0].step
+        newest_good = good[0].key
         by_dir: dict[str, list[str]] = {}
         for o in listing:
             top = o.name[len(self.prefix):].split("/", 1)[0]
-            m = CKPT_DIR.match(top)
-            if m and top not in kept and (top in doomed or int(m.group(1)) < newest_good):
+            k = ckpt_key(top)
+            if k and top not in kept and (top in doomed or k < newest_good):
                 by_dir.setdefault(top, []).append(o.name)
         for top, names in sorted(by_dir.items()):
             names.sort(key=lambda n: not n.endswith("/" + MANIFEST))  # un-commit first
@@ -320,6 +374,10 @@ class CheckpointStore:
         against the manifest."""
         m = self.read_manifest(c)
         out = Path(dest) / c.name
+        bad = [rel for rel in m["files"] if not safe_rel(rel) or rel == MANIFEST]
+        if bad or not ckpt_key(c.name):
+            raise ApplianceError(f"{c.name}: its manifest names a file outside the checkpoint ({(bad or [c.name])[0]!r})",
+                                 "the manifest was not written by the appliance; remove that checkpoint from the store")
         for rel, f in m["files"].items():
             p = out / rel
             p.parent.mkdir(parents=True, exist_ok=True)

@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from ..errors import ApplianceError
-from .checkpoints import CheckpointStore, StoreUnavailable, manifest_digest, retrying
+from .checkpoints import CheckpointStore, StoreUnavailable, manifest_digest, retrying, safe_rel
 from .objects import ObjectInfo, StoreCreds, large_object_etags, md5_file
 from .. import report
 
@@ -34,21 +35,24 @@ SUB = "files/"
 OBJECTS = "files/objects/"
 MANIFEST_NAME = re.compile(r"^files/manifest-(\d{9,})\.json$")
 FORMAT = 1
-
-
-def safe_rel(rel: str) -> bool:
-    """A relative path that stays inside the directory it is restored into."""
-    p = PurePosixPath(rel)
-    return bool(rel) and not p.is_absolute() and ".." not in p.parts and "" not in rel.split("/") and \
-        "\x00" not in rel
+READ_WAIT = 60.0  # seconds a manifest's read is retried before the store counts as down
 
 
 class FileSet:
     """The synced files of one run in one object store."""
 
     def __init__(self, url: str, run: str, creds: StoreCreds | None):
-        self.cs = CheckpointStore(url, run, creds)  # its store, prefix, retries and part size
-        self.store, self.prefix = self.cs.store, self.cs.prefix
+        self._use(CheckpointStore(url, run, creds))  # its store, prefix, retries, part size and fence
+
+    def _use(self, cs: CheckpointStore) -> None:
+        self.cs, self.store, self.prefix = cs, cs.store, cs.prefix
+
+    @classmethod
+    def of(cls, cs: CheckpointStore) -> FileSet:
+        """The synced files of the run ``cs`` holds, through its store."""
+        fs = cls.__new__(cls)
+        fs._use(cs)
+        return fs
 
     def _listing(self) -> list[ObjectInfo]:
         return list(self.store.list(self.prefix + SUB))
@@ -62,8 +66,13 @@ class FileSet:
                 seqs.append(int(m.group(1)))
         return sorted(seqs, reverse=True)
 
-    def read(self, seq: int) -> dict:
-        return self.cs.read_json(f"files/manifest-{seq:09d}.json")
+    def read(self, seq: int, *, until: float | None = None) -> dict:
+        """Manifest ``seq``: FileNotFoundError when it is gone, JSONDecodeError when it is not JSON; a store that
+        fails is asked again until ``until`` (default: a minute from now), then StoreUnavailable. A failed read is
+        never taken for a missing manifest (issue 49: a restore that read one 503 as "no files" let the new job's
+        prunes delete the old job's files)."""
+        return retrying(lambda: self.cs.read_json(f"files/manifest-{seq:09d}.json"), what=f"read synced files {seq}",
+                        until=time.time() + READ_WAIT if until is None else until)
 
     def verify(self, body: dict, listing: list[ObjectInfo]) -> str | None:
         """None if the manifest is intact and every object it names is in the store with its size and ETag."""
@@ -76,12 +85,14 @@ class FileSet:
                 return f"manifest {body['seq']}: {rel} is missing or changed in the store"
         return None
 
-    def newest_good(self) -> dict | None:
-        listing = self._listing()
+    def newest_good(self, *, until: float | None = None) -> dict | None:
+        """The newest manifest that verifies, None when there is none. A manifest that is gone or damaged is passed
+        over for the one before it; a store that does not answer raises StoreUnavailable (``read``)."""
+        listing = retrying(self._listing, what="list synced files", until=until or time.time() + READ_WAIT)
         for seq in self.manifests(listing):
             try:
-                body = self.read(seq)
-            except Exception as e:  # noqa: BLE001 - unreadable: try the one before it
+                body = self.read(seq, until=until)
+            except (FileNotFoundError, json.JSONDecodeError) as e:
                 log.info(f"synced files: manifest {seq} unreadable ({type(e).__name__}); trying the one before it")
                 continue
             why = self.verify(body, listing)
@@ -119,6 +130,7 @@ class FileSet:
                 raise StoreUnavailable(f"synced file {rel} did not arrive intact in the store",
                                        "the next sync tries again")
             r["etag"] = o.etag
+        self.cs.check_fence(f"commit synced files {seq}")
         body = {"format": FORMAT, "seq": seq, "files": record, "committed_at": time.time()}
         body["digest"] = manifest_digest(body)
         text = json.dumps(body, indent=1, sort_keys=True)
@@ -136,9 +148,13 @@ class FileSet:
                 continue
             final = dest / rel
             final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = final.parent / f".appliance-restore-{os.getpid()}-{final.name}"
+            # a name of its own, not the file's with a prefix: a file name near NAME_MAX (255 bytes) synced but
+            # could not be restored (ENAMETOOLONG)
+            fd, tmp_name = tempfile.mkstemp(prefix=".appliance-restore-", dir=final.parent)
+            tmp = Path(tmp_name)
+            os.fchmod(fd, 0o644)  # as a plain open() under the usual umask, not mkstemp's 0600
             try:
-                with open(tmp, "wb") as fh:
+                with open(fd, "wb") as fh:
                     self.store.get(f"{self.prefix}{OBJECTS}{f['object']}", fh.write)
                 if md5_file(tmp) != f["md5"]:
                     raise ApplianceError(f"synced file {rel}: the downloaded bytes do not match its manifest",
@@ -151,7 +167,9 @@ class FileSet:
 
     def prune(self, keep: int) -> int:
         """Keep the newest ``keep`` manifests that verify and every object they name; delete the rest (older
-        manifests first, then unnamed objects). Nothing is deleted when no manifest verifies."""
+        manifests first, then unnamed objects). Nothing is deleted when no manifest verifies, nor when a manifest
+        could not be read (StoreUnavailable is raised: what it names may be the newest files)."""
+        self.cs.check_fence("prune synced files")
         listing = self._listing()
         good, kept = [], set()
         for seq in self.manifests(listing):
@@ -159,7 +177,7 @@ class FileSet:
                 break
             try:
                 body = self.read(seq)
-            except Exception:  # noqa: BLE001
+            except (FileNotFoundError, json.JSONDecodeError):  # gone or damaged: it names nothing to keep
                 continue
             if self.verify(body, listing) is None:
                 good.append(seq)

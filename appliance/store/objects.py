@@ -18,6 +18,7 @@ import json
 import os
 import random
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -217,6 +218,9 @@ def parse_url(url: str) -> tuple[str, str, str]:
     if u.scheme not in ("swift", "s3") or not u.netloc:
         raise ApplianceError(f"{url!r} is not a swift://container/prefix, s3://bucket/prefix or file:///path URL",
                              "write e.g. swift://datasets/imagenet/")
+    if u.query or u.fragment or url.endswith(("?", "#")):  # urlparse drops them: the prefix would be another one
+        raise ApplianceError(f"{url!r} has a '?' or '#', which a URL reads as a query or fragment and drops",
+                             "remove it: write the prefix plainly, e.g. swift://ckpts/run1/")
     return u.scheme, u.netloc, u.path.lstrip("/")
 
 
@@ -297,6 +301,12 @@ class Store:
         raise NotImplementedError
 
     def delete(self, name: str) -> None:
+        raise NotImplementedError
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Write a small object only if the name holds none: True if written, False if it was there (the store
+        refused with 412). One request, checked by the store, so of two writers of one name exactly one wins (the
+        run lock, store/runlock.py)."""
         raise NotImplementedError
 
     def reach(self) -> None:
@@ -634,6 +644,23 @@ class SwiftStore(Store):
         except FileNotFoundError:
             pass
 
+    def create(self, name, data) -> bool:
+        """PUT with ``If-None-Match: *``: Swift's object server answers 412 when the name exists
+        (swift/obj/server.py ``_pre_create_checks``; the proxy passes it on, swift/proxy/controllers/obj.py), and so
+        does Ceph RGW's Swift API (src/rgw/rgw_rest_swift.cc ``RGWPutObj_ObjStore_SWIFT::get_params`` reads
+        HTTP_IF_NONE_MATCH; src/rgw/driver/rados/rgw_rados.cc refuses an existing object with
+        ERR_PRECONDITION_FAILED at its exclusive create)."""
+        import swiftclient
+
+        try:
+            self._call(self.conn().put_object, self.container, name, data, content_length=len(data),
+                       etag=hashlib.md5(data).hexdigest(), headers={"If-None-Match": "*"})
+        except swiftclient.ClientException as e:
+            if e.http_status == 412:
+                return False
+            raise
+        return True
+
     def reach(self) -> None:
         """One authenticated request (HEAD of the container): the token, and the store's first check of it."""
         self._call(self.conn().head_container, self.container)
@@ -929,6 +956,24 @@ class S3Store(Store):
     def delete(self, name) -> None:
         self.client().delete_object(Bucket=self.bucket, Key=name)
 
+    def create(self, name, data) -> bool:
+        """PutObject with ``If-None-Match: *`` (AWS S3's conditional write; Ceph RGW's S3 API reads it in
+        src/rgw/rgw_rest_s3.cc ``RGWPutObj_ObjStore_S3::get_params`` and refuses an existing object with 412,
+        src/rgw/driver/rados/rgw_rados.cc)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client().put_object(Bucket=self.bucket, Key=name, Body=data, ContentMD5=_b64(
+                hashlib.md5(data).hexdigest()), IfNoneMatch="*")
+        except ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412 or \
+                    e.response.get("Error", {}).get("Code") == "PreconditionFailed":
+                return False
+            if e.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                raise FileNotFoundError(f"s3://{self.bucket}: no such bucket") from None
+            raise
+        return True
+
     def reach(self) -> None:
         """One signed request (HEAD of the bucket): the client built, the keys' first check by the store."""
         from botocore.exceptions import ClientError
@@ -1019,6 +1064,22 @@ class FileStore(Store):
                 out.write(chunk)
         tmp.replace(dst)
         return md5_file(dst)
+
+    def create(self, name, data) -> bool:
+        """The bytes in a file of their own, then link(2) to the name: it fails with EEXIST where the name is taken,
+        so of two writers exactly one wins, and a reader never sees half of it."""
+        dst = self.root / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".create-", dir=dst.parent)
+        try:
+            with open(fd, "wb") as fh:
+                fh.write(data)
+            os.link(tmp, dst)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        return True
 
     def delete(self, name) -> None:
         p = self.root / name

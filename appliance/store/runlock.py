@@ -1,25 +1,41 @@
-"""A lease on a run, in the object store beside its checkpoints: ``URL/RUN/LOCK.json``.
+"""A lease on a run, in the object store beside its checkpoints: ``URL/RUN/lock/<generation>.json``.
 
 Two jobs of one run would share its checkpoints (each pruning the other's) and its synced files. The head node's
 own lock (train/launch.py ``check_run_free``) catches two jobs on one cluster; this one catches two clusters (two
-leases, two machines running `appliance train`). The lock holds the job id, its cluster and head node, and a
-heartbeat the launcher renews every ``interval`` seconds while the job runs. A job is refused while another job's
-heartbeat is younger than its ``ttl``; a lock whose heartbeat is older (the launcher died) is taken over, and said
-so. Object stores have no compare-and-swap that Swift, S3 and RGW all offer, so a taker writes and reads back: of two
-launchers that write at the same moment, the one that reads another's job id back gives way.
+leases, two machines running `appliance train`). A lock holds the job id, its cluster and head node, and a
+heartbeat renewed every ``interval`` seconds while the job runs. A job is refused while another job's heartbeat is
+younger than its ``ttl``; a lock whose heartbeat is older (its job's launcher and head node are gone) is taken over,
+and said so.
+
+The rules:
+- **taking** the lock creates the next generation's object with a create-only write (``Store.create``:
+  ``If-None-Match: *`` on Swift and S3, link(2) on a directory), so of two takers exactly one wins, and reads it
+  back. Ceph RGW 16.2's Swift API ignores ``If-None-Match`` on PUT (measured: tests/test_store_guarantees.py; newer
+  Ceph reads it, src/rgw/rgw_rest_swift.cc): there two takers of one instant may both write, the later write stands,
+  and the earlier taker finds another job's id in its generation at its next heartbeat or commit and stops there;
+- **the holder** is the job of the newest generation; a heartbeat rewrites only the job's own generation (no other
+  writer has that name), and only while no newer generation exists;
+- **a job that lost the lock** (a newer generation is another job's) commits and prunes nothing: ``fenced`` is asked
+  before every checkpoint commit and prune (node/checkpointer.py) and synced-files commit (node/filesync.py);
+- **release** marks the job's generation released instead of deleting it: generations only grow, so a job that lost
+  the lock can never read it as its own again. The generations older than the one before the taker's are deleted.
+- a read that fails is retried and then raised (StoreUnavailable), never taken for "no lock".
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 
-from .checkpoints import CheckpointStore
+from .checkpoints import CheckpointStore, retrying
 
-LOCK = "LOCK.json"
+LOCK = "lock/"
+GENERATION = re.compile(r"^lock/(\d{9,})\.json$")
 INTERVAL = 60.0  # seconds between heartbeats
 TTL = 300.0  # a heartbeat older than this is a dead launcher's
+READ_WAIT = 60.0  # seconds a failing read of the lock is retried before the store counts as down
 
 
 class RunLock:
@@ -28,47 +44,130 @@ class RunLock:
         self.cs, self.job_id, self.cluster, self.head = cs, job_id, cluster, head
         self.interval, self.ttl, self.now = interval, ttl, now
         self.held = False
+        self.generation = 0  # ours, while held
+
+    def _name(self, gen: int) -> str:
+        return f"{self.cs.prefix}{LOCK}{gen:09d}.json"
+
+    def generations(self) -> list[int]:
+        """Every generation in the store, newest first (a store with no container yet: none)."""
+        def listed():
+            try:
+                return list(self.cs.store.list(self.cs.prefix + LOCK))
+            except FileNotFoundError:
+                return []
+        gens = [int(m.group(1)) for o in retrying(listed, what="list the run's lock", until=time.time() + READ_WAIT)
+                if (m := GENERATION.match(o.name[len(self.cs.prefix):]))]
+        return sorted(gens, reverse=True)
+
+    def current(self) -> tuple[int, dict] | None:
+        """(generation, body) of the newest generation; None when the run has none. A generation deleted between
+        the listing and its read (a taker's cleanup) is listed again; a body that is not JSON counts as a lock
+        with no heartbeat (stale)."""
+        for _ in range(3):
+            gens = self.generations()
+            if not gens:
+                return None
+            try:
+                return gens[0], retrying(lambda: self.cs.read_json(f"{LOCK}{gens[0]:09d}.json"),
+                                         what="read the run's lock", until=time.time() + READ_WAIT)
+            except FileNotFoundError:
+                continue
+            except json.JSONDecodeError:
+                return gens[0], {"heartbeat": 0}
+        return None
 
     def read(self) -> dict | None:
-        try:
-            return self.cs.read_json(LOCK)
-        except Exception:  # noqa: BLE001 - absent (or unreadable, which a taker overwrites)
-            return None
+        """The lock of the job that holds the run, None when no job does (none ever did, or the last released it)."""
+        cur = self.current()
+        return None if cur is None or cur[1].get("released") else cur[1]
 
-    def _write(self, tmp_dir) -> None:
+    def _body(self, released: bool = False) -> bytes:
         body = {"job_id": self.job_id, "cluster": self.cluster, "head": self.head, "heartbeat": self.now(),
-                "ttl": self.ttl}
-        self.cs.put_text(LOCK, json.dumps(body, sort_keys=True), tmp_dir)
+                "ttl": self.ttl, **({"released": True} if released else {})}
+        return json.dumps(body, sort_keys=True).encode()
+
+    def _rewrite(self, tmp_dir, released: bool = False) -> None:
+        self.cs.put_text(f"{LOCK}{self.generation:09d}.json", self._body(released).decode(), tmp_dir)
 
     def acquire(self, tmp_dir, ended: Callable[[str], bool] = lambda job_id: False) -> tuple[dict | None, dict | None]:
         """(holder, taken_over): ``holder`` is the live lock of another job (the job must not start), else None and
         the lock is ours; ``taken_over`` is the stale lock we replaced, if any. ``ended(job_id)``: this machine knows
-        that job has ended (its run record says so: its launcher could not delete the lock, the store being down)."""
-        old = self.read()
+        that job has ended (its run record says so: its launcher could not release the lock, the store being down)."""
+        cur = self.current()
+        old = cur[1] if cur else None
         if old and old.get("job_id") != self.job_id and self.alive(old, ended):
             return old, None
-        self._write(tmp_dir)
-        back = self.read()
-        if back is None or back.get("job_id") != self.job_id:  # another launcher wrote at the same moment
-            return back or old, None
-        self.held = True
-        stale = old if old and old.get("job_id") != self.job_id else None
+        gen = cur[0] + 1 if cur else 1
+        made = lambda: self.cs.store.create(self._name(gen), self._body())  # noqa: E731
+        try:
+            won = made()
+        except FileNotFoundError:  # no container yet: make it, then create
+            self.cs.ensure_container()
+            won = made()
+        # read back: another taker created this generation first (the store said 412), or wrote over ours (a
+        # store that ignores If-None-Match: RGW 16's Swift API)
+        back = self.current()
+        if not won or back is None or back[0] != gen or back[1].get("job_id") != self.job_id:
+            return (back[1] if back else None) or old, None
+        self.held, self.generation = True, gen
+        for g in self.generations():
+            if g < gen - 1:  # keep the one we replaced (a late reader finds it), delete the rest
+                try:
+                    self.cs.store.delete(self._name(g))
+                except Exception:  # noqa: BLE001 - the next taker deletes it
+                    pass
+        stale = old if old and old.get("job_id") != self.job_id and not old.get("released") else None
         return None, stale
 
     def alive(self, lock: dict, ended: Callable[[str], bool] = lambda job_id: False) -> bool:
-        """A lock whose job has not ended (as far as ``ended`` knows) and renewed it within its ttl."""
-        return not ended(str(lock.get("job_id"))) and \
+        """A lock not released, whose job has not ended (as far as ``ended`` knows) and renewed it within its ttl."""
+        return not lock.get("released") and not ended(str(lock.get("job_id"))) and \
             self.now() - float(lock.get("heartbeat", 0)) < float(lock.get("ttl", self.ttl))
 
-    def heartbeat(self, tmp_dir) -> None:
-        if self.held:
-            self._write(tmp_dir)
+    def follow(self) -> bool:
+        """Whether the run's newest generation is this job's (the head node's beat, which did not take the lock
+        itself, learns its generation here)."""
+        cur = self.current()
+        self.held = cur is not None and cur[1].get("job_id") == self.job_id and not cur[1].get("released")
+        self.generation = cur[0] if self.held else 0
+        return self.held
 
-    def release(self) -> None:
-        """Delete the lock if it is still ours."""
+    def heartbeat(self, tmp_dir) -> bool:
+        """Renew the lock if it is still ours: False (and no write) once a newer generation exists."""
+        if not self.held:
+            return False
+        cur = self.current()
+        if cur is None or cur[0] != self.generation or cur[1].get("job_id") != self.job_id:
+            self.held = False
+            return False
+        self._rewrite(tmp_dir)
+        return True
+
+    def release(self, tmp_dir=None) -> None:
+        """Mark our generation released, if it is still the newest (a newer one is another job's: left alone)."""
         if not self.held:
             return
-        cur = self.read()
-        if cur is None or cur.get("job_id") == self.job_id:
-            self.cs.store.delete(self.cs.prefix + LOCK)
+        cur = self.current()
+        if cur is not None and cur[0] == self.generation and cur[1].get("job_id") == self.job_id:
+            import tempfile
+
+            self._rewrite(tmp_dir or tempfile.gettempdir(), released=True)
         self.held = False
+
+
+def fenced(cs: CheckpointStore, job_id: str) -> str | None:
+    """The job that holds the run instead of ``job_id`` (this job lost the lock: it must commit and prune nothing),
+    else None (the lock is this job's, or the run has none: a job whose launcher could not take it). A store that
+    does not answer raises StoreUnavailable: the commit waits for it, as it would for its own writes."""
+    cur = RunLock(cs, job_id, cluster="", head="").current()
+    if cur is None or cur[1].get("job_id") == job_id and not cur[1].get("released"):
+        return None
+    return str(cur[1].get("job_id") or "another job")
+
+
+def fence(cs: CheckpointStore, job_id: str | None) -> CheckpointStore:
+    """``cs`` with its commits and prunes fenced by the run's lock for job ``job_id`` (none without a job id)."""
+    if job_id:
+        cs.fence = lambda: fenced(cs, job_id)
+    return cs

@@ -1,0 +1,101 @@
+"""Issue 49's guarantees on the real stores: OpenStack Swift and Ceph RGW, each through its Swift and its S3 API.
+
+- the fault matrix (tests/faults.py): a 503, then a connection closed without an answer, at each store call of
+  commit + prune, lock take + heartbeat + takeover, sync + prune + restore: nothing committed lost or written over,
+  nothing wrong said as success;
+- a committed checkpoint is never written over by a second save of its step;
+- the store's create-only write (the run lock's): which stores honour ``If-None-Match: *``, measured."""
+
+from __future__ import annotations
+
+import time as real_time
+
+import pytest
+
+from appliance.store.checkpoints import CheckpointStore
+from appliance.store.objects import StoreCreds
+from faultproxy import FaultProxy
+from faults import matrix
+
+STORES = [("swift", "swift"), ("swift", "s3"), ("rgw", "swift"), ("rgw", "s3")]
+
+
+def creds_via(server, endpoint: str, api: str) -> StoreCreds:
+    c = server.credentials()
+    if api == "s3":
+        return StoreCreds(s3_endpoint=endpoint, s3_access_key=c["s3_access_key"], s3_secret_key=c["s3_secret_key"])
+    return StoreCreds(auth_url=f"{endpoint}/auth/v1.0", user=c["user"], key=c["key"])
+
+
+class ProxyFaults:
+    """tests/faults.py's faults from the HTTP proxy: the k-th request from now answered 503 (``mode="fail"``) or
+    closed without an answer (``"reset"``)."""
+
+    def __init__(self, proxy: FaultProxy, mode: str):
+        self.proxy, self.mode = proxy, mode
+
+    def arm(self, k):
+        self.proxy.arm(**({f"{self.mode}_at": k} if k else {}))
+
+    def disarm(self):
+        self.proxy.fail_at = self.proxy.reset_at = None
+
+    @property
+    def counted(self) -> int:
+        return self.proxy.counted
+
+
+@pytest.mark.parametrize("swift", ["swift", "rgw"], indirect=True)
+def test_the_fault_matrix_on_real_stores(swift, tmp_path, monkeypatch):
+    """Both APIs of the store, every position of the fault in every scenario: on Swift 503s through its Swift API and
+    resets through S3, on RGW the other way round (each run is ~28 requests at ~9 ms here: all four would double
+    the test's 50 s per store for no new path; the fast tier puts a reset at every call of a directory store)."""
+    monkeypatch.setattr(real_time, "sleep", lambda s: None)  # the retries' backoff (ours and botocore's), not sync
+    proxy = FaultProxy(swift.s3_endpoint, bind_ip=swift.bind_ip).start()
+    rgw = swift.__class__.__name__ == "RGWServer"
+    try:
+        for api in ("swift", "s3"):
+            creds = creds_via(swift, proxy.url, api)
+            CheckpointStore(f"{api}://faults{api}/", "x", creds).ensure_container()
+            for mode in [("fail" if (api == "swift") != rgw else "reset")]:
+                faults = ProxyFaults(proxy, mode)
+                stores: dict[str, CheckpointStore] = {}  # one client per run (a boto3 client costs ~0.3 s of CPU)
+                got = matrix(lambda run: stores.setdefault(run, CheckpointStore(
+                    f"{api}://faults{api}/", f"{mode}-{run}", creds)), faults, tmp_path)
+                assert all(len(v) >= 4 for v in got.values()), (api, mode, got)
+        assert proxy.failed  # the faults did land (botocore retries a reset itself: every S3 run may end "ok")
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("swift", ["swift", "rgw"], indirect=True)
+def test_a_second_save_of_a_step_never_writes_over_the_first_and_create_is_exclusive(swift, tmp_path):
+    """Measured here: OpenStack Swift (both APIs) and RGW's S3 API refuse a create-only write over an existing name
+    with 412; Ceph RGW 16.2's Swift API writes it (the run lock reads back and fences for it: store/runlock.py)."""
+    from appliance.store.runlock import RunLock
+
+    for api in ("swift", "s3"):
+        cs = CheckpointStore(f"{api}://nooverwrite{api}/", "r", creds_via(swift, swift.s3_endpoint, api))
+        cs.ensure_container()
+        for i, fill in enumerate((b"1", b"2")):
+            d = tmp_path / f"{api}{i}" / "ckpt-000000200"
+            d.mkdir(parents=True)
+            (d / "state.data").write_bytes(fill * 5000)
+            cs.upload(d, {"step": 200})
+        good, problems = cs.newest_good()
+        assert [c.name for c in cs.committed()] == ["ckpt-000000200.1", "ckpt-000000200"], problems
+        assert good.name == "ckpt-000000200.1" and cs.verify(cs.committed()[1]) is None
+        name = cs.prefix + "create-probe"
+        assert cs.store.create(name, b"first") is True
+        exclusive = not cs.store.create(name, b"second")
+        assert exclusive == (swift.__class__.__name__ != "RGWServer" or api == "s3"), (api, exclusive)
+        # whichever the store, two takers of one instant end with one holder at their next heartbeat
+        a, b = RunLock(cs, "job-a", cluster="a", head="h"), RunLock(cs, "job-b", cluster="b", head="h")
+        seen = b.current()
+        a.acquire(tmp_path)
+        real, calls = b.current, []
+        b.current = lambda: seen if not calls.append(1) and len(calls) == 1 else real()
+        b.acquire(tmp_path)
+        b.current = real
+        assert [lk.job_id for lk in (a, b) if lk.heartbeat(tmp_path)] == [RunLock(cs, "", cluster="", head="")
+                                                                          .read()["job_id"]]
