@@ -82,6 +82,18 @@ class FakeCloud:
         self._call("ec2_credential")
         return "EC2ACCESS", "ec2secret"
 
+    ec2_bound: dict = field(default_factory=dict)  # access -> the application credential it was made with
+
+    def create_job_ec2(self, app_cred) -> tuple[str, str]:
+        self._call("create_job_ec2", app_cred["id"])
+        access = self._id("jobaccess")
+        self.ec2_bound[access] = app_cred["id"]
+        return access, "jobsecret"
+
+    def delete_ec2(self, access) -> bool:
+        self._call("delete_ec2", access)
+        return self.ec2_bound.pop(access, None) is not None
+
     @_effect
     def create_lease(self, name, node_type, count, duration, *, start=None, floating_ip=False):
         self._call("create_lease", name, node_type, count)

@@ -103,6 +103,27 @@ def test_resume_from_a_url_that_holds_no_such_run_says_so(tmp_path):
     assert "appliance data ls" in e.value.fix
 
 
+def test_a_checkpoint_container_that_is_gone_is_one_line(tmp_path, monkeypatch):
+    """Issue 49: after `appliance cloud stop` emptied the local store, `appliance runs RUN --plot` (and resume) failed
+    with an internal FileNotFoundError: the container is not there, which is said with the fix."""
+    from appliance.checkpoint import resume
+    from appliance.errors import ApplianceError
+    from appliance.spec import load_spec
+    from appliance.store.checkpoints import CheckpointStore
+    from conftest import write_spec
+
+    spec = load_spec(write_spec(tmp_path, "python x.py", code=tmp_path, name="gone",
+                                extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n"))
+
+    def no_container(self):
+        raise FileNotFoundError("swift://ckpts/")
+
+    monkeypatch.setattr(CheckpointStore, "newest_good", no_container)
+    with pytest.raises(ApplianceError, match="run 'gone' has no checkpoint: .* has no directory") as e:
+        resume.choose_checkpoint(spec)
+    assert "cloud stop" in e.value.fix and "\n" not in str(e.value)
+
+
 def test_resume_from_a_url_keeps_one_spec_with_the_run_record_and_nothing_in_tmp(tmp_path, monkeypatch):
     """`appliance resume RUN --url URL` from a machine with no record of RUN made a /tmp/appliance-spec-* directory
     per call (and one when the run was not there) and never removed it: 33 were left by one test session."""

@@ -324,6 +324,8 @@ def test_a_swift_job_on_keystone_gets_its_own_application_credential(monkeypatch
     assert len(said) == 1 and "403" in said[0] and "after a day" in said[0]
 
     n = len(cloud.verbs("create_app_cred"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mine")  # S3 keys the user set go as they are
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "theirs")
     assert site.job_store_creds("s3://ckpts/", name="x", lease_end=None)[1] is None
     monkeypatch.setenv("ST_AUTH", "http://store.invalid/auth/v1.0")
     monkeypatch.setenv("ST_USER", "u")
@@ -381,7 +383,9 @@ def test_an_s3_url_on_keystone_gets_the_users_ec2_keys_and_the_rgw_root_as_endpo
     """Chameleon's S3 keys are EC2 credentials, and its S3 endpoint is the RGW's root. With OS_CLOUD only, an
     s3:// URL had no keys ("no S3 credentials or endpoint") though Chameleon's own setup-cc-mount-object-store makes
     both from the same login (CC-Images elements/cc-rclone). Now the site asks Keystone for the user's EC2 credential
-    and strips ``/swift...`` from the object-store URL, only for s3:// URLs; AWS_* variables still win."""
+    and strips ``/swift...`` from the object-store URL, only for s3:// URLs; AWS_* variables still win. A job's
+    nodes get an EC2 credential bound to an application credential of the job's own, both withdrawn at its end
+    (issue 49: they got the user's, which never expires); the user's only when Keystone refuses, said."""
     from appliance.sites.base import s3_endpoint_of
     from appliance.store.objects import StoreCreds
 
@@ -396,9 +400,18 @@ def test_an_s3_url_on_keystone_gets_the_users_ec2_keys_and_the_rgw_root_as_endpo
     assert site.store_creds("swift://ckpts/").s3_access_key is None and not cloud.verbs("ec2_credential")
     assert site.store_creds().s3_access_key is None and not cloud.verbs("ec2_credential")
     node, withdraw = site.job_store_creds("s3://ckpts/", name="x", lease_end=None)
-    assert (node.s3_access_key, node.s3_secret_key, node.s3_endpoint) == ("EC2ACCESS", "ec2secret",
+    [(ac_id,)] = cloud.verbs("create_job_ec2")
+    assert (node.s3_access_key, node.s3_secret_key, node.s3_endpoint) == (node.s3_access_key, "jobsecret",
                                                                          "http://store.invalid:7480")
-    assert not node.token and withdraw is None and len(cloud.verbs("ec2_credential")) == 1
+    assert cloud.ec2_bound[node.s3_access_key] == ac_id and not node.token and not node.app_cred_secret
+    assert not cloud.verbs("ec2_credential")  # the user's own keys stay on this machine
+    withdraw()
+    assert not cloud.ec2_bound and not cloud.app_creds
+    said = []
+    cloud.faults["create_app_cred"] = fault("Keystone refused an application credential (403: restricted)")
+    node, withdraw = site.job_store_creds("s3://ckpts/", name="x", lease_end=None, say=said.append)
+    assert (node.s3_access_key, withdraw) == ("EC2ACCESS", None) and len(said) == 1 and "never" in said[0]
+    assert len(cloud.verbs("ec2_credential")) == 1
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mine")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "their")
     assert site.store_creds("s3://ckpts/").s3_access_key == "mine" and len(cloud.verbs("ec2_credential")) == 1

@@ -291,3 +291,37 @@ def test_the_request_log_keeps_no_secret_and_is_bounded(api, monkeypatch):
         call("GET", "/_admin/health")
     assert len(call("GET", "/_admin/requests")[1]["requests"]) == cloud_mod.REQUEST_LOG
     assert tok
+
+
+def test_an_ec2_credential_made_with_an_application_credential_dies_with_it(api):
+    """Keystone binds an EC2 credential made through POST /v3/credentials with an application credential's token to
+    that credential (keystone/api/credentials.py, app_cred_id in the blob) and refuses it once the application
+    credential is gone (EC2_S3_Resource.handle_authenticate): what an s3:// job's nodes get (issue 49)."""
+    import base64
+    import hashlib
+    import hmac
+
+    call, creds = api
+    tok = token(call, creds)
+    user, project = creds["user_id"], creds["project_id"]
+    st, body, _ = call("POST", f"/identity/v3/users/{user}/application_credentials",
+                       {"application_credential": {"name": "job-1"}}, token=tok)
+    ac = body["application_credential"]
+    st, _, hdrs = call("POST", "/identity/v3/auth/tokens", {"auth": {"identity": {
+        "methods": ["application_credential"], "application_credential": {"id": ac["id"], "secret": ac["secret"]}}}})
+    ac_tok = hdrs["X-Subject-Token"]
+    blob = json.dumps({"access": "a" * 32, "secret": "s" * 32})
+    st, body, _ = call("POST", "/identity/v3/credentials", {"credential": {
+        "type": "ec2", "user_id": user, "project_id": project, "blob": blob}}, token=ac_tok)
+    assert st == 201 and json.loads(body["credential"]["blob"])["app_cred_id"] == ac["id"]
+    assert body["credential"]["id"] == hashlib.sha256(b"a" * 32).hexdigest()
+    sts = b"GET\n\n\nTue, 27 Mar 2007 19:36:42 +0000\n/bucket/"
+    sig = base64.encodebytes(hmac.new(b"s" * 32, sts, hashlib.sha1).digest()).decode().strip()
+    ask = {"credentials": {"access": "a" * 32, "token": base64.urlsafe_b64encode(sts).decode(), "signature": sig}}
+    assert call("POST", "/identity/v3/s3tokens", ask)[0] == 200
+    assert call("DELETE", f"/identity/v3/users/{user}/application_credentials/{ac['id']}", token=tok)[0] == 204
+    st, body, _ = call("POST", "/identity/v3/s3tokens", ask)
+    assert st == 404 and "Application Credential" in json.dumps(body)
+    st, _, _ = call("POST", "/identity/v3/credentials", {"credential": {"type": "cert", "user_id": user,
+                                                                         "project_id": project, "blob": "{}"}}, token=tok)
+    assert st == 400

@@ -523,3 +523,26 @@ def test_s3_keys_are_keystone_ec2_credentials_that_the_rgw_checks_with_keystone(
         list(s3(gone["access"], gone["secret"]).list())
     asked = [r for r in localcloud.admin("GET", "/requests")["requests"] if r["path"].endswith("/v3/s3tokens")]
     assert asked, "the RGW never asked Keystone about an S3 key"
+    # issue 49: an s3:// job's nodes got the user's own EC2 credential (no expiry, exchangeable for project tokens)
+    # and kept it. Now an EC2 credential bound to an application credential of the job's own, both gone with the job
+    node, withdraw = site.job_store_creds("s3://ec2-keys/", name="t-s3job", lease_end=None, say=lambda m: None)
+    assert node.s3_access_key not in (creds.s3_access_key, made["access"]) and not node.token and \
+        not node.app_cred_secret and node.s3_endpoint == creds.s3_endpoint
+    bound = [c for c in site.cloud.conn.session.get(f"{site.cloud.identity_url()}/users/"
+                                                      f"{site.cloud.conn.current_user_id}/application_credentials")
+             .json()["application_credentials"] if c["name"].startswith("t-s3job-")]
+    assert len(bound) == 1 and bound[0]["unrestricted"] is False
+    # the job's key (never used before: the RGW caches a key it has checked) is refused once the job ends
+    withdraw()
+    with pytest.raises(StoreRefused, match="InvalidAccessKeyId|AccessDenied"):
+        list(s3(node.s3_access_key, node.s3_secret_key).list())
+    assert node.s3_access_key not in [c["Access"] for c in json.loads(run("ec2", "credentials", "list", "-f", "json"))]
+    # bound: with its application credential gone (or expired), Keystone refuses the EC2 credential itself
+    node2, _ = site.job_store_creds("s3://ec2-keys/", name="t-s3job2", lease_end=None, say=lambda m: None)
+    ac2 = [c for c in site.cloud.conn.session.get(f"{site.cloud.identity_url()}/users/"
+                                                    f"{site.cloud.conn.current_user_id}/application_credentials")
+           .json()["application_credentials"] if c["name"].startswith("t-s3job2-")][0]
+    site.cloud.delete_app_cred(ac2["id"])
+    with pytest.raises(StoreRefused, match="InvalidAccessKeyId|AccessDenied"):
+        list(s3(node2.s3_access_key, node2.s3_secret_key).list())
+    site.cloud.delete_ec2(node2.s3_access_key)

@@ -244,16 +244,43 @@ def test_an_slo_with_its_segments_elsewhere(swift, creds, tmp_path):
     conn.put_object("foreign", "ds/model.bin", json.dumps(manifest), query_string="multipart-manifest=put")
     st = SwiftStore("foreign", creds)
     assert [(o.name, o.size) for o in st.list("ds/")] == [("ds/model.bin", 1_900_000)]
+    for res, out in staged_both_ways(st, tmp_path):
+        assert (out / "model.bin").read_bytes() == b"".join(parts)
+        assert res.size_only == (["ds/model.bin"] if swift.kind == "rgw" else [])
+
+
+def staged_both_ways(st: SwiftStore, tmp_path):
+    """``ds/`` staged by the one-GET path and by the ranged, per-segment one: (result, dest) each."""
     import appliance.node.stage as sm
 
-    for large in (sm.LARGE, 1_000_000):  # the one-GET path and the ranged path
+    for large in (sm.LARGE, 1_000_000):
         old, sm.LARGE = sm.LARGE, large
         try:
-            res = stage(st, "ds/", tmp_path / f"d{large}")
+            yield stage(st, "ds/", tmp_path / f"d{large}"), tmp_path / f"d{large}"
         finally:
             sm.LARGE = old
-        assert (tmp_path / f"d{large}" / "model.bin").read_bytes() == b"".join(parts)
-        assert res.size_only == (["ds/model.bin"] if swift.kind == "rgw" else [])
+
+
+def test_a_dlo_is_staged_and_verified_by_its_segments(swift, creds, tmp_path):
+    """Issue 49: a Swift dynamic large object (X-Object-Manifest, what `swift upload --use-dlo` makes) was listed as
+    0 bytes and refused as corrupt. It is what the Swift API says it is: its segments joined in name order
+    (swift/common/middleware/dlo.py), each checked against its MD5, on Swift and on Ceph RGW."""
+    import swiftclient
+
+    c = creds
+    conn = swiftclient.Connection(authurl=c.auth_url, user=c.user, key=c.key)
+    conn.put_container("dlosegs")
+    conn.put_container("dlods")
+    parts = [os.urandom(1_200_000), os.urandom(700_000), os.urandom(10)]
+    for i, p in enumerate(parts):
+        conn.put_object("dlosegs", f"ds/model.bin/{i:08d}", p)
+    conn.put_object("dlods", "ds/model.bin", b"", headers={"X-Object-Manifest": "dlosegs/ds/model.bin/"})
+    conn.put_object("dlods", "ds/empty.txt", b"")  # a plain empty object stays one
+    st = SwiftStore("dlods", creds)
+    assert sorted((o.name, o.size) for o in st.list("ds/")) == [("ds/empty.txt", 0), ("ds/model.bin", 1_900_010)]
+    for res, out in staged_both_ways(st, tmp_path):
+        assert (out / "model.bin").read_bytes() == b"".join(parts) and (out / "empty.txt").read_bytes() == b""
+        assert res.size_only == [] and res.files_fetched == 2
 
 
 def test_listing_and_get_faults_are_retried(creds, swift, tmp_path):

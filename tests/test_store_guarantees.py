@@ -99,3 +99,10 @@ def test_a_second_save_of_a_step_never_writes_over_the_first_and_create_is_exclu
         b.current = real
         assert [lk.job_id for lk in (a, b) if lk.heartbeat(tmp_path)] == [RunLock(cs, "", cluster="", head="")
                                                                           .read()["job_id"]]
+    # what `appliance cloud stop` says it empties (issue 49: the local store lost everything without a word)
+    from appliance.localcloud import account_usage
+
+    c = swift.credentials()
+    used = account_usage(c["auth_url"], c["user"], c["key"])
+    assert used["containers"] >= 2 and used["objects"] >= 8 and used["bytes"] >= 20000, used
+    assert account_usage(c["auth_url"], c["user"], "wrong") is None

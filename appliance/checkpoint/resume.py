@@ -92,7 +92,13 @@ def choose_checkpoint(spec: Spec):
                              "add checkpoint: {url: swift://checkpoints/} and start it with `appliance train`")
     cs = CheckpointStore(url, spec.name, creds_for(spec, url))
     with report.prefixed("[resume] "):
-        good, problems = cs.newest_good()
+        try:
+            good, problems = cs.newest_good()
+        except FileNotFoundError:  # the container or bucket itself is not there (a 404, not a failure)
+            raise ApplianceError(f"run {spec.name!r} has no checkpoint: {cs.store.url()} has no "
+                                 f"{cs.store.holder} {cs.store.where!r}",
+                                 "check checkpoint.url; the local cloud's store starts empty after `appliance cloud "
+                                 "stop`") from None
     if good is None:
         if problems:
             raise ApplianceError(f"run {spec.name!r}: no committed checkpoint in {url} passed verification "

@@ -265,6 +265,36 @@ def delete_ec2(req: Request, user_id: str, access: str):
     return 204, None
 
 
+def create_credential(req: Request):
+    """POST /v3/credentials (keystone/api/credentials.py CredentialResource.post), type ``ec2`` only here: the
+    blob's ``access`` names it (its id is the access key's SHA-256), and a token made from an application
+    credential binds it to that credential (``_assign_unique_id``'s ``app_cred_id``, since Keystone Ussuri:
+    OSSA-2020-004). Other types: 400, as this cloud stores no others (assumed: Chameleon's Keystone stores them; no
+    caller of ours makes one)."""
+    body = (req.body or {}).get("credential") or {}
+    if str(body.get("type", "")).lower() != "ec2":
+        raise ApiError(400, "Only EC2 credentials are kept by this cloud.", "ValidationError")
+    try:
+        blob = json.loads(body.get("blob") or "")
+    except ValueError:
+        raise ApiError(400, "Invalid blob in credential", "ValidationError") from None
+    if not isinstance(blob, dict) or blob.get("access") is None:
+        raise ApiError(400, "Invalid input for field 'access'", "ValidationError")
+    caller = req.caller()
+    if body.get("user_id") != req.cloud.user_id or caller.service:  # identity:create_credential: the owner
+        raise ApiError(403, "You are not authorized to perform the requested action: identity:create_credential.",
+                       "Forbidden")
+    if body.get("project_id") != req.cloud.project_id:
+        raise ApiError(404, f"Could not find project: {body.get('project_id')}.", "Not Found")
+    cred = Ec2Cred(body["user_id"], body["project_id"], access=str(blob["access"]), secret=str(blob.get("secret")),
+                   app_cred_id=caller.app_cred or None)
+    req.cloud.ec2_creds[cred.access] = cred
+    stored = {**blob, **({"app_cred_id": cred.app_cred_id} if cred.app_cred_id else {})}
+    return 201, {"credential": {"id": hashlib.sha256(cred.access.encode()).hexdigest(), "type": "ec2",
+                                "user_id": cred.user_id, "project_id": cred.project_id, "blob": json.dumps(stored),
+                                "links": {"self": f"{req.base}/identity/v3/credentials"}}}
+
+
 def _s3_signature(string_to_sign: bytes, secret: str) -> str:
     """keystone/api/s3tokens.py _calculate_signature_v1 / _calculate_signature_v4."""
     if string_to_sign[:4] != b"AWS4":
@@ -301,6 +331,10 @@ def s3tokens(req: Request):
         raise ApiError(401, "Credential signature mismatch", "Unauthorized") from None
     if not hmac.compare_digest(str(credentials.get("signature", "")), _s3_signature(string_to_sign, cred.secret)):
         raise ApiError(401, "Credential signature mismatch", "Unauthorized")
+    if cred.app_cred_id:  # handle_authenticate: application_credential_api.get_application_credential
+        ac = req.cloud.app_creds.get(cred.app_cred_id)
+        if ac is None or ac.expired():
+            raise ApiError(404, f"Could not find Application Credential: {cred.app_cred_id}.", "Not Found")
     tok, token = _mint(req, ["ec2credential"])
     return 200, {"token": token}, {"X-Subject-Token": tok}
 
@@ -349,6 +383,7 @@ ROUTES = [
     Route("POST", "/v3/users/([^/]+)/application_credentials", create_app_cred),
     Route("GET", "/v3/users/([^/]+)/application_credentials", list_app_creds),
     Route("DELETE", "/v3/users/([^/]+)/application_credentials/([^/]+)", delete_app_cred),
+    Route("POST", "/v3/credentials", create_credential),
     Route("POST", "/v3/users/([^/]+)/credentials/OS-EC2", create_ec2),
     Route(("GET", "HEAD"), "/v3/users/([^/]+)/credentials/OS-EC2", list_ec2),
     Route(("GET", "HEAD"), "/v3/users/([^/]+)/credentials/OS-EC2/([^/]+)", get_ec2),

@@ -75,11 +75,13 @@ class AppCred:
 
 @dataclass
 class Ec2Cred:
-    """An OS-EC2 credential (Chameleon's S3 keys)."""
+    """An OS-EC2 credential (Chameleon's S3 keys); ``app_cred_id``: the application credential whose token made it
+    through /v3/credentials (keystone/api/credentials.py records it in the blob)."""
     user_id: str
     project_id: str
     access: str
     secret: str
+    app_cred_id: str | None = None
 
 
 # -- Blazar --------------------------------------------------------------------------------------------------------

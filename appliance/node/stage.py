@@ -41,7 +41,7 @@ from ..errors import ApplianceError
 from ..store import heldio
 from ..store.httpget import mem_available, open_direct
 from ..store.md5lanes import Bodies, Hasher, lanes_in_use, md5_ranges
-from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, slo_etag
+from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, segmented, slo_etag
 from ..store.parts import guesses, layout, multipart_etag, part_count
 
 MANIFEST = ".appliance-manifest.json"
@@ -619,7 +619,7 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
     def headers_seen(h: dict) -> None:
         nonlocal stream, ssink, shold
         check.headers(h)
-        if lanes and check.crc is None and str(h.get("x-static-large-object", "")).lower() != "true":
+        if lanes and check.crc is None and not segmented(h):
             os.ftruncate(fd, o.size)  # the hasher maps the file
             stream = hasher.streams(fd, [[(0, o.size)]], direct=dfd is not None)[0]
             ssink, shold = _split([stream], [(0, 0, o.size)], dfd is not None)
@@ -662,8 +662,7 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
             stream.then(lambda s: later(s.error is None and s.hexdigest() == etag))
             stream = None  # the hasher has it now
             return None
-        if body is not None and check.crc is None and \
-                str(headers.get("x-static-large-object", "")).lower() != "true":
+        if body is not None and check.crc is None and not segmented(headers):
             bodies.submit(body, lambda digest: later(digest.hex() == etag))
             body = None  # the bodies' thread has it now
             return None
@@ -677,7 +676,7 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
             raise Corrupt(o.name)
         return True
     h = check.md5 or hashlib.md5()
-    if str(headers.get("x-static-large-object", "")).lower() == "true":
+    if segmented(headers):
         segments = store.slo_segments(o.name) or []
         if not segments:
             return False

@@ -84,7 +84,7 @@ class Site(ABC):
             creds = StoreCreds(auth_url=env["ST_AUTH"], user=env["ST_USER"], key=env["ST_KEY"])
         else:
             creds = self._site_store_creds()
-        if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        if _s3_keys_in_env():
             creds.s3_access_key = env["AWS_ACCESS_KEY_ID"]
             creds.s3_secret_key = env["AWS_SECRET_ACCESS_KEY"]
             creds.s3_endpoint = env.get("APPLIANCE_S3_ENDPOINT") or creds.s3_endpoint
@@ -109,37 +109,73 @@ class Site(ABC):
                         say: Callable[[str], None] = print) -> tuple[StoreCreds, Callable[[], None] | None]:
         """What a job's nodes use for ``url``, and how to withdraw it when the job ends (None: nothing to withdraw).
 
-        Swift with Keystone credentials: an application credential of the job's own, made here, restricted (it
-        cannot make credentials or trusts), expiring APP_CRED_AFTER_LEASE after the lease end. swiftclient gets a
-        token with it and a new one whenever the store refuses the old (401), so a week-long job keeps committing
-        checkpoints past the one-day token lifetime (issue 12 item 2). It carries no access rules: Keystone refuses
-        to validate tokens of credentials with access rules for any service that does not announce it enforces
-        them (keystone/token/provider.py _validate_token_access_rules), and Ceph RGW 16 does not (the local cloud's
-        RGW refuses such tokens, as Chameleon's would). Swift v1 auth (ST_*) and S3 keys are the store's own
-        credentials already and go as they are, scoped to the URL's scheme. When Keystone will not make one (a
-        restricted credential in OS_CLOUD, a policy), the nodes get a token and the job says what that means."""
+        With Keystone credentials, an application credential of the job's own, made here, restricted (it cannot make
+        application credentials or trusts), expiring APP_CRED_AFTER_LEASE after the lease end:
+        - swift://: the nodes get it; swiftclient gets a token with it and a new one whenever the store refuses the
+          old (401), so a week-long job keeps committing checkpoints past the one-day token lifetime (issue 12
+          item 2). It carries no access rules: Keystone refuses to validate tokens of credentials with access rules
+          for any service that does not announce it enforces them (keystone/token/provider.py
+          _validate_token_access_rules), and Ceph RGW 16 does not;
+        - s3://: the nodes get an EC2 credential made with it (``Cloud.create_job_ec2``), which Keystone binds to it:
+          once the job ends both are deleted, and the EC2 credential stops working when the application credential
+          is gone or expired (keystone/api/_shared/EC2_S3_Resource.py). The user's own EC2 credential, which never
+          expires and can be exchanged for project tokens, stays on this machine (issue 49).
+        Swift v1 auth (ST_*) and S3 keys the user set (AWS_*) are the store's own credentials already and go as
+        they are, scoped to the URL's scheme. When Keystone will not make one (a restricted credential in OS_CLOUD,
+        a policy), the nodes get what this machine has and the job says what that means."""
+        scheme = parse_url(url)[0]
+        if scheme == "s3" and not _s3_keys_in_env():
+            site = self._site_store_creds()
+            if site.token and site.storage_url:
+                return self._job_ec2(site, name=name, lease_end=lease_end, say=say)
         creds = self.store_creds(url).scoped(url)
-        if parse_url(url)[0] != "swift" or not creds.token:
+        if scheme != "swift" or not creds.token:
             return creds, None
+        made = self._job_app_cred(name, lease_end, say, "rank 0 gets a Keystone token, which the store refuses "
+                                  "after a day (then no checkpoint commits): for longer runs use an unrestricted "
+                                  "application credential in OS_CLOUD, ST_AUTH/ST_USER/ST_KEY, or an s3:// URL")
+        if made is None:
+            return creds, None
+        cloud, ac = made
+        node = StoreCreds(keystone_url=cloud.identity_url(), app_cred_id=ac["id"], app_cred_secret=ac["secret"],
+                          region=cloud.region_name())
+        return node, lambda: cloud.delete_app_cred(ac["id"])
+
+    def _job_app_cred(self, name: str, lease_end: dt.datetime | None, say: Callable[[str], None], instead: str):
+        """(cloud, application credential) of a job's own, or None (said, with ``instead``) when Keystone will not."""
         start = lease_end or dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
         try:
             cloud = self.cloud
-            ac = cloud.create_app_cred(f"{name}-{secrets.token_hex(3)}", expires_at=start + APP_CRED_AFTER_LEASE,
-                                       description="appliance: a job's object-store credential, deleted when the "
-                                                   "job ends")
-            node = StoreCreds(keystone_url=cloud.identity_url(), app_cred_id=ac["id"], app_cred_secret=ac["secret"],
-                              region=cloud.region_name())
-        except Exception as e:  # noqa: BLE001 - the job can still run, with a token that lives a day
-            say(f"[appliance] warning: no application credential for the nodes ({e}); rank 0 gets a Keystone "
-                "token, which the store refuses after a day (then no checkpoint commits): for longer runs use an "
-                "unrestricted application credential in OS_CLOUD, ST_AUTH/ST_USER/ST_KEY, or an s3:// URL with "
-                "EC2 keys")
-            return creds, None
+            return cloud, cloud.create_app_cred(f"{name}-{secrets.token_hex(3)}", expires_at=start + APP_CRED_AFTER_LEASE,
+                                                description="appliance: a job's object-store credential, deleted "
+                                                            "when the job ends")
+        except Exception as e:  # noqa: BLE001 - the job can still run
+            say(f"[appliance] warning: no application credential for the nodes ({e}); {instead}")
+            return None
 
-        def withdraw() -> None:
-            cloud.delete_app_cred(ac["id"])
-
-        return node, withdraw
+    def _job_ec2(self, site: StoreCreds, *, name: str, lease_end: dt.datetime | None,
+                 say: Callable[[str], None]) -> tuple[StoreCreds, Callable[[], None] | None]:
+        """An s3:// job's nodes: an EC2 credential bound to an application credential of the job's own."""
+        endpoint = os.environ.get("APPLIANCE_S3_ENDPOINT") or site.s3_endpoint or s3_endpoint_of(site.storage_url)
+        made = self._job_app_cred(name, lease_end, say, "the nodes get your own EC2 credential, which never "
+                                  "expires: delete it when the job ends (`openstack ec2 credentials list`)")
+        if made is not None:
+            cloud, ac = made
+            try:
+                access, secret = cloud.create_job_ec2(ac)
+            except Exception as e:  # noqa: BLE001
+                cloud.delete_app_cred(ac["id"])
+                say(f"[appliance] warning: no EC2 credential of the job's own ({e}); the nodes get your own, which "
+                    "never expires")
+            else:
+                def withdraw() -> None:
+                    try:
+                        cloud.delete_ec2(access)
+                    finally:
+                        cloud.delete_app_cred(ac["id"])
+                return StoreCreds(s3_endpoint=endpoint, s3_access_key=access, s3_secret_key=secret), withdraw
+        access, secret = self.cloud.ec2_credential()
+        return StoreCreds(s3_endpoint=endpoint, s3_access_key=access, s3_secret_key=secret), None
 
     # -- spec rules, nodes, install --------------------------------------------------------------
     @classmethod
@@ -156,6 +192,10 @@ class Site(ABC):
     def default_cluster(self, spec: Spec) -> Cluster | None:
         """The cluster a run uses when it has none of its own and none was named (None: bring one up)."""
         return None
+
+
+def _s3_keys_in_env() -> bool:
+    return bool(os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"))
 
 
 def s3_endpoint_of(storage_url: str) -> str:

@@ -325,6 +325,41 @@ class OpenStackCloud:
                                  "delete it in the dashboard: Identity -> Application Credentials")
         return True
 
+    def create_job_ec2(self, app_cred: dict) -> tuple[str, str]:
+        """S3 keys that live no longer than ``app_cred`` (a job's application credential, {id, secret}): an EC2
+        credential made with that credential's token through POST /v3/credentials, which records it in the
+        credential's blob (keystone/api/credentials.py CredentialResource._assign_unique_id, ``app_cred_id``);
+        Keystone then refuses the keys once the application credential is deleted or expired, and the tokens they
+        are exchanged for carry its roles only (keystone/api/_shared/EC2_S3_Resource.py handle_authenticate).
+        Returns (access, secret)."""
+        import secrets as _secrets
+
+        from keystoneauth1 import session as ks_session
+        from keystoneauth1.identity import v3
+
+        auth = v3.ApplicationCredential(auth_url=self.identity_url(), application_credential_id=app_cred["id"],
+                                        application_credential_secret=app_cred["secret"])
+        sess = ks_session.Session(auth=auth, verify=self.conn.session.verify)
+        access, secret = _secrets.token_hex(16), _secrets.token_hex(16)
+        body = {"type": "ec2", "user_id": self.conn.current_user_id, "project_id": self.conn.current_project_id,
+                "blob": json.dumps({"access": access, "secret": secret})}
+        r = sess.post(f"{self.identity_url()}/credentials", json={"credential": body}, raise_exc=False)
+        if r.status_code != 201:
+            raise ApplianceError(f"Keystone refused an EC2 credential for the job ({r.status_code}: "
+                                 f"{_keystone_message(r)})", "see docs/chameleon.md (credentials for the nodes)")
+        return access, secret
+
+    def delete_ec2(self, access: str) -> bool:
+        """DELETE /v3/users/{user_id}/credentials/OS-EC2/{access}; False when it was already gone."""
+        url = f"{self.identity_url()}/users/{self.conn.current_user_id}/credentials/OS-EC2/{access}"
+        r = self.conn.session.delete(url, raise_exc=False)
+        if r.status_code in (401, 404):  # UserOSEC2CredentialsResourceGetDelete: an unknown key is 401
+            return False
+        if r.status_code >= 300:
+            raise ApplianceError(f"Keystone refused to delete EC2 credential {access[:8]}... ({r.status_code})",
+                                 "delete it with `openstack ec2 credentials delete`")
+        return True
+
     def ec2_credential(self) -> tuple[str, str]:
         """S3 keys of the current user on the current project: an EC2 credential Keystone has (the first), or a new
         one, as `openstack ec2 credentials list/create` would. GET/POST /v3/users/{user_id}/credentials/OS-EC2

@@ -451,9 +451,12 @@ class SwiftStore(Store):
                 if "subdir" in o:
                     continue
                 size, etag = int(o["bytes"]), (o.get("slo_etag") or o["hash"]).strip('"')
-                if etag == EMPTY_MD5 and size > 0:  # Ceph RGW lists an SLO by its manifest: HEAD tells the truth
+                # Ceph RGW lists an SLO by its manifest (the MD5 of nothing), and both stores list a DLO's manifest
+                # (X-Object-Manifest, `swift upload --use-dlo`) as 0 bytes: HEAD tells the truth
+                if etag == EMPTY_MD5 and (size > 0 or not o["name"].endswith("/")):
                     hdrs = self.head(o["name"])
-                    size, etag = int(hdrs.get("content-length", size)), str(hdrs.get("etag", etag)).strip('"')
+                    if size > 0 or hdrs.get("x-object-manifest"):
+                        size, etag = int(hdrs.get("content-length", size)), str(hdrs.get("etag", etag)).strip('"')
                 yield ObjectInfo(o["name"], size, etag)
             marker = page[-1].get("name") or page[-1].get("subdir")
 
@@ -523,9 +526,25 @@ class SwiftStore(Store):
     def crc32(self, name, etag):
         return crc_from(self.head(name), etag)
 
+    def _dlo_segments(self, head: dict) -> list[dict]:
+        """A DLO's segments: every object under its ``X-Object-Manifest`` (``container/prefix``, URL-quoted), in
+        the order of their names, as Swift joins them (swift/common/middleware/dlo.py); [] unless their sizes add
+        up to the object's length and their MD5s to its ETag (the MD5 of the segments' MD5s, as an SLO's)."""
+        from urllib.parse import unquote
+
+        container, _, prefix = unquote(str(head["x-object-manifest"])).partition("/")
+        try:
+            seg_store = type(self)(container, self.creds)
+            seg_store.list_deadline = self.list_deadline
+            segs = [{"bytes": o.size, "hash": o.etag} for o in sorted(seg_store.list(prefix), key=lambda o: o.name)]
+        except (FileNotFoundError, ApplianceError):
+            return []
+        size, etag = int(head.get("content-length", -1)), str(head.get("etag", "")).strip('"')
+        return segs if segs and sum(s["bytes"] for s in segs) == size and slo_etag(segs) == etag else []
+
     def slo_segments(self, name):
-        """None for a plain object; for an SLO its segments ``[{"bytes", "hash"}]``, or [] when the store shows
-        neither the manifest nor segments that add up to the object's ETag.
+        """None for a plain object; for an SLO (or a DLO: ``_dlo_segments``) its segments ``[{"bytes", "hash"}]``,
+        or [] when the store shows neither the manifest nor segments that add up to the object's ETag.
 
         HEAD first: real Swift ignores ``?multipart-manifest=get`` on a plain object and sends the whole body.
         Ceph RGW answers it with an empty body for an SLO (../shared/docs/rgw.md), so there the segments are
@@ -533,6 +552,8 @@ class SwiftStore(Store):
         `swift upload --use-slo` put them) and kept only if their sizes add up to the object's length and their
         MD5s to its ETag."""
         head = self.head(name)
+        if head.get("x-object-manifest"):
+            return self._dlo_segments(head)
         if str(head.get("x-static-large-object", "")).lower() != "true":
             return None
         body = transient_retry(lambda: self._tokened(name, lambda url, token: _asked(
@@ -1189,6 +1210,12 @@ def parts_match(p: Path, part_size: int, parts: list[str]) -> bool:
     """Whether the file's parts of ``part_size`` have these MD5s (a manifest's record of a file in parts)."""
     got = large_object_etags(p, part_size, whole=False)
     return got["parts"] == list(parts)
+
+
+def segmented(headers: dict) -> bool:
+    """An answer whose body is a Swift large object's segments joined (an SLO or a DLO): its ETag is not the MD5 of
+    the body, and the segments' MD5s check it (SwiftStore.slo_segments)."""
+    return str(headers.get("x-static-large-object", "")).lower() == "true" or bool(headers.get("x-object-manifest"))
 
 
 def slo_etag(segments: list[dict]) -> str:
