@@ -134,14 +134,14 @@ def seed(sw, args) -> dict:
 
 
 def store_bytes(args) -> int:
-    """What the wanted datasets put in the store, a quarter again and 1 GiB more: a Ceph RGW's memstore cap
-    (RGWServer ``memstore_bytes``; a full one leaves writes hanging)."""
+    """What the wanted datasets put in the store, half again and 1 GiB more: a Ceph RGW's memstore cap
+    (RGWServer ``memstore_bytes``, whose user quota is 3/4 of it: past that, writes are refused)."""
     wanted = set(args.datasets.split(","))
     small = 2 * args.small * args.small_size if wanted & {"small", "packed"} else 0  # bsmall and bpacked
     large = sum(args.large * args.large_size for d in ("large", "large-ours", "multipart") if d in wanted)
     up = args.upload_size if "upload" in wanted else 0
     medium = args.medium * args.medium_size if "medium" in wanted else 0
-    return (small + large + medium + up) * 5 // 4 + (1 << 30)
+    return (small + large + medium + up) * 3 // 2 + (1 << 30)
 
 
 def seed_ours(sw, args) -> None:

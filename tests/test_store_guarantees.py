@@ -106,3 +106,34 @@ def test_a_second_save_of_a_step_never_writes_over_the_first_and_create_is_exclu
     used = account_usage(c["auth_url"], c["user"], c["key"])
     assert used["containers"] >= 2 and used["objects"] >= 8 and used["bytes"] >= 20000, used
     assert account_usage(c["auth_url"], c["user"], "wrong") is None
+
+
+@pytest.mark.slow  # a real Ceph RGW of its own
+def test_a_full_local_store_refuses_writes_in_one_line(tmp_path):
+    """Issue 49: the local cloud's memstore OSD, once full, held writes (RGW's PUT hung) instead of refusing them.
+    Its RGW user now has a quota of 3/4 of what the OSD keeps: past it, both APIs refuse with QuotaExceeded, said
+    in one line and not asked again."""
+    import os
+
+    from appliance.localcloud.rgw_server import RGWServer
+    from appliance.store.objects import StoreRefused, open_store
+
+    srv = RGWServer(tmp_path / "rgw", memstore_bytes=256 << 20).start()  # a quota of 192 MiB
+    try:
+        c = srv.credentials()
+        blob = tmp_path / "blob"
+        blob.write_bytes(os.urandom(60 << 20))
+        refused = {}
+        for api in ("s3", "swift"):
+            st, _ = open_store(f"{api}://full{api}/", creds_via(srv, srv.s3_endpoint, api))
+            st.ensure_container()
+            for i in range(5):
+                try:
+                    st.put(f"x{i}", blob)
+                except StoreRefused as e:
+                    refused[api] = (i, str(e))
+                    break
+        assert refused["s3"][0] == 3 and refused["swift"][0] == 0, refused  # the quota is the project's
+        assert all("quota is used up" in m and "\n" not in m for _, m in refused.values())
+    finally:
+        srv.stop()

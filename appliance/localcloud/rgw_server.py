@@ -41,6 +41,7 @@ PACKAGES = "ceph-mon ceph-osd radosgw ceph-common"
 # memstore keeps objects in the OSD's memory up to this many bytes (ceph's default is 1 GiB, less than a
 # staging benchmark writes); a cap, not an allocation
 MEMSTORE_BYTES = int(os.environ.get("APPLIANCE_RGW_MEMSTORE_BYTES", str(8 << 30)))
+QUOTA_SHARE = 0.75  # of memstore's bytes, the RGW user's quota: writes past it are refused, not held
 
 
 def _free_port(ip: str = "127.0.0.1") -> int:
@@ -108,7 +109,8 @@ class RGWServer:
         memstore_bytes: the most the OSD keeps (MEMSTORE_BYTES by default). Writes into a full one are not refused
         but held: a full cluster makes RADOS clients pause until it is not (ceph doc/cephfs/full.rst, "Handling a
         full Ceph file system", at ``mon_osd_full_ratio``), so RGW's PUT hangs. A staging benchmark that put 8.5 GB
-        under the 8 GiB default hung so (bench/stage_bench.py now asks for what it puts).
+        under the 8 GiB default hung so (bench/stage_bench.py now asks for what it puts). So the user's quota is
+        QUOTA_SHARE of it, and RGW refuses a write past it (QuotaExceeded), as a project's quota on Chameleon would.
 
         tls: https only (beast's ``ssl_endpoint``, ``ssl_certificate``, ``ssl_private_key``: ceph
         doc/radosgw/frontends.rst; src/rgw/rgw_asio_frontend.cc ``AsioFrontend::init_ssl``), with a self-signed
@@ -287,6 +289,12 @@ class RGWServer:
         self._ceph(*admin, "user", "create", f"--uid={self.uid}", f"--display-name={self.uid}", *own_keys)
         self._ceph(*admin, "subuser", "create", f"--uid={self.uid}", f"--subuser={self.user}", "--access=full")
         self._ceph(*admin, "key", "create", f"--subuser={self.user}", "--key-type=swift", f"--secret={self.key}")
+        # a full memstore OSD holds writes rather than refusing them (RADOS pauses clients at mon_osd_full_ratio):
+        # the user's quota refuses them first, at QUOTA_SHARE of what it keeps, with RGW's own QuotaExceeded (S3 403,
+        # Swift 413; ceph doc/radosgw/admin.rst "Quota Management", src/rgw/rgw_quota.cc)
+        self._ceph(*admin, "quota", "set", "--quota-scope=user", f"--uid={self.uid}",
+                   f"--max-size={int(self.memstore_bytes * QUOTA_SHARE)}")
+        self._ceph(*admin, "quota", "enable", "--quota-scope=user", f"--uid={self.uid}")
         return self
 
     def _check_alive(self, names, deadline: float, what: str) -> None:

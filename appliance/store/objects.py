@@ -413,6 +413,8 @@ class SwiftStore(Store):
         except swiftclient.ClientException as e:
             if e.http_status == 404:
                 raise FileNotFoundError(f"swift://{self.container}/{args[1] if len(args) > 1 else ''}") from None
+            if e.http_status == 413 and "quota" in str(e).lower():  # RGW's QuotaExceeded (Swift's own quotas too)
+                raise quota_exceeded(f"swift://{self.container}/") from None
             if e.http_status in (401, 403):
                 # swiftclient drops a refused token and, without auth_url/user/key, is left with no URL at all
                 # ("Unsupported scheme ... None", which looked transient and was retried for minutes): start over
@@ -937,6 +939,8 @@ class S3Store(Store):
                 raise FileNotFoundError(f"s3://{self.bucket}: no such bucket") from None
             if code in ("BadDigest", "InvalidDigest"):
                 raise _damaged(name, want, None) from None
+            if code == "QuotaExceeded":
+                raise quota_exceeded(f"s3://{self.bucket}/") from None
             raise
         if got.strip('"') != want:
             raise _damaged(name, want, got)
@@ -1112,6 +1116,14 @@ class FileStore(Store):
                 d.rmdir()
             except OSError:
                 break
+
+
+def quota_exceeded(where: str) -> StoreRefused:
+    """The store refused a write past the project's quota (Ceph RGW: S3 403 / Swift 413 QuotaExceeded): not asked
+    again, said in one line."""
+    return StoreRefused(f"the object store refused a write to {where}: the project's storage quota is used up",
+                        "delete what you no longer need (`appliance data rm URL`) or ask for a larger quota; the "
+                        "local cloud's store holds 3/4 of APPLIANCE_RGW_MEMSTORE_BYTES (8 GiB by default)")
 
 
 def _b64(md5_hex: str) -> str:
