@@ -10,6 +10,7 @@ jump host (a direct-tcpip channel), like ``ssh -J``.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import select
 import socket
@@ -43,6 +44,16 @@ class ConnectionLost(ApplianceError):
 
 class HostKeyMismatch(ApplianceError):
     """A node presented a host key other than the pinned one: never retried, never accepted."""
+
+
+class KeyRefused(ApplianceError):
+    """A node's sshd refused our key: waiting does not cure it (cloud-init writes authorized_keys before sshd starts
+    on CC images: its init stage runs before ssh.service), so it is said at once, naming the key."""
+
+
+# paramiko logs what it also raises (with tracebacks, through logging's last resort): the exceptions are said here,
+# in one line each, and its own lines stay out of the terminal (issue 51)
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 def _splitter(stream: str, fn: LineFn | None, sink: list[str]):
@@ -326,8 +337,9 @@ def _connect_ssh(cluster: Cluster, node: Node, sock=None, timeout: float = 15.0)
         raise HostKeyMismatch(f"{node.name} ({node.address}) presented a host key that does not match the pinned one",
                              "if the node was rebuilt, run `appliance up` again to re-pin; otherwise do not connect") from None
     except paramiko.AuthenticationException:
-        raise ApplianceError(f"{node.name} ({node.address}) refused the key {cluster.key_file}",
-                             "check the key pair the nodes were launched with") from None
+        raise KeyRefused(f"{node.name} ({node.address}) refused the key {cluster.key_file} for user {node.user}",
+                         "give the private key of the key pair the nodes were launched with (key_file in the spec, "
+                         "or --key-file)") from None
     except paramiko.SSHException as e:
         if "not found in known_hosts" in str(e):
             raise ApplianceError(f"{node.name} ({node.address}) has no pinned host key",

@@ -544,3 +544,37 @@ def test_finish_asks_for_the_nodes_host_keys_at_once_and_opens_one_ssh_session(t
     pinned = open(cl.known_hosts).read().splitlines()
     assert [line.split()[0].split(",")[0] for line in pinned] == ["fh-0", "fh-1", "fh-2", "fh-3"]  # the nodes' order
     lifecycle.down("fh", site=site)
+
+
+def test_a_refused_key_is_said_at_once_not_after_the_ssh_wait(monkeypatch):
+    """Issue 51: nodes that refuse the key were waited on for the whole SSH timeout (60 s locally, 900 s on
+    Chameleon), then "SSH never came up". A refused key is final (CC images write authorized_keys before sshd
+    starts), so it is said as it comes."""
+    from appliance.remote import KeyRefused
+
+    tries = []
+
+    def refusing(cluster, timeout=15.0):
+        tries.append(1)
+        raise KeyRefused("node1 (10.0.0.1) refused the key /k for user cc", "give the right key")
+
+    monkeypatch.setattr(lifecycle, "Session", refusing)
+    site = FakeSite(FakeCloud())
+    site.ssh_timeout, site.poll = 3600.0, 0.0
+    with pytest.raises(ApplianceError, match="refused the key /k"):
+        lifecycle._wait_ssh(site, object())
+    assert tries == [1]
+
+
+def test_the_local_site_uses_the_users_key_pair_when_given(tmp_path):
+    from appliance.sites.local import LocalSite
+
+    key = tmp_path / "id"
+    key.write_text("k")
+    site = LocalSite.__new__(LocalSite)  # no cloud: the user's key needs none
+    got = site.login_key("mine", str(key))
+    assert (got.name, got.file) == ("mine", str(key))
+    with pytest.raises(ApplianceError, match="no private key at"):
+        site.login_key("mine", str(tmp_path / "nope"))
+    with pytest.raises(ApplianceError, match="without key_file"):
+        site.login_key("mine", None)

@@ -325,3 +325,41 @@ def test_an_ec2_credential_made_with_an_application_credential_dies_with_it(api)
     st, _, _ = call("POST", "/identity/v3/credentials", {"credential": {"type": "cert", "user_id": user,
                                                                          "project_id": project, "blob": "{}"}}, token=tok)
     assert st == 400
+
+
+def test_heat_serves_the_events_and_resources_the_cli_and_horizon_read(api):
+    """Issue 51: `openstack stack create --wait` failed with "The Stack (events) could not be found": the local Heat
+    answered only stacks and outputs. Events (oldest first, after a marker, the stack's own told by its link) and
+    resources (INIT_COMPLETE until made), by name and by name/id, as heat/api/openstack/v1 serves them."""
+    import time
+
+    call, creds = api
+    tok = token(call, creds)
+    project = creds["project_id"]
+    tpl = {"heat_template_version": "2018-08-31", "resources": {
+        "k": {"type": "OS::Nova::KeyPair", "properties": {"name": "evkey", "public_key": "ssh-ed25519 AAAA x"}}}}
+    st, body, _ = call("POST", f"/orchestration/v1/{project}/stacks", {"stack_name": "ev", "template": tpl},
+                       token=tok)
+    assert st == 201
+    sid = body["stack"]["id"]
+    for _ in range(200):  # polling the API for the stack's status, as `--wait` does (it runs in the background)
+        if call("GET", f"/orchestration/v1/{project}/stacks/ev", token=tok)[1]["stack"]["stack_status"] != \
+                "CREATE_IN_PROGRESS":
+            break
+        time.sleep(0.05)
+    st, body, _ = call("GET", f"/orchestration/v1/{project}/stacks/ev/events?sort_dir=asc", token=tok)
+    assert st == 200
+    evs = body["events"]
+    assert [(e["resource_name"], e["resource_status"]) for e in evs] == [
+        ("ev", "CREATE_IN_PROGRESS"), ("k", "CREATE_IN_PROGRESS"), ("k", "CREATE_COMPLETE"), ("ev", "CREATE_COMPLETE")]
+    last = evs[-1]  # what heatclient's poll_for_events takes for the stack's own event
+    assert last["physical_resource_id"] == sid == {x["rel"]: x["href"] for x in last["links"]}["stack"].rsplit("/", 1)[-1]
+    after = call("GET", f"/orchestration/v1/{project}/stacks/ev/{sid}/events?marker={evs[1]['id']}", token=tok)[1]
+    assert [e["id"] for e in after["events"]] == [e["id"] for e in evs[2:]]
+    one = call("GET", f"/orchestration/v1/{project}/stacks/ev/{sid}/resources/k/events", token=tok)[1]["events"]
+    assert [e["resource_status"] for e in one] == ["CREATE_IN_PROGRESS", "CREATE_COMPLETE"]
+    res = call("GET", f"/orchestration/v1/{project}/stacks/ev/resources", token=tok)[1]["resources"]
+    assert [(r["resource_name"], r["resource_type"], r["resource_status"], r["physical_resource_id"]) for r in res] \
+        == [("k", "OS::Nova::KeyPair", "CREATE_COMPLETE", "evkey")]
+    assert call("GET", f"/orchestration/v1/{project}/stacks/ev/{sid}/resources/nope", token=tok)[0] == 404
+    assert call("GET", f"/orchestration/v1/{project}/stacks/nope/events", token=tok)[0] == 404

@@ -457,6 +457,7 @@ def _openstack(*args: str) -> str:
     r = subprocess.run([str(Path(sys.executable).parent / "openstack"), *args], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, (args, r.stderr[-1000:])
+    assert "Could not load" not in r.stderr, r.stderr[-1000:]  # a plugin that does not load (issue 51)
     return r.stdout
 
 

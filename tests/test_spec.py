@@ -37,6 +37,8 @@ def test_defaults_fill_in():
     ({**GOOD, "name": "Bad Name"}, "name", "not a valid run name"),
     ({**GOOD, "lease": {"duration": "1w"}}, "lease.duration", "not a duration"),
     ({**GOOD, "cloud": "chameleon", "lease": {"duration": "8d"}}, "lease.duration", "7-day"),
+    # the local cloud follows Chameleon's cap: `check` says what `up` would be told (issue 51)
+    ({**GOOD, "lease": {"duration": "30d"}}, "lease.duration", "7-day"),
     ({**GOOD, "cloud": "chameleon", "site": "CHI@Mars"}, "site", "CHI@UC"),
     ({**GOOD, "train": {"command": "x", "env": {"OS_PASSWORD": "p"}}}, "train.env", "credential"),
     ({**GOOD, "train": {"command": "x", "env": {"MY_API_TOKEN": "p"}}}, "train.env", "credential"),

@@ -1,4 +1,4 @@
-"""The local cloud's Heat v1 API: stack create / show / list / delete with outputs.
+"""The local cloud's Heat v1 API: stack create / show / list / delete with outputs, events and resources.
 
 Enough of Heat for heat-templates/horovod-cluster.yaml, done the way Heat does it: the HOT version is checked,
 parameters are validated against their constraints, resources are created in dependency order (references
@@ -17,6 +17,7 @@ import re
 import threading
 import time
 import traceback
+import uuid
 
 import yaml
 
@@ -61,13 +62,33 @@ def _replace_index(value, i: int):
     return value
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 class Stack:
     def __init__(self, sid: str, name: str, template: dict, params: dict, project: str):
         self.id, self.name, self.template, self.params, self.project = sid, name, template, params, project
         self.status, self.reason = "CREATE_IN_PROGRESS", "Stack CREATE started"
         self.resources: dict[str, dict] = {}  # name -> {"type", "attrs", "servers": [...], "fips": [...]}
         self.outputs: list[dict] = []
-        self.created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.created = _now()
+        # what the events and resources APIs show (heat/engine/api.py format_event, format_stack_resource): every
+        # state change in order, and each template resource's latest one (INIT_COMPLETE before its creation)
+        self.events: list[dict] = []
+        self.states: dict[str, dict] = {n: {"status": "INIT_COMPLETE", "reason": "", "physical": "", "time": None}
+                                        for n in (template.get("resources") or {})}
+        self.lock = threading.Lock()
+
+    def event(self, resource: str, status: str, reason: str, physical: str = "", rtype: str = "") -> None:
+        """A state change of the stack itself (``resource`` = its name) or of one of its resources."""
+        with self.lock:
+            self.events.append({"id": str(uuid.uuid4()), "event_time": _now(), "resource_name": resource,
+                                "physical_resource_id": physical, "resource_status": status,
+                                "resource_status_reason": reason, "resource_type": rtype})
+            if resource in self.states:
+                st = self.states[resource]
+                st.update(status=status, reason=reason, physical=physical or st["physical"], time=_now())
 
     def view(self, base: str) -> dict:
         return {"id": self.id, "stack_name": self.name, "stack_status": self.status,
@@ -146,6 +167,7 @@ class Heat:
         params = self._params(tpl, body.get("parameters") or {})
         st = Stack(self.new_id(), name, tpl, params, self.cloud.project_id)
         self.stacks[st.id] = st
+        st.event(name, "CREATE_IN_PROGRESS", "Stack CREATE started", st.id, "OS::Heat::Stack")
         threading.Thread(target=self._create, args=(st,), daemon=True).start()
         return st
 
@@ -215,8 +237,19 @@ class Heat:
                 traceback.print_exc()
             st.status = "CREATE_FAILED"
             st.reason = str(getattr(e, "message", e))
+        st.event(st.name, st.status, st.reason, st.id, "OS::Heat::Stack")
 
     def _create_resource(self, st: Stack, name: str, r: dict) -> None:
+        """One resource, with its events (heat/engine/resource.py: "state changed" on each transition)."""
+        st.event(name, "CREATE_IN_PROGRESS", "state changed", rtype=r["type"])
+        try:
+            self._create_one(st, name, r)
+        except Exception as e:
+            st.event(name, "CREATE_FAILED", f"{type(e).__name__}: {getattr(e, 'message', e)}", rtype=r["type"])
+            raise
+        st.event(name, "CREATE_COMPLETE", "state changed", str(st.resources[name].get("id", "")), r["type"])
+
+    def _create_one(self, st: Stack, name: str, r: dict) -> None:
         rtype = r["type"]
         if rtype == "OS::Heat::ResourceGroup":
             props = r.get("properties") or {}
@@ -297,6 +330,7 @@ class Heat:
 
     def delete(self, st: Stack) -> None:
         c = self.cloud
+        st.event(st.name, "DELETE_IN_PROGRESS", "Stack DELETE started", st.id, "OS::Heat::Stack")
         servers = []
         with c.lock:
             for r in st.resources.values():
@@ -311,4 +345,7 @@ class Heat:
         # a server resource's delete is complete once Nova no longer finds the server, not while its task_state
         # is "deleting" (heat/engine/clients/os/nova.py check_delete_server_complete)
         c.wait_deleted(servers)
+        for name in st.resources:
+            st.event(name, "DELETE_COMPLETE", "state changed", rtype=st.resources[name].get("type", ""))
         st.status, st.reason = "DELETE_COMPLETE", "Stack DELETE completed successfully"
+        st.event(st.name, st.status, st.reason, st.id, "OS::Heat::Stack")

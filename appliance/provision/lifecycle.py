@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import paths, report
 from ..cluster import Cluster, Node, SiteRecord, delete_cluster, find_cluster, load_cluster, state_path
 from ..errors import ApplianceError
-from ..remote import HostKeyMismatch, Session
+from ..remote import HostKeyMismatch, KeyRefused, Session
 from ..sites import Site, for_cluster
 from ..sites.openstack import fmt_date
 from ..spec import Spec, duration_seconds
@@ -139,8 +139,8 @@ def _wait_ssh(site: Site, cluster: Cluster) -> Session:
     while time.monotonic() < deadline:
         try:
             return Session(cluster, timeout=5)
-        except HostKeyMismatch:
-            raise  # not something waiting cures: another machine, or one that was rebuilt
+        except (HostKeyMismatch, KeyRefused):
+            raise  # not something waiting cures: another machine, one that was rebuilt, another key pair
         except ApplianceError as e:
             last_err = e
         time.sleep(site.poll)  # waiting for sshd on remote machines

@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import localcloud, paths, report, testbed
 from ..cluster import Cluster, from_testbed
 from ..errors import ApplianceError, SpecError
-from ..spec import Spec
+from ..spec import Spec, duration_seconds
 from ..store.objects import StoreCreds
 from .base import LoginKey, Site
 from .openstack import OpenStackCloud, connect
@@ -41,14 +41,30 @@ class LocalSite(Site):
         return OpenStackCloud(connect(cloud=localcloud.CLOUD_NAME, config_file=str(localcloud.clouds_yaml())))
 
     def login_key(self, key_name=None, key_file=None) -> LoginKey:
+        """The user's key pair when the spec or `adopt --key-file` names one, as on Chameleon (``key_name`` must name
+        a key pair the cloud has, e.g. from `openstack keypair create --public-key`, and ``key_file`` is its private
+        key here); else the local cloud's own. It recorded its own key whatever was given, so nodes launched with
+        the user's key pair refused it (issue 51)."""
+        if key_file:
+            path = Path(key_file).expanduser()
+            if not path.is_file():
+                raise ApplianceError(f"no private key at {key_file} on this machine",
+                                     "set key_file (or --key-file) to the private key of your key pair")
+            return LoginKey(key_name or "", str(path))
+        if key_name and key_name != KEY_NAME:
+            raise ApplianceError(f"key_name {key_name!r} without key_file: its private key is needed here",
+                                 "set key_file in the spec (or --key-file) to the key pair's private key")
         priv, pub = _local_key()
         self.cloud.ensure_keypair(KEY_NAME, pub)
         return LoginKey(KEY_NAME, priv)
 
     @classmethod
     def check_spec(cls, spec: Spec) -> None:
-        from ..localcloud.cloud import DEFAULT_POOLS
+        from ..localcloud.cloud import DEFAULT_POOLS, MAX_LEASE_SECONDS
 
+        if duration_seconds(spec.lease.duration) > MAX_LEASE_SECONDS:  # what `up` would be told (Chameleon's cap)
+            raise SpecError(f"lease.duration: {spec.lease.duration} is longer than the local cloud's 7-day maximum "
+                            "(Chameleon's)", "use at most 7d and let the watchdog extend or resume")
         if spec.nodes.node_type not in DEFAULT_POOLS:
             raise SpecError(f"nodes.node_type: {spec.nodes.node_type!r} is not a node type of the local cloud",
                             f"use one of {', '.join(DEFAULT_POOLS)}")
