@@ -3,6 +3,7 @@
 by the CLI and trained on."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,8 @@ import pytest
 import yaml
 
 from appliance import localcloud, testbed
-from appliance import flows, sites
+from appliance import sites
 from appliance.provision import heat
-from appliance.errors import ApplianceError
 from appliance.spec import load_spec
 from appliance.flows import run_job as train
 from conftest import NETNS_OK, ROOT
@@ -124,15 +124,18 @@ def test_boot_script_is_valid_sh_with_heats_values_in():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not NETNS_OK, reason="needs network namespaces")
-def test_stack_from_the_template_adopt_and_train(cloud, tmp_path, said, capfd):
-    """A user's own key pair (as `openstack keypair create --public-key` makes it), the stack launched with it,
-    `adopt --key-file` with its private key, then training. The local site recorded its own login key whatever was
-    given, and the nodes refused it after a 60-s wait with paramiko's tracebacks printed (issue 51): now the user's
-    key is used, and a key the nodes refuse is one line naming it, at once."""
+def test_stack_from_the_template_adopt_and_train(cloud, tmp_path):
+    """Issue 51, as a user walks it with the `openstack` CLI and `appliance`: a key pair of one's own (`openstack
+    keypair create --public-key`), a lease (`openstack reservation lease create`), `openstack stack create --wait`,
+    `stack event list`, `stack resource list`, `appliance adopt --key-file`, then training. The local site recorded
+    its own login key whatever was given, and the nodes refused it after a 60-s wait with paramiko's tracebacks
+    printed: now the user's key is used, and a key the nodes refuse is one line naming it, at once."""
     import datetime as dt
 
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from test_provision import _openstack
 
     site = sites.open_site("local")
     c = site.cloud
@@ -141,11 +144,16 @@ def test_stack_from_the_template_adopt_and_train(cloud, tmp_path, said, capfd):
     mine.write_bytes(user_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                             serialization.NoEncryption()))
     mine.chmod(0o600)
-    c.ensure_keypair("hs-user", user_key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                                   serialization.PublicFormat.OpenSSH).decode())
+    (tmp_path / "id_mine.pub").write_bytes(user_key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                                              serialization.PublicFormat.OpenSSH))
+    _openstack("keypair", "create", "--public-key", str(tmp_path / "id_mine.pub"), "hs-user")
     key = site.login_key("hs-user", str(mine))
-    lease = c.create_lease("heat-lease", "compute_local", 2, dt.timedelta(hours=2))
-    c.wait_lease(lease.id)
+    end = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2)).strftime("%Y-%m-%d %H:%M")
+    made = json.loads(_openstack(
+        "reservation", "lease", "create", "--reservation",
+        'min=2,max=2,resource_type=physical:host,resource_properties=["=", "$node_type", "compute_local"]',
+        "--end-date", end, "-f", "json", "heat-lease"))
+    lease = c.wait_lease(made["id"])
     hc = heat.heat_client(site)
     try:
         # a bad parameter is refused the way Heat refuses it
@@ -189,16 +197,21 @@ def test_stack_from_the_template_adopt_and_train(cloud, tmp_path, said, capfd):
             c.conn.compute.get_server_console_output(head_id)
         assert c.server_host_keys(head_id) == [" ".join(head_node.host_key_pub.read_text().split()[:2])]
 
-        # the local cloud's own key is not the stack's: refused at once, in one line naming the key
-        capfd.readouterr()
-        with pytest.raises(ApplianceError, match=r"hs-head .* refused the key .*id_ed25519 for user cc") as e:
-            flows.adopt("hs", cloud="local")
-        assert "never came up" not in str(e.value) and "\n" not in str(e.value)
-        printed = capfd.readouterr()
-        assert "Traceback" not in printed.err + printed.out and "paramiko" not in printed.err, printed.err[-2000:]
-        # adopt with the user's key, then train the digits example on it
-        said.clear()
-        cl = flows.adopt("hs", cloud="local", key_name="hs-user", key_file=str(mine))
+        # `appliance adopt` with the local cloud's own key, not the stack's: refused at once, one line naming it
+        cli = Path(sys.executable).parent / "appliance"
+        r = subprocess.run([str(cli), "adopt", "hs", "--cloud", "local"], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode != 0 and re.search(r"hs-head .* refused the key .*id_ed25519 for user cc", r.stderr), \
+            r.stderr[-2000:]
+        assert "never came up" not in r.stderr and "Traceback" not in r.stderr + r.stdout and \
+            len([ln for ln in r.stderr.splitlines() if "refused" in ln]) == 1, r.stderr[-2000:]
+        # with the user's key (as `appliance adopt hs --key-name hs-user --key-file KEY`), then train on it
+        r = subprocess.run([str(cli), "adopt", "hs", "--cloud", "local", "--key-name", "hs-user", "--key-file",
+                            str(mine), "--json"], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        from appliance.cluster import load_cluster
+
+        cl = load_cluster("hs")
         assert cl.key_file == str(mine)
         for name in ("hs-head", "hs-worker-0"):  # adopt set the cluster up on every node
             cj = disks[name] / "appliance" / "etc" / "cluster.json"
@@ -232,5 +245,5 @@ def test_stack_from_the_template_adopt_and_train(cloud, tmp_path, said, capfd):
         for s in hc.stacks.list():
             hc.stacks.delete(s.id)
         c.delete_lease(lease.id)
-        c.conn.compute.delete_keypair("hs-user", ignore_missing=True)
+        _openstack("keypair", "delete", "hs-user")
     assert not [s for s in c.conn.compute.servers() if s.name.startswith("hs-")]
