@@ -1,5 +1,5 @@
 """What this machine adds to a staging benchmark's system time, apart from any tool: the two costs that made the
-same tool's rounds differ by 2-3x here (docs/staging.md, "Where the benchmark writes").
+same tool's rounds differ by 2-3x here (docs/staging.md of 14aa98a (in git), "Where the benchmark writes").
 
 1. Making files soon after deleting others, on the work directory's file system (this machine's root: ext4
    without a journal, which skips inodes deleted in the last minute; bench/nodedisk.py) and on a fresh journaled

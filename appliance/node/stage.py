@@ -255,7 +255,7 @@ def writes_past_the_page_cache(need: int, room: int | None) -> bool:
     than half of what the page cache could keep (``page_cache_room``). A dataset that fits stays in the page cache
     for the training's first epoch (read back at 0.15 s per 2 GiB here against 2.1-3.5 s from the disk:
     bench/results/stage-direct/read-after.txt); one that does not would only be copied there and pushed out again,
-    and the copy was most of the stager's system time (docs/staging.md, "Past the page cache")."""
+    and the copy was most of the stager's system time (docs/staging.md of 14aa98a (in git), "Past the page cache")."""
     return room is not None and need > room // 2
 
 

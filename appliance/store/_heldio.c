@@ -3,7 +3,7 @@
  * Python's os module gives the GIL back around every system call. With 32 fetching threads on a few cores, each
  * of those is a hand-over: futex calls and, as often as not, a context switch, which cost more than the call
  * itself when the call is a rename or a stat of a file the page cache holds (a few microseconds). Small objects
- * made ten such calls each (docs/staging.md, "Small objects over https"); these five are made here without the
+ * made ten such calls each (docs/staging.md of 14aa98a (in git), "Small objects over https"); these five are made here without the
  * hand-over, and so is a small object's body's write (httpget.get_into, up to heldio.HELD_WRITE bytes: a copy
  * into the page cache of tens of microseconds). Only for calls on the stager's local destination, which do not
  * wait on a device: a stat or rename on a network file system that hangs would hold every thread with it.

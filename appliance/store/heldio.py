@@ -1,7 +1,7 @@
 """A stager's small file-system calls (open, close, rename, a file's mtime, a journal's line, a small body's write)
 with the GIL held: ``_heldio`` (a C extension, appliance/store/_heldio.c) where it is built, else the os module's,
 which give the GIL back around each call. With 32 fetching threads on a few cores each such hand-over costs more
-than the call: docs/staging.md, "Small objects: their MD5s in the lanes, their file calls with the GIL held". Only
+than the call: docs/staging.md of 14aa98a (in git), "Small objects: their MD5s in the lanes, their file calls with the GIL held". Only
 for the stager's local destination: a call that waits on a device holds every thread with it. A large body's
 buffer is written with the GIL released once, in pieces of WRITE_PIECE bytes (``pwrite_all``)."""
 

@@ -56,7 +56,7 @@ def buffer_size(l2: int | None) -> int:
     one from L3 or memory, and a smaller one costs more calls. On this machine's 512 KiB of L2 per core (AMD EPYC),
     for 2 GiB (python bench/stage_buffer_ab.py, medians of 6 rounds, the sizes alternating): while the machine was
     slow (memory contended), 1 MiB cost 4.21 s of system time, 512 KiB 2.15 s and 256 KiB 2.48 s; while it was
-    fast, 1.66, 1.77 and 2.18 s (wall time 3.70, 3.67, 4.05 s). docs/staging.md, "The receive buffer"."""
+    fast, 1.66, 1.77 and 2.18 s (wall time 3.70, 3.67, 4.05 s). docs/staging.md of 14aa98a (in git), "The receive buffer"."""
     return min(1 << 20, max(256 << 10, l2)) if l2 else 512 << 10
 
 
@@ -343,7 +343,7 @@ def mem_available(path="/proc/meminfo") -> int | None:
 def lent_most(available: int | None, buf: int) -> int:
     """How many receive buffers may be lent at once: 256 MiB of them, or a 16th of the memory available where
     that is less (64 MiB when unknown). What is lent waits for the hasher, which on this 2-core machine, beside
-    the store, fell up to 131 MiB behind the GETs of 8 x 256 MiB (263 buffers; docs/staging.md, "Past the page
+    the store, fell up to 131 MiB behind the GETs of 8 x 256 MiB (263 buffers; docs/staging.md of 14aa98a (in git), "Past the page
     cache"); a piece offered when none is left goes through the page cache, as before."""
     most = min(256 << 20, available // 16) if available else 64 << 20
     return max(1, most // buf)
