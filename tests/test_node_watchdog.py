@@ -85,18 +85,19 @@ def test_a_relative_or_dotted_path_is_refused(tmp_path):
 class _Vendordata:
     """A metadata service on loopback serving ``vendor_data2.json`` with a settable lease end."""
 
-    def __init__(self, end: float | None):
+    def __init__(self, end: float | None, delay: float = 0.0):
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         outer = self
-        self.end = end
+        self.end, self.delay = end, delay  # delay: a slow metadata service (Nova waits up to 5 + 5 s on vendordata)
 
         class H(BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
 
             def do_GET(self):
+                threading.Event().wait(outer.delay)  # the service's own slowness, not a wait for another thread
                 doc = {"chameleon": {"lease_end": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(outer.end))}}
                 body = json.dumps(doc).encode()
                 self.send_response(200)
@@ -163,3 +164,42 @@ def test_the_launcher_can_turn_the_live_vendordata_off(monkeypatch, tmp_path):
     assert vendordata.vendordata_lease_end([str(tmp_path / "none")]) is None
     monkeypatch.delenv(Env.VENDORDATA_URL)
     assert vendordata.live_url() == vendordata.LIVE_URL
+
+
+def test_a_slow_metadata_service_does_not_stop_a_job_whose_lease_was_extended(tmp_path, monkeypatch):
+    """Issue 52 item 6: the live read timed out after 2 s, where Nova gives a dynamic vendordata target 5 s to connect
+    and 5 to answer; rank 0 then stopped on the hourly cache's old end with no second look, though the lease had
+    been extended. An end from the cache that would stop the job is asked live again, with Nova's patience."""
+    import threading
+
+    from appliance.node import vendordata
+    from appliance.node.checkpointer import Checkpointer
+
+    monkeypatch.setattr(vendordata, "LIVE_TIMEOUT", 0.2)
+    monkeypatch.setattr(vendordata, "RECHECK_TIMEOUT", 10.0)
+    cache = tmp_path / "vendordata2.json"
+    old_end = time.time() + 60
+    cache.write_text(json.dumps({"chameleon": {"lease_end": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(old_end))}}))
+    monkeypatch.setattr(vendordata, "VENDORDATA", (str(cache),))
+    live = _Vendordata(time.time() + 7 * 86400, delay=0.6)  # extended, and slower than a routine read waits
+    try:
+        vendordata.reset_live_backoff()
+        near = lambda e: time.time() >= e - 600  # noqa: E731
+        assert vendordata.vendordata_lease_end((str(cache),), live.url, near=near) > old_end + 86400
+        # rank 0's stop check, on the same service
+        monkeypatch.setenv("APPLIANCE_VENDORDATA_URL", live.url)
+        monkeypatch.setattr("appliance.node.checkpointer.vendordata_lease_end",
+                            lambda **kw: vendordata.vendordata_lease_end((str(cache),), **kw))
+        ck = Checkpointer.__new__(Checkpointer)  # only the stop check: no model, no Horovod
+        ck._local_reason, ck._fault, ck.step, ck.rank, ck._vd_next, ck._commit_s = None, "", 5, 0, 0.0, []
+        ck.stop_file = tmp_path / "STOP"
+        ck._cv = threading.Condition()
+        vendordata.reset_live_backoff()
+        assert ck._local_stop() is False and ck._local_reason is None
+        live.end = time.time() + 30  # the live end is near too: stop
+        ck._vd_next = 0.0
+        vendordata.reset_live_backoff()
+        assert ck._local_stop() is True and ck._local_reason == "lease end (vendordata)"
+    finally:
+        live.close()
+        vendordata.reset_live_backoff()

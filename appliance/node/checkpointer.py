@@ -206,9 +206,9 @@ class Checkpointer:
             return True
         if self.rank == 0 and time.monotonic() >= self._vd_next:  # Chameleon's own lease end, on the node
             self._vd_next = time.monotonic() + 60
-            end = vendordata_lease_end()
+            margin = max(VENDORDATA_MARGIN, 3 * max(self._commit_s or [0.0]))
+            end = vendordata_lease_end(near=lambda e: time.time() >= e - margin)
             if end is not None:
-                margin = max(VENDORDATA_MARGIN, 3 * max(self._commit_s or [0.0]))
                 if time.time() >= end - margin:
                     self._local_reason = "lease end (vendordata)"
                     self._deadline = end - 30

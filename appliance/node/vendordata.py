@@ -14,14 +14,18 @@ import json
 import os
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from ..protocol import Env
 
 VENDORDATA = ("/var/cache/vendordata2.json",)
 LIVE_URL = "http://169.254.169.254/openstack/latest/vendor_data2.json"
-LIVE_TIMEOUT = 2.0
+LIVE_TIMEOUT = 2.0  # a routine read (rank 0 asks between two steps)
 LIVE_BACKOFF = 600.0  # after the live document failed, read only the cache for this long (not on Chameleon?)
+# a read that decides a stop waits as long as Nova itself waits for a dynamic vendordata target, and 2 s more: 5 s
+# to connect and 5 s to read (nova/conf/api.py vendordata_dynamic_connect_timeout, vendordata_dynamic_read_timeout)
+RECHECK_TIMEOUT = 12.0
 
 _live_down_until = 0.0
 
@@ -78,12 +82,21 @@ def live_url() -> str | None:
 _FROM_ENV = object()
 
 
-def vendordata_lease_end(paths=VENDORDATA, live=_FROM_ENV) -> float | None:
-    """Chameleon's on-node lease end as a Unix time: the live document first, else the hourly cache."""
+def vendordata_lease_end(paths=VENDORDATA, live=_FROM_ENV, near: Callable[[float], bool] | None = None) -> float | None:
+    """Chameleon's on-node lease end as a Unix time: the live document first, else the hourly cache. ``near(end)``:
+    whether an end would make the caller stop; an end from the cache that would is checked against the live
+    document once more, with RECHECK_TIMEOUT, whatever the backoff (the cache lags an extension by up to an hour,
+    and a slow metadata service is no reason to stop a job whose lease was extended: issue 52)."""
     if live is _FROM_ENV:
         live = live_url()
     end = live_lease_end(live) if live else None
-    return end if end is not None else cached_lease_end(paths)
+    if end is not None:
+        return end
+    end = cached_lease_end(paths)
+    if end is not None and live and near is not None and near(end):
+        reset_live_backoff()
+        end = live_lease_end(live, timeout=RECHECK_TIMEOUT) or end
+    return end
 
 
 def reset_live_backoff() -> None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from ..protocol import NODE_WATCH_MARGIN, RUN_MARKER, Env
-from .vendordata import LIVE_URL, VENDORDATA, cached_lease_end, live_lease_end, reset_live_backoff
+from .vendordata import LIVE_URL, VENDORDATA, vendordata_lease_end
 from .. import report
 
 log = report.get(__name__)
@@ -95,12 +95,8 @@ def node_watch(*, margin: float = NODE_WATCH_MARGIN, poll: float = 60.0, once: b
     refused: set[str] = set()
     said_none = False
     while True:
-        end = live_lease_end(live) if live else None
-        if end is None:
-            end = cached_lease_end(vendordata or VENDORDATA)
-            if end is not None and live and now() >= end - margin:
-                reset_live_backoff()  # about to act on the cache: ask the live document once more
-                end = live_lease_end(live) or end
+        # about to act on the cache: the live document is asked once more, with Nova's own patience
+        end = vendordata_lease_end(vendordata or VENDORDATA, live, near=lambda e: now() >= e - margin)
         if end is None:
             if not said_none:
                 log.info("no lease end in vendordata (not a Chameleon node, or the cache is not written yet)")
