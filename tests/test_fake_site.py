@@ -578,3 +578,19 @@ def test_the_local_site_uses_the_users_key_pair_when_given(tmp_path):
         site.login_key("mine", str(tmp_path / "nope"))
     with pytest.raises(ApplianceError, match="without key_file"):
         site.login_key("mine", None)
+
+
+def test_a_lease_is_over_when_blazar_says_so_or_its_end_has_passed(tmp_path, monkeypatch):
+    from appliance.checkpoint import job
+
+    cloud = FakeCloud()
+    site = FakeSite(cloud)
+    monkeypatch.setattr(job, "for_spec", lambda spec: site)
+    lease = cloud.create_lease("l", "compute_local", 1, dt.timedelta(hours=1))
+    over = job.lease_over_for(None)
+    assert over(lease.id) is False
+    cloud.clock += dt.timedelta(hours=2)  # past its end by the cloud's clock
+    assert over(lease.id) is True
+    assert over("no-such-lease") is True  # Blazar has none: gone
+    monkeypatch.setattr(cloud, "lease_at", lambda lid: (_ for _ in ()).throw(RuntimeError("down")))
+    assert over(lease.id) is False  # cannot tell: the ttl decides

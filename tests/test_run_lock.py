@@ -117,3 +117,26 @@ def test_generations_only_grow_and_old_ones_are_cleaned(tmp_path):
 def test_a_job_without_a_lock_in_the_store_is_not_fenced(tmp_path):
     """A job whose launcher could not take the lock (the store was down then) commits as before."""
     assert fenced(store(tmp_path), "job-a") is None
+
+
+def test_a_lock_whose_lease_is_over_holds_nothing_back(tmp_path):
+    """Issue 52 item 5: `appliance train` killed with -9, the lease ended unattended (its servers deleted, the job
+    gone): the first `appliance resume` was refused for up to the ttl by a lock renewed 115 s before. A lock names its
+    job's lease, and a lease that is over (by the site's word) frees the run at once."""
+    clock = [1000.0]
+    a = lock(tmp_path, "job-a", clock, lease_id="lease-1")
+    b = lock(tmp_path, "job-b", clock)
+    a.acquire(tmp_path)
+    assert a.read()["lease_id"] == "lease-1"
+    clock[0] += 5  # renewed 5 s ago: alive by its heartbeat
+    assert b.acquire(tmp_path, lease_over=lambda lid: False)[0]["job_id"] == "job-a"
+    holder, stale = b.acquire(tmp_path, lease_over=lambda lid: lid == "lease-1")
+    assert holder is None and stale["job_id"] == "job-a" and b.held
+    # the head node's beat, which did not take the lock, keeps the launcher's lease id in every heartbeat
+    head = lock(tmp_path, "job-b", clock)
+    assert head.follow() and head.lease_id is None and head.heartbeat(tmp_path)
+    c = lock(tmp_path, "job-c", clock, lease_id="lease-2")
+    clock[0] += 60
+    c.acquire(tmp_path)
+    beat = lock(tmp_path, "job-c", clock)
+    assert beat.follow() and beat.heartbeat(tmp_path) and beat.read()["lease_id"] == "lease-2"

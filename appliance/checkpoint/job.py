@@ -151,9 +151,10 @@ class JobCheckpoints(JobHooks):
 
         lock = RunLock(cs, ctx.job_id, cluster=ctx.cluster.name or "?", head=ctx.head.node.name,
                        interval=float(os.environ.get("APPLIANCE_RUN_LOCK_INTERVAL") or INTERVAL),
-                       ttl=float(os.environ.get("APPLIANCE_RUN_LOCK_TTL") or TTL))
+                       ttl=float(os.environ.get("APPLIANCE_RUN_LOCK_TTL") or TTL), lease_id=ctx.cluster.lease_id)
         try:
-            holder, stale = lock.acquire(tempfile.gettempdir(), ended=lambda jid: job_ended_here(ctx.spec.name, jid))
+            holder, stale = lock.acquire(tempfile.gettempdir(), ended=lambda jid: job_ended_here(ctx.spec.name, jid),
+                                         lease_over=lease_over_for(ctx.spec))
         except Exception as e:  # noqa: BLE001 - the store is down: the job runs, as it does without a store
             self.say(f"[appliance] warning: could not take the run's lock in {self.spec.checkpoint.url} "
                      f"({type(e).__name__}: {e}); a second job of this run elsewhere would not be refused")
@@ -170,8 +171,8 @@ class JobCheckpoints(JobHooks):
             while not self._beat_stop.wait(self.lock.interval):
                 try:
                     if not self.lock.heartbeat(tempfile.gettempdir()):
-                        self.say(f"[appliance] warning: the run's lock was taken by another job; this job commits "
-                                 f"and prunes nothing more (docs/checkpoints.md, the run lock)")
+                        self.say("[appliance] warning: the run's lock was taken by another job; this job commits "
+                                 "and prunes nothing more (docs/checkpoints.md, the run lock)")
                         return
                 except Exception:  # noqa: BLE001 - retried at the next beat; the ttl allows several misses
                     pass
@@ -447,8 +448,22 @@ def refuse_if_running(spec, cs: CheckpointStore) -> None:
     running job prunes the very checkpoints a second one would stage)."""
     lock = RunLock(cs, "", cluster="", head="")
     cur = lock.read()
-    if cur and lock.alive(cur, ended=lambda jid: job_ended_here(spec.name, jid)):
+    if cur and lock.alive(cur, ended=lambda jid: job_ended_here(spec.name, jid), lease_over=lease_over_for(spec)):
         raise run_busy(spec, cur)
+
+
+def lease_over_for(spec):
+    """``lease_over(lease_id)`` on the spec's site: Blazar no longer has the lease, or its end has passed by the
+    cloud's own clock (at the end Blazar deletes every server of the lease, so a job on them is gone: a lock it left
+    need not be waited out; issue 52). False when the site cannot tell (no credentials, an error): the lock's ttl
+    decides then."""
+    def over(lease_id: str) -> bool:
+        try:
+            info, now = for_spec(spec).cloud.lease_at(lease_id)
+        except Exception:  # noqa: BLE001 - cannot tell: not over
+            return False
+        return info is None or info.status in ("TERMINATED", "DELETED") or info.end <= now
+    return over
 
 
 def job_ended_here(run: str, job_id: str) -> bool:

@@ -40,9 +40,10 @@ READ_WAIT = 60.0  # seconds a failing read of the lock is retried before the sto
 
 class RunLock:
     def __init__(self, cs: CheckpointStore, job_id: str, *, cluster: str, head: str, interval: float = INTERVAL,
-                 ttl: float = TTL, now: Callable[[], float] = time.time):
+                 ttl: float = TTL, now: Callable[[], float] = time.time, lease_id: str | None = None):
         self.cs, self.job_id, self.cluster, self.head = cs, job_id, cluster, head
         self.interval, self.ttl, self.now = interval, ttl, now
+        self.lease_id = lease_id  # the job's lease: once it is over, its servers are gone and so is the job
         self.held = False
         self.generation = 0  # ours, while held
 
@@ -84,19 +85,21 @@ class RunLock:
 
     def _body(self, released: bool = False) -> bytes:
         body = {"job_id": self.job_id, "cluster": self.cluster, "head": self.head, "heartbeat": self.now(),
-                "ttl": self.ttl, **({"released": True} if released else {})}
+                "ttl": self.ttl, **({"lease_id": self.lease_id} if self.lease_id else {}),
+                **({"released": True} if released else {})}
         return json.dumps(body, sort_keys=True).encode()
 
     def _rewrite(self, tmp_dir, released: bool = False) -> None:
         self.cs.put_text(f"{LOCK}{self.generation:09d}.json", self._body(released).decode(), tmp_dir)
 
-    def acquire(self, tmp_dir, ended: Callable[[str], bool] = lambda job_id: False) -> tuple[dict | None, dict | None]:
+    def acquire(self, tmp_dir, ended: Callable[[str], bool] = lambda job_id: False,
+                lease_over: Callable[[str], bool] = lambda lease_id: False) -> tuple[dict | None, dict | None]:
         """(holder, taken_over): ``holder`` is the live lock of another job (the job must not start), else None and
         the lock is ours; ``taken_over`` is the stale lock we replaced, if any. ``ended(job_id)``: this machine knows
         that job has ended (its run record says so: its launcher could not release the lock, the store being down)."""
         cur = self.current()
         old = cur[1] if cur else None
-        if old and old.get("job_id") != self.job_id and self.alive(old, ended):
+        if old and old.get("job_id") != self.job_id and self.alive(old, ended, lease_over):
             return old, None
         gen = cur[0] + 1 if cur else 1
         made = lambda: self.cs.store.create(self._name(gen), self._body())  # noqa: E731
@@ -120,9 +123,13 @@ class RunLock:
         stale = old if old and old.get("job_id") != self.job_id and not old.get("released") else None
         return None, stale
 
-    def alive(self, lock: dict, ended: Callable[[str], bool] = lambda job_id: False) -> bool:
-        """A lock not released, whose job has not ended (as far as ``ended`` knows) and renewed it within its ttl."""
+    def alive(self, lock: dict, ended: Callable[[str], bool] = lambda job_id: False,
+              lease_over: Callable[[str], bool] = lambda lease_id: False) -> bool:
+        """A lock not released, whose job has not ended (as far as ``ended`` knows), whose lease is not over (as far
+        as ``lease_over`` knows: at a lease end every server is deleted, so its job is gone; issue 52) and that was
+        renewed within its ttl."""
         return not lock.get("released") and not ended(str(lock.get("job_id"))) and \
+            not (lock.get("lease_id") and lease_over(str(lock["lease_id"]))) and \
             self.now() - float(lock.get("heartbeat", 0)) < float(lock.get("ttl", self.ttl))
 
     def follow(self) -> bool:
@@ -131,6 +138,8 @@ class RunLock:
         cur = self.current()
         self.held = cur is not None and cur[1].get("job_id") == self.job_id and not cur[1].get("released")
         self.generation = cur[0] if self.held else 0
+        if self.held:
+            self.lease_id = self.lease_id or cur[1].get("lease_id")  # the launcher's word, kept in each heartbeat
         return self.held
 
     def heartbeat(self, tmp_dir) -> bool:
