@@ -528,6 +528,41 @@ def test_rank_0s_uploader_reaches_the_store_as_it_starts_not_at_the_first_commit
     monkeypatch.setattr(cp, "CheckpointStore", Store)
     ck = cp.Checkpointer.__new__(cp.Checkpointer)  # only the uploader: no model, no Horovod
     ck._cv, ck._pending, ck._uploading, ck._store, ck._uploader = threading.Condition(), None, None, None, None
-    ck.url, ck.run, ck._creds = "swift://c/", "r", lambda: None
+    from appliance.node.creds import CredsFile
+
+    ck.url, ck.run, ck._creds_file = "swift://c/", "r", CredsFile("")
     ck._ensure_uploader()
     assert reached.wait(10) and ck._pending is None
+
+
+def test_rank_0_reads_a_renewed_credential_before_its_next_commit(tmp_path, monkeypatch):
+    """Issue 52 item 6: a job's store credential expires a week after the lease end known at its start; a run
+    extended twice got 401 on every commit. The launcher renames a renewed credential over the head's file at each
+    extension (JobCheckpoints.renew_creds); rank 0 makes its store again from it before its next commit."""
+    import json as _json
+    import os
+    import threading
+
+    from appliance.node import checkpointer as cp
+    from appliance.node.creds import CredsFile
+
+    made = []
+
+    class Store:
+        def __init__(self, url, run, creds):
+            made.append(creds.key if creds else None)
+
+    monkeypatch.setattr(cp, "CheckpointStore", Store)
+    monkeypatch.setattr(cp, "fence", lambda cs, job: cs)
+    path = tmp_path / ".store-creds.json"
+    path.write_text(_json.dumps({"auth_url": "http://s/auth/v1.0", "user": "u", "key": "first"}))
+    ck = cp.Checkpointer.__new__(cp.Checkpointer)
+    ck._cv, ck._store, ck.url, ck.run, ck._creds_file = threading.Condition(), None, "swift://c/", "r", CredsFile(str(path))
+    ck._open_store()
+    ck._open_store()
+    assert made == ["first"]  # one store while the file stays
+    new = tmp_path / ".store-creds.json.new"
+    new.write_text(_json.dumps({"auth_url": "http://s/auth/v1.0", "user": "u", "key": "renewed"}))
+    os.replace(new, path)  # as the launcher's `mv -f`
+    ck._open_store()
+    assert made == ["first", "renewed"]

@@ -594,3 +594,44 @@ def test_a_lease_is_over_when_blazar_says_so_or_its_end_has_passed(tmp_path, mon
     assert over("no-such-lease") is True  # Blazar has none: gone
     monkeypatch.setattr(cloud, "lease_at", lambda lid: (_ for _ in ()).throw(RuntimeError("down")))
     assert over(lease.id) is False  # cannot tell: the ttl decides
+
+
+def test_an_extension_renews_the_jobs_store_credential_for_the_new_end(tmp_path, monkeypatch):
+    """Issue 52 item 6: the job's credential expired a week after the lease end known at its start, so a run extended
+    twice got 401 on its commits. Each extension makes one that outlives the new end and writes it over the head's
+    credentials file; both are deleted when the job ends."""
+    from appliance.checkpoint import job as job_mod
+    from appliance.checkpoint.job import JobCheckpoints
+
+    for var in ("ST_AUTH", "ST_USER", "ST_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    site = FakeSite()
+    w, cloud, info, asked, said, stopped = watch(tmp_path, site, ends_in_s=30,
+                                                 lease="lease: {duration: 1h, stop_margin: 60s, extend: true}\n")
+    monkeypatch.setattr(job_mod, "for_spec", lambda spec: site)
+    jc = JobCheckpoints()
+    wrote, renewed = [], threading.Event()
+
+    class Head:
+        def run(self, cmd, stdin=None, check=False):
+            wrote.append((cmd, stdin))
+            renewed.set()
+
+    jc.spec = spec_of(tmp_path, "fw", lease="lease: {duration: 1h, extend: true}\ncheckpoint: {url: 'swift://ckpts/'}\n")
+    jc.head, jc.creds_file, jc.say = Head(), "/run/.store-creds.json", said.append
+    jc.ctx = type("Ctx", (), {"job_id": "j1"})()
+    first = cloud.create_app_cred("appliance-fw-j1-first", expires_at=info.end + dt.timedelta(days=7))
+    jc._withdraw_creds = lambda: cloud.delete_app_cred(first["id"])
+    w.on_extended = jc.renew_creds
+    w.start()
+    try:
+        assert cloud.called["extend_lease"].wait(10) and renewed.wait(10)  # renewed right after the extension
+    finally:
+        w.close()
+    new_end = cloud.leases[info.id].end
+    made = [a for a in cloud.verbs("create_app_cred") if not a[0].endswith("-first")]
+    assert made and made[-1][1] == new_end + dt.timedelta(days=7), made
+    (cmd, body), = wrote
+    assert "mv -f" in cmd and b"app_cred_secret" in body and "umask 077" in cmd
+    jc._withdraw()
+    assert not cloud.app_creds  # the first and the renewed one

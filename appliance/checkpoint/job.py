@@ -187,7 +187,8 @@ class JobCheckpoints(JobHooks):
             from .watchdog import LeaseWatch
 
             try:
-                self.watch = LeaseWatch(self.spec, self.cluster, self.request_stop, self.say, site=site).start()
+                self.watch = LeaseWatch(self.spec, self.cluster, self.request_stop, self.say, site=site,
+                                        on_extended=self.renew_creds).start()
             except ApplianceError as e:
                 self.say(f"[watchdog] not watching the lease: {e}")
         if threading.current_thread() is threading.main_thread():
@@ -361,6 +362,33 @@ class JobCheckpoints(JobHooks):
             except ApplianceError:
                 self.say(f"[appliance] warning: could not remove {self.creds_file} on the head node")
         self._withdraw()
+
+    def renew_creds(self, lease_end) -> None:
+        """The lease was extended: a store credential for the job that outlives the new end (it expires
+        APP_CRED_AFTER_LEASE after the end known when it was made: a run extended twice got 401 on its commits;
+        issue 52), written over the head node's credentials file in one rename (rank 0 and the file syncer read it
+        again before their next commit). The one it replaces stays valid until the job ends, then both go."""
+        if self.creds_file is None or self._withdraw_creds is None or self.ctx is None:
+            return  # no credential of the job's own (Swift v1 or the user's S3 keys: they do not expire)
+        spec = self.spec
+        creds, withdraw = job_store_creds(spec, spec.checkpoint.url, name=f"appliance-{spec.name}-{self.ctx.job_id}",
+                                          lease_end=lease_end, say=self.say)
+        if withdraw is None:
+            return
+        body = json.dumps({k: v for k, v in creds.__dict__.items() if v not in (None, {})}).encode()
+        tmp = f"{self.creds_file}.new"
+        self.head.run(f"umask 077 && cat > {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} "
+                      f"{shlex.quote(self.creds_file)}", stdin=body, check=True)
+        old = self._withdraw_creds
+
+        def both() -> None:
+            try:
+                withdraw()
+            finally:
+                old()
+        self._withdraw_creds = both
+        self.say(f"[appliance] the job's store credential renewed to outlive the lease's new end "
+                 f"({lease_end:%Y-%m-%d %H:%M} UTC)")
 
     def _withdraw(self) -> None:
         """Delete the job's application credential (the job is over: nothing on the nodes needs it)."""

@@ -67,8 +67,10 @@ class CloudClock:
 
 class LeaseWatch:
     def __init__(self, spec: Spec, cluster: Cluster, request_stop: Callable[[dict], None],
-                 say: Callable[[str], None], *, site: Site, poll: float | None = None):
+                 say: Callable[[str], None], *, site: Site, poll: float | None = None,
+                 on_extended: Callable[[dt.datetime], None] | None = None):
         self.spec, self.cluster, self.request_stop, self.say = spec, cluster, request_stop, say
+        self.on_extended = on_extended  # the lease's new end: what the job's credentials must now outlive
         self.site = site
         self.scale = site.time_scale()
         self.poll = poll if poll is not None else site.lease_poll
@@ -160,6 +162,11 @@ class LeaseWatch:
         if self.cluster.name:
             self.cluster.save()
         self.say(f"[watchdog] extended lease {self.cluster.lease_id} to {info.end:%Y-%m-%d %H:%M} UTC")
+        if self.on_extended is not None:
+            try:
+                self.on_extended(info.end)
+            except Exception as e:  # noqa: BLE001 - the job runs on with the credential it has
+                self.say(f"[watchdog] warning: the job's store credential was not renewed for the new end ({e})")
         return True
 
 

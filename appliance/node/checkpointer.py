@@ -44,8 +44,8 @@ import numpy as np
 from .. import report
 from ..protocol import VENDORDATA_MARGIN, Env, Line, emit
 from ..store.checkpoints import CheckpointStore, StoreUnavailable, ckpt_key, ckpt_name
-from ..store.objects import StoreCreds
 from ..store.runlock import fence
+from .creds import CredsFile
 from .filesync import note
 from .vendordata import vendordata_lease_end
 
@@ -162,6 +162,7 @@ class Checkpointer:
         if self.rank == 0:
             self._clean_tmp()  # partial directories of a run killed while saving
         self._store: CheckpointStore | None = None
+        self._creds_file = CredsFile()
         self._pending: Path | None = None
         self._cv = threading.Condition()
         self._uploader: threading.Thread | None = None
@@ -498,11 +499,12 @@ class Checkpointer:
             self._uploader = threading.Thread(target=self._upload_loop, name="appliance-upload", daemon=True)
             self._uploader.start()
 
-    def _creds(self) -> StoreCreds | None:
-        path = os.environ.get(Env.CKPT_CREDS)
-        if not path or not os.path.exists(path):
-            return None
-        return StoreCreds(**json.loads(Path(path).read_text()))
+    def _open_store(self) -> CheckpointStore:
+        """The store, made again when the job's credentials file was replaced (renewed at a lease extension)."""
+        if self._store is None or self._creds_file.changed():
+            self._store = fence(CheckpointStore(self.url, self.run, self._creds_file.load()),
+                                os.environ.get(Env.JOB_ID))
+        return self._store
 
     def _warm_store(self) -> None:
         """The uploader's first act: authenticate and reach the store (CheckpointStore.connect), so that the first
@@ -510,9 +512,7 @@ class Checkpointer:
         1-s commit against the local RGW; on Chameleon a Keystone token is a round trip to another site's API).
         What fails here is said by the first upload, with its retries."""
         try:
-            if self._store is None:
-                self._store = fence(CheckpointStore(self.url, self.run, self._creds()), os.environ.get(Env.JOB_ID))
-            self._store.connect()
+            self._open_store().connect()
         except Exception:  # noqa: BLE001 - only a head start; the upload owns the errors
             pass
 
@@ -533,8 +533,7 @@ class Checkpointer:
         t0 = time.monotonic()
         meta = json.loads((local / "meta.json").read_text())
         try:
-            if self._store is None:
-                self._store = fence(CheckpointStore(self.url, self.run, self._creds()), os.environ.get(Env.JOB_ID))
+            self._open_store()
             fault = None
             if self._fault == f"kill-during-upload:{meta['step']}":
                 def fault(i):  # test hook: a real SIGKILL of rank 0 with half a checkpoint uploaded

@@ -24,13 +24,15 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import report
 from ..protocol import EXIT_STOPPED, Env, Line, emit
 from ..store.filesync import FileSet
-from ..store.objects import StoreCreds, md5_file
+from ..store.objects import md5_file
 from ..store.runlock import fence
+from .creds import CredsFile
 
 SKIP_DIRS = {"__pycache__", ".git", ".ipynb_checkpoints"}
 RESTORE_FAILED = 3  # rank 0's exit status when the synced files could not be read back (the job then fails)
@@ -103,6 +105,8 @@ class Syncer:
                 return None
             if not files and self.pushed is None:
                 return None
+            if self.reopen is not None:
+                self.fs = self.reopen(self.fs)  # a store made again when the job's credentials were renewed
             if self.seq == 0:  # after the newest manifest of the run, whatever state it is in
                 self.seq = max(self.fs.manifests() or [0])
             self.seq += 1
@@ -125,6 +129,7 @@ class Syncer:
 
     _last_files: dict | None = None
     failed = False  # the last commit failed
+    reopen: Callable[[FileSet], FileSet] | None = None  # the FileSet to use now (node/creds.py)
 
     def _end_asked(self) -> str | None:
         """The stop request's reason when it asks for the job's end once its files are committed: a job that
@@ -191,20 +196,21 @@ def start_in_rank0() -> Syncer | None:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return None  # another process of this job syncs already (a worker process inherited the environment)
-    creds = None
-    cpath = env.get(Env.CKPT_CREDS)
-    if cpath and os.path.exists(cpath):
-        creds = StoreCreds(**json.loads(Path(cpath).read_text()))
+    creds_file = CredsFile()
     exclude = set()
     if env.get(Env.CODE_FILES) and os.path.exists(env[Env.CODE_FILES]):
         exclude = set(json.loads(Path(env[Env.CODE_FILES]).read_text()))
-    fs = FileSet(url, env.get(Env.RUN, "run"), creds)
-    fence(fs.cs, env.get(Env.JOB_ID))  # a job that lost the run's lock commits and prunes no synced files
-    s = Syncer(Path(root), fs,
+    def open_fs() -> FileSet:
+        fs = FileSet(url, env.get(Env.RUN, "run"), creds_file.load())
+        fence(fs.cs, env.get(Env.JOB_ID))  # a job that lost the run's lock commits and prunes no synced files
+        return fs
+
+    s = Syncer(Path(root), open_fs(),
                every_s=float(env.get(Env.FILES_EVERY_SECONDS) or 60), exclude=exclude,
                stop_file=Path(env[Env.STOP_FILE]) if env.get(Env.STOP_FILE) else None,
                keep=int(env.get(Env.CKPT_KEEP) or 2))
     s._lock_fh = fh
+    s.reopen = lambda fs: open_fs() if creds_file.changed() else fs
     if env.get(Env.FILES_RESTORE) == "1":
         try:
             s.restore()
