@@ -149,10 +149,11 @@ def test_stack_from_the_template_adopt_and_train(cloud, tmp_path):
     _openstack("keypair", "create", "--public-key", str(tmp_path / "id_mine.pub"), "hs-user")
     key = site.login_key("hs-user", str(mine))
     end = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2)).strftime("%Y-%m-%d %H:%M")
-    made = json.loads(_openstack(
+    out = _openstack(
         "reservation", "lease", "create", "--reservation",
         'min=2,max=2,resource_type=physical:host,resource_properties=["=", "$node_type", "compute_local"]',
-        "--end-date", end, "-f", "json", "heat-lease"))
+        "--end-date", end, "-f", "json", "heat-lease")
+    made = json.loads(out[out.index("{"):])  # blazarclient prints "Created a new lease:" before its JSON
     lease = c.wait_lease(made["id"])
     hc = heat.heat_client(site)
     try:
@@ -176,7 +177,8 @@ def test_stack_from_the_template_adopt_and_train(cloud, tmp_path):
         out = _openstack("stack", "create", "-t", str(heat.TEMPLATE), "--parameter",
                          f"reservation_id={lease.reservation_id}", "--parameter", "node_count=2", "--parameter",
                          f"key_name={key.name}", "--parameter", "image=appliance-cpu", "--wait", "-f", "json", "hs")
-        assert json.loads(out)["stack_status"] == "CREATE_COMPLETE", out[-1000:]
+        assert "[hs]: CREATE_IN_PROGRESS  Stack CREATE started" in out  # --wait printed the stack's events
+        assert json.loads(out[out.index("\n{") + 1:])["stack_status"] == "CREATE_COMPLETE", out[-1000:]
         st = hc.stacks.get("hs")
         events = json.loads(_openstack("stack", "event", "list", "hs", "-f", "json"))
         assert ("hs", "CREATE_COMPLETE") in [(e["resource_name"], e["resource_status"]) for e in events], events

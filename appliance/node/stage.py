@@ -190,11 +190,8 @@ def _forget_others(dest: Path, prefix: str, paths: dict[str, PurePosixPath], kee
         except ValueError:
             pass
         del manifest[name]
-    if was != prefix:
-        _save_manifest(dest, manifest)  # what is left of the old names, then the new prefix they belong to
-        tmp = dest / f".{PREFIX}.tmp"
-        tmp.write_text(prefix)
-        tmp.replace(dest / PREFIX)
+    if was != prefix and (was is not None or removed or manifest):  # a fresh dest gets its files with the stage
+        _save_manifest(dest, manifest, prefix)  # what is left of the old names, then the prefix they belong to
     return manifest, removed
 
 
@@ -208,11 +205,16 @@ def _unchanged(target: Path, rec: list) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_size == rec[0] and (len(rec) < 3 or st.st_mtime_ns == rec[2])
 
 
-def _save_manifest(dest: Path, m: dict) -> None:
+def _save_manifest(dest: Path, m: dict, prefix: str | None = None) -> None:
+    """The manifest, whole (the journal's lines folded in), and with ``prefix`` the prefix its names belong to."""
     tmp = dest / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(m, separators=(",", ":")))
     tmp.replace(dest / MANIFEST)
     (dest / JOURNAL).unlink(missing_ok=True)
+    if prefix is not None:
+        tmp = dest / f".{PREFIX}.tmp"
+        tmp.write_text(prefix)
+        tmp.replace(dest / PREFIX)
 
 
 def free_bytes(path: Path) -> int:
@@ -566,7 +568,7 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
         hasher.close()
         with mlock:
             heldio.close(journal)
-            _save_manifest(dest, manifest)
+            _save_manifest(dest, manifest, prefix)
         shutil.rmtree(staging, ignore_errors=True)
     res.files_removed = removed
     prog.add(force=True)
