@@ -36,3 +36,32 @@ def test_a_wheel_without_a_recorded_hash_is_not_used(tmp_path, said):
     said.clear()
     assert fetch_cached_wheel(store, "tag/", dest) is None
     assert "no recorded SHA-256" in said[0]
+
+
+def test_the_local_wheelhouse_fetches_a_pin_that_moved(tmp_path, monkeypatch):
+    """The local cloud's nodes install from a wheelhouse here. It counted a package as there by its name, so after a
+    pin moved (python-blazarclient 4.6.0 -> 4.5.0) the old wheel stayed the only one and every `up --install` failed
+    on the node: "No matching distribution found for python-blazarclient==4.5.0" (the fresh run of 2468ffb)."""
+    import subprocess
+
+    from appliance import paths
+    from appliance.sites import local
+
+    monkeypatch.setattr(local.Path, "home", lambda: tmp_path)
+    wh = tmp_path / ".cache" / "appliance" / "wheelhouse"
+    wh.mkdir(parents=True)
+    lock = [ln for ln in paths.LOCK.read_text().splitlines() if ln and not ln.startswith("#")]
+    for ln in lock:
+        name, version = ln.split("==")
+        if name != "python-blazarclient":
+            (wh / f"{name.replace('-', '_')}-{version}-py3-none-any.whl").write_text("")
+    (wh / "python_blazarclient-4.6.0-py3-none-any.whl").write_text("")  # the old pin's wheel
+    for extra in ("pip-26.3-py3-none-any.whl", "setuptools-84.2.1-py3-none-any.whl", "wheel-0.48.0-py3-none-any.whl",
+                  f"horovod-{paths.lock_pin('horovod')}.tar.gz"):
+        (wh / extra).write_text("")
+    asked = []
+    monkeypatch.setattr(local.subprocess, "run", lambda cmd, **kw: (
+        asked.append(cmd), subprocess.CompletedProcess(cmd, 0, "", ""))[1])
+    local.local_wheelhouse()
+    wanted = [a for cmd in asked for a in cmd if "==" in a and not a.startswith("horovod")]
+    assert wanted == [f"python-blazarclient=={paths.lock_pin('python-blazarclient')}"], wanted

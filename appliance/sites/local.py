@@ -150,9 +150,11 @@ def local_wheelhouse() -> Path:
     def norm(name: str) -> str:  # PEP 503
         return re.sub(r"[-_.]+", "-", name).lower()
 
-    have = {norm(p.name.split("-")[0]) for p in wh.iterdir()}
-    missing = [r for r in reqs + ["pip", "setuptools", "wheel"] if norm(r.split("==")[0]) not in have]
-    if missing or "horovod" not in have:
+    have = {_wheelhouse_entry(p.name, norm) for p in wh.iterdir()}  # (name, version): a pin that moved is missing
+    names = {n for n, _ in have}
+    missing = [r for r in reqs if (norm(r.split("==")[0]), r.split("==")[1]) not in have] + \
+        [r for r in ("pip", "setuptools", "wheel") if r not in names]
+    if missing or ("horovod", paths.lock_pin("horovod")) not in have:
         log.info(f"filling the local wheelhouse {wh} ({len(missing)} package(s), from PyPI or pip's cache)")
         pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "--no-deps", "-d", str(wh)]
         cmds = ([pip + missing] if missing else []) + [pip + ["--no-binary", ":all:", "horovod==" + paths.lock_pin("horovod")]]
@@ -162,6 +164,15 @@ def local_wheelhouse() -> Path:
                 raise ApplianceError(f"pip download failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}",
                                      "check this machine reaches PyPI")
     return wh
+
+
+def _wheelhouse_entry(filename: str, norm) -> tuple[str, str]:
+    """(normalised name, version) of a wheel (``name-version-...whl``) or an sdist (``name-version.tar.gz``)."""
+    if filename.endswith(".whl"):
+        name, version = filename.split("-")[:2]
+    else:
+        name, _, version = re.sub(r"\.(tar\.gz|zip)$", "", filename).rpartition("-")
+    return norm(name), version
 
 
 # `appliance cloud` and `appliance testbed`: the simulator itself, reached through the local site
