@@ -129,8 +129,7 @@ class JobCheckpoints(JobHooks):
         self._clear_stop()  # only now: a refused job leaves a running job's STOP request alone
         if creds is not None:
             self.creds_file = f"{self.run_dir}/.store-creds.json"
-            body = json.dumps({k: v for k, v in creds.__dict__.items() if v not in (None, {})}).encode()
-            self.head.run(f"umask 077 && cat > {shlex.quote(self.creds_file)}", stdin=body, check=True)
+            self._write_creds(creds)
             env[Env.CKPT_CREDS] = self.creds_file
         if cs is not None and spec.path and Path(spec.path).exists():
             text = Path(spec.path).read_text()
@@ -363,6 +362,14 @@ class JobCheckpoints(JobHooks):
                 self.say(f"[appliance] warning: could not remove {self.creds_file} on the head node")
         self._withdraw()
 
+    def _write_creds(self, creds) -> None:
+        """The head node's credentials file (0600 from its first byte; never in argv or the job's environment),
+        written beside it and renamed over it, so a reader sees the old file or the new one whole."""
+        body = json.dumps({k: v for k, v in creds.__dict__.items() if v not in (None, {})}).encode()
+        tmp = f"{self.creds_file}.new"
+        self.head.run(f"umask 077 && cat > {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} "
+                      f"{shlex.quote(self.creds_file)}", stdin=body, check=True)
+
     def renew_creds(self, lease_end) -> None:
         """The lease was extended: a store credential for the job that outlives the new end (it expires
         APP_CRED_AFTER_LEASE after the end known when it was made: a run extended twice got 401 on its commits;
@@ -375,10 +382,7 @@ class JobCheckpoints(JobHooks):
                                           lease_end=lease_end, say=self.say)
         if withdraw is None:
             return
-        body = json.dumps({k: v for k, v in creds.__dict__.items() if v not in (None, {})}).encode()
-        tmp = f"{self.creds_file}.new"
-        self.head.run(f"umask 077 && cat > {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} "
-                      f"{shlex.quote(self.creds_file)}", stdin=body, check=True)
+        self._write_creds(creds)
         old = self._withdraw_creds
 
         def both() -> None:

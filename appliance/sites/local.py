@@ -6,7 +6,6 @@ the import-layers contract (.importlinter) keeps it so.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -131,10 +130,8 @@ def _local_key() -> tuple[str, str]:
         from cryptography.hazmat.primitives.asymmetric import ed25519
 
         key = ed25519.Ed25519PrivateKey.generate()
-        fd = os.open(priv, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                       serialization.NoEncryption()))
+        paths.write_private(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                                    serialization.NoEncryption()))
         pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
         (d / "id_ed25519.pub").write_text(pub.decode() + " appliance-local\n")
     return str(priv), (d / "id_ed25519.pub").read_text().strip()

@@ -47,8 +47,12 @@ class RunLock:
         self.held = False
         self.generation = 0  # ours, while held
 
+    @staticmethod
+    def _rel(gen: int) -> str:
+        return f"{LOCK}{gen:09d}.json"
+
     def _name(self, gen: int) -> str:
-        return f"{self.cs.prefix}{LOCK}{gen:09d}.json"
+        return self.cs.prefix + self._rel(gen)
 
     def generations(self) -> list[int]:
         """Every generation in the store, newest first (a store with no container yet: none)."""
@@ -70,7 +74,7 @@ class RunLock:
             if not gens:
                 return None
             try:
-                return gens[0], retrying(lambda: self.cs.read_json(f"{LOCK}{gens[0]:09d}.json"),
+                return gens[0], retrying(lambda: self.cs.read_json(self._rel(gens[0])),
                                          what="read the run's lock", until=time.time() + READ_WAIT)
             except FileNotFoundError:
                 continue
@@ -90,7 +94,7 @@ class RunLock:
         return json.dumps(body, sort_keys=True).encode()
 
     def _rewrite(self, tmp_dir, released: bool = False) -> None:
-        self.cs.put_text(f"{LOCK}{self.generation:09d}.json", self._body(released).decode(), tmp_dir)
+        self.cs.put_text(self._rel(self.generation), self._body(released).decode(), tmp_dir)
 
     def acquire(self, tmp_dir, ended: Callable[[str], bool] = lambda job_id: False,
                 lease_over: Callable[[str], bool] = lambda lease_id: False) -> tuple[dict | None, dict | None]:
