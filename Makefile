@@ -52,8 +52,7 @@ system-deps:
 
 # The stack is installed by images/install-stack.sh, the same steps the image build and the boot-time installer
 # (`appliance up --install`) run on GPU nodes; here its CPU variant, so CI exercises them on every run.
-$(VENV)/.installed: requirements.lock pyproject.toml setup.py appliance/store/_md5lanes.c appliance/store/_tlsread.c \
-  appliance/store/_heldio.c images/install-stack.sh
+$(VENV)/.installed: requirements.lock pyproject.toml images/install-stack.sh
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (fix: install Python 3.11, e.g. apt-get install python3.11-venv)"; exit 1; }
 	bash images/install-stack.sh --variant cpu --python $(PYTHON) --venv $(VENV) --lock requirements.lock \
 	  --wheels $(WHEEL_CACHE) --appliance . --editable

@@ -354,6 +354,9 @@ def main() -> None:
     ap.add_argument("--baseline", default="", help="other checkouts of this repository, comma-separated (e.g. a git "
                     "worktree of the commit before a change): every dataset runs their stagers too and the upload "
                     "rows their checkpoint commit, as '... at REV'")
+    ap.add_argument("--cores", default="", help="comma-separated core counts: each tool (of --only) runs pinned "
+                    "to that many cores too (taskset -c 0-K-1), as 'TOOL [K cores]'")
+    ap.add_argument("--tmpfs", action="store_true", help="the destination on /dev/shm: the disk is not the limit")
     ap.add_argument("--store", choices=("swift", "rgw"), default="swift",
                     help="the server: OpenStack Swift 2.38 (proxy + s3api) or Ceph RGW (what Chameleon runs)")
     ap.add_argument("--tls", action="store_true",
@@ -412,6 +415,16 @@ def run_datasets(sw, args, info: dict, disk_root: Path, tv: Path, disk: float) -
     print(f"disk write (dd, fdatasync): {disk} MB/s", flush=True)
     ts = tools(sw, tv, args.concurrency, args.baseline)
     only = set(filter(None, args.only.split(",")))
+    if args.cores:  # each tool (of --only) on 1..k cores as well: how its rate grows with the node's cores
+        for k in map(int, args.cores.split(",")):
+            for name in [t for t in list(ts) if (t in only or not only) and "core" not in t]:
+                ts[f"{name} [{k} core{'s' if k > 1 else ''}]"] = (
+                    lambda cont, dest, f=ts[name], k=k: (lambda a, e, i: (["taskset", "-c", f"0-{k - 1}", *a], e, i))(
+                        *f(cont, dest)))
+                if only:
+                    only.add(f"{name} [{k} core{'s' if k > 1 else ''}]")
+        if only:
+            only = {t for t in only if "core" in t}
     datasets = [("small", "bsmall", info["small"], info["small"] * info["small_size"]),
                 ("large", "blarge", info["large"], info["large"] * info["large_size"]),
                 ("large-ours", "bours", info["large"], info["large"] * info["large_size"]),
@@ -423,7 +436,7 @@ def run_datasets(sw, args, info: dict, disk_root: Path, tv: Path, disk: float) -
         runs: dict[str, list] = {t: [] for t in names}
         for rep in range(args.repeat):  # each round in a rotated order: no tool always runs first
             for name in names[rep % len(names):] + names[:rep % len(names)]:
-                dest = disk_root / "dest"
+                dest = (Path("/dev/shm") if args.tmpfs else disk_root) / "appliance-bench-dest"
                 shutil.rmtree(dest, ignore_errors=True)
                 dest.mkdir()
                 os.sync()  # the last run's dirty pages are written before this one starts
@@ -454,6 +467,7 @@ def run_datasets(sw, args, info: dict, disk_root: Path, tv: Path, disk: float) -
                 row["error"] = next(r[4] for r in rs if r[2] != 0 or r[3] != n)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    shutil.rmtree(Path("/dev/shm") / "appliance-bench-dest", ignore_errors=True)
     if "upload" in wanted:  # a large checkpoint file up to the store: our commit vs the peers' uploads
         src = work / "upload-src"
         src.mkdir(exist_ok=True)

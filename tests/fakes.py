@@ -269,7 +269,7 @@ class DictStore(Store):
         self.heads.append(name)
         return crc_from(self.meta.get(name, {}), etag)
 
-    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None, direct=None, hold=None):
+    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None):
         if on_headers is not None:  # as httpget: the headers before the body
             on_headers(dict(self.meta.get(name, {})))
         return super().fetch(name, fd, offset, sink, start=start, end=end)

@@ -1,4 +1,5 @@
-"""The stager's data path (appliance/store/httpget.py, sigv4.py): bytes straight into the file, failures said.
+"""The stager's data path (appliance/store/httpget.py on urllib3, sigv4.py on botocore's signer): bytes into the
+file at their place, failures said in the terms the stager retries on.
 
 Fast tier: a real HTTP server on 127.0.0.1 (http.server) and botocore as the judge of the S3 signature. The e2e
 staging tests (tests/test_stage.py) run the same code against OpenStack Swift and Ceph RGW.
@@ -19,9 +20,9 @@ from urllib.parse import urlsplit
 import pytest
 
 from appliance.localcloud.rgw_server import self_signed
-from appliance.store import httpget, sigv4
-from appliance.store.httpget import Headers, HTTPError, get_into, request
-from conftest import delayed_acks, http_server, resident_pages
+from appliance.store import httpget
+from appliance.store.httpget import HTTPError, get_into, request
+from conftest import delayed_acks, http_server
 from appliance.store.objects import _transient
 from appliance.store.sigv4 import Presigner
 
@@ -198,59 +199,8 @@ def test_the_presigned_url_is_botocores_byte_for_byte(monkeypatch, key, endpoint
     c = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="AK", aws_secret_access_key="SK/x+y",
                      region_name="us-east-1", config=Config(s3={"addressing_style": "path"}, signature_version="s3v4"))
     want = c.generate_presigned_url("get_object", Params={"Bucket": "bucket", "Key": key}, ExpiresIn=3600)
-    got = Presigner(endpoint, "AK", "SK/x+y", "us-east-1").url("bucket", key, now=now.replace(tzinfo=dt.timezone.utc))
-    parse = lambda u: (u.split("?")[0], sorted(u.split("?")[1].split("&")))  # noqa: E731 (same query, any order)
-    assert parse(got) == parse(want)
-    # at the clock's time: the date strings and the query are made once a second and kept for the next URLs, which
-    # a listing's URL between them (with parameters) does not change
-    monkeypatch.setattr(sigv4, "_clock", lambda: now.replace(tzinfo=dt.timezone.utc).timestamp() + 0.25)
-    p = Presigner(endpoint, "AK", "SK/x+y", "us-east-1")
-    assert parse(p.url("bucket", key)) == parse(want)
-    p.url("bucket", params={"list-type": "2", "prefix": "x"})
-    assert parse(p.url("bucket", key)) == parse(want)
-    monkeypatch.setattr(sigv4, "_clock", lambda: now.replace(tzinfo=dt.timezone.utc).timestamp() + 1)
-    assert "X-Amz-Date=20261123T123457Z" in p.url("bucket", key)
-
-
-def test_a_url_is_signed_without_the_one_shot_hmac_that_hands_the_gil_over(monkeypatch):
-    """hmac.digest (CPython's _hashlib.hmac_digest) gives the GIL back around every call, however short the message:
-    a wait for the GIL per URL among the stager's 32 threads (bench/results/stage-switches/gil-waits.txt). The
-    signature is the same made with an HMAC object."""
-    import hmac
-
-    now = dt.datetime(2026, 11, 23, 12, 34, 56, tzinfo=dt.timezone.utc)
-    want = Presigner("http://127.0.0.1:8080", "AK", "SK/x+y", "us-east-1").url("bucket", "k", now=now)
-
-    def one_shot(*a, **k):
-        raise AssertionError("hmac.digest gives the GIL back")
-
-    monkeypatch.setattr(hmac, "digest", one_shot)
-    assert Presigner("http://127.0.0.1:8080", "AK", "SK/x+y", "us-east-1").url("bucket", "k", now=now) == want
-
-
-def test_urls_signed_by_many_threads_across_midnight_are_each_whole(monkeypatch):
-    """The stager's threads share one presigner, whose date strings change once a second: every URL signed while
-    the clock crosses midnight (the date changes too) is the URL of its own X-Amz-Date, never a mix of two."""
-    import itertools
-
-    utc = dt.timezone.utc
-    ticks, base = itertools.count(), dt.datetime(2026, 11, 23, 23, 59, 58, tzinfo=utc).timestamp()
-    monkeypatch.setattr(sigv4, "_clock", lambda: base + next(ticks) * 0.005)  # 4 s over 800 URLs
-    p = Presigner("http://127.0.0.1:8080", "AK", "SK/x+y", "us-east-1")
-    urls: list[str] = []
-    threads = [threading.Thread(target=lambda: urls.extend(p.url("bucket", f"k{i}") for i in range(100)))
-               for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    dates = set()
-    for u in urls:
-        q = dict(x.split("=", 1) for x in u.split("?")[1].split("&"))
-        when = dt.datetime.strptime(q["X-Amz-Date"], "%Y%m%dT%H%M%SZ").replace(tzinfo=utc)
-        assert u == p.url("bucket", u.split("?")[0].rsplit("/", 1)[1], now=when)
-        dates.add(when.date())
-    assert len(urls) == 800 and len(dates) == 2
+    got = Presigner(endpoint, "AK", "SK/x+y", "us-east-1").url("bucket", key)
+    assert got == want
 
 
 @pytest.mark.parametrize("endpoint", ["http://127.0.0.1:8080", "https://chi.tacc.chameleoncloud.org:7480/base"])
@@ -266,16 +216,15 @@ def test_the_listing_and_part_head_urls_are_botocores_byte_for_byte(monkeypatch,
     c = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="AK", aws_secret_access_key="SK/x+y",
                      region_name="us-east-1", config=Config(s3={"addressing_style": "path"}, signature_version="s3v4"))
     p = Presigner(endpoint, "AK", "SK/x+y", "us-east-1")
-    utc = now.replace(tzinfo=dt.timezone.utc)
     parse = lambda u: (u.split("?")[0], sorted(u.split("?")[1].split("&")))  # noqa: E731 (same query, any order)
     want = c.generate_presigned_url("list_objects_v2", Params={"Bucket": "bucket", "Prefix": "dir/ü +&=",
                                                                "ContinuationToken": "1/abc+=="}, ExpiresIn=3600)
     got = p.url("bucket", params={"list-type": "2", "prefix": "dir/ü +&=", "continuation-token": "1/abc+==",
-                                  "encoding-type": "url"}, now=utc)
+                                  "encoding-type": "url"})
     assert parse(got) == parse(want)
     want = c.generate_presigned_url("head_object", Params={"Bucket": "bucket", "Key": "a b/c", "PartNumber": 3},
                                     ExpiresIn=3600)
-    assert parse(p.url("bucket", "a b/c", method="HEAD", params={"partNumber": "3"}, now=utc)) == parse(want)
+    assert parse(p.url("bucket", "a b/c", method="HEAD", params={"partNumber": "3"})) == parse(want)
 
 
 class Proxy(BaseHTTPRequestHandler):
@@ -340,7 +289,7 @@ def test_gets_go_through_the_proxy_the_environment_names_as_requests_does(server
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HTTP_PROXY", purl)
     monkeypatch.setenv("HTTPS_PROXY", purl)
-    httpget._local.__dict__.clear()  # this thread's connections and TLS context, made under other settings
+    httpget.reset()  # this thread's connections and TLS context, made under other settings
     p = tmp_path / "f"
     fd = os.open(p, os.O_RDWR | os.O_CREAT)
     try:
@@ -350,7 +299,7 @@ def test_gets_go_through_the_proxy_the_environment_names_as_requests_does(server
         assert Handler.requests[-1][1]["X-Auth-Token"] == "t"
         # NO_PROXY: straight to the store
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-        httpget._local.__dict__.clear()
+        httpget.reset()
         get_into(f"{server}/c/o", {}, fd, 0)
         assert len(Proxy.seen) == 1
         monkeypatch.delenv("NO_PROXY")
@@ -360,7 +309,7 @@ def test_gets_go_through_the_proxy_the_environment_names_as_requests_does(server
         sctx.load_cert_chain(cert, key)
         tls = _serve(Handler, lambda s: sctx.wrap_socket(s, server_side=True))
         monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
-        httpget._local.__dict__.clear()
+        httpget.reset()
         target = f"127.0.0.1:{tls.server_address[1]}"
         assert get_into(f"https://{target}/c/o", {"X-Auth-Token": "secret"}, fd, 0)[0] == len(BODY)
         assert Proxy.seen[1:] == [("CONNECT", target, "Basic dXNlcjpwQHNz")]
@@ -368,41 +317,8 @@ def test_gets_go_through_the_proxy_the_environment_names_as_requests_does(server
         tls.shutdown()
     finally:
         os.close(fd)
-        httpget._local.__dict__.clear()
+        httpget.reset()
         proxy.shutdown()
-
-
-def test_the_receive_buffer_stays_in_the_cores_l2_cache(tmp_path):
-    """A 1 MiB buffer on a core with 512 KiB of L2 cost the stager 4.21 s of system time for 2 GiB, 512 KiB 2.15 s
-    (appliance/store/httpget.py buffer_size): the buffer is the L2 sysfs names, from 256 KiB to 1 MiB."""
-    from appliance.store.httpget import _l2_bytes, buffer_size
-
-    for i, (level, size) in enumerate([("1", "32K"), ("1", "32K"), ("2", "512K"), ("3", "32768K")]):
-        d = tmp_path / f"index{i}"
-        d.mkdir()
-        (d / "level").write_text(level + "\n")
-        (d / "size").write_text(size + "\n")
-    assert _l2_bytes(str(tmp_path)) == 512 << 10
-    assert _l2_bytes(str(tmp_path / "none")) is None
-    assert buffer_size(512 << 10) == 512 << 10 and buffer_size(2 << 20) == 1 << 20
-    assert buffer_size(128 << 10) == 256 << 10 and buffer_size(None) == 512 << 10
-
-
-RAW_HEADERS = (b"Content-Length: 12\r\nETag: \"abc\"\r\nX-Object-Meta-Note: first\r\n  folded on\r\nx-dup: 1\r\n"
-               b"X-Dup: 2\r\nX-Empty:\r\nConnection: keep-alive\r\n\r\n")
-
-
-def test_headers_are_read_as_http_clients_email_parser_reads_them():
-    """Headers (httpget's answers, parsed without the email package: a third of a small GET's CPU) gives what
-    http.client's HTTPMessage gives for the same bytes."""
-    import io
-
-    want = http.client.parse_headers(io.BytesIO(RAW_HEADERS))
-    got = Headers(http.client._read_headers(io.BytesIO(RAW_HEADERS)))
-    assert [(k, " ".join(v.split())) for k, v in want.items()] == got.items()  # folding: the same words
-    for name in ("content-length", "ETAG", "x-dup", "X-Empty", "missing"):
-        assert got.get(name) == want.get(name) and got.get_all(name) == want.get_all(name)
-    assert got.get("x-object-meta-note") == "first folded on" and "etag" in got and got.get("nope", 5) == 5
 
 
 def test_chunked_continued_and_closing_answers_come_whole(tmp_path):
@@ -457,114 +373,31 @@ def tls_server(tmp_path, monkeypatch, request):
         sctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
     Handler.mode, Handler.requests = "ok", []
-    httpget._local.__dict__.clear()
+    httpget.reset()
     srv = _serve(Handler, lambda s: sctx.wrap_socket(s, server_side=True))
     try:
         yield f"https://127.0.0.1:{srv.server_address[1]}"
     finally:
         srv.shutdown()
-        httpget._local.__dict__.clear()
+        httpget.reset()
 
 
-def _counting(monkeypatch) -> list[int]:
-    """Each call of _tlsread.recv_into (the bytes it returned), through a wrapper."""
-    calls: list[int] = []
-    real = httpget._tlsread
-
-    class Counted:
-        recv_some, send_all, set_ciphersuites, read_ahead = (real.recv_some, real.send_all, real.set_ciphersuites,
-                                                             real.read_ahead)
-
-        @staticmethod
-        def recv_into(*a):
-            calls.append(real.recv_into(*a))
-            return calls[-1]
-
-    monkeypatch.setattr(httpget, "_tlsread", Counted)
-    return calls
-
-
-@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
-def test_an_https_body_is_read_a_buffer_at_a_time_and_lands_whole(tls_server, tmp_path, monkeypatch):
-    """Over https the body comes 16 KiB TLS record by record; _tlsread reads a buffer's worth of them per call with
-    the GIL released once (the ssl module took and gave back the GIL per record). The bytes, the sink and the
-    kept-alive connection are as over http."""
-    calls = _counting(monkeypatch)
-    _body_and_a_range(tls_server, tmp_path)
-    fd = os.open(tmp_path / "g", os.O_WRONLY | os.O_CREAT)
-    try:  # a second whole body on the same connection, after the first was read past http.client
-        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)
-    finally:
-        os.close(fd)
-    assert (tmp_path / "g").read_bytes() == BODY
-    assert len(Handler.requests) == 3 and len({id(c) for c in httpget._local.conns.values()}) == 1
-    # 2 bodies of 3 MiB: a call per buffer (512 KiB, 32 records), not per record (~400 for the two)
-    assert 2 <= len(calls) <= 2 * (len(BODY) // httpget.BUF + 2) and sum(calls) > len(BODY)
-
-
-def _thread_reads() -> int:
-    """The read system calls this thread has made (/proc/thread-self/io, syscr): read() on a socket among them."""
-    with open("/proc/thread-self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("syscr:"))
-
-
-@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
-def test_an_https_body_is_read_from_the_socket_several_records_a_read(tls_server, tmp_path):
-    """OpenSSL without read-ahead makes two read()s of the socket per TLS record, its 5-byte header and then its body:
-    262,000 system calls for 2 GiB. With read-ahead (httpget.READ_AHEAD) one read() takes what the socket holds, up
-    to two records' worth. The bytes are the same, and the kept-alive connection still serves the next answer."""
-    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
-    try:
-        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)  # the connection and its handshake
-        before = _thread_reads()
-        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)
-        reads = _thread_reads() - before
-        Handler.mode = "small"
-        assert request("GET", f"{tls_server}/c/o", {})[2] == BODY[:1000]
-    finally:
-        os.close(fd)
-    assert (tmp_path / "f").read_bytes() == BODY
-    assert len({id(c) for c in httpget._local.conns.values()}) == 1
-    records = len(BODY) // (16 << 10) + 1  # the server writes them in one go: they wait in the socket for the reader
-    assert reads < 1.5 * records, f"{reads} read()s for {records} TLS records"  # 2 a record and more before; ~0.7
-
-
-@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
-@pytest.mark.parametrize("tls_server", ["client's order"], indirect=True)
-def test_tls_1_3_offers_aes_128_gcm_first_and_a_server_on_the_clients_order_takes_it(tls_server, tmp_path):
-    """OpenSSL's client offers AES-256-GCM first; Go's (s5cmd, rclone) AES-128-GCM, which a server that honours the
-    client's order (OpenSSL's default) then uses, and which costs less on both ends (httpget.TLS13_SUITES)."""
-    import ssl
-
+def test_an_https_body_lands_whole_and_in_pieces_of_a_chunk(tls_server, tmp_path):
+    """Over https, as Chameleon serves its store: the bytes land whole, on a kept-alive connection and on a new one,
+    and the sink (hashing, progress) and the pwrite see pieces of CHUNK bytes (each lets go of the GIL), the last
+    one short."""
+    pieces: list[int] = []
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     try:
+        assert get_into(f"{tls_server}/c/o", {}, fd, 0, lambda v: pieces.append(len(v)))[0] == len(BODY)
+        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)
+        httpget.reset()
         assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == BODY
-    (conn,) = set(httpget._local.conns.values())
-    assert conn.sock.cipher()[:2] == ("TLS_AES_128_GCM_SHA256", "TLSv1.3")
-    offered = [c["name"] for c in httpget._ssl_context().get_ciphers() if c["protocol"] == "TLSv1.3"]
-    assert offered == httpget.TLS13_SUITES.split(":")
-    with pytest.raises(TypeError):  # only an ssl.SSLContext's SSL_CTX is touched
-        httpget._tlsread.set_ciphersuites(object(), httpget.TLS13_SUITES)
-    with pytest.raises(ValueError):
-        httpget._tlsread.set_ciphersuites(ssl.create_default_context(), "TLS_NO_SUCH_SUITE")
-
-
-def test_an_https_body_without_the_extension_comes_through_the_ssl_module(tls_server, tmp_path, monkeypatch):
-    Handler.mode = "small"
-    assert request("GET", f"{tls_server}/c/o", {})[2] == BODY[:1000]  # a connection made with the extension there
-    Handler.mode = "ok"
-    monkeypatch.setattr(httpget, "_tlsread", None)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    try:
-        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)  # on it, and then on a new one
-        httpget._local.__dict__.clear()
-        assert get_into(f"{tls_server}/c/o", {}, fd, 0)[0] == len(BODY)
-    finally:
-        os.close(fd)
-    assert (tmp_path / "f").read_bytes() == BODY
+    full, rest = divmod(len(BODY), httpget.CHUNK)
+    assert pieces == [httpget.CHUNK] * full + [rest]
 
 
 def test_an_https_body_cut_short_is_an_error_that_is_retried(tls_server, tmp_path):
@@ -587,7 +420,7 @@ def _times_out(tmp_path, monkeypatch, answer: bytes) -> BaseException:
     sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     sctx.load_cert_chain(cert, key)
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
-    httpget._local.__dict__.clear()
+    httpget.reset()
     held = threading.Event()
     lsock = socket.create_server(("127.0.0.1", 0))
 
@@ -606,205 +439,26 @@ def _times_out(tmp_path, monkeypatch, answer: bytes) -> BaseException:
     try:
         with pytest.raises(TimeoutError) as e:
             get_into(f"https://127.0.0.1:{lsock.getsockname()[1]}/c/o", {}, fd, 0, timeout=0.5)
-        assert not httpget._local.conns  # the connection was dropped, not kept for the next request
         return e.value
     finally:
         held.set()
         os.close(fd)
         th.join(10)
         lsock.close()
-        httpget._local.__dict__.clear()
+        httpget.reset()
 
 
-@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
 def test_an_https_body_that_stops_coming_times_out(tmp_path, monkeypatch):
     """The store stops sending mid-body (it holds the rest until the test ends): the read gives up after the
-    connection's timeout, as the ssl module's would, rather than waiting for ever."""
-    calls = _counting(monkeypatch)
-    # all but the last 12,345 bytes: at least one read fills its buffer whatever its size (httpget.BUF, a core's L2:
-    # 256 KiB to 1 MiB; a 1 MiB prefix left none full on a machine with 1 MiB of L2), the last waits and times out
+    connection's timeout rather than waiting for ever, an error the stager retries."""
     sent = BODY[:3 << 20]
     e = _times_out(tmp_path, monkeypatch, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY) + sent)
-    assert _transient(e) and calls  # it was _tlsread's read that timed out
+    assert _transient(e)
 
 
-@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
-def test_an_https_request_and_the_wait_for_its_answer_each_cross_into_c_once(tls_server, tmp_path, monkeypatch):
-    """The ssl module releases the GIL for every wait on the socket and every record: a request was a poll and a
-    write, the wait for an answer's headers a read that found nothing, a poll and a read. Each is one call of
-    _tlsread now (send_all, recv_some), the ssl module's read and send not at all; the bytes are as before."""
-    import ssl
-
-    real = httpget._tlsread
-    calls = {"send_all": 0, "recv_some": 0, "ssl read": 0, "ssl send": 0}
-
-    def counted(name, f):
-        def call(*a, **k):
-            if not (isinstance(a[0], ssl.SSLSocket) and a[0].server_side):  # the test's server is this process
-                calls[name] += 1
-            return f(*a, **k)
-        return call
-
-    class Counted:
-        recv_into, set_ciphersuites, read_ahead = real.recv_into, real.set_ciphersuites, real.read_ahead
-        send_all = staticmethod(counted("send_all", real.send_all))
-        recv_some = staticmethod(counted("recv_some", real.recv_some))
-
-    monkeypatch.setattr(httpget, "_tlsread", Counted)
-    monkeypatch.setattr(ssl.SSLSocket, "read", counted("ssl read", ssl.SSLSocket.read))
-    monkeypatch.setattr(ssl.SSLSocket, "send", counted("ssl send", ssl.SSLSocket.send))
-    Handler.mode = "small"
-    for i in range(3):  # on one kept-alive connection
-        assert request("GET", f"{tls_server}/c/o", {})[2] == BODY[:1000]
-    assert calls["send_all"] == 3 and 3 <= calls["recv_some"] <= 6  # the headers and the body may come apart
-    assert calls["ssl read"] == calls["ssl send"] == 0
-    assert len({id(c) for c in httpget._local.conns.values()}) == 1
-
-
-@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
-def test_a_body_is_written_and_hashed_a_full_buffer_at_a_time(tls_server, tmp_path):
-    """The sink (hashing, progress) and the pwrite see whole buffers, the last one short: a small object is one
-    write and one hash (each a release of the GIL). The first piece used to be what http.client's reader held."""
-    pieces: list[int] = []
-    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
-    try:
-        assert get_into(f"{tls_server}/c/o", {}, fd, 0, lambda v: pieces.append(len(v)))[0] == len(BODY)
-        Handler.mode = "small"
-        assert get_into(f"{tls_server}/c/o", {}, fd, 0, lambda v: pieces.append(len(v)))[0] == 1000
-    finally:
-        os.close(fd)
-    full, rest = divmod(len(BODY), httpget.BUF)
-    assert pieces == [httpget.BUF] * full + [rest] + [1000]
-
-
-@pytest.mark.skipif(httpget._tlsread is None, reason="appliance/store/_tlsread.c is not built here")
 def test_an_https_store_that_never_answers_times_out(tmp_path, monkeypatch):
     """The request is taken and no answer comes: the wait for the headers (recv_some) gives up after the
     connection's timeout, an error the stager retries, as the ssl module's wait did."""
     assert _transient(_times_out(tmp_path, monkeypatch, b""))
 
 
-def test_direct_writes_leave_the_page_cache_and_give_the_same_bytes(tmp_path):
-    """write_at: the whole 4 KiB blocks of a write from an aligned place go past the page cache (O_DIRECT), the
-    rest (an unaligned place, a short tail) through it; the file holds every byte where it belongs either way."""
-    p = tmp_path / "f"
-    size = 8 * (1 << 20) + 5000
-    fd = os.open(p, os.O_RDWR | os.O_CREAT)
-    os.ftruncate(fd, size)
-    direct = httpget.open_direct(p)
-    if direct is None:
-        pytest.skip(f"{tmp_path}'s file system does not take O_DIRECT")
-    data = os.urandom(size)
-    buf = httpget._POOL.take()
-    try:
-        pos = 0
-        for n in (len(buf), len(buf), 3000, len(buf), size):  # aligned, aligned, a short one, then unaligned ones
-            n = min(n, size - pos, len(buf))
-            buf[:n] = data[pos:pos + n]
-            httpget.write_at(fd, direct, buf[:n], pos)
-            pos += n
-        while pos < size:
-            n = min(len(buf), size - pos)
-            buf[:n] = data[pos:pos + n]
-            httpget.write_at(fd, direct, buf[:n], pos)
-            pos += n
-    finally:
-        os.close(direct)
-        os.close(fd)
-    # the first two buffers went direct: none of their 256 pages is cached (the page cache copies every other)
-    assert resident_pages(p) <= (size - 2 * len(buf)) // 4096 + 2
-    assert p.read_bytes() == data
-
-
-def test_a_direct_write_the_file_system_refuses_goes_through_the_page_cache(tmp_path, monkeypatch):
-    """A file system that opens with O_DIRECT but refuses a write (EINVAL: here an address not on a page boundary,
-    elsewhere a larger block than 4 KiB) gets it, and every later one, through the page cache."""
-    monkeypatch.setattr(httpget, "_direct_refused", False)
-    p = tmp_path / "f"
-    fd = os.open(p, os.O_RDWR | os.O_CREAT)
-    direct = httpget.open_direct(p)
-    if direct is None:
-        pytest.skip(f"{tmp_path}'s file system does not take O_DIRECT")
-    data = os.urandom(3 * 8192)
-    try:
-        httpget.write_at(fd, direct, memoryview(bytearray(b"x" + data))[1:8193], 0)  # one byte past an allocation
-        assert httpget._direct_refused
-        httpget.write_at(fd, direct, memoryview(data)[8192:], 8192)
-    finally:
-        os.close(direct)
-        os.close(fd)
-    assert p.read_bytes() == data
-
-
-def test_held_buffers_are_written_direct_and_replaced_from_the_pool(server, tmp_path):
-    """get_into offers each buffer to ``hold`` before writing it: a piece held goes past the page cache and the
-    thread goes on with another buffer, the holder's until it releases it; a piece declined is written through the
-    page cache and shown to the sink."""
-    p = tmp_path / "f"
-    fd = os.open(p, os.O_RDWR | os.O_CREAT)
-    os.ftruncate(fd, len(BODY))
-    direct = httpget.open_direct(p)
-    if direct is None:
-        pytest.skip(f"{tmp_path}'s file system does not take O_DIRECT")
-    held, seen, bufs, lent = [], bytearray(), set(), httpget._POOL.lent
-
-    def hold(view, lease):
-        if len(held) >= 2:  # the first two buffers held, the rest declined
-            return False
-        lease.share()
-        held.append((bytes(view), lease))
-        bufs.add(id(lease.buf))
-        return True
-
-    try:
-        n, _ = get_into(f"{server}/c/o", {}, fd, 0, seen.extend, direct=direct, hold=hold)
-    finally:
-        os.close(direct)
-        os.close(fd)
-    assert resident_pages(p) <= (len(BODY) - 2 * httpget.BUF) // 4096 + 2  # before the read below caches them
-    assert n == len(BODY) and p.read_bytes() == BODY
-    assert b"".join(b for b, _ in held) + bytes(seen) == BODY and len(bufs) == 2
-    assert httpget._local.buf.obj is not held[0][1].buf.obj  # the thread went on with a spare
-    assert all(lease.refs == 1 for _, lease in held) and httpget._POOL.lent == lent + 2
-    free = len(httpget._POOL.free)
-    for _, lease in held:
-        lease.release()
-    assert len(httpget._POOL.free) == free + 2 and httpget._POOL.lent == lent  # back once the holder lets go
-
-
-def test_a_hold_that_passes_leaves_the_pieces_direct_and_shown_to_the_sink(server, tmp_path):
-    """``hold`` answering None: nobody reads the bytes back (the stager's GET whose headers gave a CRC-32, taken as
-    the bytes pass): written past the page cache as with no ``hold``, and shown to the sink; nothing stays lent."""
-    p = tmp_path / "f"
-    fd = os.open(p, os.O_RDWR | os.O_CREAT)
-    direct = httpget.open_direct(p)
-    if direct is None:
-        pytest.skip(f"{tmp_path}'s file system does not take O_DIRECT")
-    seen, offered, lent = bytearray(), [], httpget._POOL.lent
-    try:
-        n, _ = get_into(f"{server}/c/o", {}, fd, 0, seen.extend, direct=direct,
-                        hold=lambda view, lease: offered.append(len(view)))
-    finally:
-        os.close(direct)
-        os.close(fd)
-    assert resident_pages(p) <= 2  # at most the unaligned tail's page, before the read below caches them
-    assert n == len(BODY) and bytes(seen) == BODY == p.read_bytes() and sum(offered) == len(BODY)
-    assert httpget._POOL.lent == lent
-
-
-def test_what_may_be_lent_is_bounded_and_past_it_pieces_go_through_the_page_cache(server, tmp_path, monkeypatch):
-    assert httpget.lent_most(64 << 30, 512 << 10) == 512  # 256 MiB
-    assert httpget.lent_most(1 << 30, 512 << 10) == 128  # a 16th of 1 GiB
-    assert httpget.lent_most(None, 512 << 10) == 128 and httpget.lent_most(1, 512 << 10) == 1
-    monkeypatch.setattr(httpget._POOL, "most", httpget._POOL.lent)  # none left to lend
-    offered, seen = [], bytearray()
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    direct = httpget.open_direct(tmp_path / "f")
-    try:
-        n, _ = get_into(f"{server}/c/o", {}, fd, 0, seen.extend, direct=direct,
-                        hold=lambda view, lease: offered.append(1) or True)
-    finally:
-        if direct is not None:
-            os.close(direct)
-        os.close(fd)
-    assert n == len(BODY) and not offered and bytes(seen) == BODY == (tmp_path / "f").read_bytes()

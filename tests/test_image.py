@@ -16,7 +16,6 @@ from click.testing import CliRunner
 
 from appliance.node import doctor
 from appliance.node.watchdog import node_watch
-from appliance.store import httpget, md5lanes
 from appliance.cli import main
 from conftest import ROOT, needs_netns
 
@@ -43,7 +42,7 @@ def test_element_layout_and_one_set_of_steps():
     assert "images/install-stack.sh" in install and '"${DIB_APPLIANCE_VARIANT:-gpu}"' in install
     assert "images/install-stack.sh --variant cpu" in (ROOT / "Makefile").read_text()
     copied = (ELEMENT / "extra-data.d" / "50-appliance-source").read_text()
-    for f in ("appliance", "pyproject.toml", "setup.py", "README.md", "requirements.lock", "images/install-stack.sh"):
+    for f in ("appliance", "pyproject.toml", "README.md", "requirements.lock", "images/install-stack.sh"):
         assert f in copied and (ROOT / f).exists()
     unit = (ELEMENT / "static" / "etc" / "systemd" / "system" / "appliance-watchdog.service").read_text()
     assert "ExecStart=/opt/appliance/venv/bin/appliance watchdog --node" in unit
@@ -96,9 +95,6 @@ def test_doctor_passes_on_this_machine(tmp_path):
     by = {c.name: c for c in checks}
     assert by["horovod build"].status == "ok" and "Gloo" in by["horovod build"].detail
     assert by["allreduce (2 ranks)"].status == "ok"
-    assert by["staging md5"].status == "ok" and ("16 streams" in by["staging md5"].detail) == (md5lanes.LANES == 16)
-    assert by["staging https"].status == "ok" and ("buffer of TLS records" in by["staging https"].detail) == (
-        httpget._tlsread is not None)
     if not Path("/dev/nvidia0").exists():
         assert by["nvidia driver"].status == "skip" and "CPU node" in by["nvidia driver"].detail
 
@@ -230,11 +226,11 @@ def test_doctor_on_a_gpu_machine_without_the_stack(monkeypatch):
     assert checks["nccl"].fix == doctor.INSTALL_FIX
 
 
-def test_the_node_bundle_builds_its_own_c_parts(tmp_path):
-    """`appliance up --install` ships setup.py and the C sources, never this machine's builds of them."""
+def test_the_node_bundle_is_the_package_and_holds_no_c(tmp_path):
+    """`appliance up --install` ships the package, its lock and the install script; there is no C of ours to build
+    (issue 50: the stager is hashlib, urllib3 and processes)."""
     from appliance.provision import install
 
     d = install.bundle(tmp_path / "b")
-    assert (d / "setup.py").is_file() and (d / "appliance" / "store" / "_md5lanes.c").is_file()
-    assert (d / "appliance" / "store" / "_tlsread.c").is_file()
-    assert not list(d.rglob("*.so"))
+    assert (d / "pyproject.toml").is_file() and (d / "appliance" / "store" / "httpget.py").is_file()
+    assert not list(d.rglob("*.so")) and not list(d.rglob("*.c")) and not (d / "setup.py").exists()

@@ -75,27 +75,14 @@ def uploaded(objects: dict[str, bytes]) -> DictStore:
 
 @pytest.fixture
 def md5s(monkeypatch):
-    """How many MD5s the stager starts: hashlib's, the streams of its hasher and the bodies it hands to the lanes
-    (store/md5lanes.py)."""
+    """How many MD5s the stager starts (hashlib's)."""
     made = []
 
     def md5(*a):
         made.append(1)
         return hashlib.md5(*a)
 
-    class Counted(sm.Hasher):
-        def streams(self, fd, groups, **kw):
-            made.extend(1 for _ in groups)
-            return super().streams(fd, groups, **kw)
-
-    class CountedBodies(sm.Bodies):
-        def submit(self, job, done):
-            made.append(1)
-            return super().submit(job, done)
-
     monkeypatch.setattr(sm, "hashlib", types.SimpleNamespace(md5=md5, sha256=hashlib.sha256))
-    monkeypatch.setattr(sm, "Hasher", Counted)
-    monkeypatch.setattr(sm, "Bodies", CountedBodies)
     return made
 
 

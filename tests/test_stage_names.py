@@ -246,9 +246,8 @@ def test_many_large_objects_are_one_get_each_and_a_few_are_ranges(tmp_path, monk
 
 
 def test_a_download_is_named_for_this_process(tmp_path, monkeypatch):
-    """The hasher maps a large download's file (store/md5lanes.py): another stager on the same directory, opening
-    the same name with O_TRUNC, would shrink it under the map and kill this process with SIGBUS. Each process's
-    downloads have names of their own; another stager can only unlink them."""
+    """Another stager on the same directory, opening the same name with O_TRUNC, would cut a download under this
+    one. Each process's downloads have names of their own; another stager can only unlink them."""
     st = DictStore({"d/x": b"A" * 1000})
     parts = []
     real = stage_mod._fetch_one

@@ -600,15 +600,15 @@ listed = [(o.name, o.size, o.etag) for o in st.list()]
 fd = os.open(dest, os.O_WRONLY | os.O_CREAT)
 got = [st.fetch(name, fd, 0)[0] for name, _, _ in listed]
 print(json.dumps({"listed": listed, "got": got, "head": st.head("a")["content-length"],
-                  "loaded": sorted(m for m in ("swiftclient", "keystoneauth1", "requests", "urllib3")
+                  "loaded": sorted(m for m in ("swiftclient", "keystoneauth1", "requests")
                                    if m in sys.modules)}))
 """
 
 
 @pytest.mark.parametrize("how", ["v1", "keystone"])
-def test_a_stagers_reads_and_their_token_import_no_http_library_but_our_own(tmp_path, how):
+def test_a_stagers_reads_and_their_token_import_urllib3_alone(tmp_path, how):
     """A stager's reads (the listing, HEADs, GETs) and their token, from v1 auth or from Keystone with an
-    application credential (what Chameleon's nodes get), go through httpget's connections. Through swiftclient the
+    application credential (what Chameleon's nodes get), go through httpget's urllib3 pools. Through swiftclient the
     listing and the token imported swiftclient, requests and urllib3, and keystoneauth1 for a credential (0.15 s of
     CPU per staging on the Keystone path: bench/results/stage-swift-auth). The token comes from the catalog's
     public object-store endpoint in the credential's region, and a refused one is renewed."""

@@ -111,9 +111,7 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
             f"{_fmt_bytes(r['bytes_fetched'])} in {r['seconds']:.1f}s ({r['mb_per_s']} MB/s), "
             f"{r['retries']} retries, {r['corrupt_refetched']} corrupt re-fetched"
             + (f", {r['files_removed']} no longer in the store removed" if r.get("files_removed") else "")
-            + f" -> {r['dest']}"
-            + (" (past the page cache: the dataset is more than half of the memory)" if r.get("past_page_cache")
-               else ""))
+            + f" -> {r['dest']}")
         if r.get("size_only"):
             shown = ", ".join(repr(n) for n in r["size_only"][:3]) + (" ..." if len(r["size_only"]) > 3 else "")
             say(f"[stage] warning: {name}: {len(r['size_only'])} object(s) uploaded in parts checked by size only: "

@@ -48,21 +48,6 @@ try:
     out["hvd_mpi"] = bool(hvd.mpi_built())
 except Exception as e:
     out["horovod_error"] = f"{type(e).__name__}: {e}"
-try:
-    from appliance.store import md5lanes
-    out["md5_lanes"] = md5lanes.lanes_in_use()
-except Exception as e:
-    out["md5_lanes_error"] = f"{type(e).__name__}: {e}"
-try:
-    from appliance.store import httpget
-    out["tls_reads"] = httpget._tlsread is not None
-except Exception as e:
-    out["tls_reads_error"] = f"{type(e).__name__}: {e}"
-try:
-    from appliance.store import heldio
-    out["held_io"] = heldio.built()
-except Exception as e:
-    out["held_io_error"] = f"{type(e).__name__}: {e}"
 print("APPLIANCE_PROBE " + json.dumps(out))
 """
 
@@ -170,22 +155,6 @@ def stack_checks(p: dict, pins: dict[str, str]) -> list[Check]:
         ok = p.get("hvd_gloo") and "tensorflow" in p
         checks.append(Check("horovod build", "ok" if ok else "fail", f"TensorFlow, {', '.join(built) or 'no controller'}",
                             None if ok else "rebuild Horovod with HOROVOD_WITH_GLOO=1 (images/install-stack.sh)"))
-    if (p.get("md5_lanes") or 1) > 1:
-        checks.append(Check("staging md5", "ok", f"{p['md5_lanes']} streams at once (AVX2 lanes, "
-                            "appliance/store/_md5lanes.c)"))
-    elif "md5_lanes" in p:  # staging works without them, at hashlib's speed: said, not failed
-        checks.append(Check("staging md5", "ok", "hashlib, a stream per core (the C lanes are not built or the CPU "
-                            "has no AVX2; with a C compiler and python3.11-dev, install-stack.sh builds them)"))
-    if p.get("tls_reads"):
-        checks.append(Check("staging https", "ok", "a buffer of TLS records per read (appliance/store/_tlsread.c)"))
-    elif "tls_reads" in p:  # https staging works without it, a record per read: said, not failed
-        checks.append(Check("staging https", "ok", "the ssl module's reads, a TLS record per call (_tlsread is not "
-                            "built; with a C compiler and python3.11-dev, install-stack.sh builds it)"))
-    if p.get("held_io"):
-        checks.append(Check("staging file calls", "ok", "with the GIL held (appliance/store/_heldio.c)"))
-    elif "held_io" in p:  # staging works without it, a hand-over of the GIL per call: said, not failed
-        checks.append(Check("staging file calls", "ok", "the os module's, the GIL handed over per call (_heldio is "
-                            "not built; with a C compiler and python3.11-dev, install-stack.sh builds it)"))
     return checks
 
 

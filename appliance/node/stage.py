@@ -11,10 +11,10 @@
 4. download in parallel: one GET per small object, parallel ranged GETs for large ones; an SLO is
    fetched segment by segment and each segment checked against its MD5; an S3 multipart object part by part,
    the parts' MD5s checked against its ETag (store/parts.py); everything else is checked against its ETag
-   (MD5), our uploads' objects by their CRC-32 (CRC_META). A large object's MD5s are taken as its bytes are
-   written, many objects' in one call (store/md5lanes.py); a small one's (up to 1 MiB) from a copy of its body, 8
-   at a time, in a thread of their own, while its GET's thread goes on to the next object. A file appears
-   under its name only once verified (downloaded into ``.appliance-staging/`` in the destination, then renamed);
+   (MD5), our uploads' objects by their CRC-32 (CRC_META). Each GET's bytes are hashed (hashlib, zlib-ng) as they
+   are written, in the GET's thread; a group split into parallel ranges is hashed from the page cache once they
+   are in. A file appears under its name only once verified (downloaded into ``.appliance-staging/`` in the
+   destination, then renamed);
 5. retry with backoff; record each verified file in the manifest, so a killed run resumes.
 One staging run at a time per directory (a lock on it): a second is refused before it changes anything.
 """
@@ -38,10 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import ApplianceError
-from ..store import heldio
-from ..store.httpget import mem_available, open_direct
-from ..store.md5lanes import Bodies, Hasher, lanes_in_use, md5_ranges
-from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, segmented, slo_etag
+from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, md5_range, segmented, slo_etag
 from ..store.parts import guesses, layout, multipart_etag, part_count
 
 MANIFEST = ".appliance-manifest.json"
@@ -51,11 +48,9 @@ PREFIX = ".appliance-manifest.prefix"  # the prefix the manifest's names were st
 RESERVED = {MANIFEST, JOURNAL, STAGING, PREFIX, f".{MANIFEST}.tmp", f".{PREFIX}.tmp"}
 LARGE = 64 * 1024**2  # objects above this are fetched as parallel ranged GETs
 RANGE = 16 * 1024**2
-SMALL = 1024**2  # objects up to this size are checked after their GET, their MD5s 16 at a time (md5lanes.Bodies)
 MAX_RANGE = 2 * RANGE  # a part or segment up to this size is one GET
 # ... and so is one up to this share of the large objects' bytes to fetch: with 8 or more of them, the parallel GETs
-# come from the objects (8 x 256 MiB from Ceph RGW: 5.8 s of client CPU instead of 6.5-6.8, docs/staging.md, when
-# each GET's thread took its MD5; the hasher, store/md5lanes.py, follows a GET's bytes as they are written either way)
+# come from the objects, and each object's MD5 is taken as its bytes come, with no read back of the page cache
 WHOLE_SHARE = 8
 DISK_MARGIN = 256 * 1024**2  # leave this much free
 
@@ -83,7 +78,6 @@ class StageResult:
     seconds: float = 0.0
     dest: str = ""
     names: list[str] = field(default_factory=list)  # this node's names (kept only when asked)
-    past_page_cache: bool = False  # large objects written with O_DIRECT (writes_past_the_page_cache)
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -222,45 +216,6 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _read_int(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def page_cache_room(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """How many bytes the page cache could keep for this process: the kernel's MemAvailable, or less where the
-    process's memory cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) leaves less; None when unknown."""
-    room = mem_available(proc / "meminfo")
-    try:
-        groups = (proc / "self" / "cgroup").read_text().splitlines()
-    except OSError:
-        return room
-    for line in groups:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: one hierarchy
-            d = cgroups / path.lstrip("/")
-            limit, used = _read_int(d / "memory.max"), _read_int(d / "memory.current")
-        elif "memory" in controllers.split(","):
-            d = cgroups / "memory" / path.lstrip("/")
-            limit, used = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
-        else:
-            continue
-        if limit is not None and used is not None and limit < 1 << 60:
-            room = max(0, limit - used) if room is None else min(room, max(0, limit - used))
-    return room
-
-
-def writes_past_the_page_cache(need: int, room: int | None) -> bool:
-    """Whether a stage of ``need`` bytes writes its large objects past the page cache (O_DIRECT): when they are more
-    than half of what the page cache could keep (``page_cache_room``). A dataset that fits stays in the page cache
-    for the training's first epoch (read back at 0.15 s per 2 GiB here against 2.1-3.5 s from the disk:
-    bench/results/stage-direct/read-after.txt); one that does not would only be copied there and pushed out again,
-    and the copy was most of the stager's system time (docs/staging.md of 14aa98a (in git), "Past the page cache")."""
-    return room is not None and need > room // 2
-
-
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -270,9 +225,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 class _Left:
-    """The objects a stage has left to place, and the first error: what the stage waits for. An object is placed by
-    the thread that fetched it, or by the bodies' thread once its MD5 is taken (store/md5lanes.py), which also hands
-    a damaged one back into the fetching threads' queue."""
+    """The objects a stage has left to place, and the first error: what the stage waits for."""
 
     def __init__(self, n: int):
         self.n = n
@@ -446,25 +399,17 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
     prog = _Progress(len(todo), need, progress)
     one_get = max(MAX_RANGE, sum(o.size for o in todo if o.size >= LARGE) // WHOLE_SHARE)
     mlock = threading.Lock()
-    journal = heldio.open_file(dest / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    journal = os.open(dest / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     left = _Left(len(todo))
-
     big_pool = ThreadPoolExecutor(max_workers=concurrency)  # ranged parts of large objects
-    hasher = Hasher()  # their MD5s, many objects' at once (store/md5lanes.py)
-    direct = res.past_page_cache = writes_past_the_page_cache(need, page_cache_room())
-    bodies = Bodies() if lanes_in_use() > 1 else None  # small objects' MD5s, 16 at a time, after their fetch
-
     seen: dict[str, bytes] = {}  # multipart objects no part-size rule verified: their parts' MD5s, per fetch
-
-    # each directory the files go into, made once here rather than asked for by every file (a mkdir that finds
-    # it there: a system call and an exception per file, each a hand-over of the GIL among the fetching threads)
-    _make_dirs(dest, {paths[o.name].parent for o in todo})
+    _make_dirs(dest, {paths[o.name].parent for o in todo})  # each directory the files go into, made once here
 
     def place(o: ObjectInfo, part: Path, verified: bool, rechecked: bool) -> None:
         """A fetched and checked object under its name, recorded (the journal line a killed run resumes from)."""
         target = dest / paths[o.name]
-        heldio.replace(part, target)  # these three without handing the GIL over: store/heldio.py
-        rec = [o.size, o.etag, heldio.mtime_ns(target)]
+        os.replace(part, target)
+        rec = [o.size, o.etag, os.stat(target).st_mtime_ns]
         with mlock:
             if not verified:
                 res.size_only.append(o.name)
@@ -473,7 +418,7 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
             res.files_fetched += 1
             res.bytes_fetched += o.size
             manifest[o.name] = rec
-            heldio.write_all(journal, (json.dumps([o.name, *rec]) + "\n").encode())
+            os.write(journal, (json.dumps([o.name, *rec]) + "\n").encode())
         prog.add(files=1)
         left.one_done()
 
@@ -487,21 +432,16 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
             raise ApplianceError(f"could not fetch {o.name!r} after {retries + 1} tries ({err})",
                                  "check the object store; re-running stage resumes where it stopped")
 
-    def fetch(o: ObjectInfo, attempt: int = 0, rechecked: bool = False) -> None:
+    def fetch(o: ObjectInfo) -> None:
         # in the staging directory, under a name no object can have: `x` never writes over object `x.part`; and
-        # this process's own: another stager on the same directory may unlink it, never truncate it under the
-        # hasher's map of it (store/md5lanes.py: a mapped file that shrinks would kill this process with SIGBUS)
+        # this process's own: another stager on the same directory may unlink it, never truncate it under this one
         part = staging / f"{hashlib.sha256(o.name.encode()).hexdigest()}.{os.getpid()}.part"
-        pause = attempt > 0  # a try after a failed one waits first
+        attempt, rechecked, pause = 0, False, False
         while True:
             if pause:
                 time.sleep(min(8.0, 0.2 * 2 ** (attempt - 1)) * (0.5 + random.random()))  # backoff before a retry
             try:
-                verified = _fetch_one(store, o, part, big_pool, prog, seen, one_get, hasher, bodies,
-                                      lambda ok, a=attempt, r=rechecked: later(o, part, a, r, ok), direct=direct)
-                if verified is not None:
-                    place(o, part, verified, rechecked)
-                # else its MD5 is taken with others' in the bodies' or the hasher's thread, which places it (later)
+                place(o, part, _fetch_one(store, o, part, big_pool, prog, seen, one_get), rechecked)
                 return
             except Recheck:
                 part.unlink(missing_ok=True)
@@ -512,7 +452,9 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
                 failed(o, part, attempt, "checksum mismatch", True)
             except FileNotFoundError as e:
                 if e.filename is not None:  # a local path (the store says a missing object with none)
-                    raise gone(o, e) from None
+                    raise ApplianceError(f"{e.filename} was removed while {o.name!r} was staged into it",
+                                         f"let nothing else write into {dest} while stage runs, then re-run "
+                                         "stage") from None
                 raise ApplianceError(f"object {o.name!r} vanished from the store while staging", "re-run stage") from None
             except ApplianceError:
                 raise
@@ -521,34 +463,16 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
             attempt += 1
             pause = True
 
-    def gone(o: ObjectInfo, e: FileNotFoundError) -> ApplianceError:
-        return ApplianceError(f"{e.filename} was removed while {o.name!r} was staged into it",
-                              f"let nothing else write into {dest} while stage runs, then re-run stage")
-
-    def later(o: ObjectInfo, part: Path, attempt: int, rechecked: bool, ok: bool) -> None:
-        """The verdict on a small object's MD5, in the bodies' thread: placed, or fetched again by the pool."""
-        try:
-            if ok:
-                place(o, part, True, rechecked)
-                return
-            failed(o, part, attempt, "checksum mismatch", True)
-            work.put((o, attempt + 1, rechecked))
-        except FileNotFoundError as e:
-            left.fail(gone(o, e))
-        except BaseException as e:
-            left.fail(e)
-
-    # the fetching threads take (object, try, rechecked) from one queue (a retry on a verdict goes back in): a
-    # ThreadPoolExecutor's future, condition and work item per object were 5% of the time this process held the GIL
+    # the fetching threads take objects from one queue, the largest first
     work: queue.SimpleQueue = queue.SimpleQueue()
     stopping = threading.Event()
 
     def worker() -> None:
-        while (item := work.get()) is not None and not stopping.is_set():
-            left.run(fetch, *item)
+        while (o := work.get()) is not None and not stopping.is_set():
+            left.run(fetch, o)
 
     for o in sorted(todo, key=lambda o: -o.size):
-        work.put((o, 0, False))
+        work.put(o)
     threads = [threading.Thread(target=worker, name=f"stage-{i}", daemon=True)
                for i in range(min(concurrency, len(todo)))]
     try:
@@ -562,12 +486,9 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
         for t in threads:
             if t.is_alive():
                 t.join()
-        if bodies is not None:
-            bodies.close()  # the verdicts on what was fetched: placed and recorded, even when the stage failed
         big_pool.shutdown(wait=True)
-        hasher.close()
         with mlock:
-            heldio.close(journal)
+            os.close(journal)
             _save_manifest(dest, manifest, prefix)
         shutil.rmtree(staging, ignore_errors=True)
     res.files_removed = removed
@@ -577,102 +498,46 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
 
 
 def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
-               seen: dict[str, bytes] | None, one_get: int, hasher: Hasher, bodies: Bodies | None = None,
-               later: Callable[[bool], None] | None = None, *, direct: bool = False) -> bool | None:
+               seen: dict[str, bytes] | None, one_get: int) -> bool:
     """Fetch ``o`` into ``part`` and verify it; raise Corrupt when it does not verify. Returns False when its
     content could be checked only by size: an SLO whose segments the store does not show (Ceph RGW gives no
     manifest, and its segments are not where uploads put them), or an S3 multipart object whose part sizes neither
     the store nor any known upload tool's rule gives. ``one_get``: a part, segment or object up to this many bytes
-    is one GET (_fetch_ranges). ``hasher``: what takes a large object's MD5s (the stage's). ``bodies``: what takes
-    a small object's MD5 (up to SMALL bytes) after its GET, with up to 15 others: then this returns None at once, and
-    ``later(matches)`` is called in the bodies' thread. ``direct``: the bytes of an object over SMALL go past the
-    page cache (writes_past_the_page_cache)."""
+    is one GET (_fetch_ranges)."""
     etag = o.etag.strip('"')
     n_parts = part_count(etag)
     if o.size >= LARGE or n_parts is not None:
         want = store.crc32(o.name, etag)  # a HEAD: our uploads' CRC-32 for these bytes, if it holds (CRC_META)
         if want is not None:
-            if _fetch_crc(store, o, part, pool, prog, one_get, direct=direct) != want:
+            if _fetch_crc(store, o, part, pool, prog, one_get) != want:
                 raise Corrupt(o.name)
             return True
     if n_parts is not None:
-        return _fetch_multipart(store, o, part, pool, prog, etag, n_parts, seen, one_get, hasher, direct=direct)
+        return _fetch_multipart(store, o, part, pool, prog, etag, n_parts, seen, one_get)
     if o.size >= LARGE:
         segments = store.slo_segments(o.name) if store.scheme == "swift" else None
         if segments:  # one ranged GET per segment, each checked against the segment's MD5
-            hashes = _fetch_ranges(store, o, part, pool, prog, [s["bytes"] for s in segments], hasher=hasher,
-                                   one_get=one_get, direct=direct)
+            hashes = _fetch_ranges(store, o, part, pool, prog, [s["bytes"] for s in segments], one_get=one_get)
             if [h.hexdigest() for h in hashes] != [s["hash"] for s in segments] or slo_etag(segments) != etag:
                 raise Corrupt(o.name)
             return True
-        hashes = _fetch_ranges(store, o, part, pool, prog, [o.size], hasher=hasher if segments is None else None,
-                               one_get=one_get, direct=direct)
+        hashes = _fetch_ranges(store, o, part, pool, prog, [o.size], hashed=segments is None, one_get=one_get)
         if segments is None and hashes[0].hexdigest() != etag:
             raise Corrupt(o.name)
         return segments is None
     check = _Check(etag)
-    body = bodies.job(o.size) if bodies is not None and later is not None and 0 < o.size <= SMALL else None
-    # one of a few MB (over SMALL, under LARGE) checked by its MD5: hashed by the hasher with others in the lanes,
-    # from the page cache or the receive buffers, as a large object's; its verdict comes later, as a small one's
-    lanes = later is not None and hasher.lanes > 1 and SMALL < o.size < LARGE
-    stream, ssink, shold = None, None, None
-    got = 0
-
-    def headers_seen(h: dict) -> None:
-        nonlocal stream, ssink, shold
-        check.headers(h)
-        if lanes and check.crc is None and not segmented(h):
-            os.ftruncate(fd, o.size)  # the hasher maps the file
-            stream = hasher.streams(fd, [[(0, o.size)]], direct=dfd is not None)[0]
-            ssink, shold = _split([stream], [(0, 0, o.size)], dfd is not None)
 
     def sink(view: memoryview) -> None:
-        nonlocal got
-        k = len(view)
-        if ssink is not None:
-            ssink(view)
-        elif body is None or check.crc is not None:
-            check.update(view)
-        elif got + k <= o.size:  # a copy for the bodies' thread to hash (more than the listing said: Corrupt, below)
-            body.buf[got:got + k] = view
-        got += k
-        prog.add(k)
-
-    def hold(view: memoryview, lease) -> bool | None:
-        if shold is None:
-            return None  # checked as it passes (its CRC-32): written past the page cache, as with no hold
-        if not shold(view, lease):
-            return False
+        check.update(view)
         prog.add(len(view))
-        return True
 
+    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        fd = heldio.open_file(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-        # past the page cache too when the stage is (its sink takes every byte as it passes), but not a small one:
-        # a second open per object costs more than its copy
-        dfd = open_direct(part) if direct and o.size > SMALL else None
-        try:
-            n, headers = store.fetch(o.name, fd, 0, sink, on_headers=headers_seen, direct=dfd,
-                                     hold=hold if lanes and dfd is not None else None)
-        finally:
-            if dfd is not None:
-                heldio.close(dfd)
-            heldio.close(fd)
-        if n != o.size or (body is not None and got != n):
-            raise Corrupt(o.name)
-        if stream is not None:
-            stream.then(lambda s: later(s.error is None and s.hexdigest() == etag))
-            stream = None  # the hasher has it now
-            return None
-        if body is not None and check.crc is None and not segmented(headers):
-            bodies.submit(body, lambda digest: later(digest.hex() == etag))
-            body = None  # the bodies' thread has it now
-            return None
+        n, headers = store.fetch(o.name, fd, 0, sink, on_headers=check.headers)
     finally:
-        if body is not None:
-            bodies.drop(body)
-        if stream is not None:
-            stream.cancel()
+        os.close(fd)
+    if n != o.size:
+        raise Corrupt(o.name)
     if check.crc is not None:
         if check.crc.value != check.want:
             raise Corrupt(o.name)
@@ -693,23 +558,21 @@ def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor
 
 
 def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress, etag: str,
-                     n: int, seen: dict[str, bytes] | None, one_get: int, hasher: Hasher, *,
-                     direct: bool = False) -> bool:
-    """An S3 multipart object (ETag ``<md5>-N``): fetched part by part, each part hashed as it is written (the
-    hasher, 8 parts or objects at once), the parts' MD5s checked against the ETag (store/parts.py). The part
-    sizes: the store's (``partNumber``), else the first of the upload tools' rules; when that does not give the
-    ETag, the file is hashed again (page cache) for the other rules. None gives it: with the store's own part
-    sizes the bytes are wrong (Corrupt, fetched again); without them, it is fetched a second time (Recheck):
-    parts that hash differently mean a damaged transfer (Corrupt), the same hashes twice mean the store's bytes
-    in a layout no rule knows, checked by size only (False; the summary names it). Before, such an object was
-    checked by size only and counted as verified."""
+                     n: int, seen: dict[str, bytes] | None, one_get: int) -> bool:
+    """An S3 multipart object (ETag ``<md5>-N``): fetched part by part, each part hashed as it is written, the
+    parts' MD5s checked against the ETag (store/parts.py). The part sizes: the store's (``partNumber``), else the
+    first of the upload tools' rules; when that does not give the ETag, the file is hashed again (page cache) for
+    the other rules. None gives it: with the store's own part sizes the bytes are wrong (Corrupt, fetched again);
+    without them, it is fetched a second time (Recheck): parts that hash differently mean a damaged transfer
+    (Corrupt), the same hashes twice mean the store's bytes in a layout no rule knows, checked by size only (False;
+    the summary names it)."""
     told = store.part_sizes(o.name, n)
     layouts = ([told] if told else []) + [layout(o.size, p) for p in guesses(o.size, n)]
     layouts = [x for i, x in enumerate(layouts) if sum(x) == o.size and x not in layouts[:i]]
     if not layouts:  # no rule gives N parts of this size: nothing to check the bytes against
-        _fetch_ranges(store, o, part, pool, prog, [o.size], direct=direct)
+        _fetch_ranges(store, o, part, pool, prog, [o.size], hashed=False)
         return False
-    hashes = _fetch_ranges(store, o, part, pool, prog, layouts[0], hasher=hasher, one_get=one_get, direct=direct)
+    hashes = _fetch_ranges(store, o, part, pool, prog, layouts[0], one_get=one_get)
     if multipart_etag(h.digest() for h in hashes) == etag:
         return True
     if told is not None:  # the store answers partNumber: ask it for every part, should they differ in size
@@ -731,11 +594,11 @@ def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolEx
 
 
 def _md5_layout(part: Path, sizes: list[int]) -> list[bytes]:
-    """The MD5 of each of the consecutive ``sizes`` of the file ``part`` (read back: the page cache), 16 at once
-    where the lanes are (store/md5lanes.py). Corrupt if the file is shorter."""
+    """The MD5 of each of the consecutive ``sizes`` of the file ``part`` (read back: the page cache). Corrupt if the
+    file is shorter."""
     fd = os.open(part, os.O_RDONLY)
     try:
-        return md5_ranges(fd, list(zip(itertools.accumulate(sizes[:-1], initial=0), sizes)))
+        return [md5_range(fd, a, k).digest() for a, k in zip(itertools.accumulate(sizes[:-1], initial=0), sizes)]
     except OSError:
         raise Corrupt(part.name) from None
     finally:
@@ -767,25 +630,16 @@ class _Check:
 
 
 def _get_pieces(store: Store, o: ObjectInfo, fd: int, pool: ThreadPoolExecutor, prog: _Progress,
-                pieces: list[tuple[int, int, Callable[[memoryview], None] | None, Callable | None]],
-                direct: int | None = None) -> None:
-    """GET each (offset, size, update, hold) piece of ``o`` into ``fd`` in parallel: ``update`` sees its bytes as
-    they are written, ``hold`` is offered them first (httpget.get_into; ``direct``: ``fd``'s file open with
-    O_DIRECT). Returns once no piece writes to ``fd`` any more."""
-    def one(off, size, update, hold):
+                pieces: list[tuple[int, int, Callable[[memoryview], None] | None]]) -> None:
+    """GET each (offset, size, update) piece of ``o`` into ``fd`` in parallel: ``update`` sees its bytes as they
+    are written. Returns once no piece writes to ``fd`` any more."""
+    def one(off, size, update):
         def sink(view: memoryview) -> None:
             if update is not None:
                 update(view)
             prog.add(len(view))
 
-        def held(view: memoryview, lease) -> bool:
-            if not hold(view, lease):
-                return False
-            prog.add(len(view))
-            return True
-
-        n, _ = store.fetch(o.name, fd, off, sink, start=off, end=off + size - 1, direct=direct,
-                           hold=held if hold is not None else None)
+        n, _ = store.fetch(o.name, fd, off, sink, start=off, end=off + size - 1)
         if n != size:
             raise Corrupt(o.name)
 
@@ -799,33 +653,26 @@ def _get_pieces(store: Store, o: ObjectInfo, fd: int, pool: ThreadPoolExecutor, 
         wait(futs)
 
 
-def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hasher: Hasher | None = None,
-                  one_get: int = MAX_RANGE, direct: bool = False) -> list:
-    """Fetch ``o`` into ``part`` as parallel ranged GETs and return the MD5 (``digest()``, ``hexdigest()``) of each
-    group: consecutive byte counts that add up to the object (SLO segments, multipart parts, or the whole object).
-    A group larger than ``one_get`` bytes (MAX_RANGE or more) is RANGE-sized GETs; consecutive smaller ones share a
-    GET of up to ``one_get`` bytes, whose bytes each group's stream sees as they pass (_gets). ``hasher``
-    (store/md5lanes.py) takes each group's MD5 as its bytes come in, many groups in one call, from the page cache;
-    None: fetched only. With ``direct`` (writes_past_the_page_cache), bytes go past the page cache (O_DIRECT, where
-    the file system takes it): those that come in order are hashed from the buffer they came in, those that come
-    ahead of them (parallel ranges of one object) through the page cache as before."""
+def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hashed: bool = True,
+                  one_get: int = MAX_RANGE) -> list:
+    """Fetch ``o`` into ``part`` as parallel ranged GETs and return the MD5 (hashlib) of each group: consecutive
+    byte counts that add up to the object (SLO segments, multipart parts, or the whole object); Nones when not
+    ``hashed``. A group larger than ``one_get`` bytes (MAX_RANGE or more) is RANGE-sized GETs, hashed from the page
+    cache once they are in (an MD5 cannot be split), the groups in parallel; consecutive smaller ones share a GET of
+    up to ``one_get`` bytes and are hashed as its bytes pass (_gets, _split)."""
     each, gets = _gets(groups, one_get)
-    streams = []
+    hashes = [hashlib.md5() for _ in groups] if hashed else [None] * len(groups)
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    dfd = None
     try:
         os.ftruncate(fd, o.size)
-        dfd = open_direct(part) if direct else None
-        streams = hasher.streams(fd, each, direct=dfd is not None) if hasher is not None else []
-        _get_pieces(store, o, fd, pool, prog, [(a, k, *(_split(streams, spans, dfd is not None) if streams
-                                                        else (None, None))) for a, k, spans in gets], dfd)
-        return [s.result() for s in streams] if streams else [None] * len(each)
+        _get_pieces(store, o, fd, pool, prog, [(a, k, _split(hashes, each, spans) if hashed else None)
+                                               for a, k, spans in gets])
+        later = [g for g, pieces in enumerate(each) if hashed and len(pieces) > 1]
+        offsets = [pieces[0][0] for pieces in each]
+        list(pool.map(lambda g: md5_range(fd, offsets[g], groups[g], hashes[g]), later))
     finally:
-        for s in streams:
-            s.cancel()  # after a failed GET; nothing once hashed
-        if dfd is not None:
-            os.close(dfd)
         os.close(fd)
+    return hashes
 
 
 def _gets(groups: list[int], one_get: int) -> tuple[list[list[tuple[int, int]]], list[tuple[int, int, list]]]:
@@ -853,70 +700,40 @@ def _gets(groups: list[int], one_get: int) -> tuple[list[list[tuple[int, int]]],
     return each, gets
 
 
-def _split(streams: list, spans: list[tuple[int, int, int]],
-           lend: bool = True) -> tuple[Callable[[memoryview], None], Callable | None]:
-    """(sink, hold) of one GET: what it calls with each buffer it wrote (the bytes told to the streams of the groups
-    the GET covers, in order; ``spans``: (group, piece, bytes)), and what it offers each buffer before writing it
-    (httpget.get_into): every stream the buffer's bytes go to holds them (Stream.hold), or none does and they go
-    through the page cache and ``sink``; no hold without ``lend``. Bytes past the last span are the GET's error,
-    said by its length check."""
+def _split(hashes: list, each: list[list[tuple[int, int]]],
+           spans: list[tuple[int, int, int]]) -> Callable[[memoryview], None]:
+    """What one GET calls with each piece it wrote: the bytes told, in order, to the MD5s of the groups the GET
+    covers whole (``spans``: (group, piece, bytes)); a group in several pieces is hashed once they are all in
+    (_fetch_ranges). Bytes past the last span are the GET's error, said by its length check."""
     at = [0, spans[0][2]]  # the span now, its bytes not yet told
-    cv = streams[0].hasher.cv
-
-    def hold(view: memoryview, lease) -> bool:
-        k, i, left, o, plan = len(view), at[0], at[1], 0, []
-        with cv:
-            while k and i < len(spans):
-                g, j, _ = spans[i]
-                n = min(k, left)
-                if n:
-                    if not streams[g].holds(j, n):
-                        return False
-                    plan.append((streams[g], j, o, n))
-                o, k, left = o + n, k - n, left - n
-                if not left:
-                    i += 1
-                    left = spans[i][2] if i < len(spans) else 0
-            if k:
-                return False
-            for st, j, o, n in plan:
-                st.hold(j, view[o:o + n], lease)
-            at[0], at[1] = i, left
-        return True
 
     def sink(view: memoryview) -> None:
-        k = len(view)
+        o, k = 0, len(view)
         while k and at[0] < len(spans):
-            g, j, _ = spans[at[0]]
+            g = spans[at[0]][0]
             n = min(k, at[1])
-            if n:
-                streams[g].wrote(j, n)
-            k -= n
-            at[1] -= n
+            if n and len(each[g]) == 1:
+                hashes[g].update(view[o:o + n])
+            o, k, at[1] = o + n, k - n, at[1] - n
             if not at[1]:
                 at[0] += 1
                 if at[0] < len(spans):
                     at[1] = spans[at[0]][2]
-    return sink, hold if lend else None
+    return sink
 
 
 def _fetch_crc(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
-               one_get: int = MAX_RANGE, *, direct: bool = False) -> int:
+               one_get: int = MAX_RANGE) -> int:
     """Fetch ``o`` into ``part`` (one GET up to ``one_get`` bytes, else RANGE-sized GETs in parallel) and return
     its CRC-32: each range's taken as it arrives, then combined (crc32_combine), so no range waits for the ones
     before it and no byte is read back."""
     pieces = _gets([o.size], one_get)[0][0]  # one GET, or RANGE-sized ones
     crcs = [Crc32() for _ in pieces]
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    dfd = None
     try:
         os.ftruncate(fd, o.size)
-        dfd = open_direct(part) if direct else None  # each range's CRC-32 is taken as it comes: none is read back
-        _get_pieces(store, o, fd, pool, prog, [(a, k, c.update, None) for (a, k), c in zip(pieces, crcs) if k > 0],
-                    dfd)
+        _get_pieces(store, o, fd, pool, prog, [(a, k, c.update) for (a, k), c in zip(pieces, crcs) if k > 0])
     finally:
-        if dfd is not None:
-            os.close(dfd)
         os.close(fd)
     crc = 0
     for c in crcs:

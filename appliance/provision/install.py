@@ -43,9 +43,8 @@ def stack_tag(variant: str) -> str:
 def bundle(dest: Path) -> Path:
     """What a node needs to install the stack: the package, the lock, the install script."""
     dest.mkdir(parents=True, exist_ok=True)
-    # not this machine's build of the C part (*.so): the node builds its own from setup.py
-    shutil.copytree(ROOT / "appliance", dest / "appliance", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    for f in ("pyproject.toml", "setup.py", "README.md", "requirements.lock"):
+    shutil.copytree(ROOT / "appliance", dest / "appliance", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("pyproject.toml", "README.md", "requirements.lock"):
         shutil.copy2(ROOT / f, dest / f)
     (dest / "images").mkdir(exist_ok=True)
     shutil.copy2(ROOT / "images" / "install-stack.sh", dest / "images" / "install-stack.sh")

@@ -29,7 +29,6 @@ from typing import TypeVar
 from urllib.parse import urlparse
 
 from ..errors import ApplianceError, socket_reason, untrusted_certificate
-from . import md5lanes
 from .tcp import quickack_boto, quickack_swift
 from .. import report
 
@@ -259,12 +258,10 @@ class Store:
 
     def fetch(self, name: str, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None, *,
               start: int | None = None, end: int | None = None,
-              on_headers: Callable[[dict], None] | None = None, direct: int | None = None,
-              hold: Callable | None = None) -> tuple[int, dict]:
+              on_headers: Callable[[dict], None] | None = None) -> tuple[int, dict]:
         """Write an object (or bytes start..end inclusive) to ``fd`` from ``offset`` on, showing each piece to
-        ``sink``. Returns (bytes written, headers). Swift and S3 GET straight into the file (httpget.get_into,
-        which says what ``direct`` and ``hold`` are), and show the answer's headers to ``on_headers`` before its
-        body; other stores call none of the three."""
+        ``sink``. Returns (bytes written, headers). Swift and S3 GET straight into the file (httpget.get_into), and
+        show the answer's headers to ``on_headers`` before its body; other stores do not call it."""
         from .httpget import pwrite_all
 
         pos = offset
@@ -282,6 +279,10 @@ class Store:
     def slo_segments(self, name: str) -> list[dict] | None:
         """For an SLO: [{bytes, hash}] in order; None for a plain object."""
         return None
+
+    def forked(self) -> None:
+        """In a process forked from the one that made this store (the stager's, node/fetch.py): drop what talks to
+        the store over the parent's connections; it connects again on first use."""
 
     def crc32(self, name: str, etag: str) -> int | None:
         """The CRC-32 the object's CRC_META gives for bytes of this ETag (one HEAD); None when it gives none."""
@@ -483,6 +484,9 @@ class SwiftStore(Store):
     def _reset(self) -> None:
         self._local.conn = None  # a connection that failed is not reused
 
+    def forked(self) -> None:
+        self._local, self._token_lock, self._auth = threading.local(), threading.Lock(), None
+
     def get(self, name, write, *, start=None, end=None) -> dict:
         headers = {}
         if start is not None:
@@ -518,12 +522,12 @@ class SwiftStore(Store):
                 raise
         raise AssertionError("unreachable")
 
-    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None, direct=None, hold=None):
+    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None):
         from .httpget import get_into
 
         headers = {"Range": f"bytes={start}-{'' if end is None else end}"} if start is not None else {}
         return self._tokened(name, lambda url, token: get_into(url, {**headers, "X-Auth-Token": token}, fd, offset,
-                                                               sink, on_headers=on_headers, direct=direct, hold=hold))
+                                                               sink, on_headers=on_headers))
 
     def crc32(self, name, etag):
         return crc_from(self.head(name), etag)
@@ -727,6 +731,9 @@ class S3Store(Store):
     def endpoint(self) -> str:
         return self.creds.s3_endpoint or ""
 
+    def forked(self) -> None:
+        self._client, self._lock = None, threading.Lock()
+
     def client(self):
         """One client for all threads: botocore's clients are thread-safe ("Low-level clients are thread safe",
         boto3's guide to multithreading), and each costs milliseconds of CPU to build (a client per thread cost
@@ -838,17 +845,17 @@ class S3Store(Store):
             write(chunk)
         return {k.lower(): v for k, v in r["ResponseMetadata"]["HTTPHeaders"].items()}
 
-    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None, direct=None, hold=None):
+    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None):
         from .httpget import HTTPError, get_into
 
-        # a presigned URL signs only the host, so the Range header may be added; signed here (sigv4), no request
+        # a presigned URL signs only the host, so the Range header may be added (sigv4: botocore's signer)
         signer = self._signer()
         url = signer.url(self.bucket, name)
         headers = {"Host": signer.host}
         if start is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end}"
         try:
-            return get_into(url, headers, fd, offset, sink, on_headers=on_headers, direct=direct, hold=hold)
+            return get_into(url, headers, fd, offset, sink, on_headers=on_headers)
         except HTTPError as e:
             if e.http_status == 404:
                 raise FileNotFoundError(f"s3://{self.bucket}/{name}") from None
@@ -1177,18 +1184,17 @@ class _Slice:
         return data
 
 
-HASH_THREADS = max(1, min(8, os.cpu_count() or 1))  # hashing lets go of the GIL: parts hash on every core
+HASH_THREADS = max(1, min(16, os.cpu_count() or 1))  # hashlib lets go of the GIL: parts hash on every core
 
 
 def large_object_etags(p: Path, part_size: int, *, whole: bool = True) -> dict:
     """What a store reports for a file uploaded in parts of ``part_size``: ``md5`` of the content, and for a file
     larger than one part ``parts`` (each part's MD5), ``swift`` (a Static Large Object's ETag: the MD5 of its
     segments' hex MD5s, concatenated; swift/common/middleware/slo.py) and ``s3`` (a multipart upload's ETag: the
-    MD5 of the parts' binary MD5s, then "-" and the part count). The parts are hashed 8-16 at a time through the MD5
-    lanes (md5lanes.py; one part per thread with hashlib where they are not), groups of them in parallel, on
-    every core (positioned reads of the page cache). An MD5 cannot be split, so the whole file's is one more pass,
-    in order, beside them; ``whole=False`` leaves it out of a file in parts (the parts' MD5s cover every byte).
-    ``crc32``: the content's CRC-32, from the same reads as the parts' MD5s (CRC_META)."""
+    MD5 of the parts' binary MD5s, then "-" and the part count). The parts are hashed in parallel with hashlib, a
+    part per thread on every core (positioned reads of the page cache). An MD5 cannot be split, so the whole file's
+    is one more pass, in order, beside them; ``whole=False`` leaves it out of a file in parts (the parts' MD5s cover
+    every byte). ``crc32``: the content's CRC-32, from the same reads as the parts' MD5s (CRC_META)."""
     fd = os.open(p, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -1198,15 +1204,9 @@ def large_object_etags(p: Path, part_size: int, *, whole: bool = True) -> dict:
             return {"md5": one.hexdigest(), "parts": [one.hexdigest()] if size else [], "crc32": crc.value}
         ranges = [(a, min(part_size, size - a)) for a in range(0, size, part_size)]
         crcs = [Crc32() for _ in ranges]
-        # ranges per call: with the lanes, 8 to 16 (a call costs as much for 2 as for 8, for 9 as for 16), fewer to a
-        # call where that keeps every hashing thread busy; else 1 (a thread each)
-        lanes = md5lanes.lanes_in_use()
-        per = 1 if lanes == 1 else max(8, min(lanes, -(-len(ranges) // HASH_THREADS)))
-        groups = [range(i, min(i + per, len(ranges))) for i in range(0, len(ranges), per)]
-        with ThreadPoolExecutor(min(HASH_THREADS, len(groups) + whole)) as pool:
+        with ThreadPoolExecutor(min(HASH_THREADS, len(ranges) + whole)) as pool:
             full = pool.submit(md5_range, fd, 0, size) if whole else None
-            digests = [d for ds in pool.map(lambda g: md5lanes.md5_ranges(fd, [ranges[i] for i in g],
-                                                                          [crcs[i] for i in g]), groups) for d in ds]
+            digests = list(pool.map(lambda r, c: md5_range(fd, r[0], r[1], crc=c).digest(), ranges, crcs))
             out = {"md5": full.result().hexdigest()} if full is not None else {}
     finally:
         os.close(fd)
