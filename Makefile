@@ -98,10 +98,12 @@ bench/.venv-tools/.installed: bench/requirements-tools.txt
 # Staging: our stager vs rclone (swift, s3), s5cmd, aws s3 cp, swift download; bench/results/stage.{json,md,png}
 # STORE=rgw: against Ceph RGW (what Chameleon runs): bench/results/stage-rgw.{json,md,png}
 # STORE=rgw TLS=1: the RGW over https, as Chameleon serves it: bench/results/stage-rgw-https.{json,md,png}
+# ARGS: more of bench/stage_bench.py's options (--datasets, --baseline DIR, --cores 1,2 --tmpfs, --out DIR, ...)
 STORE ?= swift
 TLS ?=
+ARGS ?=
 bench-stage: install bench/.venv-tools/.installed
-	$(PY) bench/stage_bench.py --tools-venv bench/.venv-tools --store $(STORE) $(if $(TLS),--tls)
+	$(PY) bench/stage_bench.py --tools-venv bench/.venv-tools --store $(STORE) $(if $(TLS),--tls) $(ARGS)
 
 # Checkpoints: overhead (goal >= 0.98), deadline -> commit, steps lost at 20 random lease ends (goal 0)
 bench-ckpt: install bench/.venv-tools/.installed

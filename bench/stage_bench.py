@@ -389,7 +389,7 @@ def main() -> None:
             rows = run_datasets(sw, args, info, disk_root, tv, disk)
     finally:
         sw.stop()
-    write_results(args, out, tv, rows, info, disk, fs)
+    write_results(args, out, tv, rows, info, disk, "tmpfs (/dev/shm, --tmpfs)" if args.tmpfs else fs)
 
 
 def warm_memory(gib: int, shm: Path = Path("/dev/shm")) -> None:

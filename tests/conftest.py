@@ -269,21 +269,3 @@ def http_server(handler):
         srv.server_close()
 
 
-def resident_pages(path) -> int:
-    """How many of the file's pages are in the page cache (mincore(2) on a private map that touches none)."""
-    import ctypes
-    import mmap
-
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    try:
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * pages)()
-        addr = ctypes.c_char.from_buffer(m)
-        libc = ctypes.CDLL(None, use_errno=True)
-        assert libc.mincore(ctypes.c_void_p(ctypes.addressof(addr)), ctypes.c_size_t(size), vec) == 0
-        del addr
-        return sum(v & 1 for v in vec)
-    finally:
-        m.close()

@@ -21,7 +21,7 @@ from appliance.store.objects import S3Store, Store, StoreCreds, SwiftStore
 from appliance.errors import ApplianceError
 from appliance.localcloud.rgw_server import RGWServer
 from appliance.localcloud.swift_server import SwiftServer
-from conftest import NETNS_OK, delayed_acks, resident_pages
+from conftest import NETNS_OK, delayed_acks
 
 pytestmark = pytest.mark.slow
 
@@ -201,7 +201,7 @@ def test_slo_round_trip_small_segments(swift, creds, tmp_path):
     segs = st.slo_segments("x/big file ü.bin")
     # an SLO of 1 MB segments; RGW gives no manifest (../shared/docs/rgw.md): read from slo_segments' listing
     assert segs is not None and len(segs) == 4
-    import appliance.node.stage as sm
+    import appliance.node.fetch as sm
 
     for store in (st, NoCrc("slo", creds)):  # checked by the CRC our upload wrote; by the segments' MD5s
         res = stage(store, "x/", tmp_path / "d" / type(store).__name__)
@@ -248,7 +248,7 @@ def test_an_slo_with_its_segments_elsewhere(swift, creds, tmp_path):
 
 def staged_both_ways(st: SwiftStore, tmp_path):
     """``ds/`` staged by the one-GET path and by the ranged, per-segment one: (result, dest) each."""
-    import appliance.node.stage as sm
+    import appliance.node.fetch as sm
 
     for large in (sm.LARGE, 1_000_000):
         old, sm.LARGE = sm.LARGE, large
@@ -727,7 +727,7 @@ def test_our_uploads_are_checked_by_crc(swift, creds, tmp_path, monkeypatch):
     import types
     import zlib
 
-    import appliance.node.stage as sm
+    import appliance.node.fetch as sm
     from appliance.store.parts import MiB
 
     data = {"small.bin": os.urandom(5000), "slo.bin": os.urandom(3_500_000), "mp.bin": os.urandom(12 * MiB + 5)}
@@ -767,7 +767,7 @@ def test_large_objects_of_every_layout_land_whole_and_verified(swift, creds, tmp
     import boto3
     from boto3.s3.transfer import TransferConfig
 
-    import appliance.node.stage as sm
+    import appliance.node.fetch as sm
 
     MiB = 1 << 20
     monkeypatch.setattr(sm, "LARGE", 2 * MiB)

@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 
-import appliance.node.stage as sm
+import appliance.node.fetch as sm
 from appliance.errors import ApplianceError
 from appliance.node.stage import stage
 import appliance.store.objects as objects
@@ -28,7 +28,7 @@ def test_crc32_combine_is_the_crc_of_the_two_together():
 
 
 def test_the_crc_is_zlib_ngs_and_gives_zlibs_values():
-    """The lock installs zlib-ng, 3-5x zlib's CRC-32 here (bench/crc_speed.py), and the values must be zlib's:
+    """The lock installs zlib-ng, 3-5x zlib's CRC-32 here (bench/crc_speed.py of ac0d90f, in git), and the values must be zlib's:
     objects uploaded with one are checked with the other (a node without zlib-ng falls back to zlib)."""
     assert objects._crc32.__module__.startswith("zlib_ng"), objects._crc32.__module__
     rnd = random.Random(3)

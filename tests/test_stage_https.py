@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from appliance.localcloud.rgw_server import RGWServer
-from appliance.node.stage import LARGE, stage
+from appliance.node.fetch import LARGE
+from appliance.node.stage import stage
 from appliance.protocol import Line
 from appliance.store import httpget
 from appliance.store.objects import S3Store, StoreCreds, SwiftStore

@@ -5,12 +5,11 @@ real Ceph RGW 16 (which does not) in test_stage.py::test_s3_multipart_objects_ar
 
 import hashlib
 import os
-import threading
-import types
 
 import pytest
 
-from appliance.node.stage import MAX_RANGE, _gets, _split, stage
+from appliance.node.fetch import MAX_RANGE, _gets, _split
+from appliance.node.stage import stage
 from appliance.store.parts import MiB, guesses, layout, multipart_etag, part_count
 from fakes import DictStore
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from appliance.errors import ApplianceError
-from appliance.node import stage as stage_mod
+from appliance.node import fetch as stage_mod
 from appliance.node.stage import MANIFEST, stage
 from fakes import DictStore
 

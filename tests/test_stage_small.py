@@ -8,7 +8,7 @@ import os
 import pytest
 
 from appliance.errors import ApplianceError
-from appliance.node import stage as sm
+from appliance.node import fetch as sm
 from appliance.node.stage import MANIFEST, stage
 from fakes import DictStore
 
@@ -80,3 +80,43 @@ def test_a_large_object_in_ranges_is_hashed_from_the_file_once_they_are_in(tmp_p
     assert res.corrupt_refetched == 1 and res.files_fetched == 1
     assert (tmp_path / "out" / "big.bin").read_bytes() == data["d/big.bin"]
     assert len(st.gets) == 2 * 13  # 13 ranges, twice
+
+
+def test_processes_share_the_objects_and_the_parent_records_them(tmp_path):
+    """Forked processes (node/fetch.py) each take every k-th object; what each placed and checked comes back to the
+    stage: the files, the manifest, the counts (a damaged object's refetch included)."""
+    data = objects(200)
+    st = DictStore(data)
+    st.damage["d/007.bin"] = 1
+    seen = []
+    res = stage(st, "d/", tmp_path / "out", concurrency=4, processes=3, progress=seen.append)
+    assert res.files_fetched == 200 and res.corrupt_refetched == 1 and res.retries == 1
+    assert res.bytes_fetched == sum(map(len, data.values()))
+    assert {n: (tmp_path / "out" / n[2:]).read_bytes() for n in data} == data
+    assert set(json.loads((tmp_path / "out" / MANIFEST).read_text())) == set(data)
+    # the children's progress, summed: every byte that came, the damaged try's too
+    assert seen[-1]["files"] == 200 and seen[-1]["bytes"] == res.bytes_fetched + len(data["d/007.bin"])
+    assert not (tmp_path / "out" / ".appliance-staging").exists()
+    assert stage(st, "d/", tmp_path / "out", processes=3).files_skipped == 200
+
+
+def test_a_process_that_fails_stops_the_stage_in_one_line_and_keeps_what_was_placed(tmp_path):
+    data = objects(120)
+    st = DictStore(data)
+    st.damage["d/050.bin"] = 5
+    with pytest.raises(ApplianceError, match=r"could not fetch 'd/050.bin' after 2 tries \(checksum mismatch\)"):
+        stage(st, "d/", tmp_path / "out", concurrency=4, processes=2, retries=1)
+    kept = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert "d/050.bin" not in kept and all((tmp_path / "out" / n[2:]).read_bytes() == data[n] for n in kept)
+    st.damage.clear()
+    res = stage(st, "d/", tmp_path / "out", processes=2)
+    assert res.files_fetched + res.files_skipped == 120 and res.files_skipped == len(kept)
+
+
+def test_the_number_of_processes_follows_the_cores_and_the_objects(monkeypatch):
+    monkeypatch.delenv("APPLIANCE_STAGE_PROCESSES", raising=False)
+    assert sm.processes(10, cores=48) == 1  # a few objects: not worth a process
+    assert sm.processes(640, cores=48) == 10 and sm.processes(100_000, cores=48) == sm.MOST_PROCESSES
+    assert sm.processes(100_000, cores=2) == 2
+    monkeypatch.setenv("APPLIANCE_STAGE_PROCESSES", "3")
+    assert sm.processes(10, cores=48) == 3

@@ -11,10 +11,9 @@
 4. download in parallel: one GET per small object, parallel ranged GETs for large ones; an SLO is
    fetched segment by segment and each segment checked against its MD5; an S3 multipart object part by part,
    the parts' MD5s checked against its ETag (store/parts.py); everything else is checked against its ETag
-   (MD5), our uploads' objects by their CRC-32 (CRC_META). Each GET's bytes are hashed (hashlib, zlib-ng) as they
-   are written, in the GET's thread; a group split into parallel ranges is hashed from the page cache once they
-   are in. A file appears under its name only once verified (downloaded into ``.appliance-staging/`` in the
-   destination, then renamed);
+   (MD5), our uploads' objects by their CRC-32 (CRC_META); in threads over a few processes (node/fetch.py). A file
+   appears under its name only once verified (downloaded into ``.appliance-staging/`` in the destination, then
+   renamed);
 5. retry with backoff; record each verified file in the manifest, so a killed run resumes.
 One staging run at a time per directory (a lock on it): a second is refused before it changes anything.
 """
@@ -22,46 +21,26 @@ One staging run at a time per directory (a lock on it): a second is refused befo
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import itertools
 import json
 import os
-import queue
-import random
 import shutil
 import stat
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import ApplianceError
-from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, md5_range, segmented, slo_etag
-from ..store.parts import guesses, layout, multipart_etag, part_count
+from ..store.objects import ObjectInfo, Store
+from . import fetch
 
 MANIFEST = ".appliance-manifest.json"
 JOURNAL = ".appliance-manifest.journal"  # one line per verified file, so a killed run loses nothing
 STAGING = ".appliance-staging"  # downloads in progress, on the same file system; no object can be staged there
 PREFIX = ".appliance-manifest.prefix"  # the prefix the manifest's names were staged from (their paths follow it)
 RESERVED = {MANIFEST, JOURNAL, STAGING, PREFIX, f".{MANIFEST}.tmp", f".{PREFIX}.tmp"}
-LARGE = 64 * 1024**2  # objects above this are fetched as parallel ranged GETs
-RANGE = 16 * 1024**2
-MAX_RANGE = 2 * RANGE  # a part or segment up to this size is one GET
-# ... and so is one up to this share of the large objects' bytes to fetch: with 8 or more of them, the parallel GETs
-# come from the objects, and each object's MD5 is taken as its bytes come, with no read back of the page cache
-WHOLE_SHARE = 8
 DISK_MARGIN = 256 * 1024**2  # leave this much free
-
-
-class Corrupt(Exception):
-    pass
-
-
-class Recheck(Exception):
-    """No rule gave a multipart object's part sizes: fetch it again, to tell a damaged transfer (the two differ)
-    from bytes the store holds but cannot be checked against its ETag (the two agree)."""
 
 
 @dataclass
@@ -224,41 +203,6 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-class _Left:
-    """The objects a stage has left to place, and the first error: what the stage waits for."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.error: BaseException | None = None
-        self.lock = threading.Lock()
-        self.over = threading.Event()
-        if not n:
-            self.over.set()
-
-    def one_done(self) -> None:
-        with self.lock:
-            self.n -= 1
-            if not self.n:
-                self.over.set()
-
-    def fail(self, e: BaseException) -> None:
-        with self.lock:
-            self.error = self.error or e
-        self.over.set()
-
-    def run(self, fn: Callable, *args) -> None:
-        """``fn(*args)`` in a pool's thread: what it raises ends the stage."""
-        try:
-            fn(*args)
-        except BaseException as e:
-            self.fail(e)
-
-    def wait(self) -> None:
-        self.over.wait()
-        if self.error is not None:
-            raise self.error
-
-
 class _Progress:
     def __init__(self, total_files: int, total_bytes: int, cb: Callable[[dict], None] | None, every: float = 0.5):
         self.files = self.bytes = 0
@@ -317,14 +261,17 @@ def dataset_objects(store: Store, prefix: str, consequence: str) -> tuple[list[O
 
 def stage(store: Store, prefix: str, dest: str | Path, *, mode: str = "full", rank: int = 0, nodes: int = 1,
           concurrency: int = 16, retries: int = 4, progress: Callable[[dict], None] | None = None,
-          keep_names: bool = False, keep_extra: bool = False) -> StageResult:
+          keep_names: bool = False, keep_extra: bool = False, processes: int | None = None) -> StageResult:
+    """Stage what ``prefix`` names into ``dest`` (the module's docstring says how). ``concurrency``: GETs at once
+    on this node; ``processes``: how many processes share them (None: fetch.processes decides, by the cores)."""
     t0 = time.monotonic()
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     lock = _only_stager(dest)
     try:
         return _stage(store, prefix, dest, t0, mode=mode, rank=rank, nodes=nodes, concurrency=concurrency,
-                      retries=retries, progress=progress, keep_names=keep_names, keep_extra=keep_extra)
+                      retries=retries, progress=progress, keep_names=keep_names, keep_extra=keep_extra,
+                      processes=processes, keep_fds=() if lock is None else (lock,))
     finally:
         if lock is not None:
             os.close(lock)  # and with it the lock
@@ -361,7 +308,7 @@ def _make_dirs(dest: Path, dirs) -> None:
 
 def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank: int, nodes: int,
            concurrency: int, retries: int, progress: Callable[[dict], None] | None, keep_names: bool,
-           keep_extra: bool) -> StageResult:
+           keep_extra: bool, processes: int | None, keep_fds: tuple[int, ...]) -> StageResult:
     listing, prefix = dataset_objects(store, prefix, "nothing was staged")
     markers = [o for o in listing if is_dir_marker(o, prefix)]
     mine = select([o for o in listing if not is_dir_marker(o, prefix)], mode=mode, rank=rank, nodes=nodes)
@@ -397,345 +344,23 @@ def _stage(store: Store, prefix: str, dest: Path, t0: float, *, mode: str, rank:
     shutil.rmtree(staging, ignore_errors=True)  # leftovers of a killed run
     staging.mkdir()
     prog = _Progress(len(todo), need, progress)
-    one_get = max(MAX_RANGE, sum(o.size for o in todo if o.size >= LARGE) // WHOLE_SHARE)
-    mlock = threading.Lock()
-    journal = os.open(dest / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    left = _Left(len(todo))
-    big_pool = ThreadPoolExecutor(max_workers=concurrency)  # ranged parts of large objects
-    seen: dict[str, bytes] = {}  # multipart objects no part-size rule verified: their parts' MD5s, per fetch
+    job = fetch.Job(store, dest, paths, staging, dest / JOURNAL, concurrency=concurrency, retries=retries,
+                    one_get=fetch.one_get_for(todo))
     _make_dirs(dest, {paths[o.name].parent for o in todo})  # each directory the files go into, made once here
+    procs = fetch.processes(len(todo)) if processes is None else processes
 
-    def place(o: ObjectInfo, part: Path, verified: bool, rechecked: bool) -> None:
-        """A fetched and checked object under its name, recorded (the journal line a killed run resumes from)."""
-        target = dest / paths[o.name]
-        os.replace(part, target)
-        rec = [o.size, o.etag, os.stat(target).st_mtime_ns]
-        with mlock:
-            if not verified:
-                res.size_only.append(o.name)
-            elif rechecked:  # the first fetch did not verify and the second did: the first was damaged
-                res.corrupt_refetched += 1
-            res.files_fetched += 1
-            res.bytes_fetched += o.size
-            manifest[o.name] = rec
-            os.write(journal, (json.dumps([o.name, *rec]) + "\n").encode())
+    def placed(name: str, rec: list) -> None:
+        manifest[name] = rec
         prog.add(files=1)
-        left.one_done()
 
-    def failed(o: ObjectInfo, part: Path, attempt: int, err: str, corrupt: bool) -> None:
-        """A try that failed: counted, its download removed; the last one's error raised."""
-        with mlock:
-            res.retries += 1
-            res.corrupt_refetched += corrupt
-        part.unlink(missing_ok=True)
-        if attempt == retries:
-            raise ApplianceError(f"could not fetch {o.name!r} after {retries + 1} tries ({err})",
-                                 "check the object store; re-running stage resumes where it stopped")
-
-    def fetch(o: ObjectInfo) -> None:
-        # in the staging directory, under a name no object can have: `x` never writes over object `x.part`; and
-        # this process's own: another stager on the same directory may unlink it, never truncate it under this one
-        part = staging / f"{hashlib.sha256(o.name.encode()).hexdigest()}.{os.getpid()}.part"
-        attempt, rechecked, pause = 0, False, False
-        while True:
-            if pause:
-                time.sleep(min(8.0, 0.2 * 2 ** (attempt - 1)) * (0.5 + random.random()))  # backoff before a retry
-            try:
-                place(o, part, _fetch_one(store, o, part, big_pool, prog, seen, one_get), rechecked)
-                return
-            except Recheck:
-                part.unlink(missing_ok=True)
-                rechecked = True  # not a failure: the second fetch decides, at once
-                pause = False
-                continue
-            except Corrupt:
-                failed(o, part, attempt, "checksum mismatch", True)
-            except FileNotFoundError as e:
-                if e.filename is not None:  # a local path (the store says a missing object with none)
-                    raise ApplianceError(f"{e.filename} was removed while {o.name!r} was staged into it",
-                                         f"let nothing else write into {dest} while stage runs, then re-run "
-                                         "stage") from None
-                raise ApplianceError(f"object {o.name!r} vanished from the store while staging", "re-run stage") from None
-            except ApplianceError:
-                raise
-            except Exception as e:  # network errors, 5xx: retry with backoff
-                failed(o, part, attempt, f"{type(e).__name__}: {e}", False)
-            attempt += 1
-            pause = True
-
-    # the fetching threads take objects from one queue, the largest first
-    work: queue.SimpleQueue = queue.SimpleQueue()
-    stopping = threading.Event()
-
-    def worker() -> None:
-        while (o := work.get()) is not None and not stopping.is_set():
-            left.run(fetch, o)
-
-    for o in sorted(todo, key=lambda o: -o.size):
-        work.put(o)
-    threads = [threading.Thread(target=worker, name=f"stage-{i}", daemon=True)
-               for i in range(min(concurrency, len(todo)))]
     try:
-        for t in threads:
-            t.start()
-        left.wait()
+        got = fetch.fetch(job, todo, lambda n: prog.add(n), placed, procs=procs, keep_fds=keep_fds)
     finally:
-        stopping.set()  # after a failure, what is queued is not fetched
-        for _ in threads:
-            work.put(None)
-        for t in threads:
-            if t.is_alive():
-                t.join()
-        big_pool.shutdown(wait=True)
-        with mlock:
-            os.close(journal)
-            _save_manifest(dest, manifest, prefix)
+        _save_manifest(dest, manifest, prefix)  # what was placed, even when the stage failed
         shutil.rmtree(staging, ignore_errors=True)
+    res.files_fetched, res.bytes_fetched = len(got.recs), got.bytes
+    res.retries, res.corrupt_refetched, res.size_only = got.retries, got.corrupt_refetched, sorted(got.size_only)
     res.files_removed = removed
     prog.add(force=True)
     res.seconds = time.monotonic() - t0
     return res
-
-
-def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
-               seen: dict[str, bytes] | None, one_get: int) -> bool:
-    """Fetch ``o`` into ``part`` and verify it; raise Corrupt when it does not verify. Returns False when its
-    content could be checked only by size: an SLO whose segments the store does not show (Ceph RGW gives no
-    manifest, and its segments are not where uploads put them), or an S3 multipart object whose part sizes neither
-    the store nor any known upload tool's rule gives. ``one_get``: a part, segment or object up to this many bytes
-    is one GET (_fetch_ranges)."""
-    etag = o.etag.strip('"')
-    n_parts = part_count(etag)
-    if o.size >= LARGE or n_parts is not None:
-        want = store.crc32(o.name, etag)  # a HEAD: our uploads' CRC-32 for these bytes, if it holds (CRC_META)
-        if want is not None:
-            if _fetch_crc(store, o, part, pool, prog, one_get) != want:
-                raise Corrupt(o.name)
-            return True
-    if n_parts is not None:
-        return _fetch_multipart(store, o, part, pool, prog, etag, n_parts, seen, one_get)
-    if o.size >= LARGE:
-        segments = store.slo_segments(o.name) if store.scheme == "swift" else None
-        if segments:  # one ranged GET per segment, each checked against the segment's MD5
-            hashes = _fetch_ranges(store, o, part, pool, prog, [s["bytes"] for s in segments], one_get=one_get)
-            if [h.hexdigest() for h in hashes] != [s["hash"] for s in segments] or slo_etag(segments) != etag:
-                raise Corrupt(o.name)
-            return True
-        hashes = _fetch_ranges(store, o, part, pool, prog, [o.size], hashed=segments is None, one_get=one_get)
-        if segments is None and hashes[0].hexdigest() != etag:
-            raise Corrupt(o.name)
-        return segments is None
-    check = _Check(etag)
-
-    def sink(view: memoryview) -> None:
-        check.update(view)
-        prog.add(len(view))
-
-    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        n, headers = store.fetch(o.name, fd, 0, sink, on_headers=check.headers)
-    finally:
-        os.close(fd)
-    if n != o.size:
-        raise Corrupt(o.name)
-    if check.crc is not None:
-        if check.crc.value != check.want:
-            raise Corrupt(o.name)
-        return True
-    h = check.md5 or hashlib.md5()
-    if segmented(headers):
-        segments = store.slo_segments(o.name) or []
-        if not segments:
-            return False
-        if sum(seg["bytes"] for seg in segments) != o.size or slo_etag(segments) != etag:
-            raise Corrupt(o.name)
-        got = _md5_layout(part, [seg["bytes"] for seg in segments])
-        if [d.hex() for d in got] != [seg["hash"] for seg in segments]:
-            raise Corrupt(o.name)
-    elif h.hexdigest() != etag:
-        raise Corrupt(o.name)
-    return True
-
-
-def _fetch_multipart(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress, etag: str,
-                     n: int, seen: dict[str, bytes] | None, one_get: int) -> bool:
-    """An S3 multipart object (ETag ``<md5>-N``): fetched part by part, each part hashed as it is written, the
-    parts' MD5s checked against the ETag (store/parts.py). The part sizes: the store's (``partNumber``), else the
-    first of the upload tools' rules; when that does not give the ETag, the file is hashed again (page cache) for
-    the other rules. None gives it: with the store's own part sizes the bytes are wrong (Corrupt, fetched again);
-    without them, it is fetched a second time (Recheck): parts that hash differently mean a damaged transfer
-    (Corrupt), the same hashes twice mean the store's bytes in a layout no rule knows, checked by size only (False;
-    the summary names it)."""
-    told = store.part_sizes(o.name, n)
-    layouts = ([told] if told else []) + [layout(o.size, p) for p in guesses(o.size, n)]
-    layouts = [x for i, x in enumerate(layouts) if sum(x) == o.size and x not in layouts[:i]]
-    if not layouts:  # no rule gives N parts of this size: nothing to check the bytes against
-        _fetch_ranges(store, o, part, pool, prog, [o.size], hashed=False)
-        return False
-    hashes = _fetch_ranges(store, o, part, pool, prog, layouts[0], one_get=one_get)
-    if multipart_etag(h.digest() for h in hashes) == etag:
-        return True
-    if told is not None:  # the store answers partNumber: ask it for every part, should they differ in size
-        every = store.part_sizes(o.name, n, every=True)
-        if every and every not in layouts:
-            layouts.append(every)
-    for sizes in layouts[1:]:
-        if multipart_etag(_md5_layout(part, sizes)) == etag:
-            return True
-    if told is not None:
-        raise Corrupt(o.name)
-    if seen is None:
-        return False
-    mine = b"".join(h.digest() for h in hashes)
-    before, seen[o.name] = seen.get(o.name), mine
-    if before == mine:
-        return False
-    raise Recheck(o.name) if before is None else Corrupt(o.name)
-
-
-def _md5_layout(part: Path, sizes: list[int]) -> list[bytes]:
-    """The MD5 of each of the consecutive ``sizes`` of the file ``part`` (read back: the page cache). Corrupt if the
-    file is shorter."""
-    fd = os.open(part, os.O_RDONLY)
-    try:
-        return [md5_range(fd, a, k).digest() for a, k in zip(itertools.accumulate(sizes[:-1], initial=0), sizes)]
-    except OSError:
-        raise Corrupt(part.name) from None
-    finally:
-        os.close(fd)
-
-
-class _Check:
-    """How one GET's bytes are checked: by the CRC-32 in the answer's CRC_META when it holds for this ETag (what our
-    uploads write; 5x an MD5's speed), else by their MD5. Decided by the headers, before the first byte."""
-
-    def __init__(self, etag: str):
-        self.etag = etag
-        self.want: int | None = None
-        self.crc: Crc32 | None = None
-        self.md5 = None
-
-    def headers(self, h: dict) -> None:
-        if self.crc is None and self.md5 is None:
-            self.want = crc_from(h, self.etag)
-            self.crc = Crc32() if self.want is not None else None
-
-    def update(self, view: memoryview) -> None:
-        if self.crc is not None:
-            self.crc.update(view)
-            return
-        if self.md5 is None:
-            self.md5 = hashlib.md5()
-        self.md5.update(view)
-
-
-def _get_pieces(store: Store, o: ObjectInfo, fd: int, pool: ThreadPoolExecutor, prog: _Progress,
-                pieces: list[tuple[int, int, Callable[[memoryview], None] | None]]) -> None:
-    """GET each (offset, size, update) piece of ``o`` into ``fd`` in parallel: ``update`` sees its bytes as they
-    are written. Returns once no piece writes to ``fd`` any more."""
-    def one(off, size, update):
-        def sink(view: memoryview) -> None:
-            if update is not None:
-                update(view)
-            prog.add(len(view))
-
-        n, _ = store.fetch(o.name, fd, off, sink, start=off, end=off + size - 1)
-        if n != size:
-            raise Corrupt(o.name)
-
-    futs = [pool.submit(one, *piece) for piece in pieces]
-    try:
-        for f in futs:
-            f.result()
-    finally:
-        for f in futs:  # the fd stays open until no range writes to it any more
-            f.cancel()
-        wait(futs)
-
-
-def _fetch_ranges(store, o, part, pool, prog, groups: list[int], *, hashed: bool = True,
-                  one_get: int = MAX_RANGE) -> list:
-    """Fetch ``o`` into ``part`` as parallel ranged GETs and return the MD5 (hashlib) of each group: consecutive
-    byte counts that add up to the object (SLO segments, multipart parts, or the whole object); Nones when not
-    ``hashed``. A group larger than ``one_get`` bytes (MAX_RANGE or more) is RANGE-sized GETs, hashed from the page
-    cache once they are in (an MD5 cannot be split), the groups in parallel; consecutive smaller ones share a GET of
-    up to ``one_get`` bytes and are hashed as its bytes pass (_gets, _split)."""
-    each, gets = _gets(groups, one_get)
-    hashes = [hashlib.md5() for _ in groups] if hashed else [None] * len(groups)
-    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, o.size)
-        _get_pieces(store, o, fd, pool, prog, [(a, k, _split(hashes, each, spans) if hashed else None)
-                                               for a, k, spans in gets])
-        later = [g for g, pieces in enumerate(each) if hashed and len(pieces) > 1]
-        offsets = [pieces[0][0] for pieces in each]
-        list(pool.map(lambda g: md5_range(fd, offsets[g], groups[g], hashes[g]), later))
-    finally:
-        os.close(fd)
-    return hashes
-
-
-def _gets(groups: list[int], one_get: int) -> tuple[list[list[tuple[int, int]]], list[tuple[int, int, list]]]:
-    """(each group's (offset, size) pieces, the GETs: (offset, size, [(group, piece, bytes), ...] in the order the
-    GET's bytes come)). A group above ``one_get`` is RANGE-sized pieces, a GET each; consecutive groups up to
-    ``one_get`` are one piece each, as many in one GET as fit in ``one_get`` bytes: 8 objects of 256 MiB uploaded in
-    8 MiB parts were 256 GETs of a part each, and are 8 (one each when ``one_get`` is the object's size)."""
-    each, gets, off, open_get = [], [], 0, False  # open_get: the last GET takes more small groups
-    for g, size in enumerate(groups):
-        if size > one_get:
-            pieces = [(a, min(RANGE, off + size - a)) for a in range(off, off + size, RANGE)]
-            gets += [(a, k, [(g, j, k)]) for j, (a, k) in enumerate(pieces)]
-            open_get = False
-        else:
-            pieces = [(off, size)]
-            if size:
-                if open_get and gets[-1][1] + size <= one_get:
-                    a, k, spans = gets[-1]
-                    gets[-1] = (a, k + size, spans + [(g, 0, size)])
-                else:
-                    gets.append((off, size, [(g, 0, size)]))
-                    open_get = True
-        each.append(pieces)
-        off += size
-    return each, gets
-
-
-def _split(hashes: list, each: list[list[tuple[int, int]]],
-           spans: list[tuple[int, int, int]]) -> Callable[[memoryview], None]:
-    """What one GET calls with each piece it wrote: the bytes told, in order, to the MD5s of the groups the GET
-    covers whole (``spans``: (group, piece, bytes)); a group in several pieces is hashed once they are all in
-    (_fetch_ranges). Bytes past the last span are the GET's error, said by its length check."""
-    at = [0, spans[0][2]]  # the span now, its bytes not yet told
-
-    def sink(view: memoryview) -> None:
-        o, k = 0, len(view)
-        while k and at[0] < len(spans):
-            g = spans[at[0]][0]
-            n = min(k, at[1])
-            if n and len(each[g]) == 1:
-                hashes[g].update(view[o:o + n])
-            o, k, at[1] = o + n, k - n, at[1] - n
-            if not at[1]:
-                at[0] += 1
-                if at[0] < len(spans):
-                    at[1] = spans[at[0]][2]
-    return sink
-
-
-def _fetch_crc(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, prog: _Progress,
-               one_get: int = MAX_RANGE) -> int:
-    """Fetch ``o`` into ``part`` (one GET up to ``one_get`` bytes, else RANGE-sized GETs in parallel) and return
-    its CRC-32: each range's taken as it arrives, then combined (crc32_combine), so no range waits for the ones
-    before it and no byte is read back."""
-    pieces = _gets([o.size], one_get)[0][0]  # one GET, or RANGE-sized ones
-    crcs = [Crc32() for _ in pieces]
-    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, o.size)
-        _get_pieces(store, o, fd, pool, prog, [(a, k, c.update) for (a, k), c in zip(pieces, crcs) if k > 0])
-    finally:
-        os.close(fd)
-    crc = 0
-    for c in crcs:
-        crc = crc32_combine(crc, c.value, c.size)
-    return crc

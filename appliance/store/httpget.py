@@ -1,15 +1,15 @@
 """The stager's HTTP: GET an object's bytes into a file, and small requests (listings, HEADs, a token's POST),
-through urllib3, the HTTP client requests, swiftclient and boto3 stand on.
+through the standard library's http.client (the client urllib3, and so requests, swiftclient and boto3, stand on),
+its public API only.
 
-One pool manager per proxy and CA bundle keeps connections alive per host, shared by the stager's threads. A body
-comes in pieces of ``CHUNK`` bytes: each is written at its place in the file (``os.pwrite``) and shown to ``sink``
-(hashing, progress). hashlib, zlib-ng, the ssl module and the socket reads let go of the GIL for pieces this size, so
-a node's cores work in parallel with no C of ours. Swift and S3 differ only in how a request is authorised (a token
-header; a signed URL), which the stores own.
-
-A failure is said in the terms the rest of the package reads (``objects._transient``, ``unreachable``): an answer
-that is not 2xx is ``HTTPError`` with its status; no answer at all is the OSError under urllib3's exception (a
-refused connection, a reset, an untrusted certificate), else ConnectionError or TimeoutError with urllib3's words.
+Each thread keeps one connection alive per host (``_connection``), made again when the server closed it. A body is
+read into one reused buffer per thread (``HTTPResponse.readinto``: no new object per piece), written at its place in
+the file (``os.pwrite``) and shown to ``sink`` (hashing, progress), ``CHUNK`` bytes at a time. The ssl module, the
+socket reads, hashlib and zlib-ng let go of the GIL for pieces this size, so a node's cores work side by side with no
+C of ours (node/fetch.py adds processes). Swift and S3 differ only in how a request is authorised (a token header;
+a signed URL), which the stores own. A failure is an ``HTTPError`` with its status for an answer that is not 2xx,
+else OSError (a refused connection, a reset, an untrusted certificate, a timeout) or http.client's errors (a body
+cut short: IncompleteRead), which ``objects._transient`` reads as worth asking again.
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ from __future__ import annotations
 import base64
 import http.client
 import os
+import ssl
 import threading
 import urllib.request
 from collections.abc import Callable
 from urllib.parse import unquote, urlsplit
 
-import urllib3
-
-from .tcp import quickack, quickack_pools
+from .tcp import quickack
 
 CHUNK = 1 << 20  # bytes of a body read, written and hashed at a time: large enough that the GIL is let go of
 
@@ -53,7 +52,7 @@ def _ca_file() -> str | None:
         return None
 
 
-def _proxy(scheme: str, netloc: str) -> tuple[str, dict] | None:
+def _find_proxy(scheme: str, netloc: str) -> tuple[str, dict] | None:
     """The proxy the environment names for this URL's scheme and host (HTTP_PROXY, HTTPS_PROXY, NO_PROXY, as
     requests, and so swiftclient and boto3, read them): (proxy host:port, its Proxy-Authorization header), or None.
     The listing and the GETs then take the same way out."""
@@ -73,108 +72,141 @@ def _proxy(scheme: str, netloc: str) -> tuple[str, dict] | None:
     return f"{p.hostname}:{p.port or 80}", auth
 
 
-_managers: dict = {}
 _lock = threading.Lock()
+_routes: dict = {}  # (scheme, netloc) -> (proxy, CA bundle): read from the environment once (it walks os.environ)
+_contexts: dict = {}  # CA bundle -> SSLContext, shared by every thread
+_local = threading.local()  # this thread's connections and buffer
 
 
-def _manager(scheme: str, netloc: str) -> urllib3.PoolManager:
-    """The pool manager for this URL: through the environment's proxy (https tunnels with CONNECT, so the proxy
-    sees neither path nor headers; http asks it for the absolute URL), trusting the CA bundle named now. Its
-    connections ask for a quick ACK before each answer (tcp.py)."""
-    via, cafile = _proxy(scheme, netloc), _ca_file()
-    key = (via[0] if via else None, tuple(sorted(via[1].items())) if via else (), cafile)
+def _route(scheme: str, netloc: str) -> tuple:
+    got = _routes.get((scheme, netloc))
+    if got is None:
+        got = _routes[(scheme, netloc)] = (_find_proxy(scheme, netloc), _ca_file() if scheme == "https" else None)
+    return got
+
+
+def _context(cafile: str | None) -> ssl.SSLContext:
     with _lock:
-        m = _managers.get(key)
-        if m is None:
-            kw = {"num_pools": 32, "maxsize": 64, "ca_certs": cafile, "retries": False}
-            m = urllib3.ProxyManager(f"http://{via[0]}", proxy_headers=via[1], **kw) if via else \
-                urllib3.PoolManager(**kw)
-            m.pool_classes_by_scheme = quickack_pools()
-            _managers[key] = m
-    return m
+        ctx = _contexts.get(cafile)
+        if ctx is None:
+            ctx = _contexts[cafile] = ssl.create_default_context(cafile=cafile)
+    return ctx
+
+
+def _connection(scheme: str, netloc: str, timeout: float, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
+    """(this thread's connection to ``netloc``, whether it was used before). Through a proxy: https tunnels
+    (CONNECT; the proxy sees neither the path nor the headers), http asks the proxy for the absolute URL."""
+    conns = getattr(_local, "conns", None)
+    if conns is None:
+        conns = _local.conns = {}
+    via, cafile = _route(scheme, netloc)
+    key = (scheme, netloc, via[0] if via else None, cafile)
+    c = None if fresh else conns.get(key)
+    if c is not None and c.sock is not None:
+        c.sock.settimeout(timeout)
+        return c, True
+    if c is not None:  # closed after a Connection: close answer: http.client connects again on the next request
+        return c, False
+    old = conns.pop(key, None)
+    if old is not None:
+        old.close()
+    if scheme == "https":
+        c = http.client.HTTPSConnection(via[0] if via else netloc, timeout=timeout, context=_context(cafile))
+        if via:
+            c.set_tunnel(netloc, headers=via[1])
+    else:
+        c = http.client.HTTPConnection(via[0] if via else netloc, timeout=timeout)
+    conns[key] = c
+    return c, False
+
+
+def reset() -> None:
+    """Forget what was read from the environment (proxies, CA bundle) and this thread's connections."""
+    with _lock:
+        _routes.clear()
+        _contexts.clear()
+    for c in getattr(_local, "conns", {}).values():
+        c.close()
+    _local.conns = {}
 
 
 def _forked() -> None:
-    """In a forked child: the parent's pools (and their connections) are the parent's; this process makes its own."""
-    global _managers, _lock
-    _managers, _lock = {}, threading.Lock()
+    """In a forked child: the parent's connections are the parent's; this process makes its own."""
+    global _lock, _local
+    _lock, _local = threading.Lock(), threading.local()
 
 
 os.register_at_fork(after_in_child=_forked)
 
 
-def reset() -> None:
-    """Forget every pool (their connections close): the next request connects anew."""
-    with _lock:
-        gone = list(_managers.values())
-        _managers.clear()
-    for m in gone:
-        m.clear()
-
-
-# A kept-alive connection the server closed in the meantime is asked once more on a new one (GET and HEAD, as
-# urllib3 retries idempotent requests); any answer, a 5xx included, is returned as it is, to be judged by the caller
-_RETRY = urllib3.Retry(total=1, connect=1, read=1, status=0, other=0, redirect=False, raise_on_status=False,
-                       raise_on_redirect=False)
-
-
-def _no_answer(e: urllib3.exceptions.HTTPError) -> Exception:
-    """What urllib3 raised, in the terms ``objects._transient`` and ``unreachable`` read: the OSError under it
-    (refused, reset, a certificate not trusted), else a ConnectionError or TimeoutError with its words."""
-    if isinstance(e, urllib3.exceptions.MaxRetryError) and e.reason is not None:
-        e = e.reason
-    for c in (e, e.__cause__, e.__context__, *e.args):
-        if isinstance(c, (OSError, http.client.IncompleteRead)):
-            return c
-    if isinstance(e, urllib3.exceptions.TimeoutError):
-        return TimeoutError(str(e))
-    return ConnectionError(str(e))
-
-
-def _open(method: str, url: str, headers: dict, timeout: float, body: bytes | None = None):
+def _send(method: str, url: str, headers: dict, timeout: float, body: bytes | None = None):
+    """(connection, response) of one request on this thread's kept-alive connection to the URL's host; a
+    connection the server closed while idle is replaced once."""
     u = urlsplit(url)
-    try:
-        return _manager(u.scheme, u.netloc).request(
-            method, url, headers=headers, body=body, preload_content=False, decode_content=False, redirect=False,
-            retries=_RETRY, timeout=urllib3.Timeout(connect=timeout, read=timeout))
-    except urllib3.exceptions.HTTPError as e:
-        raise _no_answer(e) from e
+    path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+    via = _route(u.scheme, u.netloc)[0]
+    fresh = False
+    while True:
+        conn, reused = _connection(u.scheme, u.netloc, timeout, fresh)
+        try:
+            if via and u.scheme == "http":  # plain http through a proxy: the whole URL, with the proxy's headers
+                conn.request(method, f"http://{u.netloc}{path}", body=body, headers={**headers, **via[1]})
+            else:
+                conn.request(method, path, body=body, headers=headers)
+            quickack(conn.sock)  # Ceph RGW's body otherwise waits 40 ms for our ACK of its headers (tcp.py)
+            return conn, conn.getresponse()
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            if reused and not fresh:  # the server closed an idle keep-alive connection: one more try, new socket
+                fresh = True
+                continue
+            raise
 
 
-def _discard(resp) -> None:
-    """Close the answer's connection (its body is not read to the end) and give the slot back to its pool, which
-    connects anew on its next use."""
-    resp.close()
-    resp.release_conn()
+def _buffer() -> memoryview:
+    b = getattr(_local, "buf", None)
+    if b is None:
+        b = _local.buf = memoryview(bytearray(CHUNK))
+    return b
 
 
-def _sock(resp):
-    conn = resp.connection
-    return getattr(conn, "sock", None)
+def _body(conn, resp, hdrs: dict, each: Callable[[memoryview], None]) -> int:
+    """Read the answer's body into this thread's buffer, each full buffer (and the last part) to ``each``; the
+    bytes read. Raises IncompleteRead when fewer than its Content-Length came: http.client ends a body quietly when
+    the server closes early, and a body cut short is not a shorter answer."""
+    buf, n, have = _buffer(), 0, 0
+    while True:
+        quickack(conn.sock)  # a body's last short segment waits for the ACK of the ones before it, too
+        k = resp.readinto(buf[have:])
+        have += k
+        if have and (not k or have == len(buf)):
+            each(buf[:have])
+            n, have = n + have, 0
+        if not k:
+            break
+    length = hdrs.get("content-length")
+    if length is not None and "chunked" not in hdrs.get("transfer-encoding", "") and n != int(length):
+        conn.close()
+        raise http.client.IncompleteRead(b"", int(length) - n)
+    return n
 
 
 def request(method: str, url: str, headers: dict, *, timeout: float = 60.0, body: bytes | None = None) \
         -> tuple[int, dict, bytes]:
     """A small request (a listing page, a HEAD, a token's POST with its ``body``): (status, response headers with
-    lower-case names, body). Any status is returned; no answer raises (``_no_answer``), and so does a body that
-    ends before its Content-Length."""
-    resp = _open(method, url, headers, timeout, body)
+    lower-case names, body). Any status is returned; no answer, or a body cut short, raises."""
+    conn, resp = _send(method, url, headers, timeout, body)
+    hdrs = {k.lower(): v for k, v in resp.getheaders()}
+    chunks: list[bytes] = []
     try:
-        chunks = []
-        while True:
-            quickack(_sock(resp))  # a body's last short segment waits for the ACK of the ones before it, too
-            b = resp.read(CHUNK)
-            if not b:
-                break
-            chunks.append(b)
-    except urllib3.exceptions.HTTPError as e:
-        _discard(resp)
-        raise _no_answer(e) from e
+        if method == "HEAD":
+            resp.read()
+        else:
+            _body(conn, resp, hdrs, lambda view: chunks.append(bytes(view)))
     except BaseException:
-        _discard(resp)
+        conn.close()
         raise
-    resp.release_conn()
-    return resp.status, {k.lower(): v for k, v in resp.headers.items()}, b"".join(chunks)
+    return resp.status, hdrs, b"".join(chunks)
 
 
 def pwrite_all(fd: int, view, pos: int) -> None:
@@ -189,32 +221,27 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
              *, timeout: float = 60.0, on_headers: Callable[[dict], None] | None = None) -> tuple[int, dict]:
     """GET ``url`` and write its body to ``fd`` from ``offset`` on; ``sink`` sees each piece as it is written,
     ``on_headers`` a 2xx answer's headers (lower-case names) before the body. Returns (bytes written, those
-    headers). Raises HTTPError for a non-2xx answer, and for no answer or a body that ends before its
-    Content-Length what ``_no_answer`` says; OSError for the disk."""
-    resp = _open("GET", url, headers, timeout)
+    headers). Raises HTTPError for a non-2xx answer, IncompleteRead when the body ends early, OSError for the
+    network or the disk."""
+    conn, resp = _send("GET", url, headers, timeout)
+    hdrs = {k.lower(): v for k, v in resp.getheaders()}
+    pos = [offset]
+
+    def each(view: memoryview) -> None:
+        pwrite_all(fd, view, pos[0])
+        pos[0] += len(view)
+        if sink is not None:
+            sink(view)
+
     try:
-        hdrs = {k.lower(): v for k, v in resp.headers.items()}
         if resp.status >= 300:
-            raise HTTPError(resp.status, resp.reason or "", url)
+            raise HTTPError(resp.status, resp.reason, url)
         if on_headers is not None:
             on_headers(hdrs)
-        n = 0
-        while True:
-            quickack(_sock(resp))
-            b = resp.read(CHUNK)
-            if not b:
-                break
-            pwrite_all(fd, b, offset + n)
-            n += len(b)
-            if sink is not None:
-                sink(memoryview(b))
-    except urllib3.exceptions.HTTPError as e:
-        _discard(resp)
-        raise _no_answer(e) from e
+        n = _body(conn, resp, hdrs, each)
     except BaseException:
-        _discard(resp)  # the body is left unread: the connection cannot be reused
+        conn.close()  # the body is left unread: the connection cannot be reused
         raise
-    resp.release_conn()
     return n, hdrs
 
 
