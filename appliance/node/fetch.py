@@ -272,11 +272,12 @@ def _gather(kids, conns, on_bytes, on_placed) -> Fetched:
                     error = ApplianceError(f"a staging process stopped with exit code {kid.exitcode}",
                                            "re-run stage: it resumes where it stopped")
                 continue
-            if kind == "bytes":
-                on_bytes(msg[0])
-            elif kind == "placed":
-                got.recs[msg[0]] = msg[1]
-                on_placed(msg[0], msg[1])
+            if kind == "news":
+                if msg[0]:
+                    on_bytes(msg[0])
+                for name, rec in msg[1]:
+                    got.recs[name] = rec
+                    on_placed(name, rec)
             elif kind == "done":
                 f = msg[0]
                 got.bytes += f.bytes
@@ -300,33 +301,39 @@ def _child(job: Job, todo: list[ObjectInfo], threads: int, conn, alive_r: int, a
         os.close(fd)  # the stage's lock stays with the parent alone: it goes when the parent goes
     job.store.forked()  # the parent's connections are the parent's (httpget's pools: os.register_at_fork)
     threading.Thread(target=lambda: (os.read(alive_r, 1), os._exit(1)), daemon=True).start()
-    send_lock, pending, last = threading.Lock(), [0], [time.monotonic()]
+    lock, news, last = threading.Lock(), {"bytes": 0, "placed": []}, [time.monotonic()]
 
-    def send(*msg) -> None:
-        with send_lock:
-            conn.send(msg)
+    def flush(force: bool = False) -> None:
+        """What came and what was placed, to the parent in one message at most every 0.1 s (a message per object
+        cost the two processes more CPU than the object's own GET). Called with ``lock`` held."""
+        now = time.monotonic()
+        if force or now - last[0] >= 0.1:
+            if news["bytes"] or news["placed"]:
+                conn.send(("news", news["bytes"], news["placed"]))
+            news["bytes"], news["placed"], last[0] = 0, [], now
 
     def on_bytes(n: int) -> None:
-        with send_lock:
-            pending[0] += n
-            now = time.monotonic()
-            if now - last[0] >= 0.1:
-                conn.send(("bytes", pending[0]))
-                pending[0], last[0] = 0, now
+        with lock:
+            news["bytes"] += n
+            flush()
+
+    def on_placed(name: str, rec: list) -> None:
+        with lock:
+            news["placed"].append((name, rec))
+            flush()
 
     job = Job(**{**job.__dict__, "concurrency": threads})
     try:
-        got = _Threads(job, on_bytes, lambda name, rec: send("placed", name, rec)).run(todo)
+        got = _Threads(job, on_bytes, on_placed).run(todo)
+        msg = ("done", Fetched(bytes=got.bytes, retries=got.retries, corrupt_refetched=got.corrupt_refetched,
+                               size_only=got.size_only))
     except ApplianceError as e:
-        send("error", e.message, e.fix)
-        return
+        msg = ("error", e.message, e.fix)
     except BaseException as e:  # noqa: BLE001 - said to the parent, in one line
-        send("error", f"{type(e).__name__}: {e}", "re-run stage: it resumes where it stopped")
-        return
-    with send_lock:
-        conn.send(("bytes", pending[0]))
-    got.recs = {}
-    send("done", got)
+        msg = ("error", f"{type(e).__name__}: {e}", "re-run stage: it resumes where it stopped")
+    with lock:
+        flush(force=True)  # what was placed before a failure too: it stays placed and recorded
+        conn.send(msg)
 
 
 def _fetch_one(store: Store, o: ObjectInfo, part: Path, pool: ThreadPoolExecutor, on_bytes: Callable[[int], None],
