@@ -1,4 +1,4 @@
-"""The stager's data path (appliance/store/httpget.py on urllib3, sigv4.py on botocore's signer): bytes into the
+"""The stager's data path (appliance/store/httpget.py on http.client, sigv4.py on botocore's signer): bytes into the
 file at their place, failures said in the terms the stager retries on.
 
 Fast tier: a real HTTP server on 127.0.0.1 (http.server) and botocore as the judge of the S3 signature. The e2e

@@ -228,7 +228,7 @@ def test_doctor_on_a_gpu_machine_without_the_stack(monkeypatch):
 
 def test_the_node_bundle_is_the_package_and_holds_no_c(tmp_path):
     """`appliance up --install` ships the package, its lock and the install script; there is no C of ours to build
-    (issue 50: the stager is hashlib, urllib3 and processes)."""
+    (issue 50: the stager is http.client, hashlib and processes)."""
     from appliance.provision import install
 
     d = install.bundle(tmp_path / "b")

@@ -606,9 +606,9 @@ print(json.dumps({"listed": listed, "got": got, "head": st.head("a")["content-le
 
 
 @pytest.mark.parametrize("how", ["v1", "keystone"])
-def test_a_stagers_reads_and_their_token_import_urllib3_alone(tmp_path, how):
+def test_a_stagers_reads_and_their_token_import_neither_swiftclient_nor_requests(tmp_path, how):
     """A stager's reads (the listing, HEADs, GETs) and their token, from v1 auth or from Keystone with an
-    application credential (what Chameleon's nodes get), go through httpget's urllib3 pools. Through swiftclient the
+    application credential (what Chameleon's nodes get), go through httpget's connections. Through swiftclient the
     listing and the token imported swiftclient, requests and urllib3, and keystoneauth1 for a credential (0.15 s of
     CPU per staging on the Keystone path: bench/results/stage-swift-auth). The token comes from the catalog's
     public object-store endpoint in the credential's region, and a refused one is renewed."""

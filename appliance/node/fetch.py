@@ -14,6 +14,7 @@ manifest, an S3 multipart object part by part against its ETag (store/parts.py),
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -322,7 +323,7 @@ def _child(job: Job, todo: list[ObjectInfo], threads: int, conn, alive_r: int, a
             news["placed"].append((name, rec))
             flush()
 
-    job = Job(**{**job.__dict__, "concurrency": threads})
+    job = dataclasses.replace(job, concurrency=threads)
     try:
         got = _Threads(job, on_bytes, on_placed).run(todo)
         msg = ("done", Fetched(bytes=got.bytes, retries=got.retries, corrupt_refetched=got.corrupt_refetched,

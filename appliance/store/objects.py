@@ -1184,7 +1184,7 @@ class _Slice:
         return data
 
 
-HASH_THREADS = max(1, min(16, os.cpu_count() or 1))  # hashlib lets go of the GIL: parts hash on every core
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))  # hashlib lets go of the GIL: parts hash on every core
 
 
 def large_object_etags(p: Path, part_size: int, *, whole: bool = True) -> dict:

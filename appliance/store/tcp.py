@@ -47,20 +47,6 @@ def _quickack_pools(*pools) -> dict:
             for scheme, pool in zip(("http", "https"), pools)}
 
 
-_URLLIB3_CLASSES = None
-
-
-def quickack_pools() -> dict:
-    """urllib3's pool classes whose connections ask for quick ACKs before reading each answer (a PoolManager's
-    ``pool_classes_by_scheme``)."""
-    global _URLLIB3_CLASSES
-    if _URLLIB3_CLASSES is None:
-        from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
-
-        _URLLIB3_CLASSES = _quickack_pools(HTTPConnectionPool, HTTPSConnectionPool)
-    return _URLLIB3_CLASSES
-
-
 _ADAPTER_CLASS = None
 
 
@@ -70,8 +56,9 @@ def _adapter_class():
     global _ADAPTER_CLASS
     if _ADAPTER_CLASS is None:
         from requests.adapters import HTTPAdapter
+        from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-        classes = quickack_pools()
+        classes = _quickack_pools(HTTPConnectionPool, HTTPSConnectionPool)
 
         class QuickAckAdapter(HTTPAdapter):
             def init_poolmanager(self, *a, **kw):
