@@ -254,13 +254,45 @@ def delayed_acks(fn, n: int = 20) -> int:
     return _delayed_acks_sent() - before
 
 
+class VirtualClock:
+    """A module's ``time`` under test: the real clocks plus every sleep(), which returns at once, so a retry's
+    backoff up to its deadline is walked without waiting it out; the rest is the real time module."""
+
+    def __init__(self):
+        import time as real
+
+        self._real, self.slept = real, 0.0
+
+    def time(self) -> float:
+        return self._real.time() + self.slept
+
+    def monotonic(self) -> float:
+        return self._real.monotonic() + self.slept
+
+    def sleep(self, s: float) -> None:
+        self.slept += max(0.0, s)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.fixture
+def virtual_time(monkeypatch):
+    """``virtual_time(module)``: that module's ``time`` is a VirtualClock (returned) for the test."""
+    def use(module) -> VirtualClock:
+        clock = VirtualClock()
+        monkeypatch.setattr(module, "time", clock)
+        return clock
+    return use
+
+
 @contextlib.contextmanager
 def http_server(handler):
     """``http://127.0.0.1:PORT`` of a threaded http.server with ``handler``, shut down and closed on exit."""
     from http.server import ThreadingHTTPServer
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
     t.start()
     try:
         yield f"http://127.0.0.1:{srv.server_address[1]}"

@@ -129,7 +129,7 @@ class FaultProxy:
         self.server = ThreadingHTTPServer((bind_ip, 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://{bind_ip}:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
 
     def release(self) -> None:
         self.released.set()

@@ -45,7 +45,8 @@ def test_an_unreachable_keystone_is_one_short_line(tmp_path):
 
 
 @pytest.mark.parametrize("scheme", ["swift", "s3"])
-def test_an_object_store_that_does_not_answer_is_said_while_waiting_and_then_in_one_line(scheme, monkeypatch, said):
+def test_an_object_store_that_does_not_answer_is_said_while_waiting_and_then_in_one_line(scheme, monkeypatch, said,
+                                                                                        virtual_time):
     """`appliance data ls` against an endpoint where nothing listens: two silent minutes of retries, then an
     unexpected error (`ConnectionError: HTTPConnectionPool(...)`, `EndpointConnectionError: ...`, "report it")."""
     from appliance.data import listing
@@ -53,9 +54,8 @@ def test_an_object_store_that_does_not_answer_is_said_while_waiting_and_then_in_
     from appliance.store import objects
     from appliance.store.objects import StoreCreds
 
-    # long enough that the first try (over 0.5 s on a loaded machine when boto3 built its client and botocore
-    # retried a refused connection itself, leaving no second try to announce) leaves time to ask again
     monkeypatch.setattr(objects, "LIST_DEADLINE", 3.0)
+    clock = virtual_time(objects)  # the backoff's waits, not sat out
     url = f"http://127.0.0.1:{_closed_port()}"
     creds = StoreCreds(auth_url=f"{url}/auth/v1.0", user="u", key="k") if scheme == "swift" else \
         StoreCreds(s3_endpoint=url, s3_access_key="a", s3_secret_key="b")
@@ -65,9 +65,10 @@ def test_an_object_store_that_does_not_answer_is_said_while_waiting_and_then_in_
     assert str(e.value).startswith(f"cannot reach the object store at {url}") and "(Connection refused)" in str(e.value)
     assert "and the network" in e.value.fix
     assert len(said) == 1 and said[0].startswith(f"object store at {url}") and "asking again for up to" in said[0]
+    assert clock.slept > 0  # asked again after a backoff, not given up at the first refusal
 
 
-def test_the_stager_says_a_store_that_does_not_answer_in_one_line(tmp_path, monkeypatch, capsys):
+def test_the_stager_says_a_store_that_does_not_answer_in_one_line(tmp_path, monkeypatch, capsys, virtual_time):
     """On a node the same failure was `ConnectionError: HTTPConnectionPool(...)` with no fix, after two silent
     minutes of retries."""
     import io
@@ -78,6 +79,7 @@ def test_the_stager_says_a_store_that_does_not_answer_in_one_line(tmp_path, monk
     from appliance.store import objects
 
     monkeypatch.setattr(objects, "LIST_DEADLINE", 0.5)
+    virtual_time(objects)
     url = f"http://127.0.0.1:{_closed_port()}"
     job = {"url": "swift://data/x/", "dest": str(tmp_path / "d"), "mode": "full", "rank": 0, "nodes": 1,
            "creds": {"auth_url": f"{url}/auth/v1.0", "user": "u", "key": "k"}}
@@ -229,8 +231,11 @@ def test_check_online_asks_the_store_before_a_lease_is_paid_for(tmp_path):
     """A dataset URL with a typo was found only by `appliance stage`, after the lease and the nodes' boot (10-20
     minutes on Chameleon's bare metal); `appliance check` read the spec alone. `--online` asks the store: how many
     objects the URL names, whether checkpoint.url answers, and whether the run already has checkpoints."""
-    from conftest import write_spec
+    from click.testing import CliRunner
+
+    from appliance.cli import main
     from appliance.store.checkpoints import MANIFEST
+    from conftest import write_spec
 
     code = tmp_path / "code"
     code.mkdir()
@@ -241,13 +246,13 @@ def test_check_online_asks_the_store_before_a_lease_is_paid_for(tmp_path):
         (data / n).write_bytes(b"x" * 1000)
     ckpt = tmp_path / "ckpt"
 
-    def check(source: str, *more: str) -> subprocess.CompletedProcess:
+    def check(source: str, *more: str):
         spec = write_spec(tmp_path, "python x.py", code=code, name="onl",
                           extra=f"dataset: {{source: '{source}', dest: data}}\n"
                                 f"checkpoint: {{url: 'file://{ckpt}/', every_steps: 5}}\n")
-        return subprocess.run([sys.executable, "-m", "appliance.cli", "check", str(spec), *more],
-                              capture_output=True, text=True, env={**os.environ, "APPLIANCE_HOME": str(tmp_path)},
-                              timeout=120)
+        r = CliRunner().invoke(main, ["check", str(spec), *more], env={"APPLIANCE_HOME": str(tmp_path)})
+        r.returncode = r.exit_code
+        return r
 
     r = check(f"file://{data}/", "--online")
     assert r.returncode == 0, r.stderr

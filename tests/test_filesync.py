@@ -12,6 +12,13 @@ from appliance.node.filesync import Syncer
 from appliance.store.filesync import FileSet, safe_rel
 
 
+@pytest.fixture(autouse=True)
+def quick(monkeypatch):
+    """The syncer's poll and a final sync's quiet moment at a few ms (1 s each on a node): nothing here writes."""
+    monkeypatch.setattr(Syncer, "poll_s", 0.01)
+    monkeypatch.setattr(Syncer, "quiet_s", 0.01)
+
+
 @pytest.fixture
 def fs(tmp_path):
     return FileSet(f"file://{tmp_path / 'store'}/", "r", None)

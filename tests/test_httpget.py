@@ -271,7 +271,7 @@ def _serve(handler, wrap=None):
     srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     if wrap:
         srv.socket = wrap(srv.socket)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
     return srv
 
 

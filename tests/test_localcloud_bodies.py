@@ -131,7 +131,7 @@ def session(tmp_path: Path) -> list:
     creds = _credentials(tmp_path)
     cloud = Cloud(tmp_path, nodes=InstantNodes(tmp_path / "nodes"), pools={"compute_local": 3, "gpu_local": 1})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (server.Handler,), {"cloud": cloud}))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
     base = f"http://127.0.0.1:{httpd.server_address[1]}"
     out: list = []
     tok = ""

@@ -107,7 +107,7 @@ class _Vendordata:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/openstack/latest/vendor_data2.json"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
 
     def close(self):
         self.httpd.shutdown()
@@ -175,13 +175,13 @@ def test_a_slow_metadata_service_does_not_stop_a_job_whose_lease_was_extended(tm
     from appliance.node import vendordata
     from appliance.node.checkpointer import Checkpointer
 
-    monkeypatch.setattr(vendordata, "LIVE_TIMEOUT", 0.2)
+    monkeypatch.setattr(vendordata, "LIVE_TIMEOUT", 0.05)  # below the service's delay: a routine read times out
     monkeypatch.setattr(vendordata, "RECHECK_TIMEOUT", 10.0)
     cache = tmp_path / "vendordata2.json"
     old_end = time.time() + 60
     cache.write_text(json.dumps({"chameleon": {"lease_end": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(old_end))}}))
     monkeypatch.setattr(vendordata, "VENDORDATA", (str(cache),))
-    live = _Vendordata(time.time() + 7 * 86400, delay=0.6)  # extended, and slower than a routine read waits
+    live = _Vendordata(time.time() + 7 * 86400, delay=0.25)  # extended, and slower than a routine read waits
     try:
         vendordata.reset_live_backoff()
         near = lambda e: time.time() >= e - 600  # noqa: E731

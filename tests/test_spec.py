@@ -98,7 +98,10 @@ def test_cli_exit_code_2_and_one_line(tmp_path):
 
 
 def test_cli_check_ok():
-    r = subprocess.run([sys.executable, "-m", "appliance.cli", "check", str(ROOT / "examples" / "digits.yaml")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    from click.testing import CliRunner
+
+    from appliance.cli import main
+
+    r = CliRunner().invoke(main, ["check", str(ROOT / "examples" / "digits.yaml")])
+    assert r.exit_code == 0, r.output
     assert "2 rank(s)" in r.stdout

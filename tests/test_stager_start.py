@@ -120,8 +120,8 @@ def test_every_page_is_read_and_every_name_decoded(s3):
     assert [o.name for o in store(s3).list("z/")] == ["z/1", "z/2", "z/3"]
 
 
-def test_a_page_that_fails_transiently_is_asked_again(s3, monkeypatch):
-    monkeypatch.setattr(objects.time, "sleep", lambda s: None)
+def test_a_page_that_fails_transiently_is_asked_again(s3, monkeypatch, virtual_time):
+    virtual_time(objects)  # the backoff, not sat out
     FakeS3.fail = [(503, b"<Error><Code>ServiceUnavailable</Code></Error>"), (500, b"")]
     assert len(list(store(s3).list())) == len(NAMES)
     assert len(FakeS3.asked) == 5  # 2 failures and the 3 pages
@@ -134,8 +134,8 @@ def test_a_page_that_fails_transiently_is_asked_again(s3, monkeypatch):
     (200, b"<html><body>Welcome to nginx</body></html>", ApplianceError, "is not one"),
     (400, b"<Error><Code>InvalidArgument</Code></Error>", Exception, "HTTP 400 (InvalidArgument) for GET"),
 ])
-def test_a_refusal_or_a_wrong_answer_is_said_at_once(s3, monkeypatch, status, body, raised, said):
-    monkeypatch.setattr(objects.time, "sleep", lambda s: None)
+def test_a_refusal_or_a_wrong_answer_is_said_at_once(s3, monkeypatch, status, body, raised, said, virtual_time):
+    virtual_time(objects)  # the backoff, not sat out
     FakeS3.fail = [(status, body)] * 3
     with pytest.raises(raised) as e:
         list(store(s3).list())

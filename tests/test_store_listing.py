@@ -86,21 +86,21 @@ def test_rgw_pages_of_1000_are_all_read():
     assert [o.name for o in store(FakeConn(names)).list()] == names
 
 
-def test_transient_failures_of_a_page_are_retried(monkeypatch):
-    monkeypatch.setattr(objects.time, "sleep", lambda s: None)
+def test_transient_failures_of_a_page_are_retried(monkeypatch, virtual_time):
+    virtual_time(objects)  # the backoff, not sat out
     conn = FakeConn([f"o{i}" for i in range(5)], fail=[503, None, 500])
     assert len(list(store(conn).list())) == 5 and conn.calls == 5  # 3 failures, a page, the empty page
 
 
-def test_a_refusal_is_not_retried(monkeypatch):
-    monkeypatch.setattr(objects.time, "sleep", lambda s: None)
+def test_a_refusal_is_not_retried(monkeypatch, virtual_time):
+    virtual_time(objects)  # the backoff, not sat out
     conn = FakeConn(["a"], fail=[403])
     with pytest.raises(ApplianceError, match="refused access"):
         list(store(conn).list())
     assert conn.calls == 1
 
 
-def test_a_certificate_this_machine_does_not_trust_is_not_retried_and_is_said_as_such(monkeypatch):
+def test_a_certificate_this_machine_does_not_trust_is_not_retried_and_is_said_as_such(monkeypatch, virtual_time):
     """An https store (Chameleon's are) whose certificate no CA bundle here vouches for: the page was asked again
     for 2 minutes, then said as "cannot reach the object store ... check the network". Now one try, and the line
     says what failed and how to trust it. The texts are those ssl (the stager's requests) and requests (swiftclient's
@@ -109,7 +109,7 @@ def test_a_certificate_this_machine_does_not_trust_is_not_retried_and_is_said_as
 
     import requests
 
-    monkeypatch.setattr(objects.time, "sleep", lambda s: pytest.fail("a certificate failure was asked again"))
+    clock = virtual_time(objects)
     verify = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: "
                                              "self-signed certificate (_ssl.c:1006)")
     wrapped = requests.exceptions.SSLError(
@@ -125,7 +125,7 @@ def test_a_certificate_this_machine_does_not_trust_is_not_retried_and_is_said_as
     st = store(conn)
     with pytest.raises(ssl.SSLCertVerificationError):
         list(st.list())
-    assert conn.calls == 1
+    assert conn.calls == 1 and clock.slept == 0  # not asked again
     for err in (wrapped, verify):
         said = objects.unreachable(st, err)
         assert said.message == ("the object store at http://store.invalid/v1/AUTH_x sent a certificate this machine "

@@ -44,6 +44,9 @@ def note(msg: str) -> None:
 
 
 class Syncer:
+    poll_s = 1.0  # how often the STOP file and the interval are looked at
+    quiet_s = 1.0  # a final sync takes a file unchanged over this long as complete
+
     def __init__(self, root: Path, fs: FileSet, *, every_s: float, stop_file: Path | None, exclude: set[str],
                  keep: int = 2):
         self.root, self.fs, self.every_s, self.stop_file, self.exclude, self.keep = \
@@ -77,8 +80,8 @@ class Syncer:
         scan will come (``why``: "stop" when the STOP file appeared, "exit" when the process ends)."""
         with self.lock:
             now = self.scan()
-            if final:  # no later scan will come: one second of quiet makes a file complete
-                time.sleep(1.0)
+            if final:  # no later scan will come: a moment of quiet (quiet_s) makes a file complete
+                time.sleep(self.quiet_s)
                 again = self.scan()
                 stable = {r: v for r, v in again.items() if now.get(r) == v}
             else:
@@ -170,7 +173,7 @@ class Syncer:
     def run(self) -> None:
         next_at = time.monotonic() + self.every_s
         stopped = False
-        while not self.done.wait(1.0):
+        while not self.done.wait(self.poll_s):
             if not stopped and self.stop_file is not None and self.stop_file.exists():
                 stopped = True  # the lease end is near, or the user asked: commit now
                 self.failed = False

@@ -149,7 +149,7 @@ def _no_answer(e: BaseException) -> bool:
 
 
 def transient_retry(fn: Callable, *, deadline: float | None = None, reset: Callable[[], None] | None = None,
-                    sleep: Callable[[float], None] = time.sleep, note: Callable[[str], None] | None = None):
+                    note: Callable[[str], None] | None = None):
     """fn() until it succeeds, retrying transient failures with exponential backoff and jitter (0.2 s .. 8 s)
     for up to ``deadline`` seconds (LIST_DEADLINE); the last failure is raised. ``note`` hears of the first
     failure that is asked again (a wait of minutes is said, not silent)."""
@@ -168,7 +168,7 @@ def transient_retry(fn: Callable, *, deadline: float | None = None, reset: Calla
                 note = None
             if reset is not None:
                 reset()
-            sleep(min(delay, 8.0, max(0.0, t_end - time.monotonic())) * (0.5 + random.random()))  # backoff
+            time.sleep(min(delay, 8.0, max(0.0, t_end - time.monotonic())) * (0.5 + random.random()))  # backoff
             delay *= 2
 
 
