@@ -30,7 +30,7 @@ from .sites.local import (  # noqa: F401 (the simulator's verbs, for the CLI)
     cloud_start, cloud_status, cloud_stop, testbed_down, testbed_status, testbed_up)
 from .spec import Spec
 from .store.checkpoints import CheckpointStore
-from .store.objects import StoreRefused, parse_url, unreachable
+from .store.objects import StoreRefused, unreachable
 from .train.launch import JobResult, job_log, train
 
 log = report.get(__name__)
@@ -47,8 +47,8 @@ def site(kind: str, region: str | None = None) -> Site:
 
 
 def data_creds(url: str, kind: str, region: str | None = None):
-    """Credentials for an object-store URL on a site (none for file://)."""
-    return None if parse_url(url)[0] == "file" else open_site(kind, region).store_creds(url)
+    """Credentials for an object-store URL on a site (none for file://: Site.store_creds)."""
+    return open_site(kind, region).store_creds(url)
 
 
 # -- clusters -------------------------------------------------------------------------------------
@@ -162,8 +162,6 @@ def stage_to_nodes(spec: Spec, cluster: Cluster, url: str, dest: str, *, mode: s
     when staging ends; before, the nodes got this machine's Keystone token, which keystoneauth hands out until
     30 s before it expires (a long stage in a long-lived `appliance resume` could then fail with 401 midway), and
     which can do anything the user can for up to a day."""
-    if parse_url(url)[0] == "file":
-        return stage_cluster(cluster, url, dest, mode=mode, creds=None, out=out or log.info, **kw)
     creds, withdraw = for_spec(spec).job_store_creds(url, name=f"appliance-{spec.name}-stage",
                                                      lease_end=cluster.lease_end_at, say=log.info)
     try:

@@ -244,8 +244,15 @@ def _train_cli_with_ctrl_c(spec: str, cluster, when: str) -> tuple[int, list[str
     import sys
 
     cluster.save()  # the CLI finds it by name
-    p = subprocess.Popen([sys.executable, "-m", "appliance.cli", "train", spec, "--cluster", cluster.name],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    # as from a terminal: the CLI starts with SIGINT at its default, whatever this session inherited (a shell's
+    # `make test &` starts it ignored, an ignored signal stays so across exec, and Python then installs no
+    # KeyboardInterrupt handler: the Ctrl-C never arrived). A caught signal is reset to its default by exec.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "appliance.cli", "train", spec, "--cluster", cluster.name],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    finally:
+        signal.signal(signal.SIGINT, before)
     lines, sent = [], False
     try:
         for line in p.stdout:
@@ -303,7 +310,9 @@ def test_ctrl_c_ends_a_custom_loop_once_its_files_are_committed(cluster2, tb2, s
 
 @pytest.mark.slow
 def test_store_5xx_is_retried_and_a_dead_store_is_reported_loudly(cluster2, tb2, swift, st_env, reference,
-                                                                   tmp_path):
+                                                                   tmp_path, monkeypatch):
+    from appliance.store import runlock
+
     proxy = FaultProxy(swift.s3_endpoint, bind_ip=tb2.host_ip).start()
     try:
         st_env(proxy.url + "/auth/v1.0")
@@ -317,6 +326,9 @@ def test_store_5xx_is_retried_and_a_dead_store_is_reported_loudly(cluster2, tb2,
 
         # the store goes down for good after the first commit; a stop is requested with a short deadline
         out = Lines()
+        # the launcher's release of the run's lock at the end waits 5 s for the dead store, not a minute (it is
+        # best effort: the lock expires by itself; what is tested is the node's stop)
+        monkeypatch.setattr(runlock, "READ_WAIT", 5.0)
 
         def store_dies(line):
             proxy.down = True
@@ -653,14 +665,18 @@ def test_a_custom_loop_keeps_its_own_checkpoint_files_across_the_lease_end(cloud
     """Level 3: a custom Horovod loop (examples/custom_loop) writing ./checkpoint-N.h5 itself. Nothing stops it;
     at the stop request rank 0's working directory is committed to the store, the lease ends under the job (the
     report says so and names the synced files), and `appliance resume` puts the files back on a new lease before
-    the script starts: the script resumes from its newest file."""
-    epochs = 400
-    p = tmp_path / "loop.yaml"
-    p.write_text("\n".join([
-        "name: ckloop", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
-        "image: appliance-cpu", "train:", f"  code: {ROOT / 'examples' / 'custom_loop'}",
-        f"  command: python train.py --epochs {epochs}",
-        "checkpoint: {url: \"swift://ckpts/\", keep: 2}", "lease: {duration: 1h, stop_margin: 60s}"]) + "\n")
+    the script starts: the script resumes from its newest file. (The resumed job runs a few epochs more, not to
+    the first job's 400: its spec says so, as a user's may.)"""
+    def loop_spec(epochs: int) -> Path:
+        p = tmp_path / f"loop-{epochs}.yaml"
+        p.write_text("\n".join([
+            "name: ckloop", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
+            "image: appliance-cpu", "train:", f"  code: {ROOT / 'examples' / 'custom_loop'}",
+            f"  command: python train.py --epochs {epochs}",
+            "checkpoint: {url: \"swift://ckpts/\", keep: 2}", "lease: {duration: 1h, stop_margin: 60s}"]) + "\n")
+        return p
+
+    p = loop_spec(400)
     cl = flows.up(str(p))
     try:
         out = Lines()
@@ -674,7 +690,8 @@ def test_a_custom_loop_keeps_its_own_checkpoint_files_across_the_lease_end(cloud
         synced = [int(x.split("epoch ")[1].split("/")[0]) for x in out.lines if "] epoch " in x and "/400 loss" in x]
         assert synced, out.lines[-20:]
         said.clear()
-        res2 = resume("ckloop", out=said.append)
+        epochs = max(synced) + 3
+        res2 = resume("ckloop", spec_path=str(loop_spec(epochs)), out=said.append)
         assert res2.exit_code == 0, (res2.failure, said[-20:])
         assert any("new lease" in m for m in said)
         resumed = [int(m.split("resuming from epoch ")[1]) for m in said if "resuming from epoch " in m]

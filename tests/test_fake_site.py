@@ -335,6 +335,16 @@ def test_a_swift_job_on_keystone_gets_its_own_application_credential(monkeypatch
     assert len(cloud.verbs("create_app_cred")) == n
 
 
+def test_a_file_url_needs_no_credentials_and_asks_the_cloud_nothing():
+    """The file:// rule, written once (Site.store_creds, Site.job_store_creds): it was written four times, in
+    flows, checkpoint/resume.py, checkpoint/job.py and stage_to_nodes."""
+    cloud = FakeCloud()
+    site = FakeSite(cloud)
+    assert site.store_creds("file:///tmp/x/") is None
+    assert site.job_store_creds("file:///tmp/x/", name="x", lease_end=None) == (None, None)
+    assert not cloud.calls
+
+
 def test_a_swift_store_with_an_application_credential_renews_its_token_on_a_401(monkeypatch):
     """The node side of it: SwiftStore talks to Swift through swiftclient with a keystoneauth session on the
     application credential; the store's 401 invalidates the session's token and the request goes again with a

@@ -28,7 +28,7 @@ from ..sites import for_cluster, for_spec
 from ..store.filesync import FileSet
 from ..store.runlock import INTERVAL, LOCK, TTL, RunLock
 from ..store.checkpoints import CheckpointStore, retrying
-from ..store.objects import StoreRefused, parse_url
+from ..store.objects import StoreRefused
 from ..train.launch import JobContext, JobHooks, JobResult
 
 
@@ -86,10 +86,8 @@ class JobCheckpoints(JobHooks):
             env[Env.CKPT_EVERY_STEPS] = str(ck.every_steps)
         if ck.every_minutes:
             env[Env.CKPT_EVERY_MINUTES] = str(ck.every_minutes)
-        creds = None
-        if parse_url(ck.url)[0] != "file":
-            creds, self._withdraw_creds = job_store_creds(spec, ck.url, name=f"appliance-{spec.name}-{ctx.job_id}",
-                                                          lease_end=ctx.cluster.lease_end_at, say=self.say)
+        creds, self._withdraw_creds = job_store_creds(spec, ck.url, name=f"appliance-{spec.name}-{ctx.job_id}",
+                                                      lease_end=ctx.cluster.lease_end_at, say=self.say)
         try:
             return self._prepare_store(ctx, env, creds, fresh)
         except BaseException:

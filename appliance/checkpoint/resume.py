@@ -17,7 +17,6 @@ from ..errors import ApplianceError
 from ..sites import load_spec
 from ..spec import NAME_RE, Spec
 from ..store.checkpoints import CheckpointStore
-from ..store.objects import parse_url
 from . import runs
 from .job import store_creds
 from .. import report
@@ -26,8 +25,8 @@ log = report.get(__name__)
 
 
 def creds_for(spec: Spec, url: str):
-    """The credentials a URL of the run needs (none for file://)."""
-    return None if parse_url(url)[0] == "file" else store_creds(spec, url)
+    """The credentials a URL of the run needs (none for file://: Site.store_creds)."""
+    return store_creds(spec, url)
 
 
 def find_spec(run: str, spec_path: str | None = None, url: str | None = None, creds=None) -> Spec:

@@ -71,14 +71,17 @@ class Site(ABC):
         return 1.0
 
     # -- object store ----------------------------------------------------------------------------
-    def store_creds(self, url: str | None = None) -> StoreCreds:
-        """Object-store credentials for ``url`` (any URL of the site when None). Swift v1 variables (ST_AUTH,
+    def store_creds(self, url: str | None = None) -> StoreCreds | None:
+        """Object-store credentials for ``url`` (any URL of the site when None; None for a file:// URL, a directory
+        that needs none: the one place this rule is written). Swift v1 variables (ST_AUTH,
         ST_USER, ST_KEY) win when set; otherwise the site's own (`_site_store_creds`). S3 keys come from
         AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY with APPLIANCE_S3_ENDPOINT. For an s3:// URL without them, on a
         site whose store takes Keystone (Chameleon's RGW): the user's EC2 credential (the first Keystone lists, or a
         new one) and the object-store endpoint without its ``/swift...`` path, as Chameleon's own
         setup-cc-mount-object-store does (CC-Images elements/cc-rclone: ``openstack ec2 credential list`` or
         ``create``, ``${OS_STORAGE_URL%/swift*}``). No EC2 credential is made for any other URL."""
+        if url and parse_url(url)[0] == "file":
+            return None
         env = os.environ
         if env.get("ST_AUTH") and env.get("ST_USER") and env.get("ST_KEY"):
             creds = StoreCreds(auth_url=env["ST_AUTH"], user=env["ST_USER"], key=env["ST_KEY"])
@@ -106,8 +109,9 @@ class Site(ABC):
         return StoreCreds(storage_url=conn.object_store.get_endpoint(), token=conn.session.get_token())
 
     def job_store_creds(self, url: str, *, name: str, lease_end: dt.datetime | None,
-                        say: Callable[[str], None] = print) -> tuple[StoreCreds, Callable[[], None] | None]:
-        """What a job's nodes use for ``url``, and how to withdraw it when the job ends (None: nothing to withdraw).
+                        say: Callable[[str], None] = print) -> tuple[StoreCreds | None, Callable[[], None] | None]:
+        """What a job's nodes use for ``url``, and how to withdraw it when the job ends (None: nothing to withdraw;
+        (None, None) for a file:// URL).
 
         With Keystone credentials, an application credential of the job's own, made here, restricted (it cannot make
         application credentials or trusts), expiring APP_CRED_AFTER_LEASE after the lease end:
@@ -124,6 +128,8 @@ class Site(ABC):
         they are, scoped to the URL's scheme. When Keystone will not make one (a restricted credential in OS_CLOUD,
         a policy), the nodes get what this machine has and the job says what that means."""
         scheme = parse_url(url)[0]
+        if scheme == "file":
+            return None, None
         if scheme == "s3" and not _s3_keys_in_env():
             site = self._site_store_creds()
             if site.token and site.storage_url:
