@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make deploy   install, local cloud, digits to its Swift, up 2 nodes, stage, train until the lease ends, resume, down"
 	@echo "make test     install, then the import-layers contract and every test (multi-node ones included)"
-	@echo "make test-fast  the contract and the fast tier only (pytest -m \"not e2e\", about a minute here)"
+	@echo "make test-fast  the contract and the fast tier only (pytest -m \"not e2e\", about 30 s here)"
 	@echo "make install  only install (.venv with the pinned stack, Debian packages for the testbed)"
 	@echo "make bench    benchmarks: bench-train (appliance bench: throughput, scaling, launch overhead),"
 	@echo "              bench-stage (staging vs rclone/s5cmd/aws/swift), bench-ckpt (checkpoint overhead,"
@@ -80,7 +80,7 @@ test: install .venv-chi/.installed
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-# The fast tier: no root, no namespaces, no stores (about a minute here).
+# The fast tier: no root, no namespaces, no stores (about 30 s here).
 test-fast: install
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest -m "not e2e" $(PYTEST_ARGS)
