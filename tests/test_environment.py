@@ -53,3 +53,24 @@ def test_horovodrun_command_scrubs_the_launcher_environment(monkeypatch):
     assert "env -i " in cmd and "-H node1:1,node2:1" in cmd and "--network-interface eth0" in cmd
     assert "--start-timeout 60" in cmd and env["EPOCHS"] == "3" and env["APPLIANCE_JOB_ID"] == "j1"
     assert env["PATH"].startswith("/mnt/local/appliance/etc/bin:/venv/bin:")
+    assert " /venv/bin/python -m appliance.node.hvdrun -np 2 " in cmd and " --gloo " in cmd
+
+
+def test_the_launch_is_horovodrun_without_its_per_launch_build_probe(monkeypatch):
+    """horovodrun --gloo imported TensorFlow in a forked process at every launch to ask whether Horovod has Gloo
+    (horovod.common.util.gloo_built): 4 s of each job's start here. appliance.node.hvdrun answers it (the doctor
+    checks the build) and runs horovodrun's own entry point with the same arguments."""
+    import sys
+
+    from horovod.runner import launch
+
+    from appliance.node import hvdrun
+
+    seen = {}
+    monkeypatch.setattr(launch, "gloo_built", launch.gloo_built)  # put back after the test
+    monkeypatch.setattr(launch, "run_commandline", lambda: seen.update(gloo=launch.gloo_built(), prog=sys.argv[0],
+                                                                       args=sys.argv[1:]))
+    monkeypatch.setattr(sys, "argv", ["/venv/lib/python3.11/site-packages/appliance/node/hvdrun.py", "-np", "2",
+                                      "--gloo", "true"])
+    hvdrun.main()
+    assert seen == {"gloo": True, "prog": "horovodrun", "args": ["-np", "2", "--gloo", "true"]}

@@ -33,6 +33,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -224,6 +225,15 @@ def _kill_pids(pids: list[int], wait: float = 5.0) -> None:
             time.sleep(0.02)  # bounded wait for the kernel to finish the kills
 
 
+# A node's orphans (the detached job's wrapper once its SSH session has gone, a killed rank's children) are reaped at
+# once by its PID 1 (systemd on Chameleon's images). Here the host's PID 1 is theirs, and one that reaps late (this
+# VM's reaped after ~1.3 s) left each ended job a zombie that `tail --pid` took for alive. The node's sshd is made
+# their reaper: PR_SET_CHILD_SUBREAPER (prctl(2); kept across execve, so the process that execs down to `sshd -D`
+# keeps it), and OpenSSH's main_sigchld_handler reaps every child with waitpid(-1) (openssh-portable sshd.c, 9.2).
+_REAPS_ORPHANS = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(36, 1, 0, 0, 0); "  # 36: PR_SET_CHILD_SUBREAPER
+                  "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
 def _sshd_config(node: TestbedNode) -> str:
     d = node.dir
     return "\n".join([
@@ -389,8 +399,8 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
     )
     with open(d / "boot.log", "wb") as out:
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation", "private",
-             "sh", "-c", script],
+            [sys.executable, "-c", _REAPS_ORPHANS, "ip", "netns", "exec", ns, "unshare", "--uts", "--mount",
+             "--propagation", "private", "sh", "-c", script],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     node.sshd_pid = proc.pid
     keytype, key = node.host_key_pub.read_text().split()[:2]

@@ -195,8 +195,10 @@ def horovodrun_command(cluster: Cluster, spec: Spec, *, job_id: str, nic: str, p
     # one node: horovodrun runs every rank locally and wants the loopback interface, which --network-interface
     # (the peers' NIC) would exclude; ranks talk over loopback then
     nic_arg = f"--network-interface {shlex.quote(nic)} " if len(cluster.nodes) > 1 and not cluster.single_host else ""
+    # horovodrun, without the TensorFlow import it makes at every launch to ask whether Horovod has Gloo (4 s here;
+    # the doctor checks the build): appliance/node/hvdrun.py
     cmd = (f"cd {shlex.quote(code_dir(cluster, spec.name))} && exec env -i {assigns} "
-           f"{shlex.quote(venv_bin + '/horovodrun')} -np {cluster.world_size} -H {hosts} "
+           f"{shlex.quote(cluster.python)} -m appliance.node.hvdrun -np {cluster.world_size} -H {hosts} "
            f"{nic_arg}--start-timeout {spec.train.start_timeout} --gloo "
            f"{user_cmd}")
     return cmd, env
