@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .checkpoint.job import JobCheckpoints, refuse_if_running
-from .checkpoint.resume import choose_checkpoint, creds_for, find_spec
+from .checkpoint.resume import choose_checkpoint, find_spec
 from .checkpoint.runs import RunRecords, list_runs, record_resume, run_details, running_on  # noqa: F401 (CLI)
 from .cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
 from .data import dataset_summary, listing, pack_dir, remove, stage_cluster, unstaged, upload
@@ -92,10 +92,10 @@ def check_online(spec: Spec) -> dict:
     out: dict = {}
     if spec.dataset is not None:
         url = spec.dataset.source
-        out["dataset"] = dataset_summary(url, creds=creds_for(spec, url))
+        out["dataset"] = dataset_summary(url, creds=for_spec(spec).store_creds(url))
     ck = spec.checkpoint
     if ck is not None and ck.url:
-        cs = CheckpointStore(ck.url, spec.name, creds_for(spec, ck.url))
+        cs = CheckpointStore(ck.url, spec.name, for_spec(spec).store_creds(ck.url))
         state = {"url": ck.url, "container": "there", "committed": 0, "newest": None}
         try:
             try:
@@ -261,7 +261,8 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
         meta = {}
         log.info(f"[resume] run {run}: no committed checkpoint; the synced working directory (manifest {files['seq']}, "
                  f"{len(files['files'])} file(s)) is restored on the head node before the script runs")
-    refuse_if_running(spec, cs or CheckpointStore(spec.checkpoint.url, spec.name, creds_for(spec, spec.checkpoint.url)))
+    ck_url = spec.checkpoint.url
+    refuse_if_running(spec, cs or CheckpointStore(ck_url, spec.name, for_spec(spec).store_creds(ck_url)))
     if ck is not None:
         meta = cs.read_manifest(ck)["meta"]
         log.info(f"[resume] run {run}: checkpoint {ck.name} (step {ck.step}, epoch {meta['epoch']}, batch "
@@ -338,7 +339,7 @@ def synced_files(spec: Spec) -> dict | None:
     if not spec.checkpoint.url:
         return None
     with report.prefixed("[resume] "):
-        return FileSet(spec.checkpoint.url, spec.name, creds_for(spec, spec.checkpoint.url)).newest_good()
+        return FileSet(spec.checkpoint.url, spec.name, for_spec(spec).store_creds(spec.checkpoint.url)).newest_good()
 
 
 def plot_run(run: str, path: str | None = None, *, spec_path: str | None = None) -> dict:

@@ -24,11 +24,6 @@ from .. import report
 log = report.get(__name__)
 
 
-def creds_for(spec: Spec, url: str):
-    """The credentials a URL of the run needs (none for file://: Site.store_creds)."""
-    return store_creds(spec, url)
-
-
 def find_spec(run: str, spec_path: str | None = None, url: str | None = None, creds=None) -> Spec:
     """The run's spec: ``spec_path``, else the one its run record names, else the copy saved beside its checkpoints
     at ``url`` (read with ``creds``: the store of the site the user points at)."""
@@ -89,7 +84,7 @@ def choose_checkpoint(spec: Spec):
     if not url:
         raise ApplianceError(f"run {spec.name!r} has no checkpoint.url in its spec, so there is nothing to resume",
                              "add checkpoint: {url: swift://checkpoints/} and start it with `appliance train`")
-    cs = CheckpointStore(url, spec.name, creds_for(spec, url))
+    cs = CheckpointStore(url, spec.name, store_creds(spec, url))
     with report.prefixed("[resume] "):
         try:
             good, problems = cs.newest_good()

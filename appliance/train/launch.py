@@ -428,8 +428,8 @@ def detached_command(rd: str, job_id: str, cmd: str) -> str:
 
 def follow_command(rd: str, job_id: str, pid: int | str, first_line: int | str) -> str:
     """The job's output from line ``first_line`` (1: all; "-N": the last N), as it is written, until the job's
-    process (``pid``: a number or a shell expression) is gone. tail looks for the process every 0.1 s (``-s``; new
-    lines come by inotify at once): at 0.5 s each job's end was said 1.5 s after its last process had gone."""
+    process (``pid``: a number or a shell expression) is gone; tail looks for it every 0.1 s (``-s``), new lines
+    come at once (inotify)."""
     out = job_files(rd, job_id)[0]
     first = str(first_line) if str(first_line).startswith("-") else f"+{first_line}"
     return f"tail -n {first} -s 0.1 --pid={pid} -F {shlex.quote(out)} 2>/dev/null; true"
