@@ -8,6 +8,7 @@ which cluster a run uses or strings steps together: that is here (resolve_cluste
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import socket
 import time
@@ -25,21 +26,54 @@ from .node import doctor as node_doctor
 from .node.watchdog import node_watch  # noqa: F401 (re-exported for the CLI)
 from .provision import heat, lifecycle
 from .remote import Session, pack_code
-from .sites import Site, for_spec, load_spec, open_site
+from .sites import Site, for_cluster, for_spec, load_spec, open_site
 from .sites.local import (  # noqa: F401 (the simulator's verbs, for the CLI)
     cloud_start, cloud_status, cloud_stop, testbed_down, testbed_status, testbed_up)
 from .spec import Spec
 from .store.checkpoints import CheckpointStore
 from .store.objects import StoreRefused, unreachable
-from .train.launch import JobResult, job_log, train
+from .train.headjob import job_log
+from .train.launch import JobResult, train
 
 log = report.get(__name__)
 
-__all__ = ["resolve_cluster", "run_job", "train_spec", "stage_spec", "resume", "up", "down", "status", "adopt",
+__all__ = ["RunContext", "resolve_cluster", "run_job", "train_spec", "stage_spec", "resume", "up", "down", "status", "adopt",
            "site", "data_creds", "doctor", "job_summary", "list_runs", "node_watch"]
 
 
 # -- sites and credentials --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What a command needs for one run, resolved once here and passed down: the spec, its site (one client, one
+    Keystone session for the whole command), the store credentials and the run's checkpoint store. No step below
+    resolves a site of its own."""
+
+    spec: Spec
+    site: Site
+
+    @classmethod
+    def of(cls, spec: Spec) -> RunContext:
+        return cls(spec, for_spec(spec))
+
+    def creds(self, url: str):
+        """Store credentials for ``url`` (None for file://: Site.store_creds)."""
+        return self.site.store_creds(url)
+
+    @functools.cached_property
+    def checkpoints(self) -> CheckpointStore | None:
+        """The run's checkpoint store (None: the spec has no checkpoint.url)."""
+        url = self.spec.checkpoint.url
+        return CheckpointStore(url, self.spec.name, self.creds(url)) if url else None
+
+    def lease_site(self, cluster: Cluster) -> Site | None:
+        """The site whose lease the cluster runs on (the spec's own when they agree), None without a lease."""
+        if not cluster.lease_id:
+            return None
+        if cluster.cloud == self.spec.cloud and cluster.site.region == self.site.region:
+            return self.site
+        return for_cluster(cluster)
 
 
 def site(kind: str, region: str | None = None) -> Site:
@@ -90,12 +124,13 @@ def check_online(spec: Spec) -> dict:
     the first job to make. Also says whether the run already has committed checkpoints (`appliance train` would
     refuse to start over them; `appliance resume` continues them)."""
     out: dict = {}
+    run = RunContext.of(spec)
     if spec.dataset is not None:
         url = spec.dataset.source
-        out["dataset"] = dataset_summary(url, creds=for_spec(spec).store_creds(url))
+        out["dataset"] = dataset_summary(url, creds=run.creds(url))
     ck = spec.checkpoint
-    if ck is not None and ck.url:
-        cs = CheckpointStore(ck.url, spec.name, for_spec(spec).store_creds(ck.url))
+    cs = run.checkpoints
+    if cs is not None:
         state = {"url": ck.url, "container": "there", "committed": 0, "newest": None}
         try:
             try:
@@ -151,19 +186,19 @@ def stage_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[s
     if spec.dataset is None:
         raise ApplianceError(f"{spec_path}: no dataset to stage", "add a dataset: {source: swift://..., dest: data}")
     cluster = resolve_cluster(spec, cluster_name)
-    return stage_to_nodes(spec, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
-                          concurrency=concurrency, keep_extra=keep_extra, out=out)
+    return stage_to_nodes(RunContext.of(spec), cluster, spec.dataset.source, spec.dataset.dest,
+                          mode=spec.dataset.mode, concurrency=concurrency, keep_extra=keep_extra, out=out)
 
 
-def stage_to_nodes(spec: Spec, cluster: Cluster, url: str, dest: str, *, mode: str, out=None,
+def stage_to_nodes(run: RunContext, cluster: Cluster, url: str, dest: str, *, mode: str, out=None,
                    **kw) -> dict[str, dict]:
     """stage_cluster with what the nodes get for ``url`` as a job's nodes get it (Site.job_store_creds): with
     Keystone and swift://, an application credential of the staging's own (renewable tokens, restricted), deleted
     when staging ends; before, the nodes got this machine's Keystone token, which keystoneauth hands out until
     30 s before it expires (a long stage in a long-lived `appliance resume` could then fail with 401 midway), and
     which can do anything the user can for up to a day."""
-    creds, withdraw = for_spec(spec).job_store_creds(url, name=f"appliance-{spec.name}-stage",
-                                                     lease_end=cluster.lease_end_at, say=log.info)
+    creds, withdraw = run.site.job_store_creds(url, name=f"appliance-{run.spec.name}-stage",
+                                               lease_end=cluster.lease_end_at, say=log.info)
     try:
         return stage_cluster(cluster, url, dest, mode=mode, creds=creds, out=out or log.info, **kw)
     finally:
@@ -194,10 +229,11 @@ def data_remove(url: str, *, cloud: str, site_name: str | None = None) -> int:
 # -- training -------------------------------------------------------------------------------------
 
 
-def run_job(spec: Spec, cluster: Cluster, **kw) -> JobResult:
+def run_job(spec: Spec, cluster: Cluster, *, run: RunContext | None = None, **kw) -> JobResult:
     """A training job with the appliance's hooks: checkpoints (settings, credentials file, lease watchdog, rank 0's
-    reports) and the run record."""
-    return train(spec, cluster, hooks=[JobCheckpoints(), RunRecords()], **kw)
+    reports) and the run record. ``run``: the command's context, when it has one already."""
+    run = run or RunContext.of(spec)
+    return train(spec, cluster, hooks=[JobCheckpoints(run.site, run.lease_site(cluster)), RunRecords()], **kw)
 
 
 def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None) -> JobResult:
@@ -251,51 +287,69 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
     spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
         spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
-    try:
-        cs, ck = choose_checkpoint(spec)
-    except ApplianceError:
-        files = synced_files(spec)  # level 3: only the synced working directory
-        if files is None:
-            raise
-        cs = ck = None
-        meta = {}
-        log.info(f"[resume] run {run}: no committed checkpoint; the synced working directory (manifest {files['seq']}, "
-                 f"{len(files['files'])} file(s)) is restored on the head node before the script runs")
-    ck_url = spec.checkpoint.url
-    refuse_if_running(spec, cs or CheckpointStore(ck_url, spec.name, for_spec(spec).store_creds(ck_url)))
-    if ck is not None:
-        meta = cs.read_manifest(ck)["meta"]
-        log.info(f"[resume] run {run}: checkpoint {ck.name} (step {ck.step}, epoch {meta['epoch']}, batch "
-                 f"{meta['offset']}, made on {meta['world_size']} rank(s))")
-    if meta.get("complete"):
-        log.info(f"[resume] run {run} already finished at step {ck.step}; nothing to do")
+    ctx = RunContext.of(spec)
+    ck = _resume_point(ctx)
+    if ck is _COMPLETE:
         return None
     t["checkpoint chosen"] = time.time()
     up_phases: dict[str, float] = {}
-    if cluster_name:
-        cluster = load_cluster(cluster_name)
-    else:
-        site_ = for_spec(spec)
-        default = None if find_cluster(spec.name) is not None else site_.default_cluster(spec)
-        cluster = default if default is not None else lifecycle.up(site_, spec, timings=up_phases)
+    cluster = _resume_cluster(ctx, cluster_name, up_phases)
     t["cluster ready"] = time.time()
-    if cluster.world_size != spec.world_size and not cluster_name:
-        log.info(f"[resume] note: cluster {cluster.name} has {cluster.world_size} rank(s), the spec asks for "
-                 f"{spec.world_size}")
     if spec.dataset is not None:
-        stage_to_nodes(spec, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
+        stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
     t["data staged"] = time.time()
     if ck is None:
-        res = run_job(spec, cluster, out=out, restore="")  # a resume (the files), no checkpoint to restore
+        res = run_job(spec, cluster, run=ctx, out=out, restore="")  # a resume (the files), no checkpoint to restore
     else:
         rel = f"appliance/runs/{run}/restore/{ck.name}"
-        stage_to_nodes(spec, cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
+        stage_to_nodes(ctx, cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
                        out=out)
         t["checkpoint staged"] = time.time()
-        res = run_job(spec, cluster, out=out, restore=f"{cluster.head.workdir}/{rel}")
+        res = run_job(spec, cluster, run=ctx, out=out, restore=f"{cluster.head.workdir}/{rel}")
     res.resume_breakdown = resume_breakdown(t, up_phases, res)
     record_resume(run, res.job_id, res.resume_breakdown)
     return res
+
+
+_COMPLETE = object()  # _resume_point: the run has finished
+
+
+def _resume_point(ctx: RunContext):
+    """The committed checkpoint to resume from; None when the run has only its synced working directory (level
+    3); _COMPLETE when the run has finished. Refuses while another job of the run is alive (its lock)."""
+    spec, cs = ctx.spec, ctx.checkpoints
+    try:
+        _, ck = choose_checkpoint(spec, cs)
+    except ApplianceError:
+        files = synced_files(ctx)  # level 3: only the synced working directory
+        if files is None:
+            raise
+        ck = None
+        log.info(f"[resume] run {spec.name}: no committed checkpoint; the synced working directory (manifest "
+                 f"{files['seq']}, {len(files['files'])} file(s)) is restored on the head node before the script runs")
+    refuse_if_running(spec, cs, ctx.site)
+    if ck is None:
+        return None
+    meta = cs.read_manifest(ck)["meta"]
+    log.info(f"[resume] run {spec.name}: checkpoint {ck.name} (step {ck.step}, epoch {meta['epoch']}, batch "
+             f"{meta['offset']}, made on {meta['world_size']} rank(s))")
+    if meta.get("complete"):
+        log.info(f"[resume] run {spec.name} already finished at step {ck.step}; nothing to do")
+        return _COMPLETE
+    return ck
+
+
+def _resume_cluster(ctx: RunContext, cluster_name: str | None, up_phases: dict[str, float]) -> Cluster:
+    """The named cluster; else the run's own (a new lease + `up` on a site with leases) or the site's default."""
+    spec = ctx.spec
+    if cluster_name:
+        return load_cluster(cluster_name)
+    default = None if find_cluster(spec.name) is not None else ctx.site.default_cluster(spec)
+    cluster = default if default is not None else lifecycle.up(ctx.site, spec, timings=up_phases)
+    if cluster.world_size != spec.world_size:
+        log.info(f"[resume] note: cluster {cluster.name} has {cluster.world_size} rank(s), the spec asks for "
+                 f"{spec.world_size}")
+    return cluster
 
 
 RESUME_PHASES = ("find checkpoint", "lease", "boot", "ssh + contextualize", "install", "cluster (other)", "stage data",
@@ -332,14 +386,15 @@ def resume_breakdown(t: dict[str, float], up_phases: dict[str, float], res: JobR
     return out
 
 
-def synced_files(spec: Spec) -> dict | None:
+def synced_files(ctx: RunContext) -> dict | None:
     """The newest manifest of the run's synced working directory (level 3) that verifies, or None."""
     from .store.filesync import FileSet
 
-    if not spec.checkpoint.url:
+    url = ctx.spec.checkpoint.url
+    if not url:
         return None
     with report.prefixed("[resume] "):
-        return FileSet(spec.checkpoint.url, spec.name, for_spec(spec).store_creds(spec.checkpoint.url)).newest_good()
+        return FileSet(url, ctx.spec.name, ctx.creds(url)).newest_good()
 
 
 def plot_run(run: str, path: str | None = None, *, spec_path: str | None = None) -> dict:
@@ -348,7 +403,7 @@ def plot_run(run: str, path: str | None = None, *, spec_path: str | None = None)
     from .checkpoint import plot, runs
 
     spec = find_spec(run, spec_path)
-    cs, ck = choose_checkpoint(spec)
+    cs, ck = choose_checkpoint(spec, RunContext.of(spec).checkpoints)
     buf = bytearray()
     try:
         cs.store.get(f"{cs.prefix}{ck.name}/metrics/metrics.csv", buf.extend)

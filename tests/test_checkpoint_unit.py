@@ -11,6 +11,7 @@ import pytest
 
 from appliance.checkpoint import runs
 from appliance.checkpoint.keras import vendordata_lease_end
+from appliance.sites import open_site
 from appliance.store.checkpoints import StoreUnavailable, manifest_digest, retrying
 
 
@@ -87,7 +88,7 @@ def test_a_store_that_refuses_the_checkpoints_refuses_the_job_and_one_that_is_do
     monkeypatch.setattr(CheckpointStore, "ensure_container", refuse)
     with pytest.raises(ApplianceError, match=rf"checkpoint.url file://{store}/: S3 bucket 'shared' belongs to someone "
                                              r"else; the job was not started \(fix: choose another bucket name"):
-        JobCheckpoints().prepare(ctx)
+        JobCheckpoints(open_site("local")).prepare(ctx)
     assert not list(store.rglob("*"))  # a refused job writes nothing
 
     def down(self):
@@ -95,7 +96,7 @@ def test_a_store_that_refuses_the_checkpoints_refuses_the_job_and_one_that_is_do
 
     monkeypatch.setattr(CheckpointStore, "ensure_container", down)
     monkeypatch.setattr("appliance.store.checkpoints.time.sleep", lambda s: None)
-    jc = JobCheckpoints()
+    jc = JobCheckpoints(open_site("local"))
     try:
         assert jc.prepare(ctx)["APPLIANCE_CKPT_URL"] == f"file://{store}/"
     finally:
@@ -120,7 +121,7 @@ def test_a_launcher_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
     from appliance.checkpoint.job import JobCheckpoints
 
     ctx, said = _file_job(tmp_path, "intr0", tmp_path / "store")
-    jc = JobCheckpoints()
+    jc = JobCheckpoints(open_site("local"))
     jc._start_lock_beat = lambda ctx: None
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -143,7 +144,7 @@ def test_the_first_ctrl_c_asks_the_job_to_stop_with_a_checkpoint_and_the_second_
     from appliance.checkpoint.job import JobCheckpoints
 
     ctx, said = _file_job(tmp_path, "intr", tmp_path / "store")
-    jc = JobCheckpoints()
+    jc = JobCheckpoints(open_site("local"))
     asked = threading.Event()
     jc.request_stop = lambda req: (said.append(req["reason"]), asked.set())
     jc._start_lock_beat = lambda ctx: None  # no job runs here: a head-node beat would outlive the test by minutes
@@ -181,7 +182,7 @@ def test_ctrl_c_while_the_launcher_holds_its_output_lock_does_not_hang_it(tmp_pa
         out_lock.release()
 
     ctx.say = say
-    jc = JobCheckpoints()
+    jc = JobCheckpoints(open_site("local"))
     asked = threading.Event()
     jc.request_stop = lambda req: asked.set()
     jc._start_lock_beat = lambda ctx: None  # no job runs here: a head-node beat would outlive the test by minutes
@@ -266,12 +267,12 @@ def test_a_fresh_job_refuses_a_run_that_has_committed_checkpoints(tmp_path):
     def ctx(restore):
         return JobContext(spec, cl, LocalRemote(node), str(tmp_path / "run"), "job", restore, lambda m: None)
 
-    jc = JobCheckpoints()
+    jc = JobCheckpoints(open_site("local"))
     with pytest.raises(ApplianceError) as e:
         jc.prepare(ctx(None))
     assert "already has 1 committed checkpoint" in str(e.value) and "appliance resume guard" in str(e.value)
     assert not (store / "guard" / "spec.yaml").exists()  # a refused job writes nothing
-    jc = JobCheckpoints()
+    jc = JobCheckpoints(open_site("local"))
     try:  # a resume goes ahead
         assert jc.prepare(ctx("/restore"))["APPLIANCE_CKPT_URL"] == f"file://{store}/"
     finally:  # its lock's beat, a thread that made store/guard again in test_stage_names.py's test (a full run)
@@ -354,7 +355,7 @@ def test_a_job_the_launcher_lost_keeps_its_lock_and_credentials_and_is_not_ended
     for abandoned in (True, False):
         ctx = JobContext(spec, cl, LocalRemote(node), str(tmp_path / "run"), f"job-{abandoned}", None,
                          lambda m: None)
-        jc = JobCheckpoints()
+        jc = JobCheckpoints(open_site("local"))
         jc.prepare(ctx)
         assert holder()["job_id"] == f"job-{abandoned}"
         ctx.abandoned = abandoned
@@ -395,7 +396,7 @@ def test_the_head_node_renews_the_run_lock_while_a_job_without_its_launcher_runs
     cl = Cluster(name="", cloud="testbed", nodes=[node])
     rd = tmp_path / "run"
     ctx = JobContext(spec, cl, LocalRemote(node), str(rd), "job-1", None, lambda m: None)
-    jc = JobCheckpoints()
+    jc = JobCheckpoints(open_site("local"))
     jc.prepare(ctx)
     job = subprocess.Popen(["sleep", "120"])  # the detached job's process, as its PID file names it
     lock = RunLock(CheckpointStore(f"file://{store}/", "beat", None), "", cluster="", head="")

@@ -122,7 +122,7 @@ def test_a_checkpoint_container_that_is_gone_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(CheckpointStore, "newest_good", no_container)
     with pytest.raises(ApplianceError, match="run 'gone' has no checkpoint: .* has no directory") as e:
-        resume.choose_checkpoint(spec)
+        resume.choose_checkpoint(spec, CheckpointStore(spec.checkpoint.url, spec.name, None))
     assert "cloud stop" in e.value.fix and "\n" not in str(e.value)
 
 

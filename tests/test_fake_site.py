@@ -439,7 +439,7 @@ def test_staging_nodes_get_an_application_credential_of_their_own_deleted_after(
         monkeypatch.delenv(var, raising=False)
     cloud = FakeCloud()
     site, spec = FakeSite(cloud), spec_of(tmp_path, "st")
-    monkeypatch.setattr(flows, "for_spec", lambda spec: site)
+    run = flows.RunContext(spec, site)
     seen = []
 
     def stage_cluster(cluster, url, dest, *, mode, creds, out, **kw):
@@ -450,16 +450,16 @@ def test_staging_nodes_get_an_application_credential_of_their_own_deleted_after(
 
     monkeypatch.setattr(flows, "stage_cluster", stage_cluster)
     cluster = Cluster(name="st", cloud="fake", nodes=[], lease_end="2026-11-30T12:00:00")
-    flows.stage_to_nodes(spec, cluster, "swift://data/x/", "data", mode="full")
+    flows.stage_to_nodes(run, cluster, "swift://data/x/", "data", mode="full")
     creds, live = seen[0]
     assert creds.app_cred and not creds.token and creds.app_cred_id in live
     [(name, expires)] = cloud.verbs("create_app_cred")
     assert name.startswith("appliance-st-stage-") and expires == dt.datetime(2026, 12, 7, 12, 0)
     assert not cloud.app_creds  # deleted when staging ended
     with pytest.raises(ApplianceError, match="boom"):
-        flows.stage_to_nodes(spec, cluster, "swift://data/x/", "data", mode="full")
+        flows.stage_to_nodes(run, cluster, "swift://data/x/", "data", mode="full")
     assert len(cloud.verbs("create_app_cred")) == 2 and not cloud.app_creds  # and when it failed
-    flows.stage_to_nodes(spec, cluster, "file:///tmp/x/", "data", mode="full")
+    flows.stage_to_nodes(run, cluster, "file:///tmp/x/", "data", mode="full")
     assert seen[-1][0] is None and len(cloud.verbs("create_app_cred")) == 2
 
 
@@ -595,9 +595,8 @@ def test_a_lease_is_over_when_blazar_says_so_or_its_end_has_passed(tmp_path, mon
 
     cloud = FakeCloud()
     site = FakeSite(cloud)
-    monkeypatch.setattr(job, "for_spec", lambda spec: site)
     lease = cloud.create_lease("l", "compute_local", 1, dt.timedelta(hours=1))
-    over = job.lease_over_for(None)
+    over = job.lease_over_for(site)
     assert over(lease.id) is False
     cloud.clock += dt.timedelta(hours=2)  # past its end by the cloud's clock
     assert over(lease.id) is True
@@ -610,7 +609,6 @@ def test_an_extension_renews_the_jobs_store_credential_for_the_new_end(tmp_path,
     """Issue 52 item 6: the job's credential expired a week after the lease end known at its start, so a run extended
     twice got 401 on its commits. Each extension makes one that outlives the new end and writes it over the head's
     credentials file; both are deleted when the job ends."""
-    from appliance.checkpoint import job as job_mod
     from appliance.checkpoint.job import JobCheckpoints
 
     for var in ("ST_AUTH", "ST_USER", "ST_KEY", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
@@ -618,8 +616,7 @@ def test_an_extension_renews_the_jobs_store_credential_for_the_new_end(tmp_path,
     site = FakeSite()
     w, cloud, info, asked, said, stopped = watch(tmp_path, site, ends_in_s=30,
                                                  lease="lease: {duration: 1h, stop_margin: 60s, extend: true}\n")
-    monkeypatch.setattr(job_mod, "for_spec", lambda spec: site)
-    jc = JobCheckpoints()
+    jc = JobCheckpoints(site)
     wrote, renewed = [], threading.Event()
 
     class Head:

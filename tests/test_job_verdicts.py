@@ -1,4 +1,4 @@
-"""A job's verdicts in the fast tier: which rank failed (train.launch._Watch), and what the checkpoint hook makes of
+"""A job's verdicts in the fast tier: which rank failed (train.watch.Watch), and what the checkpoint hook makes of
 rank 0's reports (exit 75 for a committed stop, a failure for an uncommitted one), with a fake head node
 (tests/fakes.py). The same paths run end to end in test_train.py and test_checkpoint.py."""
 
@@ -7,6 +7,7 @@ import json
 from appliance.checkpoint.job import JobCheckpoints
 from appliance.cluster import Cluster, Node
 from appliance.errors import ApplianceError
+from appliance.sites import open_site
 from appliance.protocol import EXIT_STOPPED, Line, format_line
 from appliance.train.launch import JobResult
 from fakes import FakeRemote
@@ -14,7 +15,7 @@ from fakes import FakeRemote
 
 def _watch(ranks=3):
     from appliance.cluster import Cluster, Node
-    from appliance.train.launch import _Watch
+    from appliance.train.watch import Watch as _Watch
     nodes = [Node(name=f"n{i}", private_ip=f"10.0.0.{i}", address=None, workdir="/w") for i in range(ranks)]
     return _Watch(Cluster(name="x", cloud="testbed", nodes=nodes), None, "job", 1, 1, lambda m: None)
 
@@ -50,7 +51,7 @@ def test_verdict_without_collateral_is_the_first_exit():
 def _hook(tmp_path):
     node = Node("head", "10.0.0.1", "10.0.0.1", "/w")
     head = FakeRemote(node)
-    hook = JobCheckpoints()
+    hook = JobCheckpoints(open_site("local"))
     hook.cluster, hook.head, hook.say = Cluster(name="", cloud="testbed", nodes=[node]), head, lambda m: None
     hook.stop_file = "/w/appliance/runs/r/STOP"
     return hook, head
@@ -178,7 +179,7 @@ def test_launch_says_which_protection_applies(tmp_path):
 def _watch_of(n: int):
     from types import SimpleNamespace
 
-    from appliance.train.launch import _Watch
+    from appliance.train.watch import Watch as _Watch
 
     nodes = [Node(name=f"n{i}", private_ip=f"10.0.0.{i}", address=f"10.0.0.{i}", workdir="/w") for i in range(n)]
     said = []

@@ -190,7 +190,8 @@ def bare_horovodrun(cluster: Cluster, spec: Spec, session, on_line=None) -> tupl
     """Run the spec's command with a bare horovodrun on the head node, the way a user would by hand after
     `appliance train` copied the code there: venv on PATH, the cluster's ssh config, nothing else.
     Returns (per-rank results, wall seconds, exit code)."""
-    from ..train.launch import SYSTEM_PATH, code_dir
+    from ..train.headjob import code_dir
+    from ..train.launch import SYSTEM_PATH
 
     venv_bin = str(Path(cluster.python).parent)
     etc_bin = f"{cluster.config_dir(cluster.head)}/bin"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..errors import ApplianceError
 from ..protocol import EXIT_STOPPED, RUN_MARKER, Env, Line, parse
-from ..sites import for_cluster, for_spec
+from ..sites import Site
 from ..store.filesync import FileSet
 from ..store.runlock import INTERVAL, LOCK, TTL, RunLock
 from ..store.checkpoints import CheckpointStore, retrying
@@ -42,7 +42,11 @@ def code_hash(code_dir: str) -> str:
 
 
 class JobCheckpoints(JobHooks):
-    def __init__(self):
+    """``site``: the spec's site (its store credentials, its leases); ``lease_site``: the site of the cluster's lease,
+    watched while the job runs (None: a cluster without a lease). Both resolved once by the workflow (flows)."""
+
+    def __init__(self, site: Site, lease_site: Site | None = None):
+        self.site, self.lease_site = site, lease_site
         self.say: Callable[[str], None] = print
         self.creds_file: str | None = None
         self._withdraw_creds: Callable[[], None] | None = None  # deletes the job's application credential
@@ -86,8 +90,8 @@ class JobCheckpoints(JobHooks):
             env[Env.CKPT_EVERY_STEPS] = str(ck.every_steps)
         if ck.every_minutes:
             env[Env.CKPT_EVERY_MINUTES] = str(ck.every_minutes)
-        creds, self._withdraw_creds = job_store_creds(spec, ck.url, name=f"appliance-{spec.name}-{ctx.job_id}",
-                                                      lease_end=ctx.cluster.lease_end_at, say=self.say)
+        creds, self._withdraw_creds = self.site.job_store_creds(ck.url, name=f"appliance-{spec.name}-{ctx.job_id}",
+                                                                lease_end=ctx.cluster.lease_end_at, say=self.say)
         try:
             return self._prepare_store(ctx, env, creds, fresh)
         except BaseException:
@@ -151,7 +155,7 @@ class JobCheckpoints(JobHooks):
                        ttl=float(os.environ.get("APPLIANCE_RUN_LOCK_TTL") or TTL), lease_id=ctx.cluster.lease_id)
         try:
             holder, stale = lock.acquire(tempfile.gettempdir(), ended=lambda jid: job_ended_here(ctx.spec.name, jid),
-                                         lease_over=lease_over_for(ctx.spec))
+                                         lease_over=lease_over_for(self.site))
         except Exception as e:  # noqa: BLE001 - the store is down: the job runs, as it does without a store
             self.say(f"[appliance] warning: could not take the run's lock in {self.spec.checkpoint.url} "
                      f"({type(e).__name__}: {e}); a second job of this run elsewhere would not be refused")
@@ -179,7 +183,7 @@ class JobCheckpoints(JobHooks):
     def started(self, ctx: JobContext) -> None:
         self.launched_at = time.time()
         self._start_lock_beat(ctx)
-        site = for_cluster(self.cluster) if self.cluster.lease_id else None
+        site = self.lease_site if self.cluster.lease_id else None
         if site is not None:
             from .watchdog import LeaseWatch
 
@@ -376,8 +380,8 @@ class JobCheckpoints(JobHooks):
         if self.creds_file is None or self._withdraw_creds is None or self.ctx is None:
             return  # no credential of the job's own (Swift v1 or the user's S3 keys: they do not expire)
         spec = self.spec
-        creds, withdraw = job_store_creds(spec, spec.checkpoint.url, name=f"appliance-{spec.name}-{self.ctx.job_id}",
-                                          lease_end=lease_end, say=self.say)
+        creds, withdraw = self.site.job_store_creds(spec.checkpoint.url, name=f"appliance-{spec.name}-{self.ctx.job_id}",
+                                                    lease_end=lease_end, say=self.say)
         if withdraw is None:
             return
         self._write_creds(creds)
@@ -473,23 +477,24 @@ def run_busy(spec, holder: dict) -> ApplianceError:
         "takes it over")
 
 
-def refuse_if_running(spec, cs: CheckpointStore) -> None:
+def refuse_if_running(spec, cs: CheckpointStore, site: Site) -> None:
     """`appliance resume`, before it stages anything: refuse while another job of the run keeps its lock alive (a
-    running job prunes the very checkpoints a second one would stage)."""
+    running job prunes the very checkpoints a second one would stage). ``site``: the spec's, whose leases are
+    asked whether the lock's job still has nodes."""
     lock = RunLock(cs, "", cluster="", head="")
     cur = lock.read()
-    if cur and lock.alive(cur, ended=lambda jid: job_ended_here(spec.name, jid), lease_over=lease_over_for(spec)):
+    if cur and lock.alive(cur, ended=lambda jid: job_ended_here(spec.name, jid), lease_over=lease_over_for(site)):
         raise run_busy(spec, cur)
 
 
-def lease_over_for(spec):
-    """``lease_over(lease_id)`` on the spec's site: Blazar no longer has the lease, or its end has passed by the
+def lease_over_for(site: Site):
+    """``lease_over(lease_id)`` on ``site``: Blazar no longer has the lease, or its end has passed by the
     cloud's own clock (at the end Blazar deletes every server of the lease, so a job on them is gone: a lock it left
     need not be waited out; issue 52). False when the site cannot tell (no credentials, an error): the lock's ttl
     decides then."""
     def over(lease_id: str) -> bool:
         try:
-            info, now = for_spec(spec).cloud.lease_at(lease_id)
+            info, now = site.cloud.lease_at(lease_id)
         except Exception:  # noqa: BLE001 - cannot tell: not over
             return False
         return info is None or info.status in ("TERMINATED", "DELETED") or info.end <= now
@@ -546,14 +551,4 @@ def protection_line(spec, cluster) -> str:
            "auto": "level 2, the appliance's callback added to Model.fit by checkpoint.auto, no code changes"}[level]
     return (f"[appliance] protected ({how}): commits to {where} and stops every rank after the same step before the "
             f"lease end{ends}; `appliance resume {spec.name}` continues it")
-
-
-def store_creds(spec, url: str | None = None):
-    """The object-store credentials of the spec's site (for ``url``)."""
-    return for_spec(spec).store_creds(url)
-
-
-def job_store_creds(spec, url: str, *, name: str, lease_end, say):
-    """What the job's nodes get for ``url``, and how to withdraw it (Site.job_store_creds)."""
-    return for_spec(spec).job_store_creds(url, name=name, lease_end=lease_end, say=say)
 

@@ -18,7 +18,6 @@ from ..sites import load_spec
 from ..spec import NAME_RE, Spec
 from ..store.checkpoints import CheckpointStore
 from . import runs
-from .job import store_creds
 from .. import report
 
 log = report.get(__name__)
@@ -78,13 +77,13 @@ def find_spec(run: str, spec_path: str | None = None, url: str | None = None, cr
                          "--spec SPEC.yaml` (see `appliance runs`)")
 
 
-def choose_checkpoint(spec: Spec):
-    """(CheckpointStore, Committed) of the newest committed checkpoint that verifies."""
+def choose_checkpoint(spec: Spec, cs: CheckpointStore | None):
+    """(cs, Committed): the newest committed checkpoint of the run's store ``cs`` (None: the spec has no
+    checkpoint.url) that verifies."""
     url = spec.checkpoint.url
-    if not url:
+    if cs is None:
         raise ApplianceError(f"run {spec.name!r} has no checkpoint.url in its spec, so there is nothing to resume",
                              "add checkpoint: {url: swift://checkpoints/} and start it with `appliance train`")
-    cs = CheckpointStore(url, spec.name, store_creds(spec, url))
     with report.prefixed("[resume] "):
         try:
             good, problems = cs.newest_good()

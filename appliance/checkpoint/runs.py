@@ -33,7 +33,7 @@ class RunRecords(JobHooks):
 
 def record_dir(run: str) -> Path:
     """~/.appliance/runs/RUN on this machine: the run record and the job logs (not the run directory on the
-    head node, train.launch.run_dir)."""
+    head node, train.headjob.run_dir)."""
     return paths.home() / "runs" / run
 
 

@@ -1,7 +1,7 @@
 """A lease on a run, in the object store beside its checkpoints: ``URL/RUN/lock/<generation>.json``.
 
 Two jobs of one run would share its checkpoints (each pruning the other's) and its synced files. The head node's
-own lock (train/launch.py ``check_run_free``) catches two jobs on one cluster; this one catches two clusters (two
+own lock (train/headjob.py ``check_run_free``) catches two jobs on one cluster; this one catches two clusters (two
 leases, two machines running `appliance train`). A lock holds the job id, its cluster and head node, and a
 heartbeat renewed every ``interval`` seconds while the job runs. A job is refused while another job's heartbeat is
 younger than its ``ttl``; a lock whose heartbeat is older (its job's launcher and head node are gone) is taken over,
