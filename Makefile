@@ -14,6 +14,10 @@ DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached shel
 # Ceph's RADOS Gateway, the local cloud's object store as on Chameleon (appliance/localcloud/rgw_server.py)
 CEPH_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
 PYTEST_ARGS ?=
+# `make test` runs the tests in a few processes (pytest-xdist): one per core, at most 4. End-to-end tests wait on
+# boots, stores and jobs much of the time, and another test's work fills that. Each test file runs whole in one
+# worker (--dist loadfile), so its fixtures (a local cloud, a store, a reference run) are made once.
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 
 .PHONY: help install system-deps deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \
 	image image-lint bench-scale bench-scale-light bench-resume digits-data
@@ -78,16 +82,16 @@ deploy: digits-data
 # Chameleon's own client, judges the local cloud (an e2e test).
 test: install .venv-chi/.installed
 	$(VENV)/bin/lint-imports --no-cache
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# The fast tier: no root, no namespaces, no stores (about 30 s here).
+# The fast tier: no root, no namespaces, no stores.
 test-fast: install
 	$(VENV)/bin/lint-imports --no-cache
-	$(VENV)/bin/pytest -m "not e2e" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile -m "not e2e" $(PYTEST_ARGS)
 
-.venv-chi/.installed: requirements-chi.lock
+.venv-chi/.installed: requirements-chi.lock $(VENV)/.installed
 	test -x .venv-chi/bin/python || $(PYTHON) -m venv .venv-chi
-	.venv-chi/bin/pip install -q -r requirements-chi.lock
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python .venv-chi/bin/python -r requirements-chi.lock
 	touch $@
 
 bench/.venv-tools/.installed: bench/requirements-tools.txt

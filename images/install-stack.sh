@@ -6,10 +6,11 @@
 #
 # Steps: (1) a venv with the wanted Python; (2) every package of the lock, exactly, with --no-deps
 # (the gpu variant swaps tensorflow-cpu for the lock's `# gpu:` lines: the GPU TensorFlow and the CUDA,
-# cuDNN and NCCL wheels it was built against); (3) Horovod built from source against that TensorFlow
-# (Gloo always, NCCL on gpu), or a wheel already built for the same TF/variant/Python taken from
-# --wheels; (4) the appliance package; (5) `horovodrun --check-build` must show TensorFlow and Gloo
-# (and NCCL on gpu). Idempotent: a step whose result is there already is skipped.
+# cuDNN and NCCL wheels it was built against), installed by uv (pinned in the lock: the same wheels as pip,
+# unpacked in parallel; it reads UV_INDEX_URL, not pip.conf); (3) Horovod built from source against that
+# TensorFlow (Gloo always, NCCL on gpu), or a wheel already built for the same TF/variant/Python taken from
+# --wheels; (4) the appliance package; (5) the build check: Horovod's TensorFlow extension loads and was built
+# with Gloo (and NCCL on gpu). Idempotent: a step whose result is there already is skipped.
 #
 # Usage: install-stack.sh --variant cpu|gpu --venv DIR --lock FILE --appliance SRC
 #                         [--wheels DIR] [--python PY] [--editable] [--system-deps]
@@ -61,6 +62,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
 pip install -q --upgrade pip setuptools wheel
+uv_version=$(sed -n 's/^uv==//p' "$lock")
+[ -n "$uv_version" ] || die "$lock lacks the uv pin"
+pip install -q "uv==$uv_version"
 
 # -- 2. the lock, exactly ------------------------------------------------------------------------------
 tf_version=$(sed -n 's/^tensorflow_cpu==//p' "$lock")
@@ -76,8 +80,14 @@ else
   grep -v -E '^(#|horovod==)' "$lock" > "$reqs"
 fi
 say "installing $(wc -l < "$reqs") locked packages ($variant)"
-# --no-deps: exactly the lock (tf-keras would otherwise pull the full tensorflow wheel beside tensorflow-cpu)
-pip install -q --no-deps -r "$reqs"
+# --no-deps: exactly the lock (tf-keras would otherwise pull the full tensorflow wheel beside tensorflow-cpu);
+# compiled to bytecode as pip does (the ranks run with PYTHONDONTWRITEBYTECODE and would compile at every start)
+# pip's where-from settings in the environment apply to uv too (the local cloud's nodes: a wheelhouse, no index)
+uv_from=()
+[ -n "${PIP_INDEX_URL:-}" ] && uv_from+=(--index-url "$PIP_INDEX_URL")
+[ -n "${PIP_FIND_LINKS:-}" ] && uv_from+=(--find-links "$PIP_FIND_LINKS")
+case "${PIP_NO_INDEX:-}" in 1|true|yes) uv_from+=(--no-index) ;; esac
+"$venv/bin/uv" pip install -q --no-deps --compile-bytecode --python "$venv/bin/python" "${uv_from[@]}" -r "$reqs"
 
 # -- 3. Horovod, built against the installed TensorFlow (once per TF version, variant and Python) ------------
 tag="tf$tf_version-$variant-py$pyver"
@@ -111,7 +121,15 @@ fi
 cp "$lock" "$venv/appliance-requirements.lock"  # what `appliance doctor` checks the versions against
 
 # -- 5. check the build --------------------------------------------------------------------------------------
-check=$("$venv/bin/horovodrun" --check-build 2>/dev/null) || die "horovodrun --check-build failed"
+# What `horovodrun --check-build` reports, asked in one process: it asks each item in a process of its own, each
+# importing TensorFlow (22 s here, against 4)
+check=$(TF_CPP_MIN_LOG_LEVEL=2 "$venv/bin/python" -c '
+import horovod, horovod.tensorflow as hvd
+print("horovod", horovod.__version__)
+for name, built in (("TensorFlow", True), ("Gloo", hvd.gloo_built()), ("NCCL", hvd.nccl_built()),
+                    ("MPI", hvd.mpi_built())):
+    print("[%s] %s" % ("X" if built else " ", name))' 2>"$venv/check-build.err") ||
+  die "horovod.tensorflow does not load (see $venv/check-build.err)"
 printf '%s\n' "$check" > "$venv/check-build.txt"
 want="TensorFlow Gloo"
 [ "$variant" = gpu ] && want="$want NCCL"

@@ -17,8 +17,19 @@ from appliance import report, testbed
 ROOT = Path(__file__).resolve().parents[1]
 NETNS_OK, NETNS_WHY = testbed.namespaces_available()
 needs_netns = pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable: {NETNS_WHY}")
+# Testbeds are machine-wide (namespaces, bridges, links): each pytest-xdist worker (`make test` runs a few) has
+# its own names, gw0 -> pt0, pk0, ...; a run without workers uses the bare names.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_SUFFIX = _WORKER[2:] if _WORKER.startswith("gw") else ""
+
+
+def tb_name(base: str) -> str:
+    """This test process's name for testbed ``base``."""
+    return base + _SUFFIX
+
+
 # Testbed names the tests use; swept before the session in case an earlier run was killed.
-TEST_TESTBEDS = ("pt", "pk", "lc", "sh")
+TEST_TESTBEDS = tuple(tb_name(n) for n in ("pt", "pk", "lc", "sh"))
 
 
 def _has_e2e(session) -> bool:
@@ -27,14 +38,15 @@ def _has_e2e(session) -> bool:
 
 @pytest.fixture(scope="session", autouse=True)
 def one_session_at_a_time(request):
-    """Testbed names are machine-wide: two sessions with end-to-end tests at once would sweep each other's nodes.
-    A fast-tier session (`-m "not e2e"`) touches no testbed, so it runs beside one."""
+    """Testbed names are machine-wide: two sessions with end-to-end tests at once would sweep each other's nodes
+    (one lock per worker name: the workers of one run use different names). A fast-tier session (`-m "not e2e"`)
+    touches no testbed, so it runs beside one."""
     import fcntl
 
     if not _has_e2e(request.session):
         yield
         return
-    fh = open("/tmp/appliance-tests.lock", "w")
+    fh = open(f"/tmp/appliance-tests{_SUFFIX}.lock", "w")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -86,11 +98,11 @@ def tb2():
     """A 2-node testbed shared by the multi-node tests that do not break it."""
     if not NETNS_OK:
         pytest.skip(f"network namespaces unavailable: {NETNS_WHY}")
-    tb = make_testbed("pt", 2)
+    tb = make_testbed(tb_name("pt"), 2)
     try:
         yield tb
     finally:
-        testbed.down("pt")
+        testbed.down(tb.name)
 
 
 @pytest.fixture(scope="session")

@@ -173,7 +173,7 @@ def test_image_upload_to_the_local_glance(cloud, tmp_path):
 @needs_netns
 def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path, said):
     """The boot-time installer on a stock node: a fresh venv on the node's own disk, Horovod from the object
-    store's wheel cache (no build), horovodrun --check-build checked by the script, then the doctor there."""
+    store's wheel cache (no build), the build checked by the script, then the doctor there."""
     from appliance import flows, sites
     from appliance.provision import install
     from appliance.store.objects import open_store

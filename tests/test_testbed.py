@@ -10,7 +10,9 @@ from appliance import testbed
 from appliance.cluster import from_testbed
 from appliance.errors import ApplianceError
 from appliance.remote import Session, connect
-from conftest import needs_netns
+from conftest import needs_netns, tb_name
+
+LC, SH = tb_name("lc"), tb_name("sh")
 
 
 def _netns_names():
@@ -24,17 +26,17 @@ def _link_exists(name):
 @pytest.mark.slow
 @needs_netns
 def test_lifecycle_idempotent_and_clean():
-    tb = testbed.up("lc", 2)
+    tb = testbed.up(LC, 2)
     try:
         pids = [n.sshd_pid for n in tb.nodes]
-        st = testbed.status("lc")
+        st = testbed.status(LC)
         assert st["up"] and [n["name"] for n in st["nodes"]] == ["node1", "node2"]
         # a second `up` of the same size is a no-op
-        again = testbed.up("lc", 2)
+        again = testbed.up(LC, 2)
         assert [n.sshd_pid for n in again.nodes] == pids
         # a different size while up is a clear error, not a mess
         with pytest.raises(ApplianceError, match="is up with 2 nodes"):
-            testbed.up("lc", 3)
+            testbed.up(LC, 3)
         # each node: own hostname, own /etc/hosts, own disk, reachable over SSH with the pinned key
         cl = from_testbed(tb, name="lc-cluster")
         with Session(cl) as s:
@@ -54,16 +56,16 @@ def test_lifecycle_idempotent_and_clean():
         host_hosts = open("/etc/hosts").read()
         assert "node1" not in host_hosts  # the host's own /etc/hosts is untouched
     finally:
-        removed = testbed.down("lc")
+        removed = testbed.down(LC)
     assert any("bridge" in r for r in removed)
-    assert "apl-lc-" not in _netns_names()
-    assert not _link_exists("apl-lc")
+    assert f"apl-{LC}-" not in _netns_names()
+    assert not _link_exists(f"apl-{LC}")
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    assert "apllcv" not in links
+    assert f"apl{LC}v" not in links
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or "sshd" not in open(f"/proc/{pid}/cmdline").read()
-    assert testbed.load("lc") is None
-    assert testbed.down("lc") == []  # idempotent
+    assert testbed.load(LC) is None
+    assert testbed.down(LC) == []  # idempotent
 
 
 @pytest.mark.slow
@@ -90,14 +92,14 @@ def test_single_host_fallback_when_not_root(monkeypatch, said):
     ok, why = testbed.namespaces_available()
     assert not ok and "root" in why
     said.clear()
-    tb = testbed.up("sh", 2)
+    tb = testbed.up(SH, 2)
     try:
         assert tb.mode == "single-host" and len(tb.nodes) == 1 and tb.nodes[0].slots == 2
         assert any("single-host mode" in m and "root" in m for m in said)
         cl = from_testbed(tb)
         assert cl.single_host and cl.world_size == 2
     finally:
-        testbed.down("sh")
+        testbed.down(SH)
 
 
 def test_a_process_that_ends_between_two_proc_reads_is_not_alive(monkeypatch):

@@ -13,7 +13,7 @@ from appliance.remote import Session
 from appliance.spec import load_spec
 from appliance.protocol import denied_names
 from appliance.flows import run_job as train
-from conftest import ROOT, needs_netns, write_spec
+from conftest import ROOT, needs_netns, tb_name, write_spec
 
 pytestmark = [pytest.mark.slow, needs_netns]
 
@@ -77,7 +77,7 @@ def test_rank_crash_stops_job_and_names_rank(cluster2, jobs_dir, tmp_path):
 
 
 def test_killed_node_stops_job_within_60s(jobs_dir, tmp_path):
-    tb = testbed.up("pk", 2)
+    tb = testbed.up(tb_name("pk"), 2)
     try:
         cl = from_testbed(tb, name="pk-cluster")
         spec = load_spec(write_spec(tmp_path, "python loop.py", code=jobs_dir, name="killnode"))
@@ -86,7 +86,7 @@ def test_killed_node_stops_job_within_60s(jobs_dir, tmp_path):
         def out(line):
             if "step 30 " in line and "t" not in killed_at:
                 killed_at["t"] = time.monotonic()
-                threading.Thread(target=testbed.kill_node, args=("pk", "node2")).start()
+                threading.Thread(target=testbed.kill_node, args=(tb.name, "node2")).start()
 
         res = train(spec, cl, out=out)
         ended = time.monotonic()
@@ -95,8 +95,8 @@ def test_killed_node_stops_job_within_60s(jobs_dir, tmp_path):
         assert ended - killed_at["t"] < 60
         assert "node2" in res.failure
     finally:
-        testbed.down("pk")
-    assert not testbed.status("pk")["nodes"]
+        testbed.down(tb.name)
+    assert not testbed.status(tb.name)["nodes"]
 
 
 def test_the_job_goes_on_when_the_launchers_connection_drops(cluster2, tb2, jobs_dir, tmp_path):
@@ -142,7 +142,7 @@ def test_the_job_goes_on_when_the_launchers_connection_drops(cluster2, tb2, jobs
 
 
 def test_single_host_mode_trains(tmp_path):
-    tb = testbed.up("sh", 2, mode="single-host")
+    tb = testbed.up(tb_name("sh"), 2, mode="single-host")
     try:
         cl = from_testbed(tb, name="sh-cluster")
         spec = load_spec(write_spec(tmp_path, "python train.py --epochs 3", code=ROOT / "examples" / "digits",
@@ -152,7 +152,7 @@ def test_single_host_mode_trains(tmp_path):
         assert sorted(res.results) == [0, 1]
         assert len({r["weights_sha256"] for r in res.results.values()}) == 1
     finally:
-        testbed.down("sh")
+        testbed.down(tb.name)
 
 
 def test_code_copy_skips_virtualenvs_and_caches(tmp_path):

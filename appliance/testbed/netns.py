@@ -323,8 +323,23 @@ def _up_single(name: str, base: Path, slots: int, reason: str) -> Testbed:
     return tb
 
 
+@contextlib.contextmanager
+def _subnets_locked():
+    """Machine-wide, while a free subnet is picked and put on a bridge: testbeds brought up at once from different
+    APPLIANCE_HOMEs (two users, test workers) could otherwise both find the same 10.77.X.0/24 free."""
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / "appliance-testbed-subnets.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
 def _make_bridge(name: str, base: Path) -> Testbed:
-    net = _pick_subnet(name)
+    with _subnets_locked():
+        return _make_bridge_on(name, base, _pick_subnet(name))
+
+
+def _make_bridge_on(name: str, base: Path, net: ipaddress.IPv4Network) -> Testbed:
     host_ip = str(net.network_address + 1)
     bridge = f"apl-{name}"
     tb = Testbed(name=name, mode="netns", base=str(base), bridge=bridge, host_ip=host_ip, prefix=net.prefixlen)
