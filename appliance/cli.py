@@ -58,6 +58,7 @@ def main(debug):
       appliance train examples/digits.yaml     # horovodrun on the head node, every rank streamed
       appliance status digits                  # lease time left, nodes
       appliance down digits                    # servers, floating IP, lease: gone
+    Longer than a lease, with nobody at its end: `appliance run examples/digits.yaml`.
     Without any cloud: `appliance testbed up --nodes 2`, then `appliance train SPEC`.
     Before spending a lease: `appliance bench SPEC` (throughput, scaling); is a node ready: `appliance doctor`.
     """
@@ -626,11 +627,16 @@ def logs_cmd(run, cluster, lines, follow):
         click.echo("stopped following; the job goes on", err=True)
 
 
-def _report(res, as_json: bool) -> None:
-    """The job summary (text or JSON), then the job's exit code."""
+def _report(res, as_json: bool, done: dict | None = None) -> None:
+    """The job summary (text or JSON), then the job's exit code. ``res`` None: the run had finished already
+    (nothing ran; with --json, ``done`` says so)."""
     from .flows import job_summary
     from .train.launch import check
 
+    if res is None:
+        if as_json:
+            _json_out(done or {"complete": True})
+        return
     summary = job_summary(res)
     if as_json:
         _json_out(summary)
@@ -639,6 +645,33 @@ def _report(res, as_json: bool) -> None:
         for line in format_summary(summary):
             click.echo(line)
     check(res)
+
+
+@main.command("run")
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--max-restarts", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Times in a row a job that failed (not for its lease) is resumed before the run fails.")
+@click.option("--json", "as_json", is_flag=True, help="Print the last job's summary as JSON.")
+def run_cmd(spec, max_restarts, as_json):
+    """Run SPEC to its end across leases: at every lease end it goes on, on a new lease.
+
+    
+    1. the run's own cluster (`appliance up`: a lease and servers, or the ones it has)
+       and its dataset staged; or, when the run has committed work, a resume
+    2. the job; before the lease ends it stops after a step with a committed checkpoint
+    3. the cluster goes, a new lease and servers come up, the checkpoint is staged, and
+       the job continues (bit-exact on the same world size); again at every lease end
+    The run stops when a job finishes (exit 0), when a job fails for another reason
+    (after --max-restarts resumes of it), or when you stop it (Ctrl-C: a checkpoint,
+    exit 75). This command is the run's controller: keep it running (a server, tmux);
+    if it goes away, `appliance run SPEC` again continues the run.
+    """
+    from . import flows
+
+    with _messages(err=as_json):
+        res = flows.run_managed(spec, max_restarts=max_restarts,
+                                out=(lambda line: click.echo(line, err=True)) if as_json else None)
+    _report(res, as_json, done={"spec": spec, "complete": True})
 
 
 @main.command("resume")
@@ -668,11 +701,7 @@ def resume_cmd(run, spec_path, cluster, nodes, url, cloud_kind, site, as_json):
         res = flows.resume(run, spec_path=spec_path, cluster_name=cluster, nodes=nodes, url=url,
                            cloud=cloud_kind or _default_cloud(), site_name=site,
                            out=(lambda line: click.echo(line, err=True)) if as_json else None)
-    if res is None:
-        if as_json:
-            _json_out({"run": run, "complete": True})
-        return
-    _report(res, as_json)
+    _report(res, as_json, done={"run": run, "complete": True})
 
 
 def _command_line() -> str:

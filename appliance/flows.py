@@ -37,8 +37,8 @@ from .train.launch import JobResult, train
 
 log = report.get(__name__)
 
-__all__ = ["RunContext", "resolve_cluster", "run_job", "train_spec", "stage_spec", "resume", "up", "down", "status", "adopt",
-           "site", "data_creds", "doctor", "job_summary", "list_runs", "node_watch"]
+__all__ = ["RunContext", "resolve_cluster", "run_job", "run_managed", "train_spec", "stage_spec", "resume", "up",
+           "down", "status", "adopt", "site", "data_creds", "doctor", "job_summary", "list_runs", "node_watch"]
 
 
 # -- sites and credentials --------------------------------------------------------------------------
@@ -278,11 +278,12 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
-           url: str | None = None, cloud: str = "local", site_name: str | None = None,
+           url: str | None = None, cloud: str = "local", site_name: str | None = None, new_lease: bool = False,
            out: Callable[[str], None] | None = None) -> JobResult | None:
     """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
     new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
-    what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete."""
+    what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete.
+    ``new_lease``: the run's own cluster goes first (its lease ends: run_managed), and a new lease is made."""
     t = {"start": time.time()}  # the resume's downtime, phase by phase (resume_breakdown)
     spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
@@ -293,7 +294,7 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
         return None
     t["checkpoint chosen"] = time.time()
     up_phases: dict[str, float] = {}
-    cluster = _resume_cluster(ctx, cluster_name, up_phases)
+    cluster = _resume_cluster(ctx, cluster_name, up_phases, new_lease)
     t["cluster ready"] = time.time()
     if spec.dataset is not None:
         stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
@@ -339,11 +340,18 @@ def _resume_point(ctx: RunContext):
     return ck
 
 
-def _resume_cluster(ctx: RunContext, cluster_name: str | None, up_phases: dict[str, float]) -> Cluster:
-    """The named cluster; else the run's own (a new lease + `up` on a site with leases) or the site's default."""
+def _resume_cluster(ctx: RunContext, cluster_name: str | None, up_phases: dict[str, float],
+                    new_lease: bool = False) -> Cluster:
+    """The named cluster; else the run's own (a new lease + `up` on a site with leases) or the site's default.
+    ``new_lease``: the run's own cluster is taken down first (its lease is about to end or has ended: its hosts are
+    free for the new one), then a new lease + `up`."""
     spec = ctx.spec
     if cluster_name:
         return load_cluster(cluster_name)
+    if new_lease:
+        if find_cluster(spec.name) is not None:
+            lifecycle.down(spec.name, ctx.site)
+        return lifecycle.up(ctx.site, spec, timings=up_phases)
     default = None if find_cluster(spec.name) is not None else ctx.site.default_cluster(spec)
     cluster = default if default is not None else lifecycle.up(ctx.site, spec, timings=up_phases)
     if cluster.world_size != spec.world_size:
@@ -395,6 +403,71 @@ def synced_files(ctx: RunContext) -> dict | None:
         return None
     with report.prefixed("[resume] "):
         return FileSet(url, ctx.spec.name, ctx.creds(url)).newest_good()
+
+
+# -- managed runs ---------------------------------------------------------------------------------
+
+
+def run_managed(spec_path: str, *, max_restarts: int = 0,
+                out: Callable[[str], None] | None = None) -> JobResult | None:
+    """`appliance run SPEC`: the run to its end across leases, with nobody at the lease ends. This process is the
+    controller: the run goes on while it lives (run it where it stays up; `appliance run SPEC` again continues a
+    run whose controller went away). The first job runs on the run's own cluster (`appliance up`, made or reused;
+    the dataset staged, only what is missing), or resumes when the run has committed work already. Then, until a
+    job ends with 0:
+    - it ended for its lease's end (stopped before it with a commit, or the end took its nodes): the old cluster
+      goes (its hosts are free for the next lease) and the run resumes on a new lease;
+    - it failed otherwise: resumed on the same cluster up to ``max_restarts`` times in a row (a crash is most
+      often the script's own and would happen again), then its failure is the run's;
+    - its user stopped it (SIGTERM, Ctrl-C: stopped without a lease end): the run stops there.
+    Returns the last job's result (None: the run had finished already)."""
+    spec = check(spec_path)
+    ctx = RunContext.of(spec)
+    res = _first_job(ctx, out)
+    restarts = 0
+    while res is not None and res.exit_code != 0:
+        if res.lease_end:
+            restarts = 0
+            log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on a new lease")
+            res = resume(spec.name, spec_path=spec.path, new_lease=True, out=out)
+        elif res.stopped is not None and res.stopped.get("committed"):
+            log.info(f"[run] job {res.job_id} was stopped ({res.stopped.get('reason')}): run {spec.name} stops "
+                     f"here; `appliance run {spec.path}` continues it")
+            return res
+        elif restarts < max_restarts and not res.abandoned:
+            restarts += 1
+            log.info(f"[run] job {res.job_id} failed ({res.failure}); restart {restarts} of {max_restarts}, from the "
+                     "newest committed checkpoint")
+            res = resume(spec.name, spec_path=spec.path, out=out)
+        else:
+            return res
+    return res
+
+
+def _first_job(ctx: RunContext, out: Callable[[str], None] | None) -> JobResult | None:
+    """A managed run's first job: a resume when the run has committed work, else a fresh job on its own cluster."""
+    spec = ctx.spec
+    if _has_committed_work(ctx):
+        log.info(f"[run] run {spec.name} has committed work: resuming it")
+        return resume(spec.name, spec_path=spec.path, out=out)
+    cluster = lifecycle.up(ctx.site, spec)  # idempotent: the run's own cluster while its lease runs
+    if spec.dataset is not None:
+        stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
+    return run_job(spec, cluster, run=ctx, out=out)
+
+
+def _has_committed_work(ctx: RunContext) -> bool:
+    """Committed checkpoints or synced files of the run in its store. A store that is not reachable is an error
+    here, not "none" (a fresh job over committed work would be refused anyway, after a lease was paid for)."""
+    cs = ctx.checkpoints
+    if cs is None:
+        return False
+    try:
+        if cs.committed():
+            return True
+    except FileNotFoundError:  # no container yet: a new run
+        return False
+    return synced_files(ctx) is not None
 
 
 def plot_run(run: str, path: str | None = None, *, spec_path: str | None = None) -> dict:

@@ -70,6 +70,21 @@ def test_a_committed_stop_is_exit_75(tmp_path):
     assert res.exit_code == EXIT_STOPPED and res.failure is None and res.stopped["step"] == 40
 
 
+def test_a_stop_for_the_lease_end_is_told_from_a_users_stop(tmp_path):
+    """A managed run (`appliance run`) goes on on a new lease after a job that ended for its lease, and stops after
+    a user's stop: the reasons the launcher's watchdog, the vendordata and the node's watchdog give are lease ends;
+    SIGTERM and Ctrl-C are not."""
+    for reason, lease_end in (("lease 1f2e ends 2026-12-01 10:00 UTC", True), ("lease end (vendordata)", True),
+                              ("lease end (node watchdog)", True), ("SIGTERM to appliance train", False),
+                              ("Ctrl-C in appliance train", False)):
+        hook, _ = _hook(tmp_path)
+        hook.rank_line(0, format_line(Line.STOPPED, {"step": 40, "reason": reason, "committed": True,
+                                                     "checkpoint": "ckpt-000000040", "seconds": 0.4}))
+        res = _result()
+        hook.finish(res)
+        assert res.exit_code == EXIT_STOPPED and res.lease_end is lease_end, reason
+
+
 def test_an_uncommitted_stop_is_a_failure_that_says_where_the_checkpoint_is(tmp_path):
     hook, _ = _hook(tmp_path)
     body = {"step": 40, "reason": "lease end", "committed": False, "error": "store unreachable",
@@ -142,6 +157,7 @@ def test_a_job_cut_by_the_lease_end_says_so_and_what_survives(tmp_path):
     hook.finish(res)
     assert res.failure.startswith("the lease ended at ") and "stopped answering" in res.failure
     assert "newest committed checkpoint is step 60" in res.failure and "appliance resume myrun" in res.failure
+    assert res.lease_end  # a managed run goes on on a new lease
 
 
 def test_a_job_cut_by_the_lease_end_without_a_commit_is_lost_and_says_why(tmp_path):

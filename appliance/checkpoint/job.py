@@ -436,9 +436,11 @@ class JobCheckpoints(JobHooks):
             result.failure = None
         result.timeline.update({k: v for k, v in (("resumed", self.resumed_at), ("first_step", self.first_step_at))
                                 if v is not None})
+        result.lease_end = self.stopped is not None and stopped_for_lease(self.stopped)
         if result.failure is not None and self.stopped is None:
             when = self.lease_ended()
             if when is not None:
+                result.lease_end = True
                 steps = [c["step"] for c in self.commits] + ([self.resumed["step"]] if self.resumed else [])
                 name = self.spec.name
                 if steps:
@@ -464,6 +466,13 @@ class JobCheckpoints(JobHooks):
                 result.failure = (f"stopped after step {self.stopped['step']} ({self.stopped['reason']}) but the "
                                   f"checkpoint was NOT committed: {self.stopped.get('error')}; it is kept on "
                                   f"{self.cluster.head.name} at {self.stopped.get('local')}")
+
+
+def stopped_for_lease(stopped: dict) -> bool:
+    """Whether rank 0's stop report is a stop for the lease end: the reasons the launcher's watchdog ("lease ID ends
+    ..."), the vendordata ("lease end (vendordata)") and the node's watchdog ("lease end (node watchdog)") give; a
+    user's SIGTERM or Ctrl-C is not one."""
+    return str(stopped.get("reason", "")).startswith("lease")
 
 
 def run_busy(spec, holder: dict) -> ApplianceError:

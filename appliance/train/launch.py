@@ -70,6 +70,9 @@ class JobResult:
     timeline: dict[str, float] = field(default_factory=dict)
     resume_breakdown: dict | None = None  # `appliance resume`: seconds of each part of the downtime (flows.resume)
     abandoned: bool = False  # the launcher lost the head node and gave up: the job may still be running there
+    # the job ended for its lease's end: stopped before it (the launcher's watchdog, the vendordata, the node's
+    # watchdog), or the end took its nodes; hooks set it (a managed run continues on a new lease then)
+    lease_end: bool = False
 
     @property
     def hostnames(self) -> list[str]:
