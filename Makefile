@@ -23,7 +23,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 	image image-lint bench-scale bench-scale-light bench-resume digits-data
 
 help:
-	@echo "make deploy   install, local cloud, digits to its Swift, up 2 nodes, stage, train until the lease ends, resume, down"
+	@echo "make deploy   install, local cloud, digits to its store, up 2 nodes, stage, appliance run across two lease ends, down"
 	@echo "make test     install, then the import-layers contract and every test (multi-node ones included)"
 	@echo "make test-fast  the contract and the fast tier only (pytest -m \"not e2e\", about 30 s here)"
 	@echo "make install  only install (.venv with the pinned stack, Debian packages for the testbed)"
@@ -68,7 +68,7 @@ digits-data: install
 	$(APPLIANCE) data upload build/digits-data swift://digits-data/v1/ --cloud local
 
 deploy: digits-data
-	@# up, stage, train; the lease ends mid-training; resume on a new lease; compare with an uninterrupted run
+	@# up, stage, `appliance run` across two lease ends (a new lease each time); compare with an uninterrupted run
 	$(PY) examples/lease_demo.py examples/digits.yaml
 	@echo ""
 	@echo "next:"

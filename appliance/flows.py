@@ -408,7 +408,7 @@ def synced_files(ctx: RunContext) -> dict | None:
 # -- managed runs ---------------------------------------------------------------------------------
 
 
-def run_managed(spec_path: str, *, max_restarts: int = 0,
+def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int = 0,
                 out: Callable[[str], None] | None = None) -> JobResult | None:
     """`appliance run SPEC`: the run to its end across leases, with nobody at the lease ends. This process is the
     controller: the run goes on while it lives (run it where it stays up; `appliance run SPEC` again continues a
@@ -420,8 +420,9 @@ def run_managed(spec_path: str, *, max_restarts: int = 0,
     - it failed otherwise: resumed on the same cluster up to ``max_restarts`` times in a row (a crash is most
       often the script's own and would happen again), then its failure is the run's;
     - its user stopped it (SIGTERM, Ctrl-C: stopped without a lease end): the run stops there.
-    Returns the last job's result (None: the run had finished already)."""
-    spec = check(spec_path)
+    Returns the last job's result (None: the run had finished already). ``spec``: the spec already loaded (the
+    first job's; the resumes read ``spec_path``)."""
+    spec = spec or check(spec_path)
     ctx = RunContext.of(spec)
     res = _first_job(ctx, out)
     restarts = 0

@@ -1,17 +1,17 @@
 """The lease-end demonstration `make deploy` runs on the local cloud.
 
 1. `appliance up` + `appliance stage` for examples/digits.yaml (2 nodes on a 2-hour lease).
-2. `appliance train` with `lease.extend` on. Mid-training, the cloud's clock jumps to 90 s before the lease end
-   (the local cloud's accelerated time): the watchdog extends the lease and the job trains on. Then another lease
-   books the same hosts from the new end on (the usual reason Chameleon refuses an extension) and the clock jumps
-   again: Blazar refuses the extension, the watchdog asks the job to stop, every rank stops after the same step,
-   rank 0 commits a checkpoint, and the job exits 75 (resumable).
-3. The clock passes the lease end. The local cloud deletes both servers and their disks, as Blazar does.
-4. `appliance resume digits`: a new lease, new servers, the dataset and the checkpoint staged, training
-   restored at the step it stopped at, and run to the end.
-5. A reference run, uninterrupted, with the same seed and world size. Its final weights must equal the
-   resumed run's, bit for bit.
-6. Level 2 (docs/checkpoints.md): an ordinary Keras + Horovod script with nothing of the appliance in it
+2. `appliance run` (flows.run_managed) with `lease.extend` on: nobody resumes by hand. Mid-training, the cloud's
+   clock jumps to 90 s before the lease end (the local cloud's accelerated time): the watchdog extends the lease
+   and the job trains on. Then another lease books the same hosts from the new end on (the usual reason Chameleon
+   refuses an extension) and the clock jumps again: Blazar refuses the extension, the watchdog asks the job to
+   stop, every rank stops after the same step and rank 0 commits a checkpoint. The run's cluster goes, a new
+   lease and servers come up, the dataset and the checkpoint are staged, and the job continues from that step.
+   Three epochs later the second lease's end comes (the clock jumps again): the same once more, on a third lease,
+   where the job runs to the end.
+3. A reference run, uninterrupted, with the same seed and world size. Its final weights must equal the
+   managed run's, bit for bit.
+4. Level 2 (docs/checkpoints.md): an ordinary Keras + Horovod script with nothing of the appliance in it
    (examples/plain_fit.yaml) on the same nodes. Mid-epoch, `appliance train` gets SIGTERM (as from Ctrl-C or a
    batch system); every rank stops after the same step with a committed checkpoint; `appliance resume` continues
    it mid-epoch; its final weights must equal an uninterrupted run's. Then the cluster goes down and the cloud's
@@ -22,7 +22,7 @@ run, the object store refuses the expired ones, and the checkpoints keep committ
 an application credential of the job's own and get new tokens with it (docs/chameleon.md).
 
 Run as `python examples/lease_demo.py [SPEC] [--record DIR]` after the dataset is uploaded (see the Makefile).
-``--record DIR`` (`make bench-resume`) also writes the resume's downtime, phase by phase, to DIR/resume.{json,md,png}.
+``--record DIR`` (`make bench-resume`) also writes the first resume's downtime, phase by phase, to DIR/resume.{json,md,png}.
 """
 
 import dataclasses
@@ -40,7 +40,9 @@ from pathlib import Path
 import yaml
 
 from appliance import localcloud
+from appliance.checkpoint import runs
 from appliance.cli import format_breakdown
+from appliance.cluster import find_cluster
 from appliance.flows import resume
 from appliance import flows, sites
 from appliance.sites import load_spec
@@ -141,61 +143,70 @@ def demo(spec_path: str, spec, record: Path | None = None) -> int:
 
     epochs = 30
     at_epoch = random.randint(5, 10)  # an arbitrary moment mid-training
-    site = sites.for_cluster(cluster)
     booked: list[str] = []
     extended = threading.Event()
+    seen = {"jobs": 0, "epochs": 0, "commits": 0}
+
+    def lease_now():  # the run's cluster and its site now: each lease end brings a new one
+        cl = find_cluster(spec.name)
+        return cl, sites.for_cluster(cl)
 
     def jump_to_end(why: str) -> None:
-        left = (site.cloud.get_lease(cluster.lease_id).end - site.cloud.now()).total_seconds()
+        cl, site = lease_now()
+        left = (site.cloud.get_lease(cl.lease_id).end - site.cloud.now()).total_seconds()
         print(f"[demo] the cloud's clock jumps {left - 90:.0f} s ahead: the lease now ends in 90 s ({why})", flush=True)
         localcloud.admin("POST", "/advance", {"seconds": left - 90})
 
     def second_end() -> None:  # off the output thread: the job trains on meanwhile
-        old_end = site.cloud.get_lease(cluster.lease_id).end
+        cl, site = lease_now()
+        old_end = site.cloud.get_lease(cl.lease_id).end
         for _ in range(600):  # the watchdog polls every 0.5 s here
-            if site.cloud.get_lease(cluster.lease_id).end > old_end:
+            if site.cloud.get_lease(cl.lease_id).end > old_end:
                 break
             extended.wait(0.05)
-        booked.extend(book_after_end(site.cloud, cluster))
+        booked.extend(book_after_end(site.cloud, cl))
         jump_to_end("again; the watchdog cannot extend this time")
 
-    def near_end(line: str) -> None:
+    def on_line(line: str) -> None:
         print(line, flush=True)
-        if f"epoch {at_epoch}/{epochs} " in line:
+        if line.startswith("[appliance] job ") and " rank(s) on " in line:
+            seen["jobs"] += 1
+            seen["epochs"] = 0
+        if re.search(r"\] epoch \d+/", line):
+            seen["epochs"] += 1
+        if re.search(r"\[checkpoint\] step \d+ committed", line):
+            seen["commits"] += 1
+        if seen["jobs"] == 1 and f"epoch {at_epoch}/{epochs} " in line:
             jump_to_end("the watchdog extends it: lease.extend is on")
             threading.Thread(target=second_end, daemon=True).start()
         if "[watchdog] extended lease" in line:
             extended.set()
+        if seen["jobs"] == 2 and seen["epochs"] == 3 and re.search(r"\] epoch \d+/", line):
+            threading.Thread(target=jump_to_end, args=("the second lease's end",), daemon=True).start()
 
-    say(f"2. train with lease.extend on; at epoch {at_epoch} the lease is 90 s from its end")
+    say(f"2. appliance run, lease.extend on: at epoch {at_epoch} the lease is 90 s from its end, and later the next "
+        "lease's; nobody resumes by hand")
     spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, extend=True))
+    before = len((runs.load(spec.name) or {}).get("jobs", []))  # an earlier demo's jobs stay in the run's record
     try:
-        first = train(spec, cluster, out=near_end)
+        last = flows.run_managed(spec_path, spec=spec, out=on_line)
     finally:
+        site = sites.for_spec(spec)
         for lid in booked:
             site.cloud.delete_lease(lid)
-    if first.exit_code != 75 or not first.stopped:
-        print(f"demo: expected the job to stop for the lease end (exit 75), got {first.exit_code}: {first.failure}")
+    jobs = runs.load(spec.name)["jobs"][before:]
+    if last is None or last.exit_code != 0 or len(jobs) != 3:
+        print(f"demo: expected the run to finish in 3 jobs across 2 lease ends, got {len(jobs)} job(s): "
+              f"{last.failure if last else 'nothing ran'}")
         return 1
     if not extended.is_set():
         print("demo: expected the watchdog to extend the lease once")
         return 1
-    stop_step = first.stopped["step"]
+    ends = [(a["last_step"], b["first_step"], b.get("resume_breakdown") or {}) for a, b in zip(jobs, jobs[1:])]
+    if record is not None and ends[0][2]:
+        record_breakdown(record, ends[0][2], ends[0][0], ends[0][1])
 
-    say("3. the lease ends: the local cloud deletes its servers and their disks")
-    localcloud.admin("POST", "/advance", {"seconds": 180})
-    st = flows.status(spec.name)
-    print(f"lease {st['lease_status']}; nodes: " + ", ".join(f"{n['name']} {n['state']}" for n in st["nodes"]))
-
-    say(f"4. appliance resume {spec.name}")
-    second = resume(spec.name)
-    if second is None or second.exit_code != 0:
-        print(f"demo: the resumed run failed: {second.failure if second else 'nothing to resume'}")
-        return 1
-    if record is not None and second.resume_breakdown:
-        record_breakdown(record, second.resume_breakdown, stop_step, second.resumed["step"])
-
-    say("5. a reference run, uninterrupted (same seed, same world size, no checkpoints)")
+    say("3. a reference run, uninterrupted (same seed, same world size, no checkpoints)")
     cluster = flows.up(spec_path)  # the resumed run's cluster (no-op)
     ref = train(reference_spec(spec_path, spec), cluster, out=lambda line: None)
     plain = plain_fit(cluster)
@@ -204,29 +215,29 @@ def demo(spec_path: str, spec, record: Path | None = None) -> int:
     # machine's clock ("now + 1 minute") is not refused as starting in the past
     localcloud.admin("POST", "/clock/reset")
 
-    r0, ref0 = second.results.get(0, {}), ref.results.get(0, {})
-    same = weights(second) == weights(ref) and ref.exit_code == 0
+    r0, ref0 = last.results.get(0, {}), ref.results.get(0, {})
+    same = weights(last) == weights(ref) and ref.exit_code == 0
     say("summary")
     print("  the watchdog extended the lease once and the job trained on; the second time another lease had "
           "booked the hosts, Blazar refused the extension, and the job stopped before the end")
-    print(f"  stopped for the lease end after step {stop_step}; checkpoint {first.stopped['checkpoint']} "
-          f"committed {first.stopped['seconds']} s after the stop request")
-    print(f"  resumed on a new lease at step {second.resumed['step']} "
-          f"(steps lost: {stop_step - second.resumed['step']})")
-    if second.resume_breakdown:
-        print(f"  downtime  {format_breakdown(second.resume_breakdown)}")
+    for i, (stop_step, resumed_step, b) in enumerate(ends, 1):
+        print(f"  lease end {i}: stopped after step {stop_step}, committed; `appliance run` resumed on a new lease at "
+              f"step {resumed_step} (steps lost: {stop_step - resumed_step})")
+        if b:
+            print(f"    downtime  {format_breakdown(b)}")
     print(f"  final validation accuracy {r0.get('val_accuracy')} (reference {ref0.get('val_accuracy')})")
     print(f"  final weights {'EQUAL' if same else 'DIFFER from'} the uninterrupted reference run "
-          f"(sha256 {weights(second)[:16]}…)")
+          f"(sha256 {weights(last)[:16]}…)")
     print(f"  level 2, an unchanged Keras script: {plain}")
-    n = len(first.commits) + len(second.commits)
+    n = seen["commits"]
     if localcloud.store_takes_keystone():
-        print(f"  Keystone tokens lived {TOKEN_SECONDS} s: {n} checkpoint(s) committed by the two jobs, each with "
+        print(f"  Keystone tokens lived {TOKEN_SECONDS} s: {n} checkpoint(s) committed by the three jobs, each with "
               "its own application credential")
     else:  # APPLIANCE_LOCAL_STORE=swift: OpenStack Swift with its own v1 auth, which Keystone's tokens never meet
-        print(f"  {n} checkpoint(s) committed by the two jobs to OpenStack Swift (v1 auth: Keystone's tokens "
+        print(f"  {n} checkpoint(s) committed by the three jobs to OpenStack Swift (v1 auth: Keystone's tokens "
               "never met the store)")
-    return 0 if same and plain.startswith("stopped") and "EQUAL" in plain else 1
+    lost = sum(a - b for a, b, _ in ends)
+    return 0 if same and lost == 0 and plain.startswith("stopped") and "EQUAL" in plain else 1
 
 
 def reference_spec(spec_path: str, spec):
@@ -248,10 +259,10 @@ def plain_weights(lines: list[str]) -> str:
 
 
 def plain_fit(cluster, spec_path: str = "examples/plain_fit.yaml") -> str:
-    """Step 6: an unchanged Keras script, stopped mid-epoch by SIGTERM to `appliance train` and resumed."""
+    """Step 4: an unchanged Keras script, stopped mid-epoch by SIGTERM to `appliance train` and resumed."""
     spec = load_spec(spec_path)
     flows.data_remove(f"{spec.checkpoint.url.rstrip('/')}/{spec.name}/", cloud=spec.cloud)
-    say(f"6. level 2: {spec_path}, an ordinary Keras script; SIGTERM to `appliance train` in epoch 3")
+    say(f"4. level 2: {spec_path}, an ordinary Keras script; SIGTERM to `appliance train` in epoch 3")
     at = {"done": False}
 
     def on_line(line: str) -> None:
