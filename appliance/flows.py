@@ -320,7 +320,7 @@ def _resume_point(ctx: RunContext):
     3); _COMPLETE when the run has finished. Refuses while another job of the run is alive (its lock)."""
     spec, cs = ctx.spec, ctx.checkpoints
     try:
-        _, ck = choose_checkpoint(spec, cs)
+        ck = choose_checkpoint(spec, cs)
     except ApplianceError:
         files = synced_files(ctx)  # level 3: only the synced working directory
         if files is None:
@@ -477,7 +477,8 @@ def plot_run(run: str, path: str | None = None, *, spec_path: str | None = None)
     from .checkpoint import plot, runs
 
     spec = find_spec(run, spec_path)
-    cs, ck = choose_checkpoint(spec, RunContext.of(spec).checkpoints)
+    cs = RunContext.of(spec).checkpoints
+    ck = choose_checkpoint(spec, cs)
     buf = bytearray()
     try:
         cs.store.get(f"{cs.prefix}{ck.name}/metrics/metrics.csv", buf.extend)

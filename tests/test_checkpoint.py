@@ -180,7 +180,7 @@ def test_commit_prune_and_a_corrupted_newest_checkpoint(swift, tmp_path, tb2, sa
     import os
     os.environ.update({"ST_AUTH": swift.auth_url, "ST_USER": swift.user, "ST_KEY": swift.key})
     try:
-        _, good = choose_checkpoint(spec, RunContext.of(spec).checkpoints)
+        good = choose_checkpoint(spec, RunContext.of(spec).checkpoints)
     finally:
         for k in ("ST_AUTH", "ST_USER", "ST_KEY"):
             os.environ.pop(k, None)

@@ -78,8 +78,8 @@ def find_spec(run: str, spec_path: str | None = None, url: str | None = None, cr
 
 
 def choose_checkpoint(spec: Spec, cs: CheckpointStore | None):
-    """(cs, Committed): the newest committed checkpoint of the run's store ``cs`` (None: the spec has no
-    checkpoint.url) that verifies."""
+    """The newest committed checkpoint of the run's store ``cs`` (None: the spec has no checkpoint.url) that
+    verifies."""
     url = spec.checkpoint.url
     if cs is None:
         raise ApplianceError(f"run {spec.name!r} has no checkpoint.url in its spec, so there is nothing to resume",
@@ -101,7 +101,7 @@ def choose_checkpoint(spec: Spec, cs: CheckpointStore | None):
     if problems:
         log.info(f"[resume] the newest checkpoint is unusable ({problems[0]}); using {good.name} "
                  f"(step {good.step}) instead")
-    return cs, good
+    return good
 
 
 def list_runs() -> list[dict]:
