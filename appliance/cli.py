@@ -651,27 +651,73 @@ def _report(res, as_json: bool, done: dict | None = None) -> None:
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--max-restarts", default=0, show_default=True, type=click.IntRange(min=0),
               help="Times in a row a job that failed (not for its lease) is resumed before the run fails.")
-@click.option("--json", "as_json", is_flag=True, help="Print the last job's summary as JSON.")
-def run_cmd(spec, max_restarts, as_json):
-    """Run SPEC to its end across leases: at every lease end it goes on, on a new lease.
+@click.option("-f", "--foreground", is_flag=True, help="Be the controller in this process (its output here; the run "
+              "stops with Ctrl-C) instead of starting it detached.")
+@click.option("--json", "as_json", is_flag=True, help="Print the controller (or, with -f, the last job's summary) "
+              "as JSON.")
+def run_cmd(spec, max_restarts, foreground, as_json):
+    """Run SPEC to its end across leases, with nobody at the lease ends.
 
-    
+    \b
     1. the run's own cluster (`appliance up`: a lease and servers, or the ones it has)
        and its dataset staged; or, when the run has committed work, a resume
     2. the job; before the lease ends it stops after a step with a committed checkpoint
     3. the cluster goes, a new lease and servers come up, the checkpoint is staged, and
        the job continues (bit-exact on the same world size); again at every lease end
-    The run stops when a job finishes (exit 0), when a job fails for another reason
-    (after --max-restarts resumes of it), or when you stop it (Ctrl-C: a checkpoint,
-    exit 75). This command is the run's controller: keep it running (a server, tmux);
-    if it goes away, `appliance run SPEC` again continues the run.
+    The run stops when a job finishes (exit 0), fails for another reason (after
+    --max-restarts resumes of it), or is cancelled.
+
+    \b
+    The run's controller is a process of its own, started here: this command returns
+    once it holds the run, and closing the terminal or killing this shell leaves it
+    running (keep the machine up: a lab server, a Chameleon KVM instance). Its state is
+    in the object store beside the checkpoints, so from any machine with the credentials:
+      appliance runs RUN [--url URL]     the run, lease by lease, handovers and downtime
+      appliance logs RUN -f              the job's output
+      appliance cancel RUN [--url URL]   stop: a checkpoint, then the cluster goes
+    If the controller's machine goes away, `appliance run SPEC` again (anywhere) continues
+    the run once its controller lock is stale (5 minutes; at once on the same machine).
     """
     from . import flows
 
+    if not foreground:
+        with _messages(err=as_json):
+            d = flows.start_managed(spec, max_restarts=max_restarts)
+        if as_json:
+            _json_out(d)
+            return
+        click.echo(f"run {d['run']}: controller started (pid {d['pid']}); its output: {d['log']}")
+        click.echo(f"  watch: appliance runs {d['run']}   |   appliance logs {d['run']} -f")
+        click.echo(f"  stop:  appliance cancel {d['run']}")
+        return
     with _messages(err=as_json):
         res = flows.run_managed(spec, max_restarts=max_restarts,
                                 out=(lambda line: click.echo(line, err=True)) if as_json else None)
     _report(res, as_json, done={"spec": spec, "complete": True})
+
+
+@main.command("cancel")
+@click.argument("run")
+@click.option("--url", default=None, help="The run's checkpoint URL, when this machine has no record of RUN.")
+@_cloud_opt
+@_site_opt
+@click.option("--json", "as_json", is_flag=True, help="Print the controller asked, as JSON.")
+def cancel_cmd(run, url, cloud_kind, site, as_json):
+    """Stop the managed run RUN (`appliance run`), from any machine.
+
+    The run's controller, wherever it runs, sees the request within ~15 s: the job
+    saves a checkpoint at its next step and stops, and the run's cluster goes (its
+    lease with it). `appliance run SPEC` later continues the run from that checkpoint.
+    """
+    from . import flows
+
+    with _messages(err=as_json):
+        d = flows.cancel_run(run, url=url, cloud=cloud_kind or _default_cloud(), site_name=site)
+    if as_json:
+        _json_out(d)
+    else:
+        click.echo(f"run {run}: asked its controller ({d['host']} pid {d['pid']}) to cancel it: the job stops with a "
+                   "checkpoint and the cluster goes (`appliance runs RUN` shows when)".replace("RUN", run))
 
 
 @main.command("resume")
@@ -882,15 +928,20 @@ def watchdog_cmd(on_node, margin, poll, once):
 @click.option("--plot", "plot_png", is_flag=False, flag_value="", default=None, metavar="[PNG]",
               help="With RUN: draw its loss/accuracy over the global step, every job on one axis, resumes marked "
                    "(default ~/.appliance/runs/RUN/metrics.png).")
+@click.option("--url", default=None, help="With RUN: the run's checkpoint URL, to show a managed run's timeline on a "
+              "machine that has no record of RUN.")
+@_cloud_opt
+@_site_opt
 @click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
-def runs_cmd(run, plot_png, as_json):
+def runs_cmd(run, plot_png, url, cloud_kind, site, as_json):
     """List runs: status, step, last committed checkpoint and its age, lease time left, node-hours.
 
     \b
     status: running | stopped (resumable: `appliance resume RUN`) | complete | failed
     node-hours lost: node time spent after the last commit of a job that then failed.
     `appliance runs RUN` lists the run's jobs, and for each resume its downtime by phase (lease, boot,
-    SSH + contextualize, staging, Horovod start, restore, first step).
+    SSH + contextualize, staging, Horovod start, restore, first step); for a managed run
+    (`appliance run`), its controller and timeline: each lease, job and handover.
     `appliance runs RUN --plot` draws the run's metrics from its newest committed checkpoint.
     """
     from .flows import list_runs, plot_run
@@ -911,10 +962,16 @@ def runs_cmd(run, plot_png, as_json):
         from .flows import run_details
 
         d = run_details(run)
-        if d is None:
-            raise ApplianceError(f"no record of run {run!r} on this machine", "`appliance runs` lists the runs")
+        tl = _timeline(run, url, cloud_kind, site) if url or (d and d.get("managed")) else None
+        if d is None and tl is None:
+            raise ApplianceError(f"no record of run {run!r} on this machine",
+                                 "`appliance runs` lists the runs; `--url URL` reads a managed run's from its store")
         if as_json:
-            _json_out(d)
+            _json_out({**(d or {"run": run}), **({"managed": tl} if tl is not None else {})})
+            return
+        for line in format_timeline(tl) if tl is not None else []:
+            click.echo(line)
+        if d is None:
             return
         click.echo(f"run {d['run']}: {d['status']}, step {d['step']}, last checkpoint {d['last_checkpoint'] or '-'}, "
                    f"{d['node_hours_used']:.3f} node-hours used, {d['node_hours_lost']:.3f} lost")
@@ -945,6 +1002,51 @@ def runs_cmd(run, plot_png, as_json):
         click.echo(f"{r['run']:<20} {r['status']:<9} {r['step']:>7} {r['last_checkpoint'] or '-':<16} "
                    f"{age(r['checkpoint_age_s']):>6} {age(r['lease_left_s']):>10} {r['node_hours_used']:>11.3f} "
                    f"{r['node_hours_lost']:>6.3f}")
+
+
+def _timeline(run: str, url, cloud_kind, site) -> dict | None:
+    """A managed run's state from its store; a store that does not answer is said, not fatal."""
+    from .flows import timeline
+
+    try:
+        return timeline(run, url=url, cloud=cloud_kind or _default_cloud(), site_name=site)
+    except ApplianceError as e:
+        if url:
+            raise
+        click.echo(f"(the managed run's timeline was not read: {e})", err=True)
+        return None
+
+
+def format_timeline(tl: dict) -> list[str]:
+    """A managed run's controller and its timeline, one line per lease, job end and handover."""
+    import datetime as dt
+
+    def at(t):
+        return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%m-%d %H:%M:%S")
+
+    c = tl.get("controller") or {}
+    alive = (f"alive on {c.get('host')} pid {c.get('pid')} (heartbeat {tl.get('controller_heartbeat_age_s')}s ago)"
+             if tl.get("controller_alive") else f"not running (last: {c.get('host')} pid {c.get('pid')})")
+    out = [f"managed run {tl.get('run')}: {tl.get('status')}; controller {alive}"]
+    for e in tl.get("events") or []:
+        kind = e.get("event")
+        if kind == "job":
+            hosts = e.get("hosts") or []
+            ends = f", lease {str(e.get('lease_id'))[:8]} ends {str(e['lease_end'])[:16].replace('T', ' ')}" \
+                if e.get("lease_end") else ""
+            out.append(f"  {at(e['at'])} job {e.get('job_id')} {'resumed' if e.get('restore') else 'started'} on "
+                       f"{len(hosts)} {e.get('node_type')} at {e.get('site')} ({', '.join(hosts)}){ends}")
+        elif kind == "job end":
+            why = "for the lease end" if e.get("lease_end") else f"exit {e.get('exit_code')}"
+            out.append(f"  {at(e['at'])} job {e.get('job_id')} ended at step {e.get('step')}, {why}"
+                       + (f": {e['failure']}" if e.get("failure") and not e.get("lease_end") else ""))
+        elif kind == "downtime":
+            out.append(f"  {at(e['at'])} handover: {format_breakdown(e.get('breakdown') or {})}")
+        elif kind in ("controller", "cancel", "end"):
+            what = {"controller": f"controller {e.get('id')}" + (" (took over)" if e.get("took_over") else ""),
+                    "cancel": f"cancel asked from {e.get('by')}", "end": f"run {e.get('status')}"}[kind]
+            out.append(f"  {at(e['at'])} {what}")
+    return out
 
 
 def format_breakdown(b: dict) -> str:

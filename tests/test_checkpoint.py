@@ -533,53 +533,105 @@ def lease_left(cluster) -> float:
     return (info.end - prof.cloud.now()).total_seconds()
 
 
+def wait_for(what: str, cond, timeout: float = 300.0):
+    """Poll ``cond`` until it returns something true (a condition of the run, read from the store and the records;
+    nothing here waits for a time to pass)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(1.0)  # the poll's period
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _job_sha(run: str, job_id: str) -> str:
+    """The final weights' digest from a job's own output (the launcher's copy of it on this machine)."""
+    from appliance.protocol import Line, parse
+
+    shas = set()
+    for line in (runs.record_dir(run) / f"{job_id}.log").read_text().splitlines():
+        got = parse(line.split("] ", 1)[-1], (Line.RESULT,))
+        if got and isinstance(got[1], dict) and "weights_sha256" in got[1]:
+            shas.add(got[1]["weights_sha256"])
+    assert len(shas) == 1, shas
+    return shas.pop()
+
+
 @pytest.mark.slow
-def test_a_managed_run_goes_on_across_the_lease_end_bit_exactly(cloud, reference_long, tmp_path, said):
-    """`appliance run SPEC` (issue 52; the run's controller is this process): the lease end comes at an arbitrary
-    epoch, the job stops after a step with a committed checkpoint, the run's cluster and lease go, a new lease and
-    servers come up, and the job continues from that very step, with nobody at the lease end: 0 steps lost, the
-    final weights are the uninterrupted run's, and the downtime is recorded phase by phase."""
+def test_a_managed_run_crosses_two_lease_ends_after_its_launching_shell_is_killed(cloud, reference_long, tmp_path):
+    """`appliance run SPEC` (issue 52): the command returns once its controller (a process of its own) holds the run,
+    and every process of the shell that typed it is killed with -9 at once. Two lease ends come at arbitrary steps
+    (the cloud's clock jumps); at each the job stops after a step with a committed checkpoint, the old cluster and
+    lease go, a new lease and servers come up and the job continues from that very step. The run finishes on its
+    third lease with no further command: 0 steps lost, the final weights the uninterrupted run's, each handover's
+    downtime on the run's timeline in the store, phase by phase."""
+    import signal
+    import subprocess
+    import sys
+
     from appliance.cluster import find_cluster
+    from appliance.flows import managed
 
-    spec_path = digits_spec(tmp_path, "cklease", url="swift://ckpts/", every=100, epochs=LONG,
+    spec_path = digits_spec(tmp_path, "cklease", url="swift://ckpts/", every=50, epochs=LONG,
                             extra="lease: {duration: 1h, stop_margin: 60s}\n")
-    out = Lines()
-    at_epoch = random.randint(1, 12)  # an arbitrary moment, with >= 18 epochs left for the watchdog to act
-    first = {}
-
-    def near_end(line):  # the cloud's clock jumps to 45 s before the end of the lease the job runs on
-        cl = find_cluster("cklease")
-        first["lease"] = cl.lease_id
-        localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45})
-
-    out.on(f"epoch {at_epoch}/{LONG} ", near_end)
+    shell = subprocess.Popen(["bash", "-c", f"{sys.executable} -m appliance.cli run {spec_path}; sleep 600"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    said = shell.stdout.readline()
+    os.killpg(shell.pid, signal.SIGKILL)  # the shell, `appliance run` if still there, the sleep: all of it
+    shell.wait()
+    assert "controller started" in said, said + shell.stdout.read()
+    cs = CheckpointStore("swift://ckpts/", "cklease", sites.open_site("local").store_creds())
+    reader = managed._control_of("cklease", None, "local", None)
+    state = lambda: managed.read_timeline(reader) or {}  # noqa: E731
     try:
-        said.clear()
-        res = flows.run_managed(spec_path, out=out)
-        assert res.exit_code == 0, (res.failure, said[-20:])
-        # the launcher's watchdog or rank 0's own look at the live vendordata (whichever sees it first) stopped it
-        assert out.has("[watchdog] lease ends in") or out.has("lease end (vendordata)")
-        assert any("ended with its lease: run cklease goes on on a new lease" in m for m in said), said[-20:]
+        stopped_at = 0
+        for lease in (1, 2):
+            # the job of this lease has committed past where the last one stopped (at a random one of its
+            # commits): the cloud's clock jumps to 45 s before this lease's end
+            target = stopped_at + 50 * random.randint(1, 3)
+
+            def committed_here():
+                cl = find_cluster("cklease")
+                jobs = [e for e in state().get("events", []) if e["event"] == "job"]
+                done = cs.committed()
+                return cl if (cl and len(jobs) == lease and jobs[-1]["lease_id"] == cl.lease_id and done
+                              and done[0].step >= target) else None
+
+            cl = wait_for(f"a commit at step >= {target} on lease {lease}", committed_here)
+            localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45})
+            ended = wait_for(f"the job of lease {lease} to stop for its end", lambda: [
+                e for e in state().get("events", []) if e["event"] == "job end" and e["lease_end"]][lease - 1:])
+            stopped_at = ended[0]["step"]
+        final = wait_for("the run to finish", lambda: (s := state()).get("status") not in (None, "running", "handover",
+                                                                                          "starting") and s)
+        assert final["status"] == "finished", final["events"][-4:]
+        assert not final["controller_alive"]  # it ended with the run, its lock released
+        ev = final["events"]
+        jobs = [e for e in ev if e["event"] == "job"]
+        assert len({j["lease_id"] for j in jobs}) == 3 and [j["restore"] for j in jobs] == [False, True, True]
         rec = runs.load("cklease")
-        stopped, resumed = rec["jobs"]
-        assert stopped["status"] == "stopped" and resumed["status"] == "complete" == rec["status"]
-        assert res.resumed["step"] == resumed["first_step"] == stopped["last_step"]  # 0 steps lost
-        assert sha(res) == reference_long
+        assert [j["status"] for j in rec["jobs"]] == ["stopped", "stopped", "complete"] and rec["status"] == "complete"
+        for before, after in zip(rec["jobs"], rec["jobs"][1:]):
+            assert after["first_step"] == before["last_step"]  # 0 steps lost at each lease end
         assert rec["node_seconds_lost"] == 0
-        new = find_cluster("cklease")
-        assert new.lease_id != first["lease"]
-        old = sites.for_cluster(new).cloud.get_lease(first["lease"])
-        assert old is None or old.status == "DELETED", old  # the old lease went (its hosts free for the new one)
-        # the downtime, phase by phase: the old cluster down and a new lease, its servers booted, SSH, the
-        # checkpoint staged, horovodrun, the restore, the first step; the parts add up to the time from the resume
-        # to the first step
-        b = res.resume_breakdown
-        bad = [k for k in flows.RESUME_PHASES if k != "install" and (b.get(k) is None or b[k] < 0)]
-        assert not bad, (bad, b)  # the phases missing or negative, then the whole (pytest cuts a long dict short)
-        assert b["lease"] > 0 and b["boot"] > 0 and b["ssh + contextualize"] > 0 and b["restore"] > 0, b
-        assert abs(sum(v for k, v in b.items() if k != "total") - b["total"]) < 0.1, b
-        assert resumed["resume_breakdown"] == b
+        assert _job_sha("cklease", rec["jobs"][-1]["job_id"]) == reference_long
+        for j in jobs[:2]:  # the old leases went (their hosts free for the next)
+            old = sites.open_site("local").cloud.get_lease(j["lease_id"])
+            assert old is None or old.status == "DELETED", old
+        # each handover's downtime, phase by phase: the old cluster down and a new lease, its servers booted, SSH,
+        # the checkpoint staged, horovodrun, the restore, the first step; the parts add up to the whole
+        downs = [e["breakdown"] for e in ev if e["event"] == "downtime"]
+        assert len(downs) == 2 and [j.get("resume_breakdown") for j in rec["jobs"][1:]] == downs
+        for b in downs:
+            bad = [k for k in flows.RESUME_PHASES if k != "install" and (b.get(k) is None or b[k] < 0)]
+            assert not bad, (bad, b)
+            assert b["lease"] > 0 and b["boot"] > 0 and b["ssh + contextualize"] > 0 and b["restore"] > 0, b
+            assert abs(sum(v for k, v in b.items() if k != "total") - b["total"]) < 0.1, b
     finally:
+        pid = (state().get("controller") or {}).get("pid")
+        if pid and not state().get("status") in ("finished", "failed", "stopped", "cancelled"):
+            os.kill(pid, signal.SIGKILL)  # a failed test leaves no controller behind
         flows.down("cklease")
 
 

@@ -285,7 +285,7 @@ def test_a_users_stop_asks_a_level3_job_to_end_after_its_sync_and_the_watchdogs_
     (code / "train.py").write_text("for step in range(10):\n    tape.gradient(loss, vars)\n")  # a custom loop
     hook.spec = type("S", (), {"name": "r", "code_dir": str(code),
                                "checkpoint": type("C", (), {"auto": True, "url": "file:///x/"})()})()
-    hook._user_stop("Ctrl-C to appliance train")
+    hook.user_stop("Ctrl-C to appliance train")
     req = json.loads(head.commands[-1][1])
     assert (req["reason"], req.get("end")) == ("Ctrl-C to appliance train", "after-sync")
     hook, head = _hook(tmp_path)
@@ -295,7 +295,7 @@ def test_a_users_stop_asks_a_level3_job_to_end_after_its_sync_and_the_watchdogs_
     hook, head = _hook(tmp_path)
     hook.spec = type("S", (), {"name": "r", "code_dir": str(code),
                                "checkpoint": type("C", (), {"auto": True, "url": "file:///x/"})()})()
-    hook._user_stop("SIGTERM to appliance train")
+    hook.user_stop("SIGTERM to appliance train")
     req = json.loads(head.commands[-1][1])
     assert (req["reason"], req.get("end")) == ("SIGTERM to appliance train", None)
 

@@ -2,9 +2,13 @@
 for its lease, one that failed, one its user stopped. The jobs are stand-ins; the e2e tier runs the loop for real
 across a lease end (tests/test_checkpoint.py::test_a_managed_run_goes_on_across_the_lease_end_bit_exactly)."""
 
+import json
+
 import pytest
 
 from appliance import flows
+from appliance.checkpoint import runs
+from appliance.flows import managed
 from appliance.protocol import EXIT_STOPPED
 from appliance.sites import open_site
 from appliance.train.launch import JobResult
@@ -21,15 +25,16 @@ def _job(rc=0, *, lease_end=False, stopped=None, failure=None, n=[0]):  # noqa: 
 def scripted(tmp_path, monkeypatch):
     """run_managed with its first job and every resume answered from a script: ``use(first, *resumes)``; returns
     the resumes' keyword arguments as they were asked for."""
-    spec = write_spec(tmp_path, "python x.py", code=tmp_path, name="mr")
+    spec = write_spec(tmp_path, "python x.py", code=tmp_path, name="mr",
+                      extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")
     asked = []
 
     def use(first, *resumes):
         todo = list(resumes)
-        monkeypatch.setattr(flows, "_first_job", lambda ctx, out: first)
+        monkeypatch.setattr(managed, "_first_job", lambda ctx, control, out: first)
 
         def resume(run, **kw):
-            assert run == "mr"
+            assert run == "mr" and kw.pop("control") is not None
             asked.append(kw)
             return todo.pop(0)
 
@@ -83,16 +88,16 @@ def test_committed_work_is_resumed_not_started_over(tmp_path, monkeypatch):
     spec = flows.check(str(write_spec(tmp_path, "python x.py", code=tmp_path, name="mr2",
                                       extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")))
     ctx = flows.RunContext(spec, open_site("local"))
-    assert not flows._has_committed_work(ctx)  # no container yet: a new run
+    assert not managed._has_committed_work(ctx)  # no container yet: a new run
     monkeypatch.setattr(CheckpointStore, "committed", lambda self: ["ckpt-000000040"])
-    assert flows._has_committed_work(flows.RunContext(spec, open_site("local")))
+    assert managed._has_committed_work(flows.RunContext(spec, open_site("local")))
 
     def down(self):
         raise ConnectionError("[Errno 111] Connection refused")
 
     monkeypatch.setattr(CheckpointStore, "committed", down)
     with pytest.raises(ConnectionError):  # a store that does not answer is not "no work"
-        flows._has_committed_work(flows.RunContext(spec, open_site("local")))
+        managed._has_committed_work(flows.RunContext(spec, open_site("local")))
 
 
 def test_run_of_a_bad_spec_is_one_line_and_exit_2(tmp_path):
@@ -105,3 +110,107 @@ def test_run_of_a_bad_spec_is_one_line_and_exit_2(tmp_path):
     r = CliRunner().invoke(main, ["run", str(bad)])
     assert r.exit_code == 2, r.output
     assert len(r.output.strip().splitlines()) == 1 and r.output.startswith("error: ") and "name" in r.output
+
+
+# -- the controller: one per run, its state and cancel in the store (managed.Control) ----------------------
+
+
+def _spec(tmp_path, name="mc"):
+    return flows.check(str(write_spec(tmp_path, "python x.py", code=tmp_path, name=name,
+                                      extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")))
+
+
+class _Ctx:  # what the controller's job hook reads of a JobContext
+    def __init__(self, spec, job_id="j1"):
+        from appliance.cluster import Cluster, Node
+
+        self.spec, self.job_id, self.restore = spec, job_id, None
+        self.cluster = Cluster(name=spec.name, cloud="local", lease_id="L1", lease_end="2026-12-01T10:00:00",
+                               nodes=[Node("n1", "10.0.0.1", "10.0.0.1", "/w"), Node("n2", "10.0.0.2", None, "/w")])
+
+
+def test_a_second_controller_of_a_run_is_refused_and_a_dead_ones_lock_is_taken_over_at_once(tmp_path, monkeypatch):
+    spec = _spec(tmp_path)
+    first = managed.Control(spec, None)
+    first.take()
+    with pytest.raises(flows.ApplianceError, match="already has a controller") as e:
+        managed.Control(spec, None).take()
+    assert "appliance cancel mc" in e.value.fix
+    # the first controller's process is gone (kill -9): on its own machine its lock is not waited on
+    monkeypatch.setattr(managed, "gone_here", lambda cid: cid == first.id)
+    third = managed.Control(spec, None)
+    third.take()
+    kinds = [(e["event"], e.get("took_over")) for e in third.state["events"]]
+    assert kinds == [("controller", None), ("controller", first.id)]  # the timeline goes on across controllers
+    first._done.set()
+    third._done.set()
+
+
+def test_cancel_reaches_the_live_controller_and_stops_its_job_and_not_a_later_controller(tmp_path, monkeypatch, said):
+    spec = _spec(tmp_path)
+    c = managed.Control(spec, None, poll=3600)  # the test looks for the request itself (no timing)
+    c.take()
+    runs.mark_managed(spec)
+    stops = []
+    hook = c.hook(stops.append)
+    hook.started(_Ctx(spec))
+    c._look_for_cancel()
+    assert c.cancel is None and not stops  # nothing asked yet
+    d = flows.cancel_run("mc")
+    assert d["controller"] == c.id
+    c._look_for_cancel()
+    assert stops == ["appliance cancel"] and c.cancel["controller"] == c.id
+    assert any("cancel of run mc asked" in m for m in said)
+    c.close("cancelled")
+    # the request was this controller's: the next one (`appliance run SPEC` to continue) does not obey it
+    nxt = managed.Control(spec, None, poll=3600)
+    nxt.take()
+    nxt._look_for_cancel()
+    assert nxt.cancel is None
+    nxt.close("finished")
+    with pytest.raises(flows.ApplianceError, match="no live controller"):
+        flows.cancel_run("mc")
+
+
+def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path):
+    from click.testing import CliRunner
+
+    from appliance.cli import main
+
+    spec = _spec(tmp_path)
+    c = managed.Control(spec, None, poll=3600)
+    c.take()
+    runs.mark_managed(spec)
+    hook = c.hook(lambda reason: None)
+    hook.started(_Ctx(spec))
+    hook.finish(JobResult(job_id="j1", exit_code=75, world_size=2, rank_hosts=["n1", "n2"], lease_end=True,
+                          stopped={"step": 242, "reason": "lease end (vendordata)", "committed": True}))
+    c.record("downtime", job_id="j2", breakdown={"lease": 1.5, "boot": 6.0, "total": 10.4})
+    r = CliRunner().invoke(main, ["runs", "mc"])
+    assert r.exit_code == 0, r.output
+    assert "managed run mc: running; controller alive on" in r.output
+    assert "job j1 started on 2 compute_local at local (n1, n2), lease L1 ends 2026-12-01 10:00" in r.output
+    assert "job j1 ended at step 242, for the lease end" in r.output
+    assert "handover: 10.4s to the first step: lease 1.5s, boot 6.0s" in r.output
+    c.close("finished")
+    r = CliRunner().invoke(main, ["runs", "mc", "--json"])
+    tl = json.loads(r.output)["managed"]
+    assert tl["status"] == "finished" and not tl["controller_alive"]
+    assert [e["event"] for e in tl["events"]] == ["controller", "job", "job end", "downtime", "end"]
+
+
+def test_a_detached_controller_that_cannot_start_says_why_in_one_line(tmp_path):
+    """`appliance run SPEC` starts the controller in a process of its own and returns once it holds the run; when it
+    cannot (here: another controller holds it), the command fails with the controller's own line."""
+    spec = _spec(tmp_path)
+    holder = managed.Control(spec, None)
+    holder.take()
+    with pytest.raises(flows.ApplianceError, match="did not start: run mc already has a controller") as e:
+        flows.start_managed(spec.path)
+    assert "controller.log" in e.value.fix
+    holder.close("finished")
+
+
+def test_a_managed_run_needs_a_checkpoint_url(tmp_path):
+    with pytest.raises(flows.SpecError, match="no checkpoint.url"):
+        flows.run_managed(str(write_spec(tmp_path, "python x.py", code=tmp_path, name="nourl")))

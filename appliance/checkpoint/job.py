@@ -194,7 +194,7 @@ class JobCheckpoints(JobHooks):
                 self.say(f"[watchdog] not watching the lease: {e}")
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *a: threading.Thread(
-                target=self._user_stop, args=("SIGTERM to appliance train",), daemon=True).start())
+                target=self.user_stop, args=("SIGTERM to appliance train",), daemon=True).start())
             # a launcher started with SIGINT ignored (a background job of a shell, nohup) keeps ignoring it
             if self.spec.checkpoint.url and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
                 self._old_sigint = signal.signal(signal.SIGINT, self._on_ctrl_c)
@@ -216,13 +216,13 @@ class JobCheckpoints(JobHooks):
             self.say(f"[appliance] Ctrl-C: the job saves a checkpoint at its next step and stops (then `appliance "
                      f"resume {self.spec.name}`); Ctrl-C again stops it at once, losing the work since its last "
                      "checkpoint")
-        self._user_stop("Ctrl-C to appliance train")
+        self.user_stop("Ctrl-C to appliance train")
 
     def _files_only(self) -> bool:
         """Level 3 only: nothing in the job stops it at a step; its synced working directory is what it keeps."""
         return protection_level(self.spec.code_dir, self.spec.checkpoint.auto) == "none"
 
-    def _user_stop(self, reason: str) -> None:
+    def user_stop(self, reason: str) -> None:
         """A stop the user asked for (Ctrl-C, SIGTERM to appliance train). A level-3-only job has nothing that
         stops at a step: rank 0's syncer commits the working directory and then ends the job (node/filesync.py).
         The lease watchdog's stop does not end such a job: it syncs, and keeps training (and syncing every

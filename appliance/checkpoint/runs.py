@@ -73,6 +73,16 @@ def job_started(spec: Spec, cluster: Cluster, job_id: str, restore: str | None =
     save(rec)
 
 
+def mark_managed(spec: Spec) -> None:
+    """The run has a controller (`appliance run`): `appliance runs RUN` reads its timeline from the store."""
+    rec = load(spec.name) or _new(spec)
+    rec["managed"] = True
+    if spec.path:
+        rec["spec_path"] = str(Path(spec.path).resolve())
+    rec["checkpoint_url"] = spec.checkpoint.url
+    save(rec)
+
+
 def job_ended(spec: Spec, cluster: Cluster, res) -> dict:
     rec = load(spec.name) or _new(spec)
     job = next((j for j in rec["jobs"] if j["job_id"] == res.job_id), None)
@@ -127,7 +137,7 @@ def run_details(run: str) -> dict | None:
     rec = load(run)
     if rec is None:
         return None
-    return {**summarize(rec), "jobs": [
+    return {**summarize(rec), "managed": bool(rec.get("managed")), "jobs": [
         {k: j.get(k) for k in ("job_id", "status", "nodes", "world_size", "first_step", "last_step", "started",
                                "ended", "exit_code", "failure", "resume_breakdown")} for j in rec.get("jobs", [])]}
 

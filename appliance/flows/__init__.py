@@ -15,25 +15,25 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .checkpoint.job import JobCheckpoints, refuse_if_running
-from .checkpoint.resume import choose_checkpoint, find_spec
-from .checkpoint.runs import RunRecords, list_runs, record_resume, run_details, running_on  # noqa: F401 (CLI)
-from .cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
-from .data import dataset_summary, listing, pack_dir, remove, stage_cluster, unstaged, upload
-from .errors import ApplianceError, SpecError
-from . import paths, report
-from .node import doctor as node_doctor
-from .node.watchdog import node_watch  # noqa: F401 (re-exported for the CLI)
-from .provision import heat, lifecycle
-from .remote import Session, pack_code
-from .sites import Site, for_cluster, for_spec, load_spec, open_site
-from .sites.local import (  # noqa: F401 (the simulator's verbs, for the CLI)
+from ..checkpoint.job import JobCheckpoints, refuse_if_running
+from ..checkpoint.resume import choose_checkpoint, find_spec
+from ..checkpoint.runs import RunRecords, list_runs, record_resume, run_details, running_on  # noqa: F401 (CLI)
+from ..cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
+from ..data import dataset_summary, listing, pack_dir, remove, stage_cluster, unstaged, upload
+from ..errors import ApplianceError, SpecError
+from .. import paths, report
+from ..node import doctor as node_doctor
+from ..node.watchdog import node_watch  # noqa: F401 (re-exported for the CLI)
+from ..provision import heat, lifecycle
+from ..remote import Session, pack_code
+from ..sites import Site, for_cluster, for_spec, load_spec, open_site
+from ..sites.local import (  # noqa: F401 (the simulator's verbs, for the CLI)
     cloud_start, cloud_status, cloud_stop, testbed_down, testbed_status, testbed_up)
-from .spec import Spec
-from .store.checkpoints import CheckpointStore
-from .store.objects import StoreRefused, unreachable
-from .train.headjob import job_log
-from .train.launch import JobResult, train
+from ..spec import Spec
+from ..store.checkpoints import CheckpointStore
+from ..store.objects import StoreRefused, unreachable
+from ..train.headjob import job_log
+from ..train.launch import JobResult, train
 
 log = report.get(__name__)
 
@@ -229,11 +229,14 @@ def data_remove(url: str, *, cloud: str, site_name: str | None = None) -> int:
 # -- training -------------------------------------------------------------------------------------
 
 
-def run_job(spec: Spec, cluster: Cluster, *, run: RunContext | None = None, **kw) -> JobResult:
+def run_job(spec: Spec, cluster: Cluster, *, run: RunContext | None = None, control=None, **kw) -> JobResult:
     """A training job with the appliance's hooks: checkpoints (settings, credentials file, lease watchdog, rank 0's
-    reports) and the run record. ``run``: the command's context, when it has one already."""
+    reports) and the run record. ``run``: the command's context, when it has one already; ``control``: the managed
+    run's controller (managed.Control: the job on its timeline, and stopped by a cancel)."""
     run = run or RunContext.of(spec)
-    return train(spec, cluster, hooks=[JobCheckpoints(run.site, run.lease_site(cluster)), RunRecords()], **kw)
+    ck = JobCheckpoints(run.site, run.lease_site(cluster))
+    hooks = [ck, RunRecords()] + ([control.hook(ck.user_stop)] if control is not None else [])
+    return train(spec, cluster, hooks=hooks, **kw)
 
 
 def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None) -> JobResult:
@@ -252,7 +255,7 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
          out: Callable[[str], None] = print) -> str:
     """`appliance logs RUN`: the run's newest job's output, from the head node of ``cluster_name`` (default: the
     cluster of the run's record, then the run's own cluster). Returns the job id."""
-    from .checkpoint import runs
+    from ..checkpoint import runs
 
     name = cluster_name or (runs.load(run) or {}).get("cluster") or (run if find_cluster(run) else None)
     copies = sorted((paths.home() / "runs" / run).glob(f"{run}-*.log"), key=lambda p: p.stat().st_mtime)
@@ -279,11 +282,12 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
            url: str | None = None, cloud: str = "local", site_name: str | None = None, new_lease: bool = False,
-           out: Callable[[str], None] | None = None) -> JobResult | None:
+           out: Callable[[str], None] | None = None, control=None) -> JobResult | None:
     """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
     new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
     what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete.
-    ``new_lease``: the run's own cluster goes first (its lease ends: run_managed), and a new lease is made."""
+    ``new_lease``: the run's own cluster goes first (its lease ends: run_managed), and a new lease is made;
+    ``control``: the managed run's controller (run_job)."""
     t = {"start": time.time()}  # the resume's downtime, phase by phase (resume_breakdown)
     spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
@@ -300,13 +304,15 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
         stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
     t["data staged"] = time.time()
     if ck is None:
-        res = run_job(spec, cluster, run=ctx, out=out, restore="")  # a resume (the files), no checkpoint to restore
+        # a resume of the files only: no checkpoint to restore
+        res = run_job(spec, cluster, run=ctx, out=out, restore="", control=control)
     else:
         rel = f"appliance/runs/{run}/restore/{ck.name}"
         stage_to_nodes(ctx, cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
                        out=out)
         t["checkpoint staged"] = time.time()
-        res = run_job(spec, cluster, run=ctx, out=out, restore=f"{cluster.head.workdir}/{rel}")
+        res = run_job(spec, cluster, run=ctx, out=out, restore=f"{cluster.head.workdir}/{rel}",
+                      control=control)
     res.resume_breakdown = resume_breakdown(t, up_phases, res)
     record_resume(run, res.job_id, res.resume_breakdown)
     return res
@@ -396,7 +402,7 @@ def resume_breakdown(t: dict[str, float], up_phases: dict[str, float], res: JobR
 
 def synced_files(ctx: RunContext) -> dict | None:
     """The newest manifest of the run's synced working directory (level 3) that verifies, or None."""
-    from .store.filesync import FileSet
+    from ..store.filesync import FileSet
 
     url = ctx.spec.checkpoint.url
     if not url:
@@ -405,76 +411,10 @@ def synced_files(ctx: RunContext) -> dict | None:
         return FileSet(url, ctx.spec.name, ctx.creds(url)).newest_good()
 
 
-# -- managed runs ---------------------------------------------------------------------------------
-
-
-def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int = 0,
-                out: Callable[[str], None] | None = None) -> JobResult | None:
-    """`appliance run SPEC`: the run to its end across leases, with nobody at the lease ends. This process is the
-    controller: the run goes on while it lives (run it where it stays up; `appliance run SPEC` again continues a
-    run whose controller went away). The first job runs on the run's own cluster (`appliance up`, made or reused;
-    the dataset staged, only what is missing), or resumes when the run has committed work already. Then, until a
-    job ends with 0:
-    - it ended for its lease's end (stopped before it with a commit, or the end took its nodes): the old cluster
-      goes (its hosts are free for the next lease) and the run resumes on a new lease;
-    - it failed otherwise: resumed on the same cluster up to ``max_restarts`` times in a row (a crash is most
-      often the script's own and would happen again), then its failure is the run's;
-    - its user stopped it (SIGTERM, Ctrl-C: stopped without a lease end): the run stops there.
-    Returns the last job's result (None: the run had finished already). ``spec``: the spec already loaded (the
-    first job's; the resumes read ``spec_path``)."""
-    spec = spec or check(spec_path)
-    ctx = RunContext.of(spec)
-    res = _first_job(ctx, out)
-    restarts = 0
-    while res is not None and res.exit_code != 0:
-        if res.lease_end:
-            restarts = 0
-            log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on a new lease")
-            res = resume(spec.name, spec_path=spec.path, new_lease=True, out=out)
-        elif res.stopped is not None and res.stopped.get("committed"):
-            log.info(f"[run] job {res.job_id} was stopped ({res.stopped.get('reason')}): run {spec.name} stops "
-                     f"here; `appliance run {spec.path}` continues it")
-            return res
-        elif restarts < max_restarts and not res.abandoned:
-            restarts += 1
-            log.info(f"[run] job {res.job_id} failed ({res.failure}); restart {restarts} of {max_restarts}, from the "
-                     "newest committed checkpoint")
-            res = resume(spec.name, spec_path=spec.path, out=out)
-        else:
-            return res
-    return res
-
-
-def _first_job(ctx: RunContext, out: Callable[[str], None] | None) -> JobResult | None:
-    """A managed run's first job: a resume when the run has committed work, else a fresh job on its own cluster."""
-    spec = ctx.spec
-    if _has_committed_work(ctx):
-        log.info(f"[run] run {spec.name} has committed work: resuming it")
-        return resume(spec.name, spec_path=spec.path, out=out)
-    cluster = lifecycle.up(ctx.site, spec)  # idempotent: the run's own cluster while its lease runs
-    if spec.dataset is not None:
-        stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
-    return run_job(spec, cluster, run=ctx, out=out)
-
-
-def _has_committed_work(ctx: RunContext) -> bool:
-    """Committed checkpoints or synced files of the run in its store. A store that is not reachable is an error
-    here, not "none" (a fresh job over committed work would be refused anyway, after a lease was paid for)."""
-    cs = ctx.checkpoints
-    if cs is None:
-        return False
-    try:
-        if cs.committed():
-            return True
-    except FileNotFoundError:  # no container yet: a new run
-        return False
-    return synced_files(ctx) is not None
-
-
 def plot_run(run: str, path: str | None = None, *, spec_path: str | None = None) -> dict:
     """`appliance runs RUN --plot`: the run's metrics from its newest committed checkpoint (one CSV across every
     job of the run) as a PNG, with the jobs' resume steps marked."""
-    from .checkpoint import plot, runs
+    from ..checkpoint import plot, runs
 
     spec = find_spec(run, spec_path)
     cs = RunContext.of(spec).checkpoints
@@ -523,8 +463,8 @@ def job_summary(res: JobResult) -> dict:
 def bench(spec_path: str, cluster_name: str | None, cfg, *, overhead: bool = False, repeats: int = 3,
           out_dir: str | None = None, command: str = "", out=None) -> dict:
     """`appliance bench`: throughput and scaling (or, with ``overhead``, appliance train vs bare horovodrun)."""
-    from . import bench as bench_mod
-    from .bench import report
+    from .. import bench as bench_mod
+    from ..bench import report
 
     spec = load_spec(spec_path)
     cl = resolve_cluster(spec, cluster_name)
@@ -553,7 +493,7 @@ def doctor_cluster(cluster: Cluster, allreduce: bool = True) -> dict[str, list]:
     """Run the node doctor (`python -m appliance.node.doctor`) on every node with the cluster's Python."""
     import shlex
 
-    from .protocol import Line, parse
+    from ..protocol import Line, parse
 
     Check = node_doctor.Check
 
@@ -587,3 +527,6 @@ def lease(verb: str, *args, cloud: str, site_name: str | None = None, **kw):
 def image_upload(path: str, name: str, *, cloud: str, site_name: str | None = None,
                  disk_format: str | None = None) -> dict:
     return lifecycle.image_upload(open_site(cloud, site_name), path, name, disk_format=disk_format)
+
+
+from .managed import cancel as cancel_run, run_managed, start as start_managed, timeline  # noqa: E402,F401 (CLI)

@@ -1,0 +1,391 @@
+"""`appliance run SPEC`: a run to its end across leases, and the controller that drives it (issue 52).
+
+Where the controller lives: in a process of its own on the machine that typed `appliance run` (``start``: a new
+session, so closing the terminal or killing the shell that started it leaves it running), with everything another
+machine needs in the object store beside the run's checkpoints, ``URL/RUN/controller/``:
+
+- ``lock/<generation>.json``: the controller's lease on the run (store/runlock.py, the same rules as a job's):
+  one controller per run; a second `appliance run SPEC` is refused while the first renews it; a controller that is
+  gone (its machine off) is taken over once its heartbeat is older than the lock's ttl (at once on the machine that
+  ran it, which can see its process is gone);
+- ``state.json``: what the run did, lease by lease (the timeline `appliance runs RUN` shows, from any machine);
+- ``cancel.json``: `appliance cancel RUN` asks the controller that holds the lock to stop the run: its job stops
+  with a checkpoint at the next step and the run's cluster goes (its lease with it).
+
+Why not on the head node: the head is deleted at its lease end, so a controller there has to move to the next
+cluster's head before the end, which needs the next lease to start before the current one ends (a warm handover)
+and a credential on the node that can book leases; neither exists yet. A machine that stays up (a Chameleon KVM
+instance, a lab server) runs the controller through any number of lease ends today.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+from .. import report
+from ..checkpoint import runs
+from ..checkpoint.resume import find_spec
+from ..cluster import find_cluster
+from ..errors import ApplianceError, SpecError
+from ..provision import lifecycle
+from ..spec import Spec
+from ..store.checkpoints import CheckpointStore, retrying
+from ..store.runlock import INTERVAL, TTL, RunLock
+from ..train.launch import JobContext, JobHooks, JobResult
+
+log = report.get(__name__)
+
+CONTROL = "controller"  # URL/RUN/controller/
+READY_FD = "APPLIANCE_CONTROLLER_READY_FD"  # start(): the pipe the detached controller says "ready" on
+
+
+def _flows():
+    from .. import flows  # the package's own verbs (run_job, resume: tests stand in for them there)
+
+    return flows
+
+
+# -- the controller's record in the store -------------------------------------------------------------
+
+
+class Control:
+    """The run's controller: its lock, state and cancel request in ``URL/RUN/controller/``. ``creds``: the store
+    credentials of the run's checkpoint.url."""
+
+    def __init__(self, spec: Spec, creds, *, poll: float | None = None):
+        self.run = spec.name
+        self.cs = CheckpointStore(spec.checkpoint.url, f"{spec.name}/{CONTROL}", creds)
+        host = socket.gethostname()
+        self.id = f"{host}:{os.getpid()}:{int(time.time())}.{os.urandom(3).hex()}"  # host:pid:... (gone_here)
+        self.lock = RunLock(self.cs, self.id, cluster=host, head=str(os.getpid()),
+                            interval=float(os.environ.get("APPLIANCE_CONTROLLER_LOCK_INTERVAL") or INTERVAL),
+                            ttl=float(os.environ.get("APPLIANCE_CONTROLLER_LOCK_TTL") or TTL))
+        self.poll = poll if poll is not None else float(os.environ.get("APPLIANCE_CONTROLLER_POLL") or 15.0)
+        self.state: dict = {"run": self.run, "status": "starting", "events": []}
+        self.cancel: dict | None = None
+        self.lost = False  # another controller took the lock over: this one starts nothing more
+        self._stop_job: Callable[[str], None] | None = None  # the running job's stop (JobCheckpoints.user_stop)
+        self._done = threading.Event()
+        self._mu = threading.Lock()
+
+    # taking the run, and giving it back
+
+    def take(self) -> None:
+        """Hold the run's controller lock, or raise: another controller renews it."""
+        holder, stale = self.lock.acquire(tempfile.gettempdir(), ended=gone_here)
+        if holder is not None:
+            raise busy(self.run, holder)
+        try:
+            old = retrying(lambda: self.cs.read_json("state.json"), what="read the run's controller state", attempts=4)
+        except FileNotFoundError:  # the run's first controller
+            old = {}
+        except (json.JSONDecodeError, ApplianceError):
+            old = {}
+        self.state["events"] = list(old.get("events") or [])
+        self.record("controller", id=self.id, host=self.lock.cluster, pid=os.getpid(),
+                    **({"took_over": stale.get("job_id")} if stale else {}))
+        if stale:
+            log.info(f"[run] took over run {self.run} from controller {stale.get('job_id')}, gone "
+                     f"{time.time() - float(stale.get('heartbeat', 0)):.0f}s")
+        threading.Thread(target=self._beat, name="appliance-controller", daemon=True).start()
+
+    def close(self, status: str) -> None:
+        self._done.set()
+        self.record("end", status=status, state=status)
+        try:
+            self.lock.release()
+        except Exception as e:  # noqa: BLE001 - the lock then expires after its ttl
+            log.info(f"[run] warning: could not release the controller lock ({type(e).__name__}: {e}); it "
+                     f"expires {self.lock.ttl:.0f}s after its last heartbeat")
+
+    def _beat(self) -> None:
+        """Renew the lock every interval; look for a cancel request every poll."""
+        last = time.monotonic()
+        while not self._done.wait(self.poll):
+            if self.cancel is None:
+                self._look_for_cancel()
+            if time.monotonic() - last >= self.lock.interval:
+                last = time.monotonic()
+                try:
+                    if not self.lock.heartbeat(tempfile.gettempdir()):
+                        self.lost = True
+                        log.info(f"[run] another controller took run {self.run} over: this one starts nothing more")
+                        return
+                except Exception:  # noqa: BLE001 - retried at the next beat; the ttl allows several misses
+                    pass
+
+    def _look_for_cancel(self) -> None:
+        try:
+            req = self.cs.read_json("cancel.json")
+        except FileNotFoundError:
+            return
+        except Exception:  # noqa: BLE001 - the store did not answer: asked again at the next poll
+            return
+        if req.get("controller") == self.id:
+            self.cancelled(req)
+
+    def cancelled(self, req: dict) -> None:
+        with self._mu:
+            if self.cancel is not None:
+                return
+            self.cancel = req
+            stop = self._stop_job
+        log.info(f"[run] cancel of run {self.run} asked from {req.get('by', '?')}: the job stops with a checkpoint "
+                 "and the run's cluster goes")
+        self.record("cancel", by=req.get("by"))
+        if stop is not None:
+            stop("appliance cancel")
+
+    # the timeline
+
+    def record(self, event: str, *, state: str | None = None, **fields) -> None:
+        """Add an event to the run's timeline and write it to the store (a failure is said, not raised: the
+        run goes on; the next event writes the whole state again)."""
+        with self._mu:
+            self.state["events"].append({"at": round(time.time(), 3), "event": event, **fields})
+            if state is not None:
+                self.state["status"] = state
+            self.state["controller"] = {"id": self.id, "host": self.lock.cluster, "pid": os.getpid()}
+            text = json.dumps(self.state, indent=1, sort_keys=True)
+        try:
+            retrying(lambda: self.cs.put_text("state.json", text, tempfile.gettempdir()),
+                     what="write the run's controller state", attempts=3)
+        except Exception as e:  # noqa: BLE001
+            log.info(f"[run] warning: could not write the run's state to the store ({type(e).__name__}: {e})")
+
+    def hook(self, stop: Callable[[str], None]) -> JobHooks:
+        """The job's hook: its lease and hosts on the timeline; a cancel stops it."""
+        return _ControlHook(self, stop)
+
+
+class _ControlHook(JobHooks):
+    def __init__(self, control: Control, stop: Callable[[str], None]):
+        self.control, self.stop = control, stop
+
+    def started(self, ctx: JobContext) -> None:
+        c, cl = self.control, ctx.cluster
+        c.record("job", state="running", job_id=ctx.job_id, cluster=cl.name, site=cl.site.region or cl.cloud,
+                 node_type=ctx.spec.nodes.node_type, hosts=[n.name for n in cl.nodes], lease_id=cl.lease_id,
+                 lease_end=cl.lease_end, restore=bool(ctx.restore))
+        with c._mu:
+            c._stop_job = self.stop
+            asked = c.cancel is not None
+        if asked:  # cancelled while the job was being set up
+            self.stop("appliance cancel")
+
+    def finish(self, result: JobResult) -> None:
+        c = self.control
+        with c._mu:
+            c._stop_job = None
+        step = (result.stopped or {}).get("step")
+        if step is None and result.commits:
+            step = max(x["step"] for x in result.commits)
+        c.record("job end", job_id=result.job_id, exit_code=result.exit_code, lease_end=bool(result.lease_end),
+                 step=step, failure=result.failure)
+
+
+def gone_here(controller_id: str) -> bool:
+    """A controller of this machine whose process is gone (its lock need not wait for its ttl)."""
+    host, _, rest = controller_id.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process of that pid: not ours, so ours is gone
+        return True
+    return False
+
+
+def busy(run: str, holder: dict) -> ApplianceError:
+    age = time.time() - float(holder.get("heartbeat", 0))
+    return ApplianceError(f"run {run} already has a controller: {holder.get('cluster')} pid {holder.get('head')}, "
+                          f"alive {age:.0f}s ago", f"watch it with `appliance runs {run}`, stop it with `appliance "
+                          f"cancel {run}`; a controller that is gone is taken over {float(holder.get('ttl', TTL)):.0f}s"
+                          " after its last heartbeat")
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int = 0,
+                out: Callable[[str], None] | None = None) -> JobResult | None:
+    """`appliance run SPEC --foreground` (and the detached controller `appliance run SPEC` starts): the run to its
+    end across leases, with nobody at the lease ends. The first job runs on the run's own cluster (`appliance up`,
+    made or reused; the dataset staged, only what is missing), or resumes when the run has committed work already.
+    Then, until a job ends with 0:
+    - it ended for its lease's end (stopped before it with a commit, or the end took its nodes): the old cluster
+      goes (its hosts are free for the next lease) and the run resumes on a new lease;
+    - it failed otherwise: resumed on the same cluster up to ``max_restarts`` times in a row (a crash is most
+      often the script's own and would happen again), then its failure is the run's;
+    - its user stopped it (SIGTERM, Ctrl-C) or cancelled the run (`appliance cancel RUN`): the run stops there;
+      a cancel also takes the run's cluster down.
+    Returns the last job's result (None: the run had finished already). ``spec``: the spec already loaded (the
+    first job's; the resumes read ``spec_path``)."""
+    flows = _flows()
+    spec = spec or flows.check(spec_path)
+    if not spec.checkpoint.url:
+        raise SpecError(f"{spec.path}: a managed run keeps its checkpoints and its state in the object store, and "
+                        "the spec has no checkpoint.url", "add `checkpoint: {url: swift://CONTAINER/}` (or s3://)")
+    ctx = flows.RunContext.of(spec)
+    control = Control(spec, ctx.creds(spec.checkpoint.url))
+    control.take()
+    runs.mark_managed(spec)
+    _ready(control)
+    status = "failed"
+    try:
+        res = _loop(ctx, control, max_restarts, out)
+        status = ("cancelled" if control.cancel else "finished" if res is None or res.exit_code == 0
+                  else "stopped" if (res.stopped or {}).get("committed") else "failed")
+        return res
+    finally:
+        control.close(status)
+
+
+def _loop(ctx, control: Control, max_restarts: int, out) -> JobResult | None:
+    flows, spec = _flows(), ctx.spec
+    res = _first_job(ctx, control, out)
+    restarts = 0
+    while res is not None and res.exit_code != 0:
+        if control.cancel is not None:
+            if find_cluster(spec.name) is not None:
+                log.info(f"[run] run {spec.name} cancelled: its cluster goes")
+                lifecycle.down(spec.name, ctx.site)
+            return res
+        if control.lost:
+            return res
+        if res.lease_end:
+            restarts = 0
+            log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on a new lease")
+            control.record("handover", state="handover", after=res.job_id)
+            res = flows.resume(spec.name, spec_path=spec.path, new_lease=True, out=out, control=control)
+            if res is not None and res.resume_breakdown:
+                control.record("downtime", job_id=res.job_id, breakdown=res.resume_breakdown)
+        elif res.stopped is not None and res.stopped.get("committed"):
+            log.info(f"[run] job {res.job_id} was stopped ({res.stopped.get('reason')}): run {spec.name} stops "
+                     f"here; `appliance run {spec.path}` continues it")
+            return res
+        elif restarts < max_restarts and not res.abandoned:
+            restarts += 1
+            log.info(f"[run] job {res.job_id} failed ({res.failure}); restart {restarts} of {max_restarts}, from the "
+                     "newest committed checkpoint")
+            res = flows.resume(spec.name, spec_path=spec.path, out=out, control=control)
+        else:
+            return res
+    return res
+
+
+def _first_job(ctx, control: Control, out: Callable[[str], None] | None) -> JobResult | None:
+    """A managed run's first job: a resume when the run has committed work, else a fresh job on its own cluster."""
+    flows, spec = _flows(), ctx.spec
+    if _has_committed_work(ctx):
+        log.info(f"[run] run {spec.name} has committed work: resuming it")
+        return flows.resume(spec.name, spec_path=spec.path, out=out, control=control)
+    cluster = lifecycle.up(ctx.site, spec)  # idempotent: the run's own cluster while its lease runs
+    if spec.dataset is not None:
+        flows.stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
+    return flows.run_job(spec, cluster, run=ctx, out=out, control=control)
+
+
+def _has_committed_work(ctx) -> bool:
+    """Committed checkpoints or synced files of the run in its store. A store that is not reachable is an error
+    here, not "none" (a fresh job over committed work would be refused anyway, after a lease was paid for)."""
+    cs = ctx.checkpoints
+    if cs is None:
+        return False
+    try:
+        if cs.committed():
+            return True
+    except FileNotFoundError:  # no container yet: a new run
+        return False
+    return _flows().synced_files(ctx) is not None
+
+
+# -- the detached controller, and what any machine can ask of it ---------------------------------------
+
+
+def _ready(control: Control) -> None:
+    """Tell the `appliance run` that started this controller (start) that it holds the run."""
+    fd = os.environ.pop(READY_FD, None)
+    if fd and fd.isdigit():
+        try:
+            os.write(int(fd), f"ok {control.id}\n".encode())
+            os.close(int(fd))
+        except OSError:  # the starter is gone (killed): nothing to tell
+            pass
+
+
+def start(spec_path: str, *, max_restarts: int = 0) -> dict:
+    """`appliance run SPEC`: the controller in a process of its own (a new session: it outlives the terminal and
+    the shell that typed the command), its output in ~/.appliance/runs/RUN/controller.log. Returns once it holds
+    the run (its lock in the store), or raises with its own error line."""
+    spec = _flows().check(spec_path)
+    where = runs.record_dir(spec.name)
+    where.mkdir(parents=True, exist_ok=True)
+    log_path = where / "controller.log"
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "appliance.cli", "run", os.path.abspath(spec_path), "--foreground",
+           "--max-restarts", str(max_restarts)]
+    with open(log_path, "ab") as f:
+        f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd[3:])}\n".encode())
+        f.flush()
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, pass_fds=(w,),
+                             start_new_session=True, env={**os.environ, READY_FD: str(w)})
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        said = pipe.read().decode(errors="replace")  # until the controller says ready, or exits
+    if not said.startswith("ok "):
+        rc = p.wait()
+        lines = [x for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
+        last = lines[-1] if lines else f"exit {rc}"
+        raise ApplianceError(f"the controller of run {spec.name} did not start: {last.removeprefix('error: ')}",
+                             f"its log: {log_path}")
+    return {"run": spec.name, "controller": said.split()[1], "pid": p.pid, "log": str(log_path)}
+
+
+def _control_of(run: str, url: str | None, cloud: str, site_name: str | None) -> Control:
+    """A reader of RUN's controller record (from this machine's run record, or ``url``)."""
+    flows = _flows()
+    spec = find_spec(run, None, url, creds=flows.data_creds(url, cloud, site_name) if url else None)
+    if not spec.checkpoint.url:
+        raise ApplianceError(f"run {run} has no checkpoint.url: it has no controller", "`appliance runs` lists runs")
+    return Control(spec, flows.RunContext.of(spec).creds(spec.checkpoint.url))
+
+
+def cancel(run: str, *, url: str | None = None, cloud: str = "local", site_name: str | None = None) -> dict:
+    """`appliance cancel RUN`: ask the run's live controller (on any machine) to stop the run."""
+    c = _control_of(run, url, cloud, site_name)
+    holder = c.lock.read()
+    if holder is None or not c.lock.alive(holder, ended=gone_here):
+        raise ApplianceError(f"run {run} has no live controller, so nothing to cancel", "a job started with "
+                             "`appliance train` stops with Ctrl-C there; `appliance runs` shows the run")
+    req = {"controller": holder["job_id"], "at": time.time(), "by": socket.gethostname()}
+    c.cs.put_text("cancel.json", json.dumps(req), tempfile.gettempdir())
+    return {"run": run, "controller": holder["job_id"], "host": holder.get("cluster"), "pid": holder.get("head")}
+
+
+def timeline(run: str, *, url: str | None = None, cloud: str = "local", site_name: str | None = None) -> dict | None:
+    """The run's controller state from the store (None: it never had a controller), with whether one is alive."""
+    return read_timeline(_control_of(run, url, cloud, site_name))
+
+
+def read_timeline(c: Control) -> dict | None:
+    try:
+        state = retrying(lambda: c.cs.read_json("state.json"), what="read the run's controller state", attempts=4)
+    except FileNotFoundError:
+        return None
+    holder = c.lock.read()
+    state["controller_alive"] = bool(holder and c.lock.alive(holder, ended=gone_here))
+    if holder:
+        state["controller_heartbeat_age_s"] = round(time.time() - float(holder.get("heartbeat", 0)))
+    return state
