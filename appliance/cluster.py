@@ -47,6 +47,7 @@ class SiteRecord:
     installed: dict = field(default_factory=dict)  # `up --install`: the stack tag, built or from the cache
     stack: str | None = None  # `adopt`: the Heat stack
     stack_id: str | None = None
+    lease_name: str | None = None  # the lease `up` asks Blazar for, recorded before it asks
 
     @classmethod
     def from_dict(cls, d: dict) -> SiteRecord:

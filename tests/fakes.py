@@ -136,11 +136,16 @@ class FakeCloud:
     def create_server(self, name, *, reservation_id, image, key_name, network, **kw):
         status = self._call("create_server", name) or "ACTIVE"
         sid = self._id("srv")
-        self.servers[sid] = SimpleNamespace(id=sid, name=name, status=status, ip=f"10.0.0.{len(self.servers) + 10}")
+        self.servers[sid] = SimpleNamespace(id=sid, name=name, status=status, ip=f"10.0.0.{len(self.servers) + 10}",
+                                            metadata={"appliance_reservation": reservation_id})
         return sid
 
     def get_server(self, server_id):
         return self.servers.get(server_id)
+
+    def find_servers(self, name_regex=None):
+        self._call("find_servers", name_regex)
+        return [srv for srv in self.servers.values() if not name_regex or re.search(name_regex, srv.name)]
 
     def get_servers(self, server_ids, name_regex=None):
         """One listing filtered by name as Nova filters it (a regular expression search), or of every server."""

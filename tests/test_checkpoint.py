@@ -6,6 +6,7 @@ leases whose end deletes the servers). Every resumed run is compared with an uni
 seed and world size: the final weights must be bit-identical.
 """
 
+import contextlib
 import csv
 import io
 import json
@@ -631,8 +632,69 @@ def test_a_managed_run_crosses_two_lease_ends_after_its_launching_shell_is_kille
     finally:
         pid = (state().get("controller") or {}).get("pid")
         if pid and not state().get("status") in ("finished", "failed", "stopped", "cancelled"):
-            os.kill(pid, signal.SIGKILL)  # a failed test leaves no controller behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # a failed test leaves no controller behind
         flows.down("cklease")
+
+
+@pytest.mark.slow
+def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_lease(cloud, reference_long,
+                                                                                         tmp_path):
+    """The controller is killed with -9 in the middle of a handover (the old job stopped for its lease end, the new
+    lease made, its servers booting). `appliance run SPEC` again takes the run over at once (the dead controller's
+    process is gone), finishes the handover on the lease already made, and the run ends: two leases in all (none
+    left behind), one job at a time, the final weights the uninterrupted run's."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from appliance.cluster import find_cluster
+    from appliance.flows import managed
+
+    spec_path = digits_spec(tmp_path, "ckctl", url="swift://ckpts/", every=50, epochs=LONG,
+                            extra="lease: {duration: 1h, stop_margin: 60s}\n")
+
+    def start() -> int:
+        p = subprocess.run([sys.executable, "-m", "appliance.cli", "run", spec_path, "--json"], capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)["pid"]
+
+    site = sites.open_site("local")
+    cs = CheckpointStore("swift://ckpts/", "ckctl", site.store_creds())
+    localcloud.admin("DELETE", "/requests")
+    pid = start()
+    reader = managed._control_of("ckctl", None, "local", None)
+    state = lambda: managed.read_timeline(reader) or {}  # noqa: E731
+    try:
+        cl = wait_for("the first commit", lambda: cs.committed() and find_cluster("ckctl"))
+        first = cl.lease_id
+        localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45})
+        wait_for("the new lease of the handover", lambda: (c := find_cluster("ckctl")) and c.lease_id not in (None, first))
+        os.kill(pid, signal.SIGKILL)
+        wait_for("the controller's end", lambda: managed.gone_here(f"{socket.gethostname()}:{pid}:"), timeout=30)
+        pid = start()
+        final = wait_for("the run to finish", lambda: (s := state()).get("status") in ("finished", "failed", "stopped")
+                         and s)
+        assert final["status"] == "finished", final["events"][-4:]
+        controllers = [e for e in final["events"] if e["event"] == "controller"]
+        assert len(controllers) == 2 and controllers[1]["took_over"] == controllers[0]["id"]
+        made = [r for r in localcloud.admin("GET", "/requests")["requests"] if r["method"] == "POST"
+                and r["path"].rstrip("/").endswith("/leases") and (r["body"] or {}).get("name", "").startswith("ckctl-")]
+        assert len(made) == 2, made  # the lease made before the kill was used, no third one
+        assert [x.id for x in site.cloud.list_leases() if x.name.startswith("ckctl-")] == [find_cluster("ckctl").lease_id]
+        rec = runs.load("ckctl")
+        jobs = rec["jobs"]
+        assert [j["status"] for j in jobs] == ["stopped", "complete"], jobs
+        assert jobs[0]["ended"] <= jobs[1]["started"]  # never two jobs at once
+        assert jobs[1]["first_step"] == jobs[0]["last_step"]
+        assert _job_sha("ckctl", jobs[-1]["job_id"]) == reference_long
+    finally:
+        if state().get("status") not in ("finished", "failed", "stopped", "cancelled"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # a failed test leaves no controller behind
+        flows.down("ckctl")
 
 
 @pytest.mark.slow

@@ -642,3 +642,48 @@ def test_an_extension_renews_the_jobs_store_credential_for_the_new_end(tmp_path,
     assert "mv -f" in cmd and b"app_cred_secret" in body and "umask 077" in cmd
     jc._withdraw()
     assert not cloud.app_creds  # the first and the renewed one
+
+
+def test_an_up_killed_as_blazar_answers_leaves_no_orphan_lease(tmp_path):
+    """A managed run's controller killed mid-handover, right after Blazar made the new lease and before its answer
+    was saved: the next `up` (the controller started again) uses that lease, and makes no second one."""
+    site, spec = FakeSite(), spec_of(tmp_path, "fo")
+    made = site.cloud.create_lease
+
+    def killed_after(*a, **k):
+        made(*a, **k)
+        raise KeyboardInterrupt  # what the record saw of it: nothing
+    site.cloud.create_lease = killed_after
+    with pytest.raises(KeyboardInterrupt):
+        up(site, spec)
+    assert find_cluster("fo").lease_id is None and len(site.cloud.leases) == 1
+    site.cloud.create_lease = made
+    cl = up(site, spec)
+    assert len(site.cloud.leases) == 1 and cl.lease_id == next(iter(site.cloud.leases))
+    lifecycle.down("fo", site=site)
+    assert all(x.status == "DELETED" for x in site.cloud.leases.values()) or not site.cloud.leases
+
+
+def test_an_up_killed_as_nova_answers_uses_that_server_and_asks_for_no_second(tmp_path):
+    """The same for a server: killed after Nova took the request and before the record had its id. The next `up`
+    finds it by its name and the reservation in its metadata; a server of another reservation with that name (the
+    last lease's, say) is not taken."""
+    site, spec = FakeSite(), spec_of(tmp_path, "fq")
+    c = site.cloud
+    c.create_server("fq-1", reservation_id="an-older-reservation", image="i", key_name="k", network="n")
+    made = c.create_server
+
+    def killed_after(name, **kw):
+        sid = made(name, **kw)
+        if name == "fq-0":
+            raise KeyboardInterrupt
+        return sid
+    c.create_server = killed_after
+    with pytest.raises(KeyboardInterrupt):
+        up(site, spec)
+    c.create_server = made
+    cl = up(site, spec)
+    ours = [s for s in c.servers.values() if s.metadata["appliance_reservation"] == cl.reservation_id]
+    assert sorted(s.name for s in ours) == ["fq-0", "fq-1"]  # one each: the unrecorded fq-0 was used
+    assert set(cl.site.servers.values()) == {s.id for s in ours}
+    lifecycle.down("fq", site=site)

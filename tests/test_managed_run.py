@@ -3,6 +3,8 @@ for its lease, one that failed, one its user stopped. The jobs are stand-ins; th
 across a lease end (tests/test_checkpoint.py::test_a_managed_run_goes_on_across_the_lease_end_bit_exactly)."""
 
 import json
+import os
+import time
 
 import pytest
 
@@ -214,3 +216,57 @@ def test_a_detached_controller_that_cannot_start_says_why_in_one_line(tmp_path):
 def test_a_managed_run_needs_a_checkpoint_url(tmp_path):
     with pytest.raises(flows.SpecError, match="no checkpoint.url"):
         flows.run_managed(str(write_spec(tmp_path, "python x.py", code=tmp_path, name="nourl")))
+
+
+def test_a_controller_started_while_a_job_of_the_run_runs_waits_for_it_then_goes_on(tmp_path, monkeypatch, said):
+    """The controller was killed (the laptop slept) and the job went on, detached on its head node: `appliance run
+    SPEC` again waits for that job to end (by the run's lock) instead of failing on it, then takes the run on."""
+    spec = _spec(tmp_path, "mw")
+    monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "0.01")
+    held = {"job_id": "mw-1", "cluster": "mw", "heartbeat": 0}
+    looks = [held, held, None]
+    monkeypatch.setattr(managed, "_live_job", lambda ctx: looks.pop(0))
+    monkeypatch.setattr(managed, "_has_committed_work", lambda ctx: True)
+    monkeypatch.setattr(flows, "resume", lambda run, **kw: _job(0))
+    res = flows.run_managed(spec.path)
+    assert res.exit_code == 0 and looks == []
+    assert sum("job mw-1 of run mw still runs on cluster mw" in m and "waiting for it to end" in m for m in said) == 1
+
+
+def test_a_cancel_while_waiting_for_such_a_job_asks_it_to_stop_and_starts_nothing(tmp_path, monkeypatch):
+    from appliance.train import headjob
+
+    spec = _spec(tmp_path, "mx")
+    c = managed.Control(spec, None, poll=0.01)
+    c.take()
+    c.cancelled({"controller": c.id, "by": "elsewhere"})
+    asked = []
+    monkeypatch.setattr(managed, "find_cluster", lambda name: f"cluster {name}")
+    monkeypatch.setattr(headjob, "ask_to_stop", lambda cl, run, reason: asked.append((cl, run, reason)))
+    looks = [{"job_id": "mx-1", "cluster": "mx"}] * 3 + [None]
+    monkeypatch.setattr(managed, "_live_job", lambda ctx: looks.pop(0))
+    monkeypatch.setattr(flows, "resume", lambda run, **kw: pytest.fail("a cancelled run starts nothing"))
+    assert managed._first_job(flows.RunContext(spec, open_site("local")), c, None) is None
+    assert asked == [("cluster mx", "mx", "appliance cancel")]  # once, though the job took three looks to end
+    c.close("cancelled")
+
+
+def test_a_killed_controller_not_yet_reaped_counts_as_gone():
+    """kill -9 leaves the controller a zombie until init reaps it (it was reparented when `appliance run` returned):
+    `appliance run SPEC` again right after must take the run over, not be refused by the zombie's pid."""
+    import socket
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    try:
+        state = lambda: open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0]  # noqa: E731
+        for _ in range(1000):  # `true` exits at once; its parent (this test) has not reaped it
+            if state() == "Z":
+                break
+            time.sleep(0.01)
+        assert state() == "Z"
+        assert managed.gone_here(f"{socket.gethostname()}:{p.pid}:1")
+        assert not managed.gone_here(f"{socket.gethostname()}:{os.getpid()}:1")  # this process runs
+        assert not managed.gone_here(f"another-host:{p.pid}:1")  # another machine's: its lock's ttl decides
+    finally:
+        p.wait()

@@ -486,13 +486,20 @@ def run_busy(spec, holder: dict) -> ApplianceError:
         "takes it over")
 
 
-def refuse_if_running(spec, cs: CheckpointStore, site: Site) -> None:
-    """`appliance resume`, before it stages anything: refuse while another job of the run keeps its lock alive (a
-    running job prunes the very checkpoints a second one would stage). ``site``: the spec's, whose leases are
-    asked whether the lock's job still has nodes."""
+def live_job(spec, cs: CheckpointStore, site: Site) -> dict | None:
+    """The lock of the run's job that is alive (renewed within its ttl, not ended as far as this machine knows, its
+    lease not over), else None. ``site``: the spec's, whose leases are asked whether the job still has nodes."""
     lock = RunLock(cs, "", cluster="", head="")
     cur = lock.read()
-    if cur and lock.alive(cur, ended=lambda jid: job_ended_here(spec.name, jid), lease_over=lease_over_for(site)):
+    alive = cur and lock.alive(cur, ended=lambda jid: job_ended_here(spec.name, jid), lease_over=lease_over_for(site))
+    return cur if alive else None
+
+
+def refuse_if_running(spec, cs: CheckpointStore, site: Site) -> None:
+    """`appliance resume`, before it stages anything: refuse while another job of the run keeps its lock alive (a
+    running job prunes the very checkpoints a second one would stage)."""
+    cur = live_job(spec, cs, site)
+    if cur:
         raise run_busy(spec, cur)
 
 

@@ -74,6 +74,7 @@ class Control:
         self.lost = False  # another controller took the lock over: this one starts nothing more
         self._stop_job: Callable[[str], None] | None = None  # the running job's stop (JobCheckpoints.user_stop)
         self._done = threading.Event()
+        self.changed = threading.Event()  # set on a cancel: whoever waits looks again at once
         self._mu = threading.Lock()
 
     # taking the run, and giving it back
@@ -138,6 +139,7 @@ class Control:
                 return
             self.cancel = req
             stop = self._stop_job
+        self.changed.set()
         log.info(f"[run] cancel of run {self.run} asked from {req.get('by', '?')}: the job stops with a checkpoint "
                  "and the run's cluster goes")
         self.record("cancel", by=req.get("by"))
@@ -204,7 +206,10 @@ def gone_here(controller_id: str) -> bool:
         return True
     except PermissionError:  # another user's process of that pid: not ours, so ours is gone
         return True
-    return False
+    try:  # killed, and not yet reaped by its parent (init, once `appliance run` has returned): a zombie
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):  # no /proc (macOS): the pid answers, so it runs
+        return False
 
 
 def busy(run: str, holder: dict) -> ApplianceError:
@@ -256,14 +261,7 @@ def _loop(ctx, control: Control, max_restarts: int, out) -> JobResult | None:
     flows, spec = _flows(), ctx.spec
     res = _first_job(ctx, control, out)
     restarts = 0
-    while res is not None and res.exit_code != 0:
-        if control.cancel is not None:
-            if find_cluster(spec.name) is not None:
-                log.info(f"[run] run {spec.name} cancelled: its cluster goes")
-                lifecycle.down(spec.name, ctx.site)
-            return res
-        if control.lost:
-            return res
+    while res is not None and res.exit_code != 0 and control.cancel is None and not control.lost:
         if res.lease_end:
             restarts = 0
             log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on a new lease")
@@ -274,20 +272,26 @@ def _loop(ctx, control: Control, max_restarts: int, out) -> JobResult | None:
         elif res.stopped is not None and res.stopped.get("committed"):
             log.info(f"[run] job {res.job_id} was stopped ({res.stopped.get('reason')}): run {spec.name} stops "
                      f"here; `appliance run {spec.path}` continues it")
-            return res
+            break
         elif restarts < max_restarts and not res.abandoned:
             restarts += 1
             log.info(f"[run] job {res.job_id} failed ({res.failure}); restart {restarts} of {max_restarts}, from the "
                      "newest committed checkpoint")
             res = flows.resume(spec.name, spec_path=spec.path, out=out, control=control)
         else:
-            return res
+            break
+    if control.cancel is not None and find_cluster(spec.name) is not None:
+        log.info(f"[run] run {spec.name} cancelled: its cluster goes")
+        lifecycle.down(spec.name, ctx.site)
     return res
 
 
 def _first_job(ctx, control: Control, out: Callable[[str], None] | None) -> JobResult | None:
     """A managed run's first job: a resume when the run has committed work, else a fresh job on its own cluster."""
     flows, spec = _flows(), ctx.spec
+    _wait_for_live_job(ctx, control)
+    if control.cancel is not None:
+        return None
     if _has_committed_work(ctx):
         log.info(f"[run] run {spec.name} has committed work: resuming it")
         return flows.resume(spec.name, spec_path=spec.path, out=out, control=control)
@@ -295,6 +299,41 @@ def _first_job(ctx, control: Control, out: Callable[[str], None] | None) -> JobR
     if spec.dataset is not None:
         flows.stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
     return flows.run_job(spec, cluster, run=ctx, out=out, control=control)
+
+
+def _live_job(ctx) -> dict | None:
+    from ..checkpoint.job import live_job
+
+    try:
+        return live_job(ctx.spec, ctx.checkpoints, ctx.site)
+    except FileNotFoundError:  # no container yet: a new run
+        return None
+
+
+def _wait_for_live_job(ctx, control: Control) -> None:
+    """A controller that starts while a job of the run still runs (its controller was killed, the laptop slept: the
+    job went on, detached on its head node) waits for that job to end, by the run's lock, and takes the run from
+    there; a resume now would be refused. A cancel meanwhile asks that job to stop (its STOP file)."""
+    from ..train.headjob import ask_to_stop
+
+    said = stop_asked = False
+    while (job := _live_job(ctx)) is not None:
+        if not said:
+            said = True
+            age = time.time() - float(job.get("heartbeat", 0))
+            log.info(f"[run] job {job.get('job_id')} of run {ctx.spec.name} still runs on cluster {job.get('cluster')} "
+                     f"(its lock renewed {age:.0f}s ago): waiting for it to end")
+            control.record("waiting", job_id=job.get("job_id"), cluster=job.get("cluster"))
+        if control.cancel is not None and not stop_asked:
+            stop_asked = True
+            cl = find_cluster(str(job.get("cluster")))
+            try:
+                if cl is not None:
+                    ask_to_stop(cl, ctx.spec.name, "appliance cancel")
+            except ApplianceError as e:
+                log.info(f"[run] could not ask job {job.get('job_id')} to stop: {e}")
+        control.changed.wait(control.poll)  # the next look at the lock, or at once on a cancel
+        control.changed.clear()
 
 
 def _has_committed_work(ctx) -> bool:

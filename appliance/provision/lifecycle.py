@@ -9,6 +9,7 @@ creates only what is missing, and `down` finds everything.
 from __future__ import annotations
 
 import datetime as dt
+import re
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from ..cluster import Cluster, Node, SiteRecord, delete_cluster, find_cluster, l
 from ..errors import ApplianceError
 from ..remote import HostKeyMismatch, KeyRefused, Session
 from ..sites import Site, for_cluster
-from ..sites.openstack import fmt_date
+from ..sites.openstack import RESERVATION_KEY, fmt_date
 from ..spec import Spec, duration_seconds
 from .contextualize import contextualize
 
@@ -42,6 +43,34 @@ def lease_create(site: Site, spec: Spec, *, start: str | None = None) -> dict:
 
 def _lease_name(spec: Spec) -> str:
     return f"{spec.name}-{time.strftime('%m%d%H%M%S')}"
+
+
+def _adopt_unrecorded(c, spec: Spec, reservation_id: str, servers: dict[str, str]) -> None:
+    """Servers an earlier `up` asked for on this reservation and never recorded (killed between Nova's answer and
+    the record's save: a managed run's controller, mid-handover): found by name and by the reservation in their
+    metadata, and used, rather than asked for again (a second server per node would find no host: the lease has
+    one per node) and left behind."""
+    missing = {f"{spec.name}-{i}" for i in range(spec.nodes.count)} - set(servers)
+    if not missing:
+        return
+    for srv in c.find_servers(f"^{re.escape(spec.name)}-[0-9]+$"):
+        if srv.name in missing and (getattr(srv, "metadata", None) or {}).get(RESERVATION_KEY) == reservation_id \
+                and srv.status != "ERROR" and not _deleting(srv):
+            log.info(f"  {srv.name}: server {srv.id} was asked for by an `up` that did not finish: using it")
+            servers[srv.name] = srv.id
+            missing.discard(srv.name)
+
+
+def _made_before(c, name: str | None):
+    """The lease an earlier `up` of this cluster asked Blazar for under ``name`` and never recorded (it was killed
+    before its answer was saved), while it can still be used; else None."""
+    if not name:
+        return None
+    for info in c.list_leases():
+        if info.name == name and info.status not in ("TERMINATED", "DELETED", "ERROR"):
+            log.info(f"lease {info.name} ({info.id}) was made by an `up` that did not finish: using it")
+            return info
+    return None
 
 
 def image_upload(site: Site, path: str, name: str, *, disk_format: str | None = None) -> dict:
@@ -201,11 +230,23 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
     # 1. lease
     lid = lease_id or spec.lease.lease_id or cluster.lease_id
     if lid is None:
-        info = c.create_lease(_lease_name(spec), spec.nodes.node_type, spec.nodes.count,
-                              dt.timedelta(seconds=duration_seconds(spec.lease.duration)),
-                              floating_ip=spec.lease.floating_ip)
-        log.info(f"lease {info.name} ({info.id}) created: {spec.nodes.count} x {spec.nodes.node_type} until "
-                 f"{fmt_date(info.end)} UTC")
+        info = _made_before(c, cluster.site.lease_name)
+        if info is None:
+            # the name first, then the lease: an `up` killed between Blazar's answer and the record's save (a
+            # managed run's controller, mid-handover) leaves the name, so the next `up` finds that lease and
+            # does not leave it behind unrecorded (issue 52: no orphan lease)
+            cluster.site.lease_name = _lease_name(spec)
+            cluster.save()
+            try:
+                info = c.create_lease(cluster.site.lease_name, spec.nodes.node_type, spec.nodes.count,
+                                      dt.timedelta(seconds=duration_seconds(spec.lease.duration)),
+                                      floating_ip=spec.lease.floating_ip)
+            except ApplianceError:  # Blazar refused it: nothing was made, so no record of it is left
+                if not cluster.site.servers:
+                    delete_cluster(spec.name)
+                raise
+            log.info(f"lease {info.name} ({info.id}) created: {spec.nodes.count} x {spec.nodes.node_type} until "
+                     f"{fmt_date(info.end)} UTC")
     else:
         info = c.get_lease(lid)
         if info is None:
@@ -240,6 +281,7 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
             servers[name] = new
             cluster.save()
 
+    _adopt_unrecorded(c, spec, info.reservation_id, servers)
     _fan_out(ensure, range(spec.nodes.count))
     order = [f"{spec.name}-{i}" for i in range(spec.nodes.count)]  # node 0 is the head, whatever answered first
     cluster.site.servers = servers = {**{n: servers[n] for n in order}, **{n: s for n, s in servers.items()

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ApplianceError, socket_reason
 from .. import report
@@ -193,6 +193,7 @@ def parse_console_host_keys(text: str) -> list[str]:
     return _key_lines(blocks[-1].splitlines())
 
 
+RESERVATION_KEY = "appliance_reservation"  # a server's metadata: the reservation it was asked for on
 HOSTKEYS_HEADER = "appliance-hostkeys/1"  # the first line appliance/provision/hostkeys.sh posts
 
 
@@ -225,12 +226,13 @@ class ListedServer:
     addresses: dict
     fault: dict | None = None
     task_state: str | None = None
+    metadata: dict = field(default_factory=dict)
 
     @classmethod
     def from_nova(cls, d: dict) -> ListedServer:
         return cls(id=d["id"], name=d.get("name") or "", status=d.get("status") or "",
                    addresses=d.get("addresses") or {}, fault=d.get("fault"),
-                   task_state=d.get("OS-EXT-STS:task_state"))
+                   task_state=d.get("OS-EXT-STS:task_state"), metadata=d.get("metadata") or {})
 
 
 @dataclass
@@ -517,8 +519,11 @@ class OpenStackCloud:
         net = self.conn.network.find_network(network)
         if net is None:
             raise ApplianceError(f"no network named {network!r}", "Chameleon's shared network is sharednet1")
+        # the reservation in the server's metadata too (Nova shows it in every listing, where the scheduler hint is
+        # not shown): a server an `up` asked for and never recorded is found by it (lifecycle.up, no orphans)
         kwargs = dict(name=name, flavor_id=flv.id, image_id=img.id, key_name=key_name,
-                      networks=[{"uuid": net.id}], scheduler_hints={"reservation": reservation_id})
+                      networks=[{"uuid": net.id}], scheduler_hints={"reservation": reservation_id},
+                      metadata={RESERVATION_KEY: reservation_id})
         if user_data:
             kwargs["user_data"] = base64.b64encode(user_data.encode()).decode()
         srv = self.conn.compute.create_server(**kwargs)
@@ -527,30 +532,33 @@ class OpenStackCloud:
     def get_server(self, server_id: str):
         return self.conn.compute.find_server(server_id)
 
-    def get_servers(self, server_ids: list[str], name_regex: str | None = None) -> dict[str, object]:
-        """{id: server (ListedServer), or None when it is gone} for many servers from one listing (GET
-        /servers/detail?name=..., every page), where a GET per server costs N requests a round: 64 at 0.2-0.3 s
-        each on a real Nova, and ~36 ms of the launcher's CPU each for openstacksdk's parsing (make
-        bench-scale-light). The listing's JSON is read as it is: openstacksdk's Server resource for each listed
-        server cost ~21 ms of CPU more (a cProfile of `up` at 64 nodes: 6.95 s over 5 rounds). Nova matches ``name``
-        as a regular expression for any user (nova/api/openstack/compute/servers.py ``_get_server_search_options``
-        keeps it for non-admins; nova/db/main/api.py ``_regex_instance_filter``: the database's REGEXP), so
-        ``name_regex`` is plain POSIX (``^run-[0-9]+$``): MySQL's and MariaDB's REGEXP alike. Without it, the
-        project's every server is listed (a cluster adopted from a Heat stack has other names)."""
+    def find_servers(self, name_regex: str | None = None) -> list[ListedServer]:
+        """Every server of the project whose name matches ``name_regex`` (all of them without), from one listing
+        (GET /servers/detail?name=..., every page). Nova matches ``name`` as a regular expression for any user
+        (nova/api/openstack/compute/servers.py ``_get_server_search_options`` keeps it for non-admins;
+        nova/db/main/api.py ``_regex_instance_filter``: the database's REGEXP), so ``name_regex`` is plain POSIX
+        (``^run-[0-9]+$``): MySQL's and MariaDB's REGEXP alike."""
         import openstack.exceptions
 
-        want, found = set(server_ids), {}
-        url, params = "/servers/detail", ({"name": name_regex} if name_regex else None)
+        found, url, params = [], "/servers/detail", ({"name": name_regex} if name_regex else None)
         while url:  # Nova pages at its [api] max_limit (1000): servers_links names the next page
             resp = self.conn.compute.get(url, params=params)
             openstack.exceptions.raise_from_response(resp)
             body = resp.json()
-            for d in body.get("servers") or []:
-                if d.get("id") in want:
-                    found[d["id"]] = ListedServer.from_nova(d)
+            found += [ListedServer.from_nova(d) for d in body.get("servers") or []]
             url = next((link.get("href") for link in body.get("servers_links") or [] if link.get("rel") == "next"),
                        None)
             params = None  # the next link carries the query
+        return found
+
+    def get_servers(self, server_ids: list[str], name_regex: str | None = None) -> dict[str, object]:
+        """{id: server (ListedServer), or None when it is gone} for many servers from one listing (find_servers),
+        where a GET per server costs N requests a round: 64 at 0.2-0.3 s each on a real Nova, and ~36 ms of the
+        launcher's CPU each for openstacksdk's parsing (make bench-scale-light). The listing's JSON is read as it
+        is: openstacksdk's Server resource for each listed server cost ~21 ms of CPU more (a cProfile of `up` at 64
+        nodes: 6.95 s over 5 rounds). Without ``name_regex``, the project's every server is listed (a cluster
+        adopted from a Heat stack has other names)."""
+        found = {srv.id: srv for srv in self.find_servers(name_regex)}
         return {sid: found.get(sid) for sid in server_ids}
 
     def delete_server(self, server_id: str) -> bool:

@@ -4,6 +4,7 @@ connection drops (the job goes on without the launcher). Also `appliance logs`."
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -29,6 +30,15 @@ def who(rank: int, rank_hosts: list[str]) -> str:
 def run_dir(cluster: Cluster, run: str) -> str:
     """The run directory on the head node: <workdir>/appliance/runs/RUN (STOP file, credentials file, code)."""
     return f"{cluster.head.workdir}/appliance/runs/{run}"
+
+
+def ask_to_stop(cluster: Cluster, run: str, reason: str) -> None:
+    """Ask the run's job on ``cluster`` to stop at its next step (with a checkpoint), from any process: the STOP file
+    in its run directory on the head node, as the job's own launcher writes it (checkpoint.job request_stop)."""
+    stop = shlex.quote(f"{run_dir(cluster, run)}/STOP")
+    with Session(cluster) as session:
+        session.head.run(f"cat > {stop}.tmp && mv {stop}.tmp {stop}", check=True, timeout=30,
+                         stdin=json.dumps({"reason": reason, "deadline": time.time() + 600}).encode())
 
 
 def code_dir(cluster: Cluster, run: str) -> str:
