@@ -57,6 +57,7 @@ class Lease:
     extend: bool = False  # let the watchdog extend the lease near its end
     floating_ip: bool = True
     stop_margin: str = "5m"  # the least time before the lease end at which the watchdog acts
+    overlap: str = "0s"  # `appliance run`: the next lease starts this long before the current one ends (warm handover)
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,13 @@ def _semantic_checks(spec: Spec) -> None:
                         "set nodes.slots to the GPUs per node (1 on CPU nodes)")
     _check_duration(spec.lease.duration, "lease.duration")
     _check_duration(spec.lease.stop_margin, "lease.stop_margin")
+    overlap = _check_duration(spec.lease.overlap, "lease.overlap")
+    if overlap and overlap <= _check_duration(spec.lease.stop_margin, "lease.stop_margin"):
+        raise SpecError(f"lease.overlap: {spec.lease.overlap} is not longer than lease.stop_margin "
+                        f"({spec.lease.stop_margin}): the job stops that long before the end, so the next cluster would "
+                        "not be ready by then", "give e.g. overlap: 30m (a bare-metal boot takes 10-20 minutes), or 0s")
+    if overlap >= _check_duration(spec.lease.duration, "lease.duration"):
+        raise SpecError(f"lease.overlap: {spec.lease.overlap} is not shorter than lease.duration", "give e.g. 30m")
     if not spec.train.command.strip():
         raise SpecError("train.command: is empty", "give the command every rank runs, e.g. python train.py")
     if spec.train.start_timeout < 1:

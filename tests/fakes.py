@@ -98,14 +98,18 @@ class FakeCloud:
     def create_lease(self, name, node_type, count, duration, *, start=None, floating_ip=False):
         self._call("create_lease", name, node_type, count)
         lid = self._id("lease")
-        self.leases[lid] = LeaseInfo(lid, name, "ACTIVE", self.clock, self.clock + duration, self._id("res"),
-                                     self._id("fipres") if floating_ip else None, False)
+        begin = start or self.clock
+        self.leases[lid] = LeaseInfo(lid, name, "PENDING" if begin > self.clock else "ACTIVE", begin, begin + duration,
+                                     self._id("res"), self._id("fipres") if floating_ip else None, False)
         return self.leases[lid]
 
     @_effect
     def get_lease(self, lease_id):
         self._call("get_lease", lease_id)
-        return self.leases.get(lease_id)
+        info = self.leases.get(lease_id)
+        if info is not None and info.status == "PENDING" and self.clock >= info.start:
+            info.status = "ACTIVE"  # Blazar starts it at its start date
+        return info
 
     def lease_at(self, lease_id):
         return self.get_lease(lease_id), self.clock.replace(microsecond=0)  # an HTTP Date: whole seconds

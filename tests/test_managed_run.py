@@ -33,7 +33,7 @@ def scripted(tmp_path, monkeypatch):
 
     def use(first, *resumes):
         todo = list(resumes)
-        monkeypatch.setattr(managed, "_first_job", lambda ctx, control, out: first)
+        monkeypatch.setattr(managed._Run, "first_job", first if callable(first) else lambda self: first)
 
         def resume(run, **kw):
             assert run == "mr" and kw.pop("control") is not None
@@ -246,7 +246,7 @@ def test_a_cancel_while_waiting_for_such_a_job_asks_it_to_stop_and_starts_nothin
     looks = [{"job_id": "mx-1", "cluster": "mx"}] * 3 + [None]
     monkeypatch.setattr(managed, "_live_job", lambda ctx: looks.pop(0))
     monkeypatch.setattr(flows, "resume", lambda run, **kw: pytest.fail("a cancelled run starts nothing"))
-    assert managed._first_job(flows.RunContext(spec, open_site("local")), c, None) is None
+    assert managed._Run(flows.RunContext(spec, open_site("local")), c, 0, None).first_job() is None
     assert asked == [("cluster mx", "mx", "appliance cancel")]  # once, though the job took three looks to end
     c.close("cancelled")
 
@@ -270,3 +270,112 @@ def test_a_killed_controller_not_yet_reaped_counts_as_gone():
         assert not managed.gone_here(f"another-host:{p.pid}:1")  # another machine's: its lock's ttl decides
     finally:
         p.wait()
+
+
+# -- the warm handover (flows/handover.py) ---------------------------------------------------------------------
+
+
+def _warm_site(tmp_path, overlap="30m", name="mh"):
+    from fakes import FakeSite
+    from test_fake_site import spec_of
+
+    site = FakeSite()
+    spec = spec_of(tmp_path, name, lease=f"lease: {{duration: 2h, overlap: {overlap}}}\n")
+    return site, spec
+
+
+def test_the_next_lease_is_booked_overlap_before_the_end_and_its_cluster_made_once_it_starts(tmp_path):
+    import datetime as dt
+    import functools
+
+    from appliance.flows.handover import Warm
+    from appliance.provision import lifecycle
+    from fakes import no_nodes
+
+    site, spec = _warm_site(tmp_path)
+    up = functools.partial(lifecycle.up, finish_nodes=no_nodes)
+    current = up(site, spec)
+    said = []
+    w = Warm(flows.RunContext(spec, site), current, lambda ev, **kw: said.append((ev, kw)), None, 0.001, up=up).start()
+    c = site.cloud
+    booked = lambda: [x for x in c.leases.values() if x.id != current.lease_id]  # noqa: E731
+    for _ in range(10_000):  # the thread books it, then waits for its start
+        if booked():
+            break
+        time.sleep(0.001)
+    (nxt,) = booked()
+    assert nxt.status == "PENDING" and nxt.start == current.lease_end_at - dt.timedelta(minutes=30)
+    assert nxt.end - nxt.start == dt.timedelta(hours=2) and not c.verbs("create_server")[2:]
+    c.clock = nxt.start  # Blazar starts it: the cluster is made on it, under the run's other name
+    cl = w.ready()
+    assert cl.name == "mh-h" and cl.lease_id == nxt.id and len(c.verbs("create_server")) == 4
+    assert [ev for ev, _ in said] == ["next lease", "next cluster ready"]
+    w.abandon()  # not used (the run finished first): it goes, lease and servers
+    assert find_cluster_named("mh-h") is None and c.verbs("delete_lease")[-1] == (nxt.id,)
+    lifecycle.down("mh", site=site)
+
+
+def find_cluster_named(name):
+    from appliance.cluster import find_cluster
+
+    return find_cluster(name)
+
+
+def test_a_refused_booking_leaves_nothing_and_the_handover_is_cold(tmp_path):
+    import functools
+
+    from appliance.flows.handover import Warm
+    from appliance.provision import lifecycle
+    from fakes import fault, no_nodes
+
+    site, spec = _warm_site(tmp_path, name="mi")
+    up = functools.partial(lifecycle.up, finish_nodes=no_nodes)
+    current = up(site, spec)
+    site.cloud.faults["create_lease"] = fault("Not enough hosts available")
+    said = []
+    w = Warm(flows.RunContext(spec, site), current, lambda ev, **kw: said.append((ev, kw)), None, 0.001, up=up).start()
+    assert w.ready() is None
+    assert said[-1][0] == "next cluster failed" and "Not enough hosts" in said[-1][1]["error"]
+    assert find_cluster_named("mi-h") is None and len(site.cloud.leases) == 1
+    lifecycle.down("mi", site=site)
+
+
+def test_at_the_lease_end_the_run_goes_on_on_the_warm_cluster_and_the_old_one_goes(scripted, monkeypatch, said):
+    """The handover's decisions: a next cluster that is ready is resumed on by name (no new lease); the old cluster
+    goes; the downtime is on the timeline as warm. One that is not (None) falls back to a new lease."""
+    from types import SimpleNamespace
+
+    from appliance.provision import lifecycle
+
+    downs = []
+    monkeypatch.setattr(lifecycle, "down", lambda name, site=None: downs.append(name))
+    monkeypatch.setattr(managed, "find_cluster", lambda name: SimpleNamespace(name=name))
+    made = []
+
+    class Ready:  # a Warm whose cluster is up and staged
+        def __init__(self, ctx, current, record, stage, poll):
+            self.name = f"{ctx.spec.name}-h"
+            made.append(self)
+
+        def start(self):
+            return self
+
+        def ready(self):
+            return SimpleNamespace(name=self.name)
+
+        def abandon(self):
+            pass
+
+    monkeypatch.setattr(managed, "Warm", Ready)
+    monkeypatch.setattr(managed, "duration_seconds", lambda v: 1800)
+    stop = {"step": 40, "reason": "lease end (vendordata)", "committed": True}
+    first = _job(EXIT_STOPPED, lease_end=True, stopped=stop)
+
+    def first_job(self):
+        self.job_started(SimpleNamespace(name="mr", lease_id="L1", lease_end_at=object()))
+        return first
+
+    res, asked = scripted(first_job, _job(0))
+    assert res.exit_code == 0 and [{k: v for k, v in kw.items() if k not in ("spec_path", "out")} for kw in asked] \
+        == [{"cluster_name": "mr-h"}] and downs == ["mr"]
+    assert any("goes on on mr-h, up and staged already" in m for m in said)

@@ -62,6 +62,10 @@ def test_defaults_fill_in():
     ({**GOOD, "checkpoint": {"url": "swift://ck/"}}, "checkpoint.url", "3-255 characters"),
     ({**GOOD, "dataset": {"source": "s3://Data_Sets/imagenet/"}}, "dataset.source", "lower-case letters"),
     ({**GOOD, "lease": {"extend": "yes"}}, "lease.extend", "true or false"),
+    # a warm handover's next cluster must be up before the job stops (stop_margin before the end)
+    ({**GOOD, "lease": {"overlap": "5m"}}, "lease.overlap", "not longer than lease.stop_margin"),
+    ({**GOOD, "lease": {"overlap": "4h"}}, "lease.overlap", "not shorter than lease.duration"),
+    ({**GOOD, "lease": {"overlap": "half an hour"}}, "lease.overlap", "not a duration"),
     (["not", "a", "mapping"], "spec", "expected a mapping"),
 ])
 def test_bad_specs_name_the_field_and_the_fix(data, field, words):

@@ -13,8 +13,8 @@ machine needs in the object store beside the run's checkpoints, ``URL/RUN/contro
   with a checkpoint at the next step and the run's cluster goes (its lease with it).
 
 Why not on the head node: the head is deleted at its lease end, so a controller there has to move to the next
-cluster's head before the end, which needs the next lease to start before the current one ends (a warm handover)
-and a credential on the node that can book leases; neither exists yet. A machine that stays up (a Chameleon KVM
+cluster's head before the end, which needs the next lease to start before the current one ends (a warm handover,
+lease.overlap: handover.py) and a credential on the node that can book leases, which the nodes do not get. A machine that stays up (a Chameleon KVM
 instance, a lab server) runs the controller through any number of lease ends today.
 """
 
@@ -33,13 +33,14 @@ from collections.abc import Callable
 from .. import report
 from ..checkpoint import runs
 from ..checkpoint.resume import find_spec
-from ..cluster import find_cluster
+from ..cluster import Cluster, find_cluster
 from ..errors import ApplianceError, SpecError
 from ..provision import lifecycle
-from ..spec import Spec
+from ..spec import Spec, duration_seconds
 from ..store.checkpoints import CheckpointStore, retrying
 from ..store.runlock import INTERVAL, TTL, RunLock
 from ..train.launch import JobContext, JobHooks, JobResult
+from .handover import Warm, other_name, overlap_cost
 
 log = report.get(__name__)
 
@@ -73,6 +74,7 @@ class Control:
         self.cancel: dict | None = None
         self.lost = False  # another controller took the lock over: this one starts nothing more
         self._stop_job: Callable[[str], None] | None = None  # the running job's stop (JobCheckpoints.user_stop)
+        self.on_job: Callable[[Cluster], None] | None = None  # told of each job's cluster as the job starts
         self._done = threading.Event()
         self.changed = threading.Event()  # set on a cancel: whoever waits looks again at once
         self._mu = threading.Lock()
@@ -182,6 +184,8 @@ class _ControlHook(JobHooks):
             asked = c.cancel is not None
         if asked:  # cancelled while the job was being set up
             self.stop("appliance cancel")
+        elif c.on_job is not None:
+            c.on_job(cl)
 
     def finish(self, result: JobResult) -> None:
         c = self.control
@@ -247,58 +251,126 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
     control.take()
     runs.mark_managed(spec)
     _ready(control)
+    if duration_seconds(spec.lease.overlap):
+        log.info(f"[run] warm handover: each next lease starts {spec.lease.overlap} before the current one ends, "
+                 f"which costs {overlap_cost(spec):.2f} node-hours per lease end ({spec.nodes.count} node(s))")
     status = "failed"
+    run = _Run(ctx, control, max_restarts, out)
     try:
-        res = _loop(ctx, control, max_restarts, out)
+        res = run.loop()
         status = ("cancelled" if control.cancel else "finished" if res is None or res.exit_code == 0
                   else "stopped" if (res.stopped or {}).get("committed") else "failed")
         return res
     finally:
+        if run.warm is not None:
+            run.warm.abandon()  # booked or made and not used: it goes
         control.close(status)
 
 
-def _loop(ctx, control: Control, max_restarts: int, out) -> JobResult | None:
-    flows, spec = _flows(), ctx.spec
-    res = _first_job(ctx, control, out)
-    restarts = 0
-    while res is not None and res.exit_code != 0 and control.cancel is None and not control.lost:
-        if res.lease_end:
-            restarts = 0
-            log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on a new lease")
-            control.record("handover", state="handover", after=res.job_id)
-            res = flows.resume(spec.name, spec_path=spec.path, new_lease=True, out=out, control=control)
-            if res is not None and res.resume_breakdown:
-                control.record("downtime", job_id=res.job_id, breakdown=res.resume_breakdown)
-        elif res.stopped is not None and res.stopped.get("committed"):
-            log.info(f"[run] job {res.job_id} was stopped ({res.stopped.get('reason')}): run {spec.name} stops "
-                     f"here; `appliance run {spec.path}` continues it")
-            break
-        elif restarts < max_restarts and not res.abandoned:
-            restarts += 1
-            log.info(f"[run] job {res.job_id} failed ({res.failure}); restart {restarts} of {max_restarts}, from the "
-                     "newest committed checkpoint")
-            res = flows.resume(spec.name, spec_path=spec.path, out=out, control=control)
+class _Run:
+    """The loop of a managed run: its jobs, and what follows each."""
+
+    def __init__(self, ctx, control: Control, max_restarts: int, out):
+        self.ctx, self.control, self.max_restarts, self.out = ctx, control, max_restarts, out
+        self.spec = ctx.spec
+        self.current = _current_cluster(self.spec)  # the cluster of the run's newest job
+        self.warm: Warm | None = None
+        control.on_job = self.job_started
+
+    def job_started(self, cluster: Cluster) -> None:
+        """A job starts on ``cluster``: with lease.overlap, its next cluster is made meanwhile (handover.Warm)."""
+        self.current = cluster.name
+        if self.warm is not None:  # made for a cluster that is not used (a restart on the same one): it goes
+            self.warm.abandon()
+            self.warm = None
+        if duration_seconds(self.spec.lease.overlap) and cluster.lease_id and cluster.lease_end_at:
+            self.warm = Warm(self.ctx, cluster, self.control.record, _flows().stage_to_nodes,
+                             self.control.poll).start()
+
+    def resume(self, **kw) -> JobResult | None:
+        return _flows().resume(self.spec.name, spec_path=self.spec.path, out=self.out, control=self.control, **kw)
+
+    def loop(self) -> JobResult | None:
+        spec, control = self.spec, self.control
+        res = self.first_job()
+        restarts = 0
+        while res is not None and res.exit_code != 0 and control.cancel is None and not control.lost:
+            if res.lease_end:
+                restarts = 0
+                res = self.handover(res)
+            elif res.stopped is not None and res.stopped.get("committed"):
+                log.info(f"[run] job {res.job_id} was stopped ({res.stopped.get('reason')}): run {spec.name} stops "
+                         f"here; `appliance run {spec.path}` continues it")
+                break
+            elif restarts < self.max_restarts and not res.abandoned:
+                restarts += 1
+                log.info(f"[run] job {res.job_id} failed ({res.failure}); restart {restarts} of {self.max_restarts}, "
+                         "from the newest committed checkpoint")
+                res = self.resume(cluster_name=self.current if self.current != spec.name else None)
+            else:
+                break
+        if control.cancel is not None:
+            for name in dict.fromkeys((self.current, spec.name)):
+                if name and find_cluster(name) is not None:
+                    log.info(f"[run] run {spec.name} cancelled: its cluster {name} goes")
+                    lifecycle.down(name, self.ctx.site)
+        return res
+
+    def handover(self, res: JobResult) -> JobResult | None:
+        """The job ended with its lease: onto the next cluster made meanwhile (warm), else a new lease (cold)."""
+        spec, site = self.spec, self.ctx.site
+        warm, self.warm = self.warm, None
+        nxt = warm.ready() if warm is not None else None
+        old = self.current
+        self.control.record("handover", state="handover", after=res.job_id, warm=nxt is not None)
+        if nxt is not None:
+            log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on {nxt.name}, up and "
+                     "staged already")
+            gone = threading.Thread(target=lifecycle.down, args=(old, site), daemon=True)
+            gone.start()  # the old cluster goes while the checkpoint is staged on the new one
+            res = self.resume(cluster_name=nxt.name)
+            gone.join()
         else:
-            break
-    if control.cancel is not None and find_cluster(spec.name) is not None:
-        log.info(f"[run] run {spec.name} cancelled: its cluster goes")
-        lifecycle.down(spec.name, ctx.site)
-    return res
+            if warm is not None:
+                warm.abandon()
+            log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on a new lease")
+            if old and old != spec.name and find_cluster(old) is not None:
+                lifecycle.down(old, site)  # resume(new_lease) takes down the one named RUN itself
+            res = self.resume(new_lease=True)
+        if res is not None and res.resume_breakdown:
+            self.control.record("downtime", job_id=res.job_id, warm=nxt is not None, breakdown=res.resume_breakdown)
+        return res
+
+    def first_job(self) -> JobResult | None:
+        """A managed run's first job: a resume when the run has committed work, else a fresh job on its own
+        cluster."""
+        flows, ctx, spec, control = _flows(), self.ctx, self.spec, self.control
+        _wait_for_live_job(ctx, control)
+        if control.cancel is not None:
+            return None
+        other = other_name(spec.name, self.current)
+        if self.current and other != self.current and find_cluster(other) is not None:
+            lifecycle.down(other, ctx.site)  # a next cluster a killed controller made and never used
+        if _has_committed_work(ctx):
+            log.info(f"[run] run {spec.name} has committed work: resuming it")
+            cl = find_cluster(self.current) if self.current and self.current != spec.name else None
+            return self.resume(cluster_name=cl.name if cl is not None and _lease_runs(ctx, cl) else None)
+        cluster = lifecycle.up(ctx.site, spec)  # idempotent: the run's own cluster while its lease runs
+        if spec.dataset is not None:
+            flows.stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
+                                 out=self.out)
+        return flows.run_job(spec, cluster, run=ctx, out=self.out, control=control)
 
 
-def _first_job(ctx, control: Control, out: Callable[[str], None] | None) -> JobResult | None:
-    """A managed run's first job: a resume when the run has committed work, else a fresh job on its own cluster."""
-    flows, spec = _flows(), ctx.spec
-    _wait_for_live_job(ctx, control)
-    if control.cancel is not None:
-        return None
-    if _has_committed_work(ctx):
-        log.info(f"[run] run {spec.name} has committed work: resuming it")
-        return flows.resume(spec.name, spec_path=spec.path, out=out, control=control)
-    cluster = lifecycle.up(ctx.site, spec)  # idempotent: the run's own cluster while its lease runs
-    if spec.dataset is not None:
-        flows.stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
-    return flows.run_job(spec, cluster, run=ctx, out=out, control=control)
+def _current_cluster(spec: Spec) -> str | None:
+    """The cluster of the run's newest job, from its record on this machine (RUN or RUN-h)."""
+    return (runs.load(spec.name) or {}).get("cluster") or None
+
+
+def _lease_runs(ctx, cluster: Cluster) -> bool:
+    from ..checkpoint.job import lease_over_for
+
+    return bool(cluster.lease_id) and not lease_over_for(ctx.site)(cluster.lease_id)
 
 
 def _live_job(ctx) -> dict | None:

@@ -45,6 +45,62 @@ def _lease_name(spec: Spec) -> str:
     return f"{spec.name}-{time.strftime('%m%d%H%M%S')}"
 
 
+def book(site: Site, spec: Spec, start: dt.datetime | None) -> Cluster:
+    """The lease of a cluster to come, asked for now to start at ``start`` (an advance reservation; None: now), and
+    recorded under ``spec.name`` with no servers yet; `up` of the same spec later waits for it and goes on."""
+    cluster, _ = _leased(site, spec, site.login_key(spec.key_name, spec.key_file), start=start)
+    return cluster
+
+
+def _leased(site: Site, spec: Spec, key, *, lease_id: str | None = None,
+            start: dt.datetime | None = None) -> tuple[Cluster, object]:
+    """The cluster's record with its lease: the one it has while that runs, ``lease_id`` or the spec's, one an
+    earlier `up` asked for under the recorded name, or a new one (from ``start``)."""
+    c = site.cloud
+    cluster = find_cluster(spec.name)
+    if cluster is not None and cluster.lease_id:
+        info = c.get_lease(cluster.lease_id)
+        if info is None or info.status in ("TERMINATED", "DELETED", "ERROR"):
+            log.info(f"the lease of {spec.name} has ended ({info.status if info else 'deleted'}); its servers are "
+                     "gone. Making a new lease.")
+            delete_cluster(spec.name)
+            cluster = None
+    if cluster is None:
+        cluster = Cluster(name=spec.name, cloud=site.kind, nodes=[], key_file=key.file,
+                          known_hosts=str(paths.clusters_dir() / f"{spec.name}.known_hosts"), python=site.python,
+                          spec_digest=spec.digest,
+                          site=SiteRecord(region=spec.site, key_name=key.name, key_file=key.file,
+                                          spec_path=spec.path))
+    lid = lease_id or spec.lease.lease_id or cluster.lease_id
+    if lid is None:
+        info = _made_before(c, cluster.site.lease_name)
+        if info is None:
+            # the name first, then the lease: an `up` killed between Blazar's answer and the record's save (a
+            # managed run's controller, mid-handover) leaves the name, so the next `up` finds that lease and
+            # does not leave it behind unrecorded (issue 52: no orphan lease)
+            cluster.site.lease_name = _lease_name(spec)
+            cluster.save()
+            try:
+                info = c.create_lease(cluster.site.lease_name, spec.nodes.node_type, spec.nodes.count,
+                                      dt.timedelta(seconds=duration_seconds(spec.lease.duration)), start=start,
+                                      floating_ip=spec.lease.floating_ip)
+            except ApplianceError:  # Blazar refused it: nothing was made, so no record of it is left
+                if not cluster.site.servers:
+                    delete_cluster(spec.name)
+                raise
+            when = f"from {fmt_date(info.start)} " if start is not None else ""
+            log.info(f"lease {info.name} ({info.id}) created: {spec.nodes.count} x {spec.nodes.node_type} "
+                     f"{when}until {fmt_date(info.end)} UTC")
+    else:
+        info = c.get_lease(lid)
+        if info is None:
+            raise ApplianceError(f"no lease {lid}", "see `appliance lease list`")
+    cluster.lease_id, cluster.reservation_id = info.id, info.reservation_id
+    cluster.site.fip_reservation_id = info.fip_reservation_id
+    cluster.save()
+    return cluster, info
+
+
 def _adopt_unrecorded(c, spec: Spec, reservation_id: str, servers: dict[str, str]) -> None:
     """Servers an earlier `up` asked for on this reservation and never recorded (killed between Nova's answer and
     the record's save: a managed run's controller, mid-handover): found by name and by the reservation in their
@@ -213,47 +269,7 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
         site.ssh_timeout = ssh_timeout
     c = site.cloud
     key = site.login_key(spec.key_name, spec.key_file)
-    cluster = find_cluster(spec.name)
-    if cluster is not None and cluster.lease_id:
-        info = c.get_lease(cluster.lease_id)
-        if info is None or info.status in ("TERMINATED", "DELETED", "ERROR"):
-            log.info(f"the lease of {spec.name} has ended ({info.status if info else 'deleted'}); its servers are "
-                     "gone. Making a new lease.")
-            delete_cluster(spec.name)
-            cluster = None
-    if cluster is None:
-        cluster = Cluster(name=spec.name, cloud=site.kind, nodes=[], key_file=key.file,
-                          known_hosts=str(paths.clusters_dir() / f"{spec.name}.known_hosts"), python=site.python,
-                          spec_digest=spec.digest,
-                          site=SiteRecord(region=spec.site, key_name=key.name, key_file=key.file,
-                                          spec_path=spec.path))
-    # 1. lease
-    lid = lease_id or spec.lease.lease_id or cluster.lease_id
-    if lid is None:
-        info = _made_before(c, cluster.site.lease_name)
-        if info is None:
-            # the name first, then the lease: an `up` killed between Blazar's answer and the record's save (a
-            # managed run's controller, mid-handover) leaves the name, so the next `up` finds that lease and
-            # does not leave it behind unrecorded (issue 52: no orphan lease)
-            cluster.site.lease_name = _lease_name(spec)
-            cluster.save()
-            try:
-                info = c.create_lease(cluster.site.lease_name, spec.nodes.node_type, spec.nodes.count,
-                                      dt.timedelta(seconds=duration_seconds(spec.lease.duration)),
-                                      floating_ip=spec.lease.floating_ip)
-            except ApplianceError:  # Blazar refused it: nothing was made, so no record of it is left
-                if not cluster.site.servers:
-                    delete_cluster(spec.name)
-                raise
-            log.info(f"lease {info.name} ({info.id}) created: {spec.nodes.count} x {spec.nodes.node_type} until "
-                     f"{fmt_date(info.end)} UTC")
-    else:
-        info = c.get_lease(lid)
-        if info is None:
-            raise ApplianceError(f"no lease {lid}", "see `appliance lease list`")
-    cluster.lease_id, cluster.reservation_id = info.id, info.reservation_id
-    cluster.site.fip_reservation_id = info.fip_reservation_id
-    cluster.save()
+    cluster, info = _leased(site, spec, key, lease_id=lease_id)
     info = c.wait_lease(info.id)
     cluster.lease_end = info.end.isoformat() + "Z"
     cluster.save()

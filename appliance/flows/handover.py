@@ -1,0 +1,107 @@
+"""The warm handover of a managed run (issue 52 item 3): while the job trains on the current lease, the next lease is
+booked to start ``lease.overlap`` before the current one ends (an advance reservation, same node type and count),
+and once it starts its cluster is brought up (servers booted, SSH, contextualized) and the dataset staged. At the
+lease end the job stops with a checkpoint as always; then only that checkpoint is staged on the waiting cluster and
+the job starts there: the boot is not in the downtime. The old cluster goes meanwhile.
+
+When Blazar refuses the booking (the hosts are taken then: NotEnoughHostsAvailable) or the next cluster fails, the
+handover is cold (a new lease at the end, today's resume), and whatever was made for it goes. The two clusters of a
+run take turns under two names, RUN and RUN-h (``other_name``); the run's record names the current one.
+
+What the overlap costs: ``overlap`` x nodes node-hours per lease end (``overlap_cost``), said before the run starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import threading
+
+from .. import report
+from ..cluster import Cluster, find_cluster
+from ..errors import ApplianceError
+from ..provision import lifecycle
+from ..spec import duration_seconds
+
+log = report.get(__name__)
+
+
+def other_name(run: str, current: str | None) -> str:
+    """The name of the run's next cluster: RUN-h while the current one is RUN, else RUN."""
+    return f"{run}-h" if current in (None, run) else run
+
+
+def overlap_cost(spec) -> float:
+    """Node-hours the overlap costs per lease end (both clusters leased through it)."""
+    return duration_seconds(spec.lease.overlap) * spec.nodes.count / 3600
+
+
+class Warm:
+    """The next cluster of a run, made while the job trains on ``current``. ``ctx``: the run's RunContext;
+    ``record``: the controller's timeline (Control.record); ``stage``: flows.stage_to_nodes; ``up``: lifecycle.up
+    (the fast tests pass one that boots nothing)."""
+
+    def __init__(self, ctx, current: Cluster, record, stage, poll: float, up=lifecycle.up):
+        self.ctx, self.current, self.record, self.stage, self.poll = ctx, current, record, stage, poll
+        self.up = up
+        self.name = other_name(ctx.spec.name, current.name)
+        self.spec = dataclasses.replace(ctx.spec, name=self.name)
+        self.cluster: Cluster | None = None
+        self.phases: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._make, name="appliance-next-cluster", daemon=True)
+
+    def start(self) -> Warm:
+        self._thread.start()
+        return self
+
+    def _start_date(self) -> dt.datetime | None:
+        """The current lease's end less the overlap, by the cloud's clock; None (now) when that has passed."""
+        end = self.current.lease_end_at
+        start = end - dt.timedelta(seconds=duration_seconds(self.spec.lease.overlap))
+        now = self.ctx.site.cloud.now()
+        # Blazar dates are minutes (blazar/manager/service.py LEASE_DATE_FORMAT), and a start before now is refused
+        return None if start <= now + dt.timedelta(minutes=1) else start
+
+    def _make(self) -> None:
+        site, spec = self.ctx.site, self.spec
+        try:
+            if find_cluster(self.name) is not None:  # left by a controller that was killed: it goes, then afresh
+                lifecycle.down(self.name, site)
+            start = self._start_date()
+            booked = lifecycle.book(site, spec, start)
+            self.record("next lease", cluster=self.name, lease_id=booked.lease_id,
+                        start=start.isoformat() + "Z" if start else "now")
+            while not self._stop.is_set():
+                info = site.cloud.get_lease(booked.lease_id)
+                if info is None or info.status in ("ERROR", "TERMINATED", "DELETED"):
+                    raise ApplianceError(f"the next lease {booked.lease_id} is {info.status if info else 'gone'}")
+                if info.status == "ACTIVE":
+                    break
+                self._stop.wait(self.poll)
+            if self._stop.is_set():
+                return
+            cluster = self.up(site, spec, timings=self.phases)
+            if spec.dataset is not None:
+                self.stage(self.ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode)
+            self.cluster = cluster
+            self.record("next cluster ready", cluster=self.name, phases={k: round(v, 2) for k, v in
+                                                                         self.phases.items()})
+            log.info(f"[run] the next cluster {self.name} is up and staged: the handover will not wait for a boot")
+        except Exception as e:  # noqa: BLE001 - the handover is cold then; said, and on the timeline
+            why = f"{type(e).__name__}: {e}" if not isinstance(e, ApplianceError) else str(e)
+            log.info(f"[run] the next cluster was not made ({why}); the handover at the lease end will be cold")
+            self.record("next cluster failed", cluster=self.name, error=why[:300])
+
+    def ready(self) -> Cluster | None:
+        """The next cluster once it is made (waits for it: its boot is shorter than a cold one from now), or None."""
+        self._thread.join()
+        return self.cluster
+
+    def abandon(self) -> None:
+        """Stop making it; what was made goes (no lease or server of the run is left behind)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if find_cluster(self.name) is not None:
+            lifecycle.down(self.name, self.ctx.site)
