@@ -379,3 +379,51 @@ def test_at_the_lease_end_the_run_goes_on_on_the_warm_cluster_and_the_old_one_go
     assert res.exit_code == 0 and [{k: v for k, v in kw.items() if k not in ("spec_path", "out")} for kw in asked] \
         == [{"cluster_name": "mr-h"}] and downs == ["mr"]
     assert any("goes on on mr-h, up and staged already" in m for m in said)
+
+
+def test_with_no_next_cluster_ready_the_handover_is_cold_and_what_was_made_goes(scripted, monkeypatch, said):
+    from types import SimpleNamespace
+
+    from appliance.provision import lifecycle
+
+    monkeypatch.setattr(lifecycle, "down", lambda name, site=None: None)
+    abandoned = []
+
+    class Failed:  # a Warm whose booking Blazar refused (or whose cluster failed)
+        def __init__(self, ctx, current, record, stage, poll):
+            pass
+
+        def start(self):
+            return self
+
+        def ready(self):
+            return None
+
+        def abandon(self):
+            abandoned.append(True)
+
+    monkeypatch.setattr(managed, "Warm", Failed)
+    monkeypatch.setattr(managed, "duration_seconds", lambda v: 1800)
+    stop = {"step": 40, "reason": "lease end (vendordata)", "committed": True}
+    first = _job(EXIT_STOPPED, lease_end=True, stopped=stop)
+
+    def first_job(self):
+        self.job_started(SimpleNamespace(name="mr", lease_id="L1", lease_end_at=object()))
+        return first
+
+    res, asked = scripted(first_job, _job(0))
+    assert res.exit_code == 0 and [kw.get("new_lease") for kw in asked] == [True] and abandoned == [True]
+    assert any("goes on on a new lease" in m for m in said)
+
+
+def test_jobs_stopped_for_their_lease_end_at_once_twice_in_a_row_end_the_run_with_the_fix(scripted, said):
+    """A lease shorter than the stop margin plus the job's start: each job is stopped as it starts, and a new lease
+    follows each; the run would take lease after lease (found with the handover benchmark's 60x clock)."""
+    def stopped_at(step, resumed):
+        res = _job(EXIT_STOPPED, lease_end=True, stopped={"step": step, "reason": "lease end", "committed": True})
+        res.resumed = {"step": resumed} if resumed is not None else None
+        return res
+
+    res, asked = scripted(stopped_at(1, None), stopped_at(2, 1), stopped_at(3, 2))
+    assert res.exit_code == EXIT_STOPPED and len(asked) == 1  # one new lease, then the run stops
+    assert any("stopped for its lease end after 1 step(s)" in m and "lease.duration" in m for m in said)

@@ -293,10 +293,18 @@ class _Run:
     def loop(self) -> JobResult | None:
         spec, control = self.spec, self.control
         res = self.first_job()
-        restarts = 0
+        restarts = stuck = 0
         while res is not None and res.exit_code != 0 and control.cancel is None and not control.lost:
             if res.lease_end:
                 restarts = 0
+                stuck = stuck + 1 if _steps_made(res) <= 1 else 0
+                if stuck >= 2:  # each new lease would be stopped again as soon as it starts: lease after lease
+                    log.info(f"[run] error: job {res.job_id} stopped for its lease end after {_steps_made(res)} "
+                             f"step(s), as the one before it: the jobs start too close to their lease's end (fix: "
+                             f"a longer lease.duration than {spec.lease.duration}, or a shorter lease.stop_margin "
+                             f"than {spec.lease.stop_margin}; then `appliance run {spec.path}`)")
+                    control.record("stuck", job_id=res.job_id)
+                    break
                 res = self.handover(res)
             elif res.stopped is not None and res.stopped.get("committed"):
                 log.info(f"[run] job {res.job_id} was stopped ({res.stopped.get('reason')}): run {spec.name} stops "
@@ -360,6 +368,16 @@ class _Run:
             flows.stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
                                  out=self.out)
         return flows.run_job(spec, cluster, run=ctx, out=self.out, control=control)
+
+
+def _steps_made(res: JobResult) -> int:
+    """Steps a job made: from where it resumed (0 for a fresh job) to where it stopped (or its last commit, when
+    the lease end took its nodes)."""
+    stop = (res.stopped or {}).get("step")
+    if stop is None and res.commits:
+        stop = max(c["step"] for c in res.commits)
+    start = (res.resumed or {}).get("step") or 0
+    return max(0, int(stop) - int(start)) if stop is not None else 0
 
 
 def _current_cluster(spec: Spec) -> str | None:
