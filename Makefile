@@ -31,7 +31,7 @@ help:
 	@echo "              bench-stage (staging vs rclone/s5cmd/aws/swift), bench-ckpt (checkpoint overhead,"
 	@echo "              deadline -> commit, steps lost at lease end), bench-scale (up, stage, launch,"
 	@echo "              down on 2-16 nodes; bench-scale-light: 16-64 nodes, no TensorFlow in the job),"
-	@echo "              bench-resume (a resume's downtime by phase);"
+	@echo "              bench-resume (a resume's downtime by phase; cold vs warm handover, 15-min boot);"
 	@echo "              results in bench/results"
 	@echo "make image    the GPU appliance image with diskimage-builder (docs/image.md)"
 	@echo "make clean    remove the testbed and .venv"
@@ -138,6 +138,7 @@ bench-scale-light: install
 # bench/results/resume.{json,md,png}
 bench-resume: digits-data
 	$(PY) examples/lease_demo.py examples/digits.yaml --record bench/results
+	$(PY) bench/handover_bench.py bench/results
 
 bench: bench-train bench-stage bench-ckpt bench-scale bench-resume
 
