@@ -99,6 +99,7 @@ class Spec:
     lease: Lease = field(default_factory=Lease)
     dataset: Dataset | None = None
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    notify: str | None = None  # `appliance run`: a command, or an https:// URL, told of each handover and the end
     # Set by load_spec, not by the user:
     path: str = field(default="", metadata={"internal": True})
     digest: str = field(default="", metadata={"internal": True})
@@ -289,6 +290,11 @@ def _semantic_checks(spec: Spec) -> None:
         raise SpecError(f"checkpoint.url: {spec.checkpoint.url!r} is not a swift://, s3:// or file:// URL",
                         "write e.g. swift://checkpoints/")
     _check_container("checkpoint.url", spec.checkpoint.url)
+    if spec.notify is not None and not spec.notify.strip():
+        raise SpecError("notify: is empty", "give a command (it gets each event as JSON on stdin) or an https:// URL")
+    if spec.notify and spec.notify.startswith("http://"):
+        raise SpecError("notify: an http:// URL would send the run's events (and any token in the URL) in the clear",
+                        "use https://")
     ck = spec.checkpoint
     if ck.keep < 1:
         raise SpecError("checkpoint.keep: must be at least 1", "set checkpoint.keep: 3")

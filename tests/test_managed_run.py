@@ -427,3 +427,22 @@ def test_jobs_stopped_for_their_lease_end_at_once_twice_in_a_row_end_the_run_wit
     res, asked = scripted(stopped_at(1, None), stopped_at(2, 1), stopped_at(3, 2))
     assert res.exit_code == EXIT_STOPPED and len(asked) == 1  # one new lease, then the run stops
     assert any("stopped for its lease end after 1 step(s)" in m and "lease.duration" in m for m in said)
+
+
+def test_the_specs_notify_command_hears_each_handover_and_the_end(tmp_path, monkeypatch):
+    got = tmp_path / "events.jsonl"
+    spec = write_spec(tmp_path, "python x.py", code=tmp_path, name="mn",
+                      extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n"
+                            f"notify: \"cat >> {got}; echo \\\" $APPLIANCE_EVENT\\\" >> {got}\"\n")
+    stop = {"step": 40, "reason": "lease end (vendordata)", "committed": True}
+    first = _job(EXIT_STOPPED, lease_end=True, stopped=stop)
+    resumed = _job(0)
+    resumed.resume_breakdown = {"total": 9.9}
+    monkeypatch.setattr(managed._Run, "first_job", lambda self: first)
+    monkeypatch.setattr(flows, "resume", lambda run, **kw: resumed)
+    assert flows.run_managed(str(spec)).exit_code == 0
+    lines = got.read_text().splitlines()
+    events = [json.loads(x.rsplit(" ", 1)[0]) for x in lines]
+    assert [(e["event"], e["run"]) for e in events] == [("downtime", "mn"), ("end", "mn")]
+    assert events[0]["breakdown"] == {"total": 9.9} and events[1]["status"] == "finished"
+    assert [x.rsplit(" ", 1)[1] for x in lines] == ["downtime", "end"]  # the event's name in APPLIANCE_EVENT

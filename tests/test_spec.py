@@ -66,6 +66,7 @@ def test_defaults_fill_in():
     ({**GOOD, "lease": {"overlap": "5m"}}, "lease.overlap", "not longer than lease.stop_margin"),
     ({**GOOD, "lease": {"overlap": "4h"}}, "lease.overlap", "not shorter than lease.duration"),
     ({**GOOD, "lease": {"overlap": "half an hour"}}, "lease.overlap", "not a duration"),
+    ({**GOOD, "notify": "http://hooks.example.org/T0/secret"}, "notify", "in the clear"),
     (["not", "a", "mapping"], "spec", "expected a mapping"),
 ])
 def test_bad_specs_name_the_field_and_the_fix(data, field, words):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -45,7 +46,8 @@ from .handover import Warm, other_name, overlap_cost
 log = report.get(__name__)
 
 CONTROL = "controller"  # URL/RUN/controller/
-READY_FD = "APPLIANCE_CONTROLLER_READY_FD"  # start(): the pipe the detached controller says "ready" on
+READY_FD = "APPLIANCE_CONTROLLER_READY_FD"
+NOTIFIED = ("downtime", "next cluster failed", "stuck", "cancel", "end")  # the events the spec's notify hears  # start(): the pipe the detached controller says "ready" on
 
 
 def _flows():
@@ -71,6 +73,9 @@ class Control:
                             ttl=float(os.environ.get("APPLIANCE_CONTROLLER_LOCK_TTL") or TTL))
         self.poll = poll if poll is not None else float(os.environ.get("APPLIANCE_CONTROLLER_POLL") or 15.0)
         self.state: dict = {"run": self.run, "status": "starting", "events": []}
+        self.notify_to = spec.notify
+        self._events: queue.Queue = queue.Queue()  # for the notify hook, in order
+        self._notifier: threading.Thread | None = None
         self.cancel: dict | None = None
         self.lost = False  # another controller took the lock over: this one starts nothing more
         self._stop_job: Callable[[str], None] | None = None  # the running job's stop (JobCheckpoints.user_stop)
@@ -103,6 +108,9 @@ class Control:
     def close(self, status: str) -> None:
         self._done.set()
         self.record("end", status=status, state=status)
+        if self._notifier is not None:  # the last word reaches the hook before the controller exits
+            self._events.put(None)
+            self._notifier.join(timeout=120)
         try:
             self.lock.release()
         except Exception as e:  # noqa: BLE001 - the lock then expires after its ttl
@@ -153,8 +161,11 @@ class Control:
     def record(self, event: str, *, state: str | None = None, **fields) -> None:
         """Add an event to the run's timeline and write it to the store (a failure is said, not raised: the
         run goes on; the next event writes the whole state again)."""
+        entry = {"at": round(time.time(), 3), "event": event, **fields}
+        if event in NOTIFIED:
+            self.notify(entry)
         with self._mu:
-            self.state["events"].append({"at": round(time.time(), 3), "event": event, **fields})
+            self.state["events"].append(entry)
             if state is not None:
                 self.state["status"] = state
             self.state["controller"] = {"id": self.id, "host": self.lock.cluster, "pid": os.getpid()}
@@ -164,6 +175,36 @@ class Control:
                      what="write the run's controller state", attempts=3)
         except Exception as e:  # noqa: BLE001
             log.info(f"[run] warning: could not write the run's state to the store ({type(e).__name__}: {e})")
+
+    def notify(self, event: dict) -> None:
+        """The spec's ``notify``, told of ``event`` by a thread of its own, in order (a slow or failing hook never
+        holds the run up): an https:// URL is POSTed the event as JSON; a command gets it as JSON on stdin (and its
+        name in APPLIANCE_EVENT). A failure is said, without the hook itself (a URL may hold a token)."""
+        if not self.notify_to:
+            return
+        if self._notifier is None:
+            self._notifier = threading.Thread(target=self._notify_loop, name="appliance-notify", daemon=True)
+            self._notifier.start()
+        self._events.put(event)
+
+    def _notify_loop(self) -> None:
+        hook = self.notify_to
+        while (event := self._events.get()) is not None:
+            body = json.dumps({"run": self.run, **event}).encode()
+            try:
+                if hook.startswith("https://"):
+                    import urllib.request
+
+                    req = urllib.request.Request(hook, data=body, headers={"Content-Type": "application/json"})
+                    urllib.request.urlopen(req, timeout=30).close()
+                else:
+                    p = subprocess.run(hook, shell=True, input=body, capture_output=True, timeout=60,
+                                       env={**os.environ, "APPLIANCE_EVENT": str(event.get("event"))})
+                    if p.returncode != 0:
+                        raise RuntimeError(f"exit {p.returncode}")
+            except Exception as e:  # noqa: BLE001
+                log.info(f"[run] the spec's notify hook failed on {event.get('event')}: {type(e).__name__}: "
+                         f"{str(e)[:120]}")
 
     def hook(self, stop: Callable[[str], None]) -> JobHooks:
         """The job's hook: its lease and hosts on the timeline; a cancel stops it."""
