@@ -1046,6 +1046,14 @@ def format_timeline(tl: dict) -> list[str]:
             what = {"controller": f"controller {e.get('id')}" + (" (took over)" if e.get("took_over") else ""),
                     "cancel": f"cancel asked from {e.get('by')}", "end": f"run {e.get('status')}"}[kind]
             out.append(f"  {at(e['at'])} {what}")
+        elif kind == "waiting for hosts":
+            out.append(f"  {at(e['at'])} no hosts free now: {e.get('node_type')} booked from {e.get('start')}, a wait of "
+                       f"{e.get('wait_s', 0) / 60:.0f} min")
+        elif kind == "hosts free":
+            out.append(f"  {at(e['at'])} {e.get('node_type')} free after {e.get('waited_s')} s")
+        elif kind in ("next lease", "next cluster ready", "next cluster failed", "no hosts", "parked", "stuck"):
+            detail = e.get("node_type") or e.get("error") or e.get("reason") or e.get("cluster") or ""
+            out.append(f"  {at(e['at'])} {kind}" + (f": {detail}" if detail else ""))
     return out
 
 

@@ -29,6 +29,10 @@ class SpecError(ApplianceError):
     exit_code = 2
 
 
+class NoHosts(ApplianceError):
+    """Blazar has not enough hosts of the node type for the lease's window (NotEnoughHostsAvailable)."""
+
+
 class JobFailed(ApplianceError):
     """The training job ran and failed; exit_code is the job's."""
 

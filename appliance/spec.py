@@ -48,6 +48,7 @@ class Nodes:
     count: int = 2
     node_type: str = "compute_local"
     slots: int = 1  # Horovod ranks per node (GPUs per node on Chameleon)
+    alternatives: tuple[str, ...] = ()  # `appliance run`: node types to fall back on at a lease end, in order
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Lease:
     floating_ip: bool = True
     stop_margin: str = "5m"  # the least time before the lease end at which the watchdog acts
     overlap: str = "0s"  # `appliance run`: the next lease starts this long before the current one ends (warm handover)
+    wait: str = "1d"  # `appliance run`: the longest wait for free hosts at a lease end before the run parks
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,8 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin is dict:
         return "a mapping of names to strings"
+    if origin is tuple:
+        return "a list of strings"
     if dataclasses.is_dataclass(tp):
         return "a mapping"
     return str(tp)
@@ -161,6 +165,10 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
                                 f"quote the value of {where}.{k}")
             out[k] = str(v)
         return out
+    if origin is tuple:
+        if not isinstance(value, list) or any(isinstance(v, (dict, list)) or v is None for v in value):
+            raise SpecError(f"{where}: expected {_type_name(tp)}, got {value!r}", f"write {where} as [a, b]")
+        return tuple(str(v) for v in value)
     if tp is bool:
         if not isinstance(value, bool):
             raise SpecError(f"{where}: expected true or false, got {value!r}", f"set {where}: true or false")
@@ -253,6 +261,7 @@ def _semantic_checks(spec: Spec) -> None:
                         "set nodes.slots to the GPUs per node (1 on CPU nodes)")
     _check_duration(spec.lease.duration, "lease.duration")
     _check_duration(spec.lease.stop_margin, "lease.stop_margin")
+    _check_duration(spec.lease.wait, "lease.wait")
     overlap = _check_duration(spec.lease.overlap, "lease.overlap")
     if overlap and overlap <= _check_duration(spec.lease.stop_margin, "lease.stop_margin"):
         raise SpecError(f"lease.overlap: {spec.lease.overlap} is not longer than lease.stop_margin "

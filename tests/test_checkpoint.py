@@ -708,6 +708,56 @@ def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_
 
 
 @pytest.mark.slow
+def test_hosts_taken_at_the_lease_end_the_run_fails_over_to_the_alternative_node_type(cloud, reference_long, tmp_path):
+    """Another project's reservations hold every compute_local host at the lease end (the two the run does not use
+    from now on, the run's own two from its end on): the new lease of 2 x compute_local is refused (Blazar's
+    NotEnoughHostsAvailable), and the run goes on on its spec's alternative, gpu_local, from the very step it
+    stopped at; the refusal is on the timeline; the final weights are the uninterrupted run's."""
+    import datetime as dt
+    import subprocess
+    import sys
+
+    from appliance.cluster import find_cluster
+    from appliance.flows import managed
+
+    spec_path = digits_spec(tmp_path, "ckalt", url="swift://ckpts/", every=50, epochs=LONG,
+                            extra="lease: {duration: 1h, stop_margin: 60s}\n")
+    Path(spec_path).write_text(Path(spec_path).read_text().replace(
+        "nodes: {count: 2, node_type: compute_local, slots: 1}",
+        "nodes: {count: 2, node_type: compute_local, slots: 1, alternatives: [gpu_local]}"))
+    site = sites.open_site("local")
+    cs = CheckpointStore("swift://ckpts/", "ckalt", site.store_creds())
+    p = subprocess.run([sys.executable, "-m", "appliance.cli", "run", spec_path, "--json"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    reader = managed._control_of("ckalt", None, "local", None)
+    state = lambda: managed.read_timeline(reader) or {}  # noqa: E731
+    others = []
+    try:
+        cl = wait_for("the first commit", lambda: cs.committed() and find_cluster("ckalt"))
+        c = site.cloud
+        end = c.get_lease(cl.lease_id).end
+        others.append(c.create_lease("someone-else-now", "compute_local", 2, dt.timedelta(hours=3)).id)
+        after = end.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
+        others.append(c.create_lease("someone-else-after", "compute_local", 2, dt.timedelta(hours=3), start=after).id)
+        localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45})
+        final = wait_for("the run to finish", lambda: (s := state()).get("status") in ("finished", "failed", "stopped",
+                                                                                      "parked") and s)
+        assert final["status"] == "finished", final["events"][-5:]
+        ev = final["events"]
+        assert [e["node_type"] for e in ev if e["event"] == "no hosts"] == ["compute_local"]
+        assert [e["node_type"] for e in ev if e["event"] == "job"] == ["compute_local", "gpu_local"]
+        rec = runs.load("ckalt")
+        jobs = rec["jobs"]
+        assert [j["status"] for j in jobs] == ["stopped", "complete"] and jobs[1]["first_step"] == jobs[0]["last_step"]
+        assert _job_sha("ckalt", jobs[-1]["job_id"]) == reference_long
+    finally:
+        for lid in others:
+            site.cloud.delete_lease(lid)
+        flows.down("ckalt")
+
+
+@pytest.mark.slow
 def test_admin_termination_resumes_from_the_last_commit(cloud, reference_long, tmp_path, said):
     spec_path = digits_spec(tmp_path, "ckgone", url="swift://ckpts/", every=50, epochs=LONG,
                             extra="lease: {duration: 1h}\n")

@@ -371,3 +371,30 @@ def test_heat_serves_the_events_and_resources_the_cli_and_horizon_read(api):
         == [("k", "OS::Nova::KeyPair", "CREATE_COMPLETE", "evkey")]
     assert call("GET", f"/orchestration/v1/{project}/stacks/ev/{sid}/resources/nope", token=tok)[0] == 404
     assert call("GET", f"/orchestration/v1/{project}/stacks/nope/events", token=tok)[0] == 404
+
+
+def test_blazar_lists_each_hosts_allocations_from_now_on_as_python_chi_reads_them(api):
+    """GET /v1/os-hosts/allocations (ChameleonCloud/blazar blazar/api/v1/oshosts/v1_0.py allocations_list): every
+    host, and the reservations holding it from now on, with dates python-chi's chi/hardware.py parses
+    ("%Y-%m-%dT%H:%M:%S.%f"); what a managed run reads to find the next free slot (sites/slots.py)."""
+    call, creds = api
+    tok = token(call, creds)
+    start = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None) + dt.timedelta(hours=2)
+    host = {"resource_type": "physical:host", "min": 2, "max": 2, "hypervisor_properties": "",
+            "resource_properties": json.dumps(["=", "$node_type", "gpu_local"]), "before_end": "default"}
+    lease = {"name": "later", "start_date": start.strftime("%Y-%m-%d %H:%M"),
+             "end_date": (start + dt.timedelta(hours=1)).strftime("%Y-%m-%d %H:%M"), "reservations": [host], "events": []}
+    st, body, _ = call("POST", "/reservation/v1/leases", lease, token=tok)
+    assert st == 201, body
+    lid = body["lease"]["id"]
+    st, body, _ = call("GET", "/reservation/v1/os-hosts/allocations", token=tok)
+    assert st == 200
+    st, hosts, _ = call("GET", "/reservation/v1/os-hosts", token=tok)
+    gpu = {h["id"] for h in hosts["hosts"] if h["node_type"] == "gpu_local"}
+    held = {a["resource_id"]: a["reservations"] for a in body["allocations"]}
+    assert set(held) == {h["id"] for h in hosts["hosts"]}  # every host, held or not
+    assert all(len(held[h]) == 1 and held[h][0]["lease_id"] == lid for h in gpu)
+    assert not any(held[h] for h in set(held) - gpu)
+    r = held[next(iter(gpu))][0]
+    assert set(r) == {"id", "lease_id", "start_date", "end_date", "extras"}
+    assert dt.datetime.strptime(r["start_date"], "%Y-%m-%dT%H:%M:%S.%f") == start.replace(second=0, microsecond=0)

@@ -446,3 +446,98 @@ def test_the_specs_notify_command_hears_each_handover_and_the_end(tmp_path, monk
     assert [(e["event"], e["run"]) for e in events] == [("downtime", "mn"), ("end", "mn")]
     assert events[0]["breakdown"] == {"total": 9.9} and events[1]["status"] == "finished"
     assert [x.rsplit(" ", 1)[1] for x in lines] == ["downtime", "end"]  # the event's name in APPLIANCE_EVENT
+
+
+# -- hosts taken at a lease end: the alternatives, the next free slot, parking --------------------------------
+
+
+def _lease_end_job():
+    return _job(EXIT_STOPPED, lease_end=True, stopped={"step": 40, "reason": "lease end (vendordata)",
+                                                        "committed": True})
+
+
+@pytest.fixture
+def no_hosts_for(tmp_path, monkeypatch):
+    """run_managed of a spec on compute_local with nodes.alternatives [gpu_local], whose resumes on a new lease are
+    refused for want of hosts for the node types given; returns (result, the node types asked for in order, the
+    node types a slot was looked for among)."""
+    from appliance.errors import NoHosts
+
+    spec = tmp_path / "ma.yaml"
+    spec.write_text(f"name: ma\ncloud: local\ntrain: {{code: {tmp_path}, command: python x.py}}\n"
+                    f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n"
+                    "nodes: {count: 2, node_type: compute_local, alternatives: [gpu_local]}\n")
+
+    def run(refused: set, slot=None):
+        asked, looked = [], []
+        monkeypatch.setattr(managed._Run, "first_job", lambda self: _lease_end_job())
+
+        def resume(run, **kw):
+            nt = kw.get("node_type") or "compute_local"
+            asked.append((nt, kw.get("new_lease", False)))
+            if nt in refused and kw.get("new_lease"):
+                raise NoHosts(f"not enough hosts available for 2 x {nt}")
+            return _job(0)
+        monkeypatch.setattr(flows, "resume", resume)
+        monkeypatch.setattr(managed, "wait_for_slot", lambda ctx, control, types: (looked.append(list(types)), slot)[1])
+        return flows.run_managed(str(spec)), asked, looked
+    return run
+
+
+def test_hosts_taken_at_a_lease_end_fail_over_to_the_alternative(no_hosts_for, said):
+    res, asked, looked = no_hosts_for({"compute_local"})
+    assert res.exit_code == 0 and asked == [("compute_local", True), ("gpu_local", True)] and not looked
+    assert any("no 2 x compute_local free" in m and "trying gpu_local" in m for m in said)
+
+
+def test_with_none_free_now_the_run_waits_for_the_earliest_slot_then_goes_on_there(no_hosts_for):
+    res, asked, looked = no_hosts_for({"compute_local", "gpu_local"}, slot="gpu_local")
+    assert looked == [["compute_local", "gpu_local"]]
+    assert res.exit_code == 0 and asked[-1] == ("gpu_local", False)  # the lease booked at the slot, now started
+
+
+def test_with_no_slot_within_lease_wait_the_run_parks(no_hosts_for):
+    res, asked, looked = no_hosts_for({"compute_local", "gpu_local"}, slot=None)
+    assert res is None and len(asked) == 2
+    tl = managed.read_timeline(managed._control_of("ma", None, "local", None))
+    assert tl["status"] == "parked"
+    assert [e["node_type"] for e in tl["events"] if e["event"] == "no hosts"] == ["compute_local", "gpu_local"]
+
+
+def test_wait_for_slot_books_the_earliest_slot_and_measures_the_wait(tmp_path, monkeypatch):
+    import datetime as dt
+
+    from appliance.flows.handover import wait_for_slot
+    from fakes import FakeSite
+    from test_fake_site import spec_of
+
+    site = FakeSite()
+    spec = spec_of(tmp_path, "mz", lease="lease: {duration: 2h, wait: 6h}\n")
+    c = site.cloud
+    slots = {"compute_local": c.clock + dt.timedelta(hours=5), "b": c.clock + dt.timedelta(hours=3)}  # b: another
+    c.next_slot = lambda nt, count, length, after: slots[nt]
+    reads = []
+    get = c.get_lease
+
+    def clock_moves(lid):  # the cloud's clock reaches the slot while the controller waits
+        reads.append(lid)
+        if len(reads) == 2:
+            c.clock = slots["b"]
+        return get(lid)
+    c.get_lease = clock_moves
+    import threading
+    from types import SimpleNamespace
+
+    events = []
+    control = SimpleNamespace(cancel=None, changed=threading.Event(), poll=0.001,
+                              record=lambda ev, **kw: events.append((ev, kw)))
+    assert wait_for_slot(flows.RunContext(spec, site), control, ["compute_local", "b"]) == "b"
+    (lease,) = c.leases.values()
+    assert lease.start == slots["b"] and find_cluster_named("mz").lease_id == lease.id  # booked under the run's name
+    waiting = dict(events)["waiting for hosts"]
+    assert waiting["node_type"] == "b" and waiting["wait_s"] == 3 * 3600
+    assert dict(events)["hosts free"]["waited_s"] >= 0
+    slots["b"] = c.clock + dt.timedelta(hours=7)  # past lease.wait: none is booked
+    slots["compute_local"] = c.clock + dt.timedelta(hours=8)
+    assert wait_for_slot(flows.RunContext(spec, site), control, ["compute_local", "b"]) is None
+    assert events[-1][0] == "parked" and "within lease.wait 6h" in events[-1][1]["reason"]

@@ -67,6 +67,8 @@ def test_defaults_fill_in():
     ({**GOOD, "lease": {"overlap": "4h"}}, "lease.overlap", "not shorter than lease.duration"),
     ({**GOOD, "lease": {"overlap": "half an hour"}}, "lease.overlap", "not a duration"),
     ({**GOOD, "notify": "http://hooks.example.org/T0/secret"}, "notify", "in the clear"),
+    ({**GOOD, "nodes": {"alternatives": "gpu_rtx_6000"}}, "nodes.alternatives", "a list of strings"),
+    ({**GOOD, "lease": {"wait": "forever"}}, "lease.wait", "not a duration"),
     (["not", "a", "mapping"], "spec", "expected a mapping"),
 ])
 def test_bad_specs_name_the_field_and_the_fix(data, field, words):

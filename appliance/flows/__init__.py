@@ -282,16 +282,19 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
            url: str | None = None, cloud: str = "local", site_name: str | None = None, new_lease: bool = False,
-           out: Callable[[str], None] | None = None, control=None) -> JobResult | None:
+           out: Callable[[str], None] | None = None, control=None, node_type: str | None = None) -> JobResult | None:
     """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
     new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
     what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete.
     ``new_lease``: the run's own cluster goes first (its lease ends: run_managed), and a new lease is made;
-    ``control``: the managed run's controller (run_job)."""
+    ``control``: the managed run's controller (run_job); ``node_type``: a new lease's, instead of the spec's (a
+    managed run's alternative, nodes.alternatives)."""
     t = {"start": time.time()}  # the resume's downtime, phase by phase (resume_breakdown)
     spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
         spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
+    if node_type is not None and node_type != spec.nodes.node_type:
+        spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, node_type=node_type))
     ctx = RunContext.of(spec)
     ck = _resume_point(ctx)
     if ck is _COMPLETE:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import threading
+import time
 
 from .. import report
 from ..cluster import Cluster, find_cluster
@@ -105,3 +106,42 @@ class Warm:
             self._thread.join()
         if find_cluster(self.name) is not None:
             lifecycle.down(self.name, self.ctx.site)
+
+
+def wait_for_slot(ctx, control, types: list[str]) -> str | None:
+    """No node type has hosts free now: the earliest slot of any of ``types`` (Blazar's host allocations:
+    sites/slots.py), if it starts within lease.wait, is booked under the run's name and waited for. Returns the node
+    type whose lease has started (`up` of the run goes on on it), or None: no slot within the wait, or the run was
+    cancelled meanwhile (what was booked goes)."""
+    spec, site = ctx.spec, ctx.site
+    c = site.cloud
+    now = c.now()
+    length = dt.timedelta(seconds=duration_seconds(spec.lease.duration))
+    slots = sorted((s, nt) for nt in types if (s := c.next_slot(nt, spec.nodes.count, length, now)) is not None)
+    limit = now + dt.timedelta(seconds=duration_seconds(spec.lease.wait))
+    if not slots or slots[0][0] > limit:
+        first = f"; the first is {slots[0][1]} at {slots[0][0]:%Y-%m-%d %H:%M} UTC" if slots else ""
+        control.record("parked", reason=f"no slot within lease.wait {spec.lease.wait}{first}")
+        log.info(f"[run] error: no {spec.nodes.count} x {' or '.join(types)} free within lease.wait "
+                 f"({spec.lease.wait}){first} (fix: the run is parked with its checkpoint; `appliance run "
+                 f"{spec.path}` continues it, or give a longer lease.wait or more nodes.alternatives)")
+        return None
+    start, nt = slots[0]
+    booked = lifecycle.book(site, dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, node_type=nt)),
+                            start if start > now + dt.timedelta(minutes=1) else None)
+    wait_s = max(0.0, (start - now).total_seconds())
+    control.record("waiting for hosts", node_type=nt, lease_id=booked.lease_id, start=start.isoformat() + "Z",
+                   wait_s=round(wait_s))
+    log.info(f"[run] the earliest {spec.nodes.count} x {nt} free: {start:%Y-%m-%d %H:%M} UTC, in {wait_s / 60:.0f} "
+             f"min; booked (lease {booked.lease_id}), waiting for it")
+    t0 = time.monotonic()
+    while True:
+        info = c.get_lease(booked.lease_id)
+        if control.cancel is not None or info is None or info.status in ("ERROR", "TERMINATED", "DELETED"):
+            lifecycle.down(spec.name, site)
+            return None
+        if info.status == "ACTIVE":
+            break
+        control.changed.wait(control.poll)
+    control.record("hosts free", node_type=nt, waited_s=round(time.monotonic() - t0, 1), wait_s=round(wait_s))
+    return nt

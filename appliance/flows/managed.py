@@ -35,19 +35,19 @@ from .. import report
 from ..checkpoint import runs
 from ..checkpoint.resume import find_spec
 from ..cluster import Cluster, find_cluster
-from ..errors import ApplianceError, SpecError
+from ..errors import ApplianceError, NoHosts, SpecError
 from ..provision import lifecycle
 from ..spec import Spec, duration_seconds
 from ..store.checkpoints import CheckpointStore, retrying
 from ..store.runlock import INTERVAL, TTL, RunLock
 from ..train.launch import JobContext, JobHooks, JobResult
-from .handover import Warm, other_name, overlap_cost
+from .handover import Warm, other_name, overlap_cost, wait_for_slot
 
 log = report.get(__name__)
 
 CONTROL = "controller"  # URL/RUN/controller/
 READY_FD = "APPLIANCE_CONTROLLER_READY_FD"
-NOTIFIED = ("downtime", "next cluster failed", "stuck", "cancel", "end")  # the events the spec's notify hears  # start(): the pipe the detached controller says "ready" on
+NOTIFIED = ("downtime", "next cluster failed", "no hosts", "waiting for hosts", "stuck", "cancel", "end")  # the events the spec's notify hears  # start(): the pipe the detached controller says "ready" on
 
 
 def _flows():
@@ -299,7 +299,8 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
     run = _Run(ctx, control, max_restarts, out)
     try:
         res = run.loop()
-        status = ("cancelled" if control.cancel else "finished" if res is None or res.exit_code == 0
+        status = ("cancelled" if control.cancel else "parked" if run.parked
+                  else "finished" if res is None or res.exit_code == 0
                   else "stopped" if (res.stopped or {}).get("committed") else "failed")
         return res
     finally:
@@ -316,6 +317,7 @@ class _Run:
         self.spec = ctx.spec
         self.current = _current_cluster(self.spec)  # the cluster of the run's newest job
         self.warm: Warm | None = None
+        self.parked = False  # no hosts within lease.wait: the run stopped with its checkpoint
         control.on_job = self.job_started
 
     def job_started(self, cluster: Cluster) -> None:
@@ -385,10 +387,29 @@ class _Run:
             log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on a new lease")
             if old and old != spec.name and find_cluster(old) is not None:
                 lifecycle.down(old, site)  # resume(new_lease) takes down the one named RUN itself
-            res = self.resume(new_lease=True)
+            res = self.cold()
         if res is not None and res.resume_breakdown:
             self.control.record("downtime", job_id=res.job_id, warm=nxt is not None, breakdown=res.resume_breakdown)
         return res
+
+    def cold(self) -> JobResult | None:
+        """A resume on a new lease: of the spec's node type; when Blazar has not the hosts, of each of
+        nodes.alternatives in order; when none has them now, of the earliest slot of any within lease.wait (booked
+        and waited for, the wait on the timeline). None: no slot within the wait (the run parks)."""
+        spec = self.spec
+        types = [spec.nodes.node_type, *spec.nodes.alternatives]
+        for nt in types:
+            try:
+                return self.resume(new_lease=True, node_type=None if nt == spec.nodes.node_type else nt)
+            except NoHosts as e:
+                log.info(f"[run] no {spec.nodes.count} x {nt} free for the next lease ({e.message})"
+                         + (f"; trying {types[types.index(nt) + 1]}" if nt != types[-1] else ""))
+                self.control.record("no hosts", node_type=nt)
+        nt = wait_for_slot(self.ctx, self.control, types)
+        if nt is None:
+            self.parked = True
+            return None
+        return self.resume(node_type=None if nt == spec.nodes.node_type else nt)
 
     def first_job(self) -> JobResult | None:
         """A managed run's first job: a resume when the run has committed work, else a fresh job on its own

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .api import Request, Route, versions
 from .cloud import ApiError
+from .state import HostReservation, fmt
 
 PREFIX = "reservation"
 
@@ -44,6 +45,27 @@ def hosts(req: Request):
     return 200, {"hosts": [h.view() for h in req.cloud.hosts]}
 
 
+def allocations(req: Request):
+    """GET /v1/os-hosts/allocations (ChameleonCloud/blazar blazar/api/v1/oshosts/v1_0.py ``allocations_list`` ->
+    blazar/plugins/oshosts/host_plugin.py ``list_allocations``): every host with the host reservations that hold
+    it from now on (``query_host_allocations``: from utcnow to date.max), each {id (the reservation), lease_id,
+    start_date, end_date} plus ``extras`` (blazar/plugins/base.py ``add_extra_allocation_info``); project, lease
+    name and status only with ``detail`` (not served here). Dates in Blazar's ISO form, which python-chi's
+    chi/hardware.py ``_parse_blazar_dt`` reads ("%Y-%m-%dT%H:%M:%S.%f"). Upstream's policy
+    (blazar/policies/oshosts.py ``get_allocations``) defaults to admin; Chameleon lets its users read it (python-chi's
+    ``Node.next_free_timeslot`` and Horizon's host calendar do, as users): assumed, its policy file is not public."""
+    c = req.cloud
+    now = c.clock.now()
+    out = []
+    for h in c.hosts:
+        held = [{"id": r.id, "lease_id": lease.id, "start_date": fmt(lease.start), "end_date": fmt(lease.end),
+                 "extras": {}}
+                for lease in c.leases.values() if lease.status not in ("TERMINATED", "ERROR", "DELETED")
+                and lease.end > now for r in lease.reservations if isinstance(r, HostReservation) and h.id in r.hosts]
+        out.append({"resource_id": h.id, "reservations": held})
+    return 200, {"allocations": out}
+
+
 ROUTES = [
     Route(None, "/", lambda req: (300, versions("v1.0", f"{req.base}/reservation/v1/")), auth=False),
     Route("GET", "/v1/leases", list_leases),
@@ -52,4 +74,5 @@ ROUTES = [
     Route("PUT", "/v1/leases/([^/]+)", lambda req, lid: (200, {"lease": req.cloud.update_lease(lid, req.body or {})})),
     Route("DELETE", "/v1/leases/([^/]+)", delete_lease),
     Route("GET", "/v1/os-hosts", hosts),
+    Route("GET", "/v1/os-hosts/allocations", allocations),
 ]

@@ -64,9 +64,11 @@ class LocalSite(Site):
         if duration_seconds(spec.lease.duration) > MAX_LEASE_SECONDS:  # what `up` would be told (Chameleon's cap)
             raise SpecError(f"lease.duration: {spec.lease.duration} is longer than the local cloud's 7-day maximum "
                             "(Chameleon's)", "use at most 7d and let the watchdog extend or resume")
-        if spec.nodes.node_type not in DEFAULT_POOLS:
-            raise SpecError(f"nodes.node_type: {spec.nodes.node_type!r} is not a node type of the local cloud",
-                            f"use one of {', '.join(DEFAULT_POOLS)}")
+        for at, nt in [("nodes.node_type", spec.nodes.node_type)] + [("nodes.alternatives", a)
+                                                                      for a in spec.nodes.alternatives]:
+            if nt not in DEFAULT_POOLS:
+                raise SpecError(f"{at}: {nt!r} is not a node type of the local cloud",
+                                f"use one of {', '.join(DEFAULT_POOLS)}")
 
     def time_scale(self) -> float:
         """The local cloud's clock can run faster than real time (tests, the demo)."""

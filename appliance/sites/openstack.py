@@ -21,7 +21,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from ..errors import ApplianceError, socket_reason
+from ..errors import ApplianceError, NoHosts, socket_reason
 from .. import report
 
 log = report.get(__name__)
@@ -148,7 +148,7 @@ def explain_blazar(e: Exception, *, node_type: str = "", count: int = 0, end: st
     low = msg.lower()
     if "not enough hosts" in low or "notenoughhosts" in low:
         what = f"{count} x {node_type}" if node_type else "the reserved hosts"
-        return ApplianceError(f"not enough hosts available for {what} in that window (Blazar: {msg.strip()})",
+        return NoHosts(f"not enough hosts available for {what} in that window (Blazar: {msg.strip()})",
                               "ask for fewer nodes or a later start, or see the site's host calendar "
                               "(Reservations > Host Calendar); an extension fails this way when someone "
                               "booked your hosts after your end")
@@ -419,6 +419,20 @@ class OpenStackCloud:
                 return None, None
             raise explain_blazar(e) from None
         return LeaseInfo.from_api(body["lease"]), resp
+
+    def next_slot(self, node_type: str, count: int, duration: dt.timedelta,
+                  after: dt.datetime | None = None) -> dt.datetime | None:
+        """The earliest start (cloud time) of ``count`` hosts of ``node_type`` free for ``duration`` (sites/slots.py),
+        from Blazar's hosts and their allocations; None when the site has too few such hosts."""
+        from .slots import earliest_slot
+
+        try:
+            hosts = self.blazar.host.list()
+            _, body = self.blazar.host.request_manager.get("/os-hosts/allocations")
+        except Exception as e:
+            raise explain_blazar(e) from None
+        return earliest_slot(hosts, (body or {}).get("allocations") or [], node_type, count, duration,
+                             after or self.now())
 
     def list_leases(self) -> list[LeaseInfo]:
         try:
