@@ -541,3 +541,28 @@ def test_wait_for_slot_books_the_earliest_slot_and_measures_the_wait(tmp_path, m
     slots["compute_local"] = c.clock + dt.timedelta(hours=8)
     assert wait_for_slot(flows.RunContext(spec, site), control, ["compute_local", "b"]) is None
     assert events[-1][0] == "parked" and "within lease.wait 6h" in events[-1][1]["reason"]
+
+
+def test_a_store_that_does_not_answer_as_a_controller_starts_is_an_error_not_an_empty_timeline(tmp_path, monkeypatch):
+    """The new controller reads the run's timeline before it writes its own first event over it: when that read
+    fails, it stops there (the timeline so far is kept), it does not start one afresh."""
+    from appliance.store.checkpoints import CheckpointStore, StoreUnavailable
+
+    spec = _spec(tmp_path, "ms")
+    first = managed.Control(spec, None)
+    first.take()
+    first.record("job", job_id="j1")
+    first.close("stopped")
+    real = CheckpointStore.read_json
+
+    def down_for_state(self, rel):
+        if rel == "state.json":
+            raise ConnectionError("[Errno 111] Connection refused")
+        return real(self, rel)
+    monkeypatch.setattr(CheckpointStore, "read_json", down_for_state)
+    monkeypatch.setattr(managed, "retrying", lambda fn, **kw: (_ for _ in ()).throw(StoreUnavailable("store down")))
+    with pytest.raises(StoreUnavailable):
+        managed.Control(spec, None).take()
+    monkeypatch.setattr(CheckpointStore, "read_json", real)
+    events = [e["event"] for e in json.loads((tmp_path / "ck" / "ms" / "controller" / "state.json").read_text())["events"]]
+    assert events == ["controller", "job", "end"]

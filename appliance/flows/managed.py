@@ -14,8 +14,9 @@ machine needs in the object store beside the run's checkpoints, ``URL/RUN/contro
 
 Why not on the head node: the head is deleted at its lease end, so a controller there has to move to the next
 cluster's head before the end, which needs the next lease to start before the current one ends (a warm handover,
-lease.overlap: handover.py) and a credential on the node that can book leases, which the nodes do not get. A machine that stays up (a Chameleon KVM
-instance, a lab server) runs the controller through any number of lease ends today.
+lease.overlap: handover.py) and a credential on the node that can book leases, which the nodes do not get. A
+machine that stays up (a Chameleon KVM instance, a lab server) runs the controller through any number of lease
+ends today.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from .handover import Warm, other_name, overlap_cost, wait_for_slot
 log = report.get(__name__)
 
 CONTROL = "controller"  # URL/RUN/controller/
-READY_FD = "APPLIANCE_CONTROLLER_READY_FD"
-NOTIFIED = ("downtime", "next cluster failed", "no hosts", "waiting for hosts", "stuck", "cancel", "end")  # the events the spec's notify hears  # start(): the pipe the detached controller says "ready" on
+READY_FD = "APPLIANCE_CONTROLLER_READY_FD"  # start(): the pipe the detached controller says "ready" on
+NOTIFIED = ("downtime", "next cluster failed", "no hosts", "waiting for hosts", "stuck", "cancel", "end")  # notify
 
 
 def _flows():
@@ -83,6 +84,7 @@ class Control:
         self._done = threading.Event()
         self.changed = threading.Event()  # set on a cancel: whoever waits looks again at once
         self._mu = threading.Lock()
+        self._writing = threading.Lock()
 
     # taking the run, and giving it back
 
@@ -91,11 +93,11 @@ class Control:
         holder, stale = self.lock.acquire(tempfile.gettempdir(), ended=gone_here)
         if holder is not None:
             raise busy(self.run, holder)
-        try:
+        try:  # the timeline so far (a store that does not answer is an error here: its timeline is not lost)
             old = retrying(lambda: self.cs.read_json("state.json"), what="read the run's controller state", attempts=4)
         except FileNotFoundError:  # the run's first controller
             old = {}
-        except (json.JSONDecodeError, ApplianceError):
+        except json.JSONDecodeError:  # not readable: the timeline starts again
             old = {}
         self.state["events"] = list(old.get("events") or [])
         self.record("controller", id=self.id, host=self.lock.cluster, pid=os.getpid(),
@@ -169,12 +171,14 @@ class Control:
             if state is not None:
                 self.state["status"] = state
             self.state["controller"] = {"id": self.id, "host": self.lock.cluster, "pid": os.getpid()}
-            text = json.dumps(self.state, indent=1, sort_keys=True)
-        try:
-            retrying(lambda: self.cs.put_text("state.json", text, tempfile.gettempdir()),
-                     what="write the run's controller state", attempts=3)
-        except Exception as e:  # noqa: BLE001
-            log.info(f"[run] warning: could not write the run's state to the store ({type(e).__name__}: {e})")
+        with self._writing:  # one write at a time, each of the newest state: an older one never lands last
+            with self._mu:
+                text = json.dumps(self.state, indent=1, sort_keys=True)
+            try:
+                retrying(lambda: self.cs.put_text("state.json", text, tempfile.gettempdir()),
+                         what="write the run's controller state", attempts=3)
+            except Exception as e:  # noqa: BLE001
+                log.info(f"[run] warning: could not write the run's state to the store ({type(e).__name__}: {e})")
 
     def notify(self, event: dict) -> None:
         """The spec's ``notify``, told of ``event`` by a thread of its own, in order (a slow or failing hook never
@@ -274,8 +278,10 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
     end across leases, with nobody at the lease ends. The first job runs on the run's own cluster (`appliance up`,
     made or reused; the dataset staged, only what is missing), or resumes when the run has committed work already.
     Then, until a job ends with 0:
-    - it ended for its lease's end (stopped before it with a commit, or the end took its nodes): the old cluster
-      goes (its hosts are free for the next lease) and the run resumes on a new lease;
+    - it ended for its lease's end (stopped before it with a commit, or the end took its nodes): the run resumes
+      on the next cluster, made while the job trained (lease.overlap: handover.Warm), or on a new lease once the
+      old cluster has gone (its hosts free for it); without the hosts, on nodes.alternatives, or at the earliest
+      free slot within lease.wait, or it parks;
     - it failed otherwise: resumed on the same cluster up to ``max_restarts`` times in a row (a crash is most
       often the script's own and would happen again), then its failure is the run's;
     - its user stopped it (SIGTERM, Ctrl-C) or cancelled the run (`appliance cancel RUN`): the run stops there;
