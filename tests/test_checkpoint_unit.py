@@ -570,3 +570,55 @@ def test_rank_0_reads_a_renewed_credential_before_its_next_commit(tmp_path, monk
     os.replace(new, path)  # as the launcher's `mv -f`
     ck._open_store()
     assert made == ["first", "renewed"]
+
+
+def test_a_local_prune_never_deletes_a_checkpoint_being_queued_and_the_uploader_survives_a_missing_one(tmp_path):
+    """make test, 2026-11-29: rank 0's uploader pruned the local checkpoints (after a commit) while the main thread
+    saved the next one: the prune saw what to keep, then listed the directory after the new checkpoint's rename,
+    and deleted it; the uploader then died on its missing meta.json, and no checkpoint of the job committed again
+    (the final one waited 10 minutes). Here the prune's listing is held open while a save is queued: the new
+    checkpoint survives; and an uploader handed a checkpoint with no meta.json says so and goes on."""
+    import threading
+
+    from appliance.node.checkpointer import Checkpointer
+
+    ck = Checkpointer.__new__(Checkpointer)  # only the local bookkeeping: no model, no Horovod
+    ck._cv, ck._pending, ck._uploading, ck._last_commit_local = threading.Condition(), None, None, "ckpt-000000380"
+    ck.url = "swift://c/"
+    root = tmp_path / "checkpoints"
+    (root / "ckpt-000000380").mkdir(parents=True)
+    listing, queued = threading.Event(), threading.Event()
+
+    class SlowDir(type(root)):  # its glob waits (listing open) until the save has had its chance
+        def glob(self, pattern):
+            listing.set()
+            queued.wait(2)
+            return list(super().glob(pattern))
+    ck.local_dir = SlowDir(root)
+    tmp = root / ".tmp-ckpt-000000400"
+    tmp.mkdir()
+    (tmp / "meta.json").write_text("{}")
+    pruner = threading.Thread(target=ck._prune_local)
+    pruner.start()
+    listing.wait(5)
+    saver = threading.Thread(target=lambda: (ck._publish(tmp, root / "ckpt-000000400"), queued.set()))
+    saver.start()
+    saver.join(0.5)  # it waits for the prune's listing to end (or, without the lock, is done at once)
+    queued.set()
+    pruner.join(5)
+    saver.join(5)
+    assert ck._pending == root / "ckpt-000000400" and (root / "ckpt-000000400" / "meta.json").exists()
+
+    said = []
+    ck._log = said.append
+    ck._store, ck._fault, ck._deadline = None, None, None
+    ck._pending = root / "ckpt-000000999"  # gone: its meta.json cannot be read
+    with ck._cv:
+        local, ck._pending = ck._pending, None
+    ck._uploading = local
+    try:
+        ck._upload(local)
+        raised = None
+    except Exception as e:  # noqa: BLE001
+        raised = e
+    assert raised is None and said and "ckpt-000000999 NOT committed" in said[-1]

@@ -470,18 +470,25 @@ class Checkpointer:
         if self.metrics_dir.exists():
             shutil.copytree(self.metrics_dir, tmp / "metrics")
         (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True))
-        # atomic: a checkpoint directory is whole or absent, also after kill -9. Not fsynced: a node that loses
-        # power is gone with its disk at the lease end anyway; durability is the store's job (the commit)
-        os.rename(tmp, final)
+        self._publish(tmp, final)
         self._last_save = time.monotonic()
         self._save_s = time.monotonic() - t0
         if self.url:
-            with self._cv:
-                self._pending = final  # replaces an older one still waiting: the newest state goes first
-                self._cv.notify_all()
             self._ensure_uploader()
         self._prune_local()
         return final
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """The saved directory under its name and queued for upload, in one step under the uploader's lock, which a
+        prune lists under too: a prune never deletes a checkpoint that is being queued (one did, between its
+        listing and this rename, and the uploader died on its missing meta.json: make test, 2026-11-29)."""
+        with self._cv:
+            # atomic: a checkpoint directory is whole or absent, also after kill -9. Not fsynced: a node that loses
+            # power is gone with its disk at the lease end anyway; durability is the store's job (the commit)
+            os.rename(tmp, final)
+            if self.url:
+                self._pending = final  # replaces an older one still waiting: the newest state goes first
+                self._cv.notify_all()
 
     def _local_name(self, step: int) -> Path:
         """A directory no earlier save used: a re-save of a step (a periodic save at the last step, then close()'s;
@@ -524,15 +531,20 @@ class Checkpointer:
                     self._cv.wait()
                 local, self._pending = self._pending, None
                 self._uploading = local
-            self._upload(local)
-            with self._cv:
-                self._uploading = None
-                self._cv.notify_all()
+            try:
+                self._upload(local)
+            except Exception as e:  # noqa: BLE001 - the uploader never dies: the next checkpoint is tried
+                self._upload_error = f"{type(e).__name__}: {e}"
+                self._log(f"checkpoint {local.name} NOT committed: {self._upload_error}")
+            finally:
+                with self._cv:
+                    self._uploading = None
+                    self._cv.notify_all()
 
     def _upload(self, local: Path) -> None:
         t0 = time.monotonic()
-        meta = json.loads((local / "meta.json").read_text())
         try:
+            meta = json.loads((local / "meta.json").read_text())
             self._open_store()
             fault = None
             if self._fault == f"kill-during-upload:{meta['step']}":
@@ -566,11 +578,12 @@ class Checkpointer:
     def _prune_local(self) -> None:
         """Local checkpoints: keep the one uploading, the one waiting, and the newest committed; without a
         store, only the newest. Superseded uncommitted ones go, so a long store outage cannot fill the disk."""
-        with self._cv:
+        with self._cv:  # what to keep and what there is, seen at one moment (_publish)
             keep = {p.name for p in (self._pending, self._uploading) if p is not None}
             if self._last_commit_local:
                 keep.add(self._last_commit_local)
-        local = sorted((p for p in self.local_dir.glob("ckpt-*") if ckpt_key(p.name)), key=lambda p: ckpt_key(p.name))
+            local = sorted((p for p in self.local_dir.glob("ckpt-*") if ckpt_key(p.name)),
+                           key=lambda p: ckpt_key(p.name))
         if not self.url and local:
             keep = {local[-1].name}
         for p in local:
