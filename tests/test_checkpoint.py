@@ -30,6 +30,9 @@ from appliance.store.objects import StoreCreds, slo_etag
 from appliance import flows, sites
 from appliance.spec import load_spec
 from appliance.flows import run_job as train
+from click.testing import CliRunner
+
+from appliance.cli import main as cli_main
 from conftest import ROOT, NETNS_OK
 from faultproxy import FaultProxy
 
@@ -708,11 +711,15 @@ def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_
 
 
 @pytest.mark.slow
-def test_hosts_taken_at_the_lease_end_the_run_fails_over_to_the_alternative_node_type(cloud, reference_long, tmp_path):
-    """Another project's reservations hold every compute_local host at the lease end (the two the run does not use
-    from now on, the run's own two from its end on): the new lease of 2 x compute_local is refused (Blazar's
-    NotEnoughHostsAvailable), and the run goes on on its spec's alternative, gpu_local, from the very step it
-    stopped at; the refusal is on the timeline; the final weights are the uninterrupted run's."""
+def test_hosts_taken_at_lease_ends_the_run_fails_over_then_waits_for_the_next_free_slot(cloud, reference_long,
+                                                                                       tmp_path, monkeypatch):
+    """Other projects' reservations take the hosts at two lease ends. At the first, every compute_local host is held
+    (the two the run does not use from now on, the run's own two from its end on): the new lease is refused
+    (Blazar's NotEnoughHostsAvailable) and the run goes on on its spec's alternative, gpu_local. At the second, the
+    gpu_local hosts are held too, for 30 minutes from the end: the run reads Blazar's host allocations, books the
+    earliest slot (gpu_local, when that reservation ends), says how long the wait is, and waits for it; the cloud's
+    clock gets there and the run goes on. Each from the very step it stopped at; the final weights are the
+    uninterrupted run's."""
     import datetime as dt
     import subprocess
     import sys
@@ -720,40 +727,62 @@ def test_hosts_taken_at_the_lease_end_the_run_fails_over_to_the_alternative_node
     from appliance.cluster import find_cluster
     from appliance.flows import managed
 
+    monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "1")
     spec_path = digits_spec(tmp_path, "ckalt", url="swift://ckpts/", every=50, epochs=LONG,
                             extra="lease: {duration: 1h, stop_margin: 60s}\n")
     Path(spec_path).write_text(Path(spec_path).read_text().replace(
         "nodes: {count: 2, node_type: compute_local, slots: 1}",
         "nodes: {count: 2, node_type: compute_local, slots: 1, alternatives: [gpu_local]}"))
     site = sites.open_site("local")
+    c = site.cloud
     cs = CheckpointStore("swift://ckpts/", "ckalt", site.store_creds())
     p = subprocess.run([sys.executable, "-m", "appliance.cli", "run", spec_path, "--json"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     reader = managed._control_of("ckalt", None, "local", None)
     state = lambda: managed.read_timeline(reader) or {}  # noqa: E731
+    events = lambda kind: [e for e in state().get("events", []) if e["event"] == kind]  # noqa: E731
     others = []
+
+    def someone_else(node_type: str, start, hours: float) -> None:
+        others.append(c.create_lease(f"someone-else-{len(others)}", node_type, 2, dt.timedelta(hours=hours),
+                                     start=start).id)
+
+    def just_after(cl):
+        return c.get_lease(cl.lease_id).end.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
+
     try:
         cl = wait_for("the first commit", lambda: cs.committed() and find_cluster("ckalt"))
-        c = site.cloud
-        end = c.get_lease(cl.lease_id).end
-        others.append(c.create_lease("someone-else-now", "compute_local", 2, dt.timedelta(hours=3)).id)
-        after = end.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
-        others.append(c.create_lease("someone-else-after", "compute_local", 2, dt.timedelta(hours=3), start=after).id)
+        someone_else("compute_local", None, 3)  # the two idle ones, now
+        someone_else("compute_local", just_after(cl), 3)  # the run's own two, from its end
         localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45})
+        stopped = wait_for("the job on gpu_local to commit", lambda: (j := events("job"))[1:] and
+                           j[-1]["node_type"] == "gpu_local" and cs.committed()[0].step > events("job end")[0]["step"]
+                           and find_cluster("ckalt"))
+        someone_else("gpu_local", just_after(stopped), 0.5)  # the run's gpu hosts, for 30 minutes from its end
+        localcloud.admin("POST", "/advance", {"seconds": lease_left(stopped) - 45})
+        waiting = wait_for("the wait for a slot", lambda: events("waiting for hosts"))[0]
+        assert waiting["node_type"] == "gpu_local" and 30 * 60 <= waiting["wait_s"] <= 35 * 60, waiting
+        start = dt.datetime.fromisoformat(waiting["start"].replace("Z", ""))
+        localcloud.admin("POST", "/advance", {"seconds": (start - c.now()).total_seconds() + 5})
         final = wait_for("the run to finish", lambda: (s := state()).get("status") in ("finished", "failed", "stopped",
                                                                                       "parked") and s)
         assert final["status"] == "finished", final["events"][-5:]
         ev = final["events"]
-        assert [e["node_type"] for e in ev if e["event"] == "no hosts"] == ["compute_local"]
-        assert [e["node_type"] for e in ev if e["event"] == "job"] == ["compute_local", "gpu_local"]
+        assert [e["node_type"] for e in ev if e["event"] == "no hosts"] == ["compute_local", "compute_local",
+                                                                             "gpu_local"]
+        assert [e["node_type"] for e in ev if e["event"] == "job"] == ["compute_local", "gpu_local", "gpu_local"]
+        assert [e["node_type"] for e in ev if e["event"] == "hosts free"] == ["gpu_local"]
         rec = runs.load("ckalt")
         jobs = rec["jobs"]
-        assert [j["status"] for j in jobs] == ["stopped", "complete"] and jobs[1]["first_step"] == jobs[0]["last_step"]
+        assert [j["status"] for j in jobs] == ["stopped", "stopped", "complete"]
+        assert all(b["first_step"] == a["last_step"] for a, b in zip(jobs, jobs[1:]))  # 0 steps lost
         assert _job_sha("ckalt", jobs[-1]["job_id"]) == reference_long
+        shown = CliRunner().invoke(cli_main, ["runs", "ckalt"]).output
+        assert "no hosts free now: gpu_local booked from" in shown and "gpu_local free after" in shown, shown
     finally:
         for lid in others:
-            site.cloud.delete_lease(lid)
+            c.delete_lease(lid)
         flows.down("ckalt")
 
 
