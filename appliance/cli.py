@@ -663,9 +663,11 @@ def run_cmd(spec, max_restarts, foreground, as_json):
        and its dataset staged; or, when the run has committed work, a resume
     2. the job; before the lease ends it stops after a step with a committed checkpoint
     3. the cluster goes, a new lease and servers come up, the checkpoint is staged, and
-       the job continues (bit-exact on the same world size); again at every lease end
+       the job continues (bit-exact on the same world size); again at every lease end.
+       With lease.overlap the next cluster is booted while the job trains (no boot in
+       the downtime); without hosts, nodes.alternatives or the next free slot
     The run stops when a job finishes (exit 0), fails for another reason (after
-    --max-restarts resumes of it), or is cancelled.
+    --max-restarts resumes of it), or is cancelled. docs/managed.md says more.
 
     \b
     The run's controller is a process of its own, started here: this command returns
@@ -967,7 +969,7 @@ def runs_cmd(run, plot_png, url, cloud_kind, site, as_json):
             raise ApplianceError(f"no record of run {run!r} on this machine",
                                  "`appliance runs` lists the runs; `--url URL` reads a managed run's from its store")
         if as_json:
-            _json_out({**(d or {"run": run}), **({"managed": tl} if tl is not None else {})})
+            _json_out({**(d or {"run": run}), **({"timeline": tl} if tl is not None else {})})
             return
         for line in format_timeline(tl) if tl is not None else []:
             click.echo(line)

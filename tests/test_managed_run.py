@@ -196,7 +196,7 @@ def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path):
     assert "handover: 10.4s to the first step: lease 1.5s, boot 6.0s" in r.output
     c.close("finished")
     r = CliRunner().invoke(main, ["runs", "mc", "--json"])
-    tl = json.loads(r.output)["managed"]
+    tl = json.loads(r.output)["timeline"]
     assert tl["status"] == "finished" and not tl["controller_alive"]
     assert [e["event"] for e in tl["events"]] == ["controller", "job", "job end", "downtime", "end"]
 

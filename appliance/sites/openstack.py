@@ -149,9 +149,9 @@ def explain_blazar(e: Exception, *, node_type: str = "", count: int = 0, end: st
     if "not enough hosts" in low or "notenoughhosts" in low:
         what = f"{count} x {node_type}" if node_type else "the reserved hosts"
         return NoHosts(f"not enough hosts available for {what} in that window (Blazar: {msg.strip()})",
-                              "ask for fewer nodes or a later start, or see the site's host calendar "
-                              "(Reservations > Host Calendar); an extension fails this way when someone "
-                              "booked your hosts after your end")
+                       "ask for fewer nodes or a later start, or see the site's host calendar "
+                       "(Reservations > Host Calendar); an extension fails this way when someone "
+                       "booked your hosts after your end")
     if "within" in low and ("extend" in low or "window" in low) or "updatewindow" in low:
         return ApplianceError(f"Chameleon allows an extension only within 48 h of the lease end (Blazar: {msg.strip()})",
                               f"extend after {end} (UTC)" if end else "extend later, within 48 h of the end")
