@@ -340,33 +340,31 @@ def test_a_refused_booking_leaves_nothing_and_the_handover_is_cold(tmp_path):
     lifecycle.down("mi", site=site)
 
 
-def test_at_the_lease_end_the_run_goes_on_on_the_warm_cluster_and_the_old_one_goes(scripted, monkeypatch, said):
-    """The handover's decisions: a next cluster that is ready is resumed on by name (no new lease); the old cluster
-    goes; the downtime is on the timeline as warm. One that is not (None) falls back to a new lease."""
+def _handover_with(monkeypatch, scripted, ready: bool):
+    """The run's first job ends with its lease while a stand-in Warm made (``ready``) or failed to make the next
+    cluster; returns (result, resumes asked, clusters taken down, whether the Warm was abandoned)."""
     from types import SimpleNamespace
 
     from appliance.provision import lifecycle
 
-    downs = []
+    downs, abandoned = [], []
     monkeypatch.setattr(lifecycle, "down", lambda name, site=None: downs.append(name))
     monkeypatch.setattr(managed, "find_cluster", lambda name: SimpleNamespace(name=name))
-    made = []
 
-    class Ready:  # a Warm whose cluster is up and staged
+    class StandIn:  # a Warm whose cluster is up and staged, or whose booking Blazar refused
         def __init__(self, ctx, current, record, stage, poll):
             self.name = f"{ctx.spec.name}-h"
-            made.append(self)
 
         def start(self):
             return self
 
         def ready(self):
-            return SimpleNamespace(name=self.name)
+            return SimpleNamespace(name=self.name) if ready else None
 
         def abandon(self):
-            pass
+            abandoned.append(True)
 
-    monkeypatch.setattr(managed, "Warm", Ready)
+    monkeypatch.setattr(managed, "Warm", StandIn)
     monkeypatch.setattr(managed, "duration_seconds", lambda v: 1800)
     stop = {"step": 40, "reason": "lease end (vendordata)", "committed": True}
     first = _job(EXIT_STOPPED, lease_end=True, stopped=stop)
@@ -376,43 +374,21 @@ def test_at_the_lease_end_the_run_goes_on_on_the_warm_cluster_and_the_old_one_go
         return first
 
     res, asked = scripted(first_job, _job(0))
+    return res, asked, downs, bool(abandoned)
+
+
+def test_at_the_lease_end_the_run_goes_on_on_the_warm_cluster_and_the_old_one_goes(scripted, monkeypatch, said):
+    """The handover's decisions: a next cluster that is ready is resumed on by name (no new lease); the old cluster
+    goes; the downtime is on the timeline as warm. One that is not (None) falls back to a new lease."""
+    res, asked, downs, _ = _handover_with(monkeypatch, scripted, ready=True)
     assert res.exit_code == 0 and [{k: v for k, v in kw.items() if k not in ("spec_path", "out")} for kw in asked] \
         == [{"cluster_name": "mr-h"}] and downs == ["mr"]
     assert any("goes on on mr-h, up and staged already" in m for m in said)
 
 
 def test_with_no_next_cluster_ready_the_handover_is_cold_and_what_was_made_goes(scripted, monkeypatch, said):
-    from types import SimpleNamespace
-
-    from appliance.provision import lifecycle
-
-    monkeypatch.setattr(lifecycle, "down", lambda name, site=None: None)
-    abandoned = []
-
-    class Failed:  # a Warm whose booking Blazar refused (or whose cluster failed)
-        def __init__(self, ctx, current, record, stage, poll):
-            pass
-
-        def start(self):
-            return self
-
-        def ready(self):
-            return None
-
-        def abandon(self):
-            abandoned.append(True)
-
-    monkeypatch.setattr(managed, "Warm", Failed)
-    monkeypatch.setattr(managed, "duration_seconds", lambda v: 1800)
-    stop = {"step": 40, "reason": "lease end (vendordata)", "committed": True}
-    first = _job(EXIT_STOPPED, lease_end=True, stopped=stop)
-
-    def first_job(self):
-        self.job_started(SimpleNamespace(name="mr", lease_id="L1", lease_end_at=object()))
-        return first
-
-    res, asked = scripted(first_job, _job(0))
-    assert res.exit_code == 0 and [kw.get("new_lease") for kw in asked] == [True] and abandoned == [True]
+    res, asked, _, abandoned = _handover_with(monkeypatch, scripted, ready=False)
+    assert res.exit_code == 0 and [kw.get("new_lease") for kw in asked] == [True] and abandoned
     assert any("goes on on a new lease" in m for m in said)
 
 
