@@ -604,7 +604,11 @@ def train_cmd(spec, cluster, as_json):
 @click.option("-n", "--lines", default=50, show_default=True, type=click.IntRange(min=0), help="Show the last N lines first (0: all of them).")
 @click.option("-f", "--follow", is_flag=True, help="Keep showing new lines until the job ends (Ctrl-C stops "
               "following, not the job).")
-def logs_cmd(run, cluster, lines, follow):
+@click.option("--url", default=None, help="A managed run's checkpoint URL: its output from the store, from any "
+              "machine.")
+@_cloud_opt
+@_site_opt
+def logs_cmd(run, cluster, lines, follow, url, cloud_kind, site):
     """The output of RUN's newest job, read from the head node.
 
     \b
@@ -617,12 +621,15 @@ def logs_cmd(run, cluster, lines, follow):
     Lines are shown as `appliance train` shows them ([rank|host] text); the
     last line says whether the job still runs, or its exit code. When the head
     node is gone (the lease ended, `appliance down`), this machine's copy of what
-    `appliance train` showed is shown instead, and says so.
+    `appliance train` showed is shown instead, and says so. A managed run
+    (`appliance run`) keeps its newest job's output in its store as well:
+      appliance logs RUN --url swift://ckpts/ -f   # from any machine
     """
     from . import flows
 
     try:
-        flows.logs(run, cluster, lines=lines, follow=follow, out=click.echo)
+        flows.logs(run, cluster, lines=lines, follow=follow, out=click.echo, url=url,
+                   cloud=cloud_kind or _default_cloud(), site_name=site)
     except KeyboardInterrupt:
         click.echo("stopped following; the job goes on", err=True)
 
@@ -1029,7 +1036,7 @@ def format_timeline(tl: dict) -> list[str]:
     c = tl.get("controller") or {}
     alive = (f"alive on {c.get('host')} pid {c.get('pid')} (heartbeat {tl.get('controller_heartbeat_age_s')}s ago)"
              if tl.get("controller_alive") else f"not running (last: {c.get('host')} pid {c.get('pid')})")
-    out = [f"managed run {tl.get('run')}: {tl.get('status')}; controller {alive}"]
+    out = [f"managed run {tl.get('run')}: {tl.get('status')}; controller {alive}", *format_progress(tl)]
     for e in tl.get("events") or []:
         kind = e.get("event")
         if kind == "job":
@@ -1053,9 +1060,31 @@ def format_timeline(tl: dict) -> list[str]:
                        f"{e.get('wait_s', 0) / 60:.0f} min")
         elif kind == "hosts free":
             out.append(f"  {at(e['at'])} {e.get('node_type')} free after {e.get('waited_s')} s")
-        elif kind in ("next lease", "next cluster ready", "next cluster failed", "no hosts", "parked", "stuck"):
+        elif kind == "lease extended":
+            out.append(f"  {at(e['at'])} lease {str(e.get('lease_id'))[:8]} extended to {str(e.get('end'))[:16]}")
+        elif kind in ("next lease", "next cluster ready", "next cluster failed", "no hosts", "parked", "stuck",
+                      "extend refused", "no next lease", "limit"):
             detail = e.get("node_type") or e.get("error") or e.get("reason") or e.get("cluster") or ""
             out.append(f"  {at(e['at'])} {kind}" + (f": {detail}" if detail else ""))
+    return out
+
+
+def format_progress(tl: dict) -> list[str]:
+    """A managed run's node-hours against its limits, its steps and its estimated finish (flows/budget.py)."""
+    import datetime as dt
+
+    out, nh, est = [], tl.get("node_hours") or {}, tl.get("estimate") or {}
+    if nh:
+        limit = nh.get("limit")
+        left = f", limit {limit:g} ({max(0.0, limit - nh['spent'] - nh['booked']):.1f} left)" if limit else ""
+        out.append(f"  node-hours: {nh['spent']:.1f} spent, {nh['booked']:.1f} booked ahead{left}"
+                   + (f"; deadline {nh['deadline']} UTC" if nh.get("deadline") else ""))
+    if est.get("step") is not None:
+        of = f" of {est['total_steps']} ({100 * est['step'] / est['total_steps']:.0f}%)" if est.get("total_steps") else ""
+        eta = (f"; at {est['steps_per_s']:.2f} steps/s it should finish about "
+               f"{dt.datetime.fromtimestamp(est['eta'], dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+               f"{est['lease_ends_ahead']} lease end(s) ahead" if est.get("eta") else "")
+        out.append(f"  steps: {est['step']}{of}{eta}")
     return out
 
 

@@ -18,6 +18,7 @@ Example (examples/digits.yaml)::
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import hashlib
 import math
 import re
@@ -63,6 +64,14 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """`appliance run`: where a managed run stops, with its checkpoint, before it finishes (flows/budget.py)."""
+
+    node_hours: float | None = None  # nodes x hours of every lease the run holds (overlaps too); none past it
+    deadline: str | None = None  # "YYYY-MM-DD HH:MM" UTC: no lease of the run ends after it
+
+
+@dataclass(frozen=True)
 class Dataset:
     source: str  # swift://container/prefix, s3://bucket/prefix or file:///path
     dest: str = "data"  # directory under the node's local disk
@@ -102,6 +111,7 @@ class Spec:
     dataset: Dataset | None = None
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     notify: str | None = None  # `appliance run`: a command, or an https:// URL, told of each handover and the end
+    limits: Limits = field(default_factory=Limits)
     # Set by load_spec, not by the user:
     path: str = field(default="", metadata={"internal": True})
     digest: str = field(default="", metadata={"internal": True})
@@ -224,6 +234,20 @@ def duration_seconds(value: str) -> int:
     return _check_duration(value, "duration")
 
 
+def deadline_of(spec: Spec) -> dt.datetime | None:
+    """limits.deadline as a naive UTC datetime (Blazar's dates), or None."""
+    text = spec.limits.deadline
+    if not text:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(text.strip().removesuffix("Z").removesuffix(" UTC"))
+    except ValueError:
+        raise SpecError(f"limits.deadline: {text!r} is not a date", "write it as 'YYYY-MM-DD HH:MM' (UTC)") from None
+    if when.tzinfo is not None:
+        when = when.astimezone(dt.timezone.utc).replace(tzinfo=None)
+    return when
+
+
 def _no_control_chars(obj, where: str = "") -> None:
     """Names, paths and URLs hold no control characters (a NUL or a newline in a path is never meant)."""
     for f in dataclasses.fields(obj):
@@ -269,6 +293,11 @@ def _semantic_checks(spec: Spec) -> None:
                         "not be ready by then", "give e.g. overlap: 30m (a bare-metal boot takes 10-20 minutes), or 0s")
     if overlap >= _check_duration(spec.lease.duration, "lease.duration"):
         raise SpecError(f"lease.overlap: {spec.lease.overlap} is not shorter than lease.duration", "give e.g. 30m")
+    nh = spec.limits.node_hours
+    if nh is not None and not (math.isfinite(nh) and nh > 0):
+        raise SpecError(f"limits.node_hours: must be a positive number, got {nh}", "give e.g. node_hours: 500, or "
+                        "remove it")
+    deadline_of(spec)
     if not spec.train.command.strip():
         raise SpecError("train.command: is empty", "give the command every rank runs, e.g. python train.py")
     if spec.train.start_timeout < 1:

@@ -537,7 +537,7 @@ def lease_left(cluster) -> float:
     return (info.end - prof.cloud.now()).total_seconds()
 
 
-def wait_for(what: str, cond, timeout: float = 300.0):
+def wait_for(what: str, cond, timeout: float = 300.0, every: float = 1.0):
     """Poll ``cond`` until it returns something true (a condition of the run, read from the store and the records;
     nothing here waits for a time to pass)."""
     end = time.monotonic() + timeout
@@ -545,7 +545,7 @@ def wait_for(what: str, cond, timeout: float = 300.0):
         got = cond()
         if got:
             return got
-        time.sleep(1.0)  # the poll's period
+        time.sleep(every)  # the poll's period
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
@@ -579,7 +579,7 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
     from appliance.cluster import find_cluster
     from appliance.flows import managed
 
-    monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "1")  # the controller looks at the next lease every second
+    monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "0.5")  # the controller looks at the next lease twice a second
     spec_path = digits_spec(tmp_path, "cklease", url="swift://ckpts/", every=50, epochs=LONG,
                             extra="lease: {duration: 1h, stop_margin: 60s, overlap: 15m}\n")
     shell = subprocess.Popen(["bash", "-c", f"{sys.executable} -m appliance.cli run {spec_path}; sleep 600"],
@@ -595,18 +595,20 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
     try:
         stopped_at = 0
         for lease in (1, 2):
-            # the job of this lease has committed past where the last one stopped (at a random one of its commits)
-            target = stopped_at + 50 * random.randint(1, 3)
+            # the job of this lease has committed past where the last one stopped (at a random one of its first
+            # commits: the training is 660 steps, ~20 s here, and each lease end takes a few seconds of polls)
+            target = stopped_at + 50 * random.randint(1, 3 - lease)
 
             def committed_here():
                 jobs = events("job")
                 done = cs.committed()
                 return len(jobs) == lease and done and done[0].step >= target and find_cluster(jobs[-1]["cluster"])
 
-            cl = wait_for(f"a commit at step >= {target} on lease {lease}", committed_here)
+            cl = wait_for(f"a commit at step >= {target} on lease {lease}", committed_here, every=0.2)
             # 14 minutes before its end: the next lease has started; its cluster is made while the job trains
             localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 14 * 60})
-            wait_for(f"the next cluster of lease {lease}", lambda: len(events("next cluster ready")) == lease)
+            wait_for(f"the next cluster of lease {lease}", lambda: len(events("next cluster ready")) == lease,
+                     every=0.2)
             localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45})  # then the end comes
             ended = wait_for(f"the job of lease {lease} to stop for its end",
                              lambda: [e for e in events("job end") if e["lease_end"]][lease - 1:])
@@ -641,6 +643,14 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
             assert not bad, (bad, b)
             assert b["restore"] > 0, b
             assert abs(sum(v for k, v in b.items() if k != "total" and v is not None) - b["total"]) < 0.1, b
+        # what `appliance runs` shows of it: each lease counted (the first two deleted at their handovers), and the
+        # newest step of the training's total
+        leases = final["leases"]
+        assert set(leases) == {j["lease_id"] for j in jobs} and sum(e["closed"] for e in leases.values()) == 2, leases
+        assert final["node_hours"]["spent"] > 0 and final["estimate"]["step"] == final["estimate"]["total_steps"]
+        shown = []  # `appliance logs RUN --url`: the last job's output, from the store (as on any other machine)
+        assert managed.store_logs("cklease", url="swift://ckpts/", lines=0, out=shown.append) == jobs[-1]["job_id"]
+        assert any("[0|" in line for line in shown), shown[-5:]
     finally:
         pid = (state().get("controller") or {}).get("pid")
         if pid and state().get("status") not in ("finished", "failed", "stopped", "cancelled"):

@@ -98,7 +98,7 @@ def test_a_lease_error_leaves_nothing_behind(tmp_path):
 # -- the lease watchdog's decisions ------------------------------------------------------------------
 
 
-def watch(tmp_path, site, *, ends_in_s: float, lease: str):
+def watch(tmp_path, site, *, ends_in_s: float, lease: str, **kw):
     spec = spec_of(tmp_path, "fw", lease=lease)
     cloud = site.cloud
     info = cloud.create_lease("w", "compute_local", 1, dt.timedelta(seconds=ends_in_s))
@@ -110,7 +110,7 @@ def watch(tmp_path, site, *, ends_in_s: float, lease: str):
         asked.append(req)
         stopped.set()
 
-    w = LeaseWatch(spec, cl, request_stop, said.append, site=site, poll=0.01)
+    w = LeaseWatch(spec, cl, request_stop, said.append, site=site, poll=0.01, **kw)
     return w, cloud, info, asked, said, stopped
 
 
@@ -143,6 +143,45 @@ def test_the_watchdog_extends_when_the_spec_says_so_and_stops_when_it_cannot(tmp
     finally:
         w.close()
     assert any("could not extend" in m for m in said)
+
+
+def test_an_extension_made_elsewhere_renews_the_jobs_credential(tmp_path):
+    """A managed run's controller (or Horizon, or `appliance lease extend`) extends the lease: the watchdog sees the
+    later end and renews the job's store credential for it, as for its own extension (else 401 on its commits)."""
+    site, renewed = FakeSite(), []
+    got = threading.Event()
+    w, cloud, info, asked, said, stopped = watch(tmp_path, site, ends_in_s=600, lease="lease: {duration: 2h}\n",
+                                                 on_extended=lambda end: (renewed.append(end), got.set()))
+    w.start()
+    try:
+        for _ in range(10_000):  # its first read of the lease
+            if w.end_seen is not None:
+                break
+            time.sleep(0.001)
+        info.end += dt.timedelta(hours=2)
+        assert got.wait(10)
+    finally:
+        w.close()
+    assert renewed == [info.end] and any("was extended to" in m for m in said) and not stopped.is_set()
+
+
+def test_a_managed_runs_rule_caps_the_watchdogs_extension_or_refuses_it(tmp_path):
+    site = FakeSite()
+    rule = {"most": (dt.timedelta(minutes=40), "")}
+    w, cloud, info, asked, said, stopped = watch(tmp_path, site, ends_in_s=30,
+                                                 lease="lease: {duration: 1h, stop_margin: 60s, extend: true}\n",
+                                                 extend_by=lambda lid, end: rule["most"])
+    end0 = info.end
+    w.start()
+    try:
+        assert cloud.called["extend_lease"].wait(10)
+        assert info.end == end0 + dt.timedelta(minutes=40)  # cut to what the run's limits allow
+        rule["most"] = (None, "limits.node_hours 10 (10.0 spent or booked, 0.0 left)")
+        cloud.clock = info.end - dt.timedelta(seconds=30)
+        assert stopped.wait(10)
+    finally:
+        w.close()
+    assert len(cloud.verbs("extend_lease")) == 1 and any("not extending the lease (limits.node_hours" in m for m in said)
 
 
 class FakeTime:

@@ -10,7 +10,7 @@ import pytest
 
 from appliance import flows
 from appliance.checkpoint import runs
-from appliance.flows import managed
+from appliance.flows import control, managed
 from appliance.protocol import EXIT_STOPPED
 from appliance.sites import open_site
 from appliance.train.launch import JobResult
@@ -139,7 +139,7 @@ def test_a_second_controller_of_a_run_is_refused_and_a_dead_ones_lock_is_taken_o
         managed.Control(spec, None).take()
     assert "appliance cancel mc" in e.value.fix
     # the first controller's process is gone (kill -9): on its own machine its lock is not waited on
-    monkeypatch.setattr(managed, "gone_here", lambda cid: cid == first.id)
+    monkeypatch.setattr(control, "gone_here", lambda cid: cid == first.id)
     third = managed.Control(spec, None)
     third.take()
     kinds = [(e["event"], e.get("took_over")) for e in third.state["events"]]
@@ -188,17 +188,24 @@ def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path):
     hook.finish(JobResult(job_id="j1", exit_code=75, world_size=2, rank_hosts=["n1", "n2"], lease_end=True,
                           stopped={"step": 242, "reason": "lease end (vendordata)", "committed": True}))
     c.record("downtime", job_id="j2", breakdown={"lease": 1.5, "boot": 6.0, "total": 10.4})
+    c.update(node_hours={"spent": 8.25, "booked": 4.0, "limit": 20.0, "deadline": "2026-12-24 12:00"},
+             estimate={"step": 242, "total_steps": 1000, "steps_per_s": 0.5, "eta": 1796000000, "lease_ends_ahead": 2})
+    c.record("lease extended", lease_id="L1", end="2026-12-01T14:00:00Z")
     r = CliRunner().invoke(main, ["runs", "mc"])
     assert r.exit_code == 0, r.output
     assert "managed run mc: running; controller alive on" in r.output
     assert "job j1 started on 2 compute_local at local (n1, n2), lease L1 ends 2026-12-01 10:00" in r.output
     assert "job j1 ended at step 242, for the lease end" in r.output
     assert "handover: 10.4s to the first step: lease 1.5s, boot 6.0s" in r.output
+    assert "node-hours: 8.2 spent, 4.0 booked ahead, limit 20 (7.8 left); deadline 2026-12-24 12:00 UTC" in r.output
+    assert "steps: 242 of 1000 (24%); at 0.50 steps/s it should finish about 2026-11-30 " in r.output
+    assert "2 lease end(s) ahead" in r.output and "lease L1 extended to 2026-12-01T14:00" in r.output
     c.close("finished")
     r = CliRunner().invoke(main, ["runs", "mc", "--json"])
     tl = json.loads(r.output)["timeline"]
     assert tl["status"] == "finished" and not tl["controller_alive"]
-    assert [e["event"] for e in tl["events"]] == ["controller", "job", "job end", "downtime", "end"]
+    assert [e["event"] for e in tl["events"]] == ["controller", "job", "job end", "downtime", "lease extended", "end"]
+    assert tl["node_hours"]["limit"] == 20.0 and tl["estimate"]["total_steps"] == 1000
 
 
 def test_a_detached_controller_that_cannot_start_says_why_in_one_line(tmp_path):
@@ -352,7 +359,7 @@ def _handover_with(monkeypatch, scripted, ready: bool):
     monkeypatch.setattr(managed, "find_cluster", lambda name: SimpleNamespace(name=name))
 
     class StandIn:  # a Warm whose cluster is up and staged, or whose booking Blazar refused
-        def __init__(self, ctx, current, record, stage, poll):
+        def __init__(self, ctx, current, record, stage, poll, plan=None):
             self.name = f"{ctx.spec.name}-h"
 
         def start(self):
@@ -455,7 +462,7 @@ def no_hosts_for(tmp_path, monkeypatch):
                 raise NoHosts(f"not enough hosts available for 2 x {nt}")
             return _job(0)
         monkeypatch.setattr(flows, "resume", resume)
-        monkeypatch.setattr(managed, "wait_for_slot", lambda ctx, control, types: (looked.append(list(types)), slot)[1])
+        monkeypatch.setattr(managed, "wait_for_slot", lambda ctx, control, types, fit: (looked.append(list(types)), slot)[1])
         return flows.run_managed(str(spec)), asked, looked
     return run
 
@@ -542,3 +549,58 @@ def test_a_store_that_does_not_answer_as_a_controller_starts_is_an_error_not_an_
     monkeypatch.setattr(CheckpointStore, "read_json", real)
     events = [e["event"] for e in json.loads((tmp_path / "ck" / "ms" / "controller" / "state.json").read_text())["events"]]
     assert events == ["controller", "job", "end"]
+
+
+def test_the_newest_jobs_output_is_read_from_the_store_on_any_machine_and_followed_to_its_end(tmp_path, monkeypatch):
+    """`appliance logs RUN --url URL`: the controller ships the newest job's output (its last LOG_TAIL bytes, from
+    a whole line) to the store each poll; another machine shows its last lines, then follows it, each line once,
+    until the timeline says the job ended."""
+    spec = _spec(tmp_path, "ml")
+    c = control.Control(spec, None, poll=3600)
+    c.take()
+    runs.mark_managed(spec)
+    copy = runs.record_dir("ml") / "ml-20261129T050240-1.log"
+    copy.write_text("".join(f"[0|n1] line {i}\n" for i in range(50)))
+    monkeypatch.setattr(control, "LOG_TAIL", 200)  # the store keeps the last ~200 bytes: lines 37-49
+    c.ship_log()
+    url = f"file://{tmp_path}/ck/"
+    shown = []
+    assert managed.store_logs("ml", url=url, lines=3, out=shown.append) == "ml-20261129T050240-1"
+    assert shown[1:] == ["[0|n1] line 47", "[0|n1] line 48", "[0|n1] line 49"]
+
+    def meanwhile(_):  # the job writes on (a partial last line too), the controller ships it, then the job ends
+        with copy.open("a") as f:
+            f.write("[0|n1] line 50\n[0|n1] line 51\n[0|n1] li")
+        c.ship_log()
+        c.record("job end", job_id="ml-20261129T050240-1", exit_code=0)
+    monkeypatch.setattr(managed.time, "sleep", meanwhile)
+    shown.clear()
+    managed.store_logs("ml", url=url, lines=0, follow=True, out=shown.append)
+    first = int(shown[1].rsplit(" ", 1)[1])
+    assert 30 < first < 49 and shown[1:] == [f"[0|n1] line {i}" for i in range(first, 52)] + [
+        "[appliance] job ml-20261129T050240-1 ended (exit 0)"]
+    c.close("finished")
+
+
+def test_a_handovers_downtime_is_on_the_timeline_as_soon_as_the_new_jobs_first_step_is_done(tmp_path, monkeypatch):
+    """Not when that job ends, a lease later: the timeline and the notify hook hear of each handover while the new
+    job trains. A restart after a failure is no handover: no downtime for it."""
+    spec = _spec(tmp_path, "md")
+    stop = {"step": 40, "reason": "lease end (vendordata)", "committed": True}
+    monkeypatch.setattr(managed._Run, "first_job", lambda self: _job(EXIT_STOPPED, lease_end=True, stopped=stop))
+    seen, todo = [], [_job(3, failure="rank 1 exited with status 3"), _job(0)]
+
+    def resume(run, **kw):  # the job: its first step done, then (later) its end
+        c = kw["control"]
+        c.job_id = f"next{len(seen)}"
+        c.first_step({"total": 7.5, "stage checkpoint": 0.4})
+        seen.append([e["event"] for e in c.state["events"]])
+        res = todo.pop(0)
+        res.resume_breakdown = {"total": 7.5, "stage checkpoint": 0.4}
+        return res
+    monkeypatch.setattr(flows, "resume", resume)
+    assert flows.run_managed(spec.path, max_restarts=1).exit_code == 0
+    assert seen[0][-2:] == ["handover", "downtime"] and "downtime" not in seen[1][len(seen[0]):]
+    tl = managed.read_timeline(managed._control_of("md", None, "local", None))
+    downs = [e for e in tl["events"] if e["event"] == "downtime"]
+    assert len(downs) == 1 and downs[0]["job_id"] == "next0" and not downs[0]["warm"]

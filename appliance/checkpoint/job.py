@@ -45,8 +45,11 @@ class JobCheckpoints(JobHooks):
     """``site``: the spec's site (its store credentials, its leases); ``lease_site``: the site of the cluster's lease,
     watched while the job runs (None: a cluster without a lease). Both resolved once by the workflow (flows)."""
 
-    def __init__(self, site: Site, lease_site: Site | None = None):
+    def __init__(self, site: Site, lease_site: Site | None = None, extend_by=None, on_first_step=None):
         self.site, self.lease_site = site, lease_site
+        self.extend_by = extend_by  # a managed run's rule for the watchdog's extensions (LeaseWatch.extend_by)
+        # told (timeline, resumed) once rank 0's first step is done, in a thread of its own (a resume's downtime)
+        self.on_first_step: Callable[[dict, dict | None], None] | None = on_first_step
         self.say: Callable[[str], None] = print
         self.creds_file: str | None = None
         self._withdraw_creds: Callable[[], None] | None = None  # deletes the job's application credential
@@ -189,7 +192,7 @@ class JobCheckpoints(JobHooks):
 
             try:
                 self.watch = LeaseWatch(self.spec, self.cluster, self.request_stop, self.say, site=site,
-                                        on_extended=self.renew_creds).start()
+                                        on_extended=self.renew_creds, extend_by=self.extend_by).start()
             except ApplianceError as e:
                 self.say(f"[watchdog] not watching the lease: {e}")
         if threading.current_thread() is threading.main_thread():
@@ -289,6 +292,9 @@ class JobCheckpoints(JobHooks):
                 self.say(f"[checkpoint] training: step {body.get('step')} done, "
                          f"{self.first_step_at - (self.launched_at or self.first_step_at):.1f}s after horovodrun "
                          "started")
+                if self.on_first_step is not None:
+                    tl = {"launched": self.launched_at, "resumed": self.resumed_at, "first_step": self.first_step_at}
+                    threading.Thread(target=self.on_first_step, args=(tl, self.resumed), daemon=True).start()
             elif kind == Line.FILES:
                 body["at"] = time.time()
                 self.files.append(body)

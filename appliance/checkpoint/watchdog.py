@@ -68,9 +68,13 @@ class CloudClock:
 class LeaseWatch:
     def __init__(self, spec: Spec, cluster: Cluster, request_stop: Callable[[dict], None],
                  say: Callable[[str], None], *, site: Site, poll: float | None = None,
-                 on_extended: Callable[[dt.datetime], None] | None = None):
+                 on_extended: Callable[[dt.datetime], None] | None = None,
+                 extend_by: Callable[[str, dt.datetime], tuple[dt.timedelta | None, str]] | None = None):
         self.spec, self.cluster, self.request_stop, self.say = spec, cluster, request_stop, say
         self.on_extended = on_extended  # the lease's new end: what the job's credentials must now outlive
+        # how far it may extend the lease ending at a date, or (None, why not): a managed run's limits and handover
+        self.extend_by = extend_by
+        self.end_seen: dt.datetime | None = None  # the end of the last read: a later one is an extension
         self.site = site
         self.scale = site.time_scale()
         self.poll = poll if poll is not None else site.lease_poll
@@ -124,6 +128,9 @@ class LeaseWatch:
                 return
             if got:
                 left, end = got
+                if self.end_seen is not None and end > self.end_seen:
+                    self._extended_elsewhere(end)
+                self.end_seen = end
                 if first:
                     self.say(f"[watchdog] lease ends {end:%Y-%m-%d %H:%M} UTC, in {_human(left)} of real time; "
                              f"the job will stop {_human(self.margin())} before that")
@@ -151,23 +158,40 @@ class LeaseWatch:
     def _extend(self, end: dt.datetime) -> bool:
         # by the spec's duration, and never by less than keeps the new end clear of the next extension point
         by = dt.timedelta(seconds=max(duration_seconds(self.spec.lease.duration), 2 * self.extend_at() * self.scale))
+        if self.extend_by is not None:
+            most, why = self.extend_by(self.cluster.lease_id, end)
+            if most is None:
+                self.say(f"[watchdog] not extending the lease ({why}); the job will stop {_human(self.margin())} "
+                         "before the end")
+                return False
+            by = min(by, most)
         try:
             info = self.site.cloud.extend_lease(self.cluster.lease_id, by=by)
         except ApplianceError as e:
             self.say(f"[watchdog] could not extend the lease: {e}; the job will stop {_human(self.margin())} "
                      "before the end instead")
             return False
-        self.extended.append(f"{info.end:%Y-%m-%d %H:%M}")
-        self.cluster.lease_end = info.end.isoformat()
+        self.say(f"[watchdog] extended lease {self.cluster.lease_id} to {info.end:%Y-%m-%d %H:%M} UTC")
+        self.end_seen = info.end
+        self._new_end(info.end)
+        return True
+
+    def _extended_elsewhere(self, end: dt.datetime) -> None:
+        """The lease's end moved later by another hand (a managed run's controller, Horizon, `appliance lease
+        extend`): the job's credentials are renewed for it as for the watchdog's own extension."""
+        self.say(f"[watchdog] lease {self.cluster.lease_id} was extended to {end:%Y-%m-%d %H:%M} UTC")
+        self._new_end(end)
+
+    def _new_end(self, end: dt.datetime) -> None:
+        self.extended.append(f"{end:%Y-%m-%d %H:%M}")
+        self.cluster.lease_end = end.isoformat()
         if self.cluster.name:
             self.cluster.save()
-        self.say(f"[watchdog] extended lease {self.cluster.lease_id} to {info.end:%Y-%m-%d %H:%M} UTC")
         if self.on_extended is not None:
             try:
-                self.on_extended(info.end)
+                self.on_extended(end)
             except Exception as e:  # noqa: BLE001 - the job runs on with the credential it has
                 self.say(f"[watchdog] warning: the job's store credential was not renewed for the new end ({e})")
-        return True
 
 
 def _human(s: float) -> str:

@@ -12,6 +12,7 @@ import functools
 import json
 import socket
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -229,12 +230,15 @@ def data_remove(url: str, *, cloud: str, site_name: str | None = None) -> int:
 # -- training -------------------------------------------------------------------------------------
 
 
-def run_job(spec: Spec, cluster: Cluster, *, run: RunContext | None = None, control=None, **kw) -> JobResult:
+def run_job(spec: Spec, cluster: Cluster, *, run: RunContext | None = None, control=None, on_first_step=None,
+            **kw) -> JobResult:
     """A training job with the appliance's hooks: checkpoints (settings, credentials file, lease watchdog, rank 0's
     reports) and the run record. ``run``: the command's context, when it has one already; ``control``: the managed
-    run's controller (managed.Control: the job on its timeline, and stopped by a cancel)."""
+    run's controller (managed.Control: the job on its timeline, and stopped by a cancel); ``on_first_step``: told
+    the job's timeline once its first step is done (JobCheckpoints)."""
     run = run or RunContext.of(spec)
-    ck = JobCheckpoints(run.site, run.lease_site(cluster))
+    ck = JobCheckpoints(run.site, run.lease_site(cluster), extend_by=control.extend_by if control else None,
+                        on_first_step=on_first_step)
     hooks = [ck, RunRecords()] + ([control.hook(ck.user_stop)] if control is not None else [])
     return train(spec, cluster, hooks=hooks, **kw)
 
@@ -252,16 +256,24 @@ def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[s
 
 
 def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: bool = False,
-         out: Callable[[str], None] = print) -> str:
+         out: Callable[[str], None] = print, url: str | None = None, cloud: str = "local",
+         site_name: str | None = None) -> str:
     """`appliance logs RUN`: the run's newest job's output, from the head node of ``cluster_name`` (default: the
-    cluster of the run's record, then the run's own cluster). Returns the job id."""
+    cluster of the run's record, then the run's own cluster); ``url``: from the run's store, as its controller
+    shipped it (any machine). Returns the job id."""
     from ..checkpoint import runs
+
+    if url is not None:
+        from .managed import store_logs
+
+        return store_logs(run, url=url, cloud=cloud, site_name=site_name, lines=lines, follow=follow, out=out)
 
     name = cluster_name or (runs.load(run) or {}).get("cluster") or (run if find_cluster(run) else None)
     copies = sorted((paths.home() / "runs" / run).glob(f"{run}-*.log"), key=lambda p: p.stat().st_mtime)
     if name is None and not copies:
         raise ApplianceError(f"no record of run {run!r} on this machine and no cluster named {run!r}",
-                             "name the cluster: `appliance logs RUN --cluster NAME` (`appliance status` lists them)")
+                             "name the cluster: `appliance logs RUN --cluster NAME` (`appliance status` lists them), or "
+                             "a managed run's store: `appliance logs RUN --url URL`")
     why = f"no cluster of run {run!r} on this machine"
     if name is not None:
         try:
@@ -282,19 +294,23 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
            url: str | None = None, cloud: str = "local", site_name: str | None = None, new_lease: bool = False,
-           out: Callable[[str], None] | None = None, control=None, node_type: str | None = None) -> JobResult | None:
+           out: Callable[[str], None] | None = None, control=None, node_type: str | None = None,
+           lease_duration: str | None = None) -> JobResult | None:
     """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
     new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
     what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete.
     ``new_lease``: the run's own cluster goes first (its lease ends: run_managed), and a new lease is made;
     ``control``: the managed run's controller (run_job); ``node_type``: a new lease's, instead of the spec's (a
-    managed run's alternative, nodes.alternatives)."""
+    managed run's alternative, nodes.alternatives); ``lease_duration``: a new lease's, instead of the spec's (a
+    managed run's, cut to its limits)."""
     t = {"start": time.time()}  # the resume's downtime, phase by phase (resume_breakdown)
     spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
         spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
     if node_type is not None and node_type != spec.nodes.node_type:
         spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, node_type=node_type))
+    if lease_duration is not None:
+        spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=lease_duration))
     ctx = RunContext.of(spec)
     ck = _resume_point(ctx)
     if ck is _COMPLETE:
@@ -306,17 +322,25 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
     if spec.dataset is not None:
         stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
     t["data staged"] = time.time()
+    early: dict = {}
+
+    def first(timeline: dict, resumed: dict | None) -> None:
+        # the downtime as soon as the job's first step is done: a managed run's timeline and notify hook hear it
+        # then, not when the job ends, which may be a lease later
+        early["breakdown"] = resume_breakdown(t, up_phases, types.SimpleNamespace(timeline=timeline, resumed=resumed))
+        if control is not None:
+            control.first_step(early["breakdown"])
     if ck is None:
         # a resume of the files only: no checkpoint to restore
-        res = run_job(spec, cluster, run=ctx, out=out, restore="", control=control)
+        res = run_job(spec, cluster, run=ctx, out=out, restore="", control=control, on_first_step=first)
     else:
         rel = f"appliance/runs/{run}/restore/{ck.name}"
         stage_to_nodes(ctx, cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
                        out=out)
         t["checkpoint staged"] = time.time()
         res = run_job(spec, cluster, run=ctx, out=out, restore=f"{cluster.head.workdir}/{rel}",
-                      control=control)
-    res.resume_breakdown = resume_breakdown(t, up_phases, res)
+                      control=control, on_first_step=first)
+    res.resume_breakdown = early.get("breakdown") or resume_breakdown(t, up_phases, res)
     record_resume(run, res.job_id, res.resume_breakdown)
     return res
 

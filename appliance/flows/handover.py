@@ -42,9 +42,11 @@ class Warm:
     ``record``: the controller's timeline (Control.record); ``stage``: flows.stage_to_nodes; ``up``: lifecycle.up
     (the fast tests pass one that boots nothing)."""
 
-    def __init__(self, ctx, current: Cluster, record, stage, poll: float, up=lifecycle.up):
+    def __init__(self, ctx, current: Cluster, record, stage, poll: float, up=lifecycle.up, plan=None):
         self.ctx, self.current, self.record, self.stage, self.poll = ctx, current, record, stage, poll
         self.up = up
+        self.plan = plan  # the run's limits (managed._Run: lease_length, extend_by); None: none
+        self.end = current.lease_end_at  # the current lease's end (later once extended)
         self.name = other_name(ctx.spec.name, current.name)
         self.spec = dataclasses.replace(ctx.spec, name=self.name)
         self.cluster: Cluster | None = None
@@ -58,8 +60,7 @@ class Warm:
 
     def _start_date(self) -> dt.datetime | None:
         """The current lease's end less the overlap, by the cloud's clock; None (now) when that has passed."""
-        end = self.current.lease_end_at
-        start = end - dt.timedelta(seconds=duration_seconds(self.spec.lease.overlap))
+        start = self.end - dt.timedelta(seconds=duration_seconds(self.spec.lease.overlap))
         now = self.ctx.site.cloud.now()
         # Blazar dates are minutes (blazar/manager/service.py LEASE_DATE_FORMAT), and a start before now is refused
         return None if start <= now + dt.timedelta(minutes=1) else start
@@ -69,7 +70,16 @@ class Warm:
         try:
             if find_cluster(self.name) is not None:  # left by a controller that was killed: it goes, then afresh
                 lifecycle.down(self.name, site)
+            if spec.lease.extend and self.plan is not None and not self._extend():
+                return  # stopped while it waited to extend
             start = self._start_date()
+            if self.plan is not None:
+                length, why = self.plan.lease_length(start)
+                if length is None:
+                    self.record("no next lease", cluster=self.name, reason=why)
+                    log.info(f"[run] no next lease is booked: the run has reached {why}")
+                    return
+                spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=f"{length // 60}m"))
             booked = lifecycle.book(site, spec, start)
             self.record("next lease", cluster=self.name, lease_id=booked.lease_id,
                         start=start.isoformat() + "Z" if start else "now")
@@ -94,6 +104,39 @@ class Warm:
             log.info(f"[run] the next cluster was not made ({why}); the handover at the lease end will be cold")
             self.record("next cluster failed", cluster=self.name, error=why[:300])
 
+    def _extend(self) -> bool:
+        """lease.extend: the current lease is extended first, shortly before the next lease would be booked (an
+        extension needs no second cluster and no handover); each extension moves the end, and the next try waits
+        for it. Refused (Blazar: the hosts are reserved after the end, outside the 48 h window, the 7-day cap; or
+        the run's limits), the next lease is booked. False: stopped meanwhile."""
+        site, lid = self.ctx.site, self.current.lease_id
+        # tried this long before the next lease's start: time to book it ahead once refused (Blazar takes whole
+        # minutes and refuses a start in the past), and two polls for the controller to see the moment
+        ahead = dt.timedelta(seconds=duration_seconds(self.spec.lease.overlap)
+                             + max(300.0, 2 * self.poll * site.time_scale()))
+        while not self._stop.is_set():
+            info = site.cloud.get_lease(lid)
+            if info is None or info.status in ("ERROR", "TERMINATED", "DELETED"):
+                raise ApplianceError(f"the current lease {lid} is {info.status if info else 'gone'}")
+            self.end = info.end
+            if site.cloud.now() < info.end - ahead:
+                self._stop.wait(self.poll)
+                continue
+            most, why = self.plan.extend_by(lid, info.end, warm=True)  # the run's limits: at most this far
+            by = min(dt.timedelta(seconds=duration_seconds(self.spec.lease.duration)), most) if most else None
+            if by is not None:
+                try:
+                    new = site.cloud.extend_lease(lid, by=by)
+                except ApplianceError as e:
+                    by, why = None, e.message
+            if by is None:
+                self.record("extend refused", lease_id=lid, reason=why[:300])
+                log.info(f"[run] lease {lid} was not extended ({why}): the next lease is booked")
+                return True
+            self.record("lease extended", lease_id=lid, end=new.end.isoformat() + "Z")
+            log.info(f"[run] extended lease {lid} to {new.end:%Y-%m-%d %H:%M} UTC")
+        return False
+
     def ready(self) -> Cluster | None:
         """The next cluster once it is made (waits for it: its boot is shorter than a cold one from now), or None."""
         self._thread.join()
@@ -108,15 +151,16 @@ class Warm:
             lifecycle.down(self.name, self.ctx.site)
 
 
-def wait_for_slot(ctx, control, types: list[str]) -> str | None:
+def wait_for_slot(ctx, control, types: list[str], fit=None) -> str | None:
     """No node type has hosts free now: the earliest slot of any of ``types`` (Blazar's host allocations:
     sites/slots.py), if it starts within lease.wait, is booked under the run's name and waited for. Returns the node
     type whose lease has started (`up` of the run goes on on it), or None: no slot within the wait, or the run was
-    cancelled meanwhile (what was booked goes)."""
+    cancelled meanwhile (what was booked goes). ``fit(start)``: the longest lease the run's limits allow from
+    then, in seconds (None: none)."""
     spec, site = ctx.spec, ctx.site
     c = site.cloud
     now = c.now()
-    length = dt.timedelta(seconds=duration_seconds(spec.lease.duration))
+    length = dt.timedelta(seconds=(fit(None) if fit else None) or duration_seconds(spec.lease.duration))
     slots = sorted((s, nt) for nt in types if (s := c.next_slot(nt, spec.nodes.count, length, now)) is not None)
     limit = now + dt.timedelta(seconds=duration_seconds(spec.lease.wait))
     if not slots or slots[0][0] > limit:
@@ -127,7 +171,16 @@ def wait_for_slot(ctx, control, types: list[str]) -> str | None:
                  f"{spec.path}` continues it, or give a longer lease.wait or more nodes.alternatives)")
         return None
     start, nt = slots[0]
-    booked = lifecycle.book(site, dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, node_type=nt)),
+    fits = fit(start) if fit else None
+    if fit and fits is None:
+        control.record("parked", reason=f"the first slot, {nt} at {start:%Y-%m-%d %H:%M} UTC, is past the run's limits")
+        log.info(f"[run] error: the first free slot, {spec.nodes.count} x {nt} at {start:%Y-%m-%d %H:%M} UTC, leaves "
+                 f"no lease within the run's limits (fix: the run is parked with its checkpoint; raise the limits "
+                 f"in {spec.path}, then `appliance run {spec.path}` continues it)")
+        return None
+    lease = dataclasses.replace(spec.lease, duration=f"{fits // 60}m") if fits else spec.lease
+    booked = lifecycle.book(site, dataclasses.replace(spec, lease=lease,
+                                                      nodes=dataclasses.replace(spec.nodes, node_type=nt)),
                             start if start > now + dt.timedelta(minutes=1) else None)
     wait_s = max(0.0, (start - now).total_seconds())
     control.record("waiting for hosts", node_type=nt, lease_id=booked.lease_id, start=start.isoformat() + "Z",

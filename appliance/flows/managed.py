@@ -21,9 +21,10 @@ ends today.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import json
 import os
-import queue
 import socket
 import subprocess
 import sys
@@ -39,234 +40,21 @@ from ..cluster import Cluster, find_cluster
 from ..errors import ApplianceError, NoHosts, SpecError
 from ..provision import lifecycle
 from ..spec import Spec, duration_seconds
-from ..store.checkpoints import CheckpointStore, retrying
-from ..store.runlock import INTERVAL, TTL, RunLock
-from ..train.launch import JobContext, JobHooks, JobResult
+from ..store.checkpoints import retrying
+from ..train.launch import JobResult
+from .budget import Budget, Ledger, estimate
+from .control import CONTROL, NOTIFIED, Control, busy, gone_here  # noqa: F401 (the controller's names, here too)
 from .handover import Warm, other_name, overlap_cost, wait_for_slot
 
 log = report.get(__name__)
 
-CONTROL = "controller"  # URL/RUN/controller/
 READY_FD = "APPLIANCE_CONTROLLER_READY_FD"  # start(): the pipe the detached controller says "ready" on
-NOTIFIED = ("downtime", "next cluster failed", "no hosts", "waiting for hosts", "stuck", "cancel", "end")  # notify
 
 
 def _flows():
     from .. import flows  # the package's own verbs (run_job, resume: tests stand in for them there)
 
     return flows
-
-
-# -- the controller's record in the store -------------------------------------------------------------
-
-
-class Control:
-    """The run's controller: its lock, state and cancel request in ``URL/RUN/controller/``. ``creds``: the store
-    credentials of the run's checkpoint.url."""
-
-    def __init__(self, spec: Spec, creds, *, poll: float | None = None):
-        self.run = spec.name
-        self.cs = CheckpointStore(spec.checkpoint.url, f"{spec.name}/{CONTROL}", creds)
-        host = socket.gethostname()
-        self.id = f"{host}:{os.getpid()}:{int(time.time())}.{os.urandom(3).hex()}"  # host:pid:... (gone_here)
-        self.lock = RunLock(self.cs, self.id, cluster=host, head=str(os.getpid()),
-                            interval=float(os.environ.get("APPLIANCE_CONTROLLER_LOCK_INTERVAL") or INTERVAL),
-                            ttl=float(os.environ.get("APPLIANCE_CONTROLLER_LOCK_TTL") or TTL))
-        self.poll = poll if poll is not None else float(os.environ.get("APPLIANCE_CONTROLLER_POLL") or 15.0)
-        self.state: dict = {"run": self.run, "status": "starting", "events": []}
-        self.notify_to = spec.notify
-        self._events: queue.Queue = queue.Queue()  # for the notify hook, in order
-        self._notifier: threading.Thread | None = None
-        self.cancel: dict | None = None
-        self.lost = False  # another controller took the lock over: this one starts nothing more
-        self._stop_job: Callable[[str], None] | None = None  # the running job's stop (JobCheckpoints.user_stop)
-        self.on_job: Callable[[Cluster], None] | None = None  # told of each job's cluster as the job starts
-        self._done = threading.Event()
-        self.changed = threading.Event()  # set on a cancel: whoever waits looks again at once
-        self._mu = threading.Lock()
-        self._writing = threading.Lock()
-
-    # taking the run, and giving it back
-
-    def take(self) -> None:
-        """Hold the run's controller lock, or raise: another controller renews it."""
-        holder, stale = self.lock.acquire(tempfile.gettempdir(), ended=gone_here)
-        if holder is not None:
-            raise busy(self.run, holder)
-        try:  # the timeline so far (a store that does not answer is an error here: its timeline is not lost)
-            old = retrying(lambda: self.cs.read_json("state.json"), what="read the run's controller state", attempts=4)
-        except FileNotFoundError:  # the run's first controller
-            old = {}
-        except json.JSONDecodeError:  # not readable: the timeline starts again
-            old = {}
-        self.state["events"] = list(old.get("events") or [])
-        self.record("controller", id=self.id, host=self.lock.cluster, pid=os.getpid(),
-                    **({"took_over": stale.get("job_id")} if stale else {}))
-        if stale:
-            log.info(f"[run] took over run {self.run} from controller {stale.get('job_id')}, gone "
-                     f"{time.time() - float(stale.get('heartbeat', 0)):.0f}s")
-        threading.Thread(target=self._beat, name="appliance-controller", daemon=True).start()
-
-    def close(self, status: str) -> None:
-        self._done.set()
-        self.record("end", status=status, state=status)
-        if self._notifier is not None:  # the last word reaches the hook before the controller exits
-            self._events.put(None)
-            self._notifier.join(timeout=120)
-        try:
-            self.lock.release()
-        except Exception as e:  # noqa: BLE001 - the lock then expires after its ttl
-            log.info(f"[run] warning: could not release the controller lock ({type(e).__name__}: {e}); it "
-                     f"expires {self.lock.ttl:.0f}s after its last heartbeat")
-
-    def _beat(self) -> None:
-        """Renew the lock every interval; look for a cancel request every poll."""
-        last = time.monotonic()
-        while not self._done.wait(self.poll):
-            if self.cancel is None:
-                self._look_for_cancel()
-            if time.monotonic() - last >= self.lock.interval:
-                last = time.monotonic()
-                try:
-                    if not self.lock.heartbeat(tempfile.gettempdir()):
-                        self.lost = True
-                        log.info(f"[run] another controller took run {self.run} over: this one starts nothing more")
-                        return
-                except Exception:  # noqa: BLE001 - retried at the next beat; the ttl allows several misses
-                    pass
-
-    def _look_for_cancel(self) -> None:
-        try:
-            req = self.cs.read_json("cancel.json")
-        except FileNotFoundError:
-            return
-        except Exception:  # noqa: BLE001 - the store did not answer: asked again at the next poll
-            return
-        if req.get("controller") == self.id:
-            self.cancelled(req)
-
-    def cancelled(self, req: dict) -> None:
-        with self._mu:
-            if self.cancel is not None:
-                return
-            self.cancel = req
-            stop = self._stop_job
-        self.changed.set()
-        log.info(f"[run] cancel of run {self.run} asked from {req.get('by', '?')}: the job stops with a checkpoint "
-                 "and the run's cluster goes")
-        self.record("cancel", by=req.get("by"))
-        if stop is not None:
-            stop("appliance cancel")
-
-    # the timeline
-
-    def record(self, event: str, *, state: str | None = None, **fields) -> None:
-        """Add an event to the run's timeline and write it to the store (a failure is said, not raised: the
-        run goes on; the next event writes the whole state again)."""
-        entry = {"at": round(time.time(), 3), "event": event, **fields}
-        if event in NOTIFIED:
-            self.notify(entry)
-        with self._mu:
-            self.state["events"].append(entry)
-            if state is not None:
-                self.state["status"] = state
-            self.state["controller"] = {"id": self.id, "host": self.lock.cluster, "pid": os.getpid()}
-        with self._writing:  # one write at a time, each of the newest state: an older one never lands last
-            with self._mu:
-                text = json.dumps(self.state, indent=1, sort_keys=True)
-            try:
-                retrying(lambda: self.cs.put_text("state.json", text, tempfile.gettempdir()),
-                         what="write the run's controller state", attempts=3)
-            except Exception as e:  # noqa: BLE001
-                log.info(f"[run] warning: could not write the run's state to the store ({type(e).__name__}: {e})")
-
-    def notify(self, event: dict) -> None:
-        """The spec's ``notify``, told of ``event`` by a thread of its own, in order (a slow or failing hook never
-        holds the run up): an https:// URL is POSTed the event as JSON; a command gets it as JSON on stdin (and its
-        name in APPLIANCE_EVENT). A failure is said, without the hook itself (a URL may hold a token)."""
-        if not self.notify_to:
-            return
-        if self._notifier is None:
-            self._notifier = threading.Thread(target=self._notify_loop, name="appliance-notify", daemon=True)
-            self._notifier.start()
-        self._events.put(event)
-
-    def _notify_loop(self) -> None:
-        hook = self.notify_to
-        while (event := self._events.get()) is not None:
-            body = json.dumps({"run": self.run, **event}).encode()
-            try:
-                if hook.startswith("https://"):
-                    import urllib.request
-
-                    req = urllib.request.Request(hook, data=body, headers={"Content-Type": "application/json"})
-                    urllib.request.urlopen(req, timeout=30).close()
-                else:
-                    p = subprocess.run(hook, shell=True, input=body, capture_output=True, timeout=60,
-                                       env={**os.environ, "APPLIANCE_EVENT": str(event.get("event"))})
-                    if p.returncode != 0:
-                        raise RuntimeError(f"exit {p.returncode}")
-            except Exception as e:  # noqa: BLE001
-                log.info(f"[run] the spec's notify hook failed on {event.get('event')}: {type(e).__name__}: "
-                         f"{str(e)[:120]}")
-
-    def hook(self, stop: Callable[[str], None]) -> JobHooks:
-        """The job's hook: its lease and hosts on the timeline; a cancel stops it."""
-        return _ControlHook(self, stop)
-
-
-class _ControlHook(JobHooks):
-    def __init__(self, control: Control, stop: Callable[[str], None]):
-        self.control, self.stop = control, stop
-
-    def started(self, ctx: JobContext) -> None:
-        c, cl = self.control, ctx.cluster
-        c.record("job", state="running", job_id=ctx.job_id, cluster=cl.name, site=cl.site.region or cl.cloud,
-                 node_type=ctx.spec.nodes.node_type, hosts=[n.name for n in cl.nodes], lease_id=cl.lease_id,
-                 lease_end=cl.lease_end, restore=bool(ctx.restore))
-        with c._mu:
-            c._stop_job = self.stop
-            asked = c.cancel is not None
-        if asked:  # cancelled while the job was being set up
-            self.stop("appliance cancel")
-        elif c.on_job is not None:
-            c.on_job(cl)
-
-    def finish(self, result: JobResult) -> None:
-        c = self.control
-        with c._mu:
-            c._stop_job = None
-        step = (result.stopped or {}).get("step")
-        if step is None and result.commits:
-            step = max(x["step"] for x in result.commits)
-        c.record("job end", job_id=result.job_id, exit_code=result.exit_code, lease_end=bool(result.lease_end),
-                 step=step, failure=result.failure)
-
-
-def gone_here(controller_id: str) -> bool:
-    """A controller of this machine whose process is gone (its lock need not wait for its ttl)."""
-    host, _, rest = controller_id.partition(":")
-    pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process of that pid: not ours, so ours is gone
-        return True
-    try:  # killed, and not yet reaped by its parent (init, once `appliance run` has returned): a zombie
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):  # no /proc (macOS): the pid answers, so it runs
-        return False
-
-
-def busy(run: str, holder: dict) -> ApplianceError:
-    age = time.time() - float(holder.get("heartbeat", 0))
-    return ApplianceError(f"run {run} already has a controller: {holder.get('cluster')} pid {holder.get('head')}, "
-                          f"alive {age:.0f}s ago", f"watch it with `appliance runs {run}`, stop it with `appliance "
-                          f"cancel {run}`; a controller that is gone is taken over {float(holder.get('ttl', TTL)):.0f}s"
-                          " after its last heartbeat")
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -305,7 +93,7 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
     run = _Run(ctx, control, max_restarts, out)
     try:
         res = run.loop()
-        status = ("cancelled" if control.cancel else "parked" if run.parked
+        status = ("cancelled" if control.cancel else "limit" if run.limited else "parked" if run.parked
                   else "finished" if res is None or res.exit_code == 0
                   else "stopped" if (res.stopped or {}).get("committed") else "failed")
         return res
@@ -324,17 +112,102 @@ class _Run:
         self.current = _current_cluster(self.spec)  # the cluster of the run's newest job
         self.warm: Warm | None = None
         self.parked = False  # no hosts within lease.wait: the run stopped with its checkpoint
-        control.on_job = self.job_started
+        self.limited: str | None = None  # the limit that ended the run (limits: budget.py)
+        self.ledger = Ledger(json.loads(json.dumps(control.state.get("leases") or {})))
+        self.budget = Budget(self.spec, self.ledger)
+        control.on_job, control.on_job_end, control.extend_by = self.job_started, self.job_ended, self.extend_by
+        control.on_first_step = self.downtime
+        self.handing_over: dict | None = None  # a handover whose job has not made its first step yet: {"warm"}
 
-    def job_started(self, cluster: Cluster) -> None:
-        """A job starts on ``cluster``: with lease.overlap, its next cluster is made meanwhile (handover.Warm)."""
+    def job_started(self, cluster: Cluster, spec: Spec | None = None) -> None:
+        """A job starts on ``cluster``: its lease is counted; with lease.overlap, its next cluster is made
+        meanwhile (handover.Warm)."""
         self.current = cluster.name
         if self.warm is not None:  # made for a cluster that is not used (a restart on the same one): it goes
             self.warm.abandon()
             self.warm = None
+        if spec is not None and cluster.lease_id:
+            self.track(cluster.lease_id, len(cluster.nodes), spec.nodes.node_type)
         if duration_seconds(self.spec.lease.overlap) and cluster.lease_id and cluster.lease_end_at:
             self.warm = Warm(self.ctx, cluster, self.control.record, _flows().stage_to_nodes,
-                             self.control.poll).start()
+                             self.control.poll, plan=self).start()
+
+    def job_ended(self, res: JobResult) -> None:
+        """The run's pace and progress (steps made per second of training, the newest step of its total: the
+        estimated finish `appliance runs RUN` shows), and its node-hours so far."""
+        p = dict(self.control.state.get("progress") or {})
+        p["steps"] = p.get("steps", 0) + _steps_made(res)
+        p["train_s"] = round(p.get("train_s", 0.0) + (res.wall_s or 0.0), 1)
+        p["lease_s"] = duration_seconds(self.spec.lease.duration) / self.ctx.site.time_scale()
+        meta = _newest_meta(self.ctx)
+        if meta.get("step") is not None:
+            p["step"] = int(meta["step"])
+        if meta.get("steps_per_epoch") and meta.get("total_epochs"):
+            p["total_steps"] = int(meta["steps_per_epoch"]) * int(meta["total_epochs"])
+        self.control.update(progress=p, estimate=estimate(p, time.time()))
+        self.account()
+
+    # the run's leases and limits (budget.py)
+
+    def track(self, lease_id: str, nodes: int, node_type: str) -> None:
+        """Count a lease of the run (its dates from Blazar) in the run's node-hours."""
+        try:
+            info = self.ctx.site.cloud.get_lease(lease_id)
+        except Exception as e:  # noqa: BLE001 - counted at the next look
+            log.info(f"[run] warning: could not read lease {lease_id} ({type(e).__name__}: {e})")
+            return
+        if info is not None:
+            self.ledger.track(info, nodes, node_type)
+            self.account()
+
+    def account(self) -> dict | None:
+        """The run's node-hours now (spent, booked ahead, its limit), into the controller's state."""
+        c = self.ctx.site.cloud
+        try:
+            now = c.now()
+            self.ledger.refresh(c, now)
+        except Exception as e:  # noqa: BLE001 - the cloud did not answer: the last count stands
+            log.info(f"[run] warning: could not read the run's leases ({type(e).__name__}: {e})")
+            return None
+        nh = self.budget.summary(now)
+        self.control.update(leases=self.ledger.copy(), node_hours=nh)
+        return nh
+
+    def lease_length(self, start: dt.datetime | None, nodes: int | None = None) -> tuple[int | None, str]:
+        """Seconds of the longest lease the run may book from ``start`` (None: now) within its limits."""
+        if not self.budget.limited:
+            return duration_seconds(self.spec.lease.duration), ""
+        self.account()
+        now = self.ctx.site.cloud.now()
+        return self.budget.lease_seconds(start or now, now, nodes)
+
+    def extend_by(self, lease_id: str, end: dt.datetime, warm: bool = False) -> tuple[dt.timedelta | None, str]:
+        """How far a lease of the run may be extended: the job's watchdog asks near the stop; with lease.overlap,
+        handover.Warm asks (``warm``) before it books the next lease, and the watchdog does not extend."""
+        if not warm and duration_seconds(self.spec.lease.overlap) and self.warm is not None:
+            return None, "with lease.overlap the run extends before it books its next lease, not at the stop"
+        if not self.budget.limited:
+            return dt.timedelta(days=7), ""  # no cap of the run's own: Chameleon's, at most 7 days at a time
+        self.account()
+        nodes = (self.ledger.leases.get(lease_id) or {}).get("nodes") or self.spec.nodes.count
+        return self.budget.extension(lease_id, end, self.ctx.site.cloud.now(), nodes)
+
+    def new_lease(self, start: dt.datetime | None = None) -> dict | None:
+        """The keyword a new lease of the run is asked for with (its duration cut to the limits), or None: the run
+        has reached a limit, and ends here with its checkpoint (said, on the timeline and to notify)."""
+        length, why = self.lease_length(start)
+        if length is None:
+            self.limited = why
+            spec = self.spec
+            log.info(f"[run] error: run {spec.name} has reached {why}: no lease of it is worth booking (fix: its "
+                     f"newest checkpoint is committed; raise the limit in {spec.path}, then `appliance run "
+                     f"{spec.path}` continues it)")
+            self.control.record("limit", reason=why)
+            return None
+        if length < duration_seconds(self.spec.lease.duration):
+            log.info(f"[run] the next lease is {length / 3600:.2f} h, cut to {why}")
+            return {"lease_duration": f"{length // 60}m"}
+        return {}
 
     def resume(self, **kw) -> JobResult | None:
         return _flows().resume(self.spec.name, spec_path=self.spec.path, out=self.out, control=self.control, **kw)
@@ -385,6 +258,7 @@ class _Run:
                      "staged already")
             gone = threading.Thread(target=lifecycle.down, args=(old, site), daemon=True)
             gone.start()  # the old cluster goes while the checkpoint is staged on the new one
+            self.handing_over = {"warm": True}
             res = self.resume(cluster_name=nxt.name)
             gone.join()
         else:
@@ -393,25 +267,40 @@ class _Run:
             log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on a new lease")
             if old and old != spec.name and find_cluster(old) is not None:
                 lifecycle.down(old, site)  # resume(new_lease) takes down the one named RUN itself
+            self.handing_over = {"warm": False}
             res = self.cold()
-        if res is not None and res.resume_breakdown:
-            self.control.record("downtime", job_id=res.job_id, warm=nxt is not None, breakdown=res.resume_breakdown)
+        if res is not None and res.resume_breakdown and self.handing_over is not None:  # no first step was made
+            self.downtime(res.job_id, res.resume_breakdown)
+        self.handing_over = None
         return res
+
+    def downtime(self, job_id: str, breakdown: dict) -> None:
+        """A handover's downtime, on the timeline (and to notify) as soon as the new job's first step is done."""
+        how, self.handing_over = self.handing_over, None
+        if how is None:  # not a handover: the run's first job, a restart after a failure
+            return
+        self.control.record("downtime", job_id=job_id, warm=how["warm"], breakdown=breakdown)
+        p = self.control.state.get("progress") or {}
+        if breakdown.get("total") is not None:  # the estimate counts one per lease end ahead
+            self.control.update(progress={**p, "downtime_s": [*p.get("downtime_s", [])[-9:], breakdown["total"]]})
 
     def cold(self) -> JobResult | None:
         """A resume on a new lease: of the spec's node type; when Blazar has not the hosts, of each of
         nodes.alternatives in order; when none has them now, of the earliest slot of any within lease.wait (booked
-        and waited for, the wait on the timeline). None: no slot within the wait (the run parks)."""
+        and waited for, the wait on the timeline). None: no slot within the wait (the run parks), or a limit
+        reached (limits: no lease is worth booking within them)."""
         spec = self.spec
         types = [spec.nodes.node_type, *spec.nodes.alternatives]
         for nt in types:
+            if (kw := self.new_lease()) is None:
+                return None
             try:
-                return self.resume(new_lease=True, node_type=None if nt == spec.nodes.node_type else nt)
+                return self.resume(new_lease=True, node_type=None if nt == spec.nodes.node_type else nt, **kw)
             except NoHosts as e:
                 log.info(f"[run] no {spec.nodes.count} x {nt} free for the next lease ({e.message})"
                          + (f"; trying {types[types.index(nt) + 1]}" if nt != types[-1] else ""))
                 self.control.record("no hosts", node_type=nt)
-        nt = wait_for_slot(self.ctx, self.control, types)
+        nt = wait_for_slot(self.ctx, self.control, types, fit=lambda start: self.lease_length(start)[0])
         if nt is None:
             self.parked = True
             return None
@@ -430,7 +319,15 @@ class _Run:
         if _has_committed_work(ctx):
             log.info(f"[run] run {spec.name} has committed work: resuming it")
             cl = find_cluster(self.current) if self.current and self.current != spec.name else None
-            return self.resume(cluster_name=cl.name if cl is not None and _lease_runs(ctx, cl) else None)
+            if cl is not None and _lease_runs(ctx, cl):
+                return self.resume(cluster_name=cl.name)
+            if (kw := self.new_lease()) is None:
+                return None
+            return self.resume(**kw)
+        if (kw := self.new_lease()) is None:
+            return None
+        if kw:
+            spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=kw["lease_duration"]))
         cluster = lifecycle.up(ctx.site, spec)  # idempotent: the run's own cluster while its lease runs
         if spec.dataset is not None:
             flows.stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
@@ -446,6 +343,15 @@ def _steps_made(res: JobResult) -> int:
         stop = max(c["step"] for c in res.commits)
     start = (res.resumed or {}).get("step") or 0
     return max(0, int(stop) - int(start)) if stop is not None else 0
+
+
+def _newest_meta(ctx) -> dict:
+    """The newest committed checkpoint's meta (its step, steps per epoch, epochs in all), or {}."""
+    try:
+        done = ctx.checkpoints.committed()
+        return ctx.checkpoints.read_manifest(done[0])["meta"] if done else {}
+    except Exception:  # noqa: BLE001 - the store did not answer: no estimate this time
+        return {}
 
 
 def _current_cluster(spec: Spec) -> str | None:
@@ -586,3 +492,38 @@ def read_timeline(c: Control) -> dict | None:
     if holder:
         state["controller_heartbeat_age_s"] = round(time.time() - float(holder.get("heartbeat", 0)))
     return state
+
+
+def store_logs(run: str, *, url: str | None, cloud: str = "local", site_name: str | None = None, lines: int = 50,
+               follow: bool = False, out: Callable[[str], None] = print, poll: float = 5.0) -> str:
+    """`appliance logs RUN --url URL`: the newest job's output from the store, as its controller shipped it
+    (Control.ship_log: the last MB, every poll), from any machine; ``follow``: new lines until the timeline says
+    that job ended. Returns the job id."""
+    c = _control_of(run, url, cloud, site_name)
+    metas = [o.name for o in c.cs.store.list(c.cs.prefix + "logs/") if o.name.endswith(".json")]
+    if not metas:
+        raise ApplianceError(f"run {run} has no job output in its store", "a managed run's controller puts its "
+                             "newest job's output there as it runs (`appliance run`); `appliance runs RUN` shows it")
+    newest = max((c.cs.read_json(m[len(c.cs.prefix):]) for m in metas), key=lambda m: m.get("at", 0))
+    job, printed = newest["job_id"], None
+    out(f"[appliance] job {job}: its output as the run's controller shipped it to the store")
+    while True:
+        meta = c.cs.read_json(f"logs/{job}.json")
+        buf = bytearray()
+        c.cs.store.get(f"{c.cs.prefix}logs/{job}.log", buf.extend)
+        whole = bytes(buf).decode(errors="replace").split("\n")[:-1]  # whole lines only: the last may be partial
+        first = int(meta["first_line"])
+        if printed is None:
+            printed = first + max(0, len(whole) - lines) if lines > 0 else first
+        for i, line in enumerate(whole):
+            if first + i >= printed:
+                out(line)
+        printed = max(printed, first + len(whole))
+        if not follow:
+            return job
+        ended = [e for e in (read_timeline(c) or {}).get("events", []) if e.get("event") == "job end"
+                 and e.get("job_id") == job]
+        if ended:
+            out(f"[appliance] job {job} ended (exit {ended[-1].get('exit_code')})")
+            return job
+        time.sleep(poll)  # polling the store for new lines: nothing to wait on

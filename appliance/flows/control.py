@@ -1,0 +1,298 @@
+"""The controller of a managed run (`appliance run SPEC`): its lock, timeline and cancel request in the object
+store, ``URL/RUN/controller/`` (managed.py says where it runs and why), and its hook on each job."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import queue
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+from .. import report
+from ..checkpoint import runs
+from ..cluster import Cluster
+from ..errors import ApplianceError
+from ..spec import Spec
+from ..store.checkpoints import CheckpointStore, retrying
+from ..store.runlock import INTERVAL, TTL, RunLock
+from ..train.launch import JobContext, JobHooks, JobResult
+
+log = report.get(__name__)
+
+CONTROL = "controller"  # URL/RUN/controller/
+LOG_TAIL = 1 << 20  # bytes of the newest job's output kept in the store, for `appliance logs RUN --url`
+NOTIFIED = ("downtime", "next cluster failed", "no hosts", "waiting for hosts", "stuck", "cancel", "end", "limit")
+
+
+# -- the controller's record in the store -------------------------------------------------------------
+
+
+class Control:
+    """The run's controller: its lock, state and cancel request in ``URL/RUN/controller/``. ``creds``: the store
+    credentials of the run's checkpoint.url."""
+
+    def __init__(self, spec: Spec, creds, *, poll: float | None = None):
+        self.run = spec.name
+        self.cs = CheckpointStore(spec.checkpoint.url, f"{spec.name}/{CONTROL}", creds)
+        host = socket.gethostname()
+        self.id = f"{host}:{os.getpid()}:{int(time.time())}.{os.urandom(3).hex()}"  # host:pid:... (gone_here)
+        self.lock = RunLock(self.cs, self.id, cluster=host, head=str(os.getpid()),
+                            interval=float(os.environ.get("APPLIANCE_CONTROLLER_LOCK_INTERVAL") or INTERVAL),
+                            ttl=float(os.environ.get("APPLIANCE_CONTROLLER_LOCK_TTL") or TTL))
+        self.poll = poll if poll is not None else float(os.environ.get("APPLIANCE_CONTROLLER_POLL") or 15.0)
+        self.state: dict = {"run": self.run, "status": "starting", "events": []}
+        self.notify_to = spec.notify
+        self._events: queue.Queue = queue.Queue()  # for the notify hook, in order
+        self._notifier: threading.Thread | None = None
+        self.cancel: dict | None = None
+        self.lost = False  # another controller took the lock over: this one starts nothing more
+        self._stop_job: Callable[[str], None] | None = None  # the running job's stop (JobCheckpoints.user_stop)
+        self.on_job: Callable[[Cluster, Spec], None] | None = None  # told of each job's cluster as it starts
+        self.on_job_end: Callable[[JobResult], None] | None = None  # told of each job's result as it ends
+        self.on_first_step: Callable[[str, dict], None] | None = None  # (job id, a resume's downtime by phase)
+        self.job_id: str | None = None  # the job that runs now
+        # how far the job's watchdog may extend its lease ending at a given date (None: not at all, and why)
+        self.extend_by: Callable[[str, dt.datetime], tuple[dt.timedelta | None, str]] | None = None
+        self._done = threading.Event()
+        self.changed = threading.Event()  # set on a cancel: whoever waits looks again at once
+        self._mu = threading.Lock()
+        self._writing = threading.Lock()
+        self._log: tuple[str, int, int] = ("", 0, 0)  # the job log shipped: its name, bytes counted, lines in them
+
+    # taking the run, and giving it back
+
+    def take(self) -> None:
+        """Hold the run's controller lock, or raise: another controller renews it."""
+        holder, stale = self.lock.acquire(tempfile.gettempdir(), ended=gone_here)
+        if holder is not None:
+            raise busy(self.run, holder)
+        try:  # the timeline so far (a store that does not answer is an error here: its timeline is not lost)
+            old = retrying(lambda: self.cs.read_json("state.json"), what="read the run's controller state", attempts=4)
+        except FileNotFoundError:  # the run's first controller
+            old = {}
+        except json.JSONDecodeError:  # not readable: the timeline starts again
+            old = {}
+        self.state["events"] = list(old.get("events") or [])
+        for k in ("leases", "progress"):  # the run's ledger and pace so far (budget.py), kept across controllers
+            if isinstance(old.get(k), dict):
+                self.state[k] = old[k]
+        self.record("controller", id=self.id, host=self.lock.cluster, pid=os.getpid(),
+                    **({"took_over": stale.get("job_id")} if stale else {}))
+        if stale:
+            log.info(f"[run] took over run {self.run} from controller {stale.get('job_id')}, gone "
+                     f"{time.time() - float(stale.get('heartbeat', 0)):.0f}s")
+        threading.Thread(target=self._beat, name="appliance-controller", daemon=True).start()
+
+    def close(self, status: str) -> None:
+        self._done.set()
+        self.ship_log()
+        self.record("end", status=status, state=status)
+        if self._notifier is not None:  # the last word reaches the hook before the controller exits
+            self._events.put(None)
+            self._notifier.join(timeout=120)
+        try:
+            self.lock.release()
+        except Exception as e:  # noqa: BLE001 - the lock then expires after its ttl
+            log.info(f"[run] warning: could not release the controller lock ({type(e).__name__}: {e}); it "
+                     f"expires {self.lock.ttl:.0f}s after its last heartbeat")
+
+    def _beat(self) -> None:
+        """Renew the lock every interval; look for a cancel request every poll."""
+        last = time.monotonic()
+        while not self._done.wait(self.poll):
+            if self.cancel is None:
+                self._look_for_cancel()
+            self.ship_log()
+            if time.monotonic() - last >= self.lock.interval:
+                last = time.monotonic()
+                try:
+                    if not self.lock.heartbeat(tempfile.gettempdir()):
+                        self.lost = True
+                        log.info(f"[run] another controller took run {self.run} over: this one starts nothing more")
+                        return
+                except Exception:  # noqa: BLE001 - retried at the next beat; the ttl allows several misses
+                    pass
+
+    def ship_log(self) -> None:
+        """The newest job's output as this machine's launcher showed it (its last LOG_TAIL bytes, from a line's
+        start) into the store, ``logs/JOB.log``, with ``logs/JOB.json`` saying which line it starts at: `appliance
+        logs RUN --url URL` reads it from any machine. Only when it has grown; a failure waits for the next poll."""
+        copies = sorted(runs.record_dir(self.run).glob(f"{self.run}-*.log"), key=lambda p: p.stat().st_mtime)
+        if not copies:
+            return
+        path = copies[-1]
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                name, counted, lines = self._log if self._log[0] == path.name else (path.name, 0, 0)
+                if size == counted:
+                    return
+                f.seek(counted)
+                new = f.read(size - counted)
+                start = max(0, size - LOG_TAIL)
+                f.seek(start)
+                tail = f.read(size - start)
+            if start:  # from the first whole line
+                cut = tail.find(b"\n") + 1
+                tail, start = tail[cut:], start + cut
+            total = lines + new.count(b"\n")
+            first = total - tail.count(b"\n")
+            tmp = tempfile.gettempdir()
+            self.cs.put_text(f"logs/{path.stem}.log", tail.decode(errors="replace"), tmp)
+            self.cs.put_text(f"logs/{path.stem}.json", json.dumps({"job_id": path.stem, "first_line": first,
+                                                                   "at": time.time()}), tmp)
+            self._log = (path.name, size, total)
+        except Exception as e:  # noqa: BLE001 - the next poll tries again
+            log.debug(f"[run] the job's log was not shipped to the store ({type(e).__name__}: {e})")
+
+    def _look_for_cancel(self) -> None:
+        try:
+            req = self.cs.read_json("cancel.json")
+        except FileNotFoundError:
+            return
+        except Exception:  # noqa: BLE001 - the store did not answer: asked again at the next poll
+            return
+        if req.get("controller") == self.id:
+            self.cancelled(req)
+
+    def cancelled(self, req: dict) -> None:
+        with self._mu:
+            if self.cancel is not None:
+                return
+            self.cancel = req
+            stop = self._stop_job
+        self.changed.set()
+        log.info(f"[run] cancel of run {self.run} asked from {req.get('by', '?')}: the job stops with a checkpoint "
+                 "and the run's cluster goes")
+        self.record("cancel", by=req.get("by"))
+        if stop is not None:
+            stop("appliance cancel")
+
+    # the timeline
+
+    def record(self, event: str, *, state: str | None = None, **fields) -> None:
+        """Add an event to the run's timeline and write it to the store (a failure is said, not raised: the
+        run goes on; the next event writes the whole state again)."""
+        entry = {"at": round(time.time(), 3), "event": event, **fields}
+        if event in NOTIFIED:
+            self.notify(entry)
+        with self._mu:
+            self.state["events"].append(entry)
+            if state is not None:
+                self.state["status"] = state
+            self.state["controller"] = {"id": self.id, "host": self.lock.cluster, "pid": os.getpid()}
+        with self._writing:  # one write at a time, each of the newest state: an older one never lands last
+            with self._mu:
+                text = json.dumps(self.state, indent=1, sort_keys=True)
+            try:
+                retrying(lambda: self.cs.put_text("state.json", text, tempfile.gettempdir()),
+                         what="write the run's controller state", attempts=3)
+            except Exception as e:  # noqa: BLE001
+                log.info(f"[run] warning: could not write the run's state to the store ({type(e).__name__}: {e})")
+
+    def notify(self, event: dict) -> None:
+        """The spec's ``notify``, told of ``event`` by a thread of its own, in order (a slow or failing hook never
+        holds the run up): an https:// URL is POSTed the event as JSON; a command gets it as JSON on stdin (and its
+        name in APPLIANCE_EVENT). A failure is said, without the hook itself (a URL may hold a token)."""
+        if not self.notify_to:
+            return
+        if self._notifier is None:
+            self._notifier = threading.Thread(target=self._notify_loop, name="appliance-notify", daemon=True)
+            self._notifier.start()
+        self._events.put(event)
+
+    def _notify_loop(self) -> None:
+        hook = self.notify_to
+        while (event := self._events.get()) is not None:
+            body = json.dumps({"run": self.run, **event}).encode()
+            try:
+                if hook.startswith("https://"):
+                    import urllib.request
+
+                    req = urllib.request.Request(hook, data=body, headers={"Content-Type": "application/json"})
+                    urllib.request.urlopen(req, timeout=30).close()
+                else:
+                    p = subprocess.run(hook, shell=True, input=body, capture_output=True, timeout=60,
+                                       env={**os.environ, "APPLIANCE_EVENT": str(event.get("event"))})
+                    if p.returncode != 0:
+                        raise RuntimeError(f"exit {p.returncode}")
+            except Exception as e:  # noqa: BLE001
+                log.info(f"[run] the spec's notify hook failed on {event.get('event')}: {type(e).__name__}: "
+                         f"{str(e)[:120]}")
+
+    def first_step(self, breakdown: dict) -> None:
+        """A resumed job's first step is done: its downtime, phase by phase (flows.resume)."""
+        if self.on_first_step is not None and self.job_id is not None:
+            self.on_first_step(self.job_id, breakdown)
+
+    def update(self, **fields) -> None:
+        """Set fields of the run's state (its ledger, its pace): written to the store with the next event."""
+        with self._mu:
+            self.state.update(fields)
+
+    def hook(self, stop: Callable[[str], None]) -> JobHooks:
+        """The job's hook: its lease and hosts on the timeline; a cancel stops it."""
+        return _ControlHook(self, stop)
+
+
+class _ControlHook(JobHooks):
+    def __init__(self, control: Control, stop: Callable[[str], None]):
+        self.control, self.stop = control, stop
+
+    def started(self, ctx: JobContext) -> None:
+        c, cl = self.control, ctx.cluster
+        c.record("job", state="running", job_id=ctx.job_id, cluster=cl.name, site=cl.site.region or cl.cloud,
+                 node_type=ctx.spec.nodes.node_type, hosts=[n.name for n in cl.nodes], lease_id=cl.lease_id,
+                 lease_end=cl.lease_end, restore=bool(ctx.restore))
+        with c._mu:
+            c._stop_job = self.stop
+            c.job_id = ctx.job_id
+            asked = c.cancel is not None
+        if asked:  # cancelled while the job was being set up
+            self.stop("appliance cancel")
+        elif c.on_job is not None:
+            c.on_job(cl, ctx.spec)
+
+    def finish(self, result: JobResult) -> None:
+        c = self.control
+        with c._mu:
+            c._stop_job = None
+        if c.on_job_end is not None:
+            c.on_job_end(result)
+        step = (result.stopped or {}).get("step")
+        if step is None and result.commits:
+            step = max(x["step"] for x in result.commits)
+        c.record("job end", job_id=result.job_id, exit_code=result.exit_code, lease_end=bool(result.lease_end),
+                 step=step, failure=result.failure)
+
+
+def gone_here(controller_id: str) -> bool:
+    """A controller of this machine whose process is gone (its lock need not wait for its ttl)."""
+    host, _, rest = controller_id.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process of that pid: not ours, so ours is gone
+        return True
+    try:  # killed, and not yet reaped by its parent (init, once `appliance run` has returned): a zombie
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):  # no /proc (macOS): the pid answers, so it runs
+        return False
+
+
+def busy(run: str, holder: dict) -> ApplianceError:
+    age = time.time() - float(holder.get("heartbeat", 0))
+    return ApplianceError(f"run {run} already has a controller: {holder.get('cluster')} pid {holder.get('head')}, "
+                          f"alive {age:.0f}s ago", f"watch it with `appliance runs {run}`, stop it with `appliance "
+                          f"cancel {run}`; a controller that is gone is taken over {float(holder.get('ttl', TTL)):.0f}s"
+                          " after its last heartbeat")
