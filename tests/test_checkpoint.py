@@ -8,6 +8,7 @@ seed and world size: the final weights must be bit-identical.
 
 import contextlib
 import csv
+import datetime as dt
 import io
 import json
 import os
@@ -675,8 +676,9 @@ def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_
     from appliance.cluster import find_cluster
     from appliance.flows import managed
 
+    # limits.node_hours 3.5: the first lease (1 h on 2 nodes) leaves 1.5, so the second is cut to 45 minutes
     spec_path = digits_spec(tmp_path, "ckctl", url="swift://ckpts/", every=50, epochs=LONG,
-                            extra="lease: {duration: 1h, stop_margin: 60s}\n")
+                            extra="lease: {duration: 1h, stop_margin: 60s}\nlimits: {node_hours: 3.5}\n")
 
     def start() -> int:
         p = subprocess.run([sys.executable, "-m", "appliance.cli", "run", spec_path, "--json"], capture_output=True,
@@ -706,6 +708,11 @@ def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_
         made = [r for r in localcloud.admin("GET", "/requests")["requests"] if r["method"] == "POST"
                 and r["path"].rstrip("/").endswith("/leases") and (r["body"] or {}).get("name", "").startswith("ckctl-")]
         assert len(made) == 2, made  # the lease made before the kill was used, no third one
+        leases = final["leases"]  # both counted, the first by the controller that was killed
+        assert len(leases) == 2 and leases[first]["closed"] and final["node_hours"]["limit"] == 3.5, leases
+        second = leases[find_cluster("ckctl").lease_id]
+        minutes = (dt.datetime.fromisoformat(second["end"][:-1]) - dt.datetime.fromisoformat(second["start"][:-1]))
+        assert dt.timedelta(minutes=44) <= minutes <= dt.timedelta(minutes=46), second
         assert [x.id for x in site.cloud.list_leases() if x.name.startswith("ckctl-")] == [find_cluster("ckctl").lease_id]
         rec = runs.load("ckctl")
         jobs = rec["jobs"]
@@ -730,7 +737,6 @@ def test_hosts_taken_at_lease_ends_the_run_fails_over_then_waits_for_the_next_fr
     earliest slot (gpu_local, when that reservation ends), says how long the wait is, and waits for it; the cloud's
     clock gets there and the run goes on. Each from the very step it stopped at; the final weights are the
     uninterrupted run's."""
-    import datetime as dt
     import subprocess
     import sys
 
