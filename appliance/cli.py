@@ -671,18 +671,23 @@ def run_cmd(spec, max_restarts, foreground, as_json):
     2. the job; before the lease ends it stops after a step with a committed checkpoint
     3. the cluster goes, a new lease and servers come up, the checkpoint is staged, and
        the job continues (bit-exact on the same world size); again at every lease end.
-       With lease.overlap the next cluster is booted while the job trains (no boot in
-       the downtime); without hosts, nodes.alternatives or the next free slot
+       With lease.extend the lease is extended first; with lease.overlap the next
+       cluster is booted while the job trains (no boot in the downtime); without hosts,
+       nodes.alternatives or the next free slot
     The run stops when a job finishes (exit 0), fails for another reason (after
-    --max-restarts resumes of it), or is cancelled. docs/managed.md says more.
+    --max-restarts resumes of it), reaches a limit of the spec (limits: node_hours,
+    deadline: each lease is cut to fit), or is cancelled. docs/managed.md says more.
 
     \b
     The run's controller is a process of its own, started here: this command returns
     once it holds the run, and closing the terminal or killing this shell leaves it
-    running (keep the machine up: a lab server, a Chameleon KVM instance). Its state is
-    in the object store beside the checkpoints, so from any machine with the credentials:
-      appliance runs RUN [--url URL]     the run, lease by lease, handovers and downtime
-      appliance logs RUN -f              the job's output
+    running (keep the machine up: a lab server, a Chameleon KVM instance). It holds a
+    Keystone application credential of its own, made here and deleted at the run's end,
+    not yours. Its state is in the object store beside the checkpoints, so from any
+    machine with the credentials:
+      appliance runs RUN [--url URL]     the run, lease by lease, handovers and downtime,
+                                         node-hours, the estimated finish
+      appliance logs RUN -f [--url URL]  the job's output
       appliance cancel RUN [--url URL]   stop: a checkpoint, then the cluster goes
     If the controller's machine goes away, `appliance run SPEC` again (anywhere) continues
     the run once its controller lock is stale (5 minutes; at once on the same machine).
@@ -696,6 +701,9 @@ def run_cmd(spec, max_restarts, foreground, as_json):
             _json_out(d)
             return
         click.echo(f"run {d['run']}: controller started (pid {d['pid']}); its output: {d['log']}")
+        own = d.get("credential")
+        click.echo(f"  its credential: its own ({own['credential'][:8]}, expires {own['expires']} UTC), deleted at the "
+                   "run's end" if own else "  its credential: yours (Keystone would not make it one)")
         click.echo(f"  watch: appliance runs {d['run']}   |   appliance logs {d['run']} -f")
         click.echo(f"  stop:  appliance cancel {d['run']}")
         return
@@ -1052,7 +1060,8 @@ def format_timeline(tl: dict) -> list[str]:
         elif kind == "downtime":
             out.append(f"  {at(e['at'])} handover: {format_breakdown(e.get('breakdown') or {})}")
         elif kind in ("controller", "cancel", "end"):
-            what = {"controller": f"controller {e.get('id')}" + (" (took over)" if e.get("took_over") else ""),
+            what = {"controller": f"controller {e.get('id')}" + (" (took over)" if e.get("took_over") else "")
+                    + (f", its credential expires {e['credential_expires']} UTC" if e.get("credential_expires") else ""),
                     "cancel": f"cancel asked from {e.get('by')}", "end": f"run {e.get('status')}"}[kind]
             out.append(f"  {at(e['at'])} {what}")
         elif kind == "waiting for hosts":

@@ -68,11 +68,15 @@ class FakeCloud:
     def region_name(self) -> str:
         return "CHI@fake"
 
-    def create_app_cred(self, name, *, expires_at, description=""):
+    def create_app_cred(self, name, *, expires_at, description="", unrestricted=False):
         self._call("create_app_cred", name, expires_at)
-        cred = {"id": self._id("ac"), "name": name, "secret": "s3cret", "expires_at": expires_at}
+        cred = {"id": self._id("ac"), "name": name, "secret": "s3cret", "expires_at": expires_at,
+                "unrestricted": unrestricted}
         self.app_creds[cred["id"]] = cred
         return cred
+
+    def list_app_creds(self):
+        return [{k: v for k, v in c.items() if k != "secret"} for c in self.app_creds.values()]
 
     def delete_app_cred(self, cred_id) -> bool:
         self._call("delete_app_cred", cred_id)

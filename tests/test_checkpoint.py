@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from appliance import localcloud
 from appliance.checkpoint import runs
@@ -606,6 +607,13 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
                 return len(jobs) == lease and done and done[0].step >= target and find_cluster(jobs[-1]["cluster"])
 
             cl = wait_for(f"a commit at step >= {target} on lease {lease}", committed_here, every=0.2)
+            if lease == 1:  # the controller runs with a credential of its own, in a file, not in its environment
+                env = open(f"/proc/{state()['controller']['pid']}/environ", "rb").read().decode()
+                own = yaml.safe_load(open(env.split("APPLIANCE_RUN_CLOUD=")[1].split("\0")[0]))["clouds"]
+                secret = own["appliance-run"]["auth"]["application_credential_secret"]
+                assert secret not in env and "\0OS_" not in "\0" + env
+                assert [x["name"] for x in sites.open_site("local").cloud.list_app_creds()
+                        if x["name"].startswith("appliance-run-cklease-")]
             # 14 minutes before its end: the next lease has started; its cluster is made while the job trains
             localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 14 * 60})
             wait_for(f"the next cluster of lease {lease}", lambda: len(events("next cluster ready")) == lease,
@@ -649,6 +657,8 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
         leases = final["leases"]
         assert set(leases) == {j["lease_id"] for j in jobs} and sum(e["closed"] for e in leases.values()) == 2, leases
         assert final["node_hours"]["spent"] > 0 and final["estimate"]["step"] == final["estimate"]["total_steps"]
+        assert not [x for x in sites.open_site("local").cloud.list_app_creds()  # the controller's went with it
+                    if x["name"].startswith("appliance-run-cklease-")]
         shown = []  # `appliance logs RUN --url`: the last job's output, from the store (as on any other machine)
         assert managed.store_logs("cklease", url="swift://ckpts/", lines=0, out=shown.append) == jobs[-1]["job_id"]
         assert any("[0|" in line for line in shown), shown[-5:]

@@ -174,12 +174,14 @@ def test_cancel_reaches_the_live_controller_and_stops_its_job_and_not_a_later_co
         flows.cancel_run("mc")
 
 
-def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path):
+def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from appliance.cli import main
+    from appliance.flows import credential
 
     spec = _spec(tmp_path)
+    monkeypatch.setenv(credential.EXPIRES_ENV, "2027-01-28 07:23")  # a controller with a credential of its own
     c = managed.Control(spec, None, poll=3600)
     c.take()
     runs.mark_managed(spec)
@@ -194,6 +196,7 @@ def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path):
     r = CliRunner().invoke(main, ["runs", "mc"])
     assert r.exit_code == 0, r.output
     assert "managed run mc: running; controller alive on" in r.output
+    assert "its credential expires 2027-01-28 07:23 UTC" in r.output
     assert "job j1 started on 2 compute_local at local (n1, n2), lease L1 ends 2026-12-01 10:00" in r.output
     assert "job j1 ended at step 242, for the lease end" in r.output
     assert "handover: 10.4s to the first step: lease 1.5s, boot 6.0s" in r.output
@@ -208,9 +211,12 @@ def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path):
     assert tl["node_hours"]["limit"] == 20.0 and tl["estimate"]["total_steps"] == 1000
 
 
-def test_a_detached_controller_that_cannot_start_says_why_in_one_line(tmp_path):
+def test_a_detached_controller_that_cannot_start_says_why_in_one_line(tmp_path, monkeypatch):
     """`appliance run SPEC` starts the controller in a process of its own and returns once it holds the run; when it
     cannot (here: another controller holds it), the command fails with the controller's own line."""
+    from appliance.flows import credential
+
+    monkeypatch.setattr(credential, "make", lambda ctx, where: {})  # no cloud here (test_credential.py: its own)
     spec = _spec(tmp_path)
     holder = managed.Control(spec, None)
     holder.take()

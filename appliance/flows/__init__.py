@@ -324,10 +324,10 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
     t["data staged"] = time.time()
     early: dict = {}
 
-    def first(timeline: dict, resumed: dict | None) -> None:
+    def first(marks: dict, resumed: dict | None) -> None:
         # the downtime as soon as the job's first step is done: a managed run's timeline and notify hook hear it
         # then, not when the job ends, which may be a lease later
-        early["breakdown"] = resume_breakdown(t, up_phases, types.SimpleNamespace(timeline=timeline, resumed=resumed))
+        early["breakdown"] = resume_breakdown(t, up_phases, types.SimpleNamespace(timeline=marks, resumed=resumed))
         if control is not None:
             control.first_step(early["breakdown"])
     if ck is None:

@@ -22,6 +22,7 @@ from ..spec import Spec
 from ..store.checkpoints import CheckpointStore, retrying
 from ..store.runlock import INTERVAL, TTL, RunLock
 from ..train.launch import JobContext, JobHooks, JobResult
+from .credential import EXPIRES_ENV
 
 log = report.get(__name__)
 
@@ -82,8 +83,10 @@ class Control:
         for k in ("leases", "progress"):  # the run's ledger and pace so far (budget.py), kept across controllers
             if isinstance(old.get(k), dict):
                 self.state[k] = old[k]
+        own = os.environ.get(EXPIRES_ENV)  # when the controller's own credential expires (credential.py)
         self.record("controller", id=self.id, host=self.lock.cluster, pid=os.getpid(),
-                    **({"took_over": stale.get("job_id")} if stale else {}))
+                    **({"took_over": stale.get("job_id")} if stale else {}),
+                    **({"credential_expires": own} if own else {}))
         if stale:
             log.info(f"[run] took over run {self.run} from controller {stale.get('job_id')}, gone "
                      f"{time.time() - float(stale.get('heartbeat', 0)):.0f}s")

@@ -42,6 +42,7 @@ from ..provision import lifecycle
 from ..spec import Spec, duration_seconds
 from ..store.checkpoints import retrying
 from ..train.launch import JobResult
+from . import credential
 from .budget import Budget, Ledger, estimate
 from .control import CONTROL, NOTIFIED, Control, busy, gone_here  # noqa: F401 (the controller's names, here too)
 from .handover import Warm, other_name, overlap_cost, wait_for_slot
@@ -77,15 +78,13 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
     Returns the last job's result (None: the run had finished already). ``spec``: the spec already loaded (the
     first job's; the resumes read ``spec_path``)."""
     flows = _flows()
-    spec = spec or flows.check(spec_path)
-    if not spec.checkpoint.url:
-        raise SpecError(f"{spec.path}: a managed run keeps its checkpoints and its state in the object store, and "
-                        "the spec has no checkpoint.url", "add `checkpoint: {url: swift://CONTAINER/}` (or s3://)")
+    spec = _needs_url(spec or flows.check(spec_path))
     ctx = flows.RunContext.of(spec)
     control = Control(spec, ctx.creds(spec.checkpoint.url))
     control.take()
     runs.mark_managed(spec)
     _ready(control)
+    credential.forget_others(ctx)
     if duration_seconds(spec.lease.overlap):
         log.info(f"[run] warm handover: each next lease starts {spec.lease.overlap} before the current one ends, "
                  f"which costs {overlap_cost(spec):.2f} node-hours per lease end ({spec.nodes.count} node(s))")
@@ -101,6 +100,7 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
         if run.warm is not None:
             run.warm.abandon()  # booked or made and not used: it goes
         control.close(status)
+        credential.drop(ctx)  # the controller's own credential, last: its tokens stop with it
 
 
 class _Run:
@@ -432,10 +432,12 @@ def start(spec_path: str, *, max_restarts: int = 0) -> dict:
     """`appliance run SPEC`: the controller in a process of its own (a new session: it outlives the terminal and
     the shell that typed the command), its output in ~/.appliance/runs/RUN/controller.log. Returns once it holds
     the run (its lock in the store), or raises with its own error line."""
-    spec = _flows().check(spec_path)
+    spec = _needs_url(_flows().check(spec_path))
     where = runs.record_dir(spec.name)
     where.mkdir(parents=True, exist_ok=True)
     log_path = where / "controller.log"
+    ctx = _flows().RunContext.of(spec)
+    made = credential.make(ctx, where)  # the controller's own credential (credential.py), not yours
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "appliance.cli", "run", os.path.abspath(spec_path), "--foreground",
            "--max-restarts", str(max_restarts)]
@@ -443,17 +445,26 @@ def start(spec_path: str, *, max_restarts: int = 0) -> dict:
         f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd[3:])}\n".encode())
         f.flush()
         p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, pass_fds=(w,),
-                             start_new_session=True, env={**os.environ, READY_FD: str(w)})
+                             start_new_session=True, env={**credential.controller_env(made), READY_FD: str(w)})
     os.close(w)
     with os.fdopen(r, "rb") as pipe:
         said = pipe.read().decode(errors="replace")  # until the controller says ready, or exits
     if not said.startswith("ok "):
         rc = p.wait()
+        credential.drop(ctx, made)  # made for it, and not used
         lines = [x for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
         last = lines[-1] if lines else f"exit {rc}"
         raise ApplianceError(f"the controller of run {spec.name} did not start: {last.removeprefix('error: ')}",
                              f"its log: {log_path}")
-    return {"run": spec.name, "controller": said.split()[1], "pid": p.pid, "log": str(log_path)}
+    own = {"credential": made[credential.CRED_ENV], "expires": made[credential.EXPIRES_ENV]} if made else None
+    return {"run": spec.name, "controller": said.split()[1], "pid": p.pid, "log": str(log_path), "credential": own}
+
+
+def _needs_url(spec: Spec) -> Spec:
+    if not spec.checkpoint.url:
+        raise SpecError(f"{spec.path}: a managed run keeps its checkpoints and its state in the object store, and "
+                        "the spec has no checkpoint.url", "add `checkpoint: {url: swift://CONTAINER/}` (or s3://)")
+    return spec
 
 
 def _control_of(run: str, url: str | None, cloud: str, site_name: str | None) -> Control:

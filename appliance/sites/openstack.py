@@ -43,6 +43,10 @@ def _unreachable(where: str, region_cfg, text: str) -> ApplianceError:
                           "check auth_url / OS_AUTH_URL and the network")
 
 
+RUN_CLOUD_ENV = "APPLIANCE_RUN_CLOUD"  # a clouds.yaml whose entry RUN_CLOUD holds a managed run's own credential
+RUN_CLOUD = "appliance-run"
+
+
 def connect(*, cloud: str | None = None, config_file: str | None = None, region: str | None = None):
     """An openstacksdk Connection from clouds.yaml (+ OS_CLOUD) or OS_* variables (openrc).
 
@@ -53,6 +57,8 @@ def connect(*, cloud: str | None = None, config_file: str | None = None, region:
     import openstack.config
     import openstack.exceptions
 
+    if os.environ.get(RUN_CLOUD_ENV):  # a managed run's controller: its own credential (flows/credential.py)
+        cloud, config_file = RUN_CLOUD, os.environ[RUN_CLOUD_ENV]
     cloud = cloud or os.environ.get("OS_CLOUD")
     where = f"clouds.yaml entry {cloud!r}" if cloud else "the OS_* variables (openrc)"
     if not cloud and not os.environ.get("OS_AUTH_URL"):
@@ -304,18 +310,28 @@ class OpenStackCloud:
     def _app_creds_url(self) -> str:
         return f"{self.identity_url()}/users/{self.conn.current_user_id}/application_credentials"
 
-    def create_app_cred(self, name: str, *, expires_at: dt.datetime | None, description: str = "") -> dict:
-        """A restricted application credential (cannot make credentials or trusts) of the current user on the
-        current project, with all the user's roles there, expiring at ``expires_at`` (UTC). POST
+    def create_app_cred(self, name: str, *, expires_at: dt.datetime | None, description: str = "",
+                        unrestricted: bool = False) -> dict:
+        """An application credential of the current user on the current project, with all the user's roles there,
+        expiring at ``expires_at`` (UTC): restricted (it cannot make credentials or trusts), unless
+        ``unrestricted`` (a managed run's controller: Blazar makes a trust for each lease). POST
         /v3/users/{user_id}/application_credentials (keystone api-ref). Returns {id, secret, ...}; the secret is
         shown only here."""
-        body = {"name": name, "description": description, "unrestricted": False,
+        body = {"name": name, "description": description, "unrestricted": unrestricted,
                 "expires_at": expires_at.strftime("%Y-%m-%dT%H:%M:%S") if expires_at else None}
         r = self.conn.session.post(self._app_creds_url(), json={"application_credential": body}, raise_exc=False)
         if r.status_code != 201:
             raise ApplianceError(f"Keystone refused an application credential ({r.status_code}: {_keystone_message(r)})",
                                  "see docs/chameleon.md (credentials for the nodes)")
         return r.json()["application_credential"]
+
+    def list_app_creds(self) -> list[dict]:
+        """The current user's application credentials ({id, name, expires_at, ...}; never a secret)."""
+        r = self.conn.session.get(self._app_creds_url(), raise_exc=False)
+        if r.status_code != 200:
+            raise ApplianceError(f"Keystone refused to list application credentials ({r.status_code}: "
+                                 f"{_keystone_message(r)})", "see docs/chameleon.md (credentials)")
+        return r.json().get("application_credentials") or []
 
     def delete_app_cred(self, cred_id: str) -> bool:
         """True when it was deleted, False when it was already gone."""

@@ -1,0 +1,119 @@
+"""A managed run's own credential (issue 52 item 4): `appliance run SPEC` makes its controller a Keystone application
+credential of its own, so the detached controller holds neither your password nor your own credential, and that
+credential goes when the run ends.
+
+What it is, and why no less:
+- *unrestricted*. The controller books leases, and Blazar makes a Keystone trust for each (ChameleonCloud/blazar
+  blazar/utils/trusts.py); Keystone refuses a trust to a restricted application credential's token
+  (openstack/keystone keystone/api/trusts.py ``_check_unrestricted``). It also makes each job's own restricted
+  credential, which only an unrestricted one may (keystone/api/users.py ``UserAppCredListCreateResource.post``,
+  ``_check_unrestricted_application_credential``);
+- your roles on the run's project and no more (keystone/api/users.py ``_get_roles``: the creating token's roles);
+- it expires a day after ``limits.deadline``, else ``RUN_CREDENTIAL_DAYS`` after the start (Keystone refuses it
+  after ``expires_at``: keystone/application_credential/backends/sql.py ``_check_expired``); a run longer than that is
+  continued by `appliance run SPEC` again, which makes a new one;
+- the controller deletes it as the run ends (an unrestricted credential may: keystone/api/users.py
+  ``UserAppCredGetDeleteResource.delete``), and one that takes the run over deletes those of the controllers before
+  it (they are gone: it holds the run's lock).
+
+It reaches the controller as a clouds.yaml of its own (mode 0600, in ~/.appliance/runs/RUN/), named by
+APPLIANCE_RUN_CLOUD in the controller's environment, from which your OS_* variables are removed; its secret is in
+no argument, log or environment. When Keystone will not make it (your own credential is a restricted one), the
+controller runs with yours, and says so.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+from pathlib import Path
+
+from .. import report
+from ..errors import ApplianceError
+from ..sites.openstack import RUN_CLOUD, RUN_CLOUD_ENV
+from ..spec import deadline_of
+
+log = report.get(__name__)
+
+RUN_CREDENTIAL_DAYS = 60
+CRED_ENV = "APPLIANCE_RUN_CREDENTIAL"  # its id (never its secret), in the controller's environment
+EXPIRES_ENV = "APPLIANCE_RUN_CREDENTIAL_EXPIRES"  # and when it expires (UTC)
+PREFIX = "appliance-run-"
+
+
+def _name_re(run: str) -> re.Pattern:
+    return re.compile(rf"{re.escape(PREFIX + run)}-\d{{14}}")
+
+
+def make(ctx, where: Path) -> dict[str, str]:
+    """A credential of the run's controller's own, and its clouds.yaml in ``where``; returns what the controller's
+    environment adds (controller_env), or {} when Keystone refused it (the controller then runs with yours)."""
+    spec, c = ctx.spec, ctx.site.cloud
+    now = c.now()
+    deadline = deadline_of(spec)
+    expires = deadline + dt.timedelta(days=1) if deadline else now + dt.timedelta(days=RUN_CREDENTIAL_DAYS)
+    try:
+        cred = c.create_app_cred(f"{PREFIX}{spec.name}-{now:%Y%m%d%H%M%S}", expires_at=expires, unrestricted=True,
+                                 description=f"appliance run {spec.name}: its controller books leases and servers; "
+                                             "deleted when the run ends")
+    except ApplianceError as e:
+        log.info(f"[run] warning: the controller runs with your own credential: Keystone refused it one of its own "
+                 f"({e.message}); docs/managed.md (credentials) says what to give it")
+        return {}
+    entry = {"auth_type": "v3applicationcredential", "region_name": c.region_name(), "interface": "public",
+             "identity_api_version": 3,
+             "auth": {"auth_url": c.identity_url(), "application_credential_id": cred["id"],
+                      "application_credential_secret": cred["secret"]}}
+    mine = getattr(getattr(c, "conn", None), "config", None)
+    for k in ("verify", "cacert"):  # how your clouds.yaml reaches Keystone (a private CA), the same for it
+        if mine is not None and mine.config.get(k) is not None:
+            entry[k] = mine.config[k]
+    import yaml
+
+    path = where / "controller-cloud.yaml"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(yaml.safe_dump({"clouds": {RUN_CLOUD: entry}}, sort_keys=False))
+    return {RUN_CLOUD_ENV: str(path), CRED_ENV: cred["id"], EXPIRES_ENV: f"{expires:%Y-%m-%d %H:%M}"}
+
+
+def controller_env(extra: dict[str, str]) -> dict[str, str]:
+    """The detached controller's environment: with its own credential, none of your OS_* variables."""
+    if not extra:
+        return dict(os.environ)
+    return {k: v for k, v in os.environ.items() if not k.startswith("OS_")} | extra
+
+
+def forget_others(ctx) -> None:
+    """A controller with a credential of its own: the run's credentials made for controllers before it (gone: it
+    holds the run's lock) are deleted. A failure is said; they expire anyway."""
+    own = os.environ.get(CRED_ENV)
+    if not own:
+        return
+    c = ctx.site.cloud
+    pattern = _name_re(ctx.spec.name)
+    try:
+        for x in c.list_app_creds():
+            if x.get("id") != own and pattern.fullmatch(x.get("name") or ""):
+                c.delete_app_cred(x["id"])
+                log.info(f"[run] deleted the credential of an earlier controller of run {ctx.spec.name} ({x['id'][:8]})")
+    except Exception as e:  # noqa: BLE001 - they expire by themselves
+        log.info(f"[run] warning: could not look for earlier controllers' credentials ({type(e).__name__}: {e})")
+
+
+def drop(ctx, made: dict[str, str] | None = None) -> None:
+    """This controller's own credential goes (the last call it makes: its tokens stop with it), and its file.
+    ``made``: one `appliance run` made for a controller that did not start (deleted with your credential)."""
+    env = made if made is not None else os.environ
+    own, path = env.get(CRED_ENV), env.get(RUN_CLOUD_ENV)
+    if not own:
+        return
+    try:
+        ctx.site.cloud.delete_app_cred(own)
+    except Exception as e:  # noqa: BLE001 - it expires by itself
+        log.info(f"[run] warning: the controller's credential {own[:8]} was not deleted ({type(e).__name__}: {e}); "
+                 "it expires by itself, or delete it in the dashboard: Identity -> Application Credentials")
+    if path:
+        Path(path).unlink(missing_ok=True)

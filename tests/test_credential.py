@@ -1,0 +1,70 @@
+"""A managed run's controller gets a credential of its own (flows/credential.py), on the fake site: unrestricted,
+expiring, handed over in a private clouds.yaml (never in the environment), deleted at the run's end, and those of
+earlier controllers of the run deleted by the one that takes the run over."""
+
+import datetime as dt
+import os
+import stat
+
+import yaml
+
+from appliance import flows
+from appliance.flows import credential
+from appliance.sites.openstack import RUN_CLOUD, RUN_CLOUD_ENV
+from fakes import FakeSite, fault
+from test_fake_site import spec_of
+
+
+def _ctx(tmp_path, name="cr", limits=""):
+    return flows.RunContext(spec_of(tmp_path, name, lease=f"lease: {{duration: 2h}}\n{limits}"), FakeSite())
+
+
+def test_the_controller_gets_an_unrestricted_expiring_credential_in_a_private_file_not_in_its_environment(
+        tmp_path, monkeypatch):
+    ctx = _ctx(tmp_path, limits="limits: {deadline: '2026-12-24 12:00'}\n")
+    made = credential.make(ctx, tmp_path)
+    (cred,) = ctx.site.cloud.app_creds.values()
+    assert cred["unrestricted"] and cred["expires_at"] == dt.datetime(2026, 12, 25, 12, 0)  # a day past the deadline
+    assert cred["name"] == "appliance-run-cr-20261123120000"
+    path = tmp_path / "controller-cloud.yaml"
+    assert made == {RUN_CLOUD_ENV: str(path), credential.CRED_ENV: cred["id"],
+                    credential.EXPIRES_ENV: "2026-12-25 12:00"}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    entry = yaml.safe_load(path.read_text())["clouds"][RUN_CLOUD]
+    assert entry["auth_type"] == "v3applicationcredential" and entry["auth"]["application_credential_secret"] == "s3cret"
+    monkeypatch.setenv("OS_PASSWORD", "hunter2")
+    monkeypatch.setenv("OS_AUTH_URL", "https://kvm.tacc.chameleoncloud.org:5000/v3")
+    env = credential.controller_env(made)
+    assert not [k for k in env if k.startswith("OS_")] and env[credential.CRED_ENV] == cred["id"]
+    assert "s3cret" not in "".join(env.values())  # the secret is in the file only
+    monkeypatch.setattr(os, "environ", {**os.environ, **made})  # the controller, at the run's end
+    credential.drop(ctx)
+    assert not ctx.site.cloud.app_creds and not path.exists()
+
+
+def test_without_a_deadline_it_expires_after_run_credential_days(tmp_path):
+    ctx = _ctx(tmp_path)
+    credential.make(ctx, tmp_path)
+    (cred,) = ctx.site.cloud.app_creds.values()
+    assert cred["expires_at"] == ctx.site.cloud.clock + dt.timedelta(days=credential.RUN_CREDENTIAL_DAYS)
+
+
+def test_when_keystone_refuses_it_the_controller_keeps_your_credential_and_says_so(tmp_path, monkeypatch, said):
+    ctx = _ctx(tmp_path)
+    ctx.site.cloud.faults["create_app_cred"] = fault("Keystone refused an application credential (403: Using "
+                                                     "method 'application_credential' is not allowed)")
+    monkeypatch.setenv("OS_CLOUD", "chameleon")
+    assert credential.make(ctx, tmp_path) == {} and credential.controller_env({})["OS_CLOUD"] == "chameleon"
+    assert any("runs with your own credential" in m for m in said)
+
+
+def test_a_controller_that_takes_the_run_over_deletes_the_credentials_of_those_before_it(tmp_path, monkeypatch):
+    ctx = _ctx(tmp_path, "cr")
+    c = ctx.site.cloud
+    old = c.create_app_cred("appliance-run-cr-20261120080000", expires_at=None, unrestricted=True)
+    own = c.create_app_cred("appliance-run-cr-20261123120000", expires_at=None, unrestricted=True)
+    other_run = c.create_app_cred("appliance-run-cr-2-20261120080000", expires_at=None, unrestricted=True)
+    job = c.create_app_cred("appliance-cr-job-1", expires_at=None)
+    monkeypatch.setenv(credential.CRED_ENV, own["id"])
+    credential.forget_others(ctx)
+    assert set(c.app_creds) == {own["id"], other_run["id"], job["id"]} and old["id"] not in c.app_creds
