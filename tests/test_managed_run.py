@@ -4,6 +4,7 @@ across a lease end (tests/test_checkpoint.py::test_a_managed_run_goes_on_across_
 
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -457,7 +458,7 @@ def no_hosts_for(tmp_path, monkeypatch):
                     f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n"
                     "nodes: {count: 2, node_type: compute_local, alternatives: [gpu_local]}\n")
 
-    def run(refused: set, slot=None):
+    def run(refused: set, slot=None, park_poll: float = 0.0):
         asked, looked = [], []
         monkeypatch.setattr(managed._Run, "first_job", lambda self: _lease_end_job())
 
@@ -468,7 +469,17 @@ def no_hosts_for(tmp_path, monkeypatch):
                 raise NoHosts(f"not enough hosts available for 2 x {nt}")
             return _job(0)
         monkeypatch.setattr(flows, "resume", resume)
-        monkeypatch.setattr(managed, "wait_for_slot", lambda ctx, control, types, fit: (looked.append(list(types)), slot)[1])
+        slots = iter(slot if isinstance(slot, list) else [slot])
+
+        def wait_for_slot(ctx, control, types, fit, quiet):
+            looked.append(list(types))
+            got = next(slots)
+            if got == "cancel":  # `appliance cancel` while the run is parked, between two looks
+                threading.Thread(target=control.cancelled, args=({"by": "elsewhere"},)).start()
+                return None
+            return got
+        monkeypatch.setattr(managed, "wait_for_slot", wait_for_slot)
+        monkeypatch.setattr(managed, "PARK_POLL", park_poll)
         return flows.run_managed(str(spec)), asked, looked
     return run
 
@@ -485,12 +496,21 @@ def test_with_none_free_now_the_run_waits_for_the_earliest_slot_then_goes_on_the
     assert res.exit_code == 0 and asked[-1] == ("gpu_local", False)  # the lease booked at the slot, now started
 
 
-def test_with_no_slot_within_lease_wait_the_run_parks(no_hosts_for):
-    res, asked, looked = no_hosts_for({"compute_local", "gpu_local"}, slot=None)
-    assert res is None and len(asked) == 2
+def test_with_no_slot_within_lease_wait_the_run_parks_then_goes_on_when_one_appears(no_hosts_for):
+    """Parked: no lease held, its checkpoint committed; it looks again every PARK_POLL and goes on by itself once a
+    slot within lease.wait appears (another project's reservation was cancelled, the wait got shorter)."""
+    res, asked, looked = no_hosts_for({"compute_local", "gpu_local"}, slot=[None, None, "gpu_local"])
+    assert res.exit_code == 0 and len(looked) == 3 and asked[-1] == ("gpu_local", False)
     tl = managed.read_timeline(managed._control_of("ma", None, "local", None))
-    assert tl["status"] == "parked"
+    assert tl["status"] == "finished"
     assert [e["node_type"] for e in tl["events"] if e["event"] == "no hosts"] == ["compute_local", "gpu_local"]
+
+
+def test_a_parked_run_is_cancelled_without_waiting_for_its_next_look(no_hosts_for):
+    res, asked, looked = no_hosts_for({"compute_local", "gpu_local"}, slot=["cancel"], park_poll=3600.0)
+    assert res is None and len(looked) == 1  # not looked again: the cancel ended the wait for the next look
+    tl = managed.read_timeline(managed._control_of("ma", None, "local", None))
+    assert tl["status"] == "cancelled"
 
 
 def test_wait_for_slot_books_the_earliest_slot_and_measures_the_wait(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 import threading
 import time
 
@@ -25,6 +26,9 @@ from ..provision import lifecycle
 from ..spec import duration_seconds
 
 log = report.get(__name__)
+
+
+PARK_POLL = float(os.environ.get("APPLIANCE_PARK_POLL") or 600)  # a parked run looks for a free slot this often
 
 
 def other_name(run: str, current: str | None) -> str:
@@ -151,12 +155,12 @@ class Warm:
             lifecycle.down(self.name, self.ctx.site)
 
 
-def wait_for_slot(ctx, control, types: list[str], fit=None) -> str | None:
+def wait_for_slot(ctx, control, types: list[str], fit=None, quiet: bool = False) -> str | None:
     """No node type has hosts free now: the earliest slot of any of ``types`` (Blazar's host allocations:
     sites/slots.py), if it starts within lease.wait, is booked under the run's name and waited for. Returns the node
     type whose lease has started (`up` of the run goes on on it), or None: no slot within the wait, or the run was
     cancelled meanwhile (what was booked goes). ``fit(start)``: the longest lease the run's limits allow from
-    then, in seconds (None: none)."""
+    then, in seconds (None: none); ``quiet``: a parked run's look again (no slot is not said again)."""
     spec, site = ctx.spec, ctx.site
     c = site.cloud
     now = c.now()
@@ -165,18 +169,22 @@ def wait_for_slot(ctx, control, types: list[str], fit=None) -> str | None:
     limit = now + dt.timedelta(seconds=duration_seconds(spec.lease.wait))
     if not slots or slots[0][0] > limit:
         first = f"; the first is {slots[0][1]} at {slots[0][0]:%Y-%m-%d %H:%M} UTC" if slots else ""
-        control.record("parked", reason=f"no slot within lease.wait {spec.lease.wait}{first}")
-        log.info(f"[run] error: no {spec.nodes.count} x {' or '.join(types)} free within lease.wait "
-                 f"({spec.lease.wait}){first} (fix: the run is parked with its checkpoint; `appliance run "
-                 f"{spec.path}` continues it, or give a longer lease.wait or more nodes.alternatives)")
+        if not quiet:
+            control.record("parked", state="parked", reason=f"no slot within lease.wait {spec.lease.wait}{first}")
+            log.info(f"[run] no {spec.nodes.count} x {' or '.join(types)} free within lease.wait ({spec.lease.wait})"
+                     f"{first}: the run is parked with its checkpoint, holds no lease, and looks again every "
+                     f"{PARK_POLL / 60:.0f} min (a longer lease.wait or more nodes.alternatives help; `appliance "
+                     f"cancel {spec.name}` stops it)")
         return None
     start, nt = slots[0]
     fits = fit(start) if fit else None
     if fit and fits is None:
-        control.record("parked", reason=f"the first slot, {nt} at {start:%Y-%m-%d %H:%M} UTC, is past the run's limits")
-        log.info(f"[run] error: the first free slot, {spec.nodes.count} x {nt} at {start:%Y-%m-%d %H:%M} UTC, leaves "
-                 f"no lease within the run's limits (fix: the run is parked with its checkpoint; raise the limits "
-                 f"in {spec.path}, then `appliance run {spec.path}` continues it)")
+        if not quiet:
+            control.record("parked", state="parked",
+                           reason=f"the first slot, {nt} at {start:%Y-%m-%d %H:%M} UTC, is past the run's limits")
+            log.info(f"[run] the first free slot, {spec.nodes.count} x {nt} at {start:%Y-%m-%d %H:%M} UTC, leaves no "
+                     f"lease within the run's limits: the run is parked with its checkpoint and looks again every "
+                     f"{PARK_POLL / 60:.0f} min (raise the limits in {spec.path}, then `appliance run` again)")
         return None
     lease = dataclasses.replace(spec.lease, duration=f"{fits // 60}m") if fits else spec.lease
     booked = lifecycle.book(site, dataclasses.replace(spec, lease=lease,

@@ -45,7 +45,7 @@ from ..train.launch import JobResult
 from . import credential
 from .budget import Budget, Ledger, estimate
 from .control import CONTROL, NOTIFIED, Control, busy, gone_here  # noqa: F401 (the controller's names, here too)
-from .handover import Warm, other_name, overlap_cost, wait_for_slot
+from .handover import PARK_POLL, Warm, other_name, overlap_cost, wait_for_slot
 
 log = report.get(__name__)
 
@@ -300,11 +300,29 @@ class _Run:
                 log.info(f"[run] no {spec.nodes.count} x {nt} free for the next lease ({e.message})"
                          + (f"; trying {types[types.index(nt) + 1]}" if nt != types[-1] else ""))
                 self.control.record("no hosts", node_type=nt)
-        nt = wait_for_slot(self.ctx, self.control, types, fit=lambda start: self.lease_length(start)[0])
+        nt = self.wait_for_hosts(types)
         if nt is None:
-            self.parked = True
             return None
         return self.resume(node_type=None if nt == spec.nodes.node_type else nt)
+
+    def wait_for_hosts(self, types: list[str]) -> str | None:
+        """No node type has hosts now: the earliest free slot within lease.wait, booked and waited for; without one
+        the run parks with its checkpoint (status parked, no lease held) and looks again every PARK_POLL, until a
+        slot appears, the run is cancelled, or its limits leave no lease (limits.deadline passes). Returns the
+        node type whose lease has started, or None."""
+        c, looked = self.control, 0
+        while c.cancel is None and not c.lost:
+            nt = wait_for_slot(self.ctx, c, types, fit=lambda start: self.lease_length(start)[0], quiet=looked > 0)
+            if nt is not None or c.cancel is not None:
+                self.parked = False
+                return nt
+            if self.new_lease() is None:  # the limits leave no lease now: the run ends (said)
+                self.parked = False
+                return None
+            self.parked, looked = True, looked + 1
+            c.changed.wait(PARK_POLL)  # the next look, or at once on a cancel
+            c.changed.clear()
+        return None
 
     def first_job(self) -> JobResult | None:
         """A managed run's first job: a resume when the run has committed work, else a fresh job on its own
