@@ -27,7 +27,8 @@ from .credential import EXPIRES_ENV
 log = report.get(__name__)
 
 CONTROL = "controller"  # URL/RUN/controller/
-LOG_TAIL = 1 << 20  # bytes of the newest job's output kept in the store, for `appliance logs RUN --url`
+LOG_TAIL = 256 << 10  # bytes of the newest job's output kept in the store, for `appliance logs RUN --url`
+LOG_EVERY = 60.0  # seconds between two copies of it at most (a chatty job: ~15 MB an hour to the store)
 NOTIFIED = ("downtime", "next cluster failed", "no hosts", "waiting for hosts", "stuck", "cancel", "end", "limit")
 
 
@@ -106,12 +107,15 @@ class Control:
                      f"expires {self.lock.ttl:.0f}s after its last heartbeat")
 
     def _beat(self) -> None:
-        """Renew the lock every interval; look for a cancel request every poll."""
-        last = time.monotonic()
+        """Renew the lock every interval; look for a cancel request every poll; copy the job's output to the store
+        every LOG_EVERY (ship_log)."""
+        last, shipped = time.monotonic(), float("-inf")
         while not self._done.wait(self.poll):
             if self.cancel is None:
                 self._look_for_cancel()
-            self.ship_log()
+            if time.monotonic() - shipped >= LOG_EVERY:
+                shipped = time.monotonic()
+                self.ship_log()
             if time.monotonic() - last >= self.lock.interval:
                 last = time.monotonic()
                 try:

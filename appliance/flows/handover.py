@@ -123,8 +123,9 @@ class Warm:
             if info is None or info.status in ("ERROR", "TERMINATED", "DELETED"):
                 raise ApplianceError(f"the current lease {lid} is {info.status if info else 'gone'}")
             self.end = info.end
-            if site.cloud.now() < info.end - ahead:
-                self._stop.wait(self.poll)
+            early = (info.end - ahead - site.cloud.now()).total_seconds() / site.time_scale()  # real seconds
+            if early > 0:  # half the time left at a time, within 1 and 20 polls: days of a lease, few reads
+                self._stop.wait(min(max(early / 2, self.poll), 20 * self.poll))
                 continue
             most, why = self.plan.extend_by(lid, info.end, warm=True)  # the run's limits: at most this far
             by = min(dt.timedelta(seconds=duration_seconds(self.spec.lease.duration)), most) if most else None

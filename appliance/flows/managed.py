@@ -526,8 +526,8 @@ def read_timeline(c: Control) -> dict | None:
 def store_logs(run: str, *, url: str | None, cloud: str = "local", site_name: str | None = None, lines: int = 50,
                follow: bool = False, out: Callable[[str], None] = print, poll: float = 5.0) -> str:
     """`appliance logs RUN --url URL`: the newest job's output from the store, as its controller shipped it
-    (Control.ship_log: the last MB, every poll), from any machine; ``follow``: new lines until the timeline says
-    that job ended. Returns the job id."""
+    (Control.ship_log: its last LOG_TAIL bytes, every LOG_EVERY), from any machine; ``follow``: new lines until
+    the timeline says that job ended. Returns the job id."""
     c = _control_of(run, url, cloud, site_name)
     metas = [o.name for o in c.cs.store.list(c.cs.prefix + "logs/") if o.name.endswith(".json")]
     if not metas:
