@@ -43,7 +43,7 @@ from nodedisk import node_disk  # noqa: E402
 
 
 # large: 8 x 256 MB as plain objects; large-ours: 8 others of that size as `appliance data upload` puts them (with
-# their CRC-32, which our stager checks instead of an MD5: CRC_META in appliance/store/objects.py); multipart: the
+# their CRC-32, which our stager checks instead of an MD5: CRC_META in appliance/store/hashes.py); multipart: the
 # same as `aws s3 cp` uploads them (ETag <md5>-32, checked part by part); medium: 256 x 8 MiB as plain objects
 # (between the stager's small bodies and its ranged GETs: files of a few MB, images, audio, shards); upload: one 1.6 GB
 # file up; packed: 1 GB of small files as 64 MB shards

@@ -51,11 +51,11 @@ def test_an_object_store_that_does_not_answer_is_said_while_waiting_and_then_in_
     unexpected error (`ConnectionError: HTTPConnectionPool(...)`, `EndpointConnectionError: ...`, "report it")."""
     from appliance.data import listing
     from appliance.errors import ApplianceError
-    from appliance.store import objects
+    from appliance.store import base as store_base
     from appliance.store.objects import StoreCreds
 
-    monkeypatch.setattr(objects, "LIST_DEADLINE", 3.0)
-    clock = virtual_time(objects)  # the backoff's waits, not sat out
+    monkeypatch.setattr(store_base, "LIST_DEADLINE", 3.0)
+    clock = virtual_time(store_base)  # the backoff's waits, not sat out
     url = f"http://127.0.0.1:{_closed_port()}"
     creds = StoreCreds(auth_url=f"{url}/auth/v1.0", user="u", key="k") if scheme == "swift" else \
         StoreCreds(s3_endpoint=url, s3_access_key="a", s3_secret_key="b")
@@ -76,10 +76,10 @@ def test_the_stager_says_a_store_that_does_not_answer_in_one_line(tmp_path, monk
 
     from appliance.node import stage_main
     from appliance.protocol import Line, parse
-    from appliance.store import objects
+    from appliance.store import base as store_base
 
-    monkeypatch.setattr(objects, "LIST_DEADLINE", 0.5)
-    virtual_time(objects)
+    monkeypatch.setattr(store_base, "LIST_DEADLINE", 0.5)
+    virtual_time(store_base)
     url = f"http://127.0.0.1:{_closed_port()}"
     job = {"url": "swift://data/x/", "dest": str(tmp_path / "d"), "mode": "full", "rank": 0, "nodes": 1,
            "creds": {"auth_url": f"{url}/auth/v1.0", "user": "u", "key": "k"}}

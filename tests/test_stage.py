@@ -17,7 +17,7 @@ import pytest
 
 from appliance.data import dataset_summary, stage_cluster, unstaged, upload
 from appliance.node.stage import MANIFEST, safe_relpath, stage
-from appliance.store import objects
+from appliance.store import swift as store_swift
 from appliance.store.objects import S3Store, Store, StoreCreds, SwiftStore
 from appliance.errors import ApplianceError
 from appliance.localcloud.rgw_server import RGWServer
@@ -94,7 +94,7 @@ def test_a_listing_of_many_pages_swift(big_container, tmp_path, monkeypatch):
     """Every page of a listing is read: Swift answers at most 10,000 names a request, Ceph RGW 1,000 whatever is
     asked; the stager asks for 1,000 here (SWIFT_PAGE) so that 1,050 objects take two pages on both stores (a
     stager that read only the first page would miss 50)."""
-    monkeypatch.setattr(objects, "SWIFT_PAGE", 1000)
+    monkeypatch.setattr(store_swift, "SWIFT_PAGE", 1000)
     st, expect = big_container
     pages = []
     page = st._page

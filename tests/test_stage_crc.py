@@ -1,4 +1,4 @@
-"""Objects our uploads wrote carry their CRC-32 in user metadata, bound to their ETag (store/objects.py CRC_META), and
+"""Objects our uploads wrote carry their CRC-32 in user metadata, bound to their ETag (store/hashes.py CRC_META), and
 the stager checks their bytes by it instead of by an MD5: 10-15 GB/s (zlib-ng) against 0.65 on this machine, and a
 large object's ranges are checked as they arrive and combined, none read back. Fast tier, with the in-memory store
 (tests/fakes.py); against the real Swift and Ceph RGW in test_stage.py::test_our_uploads_are_checked_by_crc."""

@@ -1,5 +1,5 @@
 """What a node's stager process costs to start: S3 listings and part HEADs through our own signed requests
-(appliance/store/objects.py S3Store._ask), so a stager through S3 never imports boto3 (0.21-0.25 s of CPU on every
+(appliance/store/s3.py S3Store._ask), so a stager through S3 never imports boto3 (0.21-0.25 s of CPU on every
 node's start: docs/staging.md), and a stager through Swift without python-keystoneclient (0.15 s), which swiftclient
 imports for auth this process never uses (appliance/node/stage_main.py).
 
@@ -23,7 +23,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 import pytest
 
 from appliance.errors import ApplianceError
-from appliance.store import objects
+from appliance.store import base as store_base
 from appliance.store.objects import S3Store, StoreCreds, StoreRefused
 from conftest import http_server
 
@@ -121,7 +121,7 @@ def test_every_page_is_read_and_every_name_decoded(s3):
 
 
 def test_a_page_that_fails_transiently_is_asked_again(s3, monkeypatch, virtual_time):
-    virtual_time(objects)  # the backoff, not sat out
+    virtual_time(store_base)  # the backoff, not sat out
     FakeS3.fail = [(503, b"<Error><Code>ServiceUnavailable</Code></Error>"), (500, b"")]
     assert len(list(store(s3).list())) == len(NAMES)
     assert len(FakeS3.asked) == 5  # 2 failures and the 3 pages
@@ -135,7 +135,7 @@ def test_a_page_that_fails_transiently_is_asked_again(s3, monkeypatch, virtual_t
     (400, b"<Error><Code>InvalidArgument</Code></Error>", Exception, "HTTP 400 (InvalidArgument) for GET"),
 ])
 def test_a_refusal_or_a_wrong_answer_is_said_at_once(s3, monkeypatch, status, body, raised, said, virtual_time):
-    virtual_time(objects)  # the backoff, not sat out
+    virtual_time(store_base)  # the backoff, not sat out
     FakeS3.fail = [(status, body)] * 3
     with pytest.raises(raised) as e:
         list(store(s3).list())

@@ -15,6 +15,7 @@ import pytest
 import swiftclient
 
 from appliance.errors import ApplianceError
+from appliance.store import base as store_base
 from appliance.store import httpget, objects
 from appliance.store.httpget import HTTPError
 from appliance.store.objects import StoreCreds, SwiftStore
@@ -87,13 +88,13 @@ def test_rgw_pages_of_1000_are_all_read():
 
 
 def test_transient_failures_of_a_page_are_retried(monkeypatch, virtual_time):
-    virtual_time(objects)  # the backoff, not sat out
+    virtual_time(store_base)  # the backoff, not sat out
     conn = FakeConn([f"o{i}" for i in range(5)], fail=[503, None, 500])
     assert len(list(store(conn).list())) == 5 and conn.calls == 5  # 3 failures, a page, the empty page
 
 
 def test_a_refusal_is_not_retried(monkeypatch, virtual_time):
-    virtual_time(objects)  # the backoff, not sat out
+    virtual_time(store_base)  # the backoff, not sat out
     conn = FakeConn(["a"], fail=[403])
     with pytest.raises(ApplianceError, match="refused access"):
         list(store(conn).list())
@@ -109,7 +110,7 @@ def test_a_certificate_this_machine_does_not_trust_is_not_retried_and_is_said_as
 
     import requests
 
-    clock = virtual_time(objects)
+    clock = virtual_time(store_base)
     verify = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: "
                                              "self-signed certificate (_ssl.c:1006)")
     wrapped = requests.exceptions.SSLError(
@@ -135,7 +136,7 @@ def test_a_certificate_this_machine_does_not_trust_is_not_retried_and_is_said_as
 
 
 def test_retries_stop_at_the_deadline(monkeypatch):
-    monkeypatch.setattr(objects, "LIST_DEADLINE", 0.0)
+    monkeypatch.setattr(store_base, "LIST_DEADLINE", 0.0)
     conn = FakeConn(["a"], fail=[503] * 100)
     with pytest.raises(HTTPError, match="HTTP 503"):
         list(store(conn).list())
@@ -427,7 +428,7 @@ def test_s3_uploads_send_each_parts_md5_and_complete_only_when_all_arrived_as_se
         if request.method == "POST" and q.startswith("uploads"):
             xml = b"<InitiateMultipartUploadResult><UploadId>u</UploadId></InitiateMultipartUploadResult>"
             return AWSResponse(request.url, 200, {}, Raw(xml))
-        if request.method == "POST":  # complete: the ETag of the parts the store took (store/objects.py)
+        if request.method == "POST":  # complete: the ETag of the parts the store took (store/s3.py)
             got = sorted((int(q.split("partNumber=")[1].split("&")[0]), d) for _, q, _, d in sent if "partNumber" in q)
             e = hashlib.md5(b"".join(d for _, d in got)).hexdigest() + f"-{len(got)}"
             xml = f"<CompleteMultipartUploadResult><ETag>&quot;{e}&quot;</ETag></CompleteMultipartUploadResult>"

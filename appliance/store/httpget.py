@@ -9,7 +9,7 @@ socket reads, hashlib and zlib-ng let go of the GIL for pieces this size, so a n
 C of ours (node/fetch.py adds processes). Swift and S3 differ only in how a request is authorised (a token header;
 a signed URL), which the stores own. A failure is an ``HTTPError`` with its status for an answer that is not 2xx,
 else OSError (a refused connection, a reset, an untrusted certificate, a timeout) or http.client's errors (a body
-cut short: IncompleteRead), which ``objects._transient`` reads as worth asking again.
+cut short: IncompleteRead), which ``base._transient`` reads as worth asking again.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ CHUNK = 1 << 20  # bytes of a body read, written and hashed at a time: large eno
 
 
 class HTTPError(Exception):
-    """A non-2xx answer. ``http_status`` is what ``objects._transient`` reads: 5xx and 429 are retried."""
+    """A non-2xx answer. ``http_status`` is what ``base._transient`` reads: 5xx and 429 are retried."""
 
     def __init__(self, status: int, reason: str, url: str, *, code: str | None = None, method: str = "GET"):
         said = " ".join(filter(None, (f"HTTP {status}", reason, f"({code})" if code else "")))

@@ -1,7 +1,7 @@
 """A Swift storage URL and token through httpget's connections, without importing swiftclient, keystoneauth1 and
 requests: 0.15 s of CPU and 0.18 s of wall time less per staging on the Keystone path, 0.05 and 0.07 with v1 auth
 (bench/results/stage-swift-auth; docs/staging.md of 14aa98a (in git), "The stager's token and listing without swiftclient").
-The stager's reads (listing, HEAD, GET: objects.SwiftStore) take their token from here; its writes (checkpoints)
+The stager's reads (listing, HEAD, GET: swift.SwiftStore) take their token from here; its writes (checkpoints)
 still go through swiftclient, which authenticates the same way.
 
 Two ways, as swiftclient and keystoneauth1 do them:
