@@ -41,7 +41,7 @@ import yaml
 
 from appliance import localcloud
 from appliance.checkpoint import runs
-from appliance.cli import format_breakdown
+from appliance.cli import format_breakdown, format_progress
 from appliance.cluster import find_cluster
 from appliance.flows import resume
 from appliance import flows, sites
@@ -225,6 +225,8 @@ def demo(spec_path: str, spec, record: Path | None = None) -> int:
               f"step {resumed_step} (steps lost: {stop_step - resumed_step})")
         if b:
             print(f"    downtime  {format_breakdown(b)}")
+    for line in format_progress(flows.timeline(spec.name) or {}):  # what `appliance runs RUN` says of it
+        print(f"  {line.strip()}")
     print(f"  final validation accuracy {r0.get('val_accuracy')} (reference {ref0.get('val_accuracy')})")
     print(f"  final weights {'EQUAL' if same else 'DIFFER from'} the uninterrupted reference run "
           f"(sha256 {weights(last)[:16]}…)")

@@ -204,6 +204,10 @@ def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path, monkey
     assert "node-hours: 8.2 spent, 4.0 booked ahead, limit 20 (7.8 left); deadline 2026-12-24 12:00 UTC" in r.output
     assert "steps: 242 of 1000 (24%); at 0.50 steps/s it should finish about 2026-11-30 " in r.output
     assert "2 lease end(s) ahead" in r.output and "lease L1 extended to 2026-12-01T14:00" in r.output
+    from appliance.cli import format_progress
+
+    assert format_progress({"estimate": {"step": 1000, "total_steps": 1000, "steps_per_s": 0.5, "eta": 1}}) == [
+        "  steps: 1000 of 1000 (100%), done"]
     c.close("finished")
     r = CliRunner().invoke(main, ["runs", "mc", "--json"])
     tl = json.loads(r.output)["timeline"]

@@ -84,7 +84,8 @@ def format_progress(tl: dict) -> list[str]:
                    + (f"; deadline {nh['deadline']} UTC" if nh.get("deadline") else ""))
     if est.get("step") is not None:
         of = f" of {est['total_steps']} ({100 * est['step'] / est['total_steps']:.0f}%)" if est.get("total_steps") else ""
-        eta = (f"; at {est['steps_per_s']:.2f} steps/s it should finish about "
+        done = est.get("total_steps") and est["step"] >= est["total_steps"]
+        eta = (", done" if done else f"; at {est['steps_per_s']:.2f} steps/s it should finish about "
                f"{dt.datetime.fromtimestamp(est['eta'], dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
                f"{est['lease_ends_ahead']} lease end(s) ahead" if est.get("eta") else "")
         out.append(f"  steps: {est['step']}{of}{eta}")
