@@ -8,28 +8,25 @@ No hand-written HTTP to OpenStack. The facts this follows (docs/chameleon.md, sh
   7 days past it; a lease lasts at most 7 days;
 - waiting fails fast on ERROR or a host reservation with `missing_resources`; `degraded` alone (sticky after any
   reallocation) is a note.
+The request bodies, answers and refusals are in openstack_api.py.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime as dt
-import email.utils
 import json
 import os
-import re
 import time
-from dataclasses import dataclass, field
 
-from ..errors import ApplianceError, NoHosts, socket_reason
 from .. import report
+from ..errors import ApplianceError, socket_reason
+from .openstack_api import (  # noqa: F401 - the API's records and rules, named here as before
+    API_DATE, EXTENSION_WINDOW, HOSTKEYS_HEADER, MAX_LEASE, RESERVATION_KEY, LeaseInfo, ListedServer, _date_of,
+    _not_found, blazar_error, explain_blazar, fip_reservation, fmt_date, host_reservation, parse_console_host_keys,
+    parse_lease_date, parse_password_host_keys, resource_properties)
 
 log = report.get(__name__)
-
-API_DATE = "%Y-%m-%d %H:%M"
-MAX_LEASE = dt.timedelta(days=7)
-EXTENSION_WINDOW = dt.timedelta(hours=48)
-
 
 # ---------------------------------------------------------------------------------------------
 # auth
@@ -101,181 +98,6 @@ def blazar_client(conn):
 
     return client.Client(session=conn.session, region_name=conn.config.get_region_name(), interface="public")
 
-
-# ---------------------------------------------------------------------------------------------
-# dates and request bodies
-
-
-def fmt_date(t: dt.datetime) -> str:
-    return t.strftime(API_DATE)
-
-
-def parse_lease_date(value: str) -> dt.datetime:
-    """Blazar answers with ISO dates (with microseconds); accept both forms. Naive UTC."""
-    for f in ("%Y-%m-%dT%H:%M:%S.%f", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", API_DATE):
-        try:
-            return dt.datetime.strptime(value, f)
-        except ValueError:
-            continue
-    raise ValueError(f"unrecognised date {value!r}")
-
-
-def resource_properties(node_type: str) -> str:
-    return json.dumps(["=", "$node_type", node_type])
-
-
-def host_reservation(node_type: str, count: int) -> dict:
-    return {"resource_type": "physical:host", "min": count, "max": count, "hypervisor_properties": "",
-            "resource_properties": resource_properties(node_type), "before_end": "default"}
-
-
-def fip_reservation(public_network_id: str, amount: int = 1) -> dict:
-    return {"resource_type": "virtual:floatingip", "network_id": public_network_id, "amount": amount}
-
-
-# ---------------------------------------------------------------------------------------------
-# errors
-
-
-def blazar_error(e: Exception) -> tuple[int | None, str]:
-    """(HTTP status, message) of a BlazarClientException: the text is args[0], the status kwargs['code']."""
-    code = (getattr(e, "kwargs", None) or {}).get("code")
-    msg = str(e.args[0]) if e.args else str(e)
-    return code, re.sub(r"^ERROR: ", "", msg).strip()
-
-
-def _not_found(e: Exception) -> bool:
-    code, msg = blazar_error(e)
-    return code == 404 or "not found" in msg.lower()
-
-
-def explain_blazar(e: Exception, *, node_type: str = "", count: int = 0, end: str = "") -> ApplianceError:
-    code, msg = blazar_error(e)
-    low = msg.lower()
-    if "not enough hosts" in low or "notenoughhosts" in low:
-        what = f"{count} x {node_type}" if node_type else "the reserved hosts"
-        return NoHosts(f"not enough hosts available for {what} in that window (Blazar: {msg.strip()})",
-                       "ask for fewer nodes or a later start, or see the site's host calendar "
-                       "(Reservations > Host Calendar); an extension fails this way when someone "
-                       "booked your hosts after your end")
-    if "within" in low and ("extend" in low or "window" in low) or "updatewindow" in low:
-        return ApplianceError(f"Chameleon allows an extension only within 48 h of the lease end (Blazar: {msg.strip()})",
-                              f"extend after {end} (UTC)" if end else "extend later, within 48 h of the end")
-    if "duration" in low and ("exceed" in low or "max" in low):
-        return ApplianceError(f"the lease would be longer than Chameleon's 7-day maximum (Blazar: {msg.strip()})",
-                              "ask for at most 7d; near the end, extend (within 48 h of it) or resume on a new lease")
-    if "quota" in low or code == 403 or "allocation" in low or "budget" in low:
-        return ApplianceError(f"refused by quota or allocation (Blazar: {msg.strip()})",
-                              "check your project's allocation / SU budget with your PI")
-    if code == 500 and node_type:
-        # Blazar makes a Keystone trust for each new lease; Keystone refuses one to a restricted application
-        # credential and Blazar answers that with a bare 500 (blazar/api/v1/utils.py internal_error)
-        return ApplianceError("Blazar could not create the lease (HTTP 500, no reason given); with an application "
-                              "credential this is how a restricted one fails: Blazar needs to make a Keystone trust",
-                              "create the application credential with 'unrestricted' checked (Identity > "
-                              "Application Credentials, or `openstack application credential create --unrestricted "
-                              "NAME`) and use it")
-    if code == 401:
-        return ApplianceError("Blazar rejected the token (401)", "check your credentials (application credential must be unrestricted)")
-    return ApplianceError(f"Blazar: {msg.strip()}")
-
-
-# ---------------------------------------------------------------------------------------------
-# the cloud
-
-
-HOST_KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384", "ecdsa-sha2-nistp521", "ssh-rsa")
-
-
-def parse_console_host_keys(text: str) -> list[str]:
-    """The host keys cloud-init printed between its BEGIN/END SSH HOST KEY KEYS markers (cloud-init's
-    write-ssh-key-fingerprints), from the *last* complete block: a console log holds one block per boot, and a
-    re-provisioned node prints new keys. Serial consoles end lines with CRLF. Only well-formed public-key lines
-    (`TYPE BASE64 [comment]`) are kept."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    blocks = re.findall(r"-----BEGIN SSH HOST KEY KEYS-----\n(.*?)-----END SSH HOST KEY KEYS-----", text, re.S)
-    if not blocks:
-        return []
-    return _key_lines(blocks[-1].splitlines())
-
-
-RESERVATION_KEY = "appliance_reservation"  # a server's metadata: the reservation it was asked for on
-HOSTKEYS_HEADER = "appliance-hostkeys/1"  # the first line appliance/provision/hostkeys.sh posts
-
-
-def _key_lines(lines) -> list[str]:
-    keys = []
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] in HOST_KEY_TYPES and re.fullmatch(r"[A-Za-z0-9+/]+={0,2}", parts[1]):
-            keys.append(" ".join(parts[:2]))
-    return keys
-
-
-def parse_password_host_keys(text: str) -> list[str]:
-    """The host keys a node published through Nova's server password (appliance/provision/hostkeys.sh): the header
-    line, then `TYPE BASE64` lines. Anything else in the password (an image that posts an encrypted admin password,
-    as cloudbase-init does) is not ours: no keys."""
-    lines = (text or "").replace("\r\n", "\n").split("\n")
-    if lines[0].strip() != HOSTKEYS_HEADER:
-        return []
-    return _key_lines(lines[1:])
-
-
-@dataclass(frozen=True)
-class ListedServer:
-    """A server as Nova's listing shows it (API 2.1 fields: nova/api/openstack/compute/views/servers.py): what `up`
-    reads while it waits, and the address it takes."""
-    id: str
-    name: str
-    status: str
-    addresses: dict
-    fault: dict | None = None
-    task_state: str | None = None
-    metadata: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_nova(cls, d: dict) -> ListedServer:
-        return cls(id=d["id"], name=d.get("name") or "", status=d.get("status") or "",
-                   addresses=d.get("addresses") or {}, fault=d.get("fault"),
-                   task_state=d.get("OS-EXT-STS:task_state"), metadata=d.get("metadata") or {})
-
-
-@dataclass
-class LeaseInfo:
-    id: str
-    name: str
-    status: str
-    start: dt.datetime
-    end: dt.datetime
-    reservation_id: str | None
-    fip_reservation_id: str | None
-    degraded: bool  # sticky on Blazar: set on every reallocation, successful ones too, and never cleared
-    missing_resources: bool = False  # the host reservation lacks hosts Blazar could not replace
-
-    @classmethod
-    def from_api(cls, lease: dict) -> LeaseInfo:
-        host = next((r for r in lease.get("reservations", []) if r.get("resource_type") == "physical:host"), None)
-        fip = next((r for r in lease.get("reservations", []) if r.get("resource_type") == "virtual:floatingip"), None)
-        return cls(id=lease["id"], name=lease["name"], status=lease["status"],
-                   start=parse_lease_date(lease["start_date"]), end=parse_lease_date(lease["end_date"]),
-                   reservation_id=host["id"] if host else None, fip_reservation_id=fip["id"] if fip else None,
-                   degraded=bool(lease.get("degraded")),
-                   missing_resources=bool(host and host.get("missing_resources")))
-
-    def as_dict(self) -> dict:
-        return {"id": self.id, "name": self.name, "status": self.status, "start": self.start.isoformat() + "Z",
-                "end": self.end.isoformat() + "Z", "reservation_id": self.reservation_id,
-                "fip_reservation_id": self.fip_reservation_id, "degraded": self.degraded,
-                "missing_resources": self.missing_resources}
-
-
-def _date_of(resp) -> dt.datetime:
-    """An HTTP answer's Date header as naive UTC (our clock when it has none)."""
-    date = resp.headers.get("Date")
-    if date:
-        return email.utils.parsedate_to_datetime(date).astimezone(dt.timezone.utc).replace(tzinfo=None)
-    return dt.datetime.utcnow()
 
 
 class OpenStackCloud:
