@@ -99,6 +99,7 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
     finally:
         if run.warm is not None:
             run.warm.abandon()  # booked or made and not used: it goes
+        run.settle()  # the last job's progress and node-hours, into the state close writes
         control.close(status)
         credential.drop(ctx)  # the controller's own credential, last: its tokens stop with it
 
@@ -115,7 +116,10 @@ class _Run:
         self.limited: str | None = None  # the limit that ended the run (limits: budget.py)
         self.ledger = Ledger(json.loads(json.dumps(control.state.get("leases") or {})))
         self.budget = Budget(self.spec, self.ledger)
-        control.on_job, control.on_job_end, control.extend_by = self.job_started, self.job_ended, self.extend_by
+        control.on_job, control.extend_by = self.job_started, self.extend_by
+        control.on_job_end = lambda res: self.later(self.job_ended, res)
+        self._later: list[threading.Thread] = []
+        self._progress = threading.Lock()  # the run's progress: a job's end and a handover's downtime
         control.on_first_step = self.downtime
         self.handing_over: dict | None = None  # a handover whose job has not made its first step yet: {"warm"}
 
@@ -126,26 +130,40 @@ class _Run:
         if self.warm is not None:  # made for a cluster that is not used (a restart on the same one): it goes
             self.warm.abandon()
             self.warm = None
-        if spec is not None and cluster.lease_id:
-            self.track(cluster.lease_id, len(cluster.nodes), spec.nodes.node_type)
+        if spec is not None and cluster.lease_id:  # not in the job's way: its start is the handover's downtime
+            self.later(self.track, cluster.lease_id, len(cluster.nodes), spec.nodes.node_type)
         if duration_seconds(self.spec.lease.overlap) and cluster.lease_id and cluster.lease_end_at:
             self.warm = Warm(self.ctx, cluster, self.control.record, _flows().stage_to_nodes,
                              self.control.poll, plan=self).start()
 
     def job_ended(self, res: JobResult) -> None:
         """The run's pace and progress (steps made per second of training, the newest step of its total: the
-        estimated finish `appliance runs RUN` shows), and its node-hours so far."""
-        p = dict(self.control.state.get("progress") or {})
-        p["steps"] = p.get("steps", 0) + _steps_made(res)
-        p["train_s"] = round(p.get("train_s", 0.0) + (res.wall_s or 0.0), 1)
-        p["lease_s"] = duration_seconds(self.spec.lease.duration) / self.ctx.site.time_scale()
+        estimated finish `appliance runs RUN` shows), and its node-hours so far; beside the handover, not before
+        it (the store and the cloud are read)."""
+        made, wall = _steps_made(res), res.wall_s or 0.0
         meta = _newest_meta(self.ctx)
-        if meta.get("step") is not None:
-            p["step"] = int(meta["step"])
-        if meta.get("steps_per_epoch") and meta.get("total_epochs"):
-            p["total_steps"] = int(meta["steps_per_epoch"]) * int(meta["total_epochs"])
-        self.control.update(progress=p, estimate=estimate(p, time.time()))
+        with self._progress:
+            p = dict(self.control.state.get("progress") or {})
+            p["steps"] = p.get("steps", 0) + made
+            p["train_s"] = round(p.get("train_s", 0.0) + wall, 1)
+            p["lease_s"] = duration_seconds(self.spec.lease.duration) / self.ctx.site.time_scale()
+            if meta.get("step") is not None:
+                p["step"] = int(meta["step"])
+            if meta.get("steps_per_epoch") and meta.get("total_epochs"):
+                p["total_steps"] = int(meta["steps_per_epoch"]) * int(meta["total_epochs"])
+            self.control.update(progress=p, estimate=estimate(p, time.time()))
         self.account()
+
+    def later(self, fn, *args) -> None:
+        """``fn(*args)`` in a thread of its own; `settle` waits for them all (before the run's last state)."""
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        t.start()
+        self._later.append(t)
+
+    def settle(self) -> None:
+        for t in list(self._later):
+            if t is not threading.current_thread():
+                t.join(timeout=120)
 
     # the run's leases and limits (budget.py)
 
@@ -177,6 +195,7 @@ class _Run:
         """Seconds of the longest lease the run may book from ``start`` (None: now) within its limits."""
         if not self.budget.limited:
             return duration_seconds(self.spec.lease.duration), ""
+        self.settle()  # every lease of the run counted (a job's is, beside its start)
         self.account()
         now = self.ctx.site.cloud.now()
         return self.budget.lease_seconds(start or now, now, nodes)
@@ -188,6 +207,7 @@ class _Run:
             return None, "with lease.overlap the run extends before it books its next lease, not at the stop"
         if not self.budget.limited:
             return dt.timedelta(days=7), ""  # no cap of the run's own: Chameleon's, at most 7 days at a time
+        self.settle()
         self.account()
         nodes = (self.ledger.leases.get(lease_id) or {}).get("nodes") or self.spec.nodes.count
         return self.budget.extension(lease_id, end, self.ctx.site.cloud.now(), nodes)
@@ -280,9 +300,10 @@ class _Run:
         if how is None:  # not a handover: the run's first job, a restart after a failure
             return
         self.control.record("downtime", job_id=job_id, warm=how["warm"], breakdown=breakdown)
-        p = self.control.state.get("progress") or {}
         if breakdown.get("total") is not None:  # the estimate counts one per lease end ahead
-            self.control.update(progress={**p, "downtime_s": [*p.get("downtime_s", [])[-9:], breakdown["total"]]})
+            with self._progress:
+                p = self.control.state.get("progress") or {}
+                self.control.update(progress={**p, "downtime_s": [*p.get("downtime_s", [])[-9:], breakdown["total"]]})
 
     def cold(self) -> JobResult | None:
         """A resume on a new lease: of the spec's node type; when Blazar has not the hosts, of each of
