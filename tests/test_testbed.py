@@ -118,3 +118,33 @@ def test_a_process_that_ends_between_two_proc_reads_is_not_alive(monkeypatch):
 
     monkeypatch.setattr(pathlib.Path, "read_text", gone)
     assert netns._alive(os.getpid()) is False
+
+
+def test_stopping_the_local_cloud_waits_for_the_testbeds_lock_that_two_commands_do_not_wait_for(monkeypatch):
+    """`down` from the local cloud's stop waits for the testbed's lock (its server, slow to stop on a loaded
+    machine, still held it: make test's teardown failed with "another `appliance testbed up/down` is running");
+    `appliance testbed down` beside a running `up` still fails at once."""
+    import fcntl
+
+    from appliance import paths
+    from appliance.testbed import netns
+
+    name = f"lk{uuid.uuid4().hex[:6]}"
+    holder = open(paths.testbeds_dir() / f".{name}.lock", "w")
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with pytest.raises(ApplianceError, match="another `appliance testbed up/down` is running"):
+        testbed.down(name)
+
+    class Clock:  # the waits, not sat out: the holder lets go during the first
+        t = 0.0
+
+        def monotonic(self):
+            return self.t
+
+        def sleep(self, s):
+            self.t += s
+            holder.close()
+
+    monkeypatch.setattr(netns, "time", Clock())
+    assert testbed.down(name, wait=30.0) == []  # nothing was up: nothing removed, and no error
+    assert holder.closed

@@ -283,8 +283,13 @@ def stop(timeout: float = 30.0) -> bool:
             time.sleep(0.05)  # bounded wait for its clean shutdown
         if _pid():
             os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while _pid() and time.monotonic() < deadline:
+                time.sleep(0.05)  # the kernel ends it, and only then lets go of its locks
     with report.muted():
-        testbed.down(testbed_name())  # whatever a crashed server left
+        # whatever a crashed server left; a server slow to stop (a loaded machine) may still hold the testbed's
+        # lock for a moment: stopping the cloud waits for it, where two CLI commands on one testbed do not
+        testbed.down(testbed_name(), wait=30.0)
     for name in ("pid", "endpoint"):
         (d / name).unlink(missing_ok=True)
     log.info("local cloud stopped" if pid else "local cloud was not running")

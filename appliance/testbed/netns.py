@@ -714,9 +714,10 @@ def _teardown(name: str, tb: Testbed | None) -> list[str]:
     return removed
 
 
-def down(name: str = "tb") -> list[str]:
-    """Remove the testbed: processes (by PID), namespaces, bridge, state. Idempotent."""
-    with _locked(name):
+def down(name: str = "tb", wait: float = 0.0) -> list[str]:
+    """Remove the testbed: processes (by PID), namespaces, bridge, state. Idempotent. ``wait``: seconds to wait
+    for the testbed's lock (the local cloud's stop, while its server's last node threads end)."""
+    with _locked(name, wait):
         removed = _teardown(name, load(name))
     log.info(f"testbed {name}: removed " + (", ".join(removed) if removed else "nothing (it was not up)"))
     return removed
