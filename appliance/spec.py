@@ -61,6 +61,7 @@ class Lease:
     stop_margin: str = "5m"  # the least time before the lease end at which the watchdog acts
     overlap: str = "0s"  # `appliance run`: the next lease starts this long before the current one ends (warm handover)
     wait: str = "1d"  # `appliance run`: the longest wait for free hosts at a lease end before the run parks
+    keep_when_done: bool = False  # `appliance run`: keep the cluster and its lease once the run has finished
 
 
 @dataclass(frozen=True)

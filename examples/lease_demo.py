@@ -186,7 +186,8 @@ def demo(spec_path: str, spec, record: Path | None = None) -> int:
 
     say(f"2. appliance run, lease.extend on: at epoch {at_epoch} the lease is 90 s from its end, and later the next "
         "lease's; nobody resumes by hand")
-    spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, extend=True))
+    # keep_when_done: the reference run and the level-2 script below use the run's last cluster
+    spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, extend=True, keep_when_done=True))
     before = len((runs.load(spec.name) or {}).get("jobs", []))  # an earlier demo's jobs stay in the run's record
     try:
         last = flows.run_managed(spec_path, spec=spec, out=on_line)

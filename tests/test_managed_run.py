@@ -400,7 +400,7 @@ def test_at_the_lease_end_the_run_goes_on_on_the_warm_cluster_and_the_old_one_go
     goes; the downtime is on the timeline as warm. One that is not (None) falls back to a new lease."""
     res, asked, downs, _ = _handover_with(monkeypatch, scripted, ready=True)
     assert res.exit_code == 0 and [{k: v for k, v in kw.items() if k not in ("spec_path", "out")} for kw in asked] \
-        == [{"cluster_name": "mr-h"}] and downs == ["mr"]
+        == [{"cluster_name": "mr-h"}] and downs[0] == "mr"  # then, finished, the run's cluster goes (release)
     assert any("goes on on mr-h, up and staged already" in m for m in said)
 
 
@@ -634,3 +634,27 @@ def test_a_handovers_downtime_is_on_the_timeline_as_soon_as_the_new_jobs_first_s
     tl = managed.read_timeline(managed._control_of("md", None, "local", None))
     downs = [e for e in tl["events"] if e["event"] == "downtime"]
     assert len(downs) == 1 and downs[0]["job_id"] == "next0" and not downs[0]["warm"]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_finished_run_releases_its_cluster_and_lease_unless_the_spec_keeps_them(tmp_path, monkeypatch, said, keep):
+    """Nobody is attached when a managed run finishes: its nodes would be paid for, idle, until the lease's end
+    (days on Chameleon). They go, said; lease.keep_when_done keeps them (what else is on their disks)."""
+    from types import SimpleNamespace
+
+    from appliance.provision import lifecycle
+
+    spec = write_spec(tmp_path, "python x.py", code=tmp_path, name="mf",
+                      extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n"
+                            + ("lease: {keep_when_done: true}\n" if keep else ""))
+    downs = []
+    monkeypatch.setattr(lifecycle, "down", lambda name, site=None: downs.append(name))
+    monkeypatch.setattr(managed, "find_cluster", lambda name: SimpleNamespace(name=name) if name == "mf" else None)
+
+    def first_job(self):
+        self.job_started(SimpleNamespace(name="mf", lease_id=None, lease_end_at=None))
+        return _job(0)
+    monkeypatch.setattr(managed._Run, "first_job", first_job)
+    assert flows.run_managed(str(spec)).exit_code == 0
+    assert downs == ([] if keep else ["mf"])
+    assert any("finished: its cluster mf and its lease go" in m for m in said) != keep

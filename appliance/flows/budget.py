@@ -32,8 +32,9 @@ def _at(text: str) -> dt.datetime:
 
 
 class Ledger:
-    """The leases a run holds or held: ``leases`` maps a lease id to {nodes, node_type, start, end, closed} (dates
-    in the cloud's UTC, ISO), the controller's state["leases"] (kept in the store with the timeline)."""
+    """The leases a run holds or held: ``leases`` maps a lease id to {nodes, node_type, start, end, closed,
+    closed_at} (dates in the cloud's UTC, ISO; ``end`` as Blazar had it, ``closed_at`` when the run saw it gone),
+    the controller's state["leases"] (kept in the store with the timeline)."""
 
     def __init__(self, leases: dict):
         self.leases = leases
@@ -47,7 +48,7 @@ class Ledger:
         """A lease of the run (a LeaseInfo), from now on counted."""
         with self._mu:
             self.leases[info.id] = {"nodes": int(nodes), "node_type": node_type, "start": _iso(info.start),
-                                    "end": _iso(info.end), "closed": False}
+                                    "end": _iso(info.end), "closed": False, "closed_at": None}
 
     def refresh(self, cloud, now: dt.datetime) -> None:
         """Each open lease's dates as Blazar has them now (an extension moves its end); one that has gone is
@@ -60,8 +61,7 @@ class Ledger:
             for lid, info in seen.items():
                 e = self.leases[lid]
                 if info is None or info.status in ENDED:
-                    e["closed"] = True
-                    e["end"] = _iso(min(_at(e["end"]), max(now, _at(e["start"]))))
+                    e["closed"], e["closed_at"] = True, _iso(max(now, _at(e["start"])))
                 else:
                     e["start"], e["end"] = _iso(info.start), _iso(info.end)
 
@@ -70,7 +70,8 @@ class Ledger:
         spent = ahead = 0.0
         for e in self.copy().values():
             start, end, n = _at(e["start"]), _at(e["end"]), e["nodes"]
-            spent += max(0.0, (min(end, now) - start).total_seconds()) * n / 3600
+            until = min(end, _at(e["closed_at"])) if e.get("closed_at") else min(end, now)
+            spent += max(0.0, (until - start).total_seconds()) * n / 3600
             if not e["closed"]:
                 ahead += max(0.0, (end - max(start, now)).total_seconds()) * n / 3600
         return round(spent, 4), round(ahead, 4)

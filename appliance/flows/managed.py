@@ -99,6 +99,8 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
     finally:
         if run.warm is not None:
             run.warm.abandon()  # booked or made and not used: it goes
+        if status == "finished" and not spec.lease.keep_when_done:
+            run.release()
         run.settle()  # the last job's progress and node-hours, into the state close writes
         control.close(status)
         credential.drop(ctx)  # the controller's own credential, last: its tokens stop with it
@@ -153,6 +155,21 @@ class _Run:
                 p["total_steps"] = int(meta["steps_per_epoch"]) * int(meta["total_epochs"])
             self.control.update(progress=p, estimate=estimate(p, time.time()))
         self.account()
+
+    def release(self) -> None:
+        """The run has finished: its cluster and lease go, so no node-hours are spent on nodes nobody uses until
+        the lease's end (its final checkpoint, and a level-3 script's files, are in the store; lease.keep_when_done
+        keeps them for what else is on the nodes' disks)."""
+        for name in dict.fromkeys((self.current, self.spec.name)):
+            if name and find_cluster(name) is not None:
+                log.info(f"[run] run {self.spec.name} finished: its cluster {name} and its lease go (its final "
+                         "checkpoint is in the store; lease.keep_when_done: true keeps them)")
+                try:
+                    lifecycle.down(name, self.ctx.site)
+                except ApplianceError as e:  # said; the lease ends by itself
+                    log.info(f"[run] warning: cluster {name} was not taken down ({e}): `appliance down {name}`")
+        if any(not e["closed"] for e in self.ledger.copy().values()):
+            self.later(self.account)  # the ledger closes its lease
 
     def later(self, fn, *args) -> None:
         """``fn(*args)`` in a thread of its own; `settle` waits for them all (before the run's last state)."""
