@@ -114,7 +114,7 @@ class _Run:
         self.spec = ctx.spec
         self.current = _current_cluster(self.spec)  # the cluster of the run's newest job
         self.warm: Warm | None = None
-        self.parked = False  # no hosts within lease.wait: the run stopped with its checkpoint
+        self.parked = False  # no hosts within lease.wait: the run holds no lease and looks again (wait_for_hosts)
         self.limited: str | None = None  # the limit that ended the run (limits: budget.py)
         self.ledger = Ledger(json.loads(json.dumps(control.state.get("leases") or {})))
         self.budget = Budget(self.spec, self.ledger)
@@ -226,7 +226,7 @@ class _Run:
             return dt.timedelta(days=7), ""  # no cap of the run's own: Chameleon's, at most 7 days at a time
         self.settle()
         self.account()
-        nodes = (self.ledger.leases.get(lease_id) or {}).get("nodes") or self.spec.nodes.count
+        nodes = (self.ledger.copy().get(lease_id) or {}).get("nodes") or self.spec.nodes.count
         return self.budget.extension(lease_id, end, self.ctx.site.cloud.now(), nodes)
 
     def new_lease(self, start: dt.datetime | None = None) -> dict | None:
@@ -329,9 +329,9 @@ class _Run:
         reached (limits: no lease is worth booking within them)."""
         spec = self.spec
         types = [spec.nodes.node_type, *spec.nodes.alternatives]
+        if (kw := self.new_lease()) is None:
+            return None
         for nt in types:
-            if (kw := self.new_lease()) is None:
-                return None
             try:
                 return self.resume(new_lease=True, node_type=None if nt == spec.nodes.node_type else nt, **kw)
             except NoHosts as e:
