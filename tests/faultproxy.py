@@ -5,7 +5,8 @@ method, answered 503 / closed without an answer: the fault matrix, tests/faults.
 ``fail_gets = N`` (the next N GETs, listings included, answered 503), ``reset_gets = N`` (the next N GETs: the
 connection is closed without an answer), ``down`` (answer every request with 503), ``hold_after = N`` (pass N
 object GETs, then hold every later one until ``release()``: a client stopped mid-way, at a point the test chose;
-``wait_held(k)`` returns once k requests are held). The Host header is forwarded as the client sent it, so Swift's
+``wait_held(k)`` returns once k requests are held; ``stop()`` closes the held ones unanswered, so a client the test
+killed, or what is left of it, gets nothing more). The Host header is forwarded as the client sent it, so Swift's
 tempauth hands out storage URLs that point back at this proxy: every later request goes through it too.
 """
 
@@ -15,6 +16,10 @@ import http.client
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
+
+
+class _Dropped(Exception):
+    """A held request the stopped proxy closes without an answer."""
 
 
 class FaultProxy:
@@ -30,6 +35,7 @@ class FaultProxy:
         self.reset_at: int | None = None  # ... closed without an answer
         self.counted = 0  # requests counted for fail_at / reset_at
         self.released = threading.Event()
+        self.stopped = False
         self.objects_got = 0
         self.held = 0
         self._held_cv = threading.Condition()
@@ -90,11 +96,18 @@ class FaultProxy:
                         proxy.held += 1
                         proxy._held_cv.notify_all()
                     proxy.released.wait()
+                    if proxy.stopped:
+                        self.close_connection = True
+                        self.connection.close()
+                        raise _Dropped
 
             def _any(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
-                self._hold()
+                try:
+                    self._hold()
+                except _Dropped:
+                    return
                 nth = self._nth()
                 if nth == "reset" or self._reset():
                     self.close_connection = True
@@ -148,6 +161,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        self.stopped = True
         self.released.set()
         self.server.shutdown()
         self.server.server_close()
