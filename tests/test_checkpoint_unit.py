@@ -220,6 +220,36 @@ def test_run_record_counts_lost_node_time(appliance_home):
     assert row["last_checkpoint"] == "ckpt-000000020" and row["node_hours_used"] == round(200 / 3600, 3)
 
 
+def test_two_writers_of_a_run_record_at_once_lose_neither_write(appliance_home, monkeypatch):
+    """A managed run's controller writes the record from several threads (its status; a job's end): a write
+    that read the record before another's save must not put the old record back over it."""
+    import threading
+
+    Spec, Cl = _run_of("two")
+    runs.job_started(Spec, Cl, "j1")
+    runs.mark_managed(Spec)
+
+    class Res:
+        job_id, wall_s, exit_code, failure, stopped, commits = "j1", 10.0, 0, None, None, []
+        started_at = time.time() - 10
+
+    load, other = runs.load, threading.Thread(target=runs.job_ended, args=(Spec, Cl, Res))
+
+    def load_then_let_the_other_write(run):
+        rec = load(run)
+        if not other.is_alive() and other.ident is None:
+            other.start()  # the job's end, while the status's write holds what it read
+            other.join(1.0)  # it waits for the record (or, with nothing in its way, has written it)
+        return rec
+
+    monkeypatch.setattr(runs, "load", load_then_let_the_other_write)
+    runs.mark_status("two", "running")
+    other.join()
+    monkeypatch.setattr(runs, "load", load)
+    rec = runs.load("two")
+    assert rec["managed_status"] == "running" and rec["jobs"][0]["status"] == "complete"
+
+
 def test_a_level3_stop_is_recorded_and_shown_without_a_step(appliance_home):
     """A level-3 job rank 0's syncer ended (Line.STOPPED with no step): the run record keeps its step, `appliance
     runs` shows it (a None step broke the table's format), and the summary names the synced manifest."""

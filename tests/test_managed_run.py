@@ -186,10 +186,12 @@ def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path, monkey
     c = managed.Control(spec, None, poll=3600)
     c.take()
     runs.mark_managed(spec)
-    hook = c.hook(lambda reason: None)
-    hook.started(_Ctx(spec))
-    hook.finish(JobResult(job_id="j1", exit_code=75, world_size=2, rank_hosts=["n1", "n2"], lease_end=True,
-                          stopped={"step": 242, "reason": "lease end (vendordata)", "committed": True}))
+    hook, job = c.hook(lambda reason: None), _Ctx(spec)
+    ended = JobResult(job_id="j1", exit_code=75, world_size=2, rank_hosts=["n1", "n2"], lease_end=True,
+                      stopped={"step": 242, "reason": "lease end (vendordata)", "committed": True})
+    for h in (hook, runs.RunRecords()):  # the controller's hook, and the run record's (flows.run_job adds both)
+        h.started(job)
+        h.finish(ended)
     c.record("downtime", job_id="j2", breakdown={"lease": 1.5, "boot": 6.0, "total": 10.4})
     c.update(node_hours={"spent": 8.25, "booked": 4.0, "limit": 20.0, "deadline": "2026-12-24 12:00"},
              estimate={"step": 242, "total_steps": 1000, "steps_per_s": 0.5, "eta": 1796000000, "lease_ends_ahead": 2})
@@ -204,6 +206,9 @@ def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path, monkey
     assert "node-hours: 8.2 spent, 4.0 booked ahead, limit 20 (7.8 left); deadline 2026-12-24 12:00 UTC" in r.output
     assert "steps: 242 of 1000 (24%); at 0.50 steps/s it should finish about 2026-11-30 " in r.output
     assert "2 lease end(s) ahead" in r.output and "lease L1 extended to 2026-12-01T14:00" in r.output
+    # the list shows the run by its controller's word: its job stopped for the lease end, the run goes on
+    assert runs.load("mc")["status"] == "stopped"
+    assert [r["status"] for r in runs.list_runs() if r["run"] == "mc"] == ["running"]
     from appliance.cli import format_progress
 
     assert format_progress({"estimate": {"step": 1000, "total_steps": 1000, "steps_per_s": 0.5, "eta": 1}}) == [
@@ -212,6 +217,7 @@ def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path, monkey
     r = CliRunner().invoke(main, ["runs", "mc", "--json"])
     tl = json.loads(r.output)["timeline"]
     assert tl["status"] == "finished" and not tl["controller_alive"]
+    assert [r["status"] for r in runs.list_runs() if r["run"] == "mc"] == ["finished"]
     assert [e["event"] for e in tl["events"]] == ["controller", "job", "job end", "downtime", "lease extended", "end"]
     assert tl["node_hours"]["limit"] == 20.0 and tl["estimate"]["total_steps"] == 1000
 

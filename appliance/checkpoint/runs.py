@@ -8,7 +8,9 @@ i.e. work that has to be redone).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import json
 import os
 import time
@@ -53,6 +55,18 @@ def save(rec: dict) -> None:
     os.replace(tmp, d / "run.json")
 
 
+@contextlib.contextmanager
+def _updating(run: str):
+    """One read-modify-write of a run's record at a time: a managed run's controller writes it from several
+    threads (its status, a job's start and end, a resume's downtime), and a second command may too. Without it a
+    write could put back a record read before another's write, and lose that write."""
+    d = record_dir(run)
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "run.json.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when f closes
+        yield
+
+
 def _new(spec: Spec) -> dict:
     return {"run": spec.name, "spec_path": str(Path(spec.path).resolve()) if spec.path else None,
             "checkpoint_url": spec.checkpoint.url, "status": "new", "step": 0, "last_checkpoint": None,
@@ -60,31 +74,52 @@ def _new(spec: Spec) -> dict:
 
 
 def job_started(spec: Spec, cluster: Cluster, job_id: str, restore: str | None = None) -> None:
-    rec = load(spec.name) or _new(spec)
-    if spec.path:
-        rec["spec_path"] = str(Path(spec.path).resolve())
-    rec["checkpoint_url"] = spec.checkpoint.url
-    rec["status"] = "running"
-    rec["cluster"] = cluster.name
-    rec["lease_id"] = cluster.lease_id
-    rec["lease_end"] = cluster.lease_end
-    rec["jobs"].append({"job_id": job_id, "started": time.time(), "nodes": len(cluster.nodes),
-                        "world_size": cluster.world_size, "restore": restore, "status": "running"})
-    save(rec)
+    with _updating(spec.name):
+        rec = load(spec.name) or _new(spec)
+        if spec.path:
+            rec["spec_path"] = str(Path(spec.path).resolve())
+        rec["checkpoint_url"] = spec.checkpoint.url
+        rec["status"] = "running"
+        rec["cluster"] = cluster.name
+        rec["lease_id"] = cluster.lease_id
+        rec["lease_end"] = cluster.lease_end
+        rec["jobs"].append({"job_id": job_id, "started": time.time(), "nodes": len(cluster.nodes),
+                            "world_size": cluster.world_size, "restore": restore, "status": "running"})
+        save(rec)
 
 
 def mark_managed(spec: Spec) -> None:
     """The run has a controller (`appliance run`): `appliance runs RUN` reads its timeline from the store."""
-    rec = load(spec.name) or _new(spec)
-    rec["managed"] = True
-    if spec.path:
-        rec["spec_path"] = str(Path(spec.path).resolve())
-    rec["checkpoint_url"] = spec.checkpoint.url
-    save(rec)
+    with _updating(spec.name):
+        rec = load(spec.name) or _new(spec)
+        rec["managed"] = True
+        if spec.path:
+            rec["spec_path"] = str(Path(spec.path).resolve())
+        rec["checkpoint_url"] = spec.checkpoint.url
+        save(rec)
+
+
+def mark_status(run: str, status: str) -> None:
+    """A managed run's status, as its controller last said it (running, handover, parked, finished, limit,
+    cancelled, ...): what `appliance runs` shows for it, rather than its last job's (a job that stopped for its
+    lease's end is not a run that stopped)."""
+    with _updating(run):
+        rec = load(run)
+        if rec is not None and rec.get("managed_status") != status:
+            rec["managed_status"] = status
+            save(rec)
 
 
 def job_ended(spec: Spec, cluster: Cluster, res) -> dict:
-    rec = load(spec.name) or _new(spec)
+    with _updating(spec.name):
+        rec = load(spec.name) or _new(spec)
+        _job_end(rec, cluster, res)
+        save(rec)
+    return rec
+
+
+def _job_end(rec: dict, cluster: Cluster, res) -> None:
+    """A job's end, into its run's record: how it ended, its steps and commits, node time used and lost."""
     job = next((j for j in rec["jobs"] if j["job_id"] == res.job_id), None)
     if job is None:
         job = {"job_id": res.job_id, "started": res.started_at, "nodes": len(cluster.nodes)}
@@ -119,17 +154,16 @@ def job_ended(spec: Spec, cluster: Cluster, res) -> dict:
     rec["node_seconds_used"] = round(rec.get("node_seconds_used", 0) + used, 1)
     rec["node_seconds_lost"] = round(rec.get("node_seconds_lost", 0) + lost, 1)
     rec["lease_end"] = cluster.lease_end
-    save(rec)
-    return rec
 
 
 def record_resume(run: str, job_id: str, breakdown: dict) -> None:
     """Keep a resume's downtime, phase by phase, with its job (`appliance runs RUN` shows it)."""
-    rec = load(run)
-    job = next((j for j in (rec or {}).get("jobs", []) if j["job_id"] == job_id), None)
-    if job is not None:
-        job["resume_breakdown"] = breakdown
-        save(rec)
+    with _updating(run):
+        rec = load(run)
+        job = next((j for j in (rec or {}).get("jobs", []) if j["job_id"] == job_id), None)
+        if job is not None:
+            job["resume_breakdown"] = breakdown
+            save(rec)
 
 
 def run_details(run: str) -> dict | None:
@@ -177,7 +211,8 @@ def summarize(rec: dict) -> dict:
                 end.timestamp() - now
         except ValueError:
             left = None
-    return {"run": rec["run"], "status": rec.get("status"), "step": rec.get("step", 0),
+    status = (rec.get("managed") and rec.get("managed_status")) or rec.get("status")
+    return {"run": rec["run"], "status": status, "step": rec.get("step", 0),
             "last_checkpoint": last.get("name"), "checkpoint_age_s": None if age is None else round(age),
             "lease_left_s": None if left is None else round(left), "jobs": len(rec.get("jobs", [])),
             "node_hours_used": round(rec.get("node_seconds_used", 0) / 3600, 3),

@@ -174,7 +174,9 @@ def runs_cmd(run, plot_png, url, cloud_kind, site, as_json):
     """List runs: status, step, last committed checkpoint and its age, lease time left, node-hours.
 
     \b
-    status: running | stopped (resumable: `appliance resume RUN`) | complete | failed
+    status: running | stopped (resumable: `appliance resume RUN`) | complete | failed; a managed run
+    (`appliance run`) shows its controller's: running | handover | parked | finished | limit | cancelled |
+    stopped | failed
     node-hours lost: node time spent after the last commit of a job that then failed.
     `appliance runs RUN` lists the run's jobs, and for each resume its downtime by phase (lease, boot,
     SSH + contextualize, staging, Horovod start, restore, first step); for a managed run

@@ -194,6 +194,11 @@ class Control:
             if state is not None:
                 self.state["status"] = state
             self.state["controller"] = {"id": self.id, "host": self.lock.cluster, "pid": os.getpid()}
+        if state is not None:  # `appliance runs` on this machine lists the run by its controller's word
+            try:
+                runs.mark_status(self.run, state)
+            except OSError as e:
+                log.info(f"[run] warning: could not write the run's record here ({e})")
         with self._writing:  # one write at a time, each of the newest state: an older one never lands last
             with self._mu:
                 text = json.dumps(self.state, indent=1, sort_keys=True)
