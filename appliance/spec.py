@@ -43,13 +43,22 @@ DEST_PART_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # no hidden dir
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """A node type to fall back on at a lease end (`appliance run`), at the run's own site or at another (``site``:
+    CHI@TACC for a run at CHI@UC). In a spec: ``gpu_v100`` or ``{node_type: gpu_v100, site: CHI@TACC}``."""
+
+    node_type: str
+    site: str | None = None  # None: the spec's own
+
+
+@dataclass(frozen=True)
 class Nodes:
     """How many machines and what kind."""
 
     count: int = 2
     node_type: str = "compute_local"
     slots: int = 1  # Horovod ranks per node (GPUs per node on Chameleon)
-    alternatives: tuple[str, ...] = ()  # `appliance run`: node types to fall back on at a lease end, in order
+    alternatives: tuple[Alternative, ...] = ()  # `appliance run`: what to fall back on at a lease end, in order
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,8 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin is dict:
         return "a mapping of names to strings"
+    if origin is tuple and typing.get_args(tp)[0] is Alternative:
+        return "a list of node types or {node_type, site} mappings"
     if origin is tuple:
         return "a list of strings"
     if dataclasses.is_dataclass(tp):
@@ -176,6 +187,12 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
                                 f"quote the value of {where}.{k}")
             out[k] = str(v)
         return out
+    if origin is tuple and typing.get_args(tp)[0] is Alternative:
+        if not isinstance(value, list):
+            raise SpecError(f"{where}: expected {_type_name(tp)}, got {value!r}",
+                            f"write {where} as [gpu_v100, {{node_type: gpu_p100, site: CHI@TACC}}]")
+        return tuple(Alternative(str(v)) if isinstance(v, (str, int, float)) and not isinstance(v, bool) else
+                     _convert(Alternative, v, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, list) or any(isinstance(v, (dict, list)) or v is None for v in value):
             raise SpecError(f"{where}: expected {_type_name(tp)}, got {value!r}", f"write {where} as [a, b]")

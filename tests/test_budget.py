@@ -115,7 +115,7 @@ def test_a_lease_within_the_limits_is_asked_for_shorter(tmp_path, monkeypatch):
     asked = []
     monkeypatch.setattr(run, "resume", lambda **kw: asked.append(kw))
     run.cold()
-    assert asked == [{"new_lease": True, "node_type": None, "lease_duration": "180m"}]
+    assert asked == [{"new_lease": True, "lease_duration": "180m"}]
 
 
 def _warm(tmp_path, name):

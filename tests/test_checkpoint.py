@@ -741,15 +741,17 @@ def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_
 
 
 @pytest.mark.slow
-def test_hosts_taken_at_lease_ends_the_run_fails_over_then_waits_for_the_next_free_slot(cloud, reference_long,
-                                                                                       tmp_path, monkeypatch):
+def test_hosts_taken_at_lease_ends_the_run_fails_over_to_another_site_then_waits_for_its_next_free_slot(
+        cloud, reference_long, tmp_path, monkeypatch):
     """Other projects' reservations take the hosts at two lease ends. At the first, every compute_local host is held
     (the two the run does not use from now on, the run's own two from its end on): the new lease is refused
-    (Blazar's NotEnoughHostsAvailable) and the run goes on on its spec's alternative, gpu_local. At the second, the
-    gpu_local hosts are held too, for 30 minutes from the end: the run reads Blazar's host allocations, books the
-    earliest slot (gpu_local, when that reservation ends), says how long the wait is, and waits for it; the cloud's
-    clock gets there and the run goes on. Each from the very step it stopped at; the final weights are the
-    uninterrupted run's."""
+    (Blazar's NotEnoughHostsAvailable) and the run goes on on its spec's alternative, gpu_local at the local cloud's
+    other site, CHI@local2 (its own Keystone, Blazar and credentials: the controller holds one of its own there too;
+    the checkpoints stay in the run's own store). At the second, the gpu_local hosts there are held too, for 30
+    minutes from the end: the run reads both sites' host allocations, books the earliest slot (gpu_local at
+    CHI@local2, when that reservation ends), says how long the wait is, and waits for it; the cloud's clock gets
+    there and the run goes on. Each from the very step it stopped at; the final weights are the uninterrupted
+    run's, and no lease of the run is left at either site."""
     import subprocess
     import sys
 
@@ -761,9 +763,10 @@ def test_hosts_taken_at_lease_ends_the_run_fails_over_then_waits_for_the_next_fr
                             extra="lease: {duration: 1h, stop_margin: 60s}\n")
     Path(spec_path).write_text(Path(spec_path).read_text().replace(
         "nodes: {count: 2, node_type: compute_local, slots: 1}",
-        "nodes: {count: 2, node_type: compute_local, slots: 1, alternatives: [gpu_local]}"))
+        "nodes: {count: 2, node_type: compute_local, slots: 1, alternatives: [{node_type: gpu_local, site: "
+        "CHI@local2}]}"))
     site = sites.open_site("local")
-    c = site.cloud
+    c, c2 = site.cloud, sites.open_site("local", "CHI@local2").cloud
     cs = CheckpointStore("swift://ckpts/", "ckalt", site.store_creds())
     p = subprocess.run([sys.executable, "-m", "appliance.cli", "run", spec_path, "--json"], capture_output=True,
                        text=True, timeout=120)
@@ -773,12 +776,13 @@ def test_hosts_taken_at_lease_ends_the_run_fails_over_then_waits_for_the_next_fr
     events = lambda kind: [e for e in state().get("events", []) if e["event"] == kind]  # noqa: E731
     others = []
 
-    def someone_else(node_type: str, start, hours: float) -> None:
-        others.append(c.create_lease(f"someone-else-{len(others)}", node_type, 2, dt.timedelta(hours=hours),
-                                     start=start).id)
+    def someone_else(node_type: str, start, hours: float, at=c) -> None:
+        others.append((at, at.create_lease(f"someone-else-{len(others)}", node_type, 2, dt.timedelta(hours=hours),
+                                           start=start).id))
 
     def just_after(cl):
-        return c.get_lease(cl.lease_id).end.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
+        info = sites.for_cluster(cl).cloud.get_lease(cl.lease_id)
+        return info.end.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
 
     try:
         cl = wait_for("the first commit", lambda: cs.committed() and find_cluster("ckalt"))
@@ -788,10 +792,12 @@ def test_hosts_taken_at_lease_ends_the_run_fails_over_then_waits_for_the_next_fr
         stopped = wait_for("the job on gpu_local to commit", lambda: (j := events("job"))[1:] and
                            j[-1]["node_type"] == "gpu_local" and cs.committed()[0].step > events("job end")[0]["step"]
                            and find_cluster("ckalt"))
-        someone_else("gpu_local", just_after(stopped), 0.5)  # the run's gpu hosts, for 30 minutes from its end
+        assert stopped.site.region == "CHI@local2" and c.get_lease(stopped.lease_id) is None  # a lease of the other
+        someone_else("gpu_local", just_after(stopped), 0.5, c2)  # the run's gpu hosts, for 30 minutes from its end
         localcloud.admin("POST", "/advance", {"seconds": lease_left(stopped) - 45})
         waiting = wait_for("the wait for a slot", lambda: events("waiting for hosts"))[0]
-        assert waiting["node_type"] == "gpu_local" and 30 * 60 <= waiting["wait_s"] <= 35 * 60, waiting
+        assert waiting["node_type"] == "gpu_local" and waiting["site"] == "CHI@local2", waiting
+        assert 30 * 60 <= waiting["wait_s"] <= 35 * 60, waiting
         start = dt.datetime.fromisoformat(waiting["start"].replace("Z", ""))
         localcloud.admin("POST", "/advance", {"seconds": (start - c.now()).total_seconds() + 5})
         final = wait_for("the run to finish", lambda: (s := state()).get("status") in ("finished", "failed", "stopped",
@@ -800,7 +806,8 @@ def test_hosts_taken_at_lease_ends_the_run_fails_over_then_waits_for_the_next_fr
         ev = final["events"]
         assert [e["node_type"] for e in ev if e["event"] == "no hosts"] == ["compute_local", "compute_local",
                                                                              "gpu_local"]
-        assert [e["node_type"] for e in ev if e["event"] == "job"] == ["compute_local", "gpu_local", "gpu_local"]
+        assert [(e["node_type"], e["site"]) for e in ev if e["event"] == "job"] == [
+            ("compute_local", "local"), ("gpu_local", "CHI@local2"), ("gpu_local", "CHI@local2")]
         assert [e["node_type"] for e in ev if e["event"] == "hosts free"] == ["gpu_local"]
         rec = runs.load("ckalt")
         jobs = rec["jobs"]
@@ -808,10 +815,13 @@ def test_hosts_taken_at_lease_ends_the_run_fails_over_then_waits_for_the_next_fr
         assert all(b["first_step"] == a["last_step"] for a, b in zip(jobs, jobs[1:]))  # 0 steps lost
         assert _job_sha("ckalt", jobs[-1]["job_id"]) == reference_long
         shown = CliRunner().invoke(cli_main, ["runs", "ckalt"]).output
-        assert "no hosts free now: gpu_local booked from" in shown and "gpu_local free after" in shown, shown
+        assert "no hosts free now: gpu_local at CHI@local2 booked from" in shown, shown
+        assert "gpu_local at CHI@local2 free after" in shown, shown
+        mine = [x for at in (c, c2) for x in at.list_leases() if x.name.startswith("ckalt")]
+        assert not [x for x in mine if x.status not in ("TERMINATED", "DELETED")], mine  # released at both sites
     finally:
-        for lid in others:
-            c.delete_lease(lid)
+        for at, lid in others:
+            at.delete_lease(lid)
         flows.down("ckalt")
 
 

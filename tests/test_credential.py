@@ -68,3 +68,63 @@ def test_a_controller_that_takes_the_run_over_deletes_the_credentials_of_those_b
     monkeypatch.setenv(credential.CRED_ENV, own["id"])
     credential.forget_others(ctx)
     assert set(c.app_creds) == {own["id"], other_run["id"], job["id"]} and old["id"] not in c.app_creds
+
+
+def _two_sites(tmp_path):
+    import dataclasses
+
+    from appliance.spec import Alternative
+
+    spec = spec_of(tmp_path, "cs", lease="lease: {duration: 2h}\n")
+    spec = dataclasses.replace(spec, nodes=dataclasses.replace(
+        spec.nodes, alternatives=(Alternative("gpu_local"), Alternative("gpu_local", "CHI@local2"))))
+    ctx = flows.RunContext(spec, FakeSite())
+    ctx._others["CHI@local2"] = FakeSite()  # the other site: a Keystone of its own
+    return ctx, ctx.site.cloud, ctx.at("CHI@local2").cloud
+
+
+def test_with_an_alternative_at_another_site_the_controller_gets_a_credential_there_too(tmp_path, monkeypatch):
+    """Each site's Keystone is its own (a credential of CHI@UC is refused at CHI@TACC): one credential at each site
+    the run may lease at, one clouds.yaml entry each (connect picks it by region), both deleted at the end."""
+    ctx, home, there = _two_sites(tmp_path)
+    made = credential.make(ctx, tmp_path)
+    (mine,), (theirs,) = home.app_creds.values(), there.app_creds.values()
+    assert mine["unrestricted"] and theirs["unrestricted"] and made[credential.CRED_ENV] == mine["id"]
+    assert made[credential.ELSEWHERE_ENV] == f"CHI@local2={theirs['id']}"
+    entries = yaml.safe_load((tmp_path / "controller-cloud.yaml").read_text())["clouds"]
+    assert [e["auth"]["application_credential_id"] for e in entries.values()] == [mine["id"], theirs["id"]]
+    assert list(entries)[0] == RUN_CLOUD
+    monkeypatch.setattr(os, "environ", {**os.environ, **made})
+    credential.forget_others(ctx)  # its own, at both sites, stay
+    assert len(home.app_creds) == len(there.app_creds) == 1
+    credential.drop(ctx)
+    assert not home.app_creds and not there.app_creds
+
+
+def test_when_the_other_site_refuses_no_credential_is_kept(tmp_path, said):
+    ctx, home, there = _two_sites(tmp_path)
+    there.faults["create_app_cred"] = fault("Keystone refused an application credential (403)")
+    assert credential.make(ctx, tmp_path) == {} and not home.app_creds
+    assert any("runs with your own credential" in m for m in said)
+
+
+def test_each_site_is_reached_with_the_clouds_yaml_entry_of_its_region():
+    import pytest
+
+    from appliance.errors import ApplianceError
+    from appliance.sites.openstack import entry_for_region
+
+    clouds = {"CHI@UC": {"region_name": "CHI@UC"}, "tacc": {"region_name": "CHI@TACC"},
+              "any": {}, "many": {"regions": ["RegionOne", {"name": "RegionTwo"}]}}
+    assert entry_for_region(clouds, "CHI@UC", "CHI@TACC") == "tacc"
+    assert entry_for_region(clouds, "CHI@UC", "CHI@UC") == "CHI@UC"
+    assert entry_for_region(clouds, "any", "CHI@TACC") == "any"  # an entry with no region: the region is asked of it
+    assert entry_for_region(clouds, "CHI@UC", "RegionTwo") == "many"
+    with pytest.raises(ApplianceError, match="no entry is for site CHI@NCAR in clouds.yaml .OS_CLOUD=CHI@UC is CHI@UC"):
+        entry_for_region(clouds, "CHI@UC", "CHI@NCAR")
+    with pytest.raises(ApplianceError, match="2 entries .CHI@UC, again. are for site CHI@UC"):
+        entry_for_region({**clouds, "again": {"region_name": "CHI@UC"}}, "tacc", "CHI@UC")
+    pw = {"tacc": {"region_name": "CHI@TACC", "auth_type": "v3applicationcredential"},  # a credential, a password
+          "tacc-pw": {"region_name": "CHI@TACC", "auth_type": "password"},
+          "uc": {"region_name": "CHI@UC", "auth_type": "password"}}
+    assert entry_for_region(pw, "uc", "CHI@TACC") == "tacc-pw"  # the same kind as OS_CLOUD's

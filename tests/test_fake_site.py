@@ -4,6 +4,7 @@ test_checkpoint.py against the local cloud."""
 
 import datetime as dt
 import threading
+import time
 
 import pytest
 

@@ -463,17 +463,20 @@ def no_hosts_for(tmp_path, monkeypatch):
     node types a slot was looked for among)."""
     from appliance.errors import NoHosts
 
-    spec = tmp_path / "ma.yaml"
-    spec.write_text(f"name: ma\ncloud: local\ntrain: {{code: {tmp_path}, command: python x.py}}\n"
-                    f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n"
-                    "nodes: {count: 2, node_type: compute_local, alternatives: [gpu_local]}\n")
+    from appliance.flows.handover import label
+    from appliance.spec import Alternative
 
-    def run(refused: set, slot=None, park_poll: float = 0.0):
+    spec = tmp_path / "ma.yaml"
+
+    def run(refused: set, slot=None, park_poll: float = 0.0, alternatives: str = "[gpu_local]"):
+        spec.write_text(f"name: ma\ncloud: local\ntrain: {{code: {tmp_path}, command: python x.py}}\n"
+                        f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n"
+                        f"nodes: {{count: 2, node_type: compute_local, alternatives: {alternatives}}}\n")
         asked, looked = [], []
         monkeypatch.setattr(managed._Run, "first_job", lambda self: _lease_end_job())
 
         def resume(run, **kw):
-            nt = kw.get("node_type") or "compute_local"
+            nt = (kw.get("node_type") or "compute_local") + (f" at {kw['at_site']}" if kw.get("at_site") else "")
             asked.append((nt, kw.get("new_lease", False)))
             if nt in refused and kw.get("new_lease"):
                 raise NoHosts(f"not enough hosts available for 2 x {nt}")
@@ -481,13 +484,13 @@ def no_hosts_for(tmp_path, monkeypatch):
         monkeypatch.setattr(flows, "resume", resume)
         slots = iter(slot if isinstance(slot, list) else [slot])
 
-        def wait_for_slot(ctx, control, types, fit, quiet):
-            looked.append(list(types))
+        def wait_for_slot(ctx, control, choices, fit, quiet):
+            looked.append([label(a) for a in choices])
             got = next(slots)
             if got == "cancel":  # `appliance cancel` while the run is parked, between two looks
                 threading.Thread(target=control.cancelled, args=({"by": "elsewhere"},)).start()
                 return None
-            return got
+            return got and next(a for a in choices if label(a) == got)
         monkeypatch.setattr(managed, "wait_for_slot", wait_for_slot)
         monkeypatch.setattr(managed, "PARK_POLL", park_poll)
         return flows.run_managed(str(spec)), asked, looked
@@ -498,6 +501,19 @@ def test_hosts_taken_at_a_lease_end_fail_over_to_the_alternative(no_hosts_for, s
     res, asked, looked = no_hosts_for({"compute_local"})
     assert res.exit_code == 0 and asked == [("compute_local", True), ("gpu_local", True)] and not looked
     assert any("no 2 x compute_local free" in m and "trying gpu_local" in m for m in said)
+
+
+def test_hosts_taken_fail_over_to_an_alternative_at_another_site_then_wait_for_either(no_hosts_for, said):
+    """nodes.alternatives may name another site (CHI@TACC for a run at CHI@UC): its lease is asked there; with no
+    hosts at either, the earliest slot of any choice, at any site, is booked."""
+    other = "[{node_type: gpu_local, site: CHI@local2}]"
+    res, asked, looked = no_hosts_for({"compute_local"}, alternatives=other)
+    assert res.exit_code == 0 and asked == [("compute_local", True), ("gpu_local at CHI@local2", True)]
+    assert any("no 2 x compute_local free" in m and "trying gpu_local at CHI@local2" in m for m in said)
+    res, asked, looked = no_hosts_for({"compute_local", "gpu_local at CHI@local2"}, slot="gpu_local at CHI@local2",
+                                      alternatives=other)
+    assert looked == [["compute_local", "gpu_local at CHI@local2"]]
+    assert res.exit_code == 0 and asked[-1] == ("gpu_local at CHI@local2", False)
 
 
 def test_with_none_free_now_the_run_waits_for_the_earliest_slot_then_goes_on_there(no_hosts_for):
@@ -527,6 +543,7 @@ def test_wait_for_slot_books_the_earliest_slot_and_measures_the_wait(tmp_path, m
     import datetime as dt
 
     from appliance.flows.handover import wait_for_slot
+    from appliance.spec import Alternative
     from fakes import FakeSite
     from test_fake_site import spec_of
 
@@ -550,7 +567,8 @@ def test_wait_for_slot_books_the_earliest_slot_and_measures_the_wait(tmp_path, m
     events = []
     control = SimpleNamespace(cancel=None, changed=threading.Event(), poll=0.001,
                               record=lambda ev, **kw: events.append((ev, kw)))
-    assert wait_for_slot(flows.RunContext(spec, site), control, ["compute_local", "b"]) == "b"
+    choices = [Alternative("compute_local"), Alternative("b")]
+    assert wait_for_slot(flows.RunContext(spec, site), control, choices) == choices[1]
     (lease,) = c.leases.values()
     assert lease.start == slots["b"] and find_cluster_named("mz").lease_id == lease.id  # booked under the run's name
     waiting = dict(events)["waiting for hosts"]
@@ -558,7 +576,7 @@ def test_wait_for_slot_books_the_earliest_slot_and_measures_the_wait(tmp_path, m
     assert dict(events)["hosts free"]["waited_s"] >= 0
     slots["b"] = c.clock + dt.timedelta(hours=7)  # past lease.wait: none is booked
     slots["compute_local"] = c.clock + dt.timedelta(hours=8)
-    assert wait_for_slot(flows.RunContext(spec, site), control, ["compute_local", "b"]) is None
+    assert wait_for_slot(flows.RunContext(spec, site), control, choices) is None
     assert events[-1][0] == "parked" and "within lease.wait 6h" in events[-1][1]["reason"]
 
 

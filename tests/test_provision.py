@@ -547,3 +547,50 @@ def test_s3_keys_are_keystone_ec2_credentials_that_the_rgw_checks_with_keystone(
     with pytest.raises(StoreRefused, match="InvalidAccessKeyId|AccessDenied"):
         list(s3(node2.s3_access_key, node2.s3_secret_key).list())
     site.cloud.delete_ec2(node2.s3_access_key)
+
+
+def test_each_site_of_the_local_cloud_has_its_own_keystone(cloud, tmp_path, monkeypatch):
+    """The local cloud's second site, CHI@local2, is a region of its own, as CHI@TACC is beside CHI@UC: its own
+    Keystone (a credential of the first is refused there), Blazar and leases, its catalog's region; the `openstack`
+    CLI reaches it with its own clouds.yaml entry; `connect` picks the entry whose region is the site asked for, and
+    says in one line when there is none. The two share a clock."""
+    import os
+
+    from appliance.sites import open_site
+
+    other = "CHI@local2"
+    localcloud.start(site=other)
+    c1, c2 = open_site("local").cloud, open_site("local", other).cloud
+    assert c2.region_name() == other and c1.region_name() == "CHI@local"
+    assert c1.conn.current_project_id != c2.conn.current_project_id
+    lease = c2.create_lease("at-the-other-site", "compute_local", 1, dt.timedelta(hours=1))
+    try:
+        assert c1.get_lease(lease.id) is None and c2.get_lease(lease.id).status == "ACTIVE"
+    finally:
+        c2.delete_lease(lease.id)
+    env = dict(os.environ, OS_CLIENT_CONFIG_FILE=str(localcloud.clouds_yaml(other)), OS_CLOUD="appliance-local2")
+    r = subprocess.run([str(Path(sys.executable).parent / "openstack"), "image", "list", "-f", "value", "-c", "Name"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "appliance-cpu" in r.stdout.split(), r.stderr[-500:]
+    first = yaml.safe_load(localcloud.clouds_yaml().read_text())["clouds"]
+    second = yaml.safe_load(localcloud.clouds_yaml(other).read_text())["clouds"]
+    wrong = tmp_path / "wrong.yaml"  # the first site's credential, at the second site's Keystone
+    entry = dict(first[localcloud.CLOUD_NAME], region_name=other)
+    entry["auth"] = dict(entry["auth"], auth_url=second["appliance-local2"]["auth"]["auth_url"])
+    wrong.write_text(yaml.safe_dump({"clouds": {"x": entry}}))
+    with pytest.raises(ApplianceError, match="rejected the credentials"):
+        connect(cloud="x", config_file=str(wrong))
+    both = tmp_path / "both.yaml"
+    both.write_text(yaml.safe_dump({"clouds": {**first, **second}}))
+    assert connect(cloud=localcloud.CLOUD_NAME, config_file=str(both), region=other).current_project_id == \
+        c2.conn.current_project_id
+    alone = tmp_path / "alone.yaml"
+    alone.write_text(yaml.safe_dump({"clouds": first}))
+    with pytest.raises(ApplianceError, match="no entry is for site CHI@local2 in clouds.yaml"):
+        connect(cloud=localcloud.CLOUD_NAME, config_file=str(alone), region=other)
+    try:  # one clock: the first site moved, the second with it
+        localcloud.admin("POST", "/advance", {"seconds": 7200})
+        here = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+        assert abs((c1.now() - c2.now()).total_seconds()) < 5 and (c2.now() - here).total_seconds() > 7000
+    finally:
+        localcloud.admin("POST", "/clock/reset")

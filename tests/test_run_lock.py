@@ -129,8 +129,8 @@ def test_a_lock_whose_lease_is_over_holds_nothing_back(tmp_path):
     a.acquire(tmp_path)
     assert a.read()["lease_id"] == "lease-1"
     clock[0] += 5  # renewed 5 s ago: alive by its heartbeat
-    assert b.acquire(tmp_path, lease_over=lambda lid: False)[0]["job_id"] == "job-a"
-    holder, stale = b.acquire(tmp_path, lease_over=lambda lid: lid == "lease-1")
+    assert b.acquire(tmp_path, lease_over=lambda lid, site: False)[0]["job_id"] == "job-a"
+    holder, stale = b.acquire(tmp_path, lease_over=lambda lid, site: lid == "lease-1")
     assert holder is None and stale["job_id"] == "job-a" and b.held
     # the head node's beat, which did not take the lock, keeps the launcher's lease id in every heartbeat
     head = lock(tmp_path, "job-b", clock)

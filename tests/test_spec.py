@@ -67,7 +67,11 @@ def test_defaults_fill_in():
     ({**GOOD, "lease": {"overlap": "4h"}}, "lease.overlap", "not shorter than lease.duration"),
     ({**GOOD, "lease": {"overlap": "half an hour"}}, "lease.overlap", "not a duration"),
     ({**GOOD, "notify": "http://hooks.example.org/T0/secret"}, "notify", "in the clear"),
-    ({**GOOD, "nodes": {"alternatives": "gpu_rtx_6000"}}, "nodes.alternatives", "a list of strings"),
+    ({**GOOD, "nodes": {"alternatives": "gpu_rtx_6000"}}, "nodes.alternatives", "a list of node types"),
+    ({**GOOD, "nodes": {"alternatives": [{"site": "CHI@TACC"}]}}, "nodes.alternatives[0].node_type",
+     "missing required field"),
+    ({**GOOD, "nodes": {"alternatives": [{"node_type": "x", "zone": "a"}]}}, "nodes.alternatives[0].zone",
+     "unknown key"),
     ({**GOOD, "lease": {"wait": "forever"}}, "lease.wait", "not a duration"),
     (["not", "a", "mapping"], "spec", "expected a mapping"),
 ])

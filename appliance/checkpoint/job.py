@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..errors import ApplianceError
 from ..protocol import EXIT_STOPPED, RUN_MARKER, Env, Line, parse
-from ..sites import Site
+from ..sites import Site, open_site
 from ..store.filesync import FileSet
 from ..store.runlock import INTERVAL, LOCK, TTL, RunLock
 from ..store.checkpoints import CheckpointStore, retrying
@@ -148,6 +148,11 @@ class JobCheckpoints(JobHooks):
     def _clear_stop(self) -> None:
         self.head.run(f"rm -f {shlex.quote(self.stop_file)}", check=True)
 
+    def _other_lease_site(self) -> str | None:
+        """The region of the job's lease when it is not the run's own site's (a managed run's alternative)."""
+        ls = self.lease_site
+        return ls.region if ls is not None and ls is not self.site and ls.region != self.site.region else None
+
     def _take_run_lock(self, cs: CheckpointStore, ctx: JobContext) -> None:
         """The store-level lease on the run (store/runlock.py): refuse the job while another job of the run, on any
         cluster, keeps its lock alive; take over a lock whose launcher stopped renewing it."""
@@ -155,7 +160,8 @@ class JobCheckpoints(JobHooks):
 
         lock = RunLock(cs, ctx.job_id, cluster=ctx.cluster.name or "?", head=ctx.head.node.name,
                        interval=float(os.environ.get("APPLIANCE_RUN_LOCK_INTERVAL") or INTERVAL),
-                       ttl=float(os.environ.get("APPLIANCE_RUN_LOCK_TTL") or TTL), lease_id=ctx.cluster.lease_id)
+                       ttl=float(os.environ.get("APPLIANCE_RUN_LOCK_TTL") or TTL), lease_id=ctx.cluster.lease_id,
+                       lease_site=self._other_lease_site())
         try:
             holder, stale = lock.acquire(tempfile.gettempdir(), ended=lambda jid: job_ended_here(ctx.spec.name, jid),
                                          lease_over=lease_over_for(self.site))
@@ -510,13 +516,14 @@ def refuse_if_running(spec, cs: CheckpointStore, site: Site) -> None:
 
 
 def lease_over_for(site: Site):
-    """``lease_over(lease_id)`` on ``site``: Blazar no longer has the lease, or its end has passed by the
-    cloud's own clock (at the end Blazar deletes every server of the lease, so a job on them is gone: a lock it left
-    need not be waited out; issue 52). False when the site cannot tell (no credentials, an error): the lock's ttl
-    decides then."""
-    def over(lease_id: str) -> bool:
+    """``lease_over(lease_id, region)`` on ``site`` (or on the site ``region`` of its cloud: a job of the run at
+    another site): Blazar no longer has the lease, or its end has passed by the cloud's own clock (at the end Blazar
+    deletes every server of the lease, so a job on them is gone: a lock it left need not be waited out; issue 52).
+    False when the site cannot tell (no credentials, an error): the lock's ttl decides then."""
+    def over(lease_id: str, region: str | None = None) -> bool:
         try:
-            info, now = site.cloud.lease_at(lease_id)
+            at = site if region in (None, site.region) else open_site(site.kind, region)
+            info, now = at.cloud.lease_at(lease_id)
         except Exception:  # noqa: BLE001 - cannot tell: not over
             return False
         return info is None or info.status in ("TERMINATED", "DELETED") or info.end <= now

@@ -59,17 +59,22 @@ def format_timeline(tl: dict) -> list[str]:
                     "cancel": f"cancel asked from {e.get('by')}", "end": f"run {e.get('status')}"}[kind]
             out.append(f"  {at(e['at'])} {what}")
         elif kind == "waiting for hosts":
-            out.append(f"  {at(e['at'])} no hosts free now: {e.get('node_type')} booked from {e.get('start')}, a wait of "
+            out.append(f"  {at(e['at'])} no hosts free now: {_where(e)} booked from {e.get('start')}, a wait of "
                        f"{e.get('wait_s', 0) / 60:.0f} min")
         elif kind == "hosts free":
-            out.append(f"  {at(e['at'])} {e.get('node_type')} free after {e.get('waited_s')} s")
+            out.append(f"  {at(e['at'])} {_where(e)} free after {e.get('waited_s')} s")
         elif kind == "lease extended":
             out.append(f"  {at(e['at'])} lease {str(e.get('lease_id'))[:8]} extended to {str(e.get('end'))[:16]}")
         elif kind in ("next lease", "next cluster ready", "next cluster failed", "no hosts", "parked", "stuck",
                       "extend refused", "no next lease", "limit"):
-            detail = e.get("node_type") or e.get("error") or e.get("reason") or e.get("cluster") or ""
+            detail = (e.get("node_type") and _where(e)) or e.get("error") or e.get("reason") or e.get("cluster") or ""
             out.append(f"  {at(e['at'])} {kind}" + (f": {detail}" if detail else ""))
     return out
+
+
+def _where(e: dict) -> str:
+    """An event's node type, and its site when it is not the run's own: ``gpu_v100 at CHI@TACC``."""
+    return f"{e.get('node_type')}" + (f" at {e['site']}" if e.get("site") else "")
 
 
 def format_progress(tl: dict) -> list[str]:

@@ -52,11 +52,26 @@ class RunContext:
     resolves a site of its own."""
 
     spec: Spec
-    site: Site
+    site: Site  # the run's own site: its store and checkpoints, its controller's credential
+    _others: dict = dataclasses.field(default_factory=dict, repr=False)  # other sites its clusters are on, by region
 
     @classmethod
     def of(cls, spec: Spec) -> RunContext:
         return cls(spec, for_spec(spec))
+
+    def at(self, region: str | None) -> Site:
+        """The site ``region`` of the run's cloud (a managed run's alternative at another site: CHI@TACC for a run
+        at CHI@UC), one client each for the whole command; the run's own for None or its own region."""
+        if region is None or region == self.site.region:
+            return self.site
+        if region not in self._others:
+            self._others[region] = open_site(self.spec.cloud, region)
+        return self._others[region]
+
+    def site_of(self, name: str) -> Site:
+        """The site of the cluster recorded as ``name`` (the run's own when there is none)."""
+        cl = find_cluster(name)
+        return self.at(cl.site.region) if cl is not None and cl.cloud == self.spec.cloud else self.site
 
     def creds(self, url: str):
         """Store credentials for ``url`` (None for file://: Site.store_creds)."""
@@ -72,8 +87,8 @@ class RunContext:
         """The site whose lease the cluster runs on (the spec's own when they agree), None without a lease."""
         if not cluster.lease_id:
             return None
-        if cluster.cloud == self.spec.cloud and cluster.site.region == self.site.region:
-            return self.site
+        if cluster.cloud == self.spec.cloud:
+            return self.at(cluster.site.region)
         return for_cluster(cluster)
 
 
@@ -295,14 +310,15 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
            url: str | None = None, cloud: str = "local", site_name: str | None = None, new_lease: bool = False,
            out: Callable[[str], None] | None = None, control=None, node_type: str | None = None,
-           lease_duration: str | None = None) -> JobResult | None:
+           lease_duration: str | None = None, at_site: str | None = None) -> JobResult | None:
     """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
     new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
     what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete.
     ``new_lease``: the run's own cluster goes first (its lease ends: run_managed), and a new lease is made;
     ``control``: the managed run's controller (run_job); ``node_type``: a new lease's, instead of the spec's (a
     managed run's alternative, nodes.alternatives); ``lease_duration``: a new lease's, instead of the spec's (a
-    managed run's, cut to its limits)."""
+    managed run's, cut to its limits); ``at_site``: a new lease's site, instead of the spec's (an alternative at
+    another site; the checkpoints stay in the run's own store)."""
     t = {"start": time.time()}  # the resume's downtime, phase by phase (resume_breakdown)
     spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
@@ -317,7 +333,7 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
         return None
     t["checkpoint chosen"] = time.time()
     up_phases: dict[str, float] = {}
-    cluster = _resume_cluster(ctx, cluster_name, up_phases, new_lease)
+    cluster = _resume_cluster(ctx, cluster_name, up_phases, new_lease, at_site)
     t["cluster ready"] = time.time()
     if spec.dataset is not None:
         stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
@@ -374,19 +390,23 @@ def _resume_point(ctx: RunContext):
 
 
 def _resume_cluster(ctx: RunContext, cluster_name: str | None, up_phases: dict[str, float],
-                    new_lease: bool = False) -> Cluster:
+                    new_lease: bool = False, at_site: str | None = None) -> Cluster:
     """The named cluster; else the run's own (a new lease + `up` on a site with leases) or the site's default.
     ``new_lease``: the run's own cluster is taken down first (its lease is about to end or has ended: its hosts are
-    free for the new one), then a new lease + `up`."""
+    free for the new one), then a new lease + `up` (at ``at_site``, else the spec's site)."""
     spec = ctx.spec
     if cluster_name:
         return load_cluster(cluster_name)
     if new_lease:
         if find_cluster(spec.name) is not None:
-            lifecycle.down(spec.name, ctx.site)
-        return lifecycle.up(ctx.site, spec, timings=up_phases)
-    default = None if find_cluster(spec.name) is not None else ctx.site.default_cluster(spec)
-    cluster = default if default is not None else lifecycle.up(ctx.site, spec, timings=up_phases)
+            lifecycle.down(spec.name, ctx.site_of(spec.name))
+        at = dataclasses.replace(spec, site=at_site) if at_site else spec
+        return lifecycle.up(ctx.at(at_site), at, timings=up_phases)
+    own = find_cluster(spec.name)
+    default = None if own is not None else ctx.site.default_cluster(spec)
+    if own is not None and own.cloud == spec.cloud and own.site.region != spec.site:  # the run went on elsewhere
+        spec = dataclasses.replace(spec, site=own.site.region)
+    cluster = default if default is not None else lifecycle.up(ctx.site_of(spec.name), spec, timings=up_phases)
     if cluster.world_size != spec.world_size:
         log.info(f"[resume] note: cluster {cluster.name} has {cluster.world_size} rank(s), the spec asks for "
                  f"{spec.world_size}")

@@ -44,19 +44,22 @@ class Ledger:
         with self._mu:
             return {k: dict(v) for k, v in self.leases.items()}
 
-    def track(self, info, nodes: int, node_type: str) -> None:
-        """A lease of the run (a LeaseInfo), from now on counted."""
+    def track(self, info, nodes: int, node_type: str, site: str | None = None) -> None:
+        """A lease of the run (a LeaseInfo), from now on counted; ``site``: its site when not the run's own."""
         with self._mu:
             self.leases[info.id] = {"nodes": int(nodes), "node_type": node_type, "start": _iso(info.start),
-                                    "end": _iso(info.end), "closed": False, "closed_at": None}
+                                    "end": _iso(info.end), "closed": False, "closed_at": None,
+                                    **({"site": site} if site else {})}
 
     def refresh(self, cloud, now: dt.datetime) -> None:
         """Each open lease's dates as Blazar has them now (an extension moves its end); one that has gone is
         closed, counted to now at most (the first look after its deletion: the controller deletes its leases
-        itself, and looks again right after)."""
+        itself, and looks again right after). ``cloud``: the run's site's client, or a function of a lease's site
+        (None for the run's own) to its site's client."""
         with self._mu:
-            open_ = [lid for lid, e in self.leases.items() if not e["closed"]]
-        seen = {lid: cloud.get_lease(lid) for lid in open_}  # not under the lock: the cloud is slow
+            open_ = [(lid, e.get("site")) for lid, e in self.leases.items() if not e["closed"]]
+        at = cloud if callable(cloud) else (lambda site: cloud)
+        seen = {lid: at(site).get_lease(lid) for lid, site in open_}  # not under the lock: the cloud is slow
         with self._mu:
             for lid, info in seen.items():
                 e = self.leases[lid]
@@ -139,3 +142,22 @@ def estimate(progress: dict, now_real: float) -> dict:
     left_s += ends * (sum(downtime) / len(downtime) if downtime else 0.0)
     out.update(steps_per_s=round(rate, 4), eta=round(now_real + left_s), lease_ends_ahead=ends)
     return out
+
+
+def steps_made(res) -> int:
+    """Steps a job made: from where it resumed (0 for a fresh job) to where it stopped (or its last commit, when
+    the lease end took its nodes)."""
+    stop = (res.stopped or {}).get("step")
+    if stop is None and res.commits:
+        stop = max(c["step"] for c in res.commits)
+    start = (res.resumed or {}).get("step") or 0
+    return max(0, int(stop) - int(start)) if stop is not None else 0
+
+
+def newest_meta(ctx) -> dict:
+    """The newest committed checkpoint's meta (its step, steps per epoch, epochs in all), or {}."""
+    try:
+        done = ctx.checkpoints.committed()
+        return ctx.checkpoints.read_manifest(done[0])["meta"] if done else {}
+    except Exception:  # noqa: BLE001 - the store did not answer: no estimate this time
+        return {}

@@ -20,6 +20,10 @@ It reaches the controller as a clouds.yaml of its own (mode 0600, in ~/.applianc
 APPLIANCE_RUN_CLOUD in the controller's environment, from which your OS_* variables are removed; its secret is in
 no argument, log or environment. When Keystone will not make it (your own credential is a restricted one), the
 controller runs with yours, and says so.
+
+A run with an alternative at another site (nodes.alternatives: CHI@TACC for a run at CHI@UC) gets one such
+credential at each site, each from that site's own Keystone (a credential is a site's own: shared/docs/chameleon.md
+B1), one clouds.yaml entry each; when one site refuses, none is kept and the controller runs with yours.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ log = report.get(__name__)
 
 RUN_CREDENTIAL_DAYS = 60
 CRED_ENV = "APPLIANCE_RUN_CREDENTIAL"  # its id (never its secret), in the controller's environment
+ELSEWHERE_ENV = "APPLIANCE_RUN_CREDENTIALS_ELSEWHERE"  # "SITE=id,...": those at the run's other sites
 EXPIRES_ENV = "APPLIANCE_RUN_CREDENTIAL_EXPIRES"  # and when it expires (UTC)
 PREFIX = "appliance-run-"
 
@@ -46,21 +51,49 @@ def _name_re(run: str) -> re.Pattern:
     return re.compile(rf"{re.escape(PREFIX + run)}-\d{{14}}")
 
 
+def _other_sites(spec) -> list[str]:
+    """The sites other than the run's own that its alternatives name, in order."""
+    return list(dict.fromkeys(a.site for a in spec.nodes.alternatives if a.site not in (None, spec.site)))
+
+
 def make(ctx, where: Path) -> dict[str, str]:
-    """A credential of the run's controller's own, and its clouds.yaml in ``where``; returns what the controller's
-    environment adds (controller_env), or {} when Keystone refused it (the controller then runs with yours)."""
-    spec, c = ctx.spec, ctx.site.cloud
-    now = c.now()
+    """A credential of the run's controller's own at each site the run may lease at, and its clouds.yaml in
+    ``where``; returns what the controller's environment adds (controller_env), or {} when Keystone refused one
+    (the controller then runs with yours)."""
+    spec = ctx.spec
+    now = ctx.site.cloud.now()
     deadline = deadline_of(spec)
     expires = deadline + dt.timedelta(days=1) if deadline else now + dt.timedelta(days=RUN_CREDENTIAL_DAYS)
+    made: list[tuple[str | None, object, dict]] = []  # (site, its client, the credential)
     try:
-        cred = c.create_app_cred(f"{PREFIX}{spec.name}-{now:%Y%m%d%H%M%S}", expires_at=expires, unrestricted=True,
-                                 description=f"appliance run {spec.name}: its controller books leases and servers; "
-                                             "deleted when the run ends")
+        for site in [None, *_other_sites(spec)]:
+            c = ctx.at(site).cloud
+            made.append((site, c, c.create_app_cred(
+                f"{PREFIX}{spec.name}-{now:%Y%m%d%H%M%S}", expires_at=expires, unrestricted=True,
+                description=f"appliance run {spec.name}: its controller books leases and servers; deleted when the "
+                            "run ends")))
     except ApplianceError as e:
+        for _, c, cred in made:
+            c.delete_app_cred(cred["id"])
         log.info(f"[run] warning: the controller runs with your own credential: Keystone refused it one of its own "
                  f"({e.message}); docs/managed.md (credentials) says what to give it")
         return {}
+    entries = {RUN_CLOUD if site is None else f"{RUN_CLOUD}-{n}": _entry(c, cred)
+               for n, (site, c, cred) in enumerate(made)}
+    import yaml
+
+    path = where / "controller-cloud.yaml"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(yaml.safe_dump({"clouds": entries}, sort_keys=False))
+    others = ",".join(f"{site}={cred['id']}" for site, _, cred in made[1:])
+    return {RUN_CLOUD_ENV: str(path), CRED_ENV: made[0][2]["id"], EXPIRES_ENV: f"{expires:%Y-%m-%d %H:%M}",
+            **({ELSEWHERE_ENV: others} if others else {})}
+
+
+def _entry(c, cred: dict) -> dict:
+    """The clouds.yaml entry of a credential made at the site ``c`` is a client of."""
     entry = {"auth_type": "v3applicationcredential", "region_name": c.region_name(), "interface": "public",
              "identity_api_version": 3,
              "auth": {"auth_url": c.identity_url(), "application_credential_id": cred["id"],
@@ -69,14 +102,16 @@ def make(ctx, where: Path) -> dict[str, str]:
     for k in ("verify", "cacert"):  # how your clouds.yaml reaches Keystone (a private CA), the same for it
         if mine is not None and mine.config.get(k) is not None:
             entry[k] = mine.config[k]
-    import yaml
+    return entry
 
-    path = where / "controller-cloud.yaml"
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(yaml.safe_dump({"clouds": {RUN_CLOUD: entry}}, sort_keys=False))
-    return {RUN_CLOUD_ENV: str(path), CRED_ENV: cred["id"], EXPIRES_ENV: f"{expires:%Y-%m-%d %H:%M}"}
+
+def _own(env) -> dict[str | None, str]:
+    """The controller's own credentials by site (None: the run's own site), from its environment."""
+    own = {None: env[CRED_ENV]} if env.get(CRED_ENV) else {}
+    for item in filter(None, (env.get(ELSEWHERE_ENV) or "").split(",")):
+        site, _, cid = item.rpartition("=")
+        own[site] = cid
+    return own
 
 
 def controller_env(extra: dict[str, str]) -> dict[str, str]:
@@ -88,32 +123,34 @@ def controller_env(extra: dict[str, str]) -> dict[str, str]:
 
 def forget_others(ctx) -> None:
     """A controller with a credential of its own: the run's credentials made for controllers before it (gone: it
-    holds the run's lock) are deleted. A failure is said; they expire anyway."""
-    own = os.environ.get(CRED_ENV)
+    holds the run's lock) are deleted, at each site. A failure is said; they expire anyway."""
+    own = _own(os.environ)
     if not own:
         return
-    c = ctx.site.cloud
     pattern = _name_re(ctx.spec.name)
     try:
-        for x in c.list_app_creds():
-            if x.get("id") != own and pattern.fullmatch(x.get("name") or ""):
-                c.delete_app_cred(x["id"])
-                log.info(f"[run] deleted the credential of an earlier controller of run {ctx.spec.name} ({x['id'][:8]})")
+        for site in [None, *_other_sites(ctx.spec)]:
+            c = ctx.at(site).cloud
+            for x in c.list_app_creds():
+                if x.get("id") not in own.values() and pattern.fullmatch(x.get("name") or ""):
+                    c.delete_app_cred(x["id"])
+                    log.info(f"[run] deleted the credential of an earlier controller of run {ctx.spec.name} "
+                             f"({x['id'][:8]}{f' at {site}' if site else ''})")
     except Exception as e:  # noqa: BLE001 - they expire by themselves
         log.info(f"[run] warning: could not look for earlier controllers' credentials ({type(e).__name__}: {e})")
 
 
 def drop(ctx, made: dict[str, str] | None = None) -> None:
-    """This controller's own credential goes (the last call it makes: its tokens stop with it), and its file.
-    ``made``: one `appliance run` made for a controller that did not start (deleted with your credential)."""
+    """This controller's own credentials go (the last call it makes: its tokens stop with them), and their file.
+    ``made``: those `appliance run` made for a controller that did not start (deleted with your credential)."""
     env = made if made is not None else os.environ
-    own, path = env.get(CRED_ENV), env.get(RUN_CLOUD_ENV)
-    if not own:
-        return
-    try:
-        ctx.site.cloud.delete_app_cred(own)
-    except Exception as e:  # noqa: BLE001 - it expires by itself
-        log.info(f"[run] warning: the controller's credential {own[:8]} was not deleted ({type(e).__name__}: {e}); "
-                 "it expires by itself, or delete it in the dashboard: Identity -> Application Credentials")
-    if path:
+    own, path = _own(env), env.get(RUN_CLOUD_ENV)
+    for site, cid in sorted(own.items(), key=lambda x: x[0] is None):  # the run's own site's last
+        try:
+            ctx.at(site).cloud.delete_app_cred(cid)
+        except Exception as e:  # noqa: BLE001 - it expires by itself
+            log.info(f"[run] warning: the controller's credential {cid[:8]}{f' at {site}' if site else ''} was not "
+                     f"deleted ({type(e).__name__}: {e}); it expires by itself, or delete it in the dashboard: "
+                     "Identity -> Application Credentials")
+    if own and path:
         Path(path).unlink(missing_ok=True)

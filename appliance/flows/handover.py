@@ -36,6 +36,11 @@ def other_name(run: str, current: str | None) -> str:
     return f"{run}-h" if current in (None, run) else run
 
 
+def label(a) -> str:
+    """An Alternative as said: ``gpu_v100``, or ``gpu_v100 at CHI@TACC``."""
+    return a.node_type + (f" at {a.site}" if a.site else "")
+
+
 def overlap_cost(spec) -> float:
     """Node-hours the overlap costs per lease end (both clusters leased through it)."""
     return duration_seconds(spec.lease.overlap) * spec.nodes.count / 3600
@@ -70,10 +75,10 @@ class Warm:
         return None if start <= now + dt.timedelta(minutes=1) else start
 
     def _make(self) -> None:
-        site, spec = self.ctx.site, self.spec
+        site, spec = self.ctx.site, self.spec  # the next lease: the spec's first choice again
         try:
             if find_cluster(self.name) is not None:  # left by a controller that was killed: it goes, then afresh
-                lifecycle.down(self.name, site)
+                lifecycle.down(self.name, self.ctx.site_of(self.name))
             if spec.lease.extend and self.plan is not None and not self._extend():
                 return  # stopped while it waited to extend
             start = self._start_date()
@@ -113,7 +118,7 @@ class Warm:
         extension needs no second cluster and no handover); each extension moves the end, and the next try waits
         for it. Refused (Blazar: the hosts are reserved after the end, outside the 48 h window, the 7-day cap; or
         the run's limits), the next lease is booked. False: stopped meanwhile."""
-        site, lid = self.ctx.site, self.current.lease_id
+        site, lid = self.ctx.lease_site(self.current) or self.ctx.site, self.current.lease_id
         # tried this long before the next lease's start: time to book it ahead once refused (Blazar takes whole
         # minutes and refuses a start in the past), and two polls for the controller to see the moment
         ahead = dt.timedelta(seconds=duration_seconds(self.spec.lease.overlap)
@@ -153,57 +158,63 @@ class Warm:
         if self._thread.is_alive():
             self._thread.join()
         if find_cluster(self.name) is not None:
-            lifecycle.down(self.name, self.ctx.site)
+            lifecycle.down(self.name, self.ctx.site_of(self.name))
 
 
-def wait_for_slot(ctx, control, types: list[str], fit=None, quiet: bool = False) -> str | None:
-    """No node type has hosts free now: the earliest slot of any of ``types`` (Blazar's host allocations:
-    sites/slots.py), if it starts within lease.wait, is booked under the run's name and waited for. Returns the node
-    type whose lease has started (`up` of the run goes on on it), or None: no slot within the wait, or the run was
-    cancelled meanwhile (what was booked goes). ``fit(start)``: the longest lease the run's limits allow from
-    then, in seconds (None: none); ``quiet``: a parked run's look again (no slot is not said again)."""
-    spec, site = ctx.spec, ctx.site
-    c = site.cloud
-    now = c.now()
+def wait_for_slot(ctx, control, choices: list, fit=None, quiet: bool = False):
+    """No choice (an Alternative: a node type, at the run's site or another) has hosts free now: the earliest slot
+    of any (each site's Blazar host allocations: sites/slots.py), if it starts within lease.wait, is booked under
+    the run's name and waited for. Returns the choice whose lease has started (`up` of the run goes on on it), or
+    None: no slot within the wait, or the run was cancelled meanwhile (what was booked goes). ``fit(start)``: the
+    longest lease the run's limits allow from then, in seconds (None: none); ``quiet``: a parked run's look again
+    (no slot is not said again)."""
+    spec = ctx.spec
+    now = ctx.site.cloud.now()  # the sites' clocks agree (UTC)
     length = dt.timedelta(seconds=(fit(None) if fit else None) or duration_seconds(spec.lease.duration))
-    slots = sorted((s, nt) for nt in types if (s := c.next_slot(nt, spec.nodes.count, length, now)) is not None)
+    slots = sorted(((s, i) for i, a in enumerate(choices)
+                    if (s := ctx.at(a.site).cloud.next_slot(a.node_type, spec.nodes.count, length, now)) is not None),
+)
     limit = now + dt.timedelta(seconds=duration_seconds(spec.lease.wait))
     if not slots or slots[0][0] > limit:
-        first = f"; the first is {slots[0][1]} at {slots[0][0]:%Y-%m-%d %H:%M} UTC" if slots else ""
+        first = f"; the first is {label(choices[slots[0][1]])} at {slots[0][0]:%Y-%m-%d %H:%M} UTC" if slots else ""
         if not quiet:
             control.record("parked", state="parked", reason=f"no slot within lease.wait {spec.lease.wait}{first}")
-            log.info(f"[run] no {spec.nodes.count} x {' or '.join(types)} free within lease.wait ({spec.lease.wait})"
-                     f"{first}: the run is parked with its checkpoint, holds no lease, and looks again every "
-                     f"{PARK_POLL / 60:.0f} min (a longer lease.wait or more nodes.alternatives help; `appliance "
-                     f"cancel {spec.name}` stops it)")
+            log.info(f"[run] no {spec.nodes.count} x {' or '.join(map(label, choices))} free within lease.wait "
+                     f"({spec.lease.wait}){first}: the run is parked with its checkpoint, holds no lease, and looks "
+                     f"again every {PARK_POLL / 60:.0f} min (a longer lease.wait or more nodes.alternatives help; "
+                     f"`appliance cancel {spec.name}` stops it)")
         return None
-    start, nt = slots[0]
+    start, a = slots[0][0], choices[slots[0][1]]
+    nt, where = a.node_type, {"site": a.site} if a.site else {}
     fits = fit(start) if fit else None
     if fit and fits is None:
         if not quiet:
-            control.record("parked", state="parked",
-                           reason=f"the first slot, {nt} at {start:%Y-%m-%d %H:%M} UTC, is past the run's limits")
-            log.info(f"[run] the first free slot, {spec.nodes.count} x {nt} at {start:%Y-%m-%d %H:%M} UTC, leaves no "
-                     f"lease within the run's limits: the run is parked with its checkpoint and looks again every "
-                     f"{PARK_POLL / 60:.0f} min (raise the limits in {spec.path}, then `appliance run` again)")
+            control.record("parked", state="parked", reason=f"the first slot, {label(a)} at {start:%Y-%m-%d %H:%M} "
+                                                            "UTC, is past the run's limits")
+            log.info(f"[run] the first free slot, {spec.nodes.count} x {label(a)} at {start:%Y-%m-%d %H:%M} UTC, "
+                     f"leaves no lease within the run's limits: the run is parked with its checkpoint and looks "
+                     f"again every {PARK_POLL / 60:.0f} min (raise the limits in {spec.path}, then `appliance run` "
+                     "again)")
         return None
+    site = ctx.at(a.site)
     lease = dataclasses.replace(spec.lease, duration=f"{fits // 60}m") if fits else spec.lease
-    booked = lifecycle.book(site, dataclasses.replace(spec, lease=lease,
+    booked = lifecycle.book(site, dataclasses.replace(spec, lease=lease, site=a.site or spec.site,
                                                       nodes=dataclasses.replace(spec.nodes, node_type=nt)),
                             start if start > now + dt.timedelta(minutes=1) else None)
     wait_s = max(0.0, (start - now).total_seconds())
-    control.record("waiting for hosts", node_type=nt, lease_id=booked.lease_id, start=start.isoformat() + "Z",
-                   wait_s=round(wait_s))
-    log.info(f"[run] the earliest {spec.nodes.count} x {nt} free: {start:%Y-%m-%d %H:%M} UTC, in {wait_s / 60:.0f} "
-             f"min; booked (lease {booked.lease_id}), waiting for it")
+    control.record("waiting for hosts", node_type=nt, **where, lease_id=booked.lease_id,
+                   start=start.isoformat() + "Z", wait_s=round(wait_s))
+    log.info(f"[run] the earliest {spec.nodes.count} x {label(a)} free: {start:%Y-%m-%d %H:%M} UTC, in "
+             f"{wait_s / 60:.0f} min; booked (lease {booked.lease_id}), waiting for it")
     t0 = time.monotonic()
     while True:
-        info = c.get_lease(booked.lease_id)
+        info = site.cloud.get_lease(booked.lease_id)
         if control.cancel is not None or info is None or info.status in ("ERROR", "TERMINATED", "DELETED"):
             lifecycle.down(spec.name, site)
             return None
         if info.status == "ACTIVE":
             break
         control.changed.wait(control.poll)
-    control.record("hosts free", node_type=nt, waited_s=round(time.monotonic() - t0, 1), wait_s=round(wait_s))
-    return nt
+    control.record("hosts free", node_type=nt, **where, waited_s=round(time.monotonic() - t0, 1),
+                   wait_s=round(wait_s))
+    return a

@@ -39,13 +39,13 @@ from ..checkpoint.resume import find_spec
 from ..cluster import Cluster, find_cluster
 from ..errors import ApplianceError, NoHosts, SpecError
 from ..provision import lifecycle
-from ..spec import Spec, duration_seconds
+from ..spec import Alternative, Spec, duration_seconds
 from ..store.checkpoints import retrying
 from ..train.launch import JobResult
 from . import credential
-from .budget import Budget, Ledger, estimate
+from .budget import Budget, Ledger, estimate, newest_meta, steps_made
 from .control import CONTROL, NOTIFIED, Control, busy, gone_here  # noqa: F401 (the controller's names, here too)
-from .handover import PARK_POLL, Warm, other_name, overlap_cost, wait_for_slot
+from .handover import PARK_POLL, Warm, label, other_name, overlap_cost, wait_for_slot
 
 log = report.get(__name__)
 
@@ -133,7 +133,7 @@ class _Run:
             self.warm.abandon()
             self.warm = None
         if spec is not None and cluster.lease_id:  # not in the job's way: its start is the handover's downtime
-            self.later(self.track, cluster.lease_id, len(cluster.nodes), spec.nodes.node_type)
+            self.later(self.track, cluster.lease_id, len(cluster.nodes), spec.nodes.node_type, self.elsewhere(cluster))
         if duration_seconds(self.spec.lease.overlap) and cluster.lease_id and cluster.lease_end_at:
             self.warm = Warm(self.ctx, cluster, self.control.record, _flows().stage_to_nodes,
                              self.control.poll, plan=self).start()
@@ -142,8 +142,8 @@ class _Run:
         """The run's pace and progress (steps made per second of training, the newest step of its total: the
         estimated finish `appliance runs RUN` shows), and its node-hours so far; beside the handover, not before
         it (the store and the cloud are read)."""
-        made, wall = _steps_made(res), res.wall_s or 0.0
-        meta = _newest_meta(self.ctx)
+        made, wall = steps_made(res), res.wall_s or 0.0
+        meta = newest_meta(self.ctx)
         with self._progress:
             p = dict(self.control.state.get("progress") or {})
             p["steps"] = p.get("steps", 0) + made
@@ -165,7 +165,7 @@ class _Run:
                 log.info(f"[run] run {self.spec.name} finished: its cluster {name} and its lease go (its final "
                          "checkpoint is in the store; lease.keep_when_done: true keeps them)")
                 try:
-                    lifecycle.down(name, self.ctx.site)
+                    lifecycle.down(name, self.ctx.site_of(name))
                 except ApplianceError as e:  # said; the lease ends by itself
                     log.info(f"[run] warning: cluster {name} was not taken down ({e}): `appliance down {name}`")
         if any(not e["closed"] for e in self.ledger.copy().values()):
@@ -184,15 +184,20 @@ class _Run:
 
     # the run's leases and limits (budget.py)
 
-    def track(self, lease_id: str, nodes: int, node_type: str) -> None:
-        """Count a lease of the run (its dates from Blazar) in the run's node-hours."""
+    def elsewhere(self, cluster: Cluster) -> str | None:
+        """The cluster's site when it is not the run's own (an alternative at another site), else None."""
+        region = cluster.site.region
+        return region if cluster.cloud == self.spec.cloud and self.ctx.at(region) is not self.ctx.site else None
+
+    def track(self, lease_id: str, nodes: int, node_type: str, site: str | None = None) -> None:
+        """Count a lease of the run (its dates from Blazar, at ``site``: None for the run's own) in its node-hours."""
         try:
-            info = self.ctx.site.cloud.get_lease(lease_id)
+            info = self.ctx.at(site).cloud.get_lease(lease_id)
         except Exception as e:  # noqa: BLE001 - counted at the next look
             log.info(f"[run] warning: could not read lease {lease_id} ({type(e).__name__}: {e})")
             return
         if info is not None:
-            self.ledger.track(info, nodes, node_type)
+            self.ledger.track(info, nodes, node_type, site)
             self.account()
 
     def account(self) -> dict | None:
@@ -200,7 +205,7 @@ class _Run:
         c = self.ctx.site.cloud
         try:
             now = c.now()
-            self.ledger.refresh(c, now)
+            self.ledger.refresh(lambda site: self.ctx.at(site).cloud, now)
         except Exception as e:  # noqa: BLE001 - the cloud did not answer: the last count stands
             log.info(f"[run] warning: could not read the run's leases ({type(e).__name__}: {e})")
             return None
@@ -256,9 +261,9 @@ class _Run:
         while res is not None and res.exit_code != 0 and control.cancel is None and not control.lost:
             if res.lease_end:
                 restarts = 0
-                stuck = stuck + 1 if _steps_made(res) <= 1 else 0
+                stuck = stuck + 1 if steps_made(res) <= 1 else 0
                 if stuck >= 2:  # each new lease would be stopped again as soon as it starts: lease after lease
-                    log.info(f"[run] error: job {res.job_id} stopped for its lease end after {_steps_made(res)} "
+                    log.info(f"[run] error: job {res.job_id} stopped for its lease end after {steps_made(res)} "
                              f"step(s), as the one before it: the jobs start too close to their lease's end (fix: "
                              f"a longer lease.duration than {spec.lease.duration}, or a shorter lease.stop_margin "
                              f"than {spec.lease.stop_margin}; then `appliance run {spec.path}`)")
@@ -280,12 +285,12 @@ class _Run:
             for name in dict.fromkeys((self.current, spec.name)):
                 if name and find_cluster(name) is not None:
                     log.info(f"[run] run {spec.name} cancelled: its cluster {name} goes")
-                    lifecycle.down(name, self.ctx.site)
+                    lifecycle.down(name, self.ctx.site_of(name))
         return res
 
     def handover(self, res: JobResult) -> JobResult | None:
         """The job ended with its lease: onto the next cluster made meanwhile (warm), else a new lease (cold)."""
-        spec, site = self.spec, self.ctx.site
+        spec, site = self.spec, self.ctx.site_of(self.current or self.spec.name)
         warm, self.warm = self.warm, None
         nxt = warm.ready() if warm is not None else None
         old = self.current
@@ -323,37 +328,43 @@ class _Run:
                 self.control.update(progress={**p, "downtime_s": [*p.get("downtime_s", [])[-9:], breakdown["total"]]})
 
     def cold(self) -> JobResult | None:
-        """A resume on a new lease: of the spec's node type; when Blazar has not the hosts, of each of
-        nodes.alternatives in order; when none has them now, of the earliest slot of any within lease.wait (booked
-        and waited for, the wait on the timeline). None: no slot within the wait (the run parks), or a limit
-        reached (limits: no lease is worth booking within them)."""
+        """A resume on a new lease: of the spec's node type at its site; when Blazar has not the hosts, of each of
+        nodes.alternatives in order (a node type at the run's site or at another: the checkpoints stay in the run's
+        store); when none has them now, of the earliest slot of any within lease.wait (booked and waited for, the
+        wait on the timeline). None: no slot within the wait (the run parks), or a limit reached (limits: no lease
+        is worth booking within them)."""
         spec = self.spec
-        types = [spec.nodes.node_type, *spec.nodes.alternatives]
+        choices = [Alternative(spec.nodes.node_type), *spec.nodes.alternatives]
         if (kw := self.new_lease()) is None:
             return None
-        for nt in types:
+        for i, a in enumerate(choices):
             try:
-                return self.resume(new_lease=True, node_type=None if nt == spec.nodes.node_type else nt, **kw)
+                return self.resume(new_lease=True, **self.choice(a), **kw)
             except NoHosts as e:
-                log.info(f"[run] no {spec.nodes.count} x {nt} free for the next lease ({e.message})"
-                         + (f"; trying {types[types.index(nt) + 1]}" if nt != types[-1] else ""))
-                self.control.record("no hosts", node_type=nt)
-        nt = self.wait_for_hosts(types)
-        if nt is None:
+                log.info(f"[run] no {spec.nodes.count} x {label(a)} free for the next lease ({e.message})"
+                         + (f"; trying {label(choices[i + 1])}" if i + 1 < len(choices) else ""))
+                self.control.record("no hosts", node_type=a.node_type, **({"site": a.site} if a.site else {}))
+        a = self.wait_for_hosts(choices)
+        if a is None:
             return None
-        return self.resume(node_type=None if nt == spec.nodes.node_type else nt)
+        return self.resume(**self.choice(a))
 
-    def wait_for_hosts(self, types: list[str]) -> str | None:
-        """No node type has hosts now: the earliest free slot within lease.wait, booked and waited for; without one
+    def choice(self, a: Alternative) -> dict:
+        """resume's keywords for a lease of ``a`` (the spec's own node type and site: none)."""
+        return {**({"node_type": a.node_type} if a.node_type != self.spec.nodes.node_type else {}),
+                **({"at_site": a.site} if a.site not in (None, self.spec.site) else {})}
+
+    def wait_for_hosts(self, choices: list[Alternative]) -> Alternative | None:
+        """No choice has hosts now: the earliest free slot within lease.wait, booked and waited for; without one
         the run parks with its checkpoint (status parked, no lease held) and looks again every PARK_POLL, until a
         slot appears, the run is cancelled, or its limits leave no lease (limits.deadline passes). Returns the
-        node type whose lease has started, or None."""
+        choice whose lease has started, or None."""
         c, looked = self.control, 0
         while c.cancel is None and not c.lost:
-            nt = wait_for_slot(self.ctx, c, types, fit=lambda start: self.lease_length(start)[0], quiet=looked > 0)
-            if nt is not None or c.cancel is not None:
+            a = wait_for_slot(self.ctx, c, choices, fit=lambda start: self.lease_length(start)[0], quiet=looked > 0)
+            if a is not None or c.cancel is not None:
                 self.parked = False
-                return nt
+                return a
             if self.new_lease() is None:  # the limits leave no lease now: the run ends (said)
                 self.parked = False
                 return None
@@ -371,7 +382,7 @@ class _Run:
             return None
         other = other_name(spec.name, self.current)
         if self.current and other != self.current and find_cluster(other) is not None:
-            lifecycle.down(other, ctx.site)  # a next cluster a killed controller made and never used
+            lifecycle.down(other, ctx.site_of(other))  # a next cluster a killed controller made and never used
         if _has_committed_work(ctx):
             log.info(f"[run] run {spec.name} has committed work: resuming it")
             cl = find_cluster(self.current) if self.current and self.current != spec.name else None
@@ -391,25 +402,6 @@ class _Run:
         return flows.run_job(spec, cluster, run=ctx, out=self.out, control=control)
 
 
-def _steps_made(res: JobResult) -> int:
-    """Steps a job made: from where it resumed (0 for a fresh job) to where it stopped (or its last commit, when
-    the lease end took its nodes)."""
-    stop = (res.stopped or {}).get("step")
-    if stop is None and res.commits:
-        stop = max(c["step"] for c in res.commits)
-    start = (res.resumed or {}).get("step") or 0
-    return max(0, int(stop) - int(start)) if stop is not None else 0
-
-
-def _newest_meta(ctx) -> dict:
-    """The newest committed checkpoint's meta (its step, steps per epoch, epochs in all), or {}."""
-    try:
-        done = ctx.checkpoints.committed()
-        return ctx.checkpoints.read_manifest(done[0])["meta"] if done else {}
-    except Exception:  # noqa: BLE001 - the store did not answer: no estimate this time
-        return {}
-
-
 def _current_cluster(spec: Spec) -> str | None:
     """The cluster of the run's newest job, from its record on this machine (RUN or RUN-h)."""
     return (runs.load(spec.name) or {}).get("cluster") or None
@@ -418,7 +410,7 @@ def _current_cluster(spec: Spec) -> str | None:
 def _lease_runs(ctx, cluster: Cluster) -> bool:
     from ..checkpoint.job import lease_over_for
 
-    return bool(cluster.lease_id) and not lease_over_for(ctx.site)(cluster.lease_id)
+    return bool(cluster.lease_id) and not lease_over_for(ctx.site)(cluster.lease_id, cluster.site.region)
 
 
 def _live_job(ctx) -> dict | None:

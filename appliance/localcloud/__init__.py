@@ -3,6 +3,12 @@
 State lives in $APPLIANCE_HOME/localcloud: credentials.json and clouds.yaml (both 0600, the
 secrets never on a command line), the server's pid, endpoint and log. ``cloud: local`` in a spec
 uses the clouds.yaml entry ``appliance-local`` (an application credential, as on Chameleon).
+
+The local cloud has two sites, as Chameleon has CHI@UC and CHI@TACC: ``CHI@local`` (the default) and
+``CHI@local2``, each a server of its own (Keystone with its own users and credentials, Blazar and its hosts, Nova,
+Glance, a metadata service), on a testbed of its own, in $APPLIANCE_HOME/localcloud-local2 with the clouds.yaml entry
+``appliance-local2``. The second starts when first used. The two share one clock (localcloud-clock.json), as
+Chameleon's sites keep UTC. Only the first runs an object store: a run keeps its checkpoints at its own site.
 """
 
 from __future__ import annotations
@@ -29,12 +35,36 @@ log = report.get(__name__)
 CLOUD_NAME = "appliance-local"
 # the Keystone user the local RGW validates tokens as (kolla-ansible ceph-guide: ``ceph_rgw_keystone_user``)
 RGW_SERVICE_USER = "ceph_rgw"
+SITES = ("CHI@local", "CHI@local2")  # the first is the default, and the only one with an object store
 
 
-def state_dir() -> Path:
-    d = paths.home() / "localcloud"
+def _site(site: str | None) -> str:
+    if site is None:
+        return SITES[0]
+    if site not in SITES:
+        raise ApplianceError(f"{site!r} is not a site of the local cloud", f"use one of {', '.join(SITES)}")
+    return site
+
+
+def _suffix(site: str | None) -> str:
+    """"" for the first site, "2" for CHI@local2: its directory's, clouds.yaml entry's and testbed's names."""
+    site = _site(site)
+    return "" if site == SITES[0] else site.split("@local", 1)[1]
+
+
+def cloud_name(site: str | None = None) -> str:
+    """The site's clouds.yaml entry."""
+    return CLOUD_NAME + _suffix(site)
+
+
+def state_dir(site: str | None = None) -> Path:
+    d = paths.home() / ("localcloud" + (f"-local{_suffix(site)}" if _suffix(site) else ""))
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def _clock_file() -> Path:
+    return paths.home() / "localcloud-clock.json"
 
 
 def _write_private(p: Path, text: str) -> None:
@@ -56,19 +86,19 @@ def _credentials(d: Path) -> dict:
     return creds
 
 
-def testbed_name() -> str:
-    """The testbed the local cloud's servers live on: `cloud` for ~/.appliance, else one per APPLIANCE_HOME,
-    so a test run's cloud never touches a user's."""
+def testbed_name(site: str | None = None) -> str:
+    """The testbed a site's servers live on: `cloud` for ~/.appliance, else one per APPLIANCE_HOME, so a test
+    run's cloud never touches a user's; a second site's ends in its number."""
     import zlib
 
     home = paths.home().resolve()
     if home == (Path.home() / ".appliance").resolve():
-        return "cloud"
-    return f"c{zlib.crc32(str(home).encode()) & 0xFFFFF:05x}"
+        return "cloud" + _suffix(site)
+    return f"c{zlib.crc32(str(home).encode()) & 0xFFFFF:05x}" + _suffix(site)
 
 
-def _pid() -> int | None:
-    p = state_dir() / "pid"
+def _pid(site: str | None = None) -> int | None:
+    p = state_dir(site) / "pid"
     if not p.exists():
         return None
     pid = int(p.read_text())
@@ -79,22 +109,23 @@ def _pid() -> int | None:
     return pid if b"appliance.localcloud.server" in cmd else None
 
 
-def endpoint() -> str | None:
-    p = state_dir() / "endpoint"
-    return p.read_text().strip() if p.exists() and _pid() else None
+def endpoint(site: str | None = None) -> str | None:
+    p = state_dir(site) / "endpoint"
+    return p.read_text().strip() if p.exists() and _pid(site) else None
 
 
-def clouds_yaml() -> Path:
-    return state_dir() / "clouds.yaml"
+def clouds_yaml(site: str | None = None) -> Path:
+    return state_dir(site) / "clouds.yaml"
 
 
-def _write_clouds_yaml(d: Path, base: str, creds: dict) -> None:
-    common = {"region_name": "CHI@local", "interface": "public", "identity_api_version": 3}
+def _write_clouds_yaml(d: Path, base: str, creds: dict, site: str | None = None) -> None:
+    common = {"region_name": _site(site), "interface": "public", "identity_api_version": 3}
+    name = cloud_name(site)
     doc = {"clouds": {
-        CLOUD_NAME: {"auth_type": "v3applicationcredential",
+        name: {"auth_type": "v3applicationcredential",
                      "auth": {"auth_url": f"{base}/identity/v3", "application_credential_id": creds["app_cred_id"],
                               "application_credential_secret": creds["app_cred_secret"]}, **common},
-        f"{CLOUD_NAME}-password": {"auth_type": "password",
+        f"{name}-password": {"auth_type": "password",
                                    "auth": {"auth_url": f"{base}/identity/v3", "username": creds["username"],
                                             "password": creds["password"], "project_name": creds["project_name"],
                                             "user_domain_name": "Default", "project_domain_name": "Default"},
@@ -103,10 +134,10 @@ def _write_clouds_yaml(d: Path, base: str, creds: dict) -> None:
     _write_private(d / "clouds.yaml", yaml.safe_dump(doc, sort_keys=False))
 
 
-def _public_base(base: str) -> str:
+def _public_base(base: str, site: str | None = None) -> str:
     """The API as clouds.yaml names it: on the cloud's bridge, where its servers reach it too (Chameleon's
     endpoints are public: a node and the user's machine use the same Keystone URL), else on 127.0.0.1."""
-    tb = testbed.load(testbed_name())
+    tb = testbed.load(testbed_name(site))
     if tb is not None and tb.host_ip:
         public = f"http://{tb.host_ip}:{base.rsplit(':', 1)[1]}"
         if _health(public):
@@ -123,22 +154,27 @@ def _health(base: str) -> bool:
 
 
 def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0,
-          timeout: float = 30.0, hosts: int | None = None) -> dict:
-    """Start the local cloud if it is not running. Idempotent. ``hosts``: compute_local hosts in Blazar's pool
-    (default 4; the scale benchmark asks for 16)."""
-    d = state_dir()
-    if endpoint() and _health(endpoint()):
-        return status()
+          timeout: float = 30.0, hosts: int | None = None, site: str | None = None) -> dict:
+    """Start the local cloud (``site``: one of SITES, the first by default) if it is not running. Idempotent.
+    ``hosts``: compute_local hosts in Blazar's pool (default 4; the scale benchmark asks for 16). The first site of
+    a local cloud to start sets the clock the others follow (its ``time_scale``)."""
+    site = _site(site)
+    d = state_dir(site)
+    if endpoint(site) and _health(endpoint(site)):
+        return status(site)
     ok, why = testbed.namespaces_available()
     if not ok:
         raise ApplianceError(f"the local cloud needs network namespaces for its servers: {why}",
                              "run as root on Linux (make deploy / make test do)")
+    if not any(_pid(s) for s in SITES):
+        _clock_file().unlink(missing_ok=True)  # no site runs: the clock starts afresh, at this one's scale
     creds = _credentials(d)
     (d / "endpoint").unlink(missing_ok=True)
     with open(d / "server.log", "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "appliance.localcloud.server", "--state", str(d),
                                  "--port", str(port), "--time-scale", str(time_scale),
-                                 "--boot-seconds", str(boot_seconds), "--testbed", testbed_name(),
+                                 "--boot-seconds", str(boot_seconds), "--testbed", testbed_name(site),
+                                 "--region", site, "--clock", str(_clock_file()),
                                  *(["--hosts", str(hosts)] if hosts else [])],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -155,10 +191,11 @@ def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0,
             proc.kill()
             raise ApplianceError("the local cloud did not answer within 30 s", f"see {d / 'server.log'}")
         time.sleep(0.05)  # readiness poll of a local port
-    base = _public_base((d / "endpoint").read_text().strip())
-    _write_clouds_yaml(d, base, creds)
-    log.info(f"local cloud up at {base} (time x{time_scale:g}); clouds.yaml entry {CLOUD_NAME!r} in {clouds_yaml()}")
-    return status()
+    base = _public_base((d / "endpoint").read_text().strip(), site)
+    _write_clouds_yaml(d, base, creds, site)
+    log.info(f"local cloud {site} up at {base} (time x{time_scale:g}); clouds.yaml entry {cloud_name(site)!r} in "
+             f"{clouds_yaml(site)}")
+    return status(site)
 
 
 STORES = ("rgw", "swift")
@@ -267,10 +304,17 @@ def _say_what_the_store_loses(d: Path) -> None:
 
 
 def stop(timeout: float = 30.0) -> bool:
-    """Stop the local cloud: its servers (testbed nodes) are deleted, its object store stopped (and emptied: said
-    with what it held). Idempotent."""
-    pid = _pid()
-    d = state_dir()
+    """Stop the local cloud, every site of it: its servers (testbed nodes) are deleted, its object store stopped (and
+    emptied: said with what it held). Idempotent."""
+    ran = [_stop_site(site, timeout) for site in SITES]
+    _clock_file().unlink(missing_ok=True)
+    log.info("local cloud stopped" if any(ran) else "local cloud was not running")
+    return any(ran)
+
+
+def _stop_site(site: str, timeout: float) -> bool:
+    pid = _pid(site)
+    d = state_dir(site)
     _say_what_the_store_loses(d)
     for kind in STORES:
         if (d / kind).exists():
@@ -279,35 +323,36 @@ def stop(timeout: float = 30.0) -> bool:
     if pid:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _pid() and time.monotonic() < deadline:
+        while _pid(site) and time.monotonic() < deadline:
             time.sleep(0.05)  # bounded wait for its clean shutdown
-        if _pid():
+        if _pid(site):
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 10
-            while _pid() and time.monotonic() < deadline:
+            while _pid(site) and time.monotonic() < deadline:
                 time.sleep(0.05)  # the kernel ends it, and only then lets go of its locks
-    with report.muted():
-        # whatever a crashed server left; a server slow to stop (a loaded machine) may still hold the testbed's
-        # lock for a moment: stopping the cloud waits for it, where two CLI commands on one testbed do not
-        testbed.down(testbed_name(), wait=30.0)
+    if pid or site == SITES[0]:
+        with report.muted():
+            # whatever a crashed server left; a server slow to stop (a loaded machine) may still hold the testbed's
+            # lock for a moment: stopping the cloud waits for it, where two CLI commands on one testbed do not
+            testbed.down(testbed_name(site), wait=30.0)
     for name in ("pid", "endpoint"):
         (d / name).unlink(missing_ok=True)
-    log.info("local cloud stopped" if pid else "local cloud was not running")
     return bool(pid)
 
 
-def status() -> dict:
-    base = endpoint()
-    info = {"running": bool(base and _health(base)), "endpoint": base, "pid": _pid(),
-            "clouds_yaml": str(clouds_yaml()), "cloud": CLOUD_NAME}
+def status(site: str | None = None) -> dict:
+    base = endpoint(site)
+    info = {"running": bool(base and _health(base)), "endpoint": base, "pid": _pid(site),
+            "clouds_yaml": str(clouds_yaml(site)), "cloud": cloud_name(site), "site": _site(site)}
     if info["running"]:
-        info.update(admin("GET", "/clock"))
+        info.update(admin("GET", "/clock", site=site))
     return info
 
 
-def admin(method: str, path: str, body: dict | None = None) -> dict:
-    """Call the local cloud's test hooks (/_admin): advance the clock, inject faults, read requests."""
-    base = endpoint()
+def admin(method: str, path: str, body: dict | None = None, *, site: str | None = None) -> dict:
+    """Call the local cloud's test hooks (/_admin): advance the clock (every site's), inject faults, read
+    requests (``site``'s)."""
+    base = endpoint(site)
     if not base:
         raise ApplianceError("the local cloud is not running", "run `appliance cloud start`")
     data = json.dumps(body).encode() if body is not None else None

@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+from .clock import Clock
 from .metadata import MetadataService
 from .nodes import NodeBackend, TestbedNodes
 from .state import (STAMP, AppCred, Ec2Cred, FipReservation, FloatingIp, Host, HostReservation, Image, Keypair,
@@ -54,29 +55,6 @@ class ApiError(Exception):
 
 def _uuid() -> str:
     return str(uuid.uuid4())
-
-
-class Clock:
-    def __init__(self, scale: float = 1.0):
-        self.scale = scale
-        self.real0 = time.time()
-        self.virt0 = self.real0
-        self.offset = 0.0
-        self.lock = threading.Lock()
-
-    def now(self) -> float:
-        with self.lock:
-            return self.virt0 + (time.time() - self.real0) * self.scale + self.offset
-
-    def advance(self, seconds: float) -> None:
-        with self.lock:
-            self.offset += seconds
-
-    def reset(self) -> None:
-        """Back on this machine's clock (a demo that jumped ahead puts it back when its leases are gone)."""
-        with self.lock:
-            self.real0 = self.virt0 = time.time()
-            self.offset = 0.0
 
 
 _fmt = fmt
@@ -142,10 +120,11 @@ def _compile(req, text):
 class Cloud:
     def __init__(self, state_dir: Path, *, time_scale: float = 1.0, pools: dict[str, int] | None = None,
                  boot_seconds: float = 0.0, base_url: str = "", testbed_name: str = "cloud",
-                 nodes: NodeBackend | None = None):
+                 nodes: NodeBackend | None = None, region: str = REGION, clock: Path | None = None):
         self.dir = state_dir
         self.tb_name = testbed_name
-        self.clock = Clock(time_scale)
+        self.region = region  # the site's name: its catalog's region, its nodes' vendordata
+        self.clock = Clock(time_scale, clock)
         self.boot_seconds = boot_seconds
         self.base_url = base_url
         self.lock = threading.RLock()

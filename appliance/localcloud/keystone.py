@@ -15,7 +15,7 @@ import secrets
 import time
 
 from .api import Request, Route
-from .cloud import REGION, ApiError, _uuid
+from .cloud import ApiError, _uuid
 from .state import AppCred, Ec2Cred, Token
 
 PREFIX = "identity"
@@ -38,7 +38,7 @@ def catalog(req: Request) -> list:
 
     def svc(stype, name, url):
         return {"type": stype, "name": name, "id": _uuid(), "endpoints": [
-            {"id": _uuid(), "interface": i, "region": REGION, "region_id": REGION, "url": url}
+            {"id": _uuid(), "interface": i, "region": c.region, "region_id": c.region, "url": url}
             for i in ("public", "internal")]}
 
     cat = [svc("identity", "keystone", f"{base}/identity/v3"),

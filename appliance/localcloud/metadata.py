@@ -110,10 +110,8 @@ def _node_clock(c, ts: float) -> str:
 
 
 def vendordata(c, srv) -> dict:
-    from .cloud import REGION
-
     lease = c.leases.get(srv.lease or "")
-    cham = {"node": srv.host, "region": REGION}
+    cham = {"node": srv.host, "region": c.region}
     if lease is not None:
         cham.update(lease_id=lease.id, lease_start=_node_clock(c, lease.start), lease_end=_node_clock(c, lease.end))
     return {"chameleon": cham}

@@ -50,9 +50,10 @@ class ChameleonSite(Site):
         if duration_seconds(spec.lease.duration) > MAX_LEASE_S:
             raise SpecError(f"lease.duration: {spec.lease.duration} is longer than Chameleon's 7-day maximum",
                             "use at most 7d and let the watchdog extend or resume")
-        if spec.site is not None and spec.site not in SITES:
-            raise SpecError(f"site: {spec.site!r} is not a Chameleon bare-metal site with GPUs",
-                            "use CHI@UC or CHI@TACC")
+        for at, site in [("site", spec.site)] + [("nodes.alternatives", a.site) for a in spec.nodes.alternatives]:
+            if site is not None and site not in SITES:
+                raise SpecError(f"{at}: {site!r} is not a Chameleon bare-metal site with GPUs",
+                                "use CHI@UC or CHI@TACC")
         if not spec.key_name:
             raise SpecError("key_name: missing for cloud: chameleon", "set key_name to your Nova key pair's name")
 

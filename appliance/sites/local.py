@@ -36,8 +36,11 @@ class LocalSite(Site):
     lease_poll = 0.5
 
     def connect(self):
-        localcloud.start()
-        return OpenStackCloud(connect(cloud=localcloud.CLOUD_NAME, config_file=str(localcloud.clouds_yaml())))
+        """The site's own Keystone and services: CHI@local, or CHI@local2 (started when first used), each with
+        credentials of its own, as Chameleon's sites have."""
+        localcloud.start(site=self.region)
+        return OpenStackCloud(connect(cloud=localcloud.cloud_name(self.region),
+                                      config_file=str(localcloud.clouds_yaml(self.region)), region=self.region))
 
     def login_key(self, key_name=None, key_file=None) -> LoginKey:
         """The user's key pair when the spec or `adopt --key-file` names one, as on Chameleon (``key_name`` must name
@@ -64,20 +67,27 @@ class LocalSite(Site):
         if duration_seconds(spec.lease.duration) > MAX_LEASE_SECONDS:  # what `up` would be told (Chameleon's cap)
             raise SpecError(f"lease.duration: {spec.lease.duration} is longer than the local cloud's 7-day maximum "
                             "(Chameleon's)", "use at most 7d and let the watchdog extend or resume")
-        for at, nt in [("nodes.node_type", spec.nodes.node_type)] + [("nodes.alternatives", a)
+        for at, nt in [("nodes.node_type", spec.nodes.node_type)] + [("nodes.alternatives", a.node_type)
                                                                       for a in spec.nodes.alternatives]:
             if nt not in DEFAULT_POOLS:
                 raise SpecError(f"{at}: {nt!r} is not a node type of the local cloud",
                                 f"use one of {', '.join(DEFAULT_POOLS)}")
+        for at, site in [("site", spec.site)] + [("nodes.alternatives", a.site) for a in spec.nodes.alternatives]:
+            if site is not None and site not in localcloud.SITES:
+                raise SpecError(f"{at}: {site!r} is not a site of the local cloud",
+                                f"use one of {', '.join(localcloud.SITES)}")
 
     def time_scale(self) -> float:
         """The local cloud's clock can run faster than real time (tests, the demo)."""
-        return float(localcloud.admin("GET", "/clock").get("time_scale", 1.0))
+        return float(localcloud.admin("GET", "/clock", site=self.region).get("time_scale", 1.0))
 
     def _site_store_creds(self) -> StoreCreds:
         """The local cloud's store: its Ceph RGW takes Keystone tokens as Chameleon's does, so the same Keystone
         path, and for s3:// URLs the same EC2 credentials, which the RGW checks with Keystone (`store_creds`); the
         OpenStack Swift (APPLIANCE_LOCAL_STORE=swift) has only v1 auth and its own S3 keys."""
+        if self.region not in (None, localcloud.SITES[0]):
+            raise ApplianceError(f"the local cloud's {self.region} has no object store",
+                                 f"use {localcloud.SITES[0]}'s: a run keeps its checkpoints at its own site")
         own = StoreCreds(**localcloud.object_store())
         if not localcloud.store_takes_keystone():
             return own

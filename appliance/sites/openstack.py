@@ -66,6 +66,9 @@ def connect(*, cloud: str | None = None, config_file: str | None = None, region:
     try:
         files = [config_file] if config_file else None
         cfg = openstack.config.OpenStackConfig(config_files=files) if files else openstack.config.OpenStackConfig()
+        if region and (cloud or os.environ.get("OS_REGION_NAME") not in (None, region)):
+            cloud = entry_for_region(cfg.cloud_config.get("clouds") or {}, cloud, region)
+            where = f"clouds.yaml entry {cloud!r}"
         region_cfg = cfg.get_one(cloud=cloud, region_name=region) if cloud else \
             cfg.get_one(region_name=region, load_envvars=True)
         conn = openstack.connection.Connection(config=region_cfg)
@@ -91,6 +94,32 @@ def connect(*, cloud: str | None = None, config_file: str | None = None, region:
     except ksa.EndpointNotFound as e:
         raise ApplianceError(f"{where}: {e}", "check region_name / OS_REGION_NAME (e.g. CHI@UC, CHI@TACC)") from None
     return conn
+
+
+def entry_for_region(clouds: dict, cloud: str | None, region: str) -> str:
+    """The clouds.yaml entry for the site ``region``: ``cloud`` when it is that site's (or names no region), else
+    the one entry whose region is ``region`` (of those, the one with ``cloud``'s auth_type). Each Chameleon site is its own region with its own Keystone, so a
+    credential (an application credential above all) is a site's own (shared/docs/chameleon.md B1; Horizon's
+    "OpenStack clouds.yaml File" at each site gives its entry); a run at CHI@UC with an alternative at CHI@TACC
+    reaches TACC with TACC's entry."""
+    def regions(entry: dict) -> list[str]:
+        listed = entry.get("regions") or ([entry["region_name"]] if entry.get("region_name") else [])
+        return [r if isinstance(r, str) else r.get("name") for r in listed]
+
+    own = regions(clouds.get(cloud) or {}) if cloud else []
+    if cloud and (not own or region in own):
+        return cloud
+    found = [name for name, entry in clouds.items() if region in regions(entry or {})]
+    if len(found) > 1 and cloud:  # several for the site (a credential and a password): the one of the same kind
+        kind = (clouds.get(cloud) or {}).get("auth_type")
+        found = [name for name in found if clouds[name].get("auth_type") == kind] or found
+    if len(found) == 1:
+        return found[0]
+    why = f"{len(found)} entries ({', '.join(found)}) are" if found else "no entry is"
+    raise ApplianceError(f"{why} for site {region} in clouds.yaml" + (f" (OS_CLOUD={cloud} is {', '.join(own)})"
+                                                                      if cloud else ""),
+                         f"each Chameleon site has its own Keystone: add one entry with region_name: {region} and a "
+                         "credential of that site (docs/chameleon.md, Several sites)")
 
 
 def blazar_client(conn):

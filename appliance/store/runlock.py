@@ -40,10 +40,12 @@ READ_WAIT = 60.0  # seconds a failing read of the lock is retried before the sto
 
 class RunLock:
     def __init__(self, cs: CheckpointStore, job_id: str, *, cluster: str, head: str, interval: float = INTERVAL,
-                 ttl: float = TTL, now: Callable[[], float] = time.time, lease_id: str | None = None):
+                 ttl: float = TTL, now: Callable[[], float] = time.time, lease_id: str | None = None,
+                 lease_site: str | None = None):
         self.cs, self.job_id, self.cluster, self.head = cs, job_id, cluster, head
         self.interval, self.ttl, self.now = interval, ttl, now
         self.lease_id = lease_id  # the job's lease: once it is over, its servers are gone and so is the job
+        self.lease_site = lease_site  # its site, when not the run's own (Blazar's lease ids are per site)
         self.held = False
         self.generation = 0  # ours, while held
 
@@ -90,6 +92,7 @@ class RunLock:
     def _body(self, released: bool = False) -> bytes:
         body = {"job_id": self.job_id, "cluster": self.cluster, "head": self.head, "heartbeat": self.now(),
                 "ttl": self.ttl, **({"lease_id": self.lease_id} if self.lease_id else {}),
+                **({"lease_site": self.lease_site} if self.lease_site else {}),
                 **({"released": True} if released else {})}
         return json.dumps(body, sort_keys=True).encode()
 
@@ -97,7 +100,7 @@ class RunLock:
         self.cs.put_text(self._rel(self.generation), self._body(released).decode(), tmp_dir)
 
     def acquire(self, tmp_dir, ended: Callable[[str], bool] = lambda job_id: False,
-                lease_over: Callable[[str], bool] = lambda lease_id: False) -> tuple[dict | None, dict | None]:
+                lease_over: Callable[[str, str | None], bool] = lambda lease_id, site: False) -> tuple[dict | None, dict | None]:
         """(holder, taken_over): ``holder`` is the live lock of another job (the job must not start), else None and
         the lock is ours; ``taken_over`` is the stale lock we replaced, if any. ``ended(job_id)``: this machine knows
         that job has ended (its run record says so: its launcher could not release the lock, the store being down)."""
@@ -128,12 +131,12 @@ class RunLock:
         return None, stale
 
     def alive(self, lock: dict, ended: Callable[[str], bool] = lambda job_id: False,
-              lease_over: Callable[[str], bool] = lambda lease_id: False) -> bool:
+              lease_over: Callable[[str, str | None], bool] = lambda lease_id, site: False) -> bool:
         """A lock not released, whose job has not ended (as far as ``ended`` knows), whose lease is not over (as far
         as ``lease_over`` knows: at a lease end every server is deleted, so its job is gone; issue 52) and that was
         renewed within its ttl."""
         return not lock.get("released") and not ended(str(lock.get("job_id"))) and \
-            not (lock.get("lease_id") and lease_over(str(lock["lease_id"]))) and \
+            not (lock.get("lease_id") and lease_over(str(lock["lease_id"]), lock.get("lease_site"))) and \
             self.now() - float(lock.get("heartbeat", 0)) < float(lock.get("ttl", self.ttl))
 
     def follow(self) -> bool:
@@ -144,6 +147,7 @@ class RunLock:
         self.generation = cur[0] if self.held else 0
         if self.held:
             self.lease_id = self.lease_id or cur[1].get("lease_id")  # the launcher's word, kept in each heartbeat
+            self.lease_site = self.lease_site or cur[1].get("lease_site")
         return self.held
 
     def heartbeat(self, tmp_dir) -> bool:
