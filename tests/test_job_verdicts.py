@@ -336,3 +336,20 @@ def test_a_reconnect_reaps_nothing():
     w.failed_at -= 2 * w.grace
     w.run()
     assert reaps == [1] and w.stop.is_set()
+
+
+def test_a_head_gone_with_its_lease_is_not_connected_to_again(monkeypatch):
+    """The launcher lost the head, whose lease has ended: the nodes were deleted with it, so it stops at once. It
+    used to try an SSH connection first, which a deleted node never answers: its 15 s connect timeout, each time."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from appliance.train import headjob
+
+    tried = []
+    monkeypatch.setattr(headjob, "Session", lambda cluster: tried.append(cluster) or pytest.fail("connected"))
+    cluster = SimpleNamespace(head=SimpleNamespace(name="node-1"))
+    with pytest.raises(headjob._NodesGone, match="node-1 is gone with its lease"):
+        headjob._reconnect(cluster, [SimpleNamespace(gone=lambda: True)], lambda m: None, 300)
+    assert not tried

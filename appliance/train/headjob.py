@@ -173,10 +173,14 @@ class _NodesGone(ApplianceError):
 
 
 def _reconnect(cluster: Cluster, hooks, say: Callable[[str], None], limit: float) -> Session:
-    """A new session with the cluster, tried until ``limit`` seconds have passed or a hook says the nodes are gone."""
+    """A new session with the cluster, tried until ``limit`` seconds have passed or a hook says the nodes are gone:
+    asked before each try too, since a node deleted with its lease answers nothing, and a try waits out its
+    connect timeout (15 s) before it fails."""
     t0 = time.monotonic()
     delay = 1.0
     while True:
+        if any(h.gone() for h in hooks):
+            raise _NodesGone(f"{cluster.head.name} is gone with its lease: the lease has ended")
         try:
             return Session(cluster)
         except HostKeyMismatch:
