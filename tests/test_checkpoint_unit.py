@@ -549,6 +549,7 @@ def test_rank_0s_uploader_reaches_the_store_as_it_starts_not_at_the_first_commit
     import threading
 
     from appliance.node import checkpointer as cp
+    from appliance.node import uploads
 
     reached = threading.Event()
 
@@ -559,7 +560,7 @@ def test_rank_0s_uploader_reaches_the_store_as_it_starts_not_at_the_first_commit
         def connect(self):
             reached.set()
 
-    monkeypatch.setattr(cp, "CheckpointStore", Store)
+    monkeypatch.setattr(uploads, "CheckpointStore", Store)
     ck = cp.Checkpointer.__new__(cp.Checkpointer)  # only the uploader: no model, no Horovod
     ck._cv, ck._pending, ck._uploading, ck._store, ck._uploader = threading.Condition(), None, None, None, None
     from appliance.node.creds import CredsFile
@@ -578,6 +579,7 @@ def test_rank_0_reads_a_renewed_credential_before_its_next_commit(tmp_path, monk
     import threading
 
     from appliance.node import checkpointer as cp
+    from appliance.node import uploads
     from appliance.node.creds import CredsFile
 
     made = []
@@ -586,8 +588,8 @@ def test_rank_0_reads_a_renewed_credential_before_its_next_commit(tmp_path, monk
         def __init__(self, url, run, creds):
             made.append(creds.key if creds else None)
 
-    monkeypatch.setattr(cp, "CheckpointStore", Store)
-    monkeypatch.setattr(cp, "fence", lambda cs, job: cs)
+    monkeypatch.setattr(uploads, "CheckpointStore", Store)
+    monkeypatch.setattr(uploads, "fence", lambda cs, job: cs)
     path = tmp_path / ".store-creds.json"
     path.write_text(_json.dumps({"auth_url": "http://s/auth/v1.0", "user": "u", "key": "first"}))
     ck = cp.Checkpointer.__new__(cp.Checkpointer)
