@@ -9,7 +9,7 @@ Layout of a testbed named NAME (state under $APPLIANCE_HOME/testbeds/NAME):
           disk/             bind-mounted at /mnt/local inside the node: its "local SSD"
           ssh/              bind-mounted at /root/.ssh inside the node
           etc/, home/       a node whose login user is not root (the local cloud's: cc, as on CC images): its own
-                            passwd, group, shadow, sudoers.d and /home, bind-mounted (``_default_user``)
+                            passwd, group, shadow, sudoers.d and /home, bind-mounted (``nodeimage.default_user``)
           etc-ssh/          bind-mounted at /etc/ssh inside the node: its host keys where an image keeps them
 
 Host side: a bridge ``apl-NAME`` with 10.77.X.1/24; node i is 10.77.X.(10+i) on its eth0. A testbed the local
@@ -28,13 +28,11 @@ import json
 import os
 import pwd
 import re
-import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -42,6 +40,7 @@ from pathlib import Path
 
 from .. import paths, report
 from ..errors import ApplianceError
+from .nodeimage import default_user, root_home_for, sshd_config
 
 log = report.get(__name__)
 
@@ -234,31 +233,6 @@ _REAPS_ORPHANS = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(36, 1, 0, 0, 
                   "os.execvp(sys.argv[1], sys.argv[1:])")
 
 
-def _sshd_config(node: TestbedNode) -> str:
-    d = node.dir
-    return "\n".join([
-        "ListenAddress 0.0.0.0",  # every address of the node: its fixed IP and a floating IP
-        "Port 22",
-        f"HostKey {d}/etc-ssh/ssh_host_ed25519_key",
-        f"PidFile {d}/sshd.pid",
-        "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no",
-        "UsePAM no",
-        "PermitRootLogin prohibit-password",
-        "PubkeyAuthentication yes",
-        "AuthorizedKeysFile .ssh/authorized_keys",
-        # A Chameleon node's sshd limits, as OpenSSH ships them: ChameleonCloud/CC-Images leaves sshd_config to the
-        # distribution, whose file keeps OpenSSH's defaults (sshd_config(5): MaxStartups 10:30:100, MaxSessions 10).
-        # (This testbed had 200:30:400 and 100, under which a launcher that needs more would pass here and fail there.)
-        "MaxStartups 10:30:100",
-        "MaxSessions 10",
-        "ClientAliveInterval 5",
-        "ClientAliveCountMax 3",
-        "Subsystem sftp internal-sftp",
-        "",
-    ])
-
-
 # ---------------------------------------------------------------------------------------------
 # verbs
 
@@ -360,7 +334,7 @@ def _make_bridge_on(name: str, base: Path, net: ipaddress.IPv4Network) -> Testbe
 def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, slots: int = 1,
                 ip: str | None = None, user: str = "root") -> TestbedNode:
     """Create one node (namespace, veth, sshd) on the testbed's bridge; does not wait for sshd. ``user``: the
-    login user; another than root is made as cloud-init makes an image's default user (``_default_user``)."""
+    login user; another than root is made as cloud-init makes an image's default user (``nodeimage.default_user``)."""
     base = Path(tb.base)
     net = ipaddress.IPv4Network(f"{tb.host_ip}/{tb.prefix}", strict=False)
     root_home = Path(pwd.getpwuid(0).pw_dir)
@@ -382,10 +356,10 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
     if user == "root":
         (d / "ssh" / "authorized_keys").write_text(authorized_keys)
     else:
-        mounts = _default_user(d, user, authorized_keys) + _root_home(d, root_home)
+        mounts = default_user(d, user, authorized_keys) + root_home_for(d, root_home)
     os.chmod(d / "ssh" / "authorized_keys", 0o600)
     (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n{node.ip}\t{node_name}\n")
-    (d / "sshd_config").write_text(_sshd_config(node))
+    (d / "sshd_config").write_text(sshd_config(node))
     ns = node.netns
     _run("ip", "netns", "add", ns)
     _run("ip", "link", "add", node.veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -423,85 +397,6 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
         fh.write(f"{node.name},{node.ip} {keytype} {key}\n")
     tb.save()
     return node
-
-
-DEFAULT_UID = 1000  # CC images' cc (ChameleonCloud/CC-Images elements/cc-common/.../92_chi_default_user.cfg)
-# cloud-init's DISABLE_USER_OPTS (cloudinit/ssh_util.py), put before root's keys when disable_root is true (the
-# default: cloudinit/config/cc_ssh.py apply_credentials): a login as root prints this, waits and exits 142
-DISABLE_ROOT_OPTS = ("no-port-forwarding,no-agent-forwarding,no-X11-forwarding,command=\"echo 'Please login as the "
-                     "user \\\"{user}\\\" rather than the user \\\"root\\\".';echo;sleep 10;exit 142\"")
-
-
-def _default_user(d: Path, user: str, authorized_keys: str) -> str:
-    """Make ``user`` on a node as cloud-init makes a CC image's default user (92_chi_default_user.cfg: uid 1000,
-    sudo ``ALL=(ALL) NOPASSWD:ALL``, shell bash, password locked) and puts the key pair in its authorized_keys,
-    root's keys behind DISABLE_ROOT_OPTS. Nodes share this machine's /etc, so the node gets its own copies of
-    passwd, group, shadow and sudoers.d and its own /home, bind-mounted in its mount namespace; returns the mount
-    commands for the node's boot script. The host's users with the default user's uid or gid are left out of the
-    node's copies (another machine's users). Password field ``*`` rather than cloud-init's ``!``: the testbed's sshd
-    runs without PAM, and OpenSSH then refuses any login to an account whose password starts with ``!``."""
-    if not shutil.which("sudo"):
-        raise ApplianceError(f"testbed: a node with login user {user} needs sudo, and this machine has none",
-                             "install it: `apt-get install sudo` (make install does)")
-    uid = gid = DEFAULT_UID
-    etc = d / "etc"
-    etc.mkdir(exist_ok=True)
-
-    def keep(line: str, idx: int) -> bool:
-        f = line.split(":")
-        return bool(line.strip()) and f[0] != user and not (len(f) > idx and f[idx] == str(uid))
-
-    passwd = [x for x in Path("/etc/passwd").read_text().splitlines() if keep(x, 2)]
-    group = [x for x in Path("/etc/group").read_text().splitlines() if keep(x, 2)]
-    names = {x.split(":")[0] for x in passwd}
-    shadow = [x for x in Path("/etc/shadow").read_text().splitlines() if x.split(":")[0] in names]
-    gecos = "Chameleon Cloud User"
-    (etc / "passwd").write_text("\n".join(passwd + [f"{user}:x:{uid}:{gid}:{gecos}:/home/{user}:/bin/bash"]) + "\n")
-    (etc / "group").write_text("\n".join(group + [f"{user}:x:{gid}:"]) + "\n")
-    (etc / "shadow").write_text("\n".join(shadow + [f"{user}:*:19000:0:99999:7:::"]) + "\n")
-    os.chmod(etc / "shadow", 0o640)
-    sudoers = etc / "sudoers.d"
-    if sudoers.exists():
-        shutil.rmtree(sudoers)
-    if Path("/etc/sudoers.d").is_dir():
-        shutil.copytree("/etc/sudoers.d", sudoers)
-    else:
-        sudoers.mkdir()
-    # cloud-init's distros/__init__.py write_sudo_rules: /etc/sudoers.d/90-cloud-init-users, mode 0440
-    rules = sudoers / "90-cloud-init-users"
-    rules.write_text(f"# Created by cloud-init\n\n# User rules for {user}\n{user} ALL=(ALL) NOPASSWD:ALL\n")
-    os.chmod(rules, 0o440)
-    home = d / "home" / user
-    (home / ".ssh").mkdir(parents=True, exist_ok=True)
-    (home / ".ssh" / "authorized_keys").write_text(authorized_keys)
-    for p, mode in ((home, 0o750), (home / ".ssh", 0o700), (home / ".ssh" / "authorized_keys", 0o600)):
-        os.chown(p, uid, gid)
-        os.chmod(p, mode)
-    opts = DISABLE_ROOT_OPTS.format(user=user)
-    (d / "ssh" / "authorized_keys").write_text(
-        "".join(f"{opts} {k}\n" for k in authorized_keys.splitlines() if k.strip()))
-    return "".join(f"mount --bind {etc}/{f} /etc/{f} && " for f in ("passwd", "group", "shadow", "sudoers.d")) + \
-        f"mount --bind {d}/home /home && "
-
-
-def _root_home(d: Path, root_home: Path) -> str:
-    """A node whose login user is not root still runs this machine's Python (the launcher's interpreter, its venv,
-    the local wheelhouse), and here that may live under root's home, which is 0700 (pyenv installs there). Such a
-    node gets a root home of its own, 0711 rather than 0700, where the host's root-home directories are bind-mounted
-    (the node's own .ssh goes on top): the login user can reach the shared software, as it reaches
-    /opt/appliance/venv on the appliance image, and reads only what is world-readable there. Returns the mount
-    commands (a recursive bind, so the directories bound into it come along)."""
-    rh = d / "roothome"
-    rh.mkdir(exist_ok=True)
-    os.chmod(rh, 0o711)
-    cmds = []
-    for entry in sorted(root_home.iterdir()):
-        if entry.is_dir() and not entry.is_symlink() and entry.name != ".ssh":
-            (rh / entry.name).mkdir(exist_ok=True)
-            cmds.append(f"mount --bind {shlex.quote(str(entry))} {shlex.quote(str(rh / entry.name))}")
-    (rh / ".ssh").mkdir(exist_ok=True)
-    cmds.append(f"mount --rbind {rh} {root_home}")
-    return "".join(f"{c} && " for c in cmds)
 
 
 def _wait_ready(tb: Testbed, nodes: list[TestbedNode], timeout: float) -> None:
@@ -546,134 +441,6 @@ def _stop_node(node: TestbedNode) -> list[str]:
     if node.veth and _run("ip", "link", "del", node.veth, check=False).returncode == 0:
         removed.append(f"link {node.veth}")
     return removed
-
-
-# ---------------------------------------------------------------------------------------------
-# single nodes on a bridge-only testbed (the local cloud's servers)
-
-
-def ensure_bridge(name: str) -> Testbed:
-    """A testbed with a bridge and no nodes yet (idempotent); nodes come and go with add/remove_node."""
-    with _locked(name):
-        tb = load(name)
-        if tb is not None and _run("ip", "link", "show", tb.bridge or "", check=False).returncode == 0:
-            return tb
-        if tb is not None:
-            _teardown(name, tb)
-        base = _base(name)
-        base.mkdir(parents=True, exist_ok=True)
-        return _make_bridge(name, base)
-
-
-def ensure_metadata(name: str) -> str:
-    """The testbed's metadata namespace (idempotent): ``apl-NAME-md`` on the bridge at the subnet's .2, carrying
-    169.254.169.254 as Neutron's metadata namespace does (neutron/agent/metadata/driver.py serves it from the
-    DHCP or router namespace). Nodes added afterwards get a host route to it. Returns the namespace's name."""
-    with _locked(name, wait=120):
-        tb = load(name)
-        if tb is None or not tb.bridge:
-            raise ApplianceError(f"testbed {name} has no bridge")
-        ns, veth = f"apl-{name}-md", f"apl{name}md"
-        net = ipaddress.IPv4Network(f"{tb.host_ip}/{tb.prefix}", strict=False)
-        ip = str(net.network_address + 2)
-        if tb.metadata_ip == ip and Path("/run/netns", ns).exists():
-            return ns
-        _run("ip", "netns", "del", ns, check=False)
-        _run("ip", "link", "del", veth, check=False)
-        _run("ip", "netns", "add", ns)
-        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _run("ip", "link", "set", veth, "master", tb.bridge, "up")
-        _run("ip", "-n", ns, "addr", "add", f"{ip}/{tb.prefix}", "dev", "eth0")
-        _run("ip", "-n", ns, "addr", "add", f"{METADATA_IP}/32", "dev", "eth0")
-        _run("ip", "-n", ns, "link", "set", "eth0", "up")
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
-        tb.metadata_ip = ip
-        tb.save()
-        return ns
-
-
-def listen_in_netns(netns: str, address: str, port: int) -> socket.socket:
-    """A listening TCP socket bound inside namespace ``netns``, for a server in this process (a socket stays in the
-    namespace it was made in). setns(2) moves only the calling thread, so a short-lived thread makes it."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    clone_newnet = 0x40000000
-    got: dict = {}
-
-    def make():
-        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        target = os.open(f"/run/netns/{netns}", os.O_RDONLY)
-        try:
-            if libc.setns(target, clone_newnet) != 0:
-                raise OSError(ctypes.get_errno(), f"setns into {netns} failed")
-            try:
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((address, port))
-                sock.listen(64)
-                got["sock"] = sock
-            finally:
-                libc.setns(own, clone_newnet)
-        except OSError as e:
-            got["error"] = e
-        finally:
-            os.close(own)
-            os.close(target)
-
-    t = threading.Thread(target=make, name=f"listen-in-{netns}")
-    t.start()
-    t.join()
-    if "error" in got:
-        raise ApplianceError(f"cannot listen on {address}:{port} in {netns}: {got['error']}")
-    return got["sock"]
-
-
-def add_node(name: str, node_name: str, authorized_keys: str, *, ready_timeout: float = 20.0,
-             user: str = "root") -> TestbedNode:
-    """Boot one node on testbed ``name`` and wait for its sshd. Returns the node record. ``user``: its login user
-    (``_default_user``)."""
-    with _locked(name, wait=120):
-        tb = load(name)
-        if tb is None:
-            raise ApplianceError(f"testbed {name} does not exist")
-        used = {int(n.veth.rsplit("v", 1)[1]) for n in tb.nodes if n.veth}
-        index = next(i for i in range(1, 200) if i not in used)
-        node = _start_node(tb, index, node_name, authorized_keys, user=user)
-    _wait_ready(tb, [node], ready_timeout)
-    return node
-
-
-def remove_node(name: str, node_name: str) -> list[str]:
-    """Delete one node: its processes, namespace, link, disk and pinned key."""
-    with _locked(name, wait=120):
-        tb = load(name)
-        if tb is None:
-            return []
-        keep, removed = [], []
-        for n in tb.nodes:
-            if n.name == node_name:
-                removed += _stop_node(n)
-                shutil.rmtree(n.dir, ignore_errors=True)
-            else:
-                keep.append(n)
-        tb.nodes = keep
-        tb.save()
-        kh = Path(tb.known_hosts)
-        if kh.exists():
-            kh.write_text("".join(line for line in kh.read_text().splitlines(True)
-                                  if not line.startswith(f"{node_name},")))
-        return removed
-
-
-def node_exec(name: str, node_name: str, script: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    """Run a shell script inside a node (its network, UTS and mount namespaces), as cloud-init would."""
-    tb = load(name)
-    node = next((n for n in (tb.nodes if tb else []) if n.name == node_name), None)
-    if node is None or not _alive(node.sshd_pid):
-        raise ApplianceError(f"testbed {name}: node {node_name} is not running")
-    return subprocess.run(["nsenter", "-t", str(node.sshd_pid), "-n", "-u", "-m", "--", "sh", "-c", script],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _teardown(name: str, tb: Testbed | None) -> list[str]:

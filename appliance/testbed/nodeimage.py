@@ -1,0 +1,116 @@
+"""What a testbed node's system looks like, as a Chameleon node booted from a CC image: its sshd's configuration
+(OpenSSH's limits, as the distribution ships them), the image's default login user as cloud-init makes it, and the
+root home a non-root user needs to reach this machine's Python. Used by netns.py as it starts a node."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from pathlib import Path
+
+from ..errors import ApplianceError
+
+
+def sshd_config(node) -> str:
+    d = node.dir
+    return "\n".join([
+        "ListenAddress 0.0.0.0",  # every address of the node: its fixed IP and a floating IP
+        "Port 22",
+        f"HostKey {d}/etc-ssh/ssh_host_ed25519_key",
+        f"PidFile {d}/sshd.pid",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "PermitRootLogin prohibit-password",
+        "PubkeyAuthentication yes",
+        "AuthorizedKeysFile .ssh/authorized_keys",
+        # A Chameleon node's sshd limits, as OpenSSH ships them: ChameleonCloud/CC-Images leaves sshd_config to the
+        # distribution, whose file keeps OpenSSH's defaults (sshd_config(5): MaxStartups 10:30:100, MaxSessions 10).
+        # (This testbed had 200:30:400 and 100, under which a launcher that needs more would pass here and fail there.)
+        "MaxStartups 10:30:100",
+        "MaxSessions 10",
+        "ClientAliveInterval 5",
+        "ClientAliveCountMax 3",
+        "Subsystem sftp internal-sftp",
+        "",
+    ])
+
+
+DEFAULT_UID = 1000  # CC images' cc (ChameleonCloud/CC-Images elements/cc-common/.../92_chi_default_user.cfg)
+# cloud-init's DISABLE_USER_OPTS (cloudinit/ssh_util.py), put before root's keys when disable_root is true (the
+# default: cloudinit/config/cc_ssh.py apply_credentials): a login as root prints this, waits and exits 142
+DISABLE_ROOT_OPTS = ("no-port-forwarding,no-agent-forwarding,no-X11-forwarding,command=\"echo 'Please login as the "
+                     "user \\\"{user}\\\" rather than the user \\\"root\\\".';echo;sleep 10;exit 142\"")
+
+
+def default_user(d: Path, user: str, authorized_keys: str) -> str:
+    """Make ``user`` on a node as cloud-init makes a CC image's default user (92_chi_default_user.cfg: uid 1000,
+    sudo ``ALL=(ALL) NOPASSWD:ALL``, shell bash, password locked) and puts the key pair in its authorized_keys,
+    root's keys behind DISABLE_ROOT_OPTS. Nodes share this machine's /etc, so the node gets its own copies of
+    passwd, group, shadow and sudoers.d and its own /home, bind-mounted in its mount namespace; returns the mount
+    commands for the node's boot script. The host's users with the default user's uid or gid are left out of the
+    node's copies (another machine's users). Password field ``*`` rather than cloud-init's ``!``: the testbed's sshd
+    runs without PAM, and OpenSSH then refuses any login to an account whose password starts with ``!``."""
+    if not shutil.which("sudo"):
+        raise ApplianceError(f"testbed: a node with login user {user} needs sudo, and this machine has none",
+                             "install it: `apt-get install sudo` (make install does)")
+    uid = gid = DEFAULT_UID
+    etc = d / "etc"
+    etc.mkdir(exist_ok=True)
+
+    def keep(line: str, idx: int) -> bool:
+        f = line.split(":")
+        return bool(line.strip()) and f[0] != user and not (len(f) > idx and f[idx] == str(uid))
+
+    passwd = [x for x in Path("/etc/passwd").read_text().splitlines() if keep(x, 2)]
+    group = [x for x in Path("/etc/group").read_text().splitlines() if keep(x, 2)]
+    names = {x.split(":")[0] for x in passwd}
+    shadow = [x for x in Path("/etc/shadow").read_text().splitlines() if x.split(":")[0] in names]
+    gecos = "Chameleon Cloud User"
+    (etc / "passwd").write_text("\n".join(passwd + [f"{user}:x:{uid}:{gid}:{gecos}:/home/{user}:/bin/bash"]) + "\n")
+    (etc / "group").write_text("\n".join(group + [f"{user}:x:{gid}:"]) + "\n")
+    (etc / "shadow").write_text("\n".join(shadow + [f"{user}:*:19000:0:99999:7:::"]) + "\n")
+    os.chmod(etc / "shadow", 0o640)
+    sudoers = etc / "sudoers.d"
+    if sudoers.exists():
+        shutil.rmtree(sudoers)
+    if Path("/etc/sudoers.d").is_dir():
+        shutil.copytree("/etc/sudoers.d", sudoers)
+    else:
+        sudoers.mkdir()
+    # cloud-init's distros/__init__.py write_sudo_rules: /etc/sudoers.d/90-cloud-init-users, mode 0440
+    rules = sudoers / "90-cloud-init-users"
+    rules.write_text(f"# Created by cloud-init\n\n# User rules for {user}\n{user} ALL=(ALL) NOPASSWD:ALL\n")
+    os.chmod(rules, 0o440)
+    home = d / "home" / user
+    (home / ".ssh").mkdir(parents=True, exist_ok=True)
+    (home / ".ssh" / "authorized_keys").write_text(authorized_keys)
+    for p, mode in ((home, 0o750), (home / ".ssh", 0o700), (home / ".ssh" / "authorized_keys", 0o600)):
+        os.chown(p, uid, gid)
+        os.chmod(p, mode)
+    opts = DISABLE_ROOT_OPTS.format(user=user)
+    (d / "ssh" / "authorized_keys").write_text(
+        "".join(f"{opts} {k}\n" for k in authorized_keys.splitlines() if k.strip()))
+    return "".join(f"mount --bind {etc}/{f} /etc/{f} && " for f in ("passwd", "group", "shadow", "sudoers.d")) + \
+        f"mount --bind {d}/home /home && "
+
+
+def root_home_for(d: Path, root_home: Path) -> str:
+    """A node whose login user is not root still runs this machine's Python (the launcher's interpreter, its venv,
+    the local wheelhouse), and here that may live under root's home, which is 0700 (pyenv installs there). Such a
+    node gets a root home of its own, 0711 rather than 0700, where the host's root-home directories are bind-mounted
+    (the node's own .ssh goes on top): the login user can reach the shared software, as it reaches
+    /opt/appliance/venv on the appliance image, and reads only what is world-readable there. Returns the mount
+    commands (a recursive bind, so the directories bound into it come along)."""
+    rh = d / "roothome"
+    rh.mkdir(exist_ok=True)
+    os.chmod(rh, 0o711)
+    cmds = []
+    for entry in sorted(root_home.iterdir()):
+        if entry.is_dir() and not entry.is_symlink() and entry.name != ".ssh":
+            (rh / entry.name).mkdir(exist_ok=True)
+            cmds.append(f"mount --bind {shlex.quote(str(entry))} {shlex.quote(str(rh / entry.name))}")
+    (rh / ".ssh").mkdir(exist_ok=True)
+    cmds.append(f"mount --rbind {rh} {root_home}")
+    return "".join(f"{c} && " for c in cmds)
