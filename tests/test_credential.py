@@ -128,3 +128,20 @@ def test_each_site_is_reached_with_the_clouds_yaml_entry_of_its_region():
           "tacc-pw": {"region_name": "CHI@TACC", "auth_type": "password"},
           "uc": {"region_name": "CHI@UC", "auth_type": "password"}}
     assert entry_for_region(pw, "uc", "CHI@TACC") == "tacc-pw"  # the same kind as OS_CLOUD's
+
+
+def test_an_other_site_without_a_credential_of_yours_stops_the_run_before_it_starts(tmp_path):
+    import pytest
+
+    from appliance.errors import ApplianceError
+
+    ctx, home, there = _two_sites(tmp_path)
+
+    class Unreached:
+        @property
+        def cloud(self):
+            raise ApplianceError("no entry is for site CHI@local2 in clouds.yaml", "add one")
+    ctx._others["CHI@local2"] = Unreached()
+    with pytest.raises(ApplianceError, match="no entry is for site CHI@local2"):
+        credential.make(ctx, tmp_path)
+    assert not home.app_creds  # nothing was made

@@ -65,9 +65,10 @@ def make(ctx, where: Path) -> dict[str, str]:
     deadline = deadline_of(spec)
     expires = deadline + dt.timedelta(days=1) if deadline else now + dt.timedelta(days=RUN_CREDENTIAL_DAYS)
     made: list[tuple[str | None, object, dict]] = []  # (site, its client, the credential)
+    # each site reached first: one without a credential of yours (no clouds.yaml entry for it) stops the run here
+    clients = [(site, ctx.at(site).cloud) for site in [None, *_other_sites(spec)]]
     try:
-        for site in [None, *_other_sites(spec)]:
-            c = ctx.at(site).cloud
+        for site, c in clients:
             made.append((site, c, c.create_app_cred(
                 f"{PREFIX}{spec.name}-{now:%Y%m%d%H%M%S}", expires_at=expires, unrestricted=True,
                 description=f"appliance run {spec.name}: its controller books leases and servers; deleted when the "
