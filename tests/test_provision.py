@@ -588,6 +588,13 @@ def test_each_site_of_the_local_cloud_has_its_own_keystone(cloud, tmp_path, monk
     alone.write_text(yaml.safe_dump({"clouds": first}))
     with pytest.raises(ApplianceError, match="no entry is for site CHI@local2 in clouds.yaml"):
         connect(cloud=localcloud.CLOUD_NAME, config_file=str(alone), region=other)
+    cli = [sys.executable, "-m", "appliance.cli", "cloud", "status", "--site"]
+    r = subprocess.run(cli + [other], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith(f"local cloud {other} running at ") and \
+        "(entry appliance-local2)" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(cli + ["CHI@Mars"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "'CHI@Mars' is not a site of the local cloud" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     try:  # one clock: the first site moved, the second with it
         localcloud.admin("POST", "/advance", {"seconds": 7200})
         here = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)

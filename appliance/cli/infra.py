@@ -97,6 +97,9 @@ def cloud():
     `cloud: local` in a spec starts it automatically; credentials are in its clouds.yaml
     (entry appliance-local), so the openstack CLI works against it too:
       OS_CLIENT_CONFIG_FILE=~/.appliance/localcloud/clouds.yaml OS_CLOUD=appliance-local openstack server list
+    It has a second site, CHI@local2 (its own Keystone, hosts and credentials, entry appliance-local2 in
+    ~/.appliance/localcloud-local2/clouds.yaml), as Chameleon has CHI@UC and CHI@TACC: it starts when first used
+    (`--site CHI@local2`, or a spec that names it); both share one clock, and `stop` stops both.
     """
 
 
@@ -105,13 +108,14 @@ def cloud():
               help="Cloud seconds per real second (60: a 1 h lease ends in 1 min).")
 @click.option("--hosts", type=click.IntRange(1, 64), default=None,
               help="compute_local hosts Blazar can lease (default 4; each server is a testbed node).")
+@click.option("--site", default=None, metavar="SITE", help="CHI@local (the default) or CHI@local2.")
 @click.option("--json", "as_json", is_flag=True)
-def cloud_start(time_scale, hosts, as_json):
+def cloud_start(time_scale, hosts, site, as_json):
     """Start the local cloud (no-op if it runs)."""
     from .. import flows
 
     with _messages(quiet=as_json):
-        st = flows.cloud_start(time_scale=time_scale, hosts=hosts)
+        st = flows.cloud_start(time_scale=time_scale, hosts=hosts, site=site)
     _json_out(st) if as_json else click.echo(f"local cloud at {st['endpoint']}, clock {st.get('now')} UTC")
 
 
@@ -124,19 +128,21 @@ def cloud_stop():
 
 
 @cloud.command("status")
+@click.option("--site", default=None, metavar="SITE", help="CHI@local (the default) or CHI@local2.")
 @click.option("--json", "as_json", is_flag=True)
-def cloud_status(as_json):
+def cloud_status(site, as_json):
     """Whether the local cloud runs, where, and its clock. Exit 1 if it is not running."""
     from .. import flows
 
-    st = flows.cloud_status()
+    st = flows.cloud_status(site)
     if as_json:
         _json_out(st)
     elif st["running"]:
-        click.echo(f"local cloud running at {st['endpoint']} (pid {st['pid']}), clock {st['now']} UTC "
-                   f"x{st['time_scale']:g}; clouds.yaml {st['clouds_yaml']}")
+        click.echo(f"local cloud {st['site']} running at {st['endpoint']} (pid {st['pid']}), clock {st['now']} UTC "
+                   f"x{st['time_scale']:g}; clouds.yaml {st['clouds_yaml']} (entry {st['cloud']})")
     else:
-        click.echo("local cloud not running (start it with `appliance cloud start`)")
+        click.echo(f"local cloud {st['site']} not running (start it with `appliance cloud start"
+                   + (f" --site {st['site']}`)" if site else "`)"))
     if not st["running"]:
         sys.exit(1)
 
