@@ -57,9 +57,10 @@ def cloud_name(site: str | None = None) -> str:
     return CLOUD_NAME + _suffix(site)
 
 
-def state_dir(site: str | None = None) -> Path:
+def state_dir(site: str | None = None, make: bool = True) -> Path:
     d = paths.home() / ("localcloud" + (f"-local{_suffix(site)}" if _suffix(site) else ""))
-    d.mkdir(parents=True, exist_ok=True)
+    if make:
+        d.mkdir(parents=True, exist_ok=True)
     return d
 
 
@@ -123,13 +124,13 @@ def _write_clouds_yaml(d: Path, base: str, creds: dict, site: str | None = None)
     name = cloud_name(site)
     doc = {"clouds": {
         name: {"auth_type": "v3applicationcredential",
-                     "auth": {"auth_url": f"{base}/identity/v3", "application_credential_id": creds["app_cred_id"],
-                              "application_credential_secret": creds["app_cred_secret"]}, **common},
+               "auth": {"auth_url": f"{base}/identity/v3", "application_credential_id": creds["app_cred_id"],
+                        "application_credential_secret": creds["app_cred_secret"]}, **common},
         f"{name}-password": {"auth_type": "password",
-                                   "auth": {"auth_url": f"{base}/identity/v3", "username": creds["username"],
-                                            "password": creds["password"], "project_name": creds["project_name"],
-                                            "user_domain_name": "Default", "project_domain_name": "Default"},
-                                   **common},
+                             "auth": {"auth_url": f"{base}/identity/v3", "username": creds["username"],
+                                      "password": creds["password"], "project_name": creds["project_name"],
+                                      "user_domain_name": "Default", "project_domain_name": "Default"},
+                             **common},
     }}
     _write_private(d / "clouds.yaml", yaml.safe_dump(doc, sort_keys=False))
 
@@ -313,6 +314,8 @@ def stop(timeout: float = 30.0) -> bool:
 
 
 def _stop_site(site: str, timeout: float) -> bool:
+    if site != SITES[0] and not state_dir(site, make=False).exists():
+        return False  # never started here
     pid = _pid(site)
     d = state_dir(site)
     _say_what_the_store_loses(d)
