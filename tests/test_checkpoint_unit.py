@@ -1,6 +1,7 @@
 """Checkpoint pieces that need no cluster: vendordata, retries, manifests, run records, the margin."""
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -248,6 +249,28 @@ def test_two_writers_of_a_run_record_at_once_lose_neither_write(appliance_home, 
     monkeypatch.setattr(runs, "load", load)
     rec = runs.load("two")
     assert rec["managed_status"] == "running" and rec["jobs"][0]["status"] == "complete"
+
+
+def test_a_managed_run_whose_controller_was_killed_is_listed_as_such(appliance_home):
+    """The list shows a managed run by its controller's word; a controller of this machine killed mid-run (kill -9,
+    the machine's OOM killer) said "running" last, and would be listed so for ever."""
+    import socket
+    import subprocess
+    import sys
+
+    Spec, Cl = _run_of("orph")
+    runs.mark_managed(Spec)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    row = lambda: [r["status"] for r in runs.list_runs() if r["run"] == "orph"]  # noqa: E731
+    runs.mark_status("orph", "running", f"{socket.gethostname()}:{os.getpid()}:1.ab")
+    assert row() == ["running"]  # its controller (this process) runs
+    runs.mark_status("orph", "running", f"{socket.gethostname()}:{gone.pid}:1.ab")
+    assert row() == ["no controller"]
+    runs.mark_status("orph", "finished", f"{socket.gethostname()}:{gone.pid}:1.ab")
+    assert row() == ["finished"]  # it ended before it went
+    runs.mark_status("orph", "running", f"elsewhere:{gone.pid}:1.ab")
+    assert row() == ["running"]  # another machine's: not told from here
 
 
 def test_a_level3_stop_is_recorded_and_shown_without_a_step(appliance_home):

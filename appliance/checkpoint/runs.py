@@ -13,6 +13,7 @@ import datetime as dt
 import fcntl
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -99,15 +100,37 @@ def mark_managed(spec: Spec) -> None:
         save(rec)
 
 
-def mark_status(run: str, status: str) -> None:
-    """A managed run's status, as its controller last said it (running, handover, parked, finished, limit,
-    cancelled, ...): what `appliance runs` shows for it, rather than its last job's (a job that stopped for its
-    lease's end is not a run that stopped)."""
+def mark_status(run: str, status: str, controller: str | None = None) -> None:
+    """A managed run's status, as its controller (``controller``: its id, host:pid:...) last said it (running,
+    handover, parked, finished, limit, cancelled, ...): what `appliance runs` shows for it, rather than its last
+    job's (a job that stopped for its lease's end is not a run that stopped)."""
     with _updating(run):
         rec = load(run)
-        if rec is not None and rec.get("managed_status") != status:
-            rec["managed_status"] = status
+        if rec is not None and (rec.get("managed_status"), rec.get("controller")) != (status, controller):
+            rec["managed_status"], rec["controller"] = status, controller
             save(rec)
+
+
+GOING = ("starting", "running", "handover", "parked")  # a managed run's states while its controller runs it
+
+
+def process_gone(controller_id: str) -> bool:
+    """A controller of this machine (its id: host:pid:...) whose process is gone: killed, or a zombie not yet
+    reaped. False for another machine's, which this one cannot tell."""
+    host, _, rest = controller_id.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process of that pid: not ours, so ours is gone
+        return True
+    try:  # killed, and not yet reaped by its parent (init, once `appliance run` has returned): a zombie
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):  # no /proc (macOS): the pid answers, so it runs
+        return False
 
 
 def job_ended(spec: Spec, cluster: Cluster, res) -> dict:
@@ -212,6 +235,8 @@ def summarize(rec: dict) -> dict:
         except ValueError:
             left = None
     status = (rec.get("managed") and rec.get("managed_status")) or rec.get("status")
+    if rec.get("managed") and status in GOING and rec.get("controller") and process_gone(rec["controller"]):
+        status = "no controller"  # killed mid-run: `appliance run SPEC` again takes the run over
     return {"run": rec["run"], "status": status, "step": rec.get("step", 0),
             "last_checkpoint": last.get("name"), "checkpoint_age_s": None if age is None else round(age),
             "lease_left_s": None if left is None else round(left), "jobs": len(rec.get("jobs", [])),

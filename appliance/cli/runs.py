@@ -176,7 +176,8 @@ def runs_cmd(run, plot_png, url, cloud_kind, site, as_json):
     \b
     status: running | stopped (resumable: `appliance resume RUN`) | complete | failed; a managed run
     (`appliance run`) shows its controller's: running | handover | parked | finished | limit | cancelled |
-    stopped | failed
+    stopped | failed, or "no controller" when this machine's controller was killed mid-run (`appliance run SPEC`
+    again takes it over)
     node-hours lost: node time spent after the last commit of a job that then failed.
     `appliance runs RUN` lists the run's jobs, and for each resume its downtime by phase (lease, boot,
     SSH + contextualize, staging, Horovod start, restore, first step); for a managed run

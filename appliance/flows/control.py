@@ -196,7 +196,7 @@ class Control:
             self.state["controller"] = {"id": self.id, "host": self.lock.cluster, "pid": os.getpid()}
         if state is not None:  # `appliance runs` on this machine lists the run by its controller's word
             try:
-                runs.mark_status(self.run, state)
+                runs.mark_status(self.run, state, self.id)
             except OSError as e:
                 log.info(f"[run] warning: could not write the run's record here ({e})")
         with self._writing:  # one write at a time, each of the newest state: an older one never lands last
@@ -286,20 +286,7 @@ class _ControlHook(JobHooks):
 
 def gone_here(controller_id: str) -> bool:
     """A controller of this machine whose process is gone (its lock need not wait for its ttl)."""
-    host, _, rest = controller_id.partition(":")
-    pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process of that pid: not ours, so ours is gone
-        return True
-    try:  # killed, and not yet reaped by its parent (init, once `appliance run` has returned): a zombie
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):  # no /proc (macOS): the pid answers, so it runs
-        return False
+    return runs.process_gone(controller_id)
 
 
 def busy(run: str, holder: dict) -> ApplianceError:
