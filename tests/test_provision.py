@@ -407,16 +407,18 @@ def test_a_restricted_application_credential_gets_the_unrestricted_hint(cloud, t
     assert r2.status_code == 403
 
 
-def test_python_chi_speaks_to_the_local_cloud(cloud, tmp_path):
+@pytest.mark.parametrize("site", [None, "CHI@local2"])
+def test_python_chi_speaks_to_the_local_cloud(cloud, tmp_path, site):
     """Issue 12: python-chi, Chameleon's own client (.venv-chi, requirements-chi.lock), unchanged against `appliance
-    cloud start`: tests/chi_judge.py makes a lease with a node and a floating IP, a server on it, associates the
-    floating IP, reaches it over SSH, deletes both, and makes a lease of the same name again. It found the local
-    Glance without /v2/schemas/image (glanceclient reads it before any list) and a lease name refused after its lease
-    was deleted (Blazar has allowed duplicate names since 2017)."""
+    cloud start`, at each of its sites: tests/chi_judge.py makes a lease with a node and a floating IP, a server on
+    it, associates the floating IP, reaches it over SSH, deletes both, and makes a lease of the same name again. It
+    found the local Glance without /v2/schemas/image (glanceclient reads it before any list) and a lease name refused
+    after its lease was deleted (Blazar has allowed duplicate names since 2017)."""
     chi_python = ROOT / ".venv-chi" / "bin" / "python"
     assert chi_python.exists(), "python-chi's venv is missing: make .venv-chi/.installed (make test makes it)"
+    localcloud.start(site=site)
     localcloud.admin("POST", "/clock/reset")  # python-chi dates leases by this machine's clock; earlier tests moved
-    auth = yaml.safe_load(localcloud.clouds_yaml().read_text())["clouds"][localcloud.CLOUD_NAME]  # the cloud's
+    auth = yaml.safe_load(localcloud.clouds_yaml(site).read_text())["clouds"][localcloud.cloud_name(site)]
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "key")], check=True)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OS_AUTH_TYPE": "v3applicationcredential",
            "OS_AUTH_URL": auth["auth"]["auth_url"],
