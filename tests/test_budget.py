@@ -40,7 +40,7 @@ def test_node_hours_count_each_lease_from_its_start_to_its_end_or_its_deletion()
     assert led.node_hours(now) == (6.0, 2 * 1 + 2 * 4)  # 3 h of a spent; 1 h of a and all of b ahead
     cloud = _Cloud(b)  # a deleted at 3:00 (the handover), b extended by an hour
     b.end += dt.timedelta(hours=1)
-    led.refresh(cloud, now)
+    led.refresh(lambda site: cloud, now)
     assert led.leases["a"]["closed"] and led.node_hours(now) == (6.0, 10.0)
     assert led.leases["a"]["end"] == "2026-11-23T16:00:00Z" and led.leases["a"]["closed_at"] == "2026-11-23T15:00:00Z"
     later = T0 + dt.timedelta(hours=6)

@@ -51,15 +51,13 @@ class Ledger:
                                     "end": _iso(info.end), "closed": False, "closed_at": None,
                                     **({"site": site} if site else {})}
 
-    def refresh(self, cloud, now: dt.datetime) -> None:
+    def refresh(self, cloud_at, now: dt.datetime) -> None:
         """Each open lease's dates as Blazar has them now (an extension moves its end); one that has gone is
         closed, counted to now at most (the first look after its deletion: the controller deletes its leases
-        itself, and looks again right after). ``cloud``: the run's site's client, or a function of a lease's site
-        (None for the run's own) to its site's client."""
+        itself, and looks again right after). ``cloud_at(site)``: the client of a lease's site (None: the run's)."""
         with self._mu:
             open_ = [(lid, e.get("site")) for lid, e in self.leases.items() if not e["closed"]]
-        at = cloud if callable(cloud) else (lambda site: cloud)
-        seen = {lid: at(site).get_lease(lid) for lid, site in open_}  # not under the lock: the cloud is slow
+        seen = {lid: cloud_at(site).get_lease(lid) for lid, site in open_}  # not under the lock: the cloud is slow
         with self._mu:
             for lid, info in seen.items():
                 e = self.leases[lid]

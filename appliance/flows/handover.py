@@ -171,9 +171,8 @@ def wait_for_slot(ctx, control, choices: list, fit=None, quiet: bool = False):
     spec = ctx.spec
     now = ctx.site.cloud.now()  # the sites' clocks agree (UTC)
     length = dt.timedelta(seconds=(fit(None) if fit else None) or duration_seconds(spec.lease.duration))
-    slots = sorted(((s, i) for i, a in enumerate(choices)
-                    if (s := ctx.at(a.site).cloud.next_slot(a.node_type, spec.nodes.count, length, now)) is not None),
-)
+    slots = sorted((s, i) for i, a in enumerate(choices)  # (start, choice): the earliest, then the first choice
+                   if (s := ctx.at(a.site).cloud.next_slot(a.node_type, spec.nodes.count, length, now)) is not None)
     limit = now + dt.timedelta(seconds=duration_seconds(spec.lease.wait))
     if not slots or slots[0][0] > limit:
         first = f"; the first is {label(choices[slots[0][1]])} at {slots[0][0]:%Y-%m-%d %H:%M} UTC" if slots else ""
