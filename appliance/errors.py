@@ -33,6 +33,15 @@ class NoHosts(ApplianceError):
     """Blazar has not enough hosts of the node type for the lease's window (NotEnoughHostsAvailable)."""
 
 
+class NoSUs(ApplianceError):
+    """Chameleon's portal refused the lease: the project's SU balance is below what it would cost."""
+
+
+class Unanswered(ApplianceError):
+    """The cloud did not say whether it made what it was asked for (a timeout, a reset, a 502-504): what was
+    asked for may exist, and is looked for rather than forgotten."""
+
+
 class JobFailed(ApplianceError):
     """The training job ran and failed; exit_code is the job's."""
 

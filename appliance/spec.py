@@ -71,6 +71,7 @@ class Lease:
     overlap: str = "0s"  # `appliance run`: the next lease starts this long before the current one ends (warm handover)
     wait: str = "1d"  # `appliance run`: the longest wait for free hosts at a lease end before the run parks
     keep_when_done: bool = False  # `appliance run`: keep the cluster and its lease once the run has finished
+    exemption: str | None = None  # `appliance run`: the Chameleon help-desk ticket that allows its consecutive leases
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCALE = 60.0  # cloud seconds per real second
 BOOT_S = 15.0  # real seconds a server takes to boot: 15 minutes of the cloud's time
+CLEAN_S = 15.0  # and a node's cleaning after its server's delete (Chameleon's length is not public: assumed a boot's)
 CMD = "make bench-resume  # python bench/handover_bench.py bench/results"
 
 
@@ -88,7 +89,7 @@ def one(name: str, overlap: str, work: Path) -> dict:
     down = wait_for("the handover's downtime", lambda: events("downtime"), timeout=900)[0]
     t.join(timeout=900)
     flows.down(name)
-    flows.down(f"{name}-h")
+    flows.down(f"{name}_h")
     ck = cs.committed()[0]
     size = sum(f["size"] for f in cs.read_manifest(ck)["files"].values()) if ck else 0
     return {"overlap": overlap, "warm": down["warm"], "breakdown": down["breakdown"], "checkpoint_bytes": size,
@@ -110,7 +111,7 @@ def main() -> int:
         os.environ["APPLIANCE_CONTROLLER_POLL"] = "1"  # the controller looks at the next lease every second
         from appliance import flows, localcloud
 
-        localcloud.start(time_scale=SCALE, boot_seconds=BOOT_S)
+        localcloud.start(time_scale=SCALE, boot_seconds=BOOT_S, clean_seconds=CLEAN_S)
         try:
             flows.data_upload(str(ROOT / "build" / "digits-data"), "swift://digits-data/v1/", cloud="local")
             work = Path(home) / "specs"
@@ -130,24 +131,26 @@ def write(out: Path, cold: dict, warm: dict) -> None:
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     boot_full = 15 * 60.0
 
-    def chameleon(r: dict) -> float:  # the boot at its simulated length, the rest as measured
-        b = r["breakdown"]
-        return b["total"] - (b.get("boot") or 0) + (boot_full if b.get("boot") else 0)
+    def chameleon(r: dict) -> float:  # the boot (and a wait for the hosts' cleaning in it) at its simulated length,
+        b = r["breakdown"]            # the rest as measured
+        boot = b.get("boot") or 0
+        return b["total"] - boot + (boot_full + max(0.0, boot - BOOT_S) * SCALE if boot else 0)
 
     ratio = chameleon(cold) / chameleon(warm)
-    data = {"command": CMD, "measured": when, "cores": os.cpu_count(), "time_scale": SCALE, "boot_real_s": BOOT_S,
+    data = {"command": CMD, "measured": when, "cores": os.cpu_count(), "time_scale": SCALE, "boot_real_s": BOOT_S, "clean_real_s": CLEAN_S,
             "cold": cold, "warm": warm, "cold_with_15min_boot_s": round(chameleon(cold), 1),
             "warm_with_15min_boot_s": round(chameleon(warm), 1), "ratio": round(ratio, 1)}
     (out / "handover.json").write_text(json.dumps(data, indent=1) + "\n")
     rows = [f"| {k} | {_s(cold['breakdown'].get(k))} | {_s(warm['breakdown'].get(k))} |" for k in RESUME_PHASES
             if cold["breakdown"].get(k) is not None or warm["breakdown"].get(k) is not None]
     md = [f"# Cold vs warm handover at a lease end (`{CMD}`, {when}, {os.cpu_count()} cores, the local cloud)", "",
-          f"The local cloud's clock runs {SCALE:g}x and a server boots in {BOOT_S:g} s: a 15-minute bare-metal boot "
-          "in the cloud's time. The same digits run (2 nodes) through one lease end: cold (lease.overlap 0s) and "
+          f"The local cloud's clock runs {SCALE:g}x, a server boots in {BOOT_S:g} s (a 15-minute bare-metal boot "
+          f"in the cloud's time) and a deleted server's node is cleaned for {CLEAN_S:g} s before a new server can "
+          "boot on it (the cold handover's new lease gets the hosts the run just freed: its boot waits for that). The same digits run (2 nodes) through one lease end: cold (lease.overlap 0s) and "
           "warm (lease.overlap 359m: its next cluster made while the job trains). Downtime: from the job's stop to its first step on the next cluster.", "",
           "| phase (s) | cold | warm |", "|---|---|---|", *rows,
           f"| **total, measured** | **{cold['breakdown']['total']:.1f}** | **{warm['breakdown']['total']:.1f}** |",
-          f"| **total, the boot at 15 min** | **{chameleon(cold):.1f}** | **{chameleon(warm):.1f}** |", "",
+          f"| **total, the boot at 15 min (and the cleaning wait at its length)** | **{chameleon(cold):.1f}** | **{chameleon(warm):.1f}** |", "",
           f"Warm is **{ratio:.0f}x** shorter than cold with the boot at its length (goal >= 10x); warm's "
           f"{chameleon(warm):.1f} s against the goal of 60 s + the checkpoint ({warm['checkpoint_bytes'] / 1e3:.0f} KB)"
           " over the network. What is left in it is the job's own start: horovodrun, the TensorFlow import and model "

@@ -41,6 +41,7 @@ class FakeCloud:
     fips: dict = field(default_factory=dict)
     called: defaultdict = field(default_factory=lambda: defaultdict(threading.Event))  # verb -> set once it took effect
     tried: defaultdict = field(default_factory=lambda: defaultdict(threading.Event))  # verb -> set once asked (faults too)
+    no_valid_host: int = 0  # the next this many servers go to ERROR "No valid host" (their host is being cleaned)
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def _call(self, verb: str, *args):
@@ -121,6 +122,11 @@ class FakeCloud:
     def list_leases(self):
         return list(self.leases.values())
 
+    hosts: dict = field(default_factory=lambda: {"compute_local": (4, 1.0), "gpu_local": (2, 1.0)})
+
+    def node_type_hosts(self, node_type):
+        return self.hosts.get(node_type, (0, 1.0))
+
     def wait_lease(self, lease_id, **kw):
         return self.leases[lease_id]
 
@@ -144,8 +150,13 @@ class FakeCloud:
     def create_server(self, name, *, reservation_id, image, key_name, network, **kw):
         status = self._call("create_server", name) or "ACTIVE"
         sid = self._id("srv")
+        fault = None
+        if self.no_valid_host > 0:
+            self.no_valid_host -= 1
+            status, fault = "ERROR", {"code": 500, "message": "No valid host was found. There are not enough hosts "
+                                                              "available."}
         self.servers[sid] = SimpleNamespace(id=sid, name=name, status=status, ip=f"10.0.0.{len(self.servers) + 10}",
-                                            metadata={"appliance_reservation": reservation_id})
+                                            metadata={"appliance_reservation": reservation_id}, fault=fault)
         return sid
 
     def get_server(self, server_id):

@@ -186,7 +186,7 @@ def test_with_no_room_in_the_limits_the_warm_books_no_next_lease(tmp_path):
     w = Warm(flows.RunContext(spec, site), current, lambda ev, **kw: events.append((ev, kw)), None, 0.001, up=up,
              plan=plan).start()
     assert w.ready() is None and len(site.cloud.leases) == 1
-    assert events == [("no next lease", {"cluster": "bx-h", "reason": "limits.deadline 2026-11-23 14:00"})]
+    assert events == [("no next lease", {"cluster": "bx_h", "reason": "limits.deadline 2026-11-23 14:00"})]
     lifecycle.down("bx", site=site)
 
 

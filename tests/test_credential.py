@@ -4,6 +4,7 @@ earlier controllers of the run deleted by the one that takes the run over."""
 
 import datetime as dt
 import os
+from pathlib import Path
 import stat
 
 import yaml
@@ -26,7 +27,7 @@ def test_the_controller_gets_an_unrestricted_expiring_credential_in_a_private_fi
     (cred,) = ctx.site.cloud.app_creds.values()
     assert cred["unrestricted"] and cred["expires_at"] == dt.datetime(2026, 12, 25, 12, 0)  # a day past the deadline
     assert cred["name"] == "appliance-run-cr-20261123120000"
-    path = tmp_path / "controller-cloud.yaml"
+    path = tmp_path / f"controller-cloud-20261123120000-{os.getpid()}.yaml"  # this controller's own file
     assert made == {RUN_CLOUD_ENV: str(path), credential.CRED_ENV: cred["id"],
                     credential.EXPIRES_ENV: "2026-12-25 12:00"}
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -91,7 +92,7 @@ def test_with_an_alternative_at_another_site_the_controller_gets_a_credential_th
     (mine,), (theirs,) = home.app_creds.values(), there.app_creds.values()
     assert mine["unrestricted"] and theirs["unrestricted"] and made[credential.CRED_ENV] == mine["id"]
     assert made[credential.ELSEWHERE_ENV] == f"CHI@local2={theirs['id']}"
-    entries = yaml.safe_load((tmp_path / "controller-cloud.yaml").read_text())["clouds"]
+    entries = yaml.safe_load(Path(made[RUN_CLOUD_ENV]).read_text())["clouds"]
     assert [e["auth"]["application_credential_id"] for e in entries.values()] == [mine["id"], theirs["id"]]
     assert list(entries)[0] == RUN_CLOUD
     monkeypatch.setattr(os, "environ", {**os.environ, **made})

@@ -205,7 +205,7 @@ def session(tmp_path: Path) -> list:
                                  {"resource_type": "virtual:floatingip", "network_id": public["id"], "amount": 1}]}
         lease = call("POST", "/reservation/v1/leases", body)["lease"]
         call("POST", "/reservation/v1/leases", {**body, "name": "l2", "reservations": body["reservations"][:1]},
-             note="no hosts left: 409")
+             note="no hosts left: 500")
         call("POST", "/reservation/v1/leases", {**body, "name": "bad", "start_date": start,
                                                  "end_date": f"{now + dt.timedelta(days=8):%Y-%m-%d %H:%M}"},
              note="over 7 days")

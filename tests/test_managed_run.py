@@ -38,6 +38,7 @@ def scripted(tmp_path, monkeypatch):
 
         def resume(run, **kw):
             assert run == "mr" and kw.pop("control") is not None
+            assert kw.pop("on_ask") is not None  # every lease a resume asks for goes to the run's ledger first
             asked.append(kw)
             return todo.pop(0)
 
@@ -227,13 +228,23 @@ def test_a_detached_controller_that_cannot_start_says_why_in_one_line(tmp_path, 
     cannot (here: another controller holds it), the command fails with the controller's own line."""
     from appliance.flows import credential
 
-    monkeypatch.setattr(credential, "make", lambda ctx, where: {})  # no cloud here (test_credential.py: its own)
+    made = []
+    monkeypatch.setattr(credential, "make", lambda ctx, where: made.append(where) or {})  # no cloud here
     spec = _spec(tmp_path)
     holder = managed.Control(spec, None)
     holder.take()
+    # refused before anything is made: the live controller's credential file is not touched (issue 60 item 8)
+    theirs = runs.record_dir("mc") / "controller-cloud-20261202000000-1.yaml"
+    theirs.parent.mkdir(parents=True, exist_ok=True)
+    theirs.write_text("clouds: {}\n")
+    with pytest.raises(flows.ApplianceError, match="^run mc already has a controller"):
+        flows.start_managed(spec.path)
+    assert not made and theirs.read_text() == "clouds: {}\n"
+    # a controller that starts and then cannot take the run (here: this process's check took the holder for gone)
+    monkeypatch.setattr(managed, "gone_here", lambda cid: True)
     with pytest.raises(flows.ApplianceError, match="did not start: run mc already has a controller") as e:
         flows.start_managed(spec.path)
-    assert "controller.log" in e.value.fix
+    assert "controller.log" in e.value.fix and made
     holder.close("finished")
 
 
@@ -332,10 +343,10 @@ def test_the_next_lease_is_booked_overlap_before_the_end_and_its_cluster_made_on
     assert nxt.end - nxt.start == dt.timedelta(hours=2) and not c.verbs("create_server")[2:]
     c.clock = nxt.start  # Blazar starts it: the cluster is made on it, under the run's other name
     cl = w.ready()
-    assert cl.name == "mh-h" and cl.lease_id == nxt.id and len(c.verbs("create_server")) == 4
+    assert cl.name == "mh_h" and cl.lease_id == nxt.id and len(c.verbs("create_server")) == 4
     assert [ev for ev, _ in said] == ["next lease", "next cluster ready"]
     w.abandon()  # not used (the run finished first): it goes, lease and servers
-    assert find_cluster_named("mh-h") is None and c.verbs("delete_lease")[-1] == (nxt.id,)
+    assert find_cluster_named("mh_h") is None and c.verbs("delete_lease")[-1] == (nxt.id,)
     lifecycle.down("mh", site=site)
 
 
@@ -360,7 +371,7 @@ def test_a_refused_booking_leaves_nothing_and_the_handover_is_cold(tmp_path):
     w = Warm(flows.RunContext(spec, site), current, lambda ev, **kw: said.append((ev, kw)), None, 0.001, up=up).start()
     assert w.ready() is None
     assert said[-1][0] == "next cluster failed" and "Not enough hosts" in said[-1][1]["error"]
-    assert find_cluster_named("mi-h") is None and len(site.cloud.leases) == 1
+    assert find_cluster_named("mi_h") is None and len(site.cloud.leases) == 1
     lifecycle.down("mi", site=site)
 
 
@@ -377,7 +388,8 @@ def _handover_with(monkeypatch, scripted, ready: bool):
 
     class StandIn:  # a Warm whose cluster is up and staged, or whose booking Blazar refused
         def __init__(self, ctx, current, record, stage, poll, plan=None):
-            self.name = f"{ctx.spec.name}-h"
+            self.name = f"{ctx.spec.name}_h"
+            self.choice = None  # booked for the spec's own node type
 
         def start(self):
             return self
@@ -406,8 +418,8 @@ def test_at_the_lease_end_the_run_goes_on_on_the_warm_cluster_and_the_old_one_go
     goes; the downtime is on the timeline as warm. One that is not (None) falls back to a new lease."""
     res, asked, downs, _ = _handover_with(monkeypatch, scripted, ready=True)
     assert res.exit_code == 0 and [{k: v for k, v in kw.items() if k not in ("spec_path", "out")} for kw in asked] \
-        == [{"cluster_name": "mr-h"}] and downs[0] == "mr"  # then, finished, the run's cluster goes (release)
-    assert any("goes on on mr-h, up and staged already" in m for m in said)
+        == [{"cluster_name": "mr_h"}] and downs[0] == "mr"  # then, finished, the run's cluster goes (release)
+    assert any("goes on on mr_h, up and staged already" in m for m in said)
 
 
 def test_with_no_next_cluster_ready_the_handover_is_cold_and_what_was_made_goes(scripted, monkeypatch, said):
@@ -597,7 +609,7 @@ def test_a_store_that_does_not_answer_as_a_controller_starts_is_an_error_not_an_
             raise ConnectionError("[Errno 111] Connection refused")
         return real(self, rel)
     monkeypatch.setattr(CheckpointStore, "read_json", down_for_state)
-    monkeypatch.setattr(managed, "retrying", lambda fn, **kw: (_ for _ in ()).throw(StoreUnavailable("store down")))
+    monkeypatch.setattr(control, "retrying", lambda fn, **kw: (_ for _ in ()).throw(StoreUnavailable("store down")))
     with pytest.raises(StoreUnavailable):
         managed.Control(spec, None).take()
     monkeypatch.setattr(CheckpointStore, "read_json", real)

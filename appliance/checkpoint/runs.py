@@ -114,12 +114,27 @@ def mark_status(run: str, status: str, controller: str | None = None) -> None:
 GOING = ("starting", "running", "handover", "parked")  # a managed run's states while its controller runs it
 
 
+def machine_tag() -> str:
+    """What tells this machine's processes from those of another that has the same hostname (containers, cloned
+    VMs): its boot and its pid namespace (Linux); "" where there is no /proc."""
+    import hashlib
+
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return hashlib.sha256(f"{boot} {ns}".encode()).hexdigest()[:10]
+
+
 def process_gone(controller_id: str) -> bool:
-    """A controller of this machine (its id: host:pid:...) whose process is gone: killed, or a zombie not yet
-    reaped. False for another machine's, which this one cannot tell."""
-    host, _, rest = controller_id.partition(":")
-    pid = rest.partition(":")[0]
+    """A controller of this machine (its id: host:pid:start.random[:machine_tag]) whose process is gone: killed, or
+    a zombie not yet reaped. False for another machine's, which this one cannot tell: another hostname, or the same
+    hostname with another machine tag (a container of the same name: its pids are not ours to look at)."""
+    host, pid, *rest = controller_id.split(":")
     if host != socket.gethostname() or not pid.isdigit():
+        return False
+    if len(rest) > 1 and rest[1] != machine_tag():
         return False
     try:
         os.kill(int(pid), 0)

@@ -109,13 +109,20 @@ def cloud():
 @click.option("--hosts", type=click.IntRange(1, 64), default=None,
               help="compute_local hosts Blazar can lease (default 4; each server is a testbed node).")
 @click.option("--site", default=None, metavar="SITE", help="CHI@local (the default) or CHI@local2.")
-@click.option("--json", "as_json", is_flag=True)
-def cloud_start(time_scale, hosts, site, as_json):
+@click.option("--clean-seconds", type=click.FloatRange(0), default=None,
+              help="Real seconds a node is cleaned after its server is deleted, unschedulable meanwhile, as Ironic "
+                   "cleans Chameleon's (default 2).")
+@click.option("--su-budget", type=click.FloatRange(0), default=None,
+              help="The project's SUs: a lease that would spend more is refused, as Chameleon's portal refuses "
+                   "it (default: not enforced).")
+@click.option("--json", "as_json", is_flag=True, help="Print the cloud's status as JSON.")
+def cloud_start(time_scale, hosts, site, clean_seconds, su_budget, as_json):
     """Start the local cloud (no-op if it runs)."""
     from .. import flows
 
     with _messages(quiet=as_json):
-        st = flows.cloud_start(time_scale=time_scale, hosts=hosts, site=site)
+        st = flows.cloud_start(time_scale=time_scale, hosts=hosts, site=site, clean_seconds=clean_seconds,
+                               su_budget=su_budget)
     _json_out(st) if as_json else click.echo(f"local cloud at {st['endpoint']}, clock {st.get('now')} UTC")
 
 

@@ -52,9 +52,14 @@ def logs_cmd(run, cluster, lines, follow, url, cloud_kind, site):
               help="Times in a row a job that failed (not for its lease) is resumed before the run fails.")
 @click.option("-f", "--foreground", is_flag=True, help="Be the controller in this process (its output here; the run "
               "stops with Ctrl-C) instead of starting it detached.")
-@click.option("--json", "as_json", is_flag=True, help="Print the controller (or, with -f, the last job's summary) "
-              "as JSON.")
-def run_cmd(spec, max_restarts, foreground, as_json):
+@click.option("--plan", "plan", is_flag=True, help="Book nothing: print the leases the run expects to need, their "
+              "node-hours and SUs, and whether they keep to Chameleon's usage policy (lease stacking, hogging).")
+@click.option("--for", "run_for", default=None, metavar="DURATION",
+              help="With --plan: how long the training runs (30d, 72h); default: to limits.deadline, or "
+                   "limits.node_hours, else one lease.")
+@click.option("--json", "as_json", is_flag=True, help="Print the controller (or, with -f, the last job's summary; "
+              "with --plan, the plan) as JSON.")
+def run_cmd(spec, max_restarts, foreground, plan, run_for, as_json):
     """Run SPEC to its end across leases, with nobody at the lease ends.
 
     \b
@@ -83,9 +88,22 @@ def run_cmd(spec, max_restarts, foreground, as_json):
       appliance cancel RUN [--url URL]   stop: a checkpoint, then the cluster goes
     If the controller's machine goes away, `appliance run SPEC` again (anywhere) continues
     the run once its controller lock is stale (5 minutes; at once on the same machine).
+
+    \b
+    Before you start: `appliance run SPEC --plan --for 30d` prints the leases it expects
+    to book, their node-hours and SUs, and whether they keep to Chameleon's usage policy.
     """
     from .. import flows
 
+    if plan:
+        from ..flows.plan import lines
+
+        with _messages(err=as_json):
+            p = flows.plan_run(spec, run_for=run_for)
+        _json_out(p) if as_json else click.echo("\n".join(lines(p)))
+        return
+    if run_for:
+        raise click.UsageError("--for goes with --plan")
     if not foreground:
         with _messages(err=as_json):
             d = flows.start_managed(spec, max_restarts=max_restarts)

@@ -65,8 +65,10 @@ def format_timeline(tl: dict) -> list[str]:
             out.append(f"  {at(e['at'])} {_where(e)} free after {e.get('waited_s')} s")
         elif kind == "lease extended":
             out.append(f"  {at(e['at'])} lease {str(e.get('lease_id'))[:8]} extended to {str(e.get('end'))[:16]}")
+        elif kind == "lease deleted":
+            out.append(f"  {at(e['at'])} lease {e.get('name')} ({str(e.get('lease_id'))[:8]}) deleted: {e.get('reason')}")
         elif kind in ("next lease", "next cluster ready", "next cluster failed", "no hosts", "parked", "stuck",
-                      "extend refused", "no next lease", "limit"):
+                      "extend refused", "no next lease", "limit", "no SUs", "slot taken", "next lease refused"):
             detail = (e.get("node_type") and _where(e)) or e.get("error") or e.get("reason") or e.get("cluster") or ""
             out.append(f"  {at(e['at'])} {kind}" + (f": {detail}" if detail else ""))
     return out

@@ -310,7 +310,7 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
            url: str | None = None, cloud: str = "local", site_name: str | None = None, new_lease: bool = False,
            out: Callable[[str], None] | None = None, control=None, node_type: str | None = None,
-           lease_duration: str | None = None, at_site: str | None = None) -> JobResult | None:
+           lease_duration: str | None = None, at_site: str | None = None, on_ask=None) -> JobResult | None:
     """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
     new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
     what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete.
@@ -318,7 +318,8 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
     ``control``: the managed run's controller (run_job); ``node_type``: a new lease's, instead of the spec's (a
     managed run's alternative, nodes.alternatives); ``lease_duration``: a new lease's, instead of the spec's (a
     managed run's, cut to its limits); ``at_site``: a new lease's site, instead of the spec's (an alternative at
-    another site; the checkpoints stay in the run's own store)."""
+    another site; the checkpoints stay in the run's own store); ``on_ask``: told of a new lease before Blazar is
+    asked (a managed run's ledger in the store: lifecycle._leased)."""
     t = {"start": time.time()}  # the resume's downtime, phase by phase (resume_breakdown)
     spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
@@ -333,7 +334,7 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
         return None
     t["checkpoint chosen"] = time.time()
     up_phases: dict[str, float] = {}
-    cluster = _resume_cluster(ctx, cluster_name, up_phases, new_lease, at_site)
+    cluster = _resume_cluster(ctx, cluster_name, up_phases, new_lease, at_site, on_ask)
     t["cluster ready"] = time.time()
     if spec.dataset is not None:
         stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
@@ -390,7 +391,7 @@ def _resume_point(ctx: RunContext):
 
 
 def _resume_cluster(ctx: RunContext, cluster_name: str | None, up_phases: dict[str, float],
-                    new_lease: bool = False, at_site: str | None = None) -> Cluster:
+                    new_lease: bool = False, at_site: str | None = None, on_ask=None) -> Cluster:
     """The named cluster; else the run's own (a new lease + `up` on a site with leases) or the site's default.
     ``new_lease``: the run's own cluster is taken down first (its lease is about to end or has ended: its hosts are
     free for the new one), then a new lease + `up` (at ``at_site``, else the spec's site)."""
@@ -401,12 +402,13 @@ def _resume_cluster(ctx: RunContext, cluster_name: str | None, up_phases: dict[s
         if find_cluster(spec.name) is not None:
             lifecycle.down(spec.name, ctx.site_of(spec.name))
         at = dataclasses.replace(spec, site=at_site) if at_site else spec
-        return lifecycle.up(ctx.at(at_site), at, timings=up_phases)
+        return lifecycle.up(ctx.at(at_site), at, timings=up_phases, on_ask=on_ask)
     own = find_cluster(spec.name)
     default = None if own is not None else ctx.site.default_cluster(spec)
     if own is not None and own.cloud == spec.cloud and own.site.region != spec.site:  # the run went on elsewhere
         spec = dataclasses.replace(spec, site=own.site.region)
-    cluster = default if default is not None else lifecycle.up(ctx.site_of(spec.name), spec, timings=up_phases)
+    cluster = default if default is not None else lifecycle.up(ctx.site_of(spec.name), spec, timings=up_phases,
+                                                               on_ask=on_ask)
     if cluster.world_size != spec.world_size:
         log.info(f"[resume] note: cluster {cluster.name} has {cluster.world_size} rank(s), the spec asks for "
                  f"{spec.world_size}")
@@ -576,4 +578,4 @@ def image_upload(path: str, name: str, *, cloud: str, site_name: str | None = No
     return lifecycle.image_upload(open_site(cloud, site_name), path, name, disk_format=disk_format)
 
 
-from .managed import cancel as cancel_run, run_managed, start as start_managed, timeline  # noqa: E402,F401 (CLI)
+from .managed import cancel as cancel_run, plan as plan_run, run_managed, start as start_managed, timeline  # noqa: E402,F401,E501

@@ -29,7 +29,8 @@ log = report.get(__name__)
 CONTROL = "controller"  # URL/RUN/controller/
 LOG_TAIL = 256 << 10  # bytes of the newest job's output kept in the store, for `appliance logs RUN --url`
 LOG_EVERY = 60.0  # seconds between two copies of it at most (a chatty job: ~15 MB an hour to the store)
-NOTIFIED = ("downtime", "next cluster failed", "no hosts", "waiting for hosts", "stuck", "cancel", "end", "limit")
+NOTIFIED = ("downtime", "next cluster failed", "no hosts", "waiting for hosts", "stuck", "cancel", "end", "limit",
+            "no SUs", "lease deleted")
 
 
 # -- the controller's record in the store -------------------------------------------------------------
@@ -43,7 +44,8 @@ class Control:
         self.run = spec.name
         self.cs = CheckpointStore(spec.checkpoint.url, f"{spec.name}/{CONTROL}", creds)
         host = socket.gethostname()
-        self.id = f"{host}:{os.getpid()}:{int(time.time())}.{os.urandom(3).hex()}"  # host:pid:... (gone_here)
+        # host:pid:start.random:machine (gone_here: runs.process_gone)
+        self.id = f"{host}:{os.getpid()}:{int(time.time())}.{os.urandom(3).hex()}:{runs.machine_tag()}"
         self.lock = RunLock(self.cs, self.id, cluster=host, head=str(os.getpid()),
                             interval=float(os.environ.get("APPLIANCE_CONTROLLER_LOCK_INTERVAL") or INTERVAL),
                             ttl=float(os.environ.get("APPLIANCE_CONTROLLER_LOCK_TTL") or TTL))
@@ -58,6 +60,7 @@ class Control:
         self.on_job: Callable[[Cluster, Spec], None] | None = None  # told of each job's cluster as it starts
         self.on_job_end: Callable[[JobResult], None] | None = None  # told of each job's result as it ends
         self.on_first_step: Callable[[str, dict], None] | None = None  # (job id, a resume's downtime by phase)
+        self.on_ask: Callable | None = None  # told of each lease the run asks for (leases.Asked; set by the run)
         self.job_id: str | None = None  # the job that runs now
         # how far the job's watchdog may extend its lease ending at a given date (None: not at all, and why)
         self.extend_by: Callable[[str, dt.datetime], tuple[dt.timedelta | None, str]] | None = None
@@ -81,7 +84,8 @@ class Control:
         except json.JSONDecodeError:  # not readable: the timeline starts again
             old = {}
         self.state["events"] = list(old.get("events") or [])
-        for k in ("leases", "progress"):  # the run's ledger and pace so far (budget.py), kept across controllers
+        for k in ("leases", "progress", "asked"):  # the run's ledger, pace and leases asked for (budget.py,
+            # leases.py), kept across controllers
             if isinstance(old.get(k), dict):
                 self.state[k] = old[k]
         own = os.environ.get(EXPIRES_ENV)  # when the controller's own credential expires (credential.py)
@@ -111,11 +115,14 @@ class Control:
         every LOG_EVERY (ship_log)."""
         last, shipped = time.monotonic(), float("-inf")
         while not self._done.wait(self.poll):
-            if self.cancel is None:
-                self._look_for_cancel()
-            if time.monotonic() - shipped >= LOG_EVERY:
-                shipped = time.monotonic()
-                self.ship_log()
+            try:
+                if self.cancel is None:
+                    self._look_for_cancel()
+                if time.monotonic() - shipped >= LOG_EVERY:
+                    shipped = time.monotonic()
+                    self.ship_log()
+            except Exception as e:  # noqa: BLE001 - the heartbeat below must go on, whatever this was
+                log.info(f"[run] warning: the controller's poll failed ({type(e).__name__}: {e}); again next poll")
             if time.monotonic() - last >= self.lock.interval:
                 last = time.monotonic()
                 try:
@@ -165,7 +172,7 @@ class Control:
             return
         except Exception:  # noqa: BLE001 - the store did not answer: asked again at the next poll
             return
-        if req.get("controller") == self.id:
+        if isinstance(req, dict) and req.get("controller") == self.id:  # anything else is not a request to us
             self.cancelled(req)
 
     def cancelled(self, req: dict) -> None:
@@ -194,19 +201,34 @@ class Control:
             if state is not None:
                 self.state["status"] = state
             self.state["controller"] = {"id": self.id, "host": self.lock.cluster, "pid": os.getpid()}
+        if self.lost:  # another controller holds the run and writes its state now: this one's is not written
+            log.info(f"[run] (not in the run's state: another controller holds it) {event} {fields}")
+            return
         if state is not None:  # `appliance runs` on this machine lists the run by its controller's word
             try:
                 runs.mark_status(self.run, state, self.id)
             except OSError as e:
                 log.info(f"[run] warning: could not write the run's record here ({e})")
+        try:
+            self._write()
+        except Exception as e:  # noqa: BLE001
+            log.info(f"[run] warning: could not write the run's state to the store ({type(e).__name__}: {e})")
+
+    def _write(self) -> None:
         with self._writing:  # one write at a time, each of the newest state: an older one never lands last
             with self._mu:
                 text = json.dumps(self.state, indent=1, sort_keys=True)
-            try:
-                retrying(lambda: self.cs.put_text("state.json", text, tempfile.gettempdir()),
-                         what="write the run's controller state", attempts=3)
-            except Exception as e:  # noqa: BLE001
-                log.info(f"[run] warning: could not write the run's state to the store ({type(e).__name__}: {e})")
+            retrying(lambda: self.cs.put_text("state.json", text, tempfile.gettempdir()),
+                     what="write the run's controller state", attempts=3)
+
+    def asked(self, name: str, entry: dict) -> None:
+        """A lease the run asks for, or Blazar's answer to it (leases.py): into the state, written to the store
+        now. A write that fails raises, and the lease is not asked for: what costs SUs is recorded first."""
+        if self.lost:
+            raise ApplianceError(f"another controller holds run {self.run} now: this one asks for no lease")
+        with self._mu:
+            self.state.setdefault("asked", {})[name] = {**entry, "at": round(time.time(), 3)}
+        self._write()
 
     def notify(self, event: dict) -> None:
         """The spec's ``notify``, told of ``event`` by a thread of its own, in order (a slow or failing hook never
@@ -295,3 +317,46 @@ def busy(run: str, holder: dict) -> ApplianceError:
                           f"alive {age:.0f}s ago", f"watch it with `appliance runs {run}`, stop it with `appliance "
                           f"cancel {run}`; a controller that is gone is taken over {float(holder.get('ttl', TTL)):.0f}s"
                           " after its last heartbeat")
+
+
+def read_timeline(c: Control) -> dict | None:
+    try:
+        state = retrying(lambda: c.cs.read_json("state.json"), what="read the run's controller state", attempts=4)
+    except FileNotFoundError:
+        return None
+    holder = c.lock.read()
+    state["controller_alive"] = bool(holder and c.lock.alive(holder, ended=gone_here))
+    if holder:
+        state["controller_heartbeat_age_s"] = round(time.time() - float(holder.get("heartbeat", 0)))
+    return state
+
+
+def read_logs(c: Control, run: str, *, lines: int, follow: bool, out: Callable[[str], None], poll: float) -> str:
+    """managed.store_logs, from the run's controller record ``c``."""
+    metas = [o.name for o in c.cs.store.list(c.cs.prefix + "logs/") if o.name.endswith(".json")]
+    if not metas:
+        raise ApplianceError(f"run {run} has no job output in its store", "a managed run's controller puts its "
+                             "newest job's output there as it runs (`appliance run`); `appliance runs RUN` shows it")
+    newest = max((c.cs.read_json(m[len(c.cs.prefix):]) for m in metas), key=lambda m: m.get("at", 0))
+    job, printed = newest["job_id"], None
+    out(f"[appliance] job {job}: its output as the run's controller shipped it to the store")
+    while True:
+        meta = c.cs.read_json(f"logs/{job}.json")
+        buf = bytearray()
+        c.cs.store.get(f"{c.cs.prefix}logs/{job}.log", buf.extend)
+        whole = bytes(buf).decode(errors="replace").split("\n")[:-1]  # whole lines only: the last may be partial
+        first = int(meta["first_line"])
+        if printed is None:
+            printed = first + max(0, len(whole) - lines) if lines > 0 else first
+        for i, line in enumerate(whole):
+            if first + i >= printed:
+                out(line)
+        printed = max(printed, first + len(whole))
+        if not follow:
+            return job
+        ended = [e for e in (read_timeline(c) or {}).get("events", []) if e.get("event") == "job end"
+                 and e.get("job_id") == job]
+        if ended:
+            out(f"[appliance] job {job} ended (exit {ended[-1].get('exit_code')})")
+            return job
+        time.sleep(poll)  # polling the store for new lines: nothing to wait on

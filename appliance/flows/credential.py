@@ -16,7 +16,8 @@ What it is, and why no less:
   ``UserAppCredGetDeleteResource.delete``), and one that takes the run over deletes those of the controllers before
   it (they are gone: it holds the run's lock).
 
-It reaches the controller as a clouds.yaml of its own (mode 0600, in ~/.appliance/runs/RUN/), named by
+It reaches the controller as a clouds.yaml of its own (mode 0600, in ~/.appliance/runs/RUN/, one file per
+controller), named by
 APPLIANCE_RUN_CLOUD in the controller's environment, from which your OS_* variables are removed; its secret is in
 no argument, log or environment. When Keystone will not make it (your own credential is a restricted one), the
 controller runs with yours, and says so.
@@ -86,8 +87,7 @@ def make(ctx, where: Path) -> dict[str, str]:
                for n, (site, c, cred) in enumerate(made)}
     import yaml
 
-    path = where / "controller-cloud.yaml"
-    path.unlink(missing_ok=True)
+    path = where / f"controller-cloud-{now:%Y%m%d%H%M%S}-{os.getpid()}.yaml"  # this controller's own: another
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(yaml.safe_dump({"clouds": entries}, sort_keys=False))

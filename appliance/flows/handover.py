@@ -6,7 +6,9 @@ the job starts there: the boot is not in the downtime. The old cluster goes mean
 
 When Blazar refuses the booking (the hosts are taken then: NotEnoughHostsAvailable) or the next cluster fails, the
 handover is cold (a new lease at the end, today's resume), and whatever was made for it goes. The two clusters of a
-run take turns under two names, RUN and RUN-h (``other_name``); the run's record names the current one.
+run take turns under two names, RUN and RUN_h (``other_name``; no run can be named RUN_h: run names are lower-case
+letters, digits and '-'), so a run never takes another run's cluster for its own; the run's record names the current
+one.
 
 What the overlap costs: ``overlap`` x nodes node-hours per lease end (``overlap_cost``), said before the run starts.
 """
@@ -21,7 +23,7 @@ import time
 
 from .. import report
 from ..cluster import Cluster, find_cluster
-from ..errors import ApplianceError
+from ..errors import ApplianceError, NoHosts
 from ..provision import lifecycle
 from ..spec import duration_seconds
 
@@ -32,8 +34,10 @@ PARK_POLL = float(os.environ.get("APPLIANCE_PARK_POLL") or 600)  # a parked run 
 
 
 def other_name(run: str, current: str | None) -> str:
-    """The name of the run's next cluster: RUN-h while the current one is RUN, else RUN."""
-    return f"{run}-h" if current in (None, run) else run
+    """The name of the run's next cluster: RUN_h while the current one is RUN, else RUN. Not a run's name (spec.py
+    NAME_RE), so never another run's cluster: with RUN-h, a run named train-h had its cluster taken down by run train
+    as a next cluster left by a killed controller."""
+    return f"{run}_h" if current in (None, run) else run
 
 
 def label(a) -> str:
@@ -59,6 +63,7 @@ class Warm:
         self.name = other_name(ctx.spec.name, current.name)
         self.spec = dataclasses.replace(ctx.spec, name=self.name)
         self.cluster: Cluster | None = None
+        self.choice = None  # the Alternative its lease was booked for (the spec's own node type first)
         self.phases: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._make, name="appliance-next-cluster", daemon=True)
@@ -75,7 +80,7 @@ class Warm:
         return None if start <= now + dt.timedelta(minutes=1) else start
 
     def _make(self) -> None:
-        site, spec = self.ctx.site, self.spec  # the next lease: the spec's first choice again
+        spec = self.spec  # the next lease: the spec's first choice, else an alternative (_book)
         try:
             if find_cluster(self.name) is not None:  # left by a controller that was killed: it goes, then afresh
                 lifecycle.down(self.name, self.ctx.site_of(self.name))
@@ -89,8 +94,9 @@ class Warm:
                     log.info(f"[run] no next lease is booked: the run has reached {why}")
                     return
                 spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=f"{length // 60}m"))
-            booked = lifecycle.book(site, spec, start)
-            self.record("next lease", cluster=self.name, lease_id=booked.lease_id,
+            site, spec, booked = self._book(spec, start)
+            self.record("next lease", cluster=self.name, lease_id=booked.lease_id, node_type=spec.nodes.node_type,
+                        **({"site": self.choice.site} if self.choice.site else {}),
                         start=start.isoformat() + "Z" if start else "now")
             while not self._stop.is_set():
                 info = site.cloud.get_lease(booked.lease_id)
@@ -112,6 +118,31 @@ class Warm:
             why = f"{type(e).__name__}: {e}" if not isinstance(e, ApplianceError) else str(e)
             log.info(f"[run] the next cluster was not made ({why}); the handover at the lease end will be cold")
             self.record("next cluster failed", cluster=self.name, error=why[:300])
+
+    def _book(self, spec, start):
+        """The next lease booked: of the spec's node type at its site, else (Blazar has not the hosts then: the
+        run's own hosts are busy until the end it overlaps, and others are booked) of each of nodes.alternatives in
+        order, another node type or site. Returns (its site, the spec it is booked for, its cluster record);
+        NoHosts when none has the hosts."""
+        from ..spec import Alternative
+
+        choices = [Alternative(spec.nodes.node_type), *spec.nodes.alternatives]
+        for i, a in enumerate(choices):
+            at = dataclasses.replace(spec, site=a.site or spec.site,
+                                     nodes=dataclasses.replace(spec.nodes, node_type=a.node_type))
+            site = self.ctx.at(a.site)
+            try:
+                booked = lifecycle.book(site, at, start, on_ask=getattr(self.plan, "asking", None))
+            except NoHosts as e:
+                self.record("next lease refused", cluster=self.name, node_type=a.node_type, reason=e.message[:200],
+                            **({"site": a.site} if a.site else {}))
+                log.info(f"[run] no {spec.nodes.count} x {label(a)} free for the next lease"
+                         + (f"; trying {label(choices[i + 1])}" if i + 1 < len(choices) else ""))
+                continue
+            self.choice = a
+            return site, at, booked
+        raise NoHosts(f"none of {', '.join(map(label, choices))} has {spec.nodes.count} hosts free for the next "
+                      "lease")
 
     def _extend(self) -> bool:
         """lease.extend: the current lease is extended first, shortly before the next lease would be booked (an
@@ -161,7 +192,22 @@ class Warm:
             lifecycle.down(self.name, self.ctx.site_of(self.name))
 
 
+SLOT_TRIES = 3  # a slot taken between the allocations read and the booking is looked for again this often
+
+
 def wait_for_slot(ctx, control, choices: list, fit=None, quiet: bool = False):
+    """`_wait_for_slot`, looked for again when the slot it found was taken before it was booked (Blazar refuses the
+    booking: NotEnoughHostsAvailable); None after SLOT_TRIES such refusals (the run parks and looks again later)."""
+    for n in range(SLOT_TRIES):
+        try:
+            return _wait_for_slot(ctx, control, choices, fit, quiet or n > 0)
+        except NoHosts as e:
+            log.info(f"[run] the free slot was taken before it was booked ({e.message}); looking again")
+            control.record("slot taken", reason=e.message[:300])
+    return None
+
+
+def _wait_for_slot(ctx, control, choices: list, fit=None, quiet: bool = False):
     """No choice (an Alternative: a node type, at the run's site or another) has hosts free now: the earliest slot
     of any (each site's Blazar host allocations: sites/slots.py), if it starts within lease.wait, is booked under
     the run's name and waited for. Returns the choice whose lease has started (`up` of the run goes on on it), or
@@ -199,7 +245,8 @@ def wait_for_slot(ctx, control, choices: list, fit=None, quiet: bool = False):
     lease = dataclasses.replace(spec.lease, duration=f"{fits // 60}m") if fits else spec.lease
     booked = lifecycle.book(site, dataclasses.replace(spec, lease=lease, site=a.site or spec.site,
                                                       nodes=dataclasses.replace(spec.nodes, node_type=nt)),
-                            start if start > now + dt.timedelta(minutes=1) else None)
+                            start if start > now + dt.timedelta(minutes=1) else None,
+                            on_ask=getattr(control, "on_ask", None))
     wait_s = max(0.0, (start - now).total_seconds())
     control.record("waiting for hosts", node_type=nt, **where, lease_id=booked.lease_id,
                    start=start.isoformat() + "Z", wait_s=round(wait_s))

@@ -37,15 +37,15 @@ from .. import report
 from ..checkpoint import runs
 from ..checkpoint.resume import find_spec
 from ..cluster import Cluster, find_cluster
-from ..errors import ApplianceError, NoHosts, SpecError
+from ..errors import ApplianceError, NoHosts, NoSUs, SpecError
 from ..provision import lifecycle
 from ..spec import Alternative, Spec, duration_seconds
-from ..store.checkpoints import retrying
 from ..train.launch import JobResult
 from . import credential
 from .budget import Budget, Ledger, estimate, newest_meta, steps_made
-from .control import CONTROL, NOTIFIED, Control, busy, gone_here  # noqa: F401 (the controller's names, here too)
+from .control import CONTROL, NOTIFIED, Control, busy, gone_here, read_logs, read_timeline  # noqa: F401
 from .handover import PARK_POLL, Warm, label, other_name, overlap_cost, wait_for_slot
+from .leases import Asked, reconcile
 
 log = report.get(__name__)
 
@@ -90,20 +90,35 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
                  f"which costs {overlap_cost(spec):.2f} node-hours per lease end ({spec.nodes.count} node(s))")
     status = "failed"
     run = _Run(ctx, control, max_restarts, out)
+    refused: NoSUs | None = None
     try:
-        res = run.loop()
+        try:
+            res = run.loop()
+        except NoSUs as e:  # Chameleon's portal refused a lease of the run: it holds none, and waits for SUs
+            res, refused = run.out_of_sus(e), e
         status = ("cancelled" if control.cancel else "limit" if run.limited else "parked" if run.parked
                   else "finished" if res is None or res.exit_code == 0
                   else "stopped" if (res.stopped or {}).get("committed") else "failed")
-        return res
-    finally:
-        if run.warm is not None:
-            run.warm.abandon()  # booked or made and not used: it goes
-        if status == "finished" and not spec.lease.keep_when_done:
-            run.release()
-        run.settle()  # the last job's progress and node-hours, into the state close writes
-        control.close(status)
-        credential.drop(ctx)  # the controller's own credential, last: its tokens stop with it
+        if refused is None:
+            return res
+    finally:  # each step whatever the one before did (a 503 taking the warm cluster down skipped the rest)
+        _each(lambda: run.warm is not None and run.warm.abandon(),  # booked or made and not used: it goes
+              lambda: status == "finished" and not spec.lease.keep_when_done and run.release(),
+              run.settle,  # the last job's progress and node-hours, into the state close writes
+              lambda: control.close(status),
+              lambda: credential.drop(ctx))  # the controller's own credential, last: its tokens stop with it
+    raise refused  # after the run's end steps: its one line, and a non-zero exit
+
+
+def _each(*steps) -> None:
+    """Every step, each whatever the ones before raised; a failure is said in one line (what it left is found again
+    by the next `appliance run`, or ends with its lease)."""
+    for step in steps:
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001
+            log.info(f"[run] warning: a step of the run's end failed ({type(e).__name__}: {e}); the next "
+                     "`appliance run` of the spec, or `appliance down`, takes what it left")
 
 
 class _Run:
@@ -124,6 +139,12 @@ class _Run:
         self._progress = threading.Lock()  # the run's progress: a job's end and a handover's downtime
         control.on_first_step = self.downtime
         self.handing_over: dict | None = None  # a handover whose job has not made its first step yet: {"warm"}
+        # every lease the run asks for, in the store first (leases.py); the handovers' and slots' bookings too
+        self.asking = control.on_ask = Asked(control, self.booked)
+
+    def booked(self, info, nodes: int, node_type: str, site: str | None) -> None:
+        """A lease Blazar made for the run (leases.Asked): counted in its node-hours from now, booked ahead too."""
+        self.ledger.track(info, nodes, node_type, site if site not in (None, self.spec.site) else None)
 
     def job_started(self, cluster: Cluster, spec: Spec | None = None) -> None:
         """A job starts on ``cluster``: its lease is counted; with lease.overlap, its next cluster is made
@@ -251,8 +272,16 @@ class _Run:
             return {"lease_duration": f"{length // 60}m"}
         return {}
 
+    def out_of_sus(self, e: NoSUs) -> None:
+        """A lease of the run was refused for its project's SUs: the run parks with its committed checkpoint."""
+        self.parked = True
+        log.info(f"[run] error: run {self.spec.name} is parked, holding no lease: {e.message} (fix: {e.fix}; then "
+                 f"`appliance run {self.spec.path}` continues it from its newest checkpoint)")
+        self.control.record("no SUs", state="parked", reason=e.message[:300])
+
     def resume(self, **kw) -> JobResult | None:
-        return _flows().resume(self.spec.name, spec_path=self.spec.path, out=self.out, control=self.control, **kw)
+        return _flows().resume(self.spec.name, spec_path=self.spec.path, out=self.out, control=self.control,
+                               on_ask=self.asking, **kw)
 
     def loop(self) -> JobResult | None:
         spec, control = self.spec, self.control
@@ -301,7 +330,7 @@ class _Run:
             gone = threading.Thread(target=lifecycle.down, args=(old, site), daemon=True)
             gone.start()  # the old cluster goes while the checkpoint is staged on the new one
             self.handing_over = {"warm": True}
-            res = self.resume(cluster_name=nxt.name)
+            res = self.resume(cluster_name=nxt.name, **self.choice(warm.choice) if warm.choice else {})
             gone.join()
         else:
             if warm is not None:
@@ -380,6 +409,7 @@ class _Run:
         _wait_for_live_job(ctx, control)
         if control.cancel is not None:
             return None
+        reconcile(ctx, control)  # leases an earlier controller asked for that nothing here uses: they go
         other = other_name(spec.name, self.current)
         if self.current and other != self.current and find_cluster(other) is not None:
             lifecycle.down(other, ctx.site_of(other))  # a next cluster a killed controller made and never used
@@ -395,7 +425,7 @@ class _Run:
             return None
         if kw:
             spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=kw["lease_duration"]))
-        cluster = lifecycle.up(ctx.site, spec)  # idempotent: the run's own cluster while its lease runs
+        cluster = lifecycle.up(ctx.site, spec, on_ask=self.asking)  # idempotent: the run's own cluster
         if spec.dataset is not None:
             flows.stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
                                  out=self.out)
@@ -485,6 +515,10 @@ def start(spec_path: str, *, max_restarts: int = 0) -> dict:
     where.mkdir(parents=True, exist_ok=True)
     log_path = where / "controller.log"
     ctx = _flows().RunContext.of(spec)
+    live = Control(spec, ctx.creds(spec.checkpoint.url))  # refused before anything is made: nothing of the live
+    holder = live.lock.read()                               # controller's (its credential file) is touched
+    if holder is not None and live.lock.alive(holder, ended=gone_here):
+        raise busy(spec.name, holder)
     made = credential.make(ctx, where)  # the controller's own credential (credential.py), not yours
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "appliance.cli", "run", os.path.abspath(spec_path), "--foreground",
@@ -506,6 +540,15 @@ def start(spec_path: str, *, max_restarts: int = 0) -> dict:
                              f"its log: {log_path}")
     own = {"credential": made[credential.CRED_ENV], "expires": made[credential.EXPIRES_ENV]} if made else None
     return {"run": spec.name, "controller": said.split()[1], "pid": p.pid, "log": str(log_path), "credential": own}
+
+
+def plan(spec_path: str, *, run_for: str | None = None) -> dict:
+    """`appliance run SPEC --plan`: the run's leases, their cost and Chameleon's policy on them (plan.py); books
+    nothing."""
+    from . import plan as planning
+
+    spec = _flows().check(spec_path)
+    return planning.make(_flows().RunContext.of(spec), run_for)
 
 
 def _needs_url(spec: Spec) -> Spec:
@@ -541,48 +584,9 @@ def timeline(run: str, *, url: str | None = None, cloud: str = "local", site_nam
     return read_timeline(_control_of(run, url, cloud, site_name))
 
 
-def read_timeline(c: Control) -> dict | None:
-    try:
-        state = retrying(lambda: c.cs.read_json("state.json"), what="read the run's controller state", attempts=4)
-    except FileNotFoundError:
-        return None
-    holder = c.lock.read()
-    state["controller_alive"] = bool(holder and c.lock.alive(holder, ended=gone_here))
-    if holder:
-        state["controller_heartbeat_age_s"] = round(time.time() - float(holder.get("heartbeat", 0)))
-    return state
-
-
 def store_logs(run: str, *, url: str | None, cloud: str = "local", site_name: str | None = None, lines: int = 50,
                follow: bool = False, out: Callable[[str], None] = print, poll: float = 5.0) -> str:
     """`appliance logs RUN --url URL`: the newest job's output from the store, as its controller shipped it
     (Control.ship_log: its last LOG_TAIL bytes, every LOG_EVERY), from any machine; ``follow``: new lines until
     the timeline says that job ended. Returns the job id."""
-    c = _control_of(run, url, cloud, site_name)
-    metas = [o.name for o in c.cs.store.list(c.cs.prefix + "logs/") if o.name.endswith(".json")]
-    if not metas:
-        raise ApplianceError(f"run {run} has no job output in its store", "a managed run's controller puts its "
-                             "newest job's output there as it runs (`appliance run`); `appliance runs RUN` shows it")
-    newest = max((c.cs.read_json(m[len(c.cs.prefix):]) for m in metas), key=lambda m: m.get("at", 0))
-    job, printed = newest["job_id"], None
-    out(f"[appliance] job {job}: its output as the run's controller shipped it to the store")
-    while True:
-        meta = c.cs.read_json(f"logs/{job}.json")
-        buf = bytearray()
-        c.cs.store.get(f"{c.cs.prefix}logs/{job}.log", buf.extend)
-        whole = bytes(buf).decode(errors="replace").split("\n")[:-1]  # whole lines only: the last may be partial
-        first = int(meta["first_line"])
-        if printed is None:
-            printed = first + max(0, len(whole) - lines) if lines > 0 else first
-        for i, line in enumerate(whole):
-            if first + i >= printed:
-                out(line)
-        printed = max(printed, first + len(whole))
-        if not follow:
-            return job
-        ended = [e for e in (read_timeline(c) or {}).get("events", []) if e.get("event") == "job end"
-                 and e.get("job_id") == job]
-        if ended:
-            out(f"[appliance] job {job} ended (exit {ended[-1].get('exit_code')})")
-            return job
-        time.sleep(poll)  # polling the store for new lines: nothing to wait on
+    return read_logs(_control_of(run, url, cloud, site_name), run, lines=lines, follow=follow, out=out, poll=poll)

@@ -159,10 +159,13 @@ def _health(base: str) -> bool:
 
 
 def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0,
-          timeout: float = 30.0, hosts: int | None = None, site: str | None = None) -> dict:
+          timeout: float = 30.0, hosts: int | None = None, site: str | None = None,
+          clean_seconds: float | None = None, su_budget: float | None = None) -> dict:
     """Start the local cloud (``site``: one of SITES, the first by default) if it is not running. Idempotent.
     ``hosts``: compute_local hosts in Blazar's pool (default 4; the scale benchmark asks for 16). The first site of
-    a local cloud to start sets the clock the others follow (its ``time_scale``)."""
+    a local cloud to start sets the clock the others follow (its ``time_scale``). ``clean_seconds``: how long a node
+    is cleaned after its server's delete (default cloud.CLEAN_SECONDS); ``su_budget``: the project's SUs (default:
+    not enforced); both are Chameleon's terms (cloud.py, portal.py), changed later through /_admin/terms."""
     site = _site(site)
     d = state_dir(site)
     if endpoint(site) and _health(endpoint(site)):
@@ -180,7 +183,9 @@ def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0,
                                  "--port", str(port), "--time-scale", str(time_scale),
                                  "--boot-seconds", str(boot_seconds), "--testbed", testbed_name(site),
                                  "--region", site, "--clock", str(_clock_file()),
-                                 *(["--hosts", str(hosts)] if hosts else [])],
+                                 *(["--hosts", str(hosts)] if hosts else []),
+                                 *(["--clean-seconds", str(clean_seconds)] if clean_seconds is not None else []),
+                                 *(["--su-budget", str(su_budget)] if su_budget is not None else [])],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     (d / "pid").write_text(str(proc.pid))
@@ -353,6 +358,7 @@ def status(site: str | None = None) -> dict:
             "clouds_yaml": str(clouds_yaml(site)), "cloud": cloud_name(site), "site": _site(site)}
     if info["running"]:
         info.update(admin("GET", "/clock", site=site))
+        info.update(admin("GET", "/terms", site=site))
     return info
 
 

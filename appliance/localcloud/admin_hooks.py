@@ -37,6 +37,20 @@ def tokens(req: Request):
     return 200, {"seconds": token_seconds(req.cloud)}
 
 
+def terms(req: Request):
+    """Chameleon's terms this cloud holds its users to, changed while it runs (tests): ``clean_seconds`` (a node's
+    cleaning after its server's delete, cloud.py), ``su_budget`` (the project's SUs, portal.py; null: not
+    enforced). Answers them with the SUs used and left."""
+    c, body = req.cloud, req.body or {}
+    if req.method == "POST":
+        if "clean_seconds" in body:
+            c.clean_seconds = float(body["clean_seconds"])
+        if "su_budget" in body:
+            c.portal.su_budget = None if body["su_budget"] is None else float(body["su_budget"])
+    return 200, {"clean_seconds": c.clean_seconds, "su_budget": c.portal.su_budget,
+                 "su_used": round(c.portal.used(), 4), "su_left": c.portal.left()}
+
+
 def requests(req: Request):
     if req.method == "DELETE":
         req.cloud.requests.clear()
@@ -49,6 +63,7 @@ ROUTES = [
     Route("POST", "/clock/reset", reset_clock, auth=False),
     Route("POST", "/faults", faults, auth=False),
     Route(None, "/tokens", tokens, auth=False),
+    Route(None, "/terms", terms, auth=False),
     Route(None, "/requests", requests, auth=False),
     Route(None, "/clock", lambda req: (200, {"now": _fmt(req.cloud.clock.now()), "time_scale": req.cloud.clock.scale}),
           auth=False),

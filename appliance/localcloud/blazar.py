@@ -60,7 +60,7 @@ def allocations(req: Request):
     for h in c.hosts:
         held = [{"id": r.id, "lease_id": lease.id, "start_date": fmt(lease.start), "end_date": fmt(lease.end),
                  "extras": {}}
-                for lease in c.leases.values() if lease.status not in ("TERMINATED", "ERROR", "DELETED")
+                for lease in c.leases.values() if lease.status not in ("TERMINATED", "DELETED")  # ERROR keeps its hosts
                 and lease.end > now for r in lease.reservations if isinstance(r, HostReservation) and h.id in r.hosts]
         out.append({"resource_id": h.id, "reservations": held})
     return 200, {"allocations": out}

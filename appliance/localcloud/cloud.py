@@ -20,7 +20,8 @@ from pathlib import Path
 from .clock import Clock
 from .metadata import MetadataService
 from .nodes import NodeBackend, TestbedNodes
-from .state import (STAMP, AppCred, Ec2Cred, FipReservation, FloatingIp, Host, HostReservation, Image, Keypair,
+from .requirements import parse_requirements
+from .state import (STAMP, ApiError, AppCred, Ec2Cred, FipReservation, FloatingIp, Host, HostReservation, Image, Keypair,
                     Lease, LeaseEvent, Network, Port, Server, Token, fmt)
 
 MAX_LEASE_SECONDS = 7 * 86400
@@ -41,16 +42,13 @@ def redacted(body):
     return body
 REGION = "CHI@local"
 DEFAULT_POOLS = {"compute_local": 4, "gpu_local": 2}
+# a served cloud's cleaning time (real seconds, as its boot): Chameleon's cleanings take minutes, its boots 10-20;
+# here a boot takes ~1 s, and a node is cleaned for twice that
+CLEAN_SECONDS = 2.0
 # every image here stands for a CC image, whose cloud-init makes the default user cc (uid 1000, passwordless sudo)
 # and puts the key pair there, root's keys behind a "Please login as the user cc" command (ChameleonCloud/CC-Images
 # elements/cc-common/static/etc/cloud/cloud.cfg.d/92_chi_default_user.cfg; cloudinit/config/cc_ssh.py)
 IMAGE_USER = "cc"
-
-
-class ApiError(Exception):
-    def __init__(self, code: int, message: str, name: str = ""):
-        super().__init__(message)
-        self.code, self.message, self.name = code, message, name
 
 
 def _uuid() -> str:
@@ -68,64 +66,24 @@ def _parse_api_date(value, field: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# resource_properties: Blazar's grammar (blazar/utils/plugins.py convert_requirements)
-
-OPS = {"=", "==", "!=", ">=", "<=", ">", "<"}
-
-
-def parse_requirements(text: str):
-    """Parse a resource_properties string; returns a predicate on a host's capabilities."""
-    if text == "":
-        return lambda caps: True
-    if not isinstance(text, str):
-        raise ApiError(400, "resource_properties must be a JSON-encoded string", "MalformedRequirements")
-    try:
-        req = json.loads(text)
-    except ValueError:
-        raise ApiError(400, f"Malformed requirements {text}", "MalformedRequirements") from None
-    return _compile(req, text)
-
-
-def _compile(req, text):
-    if not isinstance(req, list) or not req:
-        raise ApiError(400, f"Malformed requirements {text}", "MalformedRequirements")
-    if req[0] == "and":
-        parts = [_compile(r, text) for r in req[1:]]
-        return lambda caps: all(p(caps) for p in parts)
-    if len(req) != 3 or req[0] not in OPS or not all(isinstance(x, str) for x in req):
-        raise ApiError(400, f"Malformed requirements {text}", "MalformedRequirements")
-    op, key, value = req
-    if not key.startswith("$"):
-        raise ApiError(400, f"Malformed requirements {text}", "MalformedRequirements")
-    key = key[1:]
-
-    def pred(caps):
-        have = caps.get(key)
-        if have is None:
-            return False
-        a, b = have, value
-        try:
-            a, b = float(have), float(value)
-        except ValueError:
-            pass
-        return {"=": a == b, "==": a == b, "!=": a != b, ">=": a >= b, "<=": a <= b, ">": a > b, "<": a < b}[op]
-
-    return pred
-
-
-# ---------------------------------------------------------------------------------------------
 # the cloud's state
 
 
 class Cloud:
     def __init__(self, state_dir: Path, *, time_scale: float = 1.0, pools: dict[str, int] | None = None,
                  boot_seconds: float = 0.0, base_url: str = "", testbed_name: str = "cloud",
-                 nodes: NodeBackend | None = None, region: str = REGION, clock: Path | None = None):
+                 nodes: NodeBackend | None = None, region: str = REGION, clock: Path | None = None,
+                 clean_seconds: float = 0.0, su_budget: float | None = None):
         self.dir = state_dir
         self.tb_name = testbed_name
         self.region = region  # the site's name: its catalog's region, its nodes' vendordata
         self.clock = Clock(time_scale, clock)
         self.boot_seconds = boot_seconds
+        # Ironic cleans a bare-metal node after its server's delete, and until it is AVAILABLE again Nova cannot
+        # schedule onto it (openstack/nova nova/virt/ironic/driver.py: `_unprovision` returns once the node is
+        # CLEANING, `_node_resources_unavailable` for any state but AVAILABLE): real seconds, like the boot
+        self.clean_seconds = clean_seconds
+        self.cleaning: dict[str, float] = {}  # host id -> time.monotonic() its cleaning ends
         self.base_url = base_url
         self.lock = threading.RLock()
         self._terminating: list[threading.Thread] = []  # the deletes' teardowns (Nova's terminate_instance casts)
@@ -171,6 +129,9 @@ class Cloud:
         from .heat import Heat
 
         self.heat = Heat(self, _uuid)
+        from .portal import Portal
+
+        self.portal = Portal(self, su_budget)  # SU enforcement and the unutilized-lease reaper (portal.py)
 
     def token_valid(self, tok: str | None) -> bool:
         t = self.tokens.get(tok or "")
@@ -182,7 +143,8 @@ class Cloud:
     # -- engine -----------------------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Move leases through their life: PENDING -> ACTIVE at start, TERMINATED at end."""
+        """Move leases through their life: PENDING -> ACTIVE at start, TERMINATED at end; an ACTIVE lease nobody
+        launched a server on, deleted by the reaper (portal.py). A lease in ERROR stays so (its events do not run)."""
         now = self.clock.now()
         with self.lock:
             for lease in list(self.leases.values()):
@@ -190,6 +152,8 @@ class Cloud:
                     self._start_lease(lease)
                 if lease.status == "ACTIVE" and now >= lease.end:
                     self._end_lease(lease, "TERMINATED")
+            for lease in self.portal.unused(now):
+                self.delete_lease(lease.id)
 
     def _start_lease(self, lease: Lease) -> None:
         lease.status = "ACTIVE"
@@ -216,13 +180,17 @@ class Cloud:
             r.status = "deleted"
         lease.event("end_lease").status = "DONE"
         lease.status = status
+        self.portal.stop_charging(lease, self.clock.now())
         lease.updated_at = _fmt(self.clock.now(), STAMP)
 
     # -- hosts ------------------------------------------------------------------------------------
 
     def _busy(self, host_id: str, start: float, end: float, ignore: str | None = None) -> bool:
+        """A host held by another lease in that window. A lease in ERROR keeps its hosts until it is deleted:
+        Blazar frees a lease's allocations only in its end and delete paths (ChameleonCloud/blazar
+        blazar/manager/service.py `delete_lease`, blazar/plugins/oshosts/host_plugin.py `on_end`)."""
         for lease in self.leases.values():
-            if lease.id == ignore or lease.status in ("TERMINATED", "ERROR", "DELETED"):
+            if lease.id == ignore or lease.status in ("TERMINATED", "DELETED"):
                 continue
             if host_id in lease.hosts() and lease.start < end and start < lease.end:
                 return True
@@ -267,7 +235,10 @@ class Cloud:
                     pred = parse_requirements(req["resource_properties"])
                     free = [h.id for h in self.hosts if pred(h.capabilities) and not self._busy(h.id, start, end)]
                     if len(free) < lo:
-                        raise ApiError(409, "Not enough hosts available", "NotEnoughHostsAvailable")
+                        # raised in Blazar's manager, it crosses RPC and the API renders its class's code, 500,
+                        # with the code as its name (ChameleonCloud/blazar blazar/api/v1/utils.py `Rest.route`,
+                        # the RemoteError branch; blazar/manager/exceptions.py NotEnoughResourcesAvailable)
+                        raise ApiError(500, "Not enough hosts available", 500)
                     reservations.append(HostReservation(
                         rid, lease_id, resource_id=_uuid(), min=lo, max=hi,
                         hypervisor_properties=req["hypervisor_properties"],
@@ -282,6 +253,7 @@ class Cloud:
             lease = Lease(lease_id, body["name"], "PENDING", self.user_id, self.project_id, trust_id=_uuid(),
                           created_at=_fmt(now, STAMP), reservations=reservations, start=start, end=end,
                           events=[LeaseEvent("start_lease", _fmt(start)), LeaseEvent("end_lease", _fmt(end))])
+            self.portal.charge(lease)  # or refused, as Chameleon's portal refuses it (portal.py)
             if self.faults.get("lease_error", 0) > 0:
                 self.faults["lease_error"] -= 1
                 lease.status = "ERROR"
@@ -329,8 +301,9 @@ class Cloud:
                     raise ApiError(400, "End date must be later than the current date and the start date", "InvalidInput")
                 for h in lease.hosts():
                     if self._busy(h, lease.end, new_end, ignore=lease_id):
-                        raise ApiError(409, "Not enough hosts available: a reserved host is booked by another "
-                                            "lease after the current end", "NotEnoughHostsAvailable")
+                        raise ApiError(500, "Not enough hosts available: a reserved host is booked by another "
+                                            "lease after the current end", 500)  # as in create_lease
+                self.portal.charge_update(lease, new_end)
                 lease.end = new_end
                 lease.event("end_lease").time = _fmt(new_end)
             lease.updated_at = _fmt(self.clock.now(), STAMP)
@@ -342,6 +315,7 @@ class Cloud:
             lease = self.get_lease(lease_id)
             if lease.status in ("ACTIVE", "PENDING", "ERROR"):
                 self._end_lease(lease, "TERMINATED")
+            self.portal.stop_charging(lease, self.clock.now())
             lease.status = "DELETED"
 
     def reservation(self, rid: str) -> tuple[Lease | None, HostReservation | FipReservation | None]:
@@ -374,14 +348,10 @@ class Cloud:
             raise ApiError(400, "Network could not be found.", "BadRequest")
         count = int(s.get("min_count", 1))
         count = max(count, int(s.get("max_count", count)))
-        # Blazar frees an ended lease's hosts at once (host_plugin.py on_end destroys the allocations) while Nova
-        # still tears its servers down; here that teardown takes a fraction of a second (Ironic's cleaning takes
-        # minutes), so a server for a host whose last server is still going waits for it rather than failing
-        with self.lock:
-            _, res = self.reservation(hints.get("reservation", ""))
-            going = [x for x in self.servers.values() if x.deleting and x.status != "DELETED"
-                     and isinstance(res, HostReservation) and x.host in res.hosts]
-        self.wait_deleted(going, timeout=120)
+        # Blazar frees an ended lease's hosts at once (ChameleonCloud/blazar host_plugin.py `on_end` destroys the
+        # allocations) while Nova still tears its servers down and Ironic then cleans the nodes: a host whose
+        # server is still going, or whose node is cleaning, cannot be scheduled to, and the new server goes to
+        # ERROR "No valid host" (see __init__); the client retries it (python-chi chi/server.py `retry_on_error`)
         ids = []
         with self.lock:
             lease, res = self.reservation(hints.get("reservation", ""))
@@ -393,7 +363,8 @@ class Cloud:
                 fault = f"No valid host was found. Reservation {res.id} is not active."
             else:
                 used = {x.host for x in self.servers.values() if x.status != "DELETED"}
-                hosts = [h for h in res.hosts if h not in used]
+                cleaning = {h for h, until in self.cleaning.items() if until > time.monotonic()}
+                hosts = [h for h in res.hosts if h not in used and h not in cleaning]
                 if len(hosts) < count:
                     fault = "No valid host was found. There are not enough hosts available."
             if self.faults.get("server_error", 0) > 0:
@@ -511,9 +482,11 @@ class Cloud:
             with self.lock:
                 self._gone(srv)
 
-    @staticmethod
-    def _gone(srv: Server) -> None:
+    def _gone(self, srv: Server) -> None:
+        """The server is deleted; its node is cleaned for clean_seconds before Nova can use it again."""
         srv.status = "DELETED"
+        if srv.host and self.clean_seconds:
+            self.cleaning[srv.host] = time.monotonic() + self.clean_seconds
         srv.gone.set()
 
     def wait_deleted(self, servers, timeout: float = 300.0) -> None:

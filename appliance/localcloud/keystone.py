@@ -147,13 +147,19 @@ def _app_creds(c) -> list[AppCred]:
         list(c.app_creds.values())
 
 
-def _may_manage_app_creds(req: Request, user_id: str) -> None:
-    c = req.cloud
+def _unrestricted_only(req: Request) -> None:
+    """keystone/api/users.py ``_check_unrestricted_application_credential``: what a token of a restricted
+    application credential may not do (make or delete application credentials, make OS-EC2 credentials)."""
     info = req.caller()
     if info.app_cred and not info.unrestricted:
         raise ApiError(403, "You are not authorized to perform the requested action: Using method "
                        "'application_credential' is not allowed for managing additional application credentials.",
                        "Forbidden")
+
+
+def _may_manage_app_creds(req: Request, user_id: str) -> None:
+    c = req.cloud
+    _unrestricted_only(req)
     if user_id != c.user_id:
         raise ApiError(403, "You are not authorized to perform the requested action.", "Forbidden")
 
@@ -225,7 +231,9 @@ def _may_use_ec2(req: Request, user_id: str) -> None:
 def create_ec2(req: Request, user_id: str):
     """POST /v3/users/{user_id}/credentials/OS-EC2 (UserOSEC2CredentialsResourceListCreate.post): the body names
     the project as ``tenant_id`` (keystoneclient v3 ec2.create sends it so); access and secret are uuid4 hex;
-    201 {"credential": ...}."""
+    201 {"credential": ...}. A token of a restricted application credential may not (its
+    ``_check_unrestricted_application_credential``, the same 403 as for another application credential)."""
+    _unrestricted_only(req)
     _may_use_ec2(req, user_id)
     project = (req.body or {}).get("tenant_id")
     if project != req.cloud.project_id:  # resource_api.get_project

@@ -41,7 +41,7 @@ from urllib.parse import parse_qs, urlparse
 from .. import report
 from . import admin_hooks, blazar, glance, keystone, neutron, nova, orchestration
 from .api import Request, dispatch
-from .cloud import DEFAULT_POOLS, REGION, ApiError, Cloud, _uuid, redacted
+from .cloud import CLEAN_SECONDS, DEFAULT_POOLS, REGION, ApiError, Cloud, _uuid, redacted
 
 SERVICES = {m.PREFIX: m for m in (keystone, blazar, nova, neutron, glance, orchestration, admin_hooks)}
 
@@ -120,12 +120,14 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def serve(state_dir: Path, port: int, time_scale: float, boot_seconds: float, testbed_name: str,
-          hosts: int | None = None, region: str = REGION, clock: Path | None = None) -> None:
+          hosts: int | None = None, region: str = REGION, clock: Path | None = None,
+          clean_seconds: float = CLEAN_SECONDS, su_budget: float | None = None) -> None:
     httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     base = f"http://127.0.0.1:{httpd.server_address[1]}"
     pools = None if hosts is None else {**DEFAULT_POOLS, "compute_local": hosts}
     cloud = Cloud(state_dir, time_scale=time_scale, boot_seconds=boot_seconds, base_url=base,
-                  testbed_name=testbed_name, pools=pools, region=region, clock=clock)
+                  testbed_name=testbed_name, pools=pools, region=region, clock=clock, clean_seconds=clean_seconds,
+                  su_budget=su_budget)
     Handler.cloud = cloud
     stop = threading.Event()
     # Chameleon's API endpoints are public: a node reaches Keystone (and the object store's catalog entry) at the
@@ -172,10 +174,13 @@ def main(argv=None) -> None:
     ap.add_argument("--hosts", type=int, default=None, help="compute_local hosts in Blazar's pool (default 4)")
     ap.add_argument("--region", default=REGION, help="the site's name (its catalog's region)")
     ap.add_argument("--clock", default=None, help="a file holding the clock every site of this local cloud shares")
+    ap.add_argument("--clean-seconds", type=float, default=CLEAN_SECONDS,
+                    help="real seconds Ironic cleans a node after its server's delete (cloud.py)")
+    ap.add_argument("--su-budget", type=float, default=None, help="the project's SUs (portal.py; default: not enforced)")
     a = ap.parse_args(argv)
     report.default(lambda m: print(m, flush=True))  # what its steps say (its testbed's nodes) into server.log
     serve(Path(a.state), a.port, a.time_scale, a.boot_seconds, a.testbed, a.hosts, a.region,
-          Path(a.clock) if a.clock else None)
+          Path(a.clock) if a.clock else None, a.clean_seconds, a.su_budget)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+
+class ApiError(Exception):
+    """An answer of an error, in the status and body shape of the service that raised it."""
+
+    def __init__(self, code: int, message: str, name=""):
+        super().__init__(message)
+        self.code, self.message, self.name = code, message, name
+
+
 ISO = "%Y-%m-%dT%H:%M:%S.%f"
 STAMP = "%Y-%m-%d %H:%M:%S"  # Blazar's created_at / updated_at
 NOVA_TIME = "%Y-%m-%dT%H:%M:%SZ"

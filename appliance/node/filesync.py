@@ -177,14 +177,25 @@ class Syncer:
             if not stopped and self.stop_file is not None and self.stop_file.exists():
                 stopped = True  # the lease end is near, or the user asked: commit now
                 self.failed = False
-                self.sync(final=True, why="stop")
+                self.attempt(final=True, why="stop")
                 reason = None if self.failed else self._end_asked()
                 if reason is not None:
                     self._end_job(reason)
                 next_at = time.monotonic() + self.every_s
             elif time.monotonic() >= next_at:
-                self.sync()
+                self.attempt()
                 next_at = time.monotonic() + self.every_s
+
+    def attempt(self, final: bool = False, why: str = "") -> dict | None:
+        """`sync`, in the syncer's thread: whatever fails (the store, or Keystone for its token, not answering for
+        longer than a read waits: an outage of the site's control plane) is said and tried again at the next scan;
+        the thread goes on, so files written after an outage are synced too."""
+        try:
+            return self.sync(final=final, why=why)
+        except Exception as e:  # noqa: BLE001 - never let the syncer die, nor kill training
+            note(f"synced files NOT committed ({type(e).__name__}: {e}); tried again in {self.every_s:.0f}s")
+            self.failed = True
+            return None
 
 
 def start_in_rank0() -> Syncer | None:

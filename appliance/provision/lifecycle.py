@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import paths, report
 from ..cluster import Cluster, Node, SiteRecord, delete_cluster, find_cluster, load_cluster, state_path
-from ..errors import ApplianceError
+from ..errors import ApplianceError, NoHosts, Unanswered
 from ..remote import HostKeyMismatch, KeyRefused, Session
 from ..sites import Site, for_cluster
 from ..sites.openstack import RESERVATION_KEY, fmt_date
@@ -45,24 +45,31 @@ def _lease_name(spec: Spec) -> str:
     return f"{spec.name}-{time.strftime('%m%d%H%M%S')}"
 
 
-def book(site: Site, spec: Spec, start: dt.datetime | None) -> Cluster:
+def book(site: Site, spec: Spec, start: dt.datetime | None, *, on_ask: Callable | None = None) -> Cluster:
     """The lease of a cluster to come, asked for now to start at ``start`` (an advance reservation; None: now), and
     recorded under ``spec.name`` with no servers yet; `up` of the same spec later waits for it and goes on."""
-    cluster, _ = _leased(site, spec, site.login_key(spec.key_name, spec.key_file), start=start)
+    cluster, _ = _leased(site, spec, site.login_key(spec.key_name, spec.key_file), start=start, on_ask=on_ask)
     return cluster
 
 
-def _leased(site: Site, spec: Spec, key, *, lease_id: str | None = None,
-            start: dt.datetime | None = None) -> tuple[Cluster, object]:
+def _leased(site: Site, spec: Spec, key, *, lease_id: str | None = None, start: dt.datetime | None = None,
+            on_ask: Callable | None = None) -> tuple[Cluster, object]:
     """The cluster's record with its lease: the one it has while that runs, ``lease_id`` or the spec's, one an
-    earlier `up` asked for under the recorded name, or a new one (from ``start``)."""
+    earlier `up` asked for under the recorded name, or a new one (from ``start``). ``on_ask(name, entry, info)``:
+    told of a new lease before Blazar is asked (info None) and again with Blazar's answer (a managed run's ledger
+    in the store, flows/leases.py: what a controller on another machine finds again)."""
     c = site.cloud
     cluster = find_cluster(spec.name)
     if cluster is not None and cluster.lease_id:
         info = c.get_lease(cluster.lease_id)
-        if info is None or info.status in ("TERMINATED", "DELETED", "ERROR"):
+        if info is not None and info.status == "ERROR":  # Blazar keeps an ERROR lease's hosts until it goes
+            log.info(f"the lease of {spec.name} ({info.id}) is in ERROR: deleting it (it holds its hosts), then "
+                     "making a new lease")
+            c.delete_lease(info.id)
+        elif info is None or info.status in ("TERMINATED", "DELETED"):
             log.info(f"the lease of {spec.name} has ended ({info.status if info else 'deleted'}); its servers are "
                      "gone. Making a new lease.")
+        if info is None or info.status in ("TERMINATED", "DELETED", "ERROR"):
             delete_cluster(spec.name)
             cluster = None
     if cluster is None:
@@ -73,21 +80,34 @@ def _leased(site: Site, spec: Spec, key, *, lease_id: str | None = None,
                                           spec_path=spec.path))
     lid = lease_id or spec.lease.lease_id or cluster.lease_id
     if lid is None:
+        asked = {"cluster": spec.name, "site": spec.site, "node_type": spec.nodes.node_type,
+                 "nodes": spec.nodes.count, "start": f"{start:%Y-%m-%d %H:%M}" if start else "now",
+                 "duration": spec.lease.duration}
         info = _made_before(c, cluster.site.lease_name)
+        if info is not None and on_ask is not None:  # made by an `up` that did not finish: its answer, now
+            on_ask(info.name, {**asked, "lease_id": info.id}, info)
         if info is None:
             # the name first, then the lease: an `up` killed between Blazar's answer and the record's save (a
             # managed run's controller, mid-handover) leaves the name, so the next `up` finds that lease and
             # does not leave it behind unrecorded (issue 52: no orphan lease)
             cluster.site.lease_name = _lease_name(spec)
             cluster.save()
+            if on_ask is not None:
+                on_ask(cluster.site.lease_name, asked, None)
             try:
                 info = c.create_lease(cluster.site.lease_name, spec.nodes.node_type, spec.nodes.count,
                                       dt.timedelta(seconds=duration_seconds(spec.lease.duration)), start=start,
                                       floating_ip=spec.lease.floating_ip)
-            except ApplianceError:  # Blazar refused it: nothing was made, so no record of it is left
+            except Unanswered:  # it may have been made: the record keeps its name, and `up` or `down` finds it
+                raise
+            except ApplianceError as e:  # Blazar refused it: nothing was made, so no record of it is left
+                if on_ask is not None:
+                    on_ask(cluster.site.lease_name, {**asked, "refused": e.message[:200]}, None)
                 if not cluster.site.servers:
                     delete_cluster(spec.name)
                 raise
+            if on_ask is not None:
+                on_ask(cluster.site.lease_name, {**asked, "lease_id": info.id}, info)
             when = f"from {fmt_date(info.start)} " if start is not None else ""
             log.info(f"lease {info.name} ({info.id}) created: {spec.nodes.count} x {spec.nodes.node_type} "
                      f"{when}until {fmt_date(info.end)} UTC")
@@ -178,10 +198,22 @@ def lease_delete(site: Site, lease_id: str) -> bool:
 # up
 
 
-def _wait_servers(site: Site, cluster: Cluster) -> dict[str, object]:
-    """Until every server is ACTIVE; fail fast on ERROR; progress, not silence."""
+NO_VALID_HOST = "no valid host"  # Nova's NoValidHost, in a server's fault
+
+
+def _no_valid_host(srv) -> bool:
+    return NO_VALID_HOST in str((getattr(srv, "fault", None) or {}).get("message", "")).lower()
+
+
+def _wait_servers(site: Site, cluster: Cluster, replace: Callable[[str], str] | None = None) -> dict[str, object]:
+    """Until every server is ACTIVE; fail fast on ERROR; progress, not silence. A server in ERROR "No valid host"
+    is asked for again (``replace(name)``: a fresh server's id) with back-off, for up to ``site.clean_timeout``:
+    the reserved host is still being cleaned after the server that had it (a lease ended or deleted moments ago:
+    Blazar frees its hosts at once, Ironic cleans them for minutes), as python-chi retries a server's boot error
+    (chi/server.py ``retry_on_error``). Past that, NoHosts: the caller may try other hosts."""
     deadline = time.monotonic() + site.boot_timeout
     t0 = time.monotonic()
+    retries: dict[str, Backoff] = {}
     last: dict[str, str] = {}
     servers: dict[str, object] = {}
     next_note = t0 + 60
@@ -196,6 +228,21 @@ def _wait_servers(site: Site, cluster: Cluster) -> dict[str, object]:
             if srv.status != last.get(node.name):
                 log.info(f"  {node.name}: {srv.status} ({time.monotonic() - t0:.0f}s)")
                 last[node.name] = srv.status
+            if srv.status == "ERROR" and replace is not None and _no_valid_host(srv):
+                retry = retries.setdefault(node.name, Backoff(site.poll * 4, site.clean_timeout))
+                due = retry.due()
+                if due is None:
+                    raise NoHosts(f"server {node.name} found no valid host on its reservation for "
+                                  f"{site.clean_timeout:.0f}s (its hosts are taken or still being cleaned)",
+                                  "try another node type or a later lease")
+                if due:
+                    log.info(f"  {node.name}: no valid host yet (its reserved host is still being cleaned after "
+                             f"its last server); asking again ({retry.left():.0f}s left)")
+                    node.server_id = replace(node.name)
+                    deadline = max(deadline, time.monotonic() + site.boot_timeout)
+                    last.pop(node.name, None)
+                servers[node.name] = srv
+                continue
             if srv.status == "ERROR":
                 fault = (srv.fault or {}).get("message", "no fault message") if hasattr(srv, "fault") else ""
                 raise ApplianceError(f"server {node.name} ({node.server_id}) is in ERROR: {fault}",
@@ -233,6 +280,30 @@ def _wait_ssh(site: Site, cluster: Cluster) -> Session:
                          "check the key pair and image; `appliance status` shows the nodes")
 
 
+class Backoff:
+    """Tries spaced ``first``, then twice as long each time up to ``cap``, for ``budget`` seconds from the first
+    failure."""
+
+    def __init__(self, first: float, budget: float, cap: float = 60.0):
+        self.delay, self.budget, self.cap = first, budget, cap
+        self.start = self.next_at = time.monotonic()
+        self.next_at += first
+
+    def due(self) -> bool | None:
+        """True: try again now; False: not yet; None: the budget is spent."""
+        now = time.monotonic()
+        if now - self.start >= self.budget:
+            return None
+        if now < self.next_at:
+            return False
+        self.delay = min(self.delay * 2, self.cap)
+        self.next_at = now + self.delay
+        return True
+
+    def left(self) -> float:
+        return max(0.0, self.budget - (time.monotonic() - self.start))
+
+
 SERVER_CALLS_IN_FLIGHT = 8  # Nova requests at once (create, delete): one at a time, at 0.3-1 s each on a real Nova,
 # 64 servers would take up to a minute (docs/benchmark.md, make bench-scale)
 
@@ -250,7 +321,8 @@ def _fan_out(fn: Callable, items: Iterable) -> list:
 
 def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: float | None = None,
        install: bool = False, variant: str | None = None, wheel_cache: str | None = None,
-       finish_nodes: Callable | None = None, timings: dict[str, float] | None = None) -> Cluster:
+       finish_nodes: Callable | None = None, timings: dict[str, float] | None = None,
+       on_ask: Callable | None = None) -> Cluster:
     """Lease (or reuse) -> servers on the reservation -> floating IP -> host keys -> SSH -> contextualize
     [-> the training stack installed on every node, `install`: for stock images]. ``finish_nodes(site,
     cluster)``: the steps on the booted machines (default `finish`; the fast tests pass their own, as Horovod's runner
@@ -269,7 +341,7 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
         site.ssh_timeout = ssh_timeout
     c = site.cloud
     key = site.login_key(spec.key_name, spec.key_file)
-    cluster, info = _leased(site, spec, key, lease_id=lease_id)
+    cluster, info = _leased(site, spec, key, lease_id=lease_id, on_ask=on_ask)
     info = c.wait_lease(info.id)
     cluster.lease_end = info.end.isoformat() + "Z"
     cluster.save()
@@ -297,6 +369,15 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
             servers[name] = new
             cluster.save()
 
+    def replace(name: str) -> str:  # a server in ERROR "No valid host": a fresh one (_wait_servers)
+        c.delete_server(servers[name])
+        new = c.create_server(name, reservation_id=info.reservation_id, image=spec.image, key_name=key.name,
+                              network=spec.network, user_data=HOSTKEYS_SCRIPT)
+        with saving:
+            servers[name] = new
+            cluster.save()
+        return new
+
     _adopt_unrecorded(c, spec, info.reservation_id, servers)
     _fan_out(ensure, range(spec.nodes.count))
     order = [f"{spec.name}-{i}" for i in range(spec.nodes.count)]  # node 0 is the head, whatever answered first
@@ -306,7 +387,13 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
     log.info(f"waiting for {spec.nodes.count} server(s) to boot{site.boot_note}")
     cluster.nodes = [Node(name=n, private_ip="", address=None, workdir=site.workdir, slots=spec.nodes.slots,
                           user=site.user, server_id=sid) for n, sid in servers.items()]
-    srvs = _wait_servers(site, cluster)
+    try:
+        srvs = _wait_servers(site, cluster, replace)
+    except NoHosts as e:
+        if lease_id is None and spec.lease.lease_id is None:  # the lease this `up` made holds nothing usable
+            log.info(f"  {e.message}: cluster {cluster.name} and its lease go")
+            down(cluster.name, site)
+        raise
     for node in cluster.nodes:
         node.private_ip = c.server_ip(srvs[node.name])
         node.address = node.private_ip
@@ -438,6 +525,11 @@ def down(name: str, site: Site | None = None) -> list[str]:
         done.append(f"floating IP {cluster.floating_ip}")
     if cluster.lease_id and c.delete_lease(cluster.lease_id):
         done.append(f"lease {cluster.lease_id}")
+    elif not cluster.lease_id and cluster.site.lease_name:  # asked for, its answer never recorded (or never came)
+        for info in c.list_leases():
+            if info.name == cluster.site.lease_name and info.status not in ("TERMINATED", "DELETED") \
+                    and c.delete_lease(info.id):
+                done.append(f"lease {info.id} ({info.name})")
     delete_cluster(name)
     for suffix in (".known_hosts", ".id_ed25519", ".id_ed25519.pub"):
         (paths.clusters_dir() / f"{name}{suffix}").unlink(missing_ok=True)

@@ -41,6 +41,9 @@ class Site(ABC):
     workdir: str = "/tmp"  # node-local disk, before prepare_nodes() picks a better one
     python: str = ""  # the stack's Python on the nodes
     boot_timeout: float = 120.0  # servers ACTIVE within
+    # a server finding no valid host is asked for again for this long: its reserved host may still be cleaned
+    # after the server that had it (Ironic's cleaning; its length on Chameleon is not public: assumed < 30 min)
+    clean_timeout: float = 1800.0
     ssh_timeout: float = 60.0  # the nodes' published host keys, then SSH, within
     poll: float = 0.2  # seconds between API polls while waiting (servers, host keys, SSH)
     lease_poll: float = 0.5  # the lease watchdog's poll

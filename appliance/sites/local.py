@@ -31,6 +31,7 @@ class LocalSite(Site):
     workdir = "/mnt/local"  # each testbed node's private "local SSD", root's until prepare_nodes
     python = sys.executable  # nodes share this machine's file system
     boot_timeout = 120.0
+    clean_timeout = 60.0  # the local cloud cleans a node for CLEAN_SECONDS (2 s; `cloud start --clean-seconds`)
     ssh_timeout = 60.0
     poll = 0.2
     lease_poll = 0.5

@@ -20,11 +20,11 @@ import os
 import time
 
 from .. import report
-from ..errors import ApplianceError, socket_reason
+from ..errors import ApplianceError, Unanswered, socket_reason
 from .openstack_api import (  # noqa: F401 - the API's records and rules, named here as before
     API_DATE, EXTENSION_WINDOW, HOSTKEYS_HEADER, MAX_LEASE, RESERVATION_KEY, LeaseInfo, ListedServer, _date_of,
     _not_found, blazar_error, explain_blazar, fip_reservation, fmt_date, host_reservation, parse_console_host_keys,
-    parse_lease_date, parse_password_host_keys, resource_properties)
+    parse_lease_date, parse_password_host_keys, resource_properties, unanswered)
 
 log = report.get(__name__)
 
@@ -269,7 +269,11 @@ class OpenStackCloud:
         try:
             lease = self.blazar.lease.create(name, "now" if start is None else fmt_date(begin), fmt_date(end),
                                              reservations, [])
-        except Exception as e:  # BlazarClientException
+        except Exception as e:  # BlazarClientException, or keystoneauth's when no answer came
+            if unanswered(e):
+                raise Unanswered(f"Blazar did not answer whether it made lease {name} ({type(e).__name__}: "
+                                 f"{blazar_error(e)[1][:200]})", "run the step again: it looks for the lease by "
+                                 "its name before it asks for another") from None
             raise explain_blazar(e, node_type=node_type, count=count) from None
         return LeaseInfo.from_api(lease)
 
@@ -300,6 +304,17 @@ class OpenStackCloud:
             raise explain_blazar(e) from None
         return earliest_slot(hosts, (body or {}).get("allocations") or [], node_type, count, duration,
                              after or self.now())
+
+    def node_type_hosts(self, node_type: str) -> tuple[int, float]:
+        """How many reservable hosts of ``node_type`` the site has (Blazar's GET /v1/os-hosts) and their SU factor
+        (the largest ``su_factor`` extra capability among them; 1.0 where none has one: Chameleon's portal
+        balance_service/enforcement/usage_enforcement.py DEFAULT_SU_FACTOR)."""
+        try:
+            hosts = [h for h in self.blazar.host.list() if h.get("node_type") == node_type]
+        except Exception as e:
+            raise explain_blazar(e) from None
+        factors = [float(h["su_factor"]) for h in hosts if h.get("su_factor") not in (None, "")]
+        return len(hosts), max(factors, default=1.0)
 
     def list_leases(self) -> list[LeaseInfo]:
         try:

@@ -10,7 +10,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from ..errors import ApplianceError, NoHosts
+from ..errors import ApplianceError, NoHosts, NoSUs
 
 API_DATE = "%Y-%m-%d %H:%M"
 MAX_LEASE = dt.timedelta(days=7)
@@ -59,6 +59,18 @@ def blazar_error(e: Exception) -> tuple[int | None, str]:
     return code, re.sub(r"^ERROR: ", "", msg).strip()
 
 
+def unanswered(e: Exception) -> bool:
+    """A request whose outcome is unknown: no answer (keystoneauth's ConnectTimeout/ConnectFailure after the
+    request may have reached the service count too: a reset mid-request), or a gateway's 502/503/504 in front of
+    a service that may have acted."""
+    code, _ = blazar_error(e)
+    if code in (502, 503, 504):
+        return True
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"ConnectionError", "ConnectFailure", "ConnectTimeout", "RetriableConnectionFailure",
+                         "GatewayTimeout", "BadGateway", "ServiceUnavailable", "TimeoutError", "Timeout"})
+
+
 def _not_found(e: Exception) -> bool:
     code, msg = blazar_error(e)
     return code == 404 or "not found" in msg.lower()
@@ -73,6 +85,13 @@ def explain_blazar(e: Exception, *, node_type: str = "", count: int = 0, end: st
                        "ask for fewer nodes or a later start, or see the site's host calendar "
                        "(Reservations > Host Calendar); an extension fails this way when someone "
                        "booked your hosts after your end")
+    if "would spend" in low and "sus" in low:
+        # Chameleon's portal through Blazar's ExternalServiceFilter (400 ExternalServiceFilterException):
+        # "Reservation for project X would spend N SUs, only M left" (ChameleonCloud/portal
+        # balance_service/enforcement/usage_enforcement.py `check_usage_against_allocation`)
+        return NoSUs(f"not enough SUs for this lease (Blazar: {msg.strip()})",
+                     "ask your project's PI for SUs (an allocation renewal or a supplement request on Chameleon's "
+                     "portal), or ask for fewer nodes or a shorter lease")
     if "within" in low and ("extend" in low or "window" in low) or "updatewindow" in low:
         return ApplianceError(f"Chameleon allows an extension only within 48 h of the lease end (Blazar: {msg.strip()})",
                               f"extend after {end} (UTC)" if end else "extend later, within 48 h of the end")

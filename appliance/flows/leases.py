@@ -1,0 +1,69 @@
+"""A managed run's leases asked for, in the store: every lease the run asks Blazar for is written to the run's
+controller state (``state["asked"]``, by lease name) *before* Blazar is asked, and again with the answer (its id, or
+the refusal). A lease costs SUs from the moment Blazar makes it, and a controller can be killed between the asking
+and the answer, or its machine can go with the cluster records that name its leases: a controller that takes the
+run over, on any machine, reads these entries and finds each lease again at its site by its name (Blazar lists
+them; a lease made but never answered has no id on record). Each found is kept when a cluster record of this
+machine uses it (the run's own cluster goes on, or goes, by the rules of managed.py), else deleted: nothing of this
+machine would ever use it, and it would be paid for until its end. Nothing of another run is touched: only leases
+under the names this run recorded, at the sites it recorded.
+"""
+
+from __future__ import annotations
+
+from .. import report
+from ..cluster import find_cluster
+from ..errors import ApplianceError
+
+log = report.get(__name__)
+
+ENDED = ("TERMINATED", "DELETED")  # an ERROR lease keeps its hosts (and its charge) until it is deleted
+
+
+class Asked:
+    """``on_ask`` for lifecycle.up/book: each lease the run asks for, into the controller's state (written to the
+    store before Blazar is asked: a write that fails stops the asking), and, once Blazar made it, into the run's
+    ledger of node-hours (``track``: booked-ahead leases are counted from the moment they exist)."""
+
+    def __init__(self, control, track=None):
+        self.control, self.track = control, track
+
+    def __call__(self, name: str, entry: dict, info) -> None:
+        self.control.asked(name, entry)
+        if info is not None and self.track is not None:
+            self.track(info, entry.get("nodes") or 0, entry.get("node_type") or "", entry.get("site"))
+
+
+def reconcile(ctx, control) -> list[str]:
+    """The leases the run asked for that are still open at their site and that no cluster record of this machine
+    uses, deleted; each entry found closed is marked so. Returns what was deleted (said, and on the timeline).
+    A site that does not answer leaves its entries for the next controller (said)."""
+    asked = dict(control.state.get("asked") or {})
+    gone, by_site = [], {}
+    for name, e in asked.items():
+        if not e.get("closed") and not e.get("refused"):
+            by_site.setdefault(e.get("site"), []).append(name)
+    for site, names in by_site.items():
+        try:
+            cloud = ctx.at(site).cloud
+            listed = [x for x in cloud.list_leases() if x.name in names]
+        except ApplianceError as e:
+            log.info(f"[run] warning: could not list the run's leases{f' at {site}' if site else ''} ({e.message}); "
+                     "the next controller looks again")
+            continue
+        for name in names:
+            mine = [x for x in listed if x.name == name and x.status not in ENDED]
+            rec = find_cluster(asked[name].get("cluster") or "")
+            used = {info.id for info in mine if rec is not None and (rec.lease_id == info.id or not rec.lease_id
+                                                                     and rec.site.lease_name == info.name)}
+            for info in mine:
+                if info.id in used:  # the record's lease, or the one its `up` asked for by name and will use
+                    continue
+                log.info(f"[run] lease {info.name} ({info.id}{f' at {site}' if site else ''}) was asked for by an "
+                         "earlier controller of the run and nothing here uses it: deleting it")
+                cloud.delete_lease(info.id)
+                gone.append(info.id)
+                control.record("lease deleted", lease_id=info.id, name=info.name, reason="left by an earlier controller")
+            if not any(x.id in used for x in mine):
+                control.asked(name, {**asked[name], "closed": True})
+    return gone
