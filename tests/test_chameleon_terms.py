@@ -551,3 +551,25 @@ def test_a_controller_on_another_machine_deletes_the_leases_an_earlier_one_asked
     rec.save()
     assert reconcile(flows.RunContext(spec, site), second) == [] and kept.lease_id in site.cloud.leases
     lifecycle.down("lc", site=site)
+
+
+def test_the_controller_renews_its_store_credentials_when_the_store_refuses_them(tmp_path, monkeypatch):
+    """The controller's store token (a bare Keystone token) lives a day; its state writes were lost after that, and
+    a lease's record (which must be written before Blazar is asked) stopped the run: `make deploy` found it."""
+    from appliance.flows import managed
+    from appliance.store.base import StoreRefused
+    from appliance.store.checkpoints import CheckpointStore
+
+    spec, _ = _controller(tmp_path, monkeypatch, "mn")
+    renewed = []
+    c = managed.Control(spec, None, poll=0.005, renew=lambda: renewed.append(1))
+    real = CheckpointStore.put_text
+
+    def expired(self, *a, **kw):
+        if not renewed:
+            raise StoreRefused("Swift refused access to container 'checkpoints' (401): the token may have expired")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(CheckpointStore, "put_text", expired)
+    c.asked("mn-1", {"cluster": "mn"})
+    assert renewed == [1] and c.cs.read_json("state.json")["asked"]["mn-1"]["cluster"] == "mn"
+    assert c.lock.cs is c.cs

@@ -20,6 +20,7 @@ from ..cluster import Cluster
 from ..errors import ApplianceError
 from ..spec import Spec
 from ..store.checkpoints import CheckpointStore, retrying
+from ..store.base import StoreRefused
 from ..store.runlock import INTERVAL, TTL, RunLock
 from ..train.launch import JobContext, JobHooks, JobResult
 from .credential import EXPIRES_ENV
@@ -28,6 +29,7 @@ log = report.get(__name__)
 
 CONTROL = "controller"  # URL/RUN/controller/
 LOG_TAIL = 256 << 10  # bytes of the newest job's output kept in the store, for `appliance logs RUN --url`
+ASK_WAIT = float(os.environ.get("APPLIANCE_ASK_WAIT") or 600)  # s a lease's record may wait for the store
 LOG_EVERY = 60.0  # seconds between two copies of it at most (a chatty job: ~15 MB an hour to the store)
 NOTIFIED = ("downtime", "next cluster failed", "no hosts", "waiting for hosts", "stuck", "cancel", "end", "limit",
             "no SUs", "lease deleted")
@@ -40,9 +42,10 @@ class Control:
     """The run's controller: its lock, state and cancel request in ``URL/RUN/controller/``. ``creds``: the store
     credentials of the run's checkpoint.url."""
 
-    def __init__(self, spec: Spec, creds, *, poll: float | None = None):
+    def __init__(self, spec: Spec, creds, *, poll: float | None = None, renew: Callable | None = None):
         self.run = spec.name
         self.cs = CheckpointStore(spec.checkpoint.url, f"{spec.name}/{CONTROL}", creds)
+        self._url, self._renew = spec.checkpoint.url, renew  # renew(): new store credentials (_store)
         host = socket.gethostname()
         # host:pid:start.random:machine (gone_here: runs.process_gone)
         self.id = f"{host}:{os.getpid()}:{int(time.time())}.{os.urandom(3).hex()}:{runs.machine_tag()}"
@@ -69,6 +72,18 @@ class Control:
         self._mu = threading.Lock()
         self._writing = threading.Lock()
         self._log: tuple[str, int, int] = ("", 0, 0)  # the job log shipped: its name, bytes counted, lines in them
+
+    def _store(self, fn):
+        """``fn()``, once more with new store credentials when the store refused the ones it had: a bare Keystone
+        token lives a day, and a controller runs for weeks (its writes were lost after the first day)."""
+        try:
+            return fn()
+        except StoreRefused:
+            if self._renew is None:
+                raise
+            self.cs = CheckpointStore(self._url, f"{self.run}/{CONTROL}", self._renew())
+            self.lock.cs = self.cs
+            return fn()
 
     # taking the run, and giving it back
 
@@ -105,7 +120,7 @@ class Control:
             self._events.put(None)
             self._notifier.join(timeout=120)
         try:
-            self.lock.release()
+            self._store(self.lock.release)
         except Exception as e:  # noqa: BLE001 - the lock then expires after its ttl
             log.info(f"[run] warning: could not release the controller lock ({type(e).__name__}: {e}); it "
                      f"expires {self.lock.ttl:.0f}s after its last heartbeat")
@@ -126,7 +141,7 @@ class Control:
             if time.monotonic() - last >= self.lock.interval:
                 last = time.monotonic()
                 try:
-                    if not self.lock.heartbeat(tempfile.gettempdir()):
+                    if not self._store(lambda: self.lock.heartbeat(tempfile.gettempdir())):
                         self.lost = True
                         log.info(f"[run] another controller took run {self.run} over: this one starts nothing more")
                         return
@@ -158,16 +173,16 @@ class Control:
             total = lines + new.count(b"\n")
             first = total - tail.count(b"\n")
             tmp = tempfile.gettempdir()
-            self.cs.put_text(f"logs/{path.stem}.log", tail.decode(errors="replace"), tmp)
-            self.cs.put_text(f"logs/{path.stem}.json", json.dumps({"job_id": path.stem, "first_line": first,
-                                                                   "at": time.time()}), tmp)
+            self._store(lambda: self.cs.put_text(f"logs/{path.stem}.log", tail.decode(errors="replace"), tmp))
+            self._store(lambda: self.cs.put_text(f"logs/{path.stem}.json", json.dumps(
+                {"job_id": path.stem, "first_line": first, "at": time.time()}), tmp))
             self._log = (path.name, size, total)
         except Exception as e:  # noqa: BLE001 - the next poll tries again
             log.debug(f"[run] the job's log was not shipped to the store ({type(e).__name__}: {e})")
 
     def _look_for_cancel(self) -> None:
         try:
-            req = self.cs.read_json("cancel.json")
+            req = self._store(lambda: self.cs.read_json("cancel.json"))
         except FileNotFoundError:
             return
         except Exception:  # noqa: BLE001 - the store did not answer: asked again at the next poll
@@ -214,12 +229,15 @@ class Control:
         except Exception as e:  # noqa: BLE001
             log.info(f"[run] warning: could not write the run's state to the store ({type(e).__name__}: {e})")
 
-    def _write(self) -> None:
+    def _write(self, patient: bool = False) -> None:
+        """The state to the store; ``patient``: for up to ASK_WAIT (a lease waits for its record: a store outage of
+        minutes at a handover delays it, rather than failing the run), else 3 tries."""
         with self._writing:  # one write at a time, each of the newest state: an older one never lands last
             with self._mu:
                 text = json.dumps(self.state, indent=1, sort_keys=True)
-            retrying(lambda: self.cs.put_text("state.json", text, tempfile.gettempdir()),
-                     what="write the run's controller state", attempts=3)
+            wait = {"until": time.time() + ASK_WAIT} if patient else {"attempts": 3}
+            self._store(lambda: retrying(lambda: self.cs.put_text("state.json", text, tempfile.gettempdir()),
+                                         what="write the run's controller state", **wait))
 
     def asked(self, name: str, entry: dict) -> None:
         """A lease the run asks for, or Blazar's answer to it (leases.py): into the state, written to the store
@@ -228,7 +246,7 @@ class Control:
             raise ApplianceError(f"another controller holds run {self.run} now: this one asks for no lease")
         with self._mu:
             self.state.setdefault("asked", {})[name] = {**entry, "at": round(time.time(), 3)}
-        self._write()
+        self._write(patient=True)
 
     def notify(self, event: dict) -> None:
         """The spec's ``notify``, told of ``event`` by a thread of its own, in order (a slow or failing hook never

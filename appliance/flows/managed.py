@@ -80,7 +80,7 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
     flows = _flows()
     spec = _needs_url(spec or flows.check(spec_path))
     ctx = flows.RunContext.of(spec)
-    control = Control(spec, ctx.creds(spec.checkpoint.url))
+    control = Control(spec, ctx.creds(spec.checkpoint.url), renew=lambda: ctx.creds(spec.checkpoint.url))
     control.take()
     runs.mark_managed(spec)
     _ready(control)
