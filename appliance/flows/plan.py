@@ -132,7 +132,13 @@ def lines(p: dict) -> list[str]:
     """The plan as said to a user."""
     out = [f"plan of run {p['run']}: {p['nodes']} x {p['node_type']} at {p['site']} for "
            f"{p['run_for_s'] / 3600:.1f} h ({p['basis']}); {p['path']}"]
-    for i, x in enumerate(p["leases"], 1):
+    shown = list(enumerate(p["leases"], 1))
+    if len(shown) > 6:  # the first three and the last (--json has them all)
+        shown = [*shown[:3], (None, len(shown) - 4), shown[-1]]
+    for i, x in shown:
+        if i is None:
+            out.append(f"  ... {x} more alike")
+            continue
         ext = f", extended {x['extensions']} time(s)" if x.get("extensions") else ""
         out.append(f"  lease {i}: {x['start']} -> {x['end']} UTC{ext}: {x['node_hours']:g} node-hours, "
                    f"{x['sus']:g} SUs")
