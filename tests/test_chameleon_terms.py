@@ -515,8 +515,11 @@ def test_a_lease_whose_record_cannot_be_written_is_not_asked_for(tmp_path, monke
     from appliance.flows.leases import Asked
     from appliance.store.checkpoints import StoreUnavailable
 
+    from appliance.flows import control
+
     site, spec = FakeSite(), spec_of(tmp_path, "lb")
     _, c = _controller(tmp_path, monkeypatch, "lb")
+    monkeypatch.setattr(control, "ASK_WAIT", 0.5)  # how long a lease's record waits for the store (600 s)
 
     def down(*a, **kw):
         raise StoreUnavailable("the store did not answer")
