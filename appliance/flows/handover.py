@@ -40,6 +40,13 @@ def other_name(run: str, current: str | None) -> str:
     return f"{run}_h" if current in (None, run) else run
 
 
+def choices_of(spec) -> list:
+    """What a run may lease, in order: the spec's own node type at its site, then each of nodes.alternatives."""
+    from ..spec import Alternative
+
+    return [Alternative(spec.nodes.node_type), *spec.nodes.alternatives]
+
+
 def label(a) -> str:
     """An Alternative as said: ``gpu_v100``, or ``gpu_v100 at CHI@TACC``."""
     return a.node_type + (f" at {a.site}" if a.site else "")
@@ -124,9 +131,7 @@ class Warm:
         run's own hosts are busy until the end it overlaps, and others are booked) of each of nodes.alternatives in
         order, another node type or site. Returns (its site, the spec it is booked for, its cluster record);
         NoHosts when none has the hosts."""
-        from ..spec import Alternative
-
-        choices = [Alternative(spec.nodes.node_type), *spec.nodes.alternatives]
+        choices = choices_of(spec)
         for i, a in enumerate(choices):
             at = dataclasses.replace(spec, site=a.site or spec.site,
                                      nodes=dataclasses.replace(spec.nodes, node_type=a.node_type))

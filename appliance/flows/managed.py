@@ -44,7 +44,7 @@ from ..train.launch import JobResult
 from . import credential
 from .budget import Budget, Ledger, estimate, newest_meta, steps_made
 from .control import CONTROL, NOTIFIED, Control, busy, gone_here, read_logs, read_timeline  # noqa: F401
-from .handover import PARK_POLL, Warm, label, other_name, overlap_cost, wait_for_slot
+from .handover import PARK_POLL, Warm, choices_of, label, other_name, overlap_cost, wait_for_slot
 from .leases import Asked, reconcile
 
 log = report.get(__name__)
@@ -363,7 +363,7 @@ class _Run:
         wait on the timeline). None: no slot within the wait (the run parks), or a limit reached (limits: no lease
         is worth booking within them)."""
         spec = self.spec
-        choices = [Alternative(spec.nodes.node_type), *spec.nodes.alternatives]
+        choices = choices_of(spec)
         if (kw := self.new_lease()) is None:
             return None
         for i, a in enumerate(choices):
