@@ -468,7 +468,7 @@ def test_a_30_day_run_of_one_node_type_on_successor_leases_is_flagged_as_lease_s
     assert not stack["ok"] and "lease.extend: true" in stack["line"] and "lease.exemption" in stack["line"]
     assert p["notifier_coverage"] < 0.9  # one lease ahead at most: the notifier's look alone would not report it
     said = lines(p)
-    assert said[0].startswith("plan of run pl: 2 x gpu_local") and any(x.startswith("  policy: 5 consecutive")
+    assert said[0].startswith("plan of run pl: 2 x gpu_local at CHI@fake") and any(x.startswith("  policy: 5 consecutive")
                                                                        for x in said)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from appliance import flows
 from appliance.checkpoint import runs
-from appliance.flows import control, managed
+from appliance.flows import control, managed, takeover
 from appliance.protocol import EXIT_STOPPED
 from appliance.sites import open_site
 from appliance.train.launch import JobResult
@@ -260,7 +260,7 @@ def test_a_controller_started_while_a_job_of_the_run_runs_waits_for_it_then_goes
     monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "0.01")
     held = {"job_id": "mw-1", "cluster": "mw", "heartbeat": 0}
     looks = [held, held, None]
-    monkeypatch.setattr(managed, "_live_job", lambda ctx: looks.pop(0))
+    monkeypatch.setattr(takeover, "live_job", lambda ctx: looks.pop(0))
     monkeypatch.setattr(managed, "_has_committed_work", lambda ctx: True)
     monkeypatch.setattr(flows, "resume", lambda run, **kw: _job(0))
     res = flows.run_managed(spec.path)
@@ -276,10 +276,10 @@ def test_a_cancel_while_waiting_for_such_a_job_asks_it_to_stop_and_starts_nothin
     c.take()
     c.cancelled({"controller": c.id, "by": "elsewhere"})
     asked = []
-    monkeypatch.setattr(managed, "find_cluster", lambda name: f"cluster {name}")
+    monkeypatch.setattr(takeover, "find_cluster", lambda name: f"cluster {name}")
     monkeypatch.setattr(headjob, "ask_to_stop", lambda cl, run, reason: asked.append((cl, run, reason)))
     looks = [{"job_id": "mx-1", "cluster": "mx"}] * 3 + [None]
-    monkeypatch.setattr(managed, "_live_job", lambda ctx: looks.pop(0))
+    monkeypatch.setattr(takeover, "live_job", lambda ctx: looks.pop(0))
     monkeypatch.setattr(flows, "resume", lambda run, **kw: pytest.fail("a cancelled run starts nothing"))
     assert managed._Run(flows.RunContext(spec, open_site("local")), c, 0, None).first_job() is None
     assert asked == [("cluster mx", "mx", "appliance cancel")]  # once, though the job took three looks to end

@@ -335,7 +335,8 @@ def test_cli_lease_verbs(cloud, tmp_path):
 
 def test_run_plan_of_a_30_day_run_flags_lease_stacking_and_books_nothing(cloud, tmp_path):
     """`appliance run SPEC --plan`: the leases a managed run expects (from Blazar's hosts: their count and SU
-    factor), their cost, and Chameleon's stacking rule met by 30 days of successor leases on one node type."""
+    factor), their cost, and Chameleon's stacking rule met by 30 days of successor leases on one node type; `appliance
+    check --online` shows the plan too."""
     spec = spec_file(tmp_path, "plan30", count=2, duration="7d")
     before = len(os_cloud().list_leases())
     cli = [sys.executable, "-m", "appliance.cli", "run", str(spec), "--plan", "--for", "30d"]
@@ -346,6 +347,13 @@ def test_run_plan_of_a_30_day_run_flags_lease_stacking_and_books_nothing(cloud, 
     assert [f["rule"] for f in p["findings"] if not f["ok"]] == ["stacking"]
     r = subprocess.run(cli, capture_output=True, text=True)
     assert r.returncode == 0 and "policy: 5 consecutive leases of compute_local over 35 days" in r.stdout
+    # `appliance check --online` says the same before anything is paid for (one lease.duration: no --for there)
+    with open(spec, "a") as f:
+        f.write(f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")
+    r = subprocess.run([sys.executable, "-m", "appliance.cli", "check", str(spec), "--online"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "  plan of run plan30: 2 x compute_local" in r.stdout, r.stdout + r.stderr
+    assert "    total: 1 lease(s), 336 node-hours, 336 SUs" in r.stdout, r.stdout
     assert len(os_cloud().list_leases()) == before  # nothing booked
 
 

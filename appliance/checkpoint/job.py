@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import killpoints
 from ..errors import ApplianceError
 from ..protocol import EXIT_STOPPED, RUN_MARKER, Env, Line, parse
 from ..sites import Site, open_site
@@ -45,8 +46,10 @@ class JobCheckpoints(JobHooks):
     """``site``: the spec's site (its store credentials, its leases); ``lease_site``: the site of the cluster's lease,
     watched while the job runs (None: a cluster without a lease). Both resolved once by the workflow (flows)."""
 
-    def __init__(self, site: Site, lease_site: Site | None = None, extend_by=None, on_first_step=None):
+    def __init__(self, site: Site, lease_site: Site | None = None, extend_by=None, on_first_step=None,
+                 launcher: str | None = None):
         self.site, self.lease_site = site, lease_site
+        self.launcher = launcher  # a managed run's controller id, in the run's lock (RunLock.launcher)
         self.extend_by = extend_by  # a managed run's rule for the watchdog's extensions (LeaseWatch.extend_by)
         # told (timeline, resumed) once rank 0's first step is done, in a thread of its own (a resume's downtime)
         self.on_first_step: Callable[[dict, dict | None], None] | None = on_first_step
@@ -161,7 +164,7 @@ class JobCheckpoints(JobHooks):
         lock = RunLock(cs, ctx.job_id, cluster=ctx.cluster.name or "?", head=ctx.head.node.name,
                        interval=float(os.environ.get("APPLIANCE_RUN_LOCK_INTERVAL") or INTERVAL),
                        ttl=float(os.environ.get("APPLIANCE_RUN_LOCK_TTL") or TTL), lease_id=ctx.cluster.lease_id,
-                       lease_site=self._other_lease_site())
+                       lease_site=self._other_lease_site(), launcher=self.launcher)
         try:
             holder, stale = lock.acquire(tempfile.gettempdir(), ended=lambda jid: job_ended_here(ctx.spec.name, jid),
                                          lease_over=lease_over_for(self.site))
@@ -176,6 +179,7 @@ class JobCheckpoints(JobHooks):
                      f"{stale.get('cluster')}), whose launcher stopped renewing it "
                      f"{time.time() - float(stale.get('heartbeat', 0)):.0f}s ago")
         self.lock, self._beat_stop = lock, threading.Event()
+        killpoints.here("job-lock")  # the fault matrix: a launcher killed between the lock and the job's start
 
         def beat():
             while not self._beat_stop.wait(self.lock.interval):

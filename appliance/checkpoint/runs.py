@@ -89,6 +89,21 @@ def job_started(spec: Spec, cluster: Cluster, job_id: str, restore: str | None =
         save(rec)
 
 
+def job_not_started(run: str, job_id: str, launcher: str) -> None:
+    """A job that holds the run's lock and never started: its launcher (a controller of this machine, ``launcher``)
+    was killed between taking the lock and starting it. Ended, so its lock is taken over at once (checkpoint.job
+    job_ended_here), not a ttl later."""
+    with _updating(run):
+        rec = load(run) or {"run": run, "status": "new", "step": 0, "last_checkpoint": None, "jobs": [],
+                            "node_seconds_used": 0.0, "node_seconds_lost": 0.0}
+        job = next((j for j in rec["jobs"] if j.get("job_id") == job_id), None)
+        if job is None:
+            job = {"job_id": job_id, "nodes": 0}
+            rec["jobs"].append(job)
+        job.update({"status": "not started", "ended": time.time(), "launcher": launcher})
+        save(rec)
+
+
 def mark_managed(spec: Spec) -> None:
     """The run has a controller (`appliance run`): `appliance runs RUN` reads its timeline from the store."""
     with _updating(spec.name):

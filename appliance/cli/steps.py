@@ -126,7 +126,8 @@ def check_spec(spec, online, as_json):
     cloud: its node types and pool sizes) and the training code (train.code exists, small enough to copy).
     --online also asks the object store, with the site's credentials, what would otherwise be found only
     after the nodes boot: the dataset URL names objects (how many, how large), checkpoint.url is reachable and
-    not refused, and whether the run already has committed checkpoints. It reads only.
+    not refused, and whether the run already has committed checkpoints; with a checkpoint.url, what
+    `appliance run SPEC` would book (its plan: leases, node-hours, SUs, Chameleon's usage policy). It reads only.
     Exit 2 if the spec is invalid, 1 if the code is not usable or the store says no.
 
     \b
@@ -157,6 +158,12 @@ def check_spec(spec, online, as_json):
         else:
             said = f"reachable, no checkpoint of run {s.name!r} yet"
         click.echo(f"  checkpoint.url {c['url']}: {said}")
+    if found and "plan" in found:
+        from ..flows.plan import lines
+
+        p = found["plan"]
+        click.echo(f"  appliance run: no plan ({p['error']})" if "error" in p else
+                   "\n".join(f"  {x}" for x in lines(p)))
 
 
 @main.command("stage")

@@ -52,7 +52,13 @@ def format_timeline(tl: dict) -> list[str]:
             out.append(f"  {at(e['at'])} job {e.get('job_id')} ended at step {e.get('step')}, {why}"
                        + (f": {e['failure']}" if e.get("failure") and not e.get("lease_end") else ""))
         elif kind == "downtime":
-            out.append(f"  {at(e['at'])} handover: {format_breakdown(e.get('breakdown') or {})}")
+            out.append(f"  {at(e['at'])} handover{' (finished by a takeover)' if e.get('takeover') else ''}: "
+                       f"{format_breakdown(e.get('breakdown') or {})}")
+        elif kind in ("following", "job not started", "waiting"):
+            what = {"following": "runs on, its controller gone: followed to its end",
+                    "job not started": "never started (its controller was killed): taken over",
+                    "waiting": "still runs: waiting for it to end"}[kind]
+            out.append(f"  {at(e['at'])} job {e.get('job_id')} on {e.get('cluster')} {what}")
         elif kind in ("controller", "cancel", "end"):
             what = {"controller": f"controller {e.get('id')}" + (" (took over)" if e.get("took_over") else "")
                     + (f", its credential expires {e['credential_expires']} UTC" if e.get("credential_expires") else ""),
@@ -115,8 +121,9 @@ def format_summary(s: dict) -> list[str]:
     lines = [f"== {head}: job {s['job_id']} =="]
     if s.get("resumed"):
         r = s["resumed"]
-        lines.append(f"  resumed   from step {r['step']} (epoch {r['epoch']}, batch {r['batch']})"
-                     + ("" if r.get("bit_exact") else f", world size {r['checkpoint_world_size']} -> {r['world_size']}"))
+        where = f" (epoch {r['epoch']}, batch {r['batch']})" if "epoch" in r else ""  # a followed job's: step only
+        lines.append(f"  resumed   from step {r['step']}{where}" + ("" if r.get("bit_exact", True) else
+                     f", world size {r['checkpoint_world_size']} -> {r['world_size']}"))
     if s.get("resume_breakdown"):
         lines.append(f"  downtime  {format_breakdown(s['resume_breakdown'])}")
     if stopped and s["stopped"].get("step") is None:  # level 3: rank 0's syncer ended the job

@@ -138,7 +138,8 @@ def check_online(spec: Spec) -> dict:
     names objects (the stager's rules and its one-line errors), and checkpoint.url is reachable and not refused
     (a store that refuses the checkpoints refuses the job). Reads only: a bucket that is not there yet is left to
     the first job to make. Also says whether the run already has committed checkpoints (`appliance train` would
-    refuse to start over them; `appliance resume` continues them)."""
+    refuse to start over them; `appliance resume` continues them), and, with a checkpoint.url, the plan of its
+    managed run (`appliance run SPEC --plan`: leases, SUs, Chameleon's usage policy)."""
     out: dict = {}
     run = RunContext.of(spec)
     if spec.dataset is not None:
@@ -166,6 +167,13 @@ def check_online(spec: Spec) -> dict:
                 raise
             raise said from None
         out["checkpoint"] = state
+    if cs is not None and run.site.cloud_up():  # a managed run's: what `appliance run SPEC` would book
+        from .plan import make
+
+        try:
+            out["plan"] = make(run)
+        except ApplianceError as e:
+            out["plan"] = {"error": e.message}
     return out
 
 
@@ -253,7 +261,7 @@ def run_job(spec: Spec, cluster: Cluster, *, run: RunContext | None = None, cont
     the job's timeline once its first step is done (JobCheckpoints)."""
     run = run or RunContext.of(spec)
     ck = JobCheckpoints(run.site, run.lease_site(cluster), extend_by=control.extend_by if control else None,
-                        on_first_step=on_first_step)
+                        on_first_step=on_first_step, launcher=control.id if control else None)
     hooks = [ck, RunRecords()] + ([control.hook(ck.user_stop)] if control is not None else [])
     return train(spec, cluster, hooks=hooks, **kw)
 

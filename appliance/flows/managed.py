@@ -41,7 +41,7 @@ from ..errors import ApplianceError, NoHosts, NoSUs, SpecError
 from ..provision import lifecycle
 from ..spec import Alternative, Spec, duration_seconds
 from ..train.launch import JobResult
-from . import credential
+from . import credential, takeover
 from .budget import Budget, Ledger, estimate, newest_meta, steps_made
 from .control import CONTROL, NOTIFIED, Control, busy, gone_here, read_logs, read_timeline  # noqa: F401
 from .handover import PARK_POLL, Warm, choices_of, label, other_name, overlap_cost, wait_for_slot
@@ -350,7 +350,8 @@ class _Run:
         how, self.handing_over = self.handing_over, None
         if how is None:  # not a handover: the run's first job, a restart after a failure
             return
-        self.control.record("downtime", job_id=job_id, warm=how["warm"], breakdown=breakdown)
+        self.control.record("downtime", job_id=job_id, warm=how["warm"], breakdown=breakdown,
+                            **({"takeover": True} if how.get("takeover") else {}))
         if breakdown.get("total") is not None:  # the estimate counts one per lease end ahead
             with self._progress:
                 p = self.control.state.get("progress") or {}
@@ -377,6 +378,22 @@ class _Run:
         if a is None:
             return None
         return self.resume(**self.choice(a))
+
+    def followed_end(self, job_id: str, cluster: Cluster) -> JobResult | None:
+        """A job an earlier controller launched, followed to its end: its result (takeover.followed_result), on
+        the timeline and in the run's pace, for the loop to end the run with or hand over; None: the run resumes."""
+        res = takeover.followed_result(self.ctx, job_id, cluster)
+        down = [e for e in self.control.state.get("events") or [] if e.get("event") == "downtime"
+                and e.get("job_id") == job_id]
+        if res is not None and down:  # its resume's downtime, which its launcher put on the timeline only
+            res.resume_breakdown = down[-1].get("breakdown")
+            runs.record_resume(self.spec.name, job_id, res.resume_breakdown)
+        if res is not None:
+            self.control.record("job end", job_id=job_id, exit_code=res.exit_code, lease_end=res.lease_end,
+                                step=(res.stopped or {}).get("step") or max((c["step"] for c in res.commits),
+                                                                            default=None), followed=True)
+            self.later(self.job_ended, res)
+        return res
 
     def choice(self, a: Alternative) -> dict:
         """resume's keywords for a lease of ``a`` (the spec's own node type and site: none)."""
@@ -406,17 +423,20 @@ class _Run:
         """A managed run's first job: a resume when the run has committed work, else a fresh job on its own
         cluster."""
         flows, ctx, spec, control = _flows(), self.ctx, self.spec, self.control
-        _wait_for_live_job(ctx, control)
+        followed = takeover.wait_for_live_job(ctx, control, on_follow=lambda cl: self.job_started(cl, spec))
         if control.cancel is not None:
             return None
         reconcile(ctx, control)  # leases an earlier controller asked for that nothing here uses: they go
         other = other_name(spec.name, self.current)
-        if self.current and other != self.current and find_cluster(other) is not None:
+        if self.warm is None and self.current and other != self.current and find_cluster(other) is not None:
             lifecycle.down(other, ctx.site_of(other))  # a next cluster a killed controller made and never used
+        if followed is not None and (res := self.followed_end(**followed)) is not None:
+            return res  # the loop hands it over, onto the next cluster made while it was followed
         if _has_committed_work(ctx):
             log.info(f"[run] run {spec.name} has committed work: resuming it")
+            self.handing_over = takeover.unfinished_handover(control)
             cl = find_cluster(self.current) if self.current and self.current != spec.name else None
-            if cl is not None and _lease_runs(ctx, cl):
+            if cl is not None and takeover.lease_runs(ctx, cl):
                 return self.resume(cluster_name=cl.name)
             if (kw := self.new_lease()) is None:
                 return None
@@ -435,47 +455,6 @@ class _Run:
 def _current_cluster(spec: Spec) -> str | None:
     """The cluster of the run's newest job, from its record on this machine (RUN or RUN-h)."""
     return (runs.load(spec.name) or {}).get("cluster") or None
-
-
-def _lease_runs(ctx, cluster: Cluster) -> bool:
-    from ..checkpoint.job import lease_over_for
-
-    return bool(cluster.lease_id) and not lease_over_for(ctx.site)(cluster.lease_id, cluster.site.region)
-
-
-def _live_job(ctx) -> dict | None:
-    from ..checkpoint.job import live_job
-
-    try:
-        return live_job(ctx.spec, ctx.checkpoints, ctx.site)
-    except FileNotFoundError:  # no container yet: a new run
-        return None
-
-
-def _wait_for_live_job(ctx, control: Control) -> None:
-    """A controller that starts while a job of the run still runs (its controller was killed, the laptop slept: the
-    job went on, detached on its head node) waits for that job to end, by the run's lock, and takes the run from
-    there; a resume now would be refused. A cancel meanwhile asks that job to stop (its STOP file)."""
-    from ..train.headjob import ask_to_stop
-
-    said = stop_asked = False
-    while (job := _live_job(ctx)) is not None:
-        if not said:
-            said = True
-            age = time.time() - float(job.get("heartbeat", 0))
-            log.info(f"[run] job {job.get('job_id')} of run {ctx.spec.name} still runs on cluster {job.get('cluster')} "
-                     f"(its lock renewed {age:.0f}s ago): waiting for it to end")
-            control.record("waiting", job_id=job.get("job_id"), cluster=job.get("cluster"))
-        if control.cancel is not None and not stop_asked:
-            stop_asked = True
-            cl = find_cluster(str(job.get("cluster")))
-            try:
-                if cl is not None:
-                    ask_to_stop(cl, ctx.spec.name, "appliance cancel")
-            except ApplianceError as e:
-                log.info(f"[run] could not ask job {job.get('job_id')} to stop: {e}")
-        control.changed.wait(control.poll)  # the next look at the lock, or at once on a cancel
-        control.changed.clear()
 
 
 def _has_committed_work(ctx) -> bool:

@@ -99,7 +99,7 @@ def make(ctx, run_for: str | None = None) -> dict:
     planned = leases(spec, now, length_s)
     hosts, su_factor = ctx.site.cloud.node_type_hosts(spec.nodes.node_type)
     node_hours = sum(p.node_hours() for p in planned)
-    out = {"run": spec.name, "site": spec.site or ctx.site.region or spec.cloud, "node_type": spec.nodes.node_type,
+    out = {"run": spec.name, "site": spec.site or ctx.site.region or ctx.site.cloud.region_name() or spec.cloud, "node_type": spec.nodes.node_type,
            "nodes": spec.nodes.count, "run_for_s": round(length_s), "basis": basis, "su_factor": su_factor,
            "hosts_of_node_type": hosts, "path": "extend" if spec.lease.extend else "successor leases",
            "leases": [{"start": f"{p.start:%Y-%m-%d %H:%M}", "end": f"{p.end:%Y-%m-%d %H:%M}",

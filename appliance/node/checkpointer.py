@@ -365,6 +365,8 @@ class Checkpointer(Uploads, Metrics):
 
     def after_step(self, batch: int, logs: dict | None) -> None:
         self.step += 1
+        if self._fault.startswith(f"hold-at:{self.step}:"):  # test hook: every rank waits after this step, before
+            _hold(self._fault.split(":", 2)[2])               # any collective of it, until the file exists
         if not self._first_step_said and self.rank == 0:  # the launcher times a resume's downtime up to here
             self._first_step_said = True
             emit(Line.FIRST_STEP, {"step": self.step})
@@ -566,6 +568,13 @@ class ApplianceCallback:
     """Marker base: a Keras callback of the appliance's (the autolog adds none where one is present)."""
 
     _appliance = True
+
+
+def _hold(path: str) -> None:
+    """The ``hold-at:STEP:PATH`` test hook: the job stays at a step (a job that outlives its controller's restart,
+    tests/test_checkpoint.py) until PATH exists; nothing of the training changes."""
+    while not os.path.exists(path):
+        time.sleep(0.1)  # polling a file the test makes: there is nothing to wait on across the nodes
 
 
 def _make_callback(owner: Checkpointer):

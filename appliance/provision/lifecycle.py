@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
 
-from .. import paths, report
+from .. import killpoints, paths, report
 from ..cluster import Cluster, Node, SiteRecord, delete_cluster, find_cluster, load_cluster, state_path
 from ..errors import ApplianceError, NoHosts, Unanswered
 from ..remote import HostKeyMismatch, KeyRefused, Session
@@ -94,6 +94,7 @@ def _leased(site: Site, spec: Spec, key, *, lease_id: str | None = None, start: 
             cluster.save()
             if on_ask is not None:
                 on_ask(cluster.site.lease_name, asked, None)
+            killpoints.here("lease-asked")  # the fault matrix (killpoints.py): its record written, Blazar not asked
             try:
                 info = c.create_lease(cluster.site.lease_name, spec.nodes.node_type, spec.nodes.count,
                                       dt.timedelta(seconds=duration_seconds(spec.lease.duration)), start=start,
@@ -106,6 +107,7 @@ def _leased(site: Site, spec: Spec, key, *, lease_id: str | None = None, start: 
                 if not cluster.site.servers:
                     delete_cluster(spec.name)
                 raise
+            killpoints.here("lease-made")  # the fault matrix: Blazar made it, its answer recorded nowhere yet
             if on_ask is not None:
                 on_ask(cluster.site.lease_name, {**asked, "lease_id": info.id}, info)
             when = f"from {fmt_date(info.start)} " if start is not None else ""

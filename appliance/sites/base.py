@@ -73,6 +73,11 @@ class Site(ABC):
         """Cloud seconds per real second (1 on a real site)."""
         return 1.0
 
+    def cloud_up(self) -> bool:
+        """Whether asking the site's cloud starts nothing: a real site's is always there (the local cloud's only
+        while it runs: what only looks, `check --online`, does not start it)."""
+        return True
+
     # -- object store ----------------------------------------------------------------------------
     def store_creds(self, url: str | None = None) -> StoreCreds | None:
         """Object-store credentials for ``url`` (any URL of the site when None; None for a file:// URL, a directory

@@ -78,6 +78,9 @@ class LocalSite(Site):
                 raise SpecError(f"{at}: {site!r} is not a site of the local cloud",
                                 f"use one of {', '.join(localcloud.SITES)}")
 
+    def cloud_up(self) -> bool:
+        return bool(localcloud.status(self.region)["running"])
+
     def time_scale(self) -> float:
         """The local cloud's clock can run faster than real time (tests, the demo)."""
         return float(localcloud.admin("GET", "/clock", site=self.region).get("time_scale", 1.0))

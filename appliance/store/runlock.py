@@ -41,11 +41,14 @@ READ_WAIT = 60.0  # seconds a failing read of the lock is retried before the sto
 class RunLock:
     def __init__(self, cs: CheckpointStore, job_id: str, *, cluster: str, head: str, interval: float = INTERVAL,
                  ttl: float = TTL, now: Callable[[], float] = time.time, lease_id: str | None = None,
-                 lease_site: str | None = None):
+                 lease_site: str | None = None, launcher: str | None = None):
         self.cs, self.job_id, self.cluster, self.head = cs, job_id, cluster, head
         self.interval, self.ttl, self.now = interval, ttl, now
         self.lease_id = lease_id  # the job's lease: once it is over, its servers are gone and so is the job
         self.lease_site = lease_site  # its site, when not the run's own (Blazar's lease ids are per site)
+        # the managed run's controller that launched the job (its id, host:pid:...): a controller that takes the run
+        # over can tell a job its dead predecessor locked and never started (flows/managed.py)
+        self.launcher = launcher
         self.held = False
         self.generation = 0  # ours, while held
 
@@ -93,6 +96,7 @@ class RunLock:
         body = {"job_id": self.job_id, "cluster": self.cluster, "head": self.head, "heartbeat": self.now(),
                 "ttl": self.ttl, **({"lease_id": self.lease_id} if self.lease_id else {}),
                 **({"lease_site": self.lease_site} if self.lease_site else {}),
+                **({"launcher": self.launcher} if self.launcher else {}),
                 **({"released": True} if released else {})}
         return json.dumps(body, sort_keys=True).encode()
 
@@ -148,6 +152,7 @@ class RunLock:
         if self.held:
             self.lease_id = self.lease_id or cur[1].get("lease_id")  # the launcher's word, kept in each heartbeat
             self.lease_site = self.lease_site or cur[1].get("lease_site")
+            self.launcher = self.launcher or cur[1].get("launcher")
         return self.held
 
     def heartbeat(self, tmp_dir) -> bool:

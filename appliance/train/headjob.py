@@ -74,6 +74,48 @@ def check_run_free(head: Remote, rd: str, run: str) -> None:
         raise ApplianceError(f"cannot check the run lock on {head.node.name}: {err}", fix)
 
 
+def job_runs(cluster: Cluster, run: str) -> bool | None:
+    """Whether a job of ``run`` runs on the cluster's head node now: a process holds the run directory's lock
+    (locked_command). None when the head cannot be asked (it does not answer, its servers are gone)."""
+    rd = run_dir(cluster, run)
+    try:
+        with Session(cluster) as session:
+            r = session.head.run(f"mkdir -p {shlex.quote(rd)} && flock -n -E {RUN_BUSY} "
+                                 f"{shlex.quote(rd + '/' + RUN_LOCK)} true", timeout=30)
+    except Exception:  # noqa: BLE001 - cannot tell: the caller waits, as for a job that runs
+        return None
+    return True if r.rc == RUN_BUSY else False if r.rc == 0 else None
+
+
+def job_end(cluster: Cluster, run: str, job_id: str) -> dict | None:
+    """How a detached job of ``run`` ended, from its files on the head node: {"rc": its exit status, "stopped":
+    rank 0's stop report (Line.STOPPED: a stop before the lease end; its ranks then exit 0), "resumed": rank 0's
+    resume report (Line.RESUMED)}. None when it has not ended (no .rc file) or the head cannot be asked."""
+    out_file, rc_file, _ = job_files(run_dir(cluster, run), job_id)
+    cmd = (f"cat {shlex.quote(rc_file)} && grep -a -E '^\\[0\\]<stdout>:({Line.STOPPED}|{Line.RESUMED}) ' "
+           f"{shlex.quote(out_file)}; true")
+    try:
+        with Session(cluster) as session:
+            r = session.head.run(cmd, timeout=30)
+    except Exception:  # noqa: BLE001 - cannot tell
+        return None
+    return parse_end(r.out)
+
+
+def parse_end(text: str) -> dict | None:
+    """job_end's answer from what the head printed: the .rc file's status, then rank 0's report lines."""
+    first, *rest = text.splitlines() or [""]
+    if not first.strip().lstrip("-").isdigit():
+        return None
+    end: dict = {"rc": int(first.strip()), "stopped": None, "resumed": None}
+    for line in rest:
+        m = RANK_LINE.match(line)
+        got = parse(m.group(3), (Line.STOPPED, Line.RESUMED)) if m else None
+        if got and isinstance(got[1], dict):
+            end["stopped" if got[0] == Line.STOPPED else "resumed"] = got[1]
+    return end
+
+
 def locked_command(rd: str, cmd: str) -> str:
     """The job's command holding the run's lock for as long as any of its processes lives (the lock's descriptor is
     inherited by horovodrun and the ranks), whatever happens to the launcher's connection."""

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import paths, report
+from .. import killpoints, paths, report
 from ..cluster import Cluster
 from ..errors import ApplianceError, JobFailed
 from ..protocol import EXIT_STOPPED, Env, Line, job_files, parse, rank_environment
@@ -300,6 +300,7 @@ def _run(conn: _Connection, cluster: Cluster, watch: Watch, hooks, ctx: JobConte
     session = conn.session
     try:
         pid = int(conn.session.head.run(cmd, timeout=60, check=True).out.split()[-1])
+        killpoints.here("job-started")  # the fault matrix: a launcher killed while its job runs on
         return follow(conn, cluster, watch, hooks, ctx.say, ctx.run_dir, ctx.job_id, pid, lines, lines.seen,
                       out_file, rc_file)
     except ConnectionLost:  # before the job started (or while it was being started)
