@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import time
+from enum import StrEnum
 from pathlib import Path
 
 from .. import paths
@@ -126,7 +127,22 @@ def mark_status(run: str, status: str, controller: str | None = None) -> None:
             save(rec)
 
 
-GOING = ("starting", "running", "handover", "parked")  # a managed run's states while its controller runs it
+class RunStatus(StrEnum):
+    """A managed run's status, as its controller says it (its state in the store, `appliance runs`); the first four
+    while a controller runs it (GOING), the others once the run has ended."""
+
+    STARTING = "starting"  # the controller holds the run, no job yet
+    RUNNING = "running"  # a job trains (launched by this controller, or followed: flows/takeover.py)
+    HANDOVER = "handover"  # a job ended with its lease: the next cluster, then the resume
+    PARKED = "parked"  # no hosts (or no SUs) for the next lease: no lease held, the controller looks again
+    FINISHED = "finished"
+    STOPPED = "stopped"  # its user stopped it, with a commit: `appliance run SPEC` continues it
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LIMIT = "limit"  # limits.node_hours or limits.deadline reached
+
+
+GOING = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED)
 
 
 def machine_tag() -> str:

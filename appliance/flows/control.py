@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from .. import report
 from ..checkpoint import runs
+from ..checkpoint.runs import RunStatus
 from ..cluster import Cluster
 from ..errors import ApplianceError
 from ..spec import Spec
@@ -53,7 +54,7 @@ class Control:
                             interval=float(os.environ.get("APPLIANCE_CONTROLLER_LOCK_INTERVAL") or INTERVAL),
                             ttl=float(os.environ.get("APPLIANCE_CONTROLLER_LOCK_TTL") or TTL))
         self.poll = poll if poll is not None else float(os.environ.get("APPLIANCE_CONTROLLER_POLL") or 15.0)
-        self.state: dict = {"run": self.run, "status": "starting", "events": []}
+        self.state: dict = {"run": self.run, "status": RunStatus.STARTING, "events": []}
         self.notify_to = spec.notify
         self._events: queue.Queue = queue.Queue()  # for the notify hook, in order
         self._notifier: threading.Thread | None = None
@@ -112,7 +113,7 @@ class Control:
                      f"{time.time() - float(stale.get('heartbeat', 0)):.0f}s")
         threading.Thread(target=self._beat, name="appliance-controller", daemon=True).start()
 
-    def close(self, status: str) -> None:
+    def close(self, status: RunStatus) -> None:
         self._done.set()
         self.ship_log()
         self.record("end", status=status, state=status)
@@ -205,7 +206,7 @@ class Control:
 
     # the timeline
 
-    def record(self, event: str, *, state: str | None = None, **fields) -> None:
+    def record(self, event: str, *, state: RunStatus | None = None, **fields) -> None:
         """Add an event to the run's timeline and write it to the store (a failure is said, not raised: the
         run goes on; the next event writes the whole state again)."""
         entry = {"at": round(time.time(), 3), "event": event, **fields}
@@ -299,7 +300,7 @@ class _ControlHook(JobHooks):
 
     def started(self, ctx: JobContext) -> None:
         c, cl = self.control, ctx.cluster
-        c.record("job", state="running", job_id=ctx.job_id, cluster=cl.name, site=cl.site.region or cl.cloud,
+        c.record("job", state=RunStatus.RUNNING, job_id=ctx.job_id, cluster=cl.name, site=cl.site.region or cl.cloud,
                  node_type=ctx.spec.nodes.node_type, hosts=[n.name for n in cl.nodes], lease_id=cl.lease_id,
                  lease_end=cl.lease_end, restore=bool(ctx.restore))
         with c._mu:

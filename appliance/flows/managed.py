@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from .. import report
 from ..checkpoint import runs
+from ..checkpoint.runs import RunStatus
 from ..checkpoint.resume import find_spec
 from ..cluster import Cluster, find_cluster
 from ..errors import ApplianceError, NoHosts, NoSUs, SpecError
@@ -88,7 +89,7 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
     if duration_seconds(spec.lease.overlap):
         log.info(f"[run] warm handover: each next lease starts {spec.lease.overlap} before the current one ends, "
                  f"which costs {overlap_cost(spec):.2f} node-hours per lease end ({spec.nodes.count} node(s))")
-    status = "failed"
+    status = RunStatus.FAILED
     run = _Run(ctx, control, max_restarts, out)
     refused: NoSUs | None = None
     try:
@@ -96,14 +97,12 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
             res = run.loop()
         except NoSUs as e:  # Chameleon's portal refused a lease of the run: it holds none, and waits for SUs
             res, refused = run.out_of_sus(e), e
-        status = ("cancelled" if control.cancel else "limit" if run.limited else "parked" if run.parked
-                  else "finished" if res is None or res.exit_code == 0
-                  else "stopped" if (res.stopped or {}).get("committed") else "failed")
+        status = run.final_status(res)
         if refused is None:
             return res
     finally:  # each step whatever the one before did (a 503 taking the warm cluster down skipped the rest)
         _each(lambda: run.warm is not None and run.warm.abandon(),  # booked or made and not used: it goes
-              lambda: status == "finished" and not spec.lease.keep_when_done and run.release(),
+              lambda: status == RunStatus.FINISHED and not spec.lease.keep_when_done and run.release(),
               run.settle,  # the last job's progress and node-hours, into the state close writes
               lambda: control.close(status),
               lambda: credential.drop(ctx))  # the controller's own credential, last: its tokens stop with it
@@ -277,7 +276,19 @@ class _Run:
         self.parked = True
         log.info(f"[run] error: run {self.spec.name} is parked, holding no lease: {e.message} (fix: {e.fix}; then "
                  f"`appliance run {self.spec.path}` continues it from its newest checkpoint)")
-        self.control.record("no SUs", state="parked", reason=e.message[:300])
+        self.control.record("no SUs", state=RunStatus.PARKED, reason=e.message[:300])
+
+    def final_status(self, res: JobResult | None) -> RunStatus:
+        """The run's status once its loop has ended with ``res`` (its last job's result)."""
+        if self.control.cancel:
+            return RunStatus.CANCELLED
+        if self.limited:
+            return RunStatus.LIMIT
+        if self.parked:
+            return RunStatus.PARKED
+        if res is None or res.exit_code == 0:
+            return RunStatus.FINISHED
+        return RunStatus.STOPPED if (res.stopped or {}).get("committed") else RunStatus.FAILED
 
     def resume(self, **kw) -> JobResult | None:
         return _flows().resume(self.spec.name, spec_path=self.spec.path, out=self.out, control=self.control,
@@ -323,7 +334,7 @@ class _Run:
         warm, self.warm = self.warm, None
         nxt = warm.ready() if warm is not None else None
         old = self.current
-        self.control.record("handover", state="handover", after=res.job_id, warm=nxt is not None)
+        self.control.record("handover", state=RunStatus.HANDOVER, after=res.job_id, warm=nxt is not None)
         if nxt is not None:
             log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on {nxt.name}, up and "
                      "staged already")
