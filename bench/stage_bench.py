@@ -12,7 +12,7 @@ formatted as `appliance up` formats a node's disk (bench/nodedisk.py: this machi
 journal, which makes every new file slower after many were deleted), and is measured for wall time and its
 *own* CPU time (user + system, from wait4), so the co-located server's CPU is not counted. Reported: objects/s,
 MB/s, client CPU ms per object, and the disk's own write speed (dd with fdatasync) as the ceiling. Results: bench/results/stage.json, stage.md, stage.png.
-On 2 cores the Swift server uses most of the CPU (shared/docs/swift.md), so wall-clock rates here
+On 2 cores the Swift server uses most of the CPU (measured: the proxy and object servers are Python), so wall-clock rates here
 measure the server as much as the client; CPU per object is the client's own cost.
 """
 

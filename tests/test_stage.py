@@ -214,7 +214,7 @@ def test_slo_round_trip_small_segments(swift, creds, tmp_path):
     assert upload(str(src), "swift://slo/x/", creds=creds, segment_size=1_000_000) == 2
     st = SwiftStore("slo", creds)
     segs = st.slo_segments("x/big file ü.bin")
-    # an SLO of 1 MB segments; RGW gives no manifest (../shared/docs/rgw.md): read from slo_segments' listing
+    # an SLO of 1 MB segments; RGW gives no manifest (measured on radosgw 16): read from slo_segments' listing
     assert segs is not None and len(segs) == 4
     import appliance.node.fetch as sm
 

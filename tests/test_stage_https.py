@@ -1,5 +1,5 @@
 """Staging from Ceph RGW over https, as Chameleon serves its store (https://chi.uc.chameleoncloud.org, S3 on port
-7480: ../shared/docs/chameleon.md B10). Every other staging test talks plain http to the local stores, so nothing
+7480 as ChameleonCloud/docs gave it). Every other staging test talks plain http to the local stores, so nothing
 checked that our own GETs, listings and part HEADs (appliance/store/httpget.py: http.client)
 and swiftclient's listings take an https store's certificate, nor what a node says when its CA bundle does not
 vouch for it. The RGW here serves https only, with a certificate made for the test (RGWServer ``tls``)."""

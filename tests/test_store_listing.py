@@ -156,7 +156,7 @@ def test_nodes_get_only_the_credentials_their_url_uses():
 
 
 class RGWConn(FakeConn):
-    """An SLO as Ceph RGW shows it (../shared/docs/rgw.md): listed with the MD5 of nothing and the manifest's
+    """An SLO as Ceph RGW shows it (measured on radosgw 16): listed with the MD5 of nothing and the manifest's
     length, the manifest GET answered with an empty body; its segments in CONTAINER_segments."""
 
     segs = [{"name": "big/3000/1000/0000000%d" % i, "bytes": b, "hash": h}

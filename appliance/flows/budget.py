@@ -1,7 +1,8 @@
 """What a managed run has spent, what it may still spend, and when it should finish (issue 52 items 1 and 7).
 
 Node-hours are what Chameleon charges for: a lease's nodes for its reserved time (1 SU = 1 node-hour on a base
-node, more on GPU nodes: Chameleon's FAQ, shared/docs/chameleon.md B5), from its start to its end, or to its
+node, more on GPU nodes: Chameleon's FAQ; ChameleonCloud/portal balance_service charges a lease's window x its hosts'
+su_factor), from its start to its end, or to its
 deletion when it is deleted early (assumed: the charge of a lease cut short is not public). The ``Ledger`` keeps
 every lease the run has held, in the controller's state in the store, so a controller that takes the run over
 counts what the ones before it spent. An overlap (lease.overlap) counts twice: both leases run through it.

@@ -23,8 +23,8 @@ no argument, log or environment. When Keystone will not make it (your own creden
 controller runs with yours, and says so.
 
 A run with an alternative at another site (nodes.alternatives: CHI@TACC for a run at CHI@UC) gets one such
-credential at each site, each from that site's own Keystone (a credential is a site's own: shared/docs/chameleon.md
-B1), one clouds.yaml entry each; when one site refuses, none is kept and the controller runs with yours.
+credential at each site, each from that site's own Keystone (a credential is a site's own: each site is a region with its own
+Keystone, python-chi chi/context.py use_site), one clouds.yaml entry each; when one site refuses, none is kept and the controller runs with yours.
 """
 
 from __future__ import annotations

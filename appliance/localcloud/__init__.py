@@ -36,7 +36,7 @@ CLOUD_NAME = "appliance-local"
 # the Keystone user the local RGW validates tokens as (kolla-ansible ceph-guide: ``ceph_rgw_keystone_user``)
 RGW_SERVICE_USER = "ceph_rgw"
 # Chameleon's bare-metal sites are separate regions, each with its own Keystone, Blazar, Glance and store
-# (../shared/docs/chameleon.md B1; python-chi chi/context.py use_site builds each site's own auth_url): here two
+# (python-chi chi/context.py use_site builds each site's own auth_url): here two
 # servers, one per site. The first is the default, and the only one with an object store (assumed enough: a run
 # keeps its checkpoints at its own site); their shared clock is a simplification (real sites keep UTC).
 SITES = ("CHI@local", "CHI@local2")

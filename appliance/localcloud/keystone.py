@@ -74,7 +74,7 @@ def object_store_url(c) -> str | None:
 
 def token_seconds(c) -> float:
     """How long a token lives: ``APPLIANCE_LOCAL_TOKEN_SECONDS`` (tests: seconds; /_admin/tokens changes it while the
-    cloud runs), by default a day as on Chameleon (86400 s, Kolla's token expiration: ../shared/docs/chameleon.md)."""
+    cloud runs), by default a day as on Chameleon (86400 s: keystone conf/token.py ``expiration``, the default Kolla keeps)."""
     if getattr(c, "token_lifetime", None) is None:
         c.token_lifetime = float(os.environ.get("APPLIANCE_LOCAL_TOKEN_SECONDS") or 86400)
     return c.token_lifetime

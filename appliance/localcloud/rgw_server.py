@@ -1,7 +1,7 @@
 """A real Ceph RADOS Gateway (Debian's ceph 16.2.x): the object store Chameleon runs, on one machine.
 
 Chameleon's object store is Ceph RGW serving the Swift and S3 APIs (ChameleonCloud/docs `swift/index.rst`;
-../shared/docs/rgw.md has what was measured here). This starts one `ceph-mon`, one `ceph-osd` on memstore (the
+tests/test_store_guarantees.py measures what it guarantees). This starts one `ceph-mon`, one `ceph-osd` on memstore (the
 data lives in the OSD's memory: a stopped store is an empty store) and `radosgw` with the beast frontend on
 ``bind_ip``, with Swift v1 auth (user ``UID:tester``, ``test:tester`` by default) and S3 keys made by `radosgw-admin`. No mgr: the cluster
 never reaches HEALTH_OK and does not need to. Every process runs in its own process group, recorded by PID,
@@ -13,7 +13,7 @@ and is stopped by PID (radosgw first: SIGTERM to all three at once makes radosgw
     rgw.stop()
 
 With ``tls=True`` the beast frontend serves https only, as Chameleon's store does
-(``https://chi.uc.chameleoncloud.org``, its S3 endpoint on port 7480: ../shared/docs/chameleon.md B10), with a
+(``https://chi.uc.chameleoncloud.org``, its S3 endpoint on port 7480 as ChameleonCloud/docs gave it), with a
 certificate made here for ``bind_ip`` (``rgw.ca_file``: clients trust it through REQUESTS_CA_BUNDLE / SSL_CERT_FILE /
 AWS_CA_BUNDLE).
 """
@@ -175,7 +175,8 @@ class RGWServer:
         self.ports = {"mon": _free_port(), "rgw": _free_port(self.bind_ip)}
         (self.base / "ports.json").write_text(json.dumps(self.ports))
         b = self.base
-        # the settings and why: ../shared/docs/rgw.md ("It runs as a test fixture")
+        # a one-node test cluster: one replica, no cephx, a memstore OSD (ceph doc/dev/dev_cluster_deployment.rst,
+        # vstart.sh sets the same), and radosgw with the beast frontend
         self.conf.write_text(
             "[global]\n"
             f"fsid = {uuid.uuid4()}\n"

@@ -1,6 +1,6 @@
 """Chameleon (OpenStack + Blazar) through the real clients: keystoneauth/openstacksdk, python-blazarclient.
 
-No hand-written HTTP to OpenStack. The facts this follows (docs/chameleon.md, shared/docs/chameleon.md):
+No hand-written HTTP to OpenStack. The facts this follows (docs/chameleon.md, and the upstream sources cited beside each):
 - lease dates are UTC, "YYYY-MM-DD HH:MM"; resource_properties is a JSON *string* of string triples, with `=`
   (accepted by both Chameleon's docs and Blazar's code); hypervisor_properties is required (may be "");
 - the *reservation* id (not the lease id) goes to Nova as the `reservation` scheduler hint;
@@ -99,7 +99,7 @@ def connect(*, cloud: str | None = None, config_file: str | None = None, region:
 def entry_for_region(clouds: dict, cloud: str | None, region: str) -> str:
     """The clouds.yaml entry for the site ``region``: ``cloud`` when it is that site's (or names no region), else
     the one entry whose region is ``region`` (of those, the one with ``cloud``'s auth_type). Each Chameleon site is its own region with its own Keystone, so a
-    credential (an application credential above all) is a site's own (shared/docs/chameleon.md B1; Horizon's
+    credential (an application credential above all) is a site's own (python-chi chi/context.py use_site; Horizon's
     "OpenStack clouds.yaml File" at each site gives its entry); a run at CHI@UC with an alternative at CHI@TACC
     reaches TACC with TACC's entry."""
     def regions(entry: dict) -> list[str]:

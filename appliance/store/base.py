@@ -150,7 +150,7 @@ def container_name_problem(scheme: str, name: str) -> str | None:
     src/rgw/rgw_rest_s3.h): 3-63 characters, lower-case letters, digits, '-' and '.', a letter or digit first and
     last, no '.' next to another '.' or a '-', not an IPv4 address. Swift: ``RGWHandler_REST_SWIFT::
     validate_bucket_name`` (src/rgw/rgw_rest_swift.cc) over ``RGWHandler_REST::validate_bucket_name``: 3-255
-    characters (../shared/docs/rgw.md: 400 InvalidBucketName under 3), no '/' and not '.' first.
+    characters (radosgw 16 answers 400 InvalidBucketName under 3), no '/' and not '.' first.
     tests/test_stage.py checks these rules against the real radosgw."""
     if scheme == "s3":
         if not 3 <= len(name) <= 63:

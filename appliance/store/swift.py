@@ -140,7 +140,8 @@ class SwiftStore(Store):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under ``prefix``: page after page until a page comes back empty. A short page is not the
-        end: Ceph RGW answers at most 1,000 names whatever ``limit`` asks for (../shared/docs/rgw.md). A page
+        end: Ceph RGW answers at most 1,000 names whatever ``limit`` asks for (``rgw_max_listing_results``,
+        1000 by default, bounds it: ceph src/rgw/rgw_op.cc ``RGWListBucket::parse_max_keys``). A page
         that fails (5xx, a reset, a timeout) is asked again with backoff, for up to LIST_DEADLINE seconds."""
         marker = ""
         while True:
@@ -251,7 +252,7 @@ class SwiftStore(Store):
         or [] when the store shows neither the manifest nor segments that add up to the object's ETag.
 
         HEAD first: real Swift ignores ``?multipart-manifest=get`` on a plain object and sends the whole body.
-        Ceph RGW answers it with an empty body for an SLO (../shared/docs/rgw.md), so there the segments are
+        Ceph RGW answers it with an empty body for an SLO (measured on radosgw 16), so there the segments are
         read from the segment container's listing (``CONTAINER_segments``, under ``NAME/``: where we and
         `swift upload --use-slo` put them) and kept only if their sizes add up to the object's length and their
         MD5s to its ETag."""
