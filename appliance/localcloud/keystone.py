@@ -74,7 +74,8 @@ def object_store_url(c) -> str | None:
 
 def token_seconds(c) -> float:
     """How long a token lives: ``APPLIANCE_LOCAL_TOKEN_SECONDS`` (tests: seconds; /_admin/tokens changes it while the
-    cloud runs), by default a day as on Chameleon (86400 s: keystone conf/token.py ``expiration``, the default Kolla keeps)."""
+    cloud runs), by default a day as measured on Chameleon (86400 s, kolla-ansible's ``fernet_token_expiry``; Keystone's
+    own default is 3600 s, openstack/keystone keystone/conf/token.py ``expiration``)."""
     if getattr(c, "token_lifetime", None) is None:
         c.token_lifetime = float(os.environ.get("APPLIANCE_LOCAL_TOKEN_SECONDS") or 86400)
     return c.token_lifetime
