@@ -787,7 +787,11 @@ def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_
         assert ran[1]["first_step"] == ran[0]["last_step"]
         assert _job_sha("ckctl", ran[-1]["job_id"]) == reference_long
         # the store credential made for the job that never started went with the takeover, not a week later
-        assert not [x for x in site.cloud.list_app_creds() if x["name"] == f"appliance-ckctl-{jobs[1]['job_id']}"]
+        made = [r["body"]["application_credential"]["name"] for r in localcloud.admin("GET", "/requests")["requests"]
+                if r["method"] == "POST" and r["path"].endswith("/application_credentials")
+                and r["body"]["application_credential"]["name"].startswith(f"appliance-ckctl-{jobs[1]['job_id']}-")]
+        assert len(made) == 1, made  # it had one
+        assert not [x for x in site.cloud.list_app_creds() if x["name"] in made]
     finally:
         if state().get("status") not in ("finished", "failed", "stopped", "cancelled"):
             with contextlib.suppress(ProcessLookupError):

@@ -116,8 +116,9 @@ def test_the_store_credential_of_a_job_that_never_started_is_deleted_and_nothing
 
     class Cloud:
         def list_app_creds(self):
-            return [{"id": "1", "name": "appliance-r-r-7"}, {"id": "2", "name": "appliance-r-r-70"},
-                    {"id": "3", "name": "appliance-run-r-x"}, {"id": "4", "name": "appliance-r2-r-7"}]
+            return [{"id": "1", "name": "appliance-r-r-7-0a1b2c"}, {"id": "2", "name": "appliance-r-r-70-0a1b2c"},
+                    {"id": "3", "name": "appliance-run-r-x"}, {"id": "4", "name": "appliance-r2-r-7-0a1b2c"},
+                    {"id": "5", "name": "appliance-r-r-7"}]
 
         def delete_app_cred(self, cred_id):
             deleted.append(cred_id)

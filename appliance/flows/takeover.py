@@ -5,6 +5,7 @@ downtime on the timeline."""
 
 from __future__ import annotations
 
+import re
 import time
 
 from .. import report
@@ -124,13 +125,15 @@ def never_started(ctx, control: Control, job: dict, cl: Cluster) -> None:
 
 
 def _withdraw_job_creds(ctx, job_id: str) -> None:
-    """The store credential its launcher made for the job that never started (checkpoint.job: an application
-    credential named appliance-RUN-JOB, which an EC2 credential of the job's goes with), deleted: nothing will."""
+    """The store credential its launcher made for the job that never started (sites/base.py ``_job_app_cred``: an
+    application credential named appliance-RUN-JOB-XXXXXX, which an EC2 credential of the job's goes with), deleted:
+    nothing else will."""
     name = f"appliance-{ctx.spec.name}-{job_id}"
+    ours = re.compile(rf"^{re.escape(name)}-[0-9a-f]{{6}}$")
     try:
         cloud = ctx.site.cloud
         for ac in cloud.list_app_creds():
-            if ac.get("name") == name:
+            if ours.match(str(ac.get("name"))):
                 cloud.delete_app_cred(ac["id"])
     except Exception as e:  # noqa: BLE001 - it expires APP_CRED_AFTER_LEASE after the lease ends (sites/base.py)
         log.info(f"[run] warning: could not delete the store credential {name} of that job "
