@@ -59,8 +59,7 @@ def code_files(code: str, exclude: tuple[str, ...] = ("__pycache__", ".git")) ->
 def check_run_free(head: Remote, rd: str, run: str) -> None:
     """Refuse a second job of the same run on this cluster before it touches anything: the two would share the run
     directory, its STOP file and credentials, and prune each other's checkpoints."""
-    lk = shlex.quote(f"{rd}/{RUN_LOCK}")
-    r = head.run(f"mkdir -p {shlex.quote(rd)} && flock -n -E {RUN_BUSY} {lk} true", timeout=30)
+    r = _try_run_lock(head, rd)
     if r.rc == RUN_BUSY:
         raise ApplianceError(f"run {run!r} already has a job running on {head.node.name} (its run directory {rd} is "
                              "locked by that job's processes)",
@@ -74,14 +73,19 @@ def check_run_free(head: Remote, rd: str, run: str) -> None:
         raise ApplianceError(f"cannot check the run lock on {head.node.name}: {err}", fix)
 
 
+def _try_run_lock(head: Remote, rd: str) -> Result:
+    """Take and drop the run directory's lock on the head: exit 0 when free, RUN_BUSY while a job's processes hold
+    it (locked_command)."""
+    return head.run(f"mkdir -p {shlex.quote(rd)} && flock -n -E {RUN_BUSY} {shlex.quote(rd + '/' + RUN_LOCK)} true",
+                    timeout=30)
+
+
 def job_runs(cluster: Cluster, run: str) -> bool | None:
     """Whether a job of ``run`` runs on the cluster's head node now: a process holds the run directory's lock
     (locked_command). None when the head cannot be asked (it does not answer, its servers are gone)."""
-    rd = run_dir(cluster, run)
     try:
         with Session(cluster) as session:
-            r = session.head.run(f"mkdir -p {shlex.quote(rd)} && flock -n -E {RUN_BUSY} "
-                                 f"{shlex.quote(rd + '/' + RUN_LOCK)} true", timeout=30)
+            r = _try_run_lock(session.head, run_dir(cluster, run))
     except Exception:  # noqa: BLE001 - cannot tell: the caller waits, as for a job that runs
         return None
     return True if r.rc == RUN_BUSY else False if r.rc == 0 else None
