@@ -4,9 +4,27 @@ from __future__ import annotations
 
 import os
 import re
+import site
+import sys
 from pathlib import Path
 
-LOCK = Path(__file__).resolve().parents[1] / "requirements.lock"
+# What nodes are installed from (`up --install`, provision/install.py bundle): the lock, the install script and the
+# package's own metadata. In a source checkout (make install: editable) they are beside the package; a client
+# install (`pip install .`, `uv tool install .`) has them from pyproject.toml's [tool.setuptools.data-files], under
+# the environment's share/appliance (or the user base's, with pip --user).
+SHIPPED = ("requirements.lock", "pyproject.toml", "README.md", "images/install-stack.sh")
+SOURCE = Path(__file__).resolve().parents[1]
+
+
+def shipped(rel: str) -> Path:
+    """Where one of SHIPPED is on this machine (the checkout's path when it is nowhere, for the error to name)."""
+    for base in (SOURCE, Path(sys.prefix) / "share" / "appliance", Path(site.getuserbase()) / "share" / "appliance"):
+        if (base / rel).is_file():
+            return base / rel
+    return SOURCE / rel
+
+
+LOCK = shipped("requirements.lock")
 
 
 def lock_pin(name: str) -> str:

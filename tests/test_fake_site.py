@@ -727,3 +727,19 @@ def test_an_up_killed_as_nova_answers_uses_that_server_and_asks_for_no_second(tm
     assert sorted(s.name for s in ours) == ["fq-0", "fq-1"]  # one each: the unrecorded fq-0 was used
     assert set(cl.site.servers.values()) == {s.id for s in ours}
     lifecycle.down("fq", site=site)
+
+
+def test_a_verb_that_starts_the_local_cloud_says_so_before_it_does(monkeypatch, said):
+    """Issue 61: with no OS_CLOUD, `data upload` and the lease verbs act on the local cloud, started silently, whose
+    store `cloud stop` empties: the first line says it, before anything goes there."""
+    from appliance.sites import local
+
+    seen = []
+    monkeypatch.setattr(local.localcloud, "status", lambda site=None: {"running": False})
+    monkeypatch.setattr(local.localcloud, "start", lambda site=None: seen.append(list(said)))
+    monkeypatch.setattr(local, "connect", lambda **kw: None)
+    monkeypatch.setattr(local, "OpenStackCloud", lambda conn: "the cloud")
+    assert local.LocalSite().connect() == "the cloud"
+    assert len(seen) == 1 and len(seen[0]) == 1, seen
+    assert seen[0][0].startswith("starting the local cloud CHI@local") and "OS_CLOUD" in seen[0][0]
+    assert local.LocalSite("CHI@local2").describe() == "the local cloud CHI@local2"

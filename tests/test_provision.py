@@ -63,45 +63,7 @@ def requests(method, pattern):
             if r["method"] == method and re.fullmatch(pattern, r["path"])]
 
 
-def test_full_cycle_lease_up_train_down(cloud, tmp_path):
-    spec = spec_file(tmp_path, "cycle", count=2, epochs=12)
-    cl = flows.up(spec)
-    assert len(cl.nodes) == 2 and cl.lease_id and cl.reservation_id and cl.floating_ip
-    assert cl.nodes[1].via_head  # workers are reached through the head, as on Chameleon
-    fip = os_cloud().conn.network.get_ip(cl.site.fip_id)
-    assert f"reservation:{cl.site.fip_reservation_id}" in fip.tags  # the lease's reserved FIP was used
-    st = flows.status("cycle")
-    assert st["lease_status"] == "ACTIVE" and [n["state"] for n in st["nodes"]] == ["ACTIVE", "ACTIVE"]
-    assert st["seconds_left"] > 3600
-    res = train(load_spec(spec), cl, out=lambda line: None)
-    assert res.exit_code == 0, res.failure
-    assert res.hostnames == ["cycle-0", "cycle-1"]
-    assert len({r["weights_sha256"] for r in res.results.values()}) == 1
-    # the nodes are CC images: the launcher logs in as cc, which has passwordless sudo and was given the work
-    # directory; the job's files are cc's; root's key answers "log in as cc" (cloud-init's disable_root)
-    from appliance.remote import Session
-    with Session(cl) as s:
-        wd = cl.nodes[1].workdir
-        r = s[cl.nodes[1].name].run(f"id -un; sudo -n id -u; stat -c %U {wd}; find {wd} ! -user cc | head -3",
-                                    check=True)
-    assert r.out.split() == ["cc", "0", "cc"], r.out
-    r = testbed.node_exec(localcloud.testbed_name(), cl.nodes[0].name, "cat /root/.ssh/authorized_keys")
-    assert r.stdout.startswith('no-port-forwarding,no-agent-forwarding,no-X11-forwarding,command="echo '
-                               '\'Please login as the user \\"cc\\" rather than the user \\"root\\".\'')
-    # idempotent: a second `up` creates nothing new
-    before = len(requests("POST", r"/compute/v2.1/servers"))
-    flows.up(spec)
-    assert len(requests("POST", r"/compute/v2.1/servers")) == before
-    assert len(requests("POST", r"/reservation/v1/leases")) >= 1
-    done = flows.down("cycle")
-    assert any(d.startswith("lease ") for d in done) and sum(d.startswith("server ") for d in done) == 2
-    assert find_cluster("cycle") is None
-    c = os_cloud()
-    assert c.get_lease(cl.lease_id) is None
-    wait_gone(c, [n.server_id for n in cl.nodes])
-    assert all(c.get_server(n.server_id) is None for n in cl.nodes)
-    assert not [n for n in (testbed.load(localcloud.testbed_name()).nodes) if n.name.startswith("cycle-")]
-    assert flows.down("cycle") == []  # idempotent
+# The lease -> up -> train -> down cycle is walked with the client install's CLI: tests/test_client_install.py
 
 
 def test_request_shapes(cloud, tmp_path):

@@ -21,6 +21,12 @@ def test_example_spec_is_valid():
     assert len(s.digest) == 16
 
 
+def test_the_chameleon_example_is_valid():
+    s = load_spec(ROOT / "examples" / "chameleon.yaml")
+    assert s.cloud == "chameleon" and s.nodes.node_type.startswith("gpu_") and s.checkpoint.url
+    assert s.code_dir == (ROOT / "examples" / "digits").resolve()
+
+
 def test_defaults_fill_in():
     s = parse_spec(GOOD)
     assert s.nodes.slots == 1 and s.checkpoint.keep == 3 and s.dataset is None
@@ -40,6 +46,10 @@ def test_defaults_fill_in():
     # the local cloud follows Chameleon's cap: `check` says what `up` would be told (issue 51)
     ({**GOOD, "lease": {"duration": "30d"}}, "lease.duration", "7-day"),
     ({**GOOD, "cloud": "chameleon", "site": "CHI@Mars"}, "site", "CHI@UC"),
+    # a Chameleon spec does not inherit the local cloud's node type and image (issue 61)
+    ({**GOOD, "cloud": "chameleon", "key_name": "k", "image": "appliance-gpu"}, "nodes.node_type", "local cloud's"),
+    ({**GOOD, "cloud": "chameleon", "key_name": "k", "nodes": {"node_type": "gpu_rtx_6000"}}, "image",
+     "local cloud's"),
     ({**GOOD, "train": {"command": "x", "env": {"OS_PASSWORD": "p"}}}, "train.env", "credential"),
     ({**GOOD, "train": {"command": "x", "env": {"MY_API_TOKEN": "p"}}}, "train.env", "credential"),
     ({**GOOD, "train": {"command": "x", "env": ["A=1"]}}, "train.env", "mapping"),

@@ -193,7 +193,8 @@ def lease_show(lease_id, cloud_kind, site, as_json):
     """Status, dates, time left and the reservation id of one lease."""
     from .. import flows
 
-    d = flows.lease("show", lease_id, cloud=cloud_kind or _default_cloud(), site_name=site)
+    with _messages(err=True):
+        d = flows.lease("show", lease_id, cloud=cloud_kind or _default_cloud(), site_name=site)
     _json_out(d) if as_json else _print_lease(d)
 
 
@@ -205,7 +206,8 @@ def lease_list(cloud_kind, site, as_json):
     """Your leases on the site."""
     from .. import flows
 
-    items = flows.lease("list", cloud=cloud_kind or _default_cloud(), site_name=site)
+    with _messages(err=True):
+        items = flows.lease("list", cloud=cloud_kind or _default_cloud(), site_name=site)
     if as_json:
         _json_out(items)
     else:
@@ -226,7 +228,8 @@ def lease_extend(lease_id, by, to, cloud_kind, site, as_json):
     """Move the lease's end (an absolute end date is sent). Refused outside the 48 h window, with when it opens."""
     from .. import flows
 
-    d = flows.lease("extend", lease_id, by=by, to=to, cloud=cloud_kind or _default_cloud(), site_name=site)
+    with _messages(err=True):
+        d = flows.lease("extend", lease_id, by=by, to=to, cloud=cloud_kind or _default_cloud(), site_name=site)
     _json_out(d) if as_json else _print_lease(d)
 
 
@@ -241,7 +244,8 @@ def lease_delete(lease_id, cloud_kind, site, yes):
 
     if not yes:
         click.confirm(f"delete lease {lease_id} and every server on it?", abort=True)
-    ok = flows.lease("delete", lease_id, cloud=cloud_kind or _default_cloud(), site_name=site)
+    with _messages(err=True):
+        ok = flows.lease("delete", lease_id, cloud=cloud_kind or _default_cloud(), site_name=site)
     click.echo(f"lease {lease_id} deleted" if ok else f"no lease {lease_id} (already gone)")
 
 

@@ -128,7 +128,7 @@ def check_spec(spec, online, as_json):
     after the nodes boot: the dataset URL names objects (how many, how large), checkpoint.url is reachable and
     not refused, and whether the run already has committed checkpoints; with a checkpoint.url, what
     `appliance run SPEC` would book (its plan: leases, node-hours, SUs, Chameleon's usage policy). It reads only.
-    Exit 2 if the spec is invalid, 1 if the code is not usable or the store says no.
+    Exit 2 if the spec or its train.code is not usable, 1 if the store or the cloud says no.
 
     \b
       appliance check my.yaml --online

@@ -97,8 +97,13 @@ def site(kind: str, region: str | None = None) -> Site:
 
 
 def data_creds(url: str, kind: str, region: str | None = None):
-    """Credentials for an object-store URL on a site (none for file://: Site.store_creds)."""
-    return open_site(kind, region).store_creds(url)
+    """Credentials for an object-store URL on a site (none for file://: Site.store_creds); the site is said, so
+    that nobody uploads to the local cloud meaning Chameleon."""
+    site = open_site(kind, region)
+    creds = site.store_creds(url)
+    if not url.startswith("file:"):
+        log.info(f"{url} at {site.describe()}")
+    return creds
 
 
 # -- clusters -------------------------------------------------------------------------------------
@@ -577,8 +582,12 @@ def doctor_cluster(cluster: Cluster, allreduce: bool = True) -> dict[str, list]:
 
 
 def lease(verb: str, *args, cloud: str, site_name: str | None = None, **kw):
-    """`appliance lease show|list|extend|delete` on a site."""
-    return getattr(lifecycle, f"lease_{verb}")(open_site(cloud, site_name), *args, **kw)
+    """`appliance lease show|list|extend|delete` on a site, said before the answer (after it is had: a refusal
+    is one line)."""
+    site = open_site(cloud, site_name)
+    out = getattr(lifecycle, f"lease_{verb}")(site, *args, **kw)
+    log.info(f"leases at {site.describe()}")
+    return out
 
 
 def image_upload(path: str, name: str, *, cloud: str, site_name: str | None = None,

@@ -189,6 +189,7 @@ def start(*, time_scale: float = 1.0, port: int = 0, boot_seconds: float = 0.0,
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     (d / "pid").write_text(str(proc.pid))
+    (d / "python").write_text(sys.executable)  # its image's stack (image_python)
     deadline = time.monotonic() + timeout
     while True:
         ep = d / "endpoint"
@@ -350,6 +351,14 @@ def _stop_site(site: str, timeout: float) -> bool:
     for name in ("pid", "endpoint"):
         (d / name).unlink(missing_ok=True)
     return bool(pid)
+
+
+def image_python(site: str | None = None) -> str:
+    """The stack's Python on the local cloud's nodes: the install that started the cloud. Its nodes share this
+    machine's file system, so its appliance-cpu image has the full install's stack, also when a client install
+    (`pip install .`, no TensorFlow) drives it."""
+    p = state_dir(_site(site)) / "python"
+    return p.read_text().strip() if p.is_file() else sys.executable
 
 
 def status(site: str | None = None) -> dict:

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from ..protocol import Env, Line, emit, rank_environment
 
-# the checkout's lock (make install: editable), or the copy install-stack.sh leaves in the venv
-LOCKS = (Path(__file__).resolve().parents[2] / "requirements.lock", Path(sys.prefix) / "appliance-requirements.lock")
+# the checkout's lock (make install: editable), the copy install-stack.sh leaves in the venv, or a client install's
+LOCKS = (Path(__file__).resolve().parents[2] / "requirements.lock", Path(sys.prefix) / "appliance-requirements.lock",
+         Path(sys.prefix) / "share" / "appliance" / "requirements.lock")
 INSTALL_FIX = "install the stack: images/install-stack.sh (docs/image.md), or use the appliance image"
 
 PROBE = r"""

@@ -27,7 +27,7 @@ from ..remote import Remote, Session
 
 log = report.get(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = Path(__file__).resolve().parents[1]
 LOCK = paths.LOCK
 DEFAULT_CACHE = "swift://appliance-wheels/"
 
@@ -43,11 +43,14 @@ def stack_tag(variant: str) -> str:
 def bundle(dest: Path) -> Path:
     """What a node needs to install the stack: the package, the lock, the install script."""
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(ROOT / "appliance", dest / "appliance", ignore=shutil.ignore_patterns("__pycache__"))
-    for f in ("pyproject.toml", "README.md", "requirements.lock"):
-        shutil.copy2(ROOT / f, dest / f)
-    (dest / "images").mkdir(exist_ok=True)
-    shutil.copy2(ROOT / "images" / "install-stack.sh", dest / "images" / "install-stack.sh")
+    shutil.copytree(PACKAGE, dest / "appliance", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in paths.SHIPPED:
+        src = paths.shipped(f)
+        if not src.is_file():
+            raise ApplianceError(f"{src} is missing: this install of appliance cannot install nodes",
+                                 "reinstall it (pip install appliance from its source), or use the appliance image")
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / f)
     return dest
 
 

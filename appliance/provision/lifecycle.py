@@ -162,7 +162,7 @@ def image_upload(site: Site, path: str, name: str, *, disk_format: str | None = 
     fmt = disk_format or {".qcow2": "qcow2", ".raw": "raw", ".img": "raw"}.get(p.suffix)
     if fmt is None:
         raise ApplianceError(f"cannot tell the disk format of {p.name}", "pass --disk-format qcow2 or raw")
-    lock = Path(__file__).resolve().parents[2] / "requirements.lock"
+    lock = paths.LOCK
     props = {"appliance_lock_sha256": hashlib.sha256(lock.read_bytes()).hexdigest()[:16] if lock.exists() else "",
              "appliance_stack": "tensorflow 2.18.1, tf-keras 2.18.0, horovod 0.28.1 (NCCL, Gloo)"}
     log.info(f"uploading {p} ({p.stat().st_size / 1e9:.2f} GB, {fmt}) to Glance as {name!r}"

@@ -53,6 +53,10 @@ class Site(ABC):
         self.region = region
         self._cloud = None
 
+    def describe(self) -> str:
+        """The cloud and site a verb acts on, in words (data and lease verbs say it)."""
+        return f"{self.kind} site {self.region or '(default region)'}"
+
     # -- connection -------------------------------------------------------------------------------
     @property
     def cloud(self):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..cluster import Cluster
 from ..errors import ApplianceError, SpecError
-from ..spec import Spec, duration_seconds
+from ..spec import Nodes, Spec, duration_seconds
 from ..store.objects import StoreCreds
 from . import local_disk
 from .base import LoginKey, Site
@@ -31,6 +31,13 @@ class ChameleonSite(Site):
     def connect(self):
         return OpenStackCloud(connect(region=self.region))
 
+    def describe(self) -> str:
+        import os
+
+        where = self.region or (self._cloud.region_name() if self._cloud is not None else None)
+        entry = os.environ.get("OS_CLOUD")
+        return " ".join(filter(None, ["Chameleon", where, f"(OS_CLOUD={entry})" if entry else None]))
+
     def login_key(self, key_name, key_file) -> LoginKey:
         if not key_file:
             for cand in ("~/.ssh/id_ed25519", "~/.ssh/id_rsa"):
@@ -54,6 +61,14 @@ class ChameleonSite(Site):
             if site is not None and site not in SITES:
                 raise SpecError(f"{at}: {site!r} is not a Chameleon bare-metal site with GPUs",
                                 "use CHI@UC or CHI@TACC")
+        if spec.nodes.node_type == Nodes.node_type:  # the default names the local cloud's node type
+            raise SpecError(f"nodes.node_type: missing for cloud: chameleon ({Nodes.node_type} is the local cloud's)",
+                            "set it to a node type of the site, e.g. gpu_rtx_6000 (the site's hardware catalog "
+                            "lists them: https://chameleoncloud.org/hardware/)")
+        if spec.image == Spec.image:
+            raise SpecError(f"image: missing for cloud: chameleon ({Spec.image} is the local cloud's)",
+                            "set image: appliance-gpu (built with `make image`, docs/image.md), or a stock image "
+                            "such as CC-Ubuntu22.04-CUDA with `appliance up --install`")
         if not spec.key_name:
             raise SpecError("key_name: missing for cloud: chameleon", "set key_name to your Nova key pair's name")
 

@@ -29,7 +29,6 @@ class LocalSite(Site):
     kind = "local"
     user = "cc"  # the local cloud's images are CC images: cc with passwordless sudo (localcloud/cloud.py IMAGE_USER)
     workdir = "/mnt/local"  # each testbed node's private "local SSD", root's until prepare_nodes
-    python = sys.executable  # nodes share this machine's file system
     boot_timeout = 120.0
     clean_timeout = 60.0  # the local cloud cleans a node for CLEAN_SECONDS (2 s; `cloud start --clean-seconds`)
     ssh_timeout = 60.0
@@ -38,7 +37,12 @@ class LocalSite(Site):
 
     def connect(self):
         """The site's own Keystone and services: CHI@local, or CHI@local2 (started when first used), each with
-        credentials of its own, as Chameleon's sites have."""
+        credentials of its own, as Chameleon's sites have. Starting it is said first: a user who meant Chameleon
+        (OS_CLOUD not set) learns it before anything is uploaded to a store that `cloud stop` empties."""
+        if not self.cloud_up():
+            log.info(f"starting the local cloud {localcloud.SITES[0] if self.region is None else self.region}, a "
+                     "simulator on this machine (`appliance cloud stop` ends it and empties its store); for "
+                     "Chameleon, export OS_CLOUD (docs/chameleon.md)")
         localcloud.start(site=self.region)
         return OpenStackCloud(connect(cloud=localcloud.cloud_name(self.region),
                                       config_file=str(localcloud.clouds_yaml(self.region)), region=self.region))
@@ -77,6 +81,13 @@ class LocalSite(Site):
             if site is not None and site not in localcloud.SITES:
                 raise SpecError(f"{at}: {site!r} is not a site of the local cloud",
                                 f"use one of {', '.join(localcloud.SITES)}")
+
+    @property
+    def python(self) -> str:  # nodes share this machine's file system
+        return localcloud.image_python(self.region)
+
+    def describe(self) -> str:
+        return f"the local cloud {self.region or localcloud.SITES[0]}"
 
     def cloud_up(self) -> bool:
         return bool(localcloud.status(self.region)["running"])
