@@ -72,7 +72,7 @@ deploy: digits-data
 	$(PY) examples/lease_demo.py examples/digits.yaml
 	@echo ""
 	@echo "next:"
-	@echo "  appliance runs                        # runs, steps, checkpoints, node-hours"
+	@echo "  appliance ls                        # runs, steps, checkpoints, node-hours"
 	@echo "  appliance up examples/digits.yaml     # a new lease and cluster on the local cloud"
 	@echo "  appliance lease list --cloud local    # your leases"
 	@echo "  appliance cloud stop                  # stop the local cloud"

@@ -8,7 +8,7 @@ to start a minute after the clock's first jump, its cluster booted and staged wh
 the clock jumps to 6 hours before the end of a 12-hour lease after the first commit (6 real minutes at 60x: more
 than rank 0's own 5-minute margin, which is real time, the time a stop takes), then, once the next cluster is up
 (warm) or at once (cold), to 9 minutes before the end: the job stops with a commit and the handover follows. Its downtime (from the stop to the job's first step, phase by phase) is
-what `appliance runs RUN` shows.
+what `appliance ls RUN` shows.
 
 Reported twice: as measured here (the boot 15 s), and with the boot at its simulated length, 15 minutes, the
 other phases as measured (they are this machine's CPU and network, not the cloud's clock). Goals (issue 52): warm

@@ -226,7 +226,7 @@ def demo(spec_path: str, spec, record: Path | None = None) -> int:
               f"step {resumed_step} (steps lost: {stop_step - resumed_step})")
         if b:
             print(f"    downtime  {format_breakdown(b)}")
-    for line in format_progress(flows.timeline(spec.name) or {}):  # what `appliance runs RUN` says of it
+    for line in format_progress(flows.timeline(spec.name) or {}):  # what `appliance ls RUN` says of it
         print(f"  {line.strip()}")
     print(f"  final validation accuracy {r0.get('val_accuracy')} (reference {ref0.get('val_accuracy')})")
     print(f"  final weights {'EQUAL' if same else 'DIFFER from'} the uninterrupted reference run "

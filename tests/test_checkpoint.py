@@ -677,7 +677,7 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
             assert not bad, (bad, b)
             assert b["restore"] > 0, b
             assert abs(sum(v for k, v in b.items() if k != "total" and v is not None) - b["total"]) < 0.1, b
-        # what `appliance runs` shows of it: each lease counted (the first two deleted at their handovers), and the
+        # what `appliance ls` shows of it: each lease counted (the first two deleted at their handovers), and the
         # newest step of the training's total
         # all closed: the first two at their handovers, the last once the run finished, and a next lease booked ahead
         # for the third job (counted from the moment Blazar made it) when the run's end abandoned it
@@ -873,7 +873,7 @@ def test_hosts_taken_at_lease_ends_the_run_fails_over_to_another_site_then_waits
         assert [j["status"] for j in jobs] == ["stopped", "stopped", "complete"]
         assert all(b["first_step"] == a["last_step"] for a, b in zip(jobs, jobs[1:]))  # 0 steps lost
         assert _job_sha("ckalt", jobs[-1]["job_id"]) == reference_long
-        shown = CliRunner().invoke(cli_main, ["runs", "ckalt"]).output
+        shown = CliRunner().invoke(cli_main, ["ls", "ckalt"]).output
         assert "no hosts free now: gpu_local at CHI@local2 booked from" in shown, shown
         assert "gpu_local at CHI@local2 free after" in shown, shown
         mine = [x for at in (c, c2) for x in at.list_leases() if x.name.startswith("ckalt")]

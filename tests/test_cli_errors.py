@@ -106,7 +106,7 @@ def test_resume_from_a_url_that_holds_no_such_run_says_so(tmp_path):
 
 
 def test_a_checkpoint_container_that_is_gone_is_one_line(tmp_path, monkeypatch):
-    """Issue 49: after `appliance cloud stop` emptied the local store, `appliance runs RUN --plot` (and resume) failed
+    """Issue 49: after `appliance cloud stop` emptied the local store, `appliance ls RUN --plot` (and resume) failed
     with an internal FileNotFoundError: the container is not there, which is said with the fix."""
     from appliance.checkpoint import resume
     from appliance.errors import ApplianceError

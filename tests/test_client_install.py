@@ -108,7 +108,7 @@ def test_the_quickstart_from_a_client_install_lease_up_stage_train_down(client, 
     assert res["exit_code"] == 0, res
     assert res["hostnames_reported"] == ["cycle-0", "cycle-1"] and res["same_weights_on_all_ranks"], res
     assert res["checkpoints_committed"] >= 1, res
-    assert "cycle" in cli(client, "runs", cwd=tmp_path).stdout
+    assert "cycle" in cli(client, "ls", cwd=tmp_path).stdout
     assert "exit" in cli(client, "logs", "cycle", "-n", "5", cwd=tmp_path).stdout
     # the nodes are CC images: the launcher logs in as cc, which has passwordless sudo and was given the work
     # directory; the job's files are cc's; root's key answers "log in as cc" (cloud-init's disable_root)

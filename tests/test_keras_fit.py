@@ -114,7 +114,7 @@ def test_keras_legacy_random_layers_cannot_resume_exactly(cluster2, swift, st_en
 @pytest.mark.slow
 def test_two_resumes_continue_one_step_axis_bit_exactly_and_plot_it(references, cluster2, swift, st_env, tmp_path):
     """The run's metrics are one curve across stops and resumes: the CSV's step axis never restarts, and
-    `appliance runs RUN --plot` draws it with both resumes marked; the second resume, mid-epoch 1, still ends on
+    `appliance ls RUN --plot` draws it with both resumes marked; the second resume, mid-epoch 1, still ends on
     the uninterrupted run's weights."""
     from appliance.checkpoint import runs
     from appliance.flows import plot_run

@@ -197,14 +197,14 @@ def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path, monkey
     c.update(node_hours={"spent": 8.25, "booked": 4.0, "limit": 20.0, "deadline": "2026-12-24 12:00"},
              estimate={"step": 242, "total_steps": 1000, "steps_per_s": 0.5, "eta": 1796000000, "lease_ends_ahead": 2})
     c.record("lease extended", lease_id="L1", end="2026-12-01T14:00:00Z")
-    r = CliRunner().invoke(main, ["runs", "mc"])
+    r = CliRunner().invoke(main, ["ls", "mc"])
     assert r.exit_code == 0, r.output
     assert "managed run mc: running; controller alive on" in r.output
     assert "its credential expires 2027-01-28 07:23 UTC" in r.output
     assert "job j1 started on 2 compute_local at local (n1, n2), lease L1 ends 2026-12-01 10:00" in r.output
     assert "job j1 ended at step 242, for the lease end" in r.output
     assert "handover: 10.4s to the first step: lease 1.5s, boot 6.0s" in r.output
-    assert "node-hours: 8.2 spent, 4.0 booked ahead, limit 20 (7.8 left); deadline 2026-12-24 12:00 UTC" in r.output
+    assert "leased node-hours: 8.2 spent, 4.0 booked ahead, limit 20 (7.8 left); deadline 2026-12-24 12:00 UTC" in r.output
     assert "steps: 242 of 1000 (24%); at 0.50 steps/s it should finish about 2026-11-30 " in r.output
     assert "2 lease end(s) ahead" in r.output and "lease L1 extended to 2026-12-01T14:00" in r.output
     # the list shows the run by its controller's word: its job stopped for the lease end, the run goes on
@@ -215,7 +215,7 @@ def test_the_timeline_shows_each_job_its_lease_and_how_it_ended(tmp_path, monkey
     assert format_progress({"estimate": {"step": 1000, "total_steps": 1000, "steps_per_s": 0.5, "eta": 1}}) == [
         "  steps: 1000 of 1000 (100%), done"]
     c.close("finished")
-    r = CliRunner().invoke(main, ["runs", "mc", "--json"])
+    r = CliRunner().invoke(main, ["ls", "mc", "--json"])
     tl = json.loads(r.output)["timeline"]
     assert tl["status"] == "finished" and not tl["controller_alive"]
     assert [r["status"] for r in runs.list_runs() if r["run"] == "mc"] == ["finished"]

@@ -1,5 +1,5 @@
 """A resume's downtime, phase by phase (issue 16 goal 5): computed from the marks of flows.resume, lifecycle.up and
-the job, kept in the run record, shown by `appliance resume` and `appliance runs RUN`.
+the job, kept in the run record, shown by `appliance resume` and `appliance ls RUN`.
 
 Fast tier. The e2e lease-end test (tests/test_checkpoint.py::
 test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact) checks the same on a real resume: a new
@@ -82,7 +82,7 @@ def test_runs_RUN_shows_each_job_and_a_resumes_downtime(tmp_path, monkeypatch):
                    {"job_id": "r-1", "status": "stopped", "nodes": 2, "first_step": 0, "last_step": 300},
                    {"job_id": "r-2", "status": "running", "nodes": 2}]})
     runs.record_resume("r", "r-2", down)
-    out = CliRunner().invoke(main, ["runs", "r"])
+    out = CliRunner().invoke(main, ["ls", "r"])
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
     assert lines[0].startswith("run r: complete, step 900, last checkpoint step-000000900")
@@ -90,7 +90,7 @@ def test_runs_RUN_shows_each_job_and_a_resumes_downtime(tmp_path, monkeypatch):
     assert lines[3] == ("    downtime 80.6s to the first step: find checkpoint 0.4s, lease 20.0s, boot 25.0s, "
                         "ssh + contextualize 14.0s, cluster (other) 0.2s, stage checkpoint 2.0s, job setup 2.0s, "
                         "horovod start 12.0s, restore 3.0s, first step 2.0s")
-    js = json.loads(CliRunner().invoke(main, ["runs", "r", "--json"]).output)
+    js = json.loads(CliRunner().invoke(main, ["ls", "r", "--json"]).output)
     assert js["jobs"][1]["resume_breakdown"] == down
-    bad = CliRunner().invoke(main, ["runs", "nope"])
+    bad = CliRunner().invoke(main, ["ls", "nope"])
     assert bad.exit_code == 1 and "no record of run 'nope'" in bad.output and "Traceback" not in bad.output

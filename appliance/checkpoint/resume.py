@@ -1,4 +1,4 @@
-"""The checkpoint steps of `appliance resume RUN` (the workflow itself is flows.resume) and `appliance runs`.
+"""The checkpoint steps of `appliance resume RUN` (the workflow itself is flows.resume) and `appliance ls`.
 
 resume: the run's spec (from its run record, or the copy saved next to its checkpoints, or ``--spec``) ->
 the newest committed checkpoint that verifies against its manifest (older ones if not, saying so) -> a
@@ -74,7 +74,7 @@ def find_spec(run: str, spec_path: str | None = None, url: str | None = None, cr
         os.replace(tmp, path)
         return dataclasses.replace(spec, path=str(path))
     raise ApplianceError(f"no record of run {run!r} on this machine", f"give its spec: `appliance resume {run} "
-                         "--spec SPEC.yaml` (see `appliance runs`)")
+                         "--spec SPEC.yaml` (see `appliance ls`)")
 
 
 def choose_checkpoint(spec: Spec, cs: CheckpointStore | None):

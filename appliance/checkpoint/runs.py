@@ -1,7 +1,7 @@
 """Run records: ~/.appliance/runs/RUN/run.json, one per run, updated by every job of the run.
 
 A run is a spec's ``name``; it may span several jobs (the first, then each `appliance resume`), several leases
-and clusters. The record keeps what `appliance runs` shows: status, step, last committed checkpoint, the
+and clusters. The record keeps what `appliance ls` shows: status, step, last committed checkpoint, the
 spec, and node-hours used vs lost (lost = node time spent after the last commit of a job that then failed,
 i.e. work that has to be redone).
 """
@@ -106,7 +106,7 @@ def job_not_started(run: str, job_id: str, launcher: str) -> None:
 
 
 def mark_managed(spec: Spec) -> None:
-    """The run has a controller (`appliance run`): `appliance runs RUN` reads its timeline from the store."""
+    """The run has a controller (`appliance run`): `appliance ls RUN` reads its timeline from the store."""
     with _updating(spec.name):
         rec = load(spec.name) or _new(spec)
         rec["managed"] = True
@@ -118,7 +118,7 @@ def mark_managed(spec: Spec) -> None:
 
 def mark_status(run: str, status: str, controller: str | None = None) -> None:
     """A managed run's status, as its controller (``controller``: its id, host:pid:...) last said it (running,
-    handover, parked, finished, limit, cancelled, ...): what `appliance runs` shows for it, rather than its last
+    handover, parked, finished, limit, cancelled, ...): what `appliance ls` shows for it, rather than its last
     job's (a job that stopped for its lease's end is not a run that stopped)."""
     with _updating(run):
         rec = load(run)
@@ -128,7 +128,7 @@ def mark_status(run: str, status: str, controller: str | None = None) -> None:
 
 
 class RunStatus(StrEnum):
-    """A managed run's status, as its controller says it (its state in the store, `appliance runs`); the first four
+    """A managed run's status, as its controller says it (its state in the store, `appliance ls`); the first four
     while a controller runs it (GOING), the others once the run has ended."""
 
     STARTING = "starting"  # the controller holds the run, no job yet
@@ -226,7 +226,7 @@ def _job_end(rec: dict, cluster: Cluster, res) -> None:
 
 
 def record_resume(run: str, job_id: str, breakdown: dict) -> None:
-    """Keep a resume's downtime, phase by phase, with its job (`appliance runs RUN` shows it)."""
+    """Keep a resume's downtime, phase by phase, with its job (`appliance ls RUN` shows it)."""
     with _updating(run):
         rec = load(run)
         job = next((j for j in (rec or {}).get("jobs", []) if j["job_id"] == job_id), None)
@@ -236,7 +236,7 @@ def record_resume(run: str, job_id: str, breakdown: dict) -> None:
 
 
 def run_details(run: str) -> dict | None:
-    """`appliance runs RUN`: the summary row and every job (steps, status, a resume's downtime)."""
+    """`appliance ls RUN`: the summary row and every job (steps, status, a resume's downtime)."""
     rec = load(run)
     if rec is None:
         return None
@@ -268,7 +268,7 @@ def list_runs() -> list[dict]:
 
 
 def summarize(rec: dict) -> dict:
-    """The row `appliance runs` shows."""
+    """The row `appliance ls` shows."""
     now = time.time()
     last = rec.get("last_checkpoint") or {}
     age = now - last["committed_at"] if last.get("committed_at") else None

@@ -29,7 +29,33 @@ def _messages(err: bool = False, quiet: bool = False):
     return report.to(None if quiet else (lambda m: click.echo(m, err=True)) if err else click.echo)
 
 
+# `appliance --help` lists the verbs by what they are for, each with its whole first sentence
+SECTIONS = (
+    ("Before a lease", ("check", "bench", "doctor")),
+    ("Runs longer than a lease (a controller leases again at each end)", ("run", "ls", "cancel", "logs")),
+    ("One cluster, by hand", ("up", "status", "stage", "train", "resume", "down", "adopt")),
+    ("Data, leases and images at a site", ("data", "lease", "image")),
+    ("This machine: the local cloud and the testbed", ("cloud", "testbed")),
+)
+EXIT_CODES = ("Exit codes: 0 done; 1 an error of the cloud, the store or the job (one line: `error: WHAT (fix: HOW)`); "
+              "2 a bad spec or bad arguments; 75 the job stopped before a lease end with a checkpoint (`appliance "
+              "resume RUN` continues it); `train` and `resume` exit with the job's own code when it fails.")
+
+
 class _Group(click.Group):
+    def format_commands(self, ctx, formatter):
+        if ctx.parent is not None:  # a group under main (data, lease, ...): click's plain list
+            return super().format_commands(ctx, formatter)
+        cmds = {n: c for n in self.list_commands(ctx) if (c := self.get_command(ctx, n)) is not None and not c.hidden}
+        listed = {n for _, names in SECTIONS for n in names}
+        for title, names in SECTIONS + (("Other", tuple(n for n in cmds if n not in listed)),):
+            rows = [(n, cmds[n].get_short_help_str(limit=200)) for n in names if n in cmds]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+        formatter.write_paragraph()
+        formatter.write_text(EXIT_CODES)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -64,6 +90,7 @@ def main(debug):
     Longer than a lease, with nobody at its end: `appliance run examples/digits.yaml`.
     Without any cloud: `appliance testbed up --nodes 2`, then `appliance train SPEC`.
     Before spending a lease: `appliance bench SPEC` (throughput, scaling); is a node ready: `appliance doctor`.
+    Your own script on Chameleon, from a laptop: docs/quickstart.md, with examples/chameleon.yaml.
     """
     if not debug:  # the clients' own warnings (keystoneauth's version discovery) before our one-line error
         import logging
@@ -87,6 +114,8 @@ def _default_cloud() -> str:
 _cloud_opt = click.option("--cloud", "cloud_kind", type=click.Choice(["chameleon", "local"]), default=None,
                           help="Default: chameleon if OS_CLOUD or OS_AUTH_URL is set, else local.")
 _site_opt = click.option("--site", default=None, help="Chameleon site (region), e.g. CHI@UC or CHI@TACC.")
+_json_opt = click.option("--json", "as_json", is_flag=True,
+                         help="Print the result as JSON: stdout holds only the JSON (messages go to stderr).")
 
 
 
@@ -105,4 +134,5 @@ def _cluster_name(name_or_spec: str) -> str:
 
 
 from . import infra, runs, steps  # noqa: E402,F401 - each registers its verbs on main
+main.add_command(runs.runs_alias, "runs")  # noqa: E402 - the old name of `ls`, kept for scripts; hidden from help
 from .views import _report, format_breakdown, format_progress, format_summary, format_timeline  # noqa: E402,F401

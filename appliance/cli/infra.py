@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from . import _cloud_opt, _default_cloud, _json_out, _messages, _site_opt, main
+from . import _cloud_opt, _json_opt, _default_cloud, _json_out, _messages, _site_opt, main
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def testbed_up(nodes, slots, name, mode, as_json):
 
 @testbed.command("down")
 @click.option("--name", default="tb", show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def testbed_down(name, as_json):
     """Remove the testbed: its processes (by PID), namespaces, bridge and state. Safe to repeat."""
     from .. import flows
@@ -60,7 +60,7 @@ def testbed_down(name, as_json):
 
 @testbed.command("status")
 @click.option("--name", default="tb", show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def testbed_status(name, as_json):
     """Show the testbed's nodes, addresses and whether each sshd answers. Exit 1 if a node is down."""
     from .. import flows
@@ -136,7 +136,7 @@ def cloud_stop():
 
 @cloud.command("status")
 @click.option("--site", default=None, metavar="SITE", help="CHI@local (the default) or CHI@local2.")
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def cloud_status(site, as_json):
     """Whether the local cloud runs, where, and its clock. Exit 1 if it is not running."""
     from .. import flows
@@ -174,7 +174,7 @@ def _print_lease(d: dict) -> None:
 @lease.command("create")
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--start", default="now", show_default=True, help="'now' or 'YYYY-MM-DD HH:MM' (UTC).")
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def lease_create(spec, start, as_json):
     """Reserve the spec's nodes (nodes.count x nodes.node_type) for lease.duration."""
     from .. import flows
@@ -188,7 +188,7 @@ def lease_create(spec, start, as_json):
 @click.argument("lease_id")
 @_cloud_opt
 @_site_opt
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def lease_show(lease_id, cloud_kind, site, as_json):
     """Status, dates, time left and the reservation id of one lease."""
     from .. import flows
@@ -201,7 +201,7 @@ def lease_show(lease_id, cloud_kind, site, as_json):
 @lease.command("list")
 @_cloud_opt
 @_site_opt
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def lease_list(cloud_kind, site, as_json):
     """Your leases on the site."""
     from .. import flows
@@ -223,7 +223,7 @@ def lease_list(cloud_kind, site, as_json):
 @click.option("--to", "to", default=None, help="New end 'YYYY-MM-DD HH:MM' (UTC).")
 @_cloud_opt
 @_site_opt
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def lease_extend(lease_id, by, to, cloud_kind, site, as_json):
     """Move the lease's end (an absolute end date is sent). Refused outside the 48 h window, with when it opens."""
     from .. import flows
@@ -268,7 +268,7 @@ def image():
               help="Default: from the file name (.qcow2, .raw/.img).")
 @_cloud_opt
 @_site_opt
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def image_upload_cmd(path, name, disk_format, cloud_kind, site, as_json):
     """Upload a built image to the site's Glance (private). Re-running with the same file is a no-op."""
     from .. import flows
@@ -287,7 +287,7 @@ def image_upload_cmd(path, name, disk_format, cloud_kind, site, as_json):
 @click.option("--python", "python", default=None, help="The venv's Python to check (default: this one).")
 @click.option("--etc", default=None, help="The node's appliance config dir (default: $APPLIANCE_ETC or /etc/appliance).")
 @click.option("--no-allreduce", is_flag=True, help="Skip the 2-rank horovodrun allreduce (~10 s).")
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def doctor_cmd(cluster, python, etc, no_allreduce, as_json):
     """Is this node (or every node of a cluster) ready to train? One line per check, with the fix.
 

@@ -1,6 +1,8 @@
-"""`appliance run|runs|logs|resume|cancel`: a run across its jobs and leases."""
+"""`appliance run|ls|logs|resume|cancel`: a run across its jobs and leases."""
 
 from __future__ import annotations
+
+import copy
 
 import click
 
@@ -82,7 +84,7 @@ def run_cmd(spec, max_restarts, foreground, plan, run_for, as_json):
     Keystone application credential of its own, made here and deleted at the run's end,
     not yours. Its state is in the object store beside the checkpoints, so from any
     machine with the credentials:
-      appliance runs RUN [--url URL]     the run, lease by lease, handovers and downtime,
+      appliance ls RUN [--url URL]     the run, lease by lease, handovers and downtime,
                                          node-hours, the estimated finish
       appliance logs RUN -f [--url URL]  the job's output
       appliance cancel RUN [--url URL]   stop: a checkpoint, then the cluster goes
@@ -114,7 +116,7 @@ def run_cmd(spec, max_restarts, foreground, plan, run_for, as_json):
         own = d.get("credential")
         click.echo(f"  its credential: its own ({own['credential'][:8]}, expires {own['expires']} UTC), deleted at the "
                    "run's end" if own else "  its credential: yours (Keystone would not make it one)")
-        click.echo(f"  watch: appliance runs {d['run']}   |   appliance logs {d['run']} -f")
+        click.echo(f"  watch: appliance ls {d['run']}   |   appliance logs {d['run']} -f")
         click.echo(f"  stop:  appliance cancel {d['run']}")
         return
     with _messages(err=as_json):
@@ -144,7 +146,7 @@ def cancel_cmd(run, url, cloud_kind, site, as_json):
         _json_out(d)
     else:
         click.echo(f"run {run}: asked its controller ({d['host']} pid {d['pid']}) to cancel it: the job stops with a "
-                   "checkpoint and the cluster goes (`appliance runs RUN` shows when)".replace("RUN", run))
+                   "checkpoint and the cluster goes (`appliance ls RUN` shows when)".replace("RUN", run))
 
 
 @main.command("resume")
@@ -178,7 +180,7 @@ def resume_cmd(run, spec_path, cluster, nodes, url, cloud_kind, site, as_json):
 
 
 
-@main.command("runs")
+@main.command("ls")
 @click.argument("run", required=False)
 @click.option("--plot", "plot_png", is_flag=False, flag_value="", default=None, metavar="[PNG]",
               help="With RUN: draw its loss/accuracy over the global step, every job on one axis, resumes marked "
@@ -189,24 +191,29 @@ def resume_cmd(run, spec_path, cluster, nodes, url, cloud_kind, site, as_json):
 @_site_opt
 @click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
 def runs_cmd(run, plot_png, url, cloud_kind, site, as_json):
-    """List runs: status, step, last committed checkpoint and its age, lease time left, node-hours.
+    """List runs (RUN: one run in detail): status, step, last checkpoint, lease left, node-hours.
 
     \b
     status: running | stopped (resumable: `appliance resume RUN`) | complete | failed; a managed run
     (`appliance run`) shows its controller's: running | handover | parked | finished | limit | cancelled |
     stopped | failed, or "no controller" when this machine's controller was killed mid-run (`appliance run SPEC`
     again takes it over)
-    node-hours lost: node time spent after the last commit of a job that then failed.
-    `appliance runs RUN` lists the run's jobs, and for each resume its downtime by phase (lease, boot,
+    Two meters, on two clocks:
+      training node-hours (TRAIN NODE-H): nodes x the wall time of the run's jobs, by this machine's clock;
+      lost: the part of it after the last commit of a job that then failed (redone on resume);
+      leased node-hours (a managed run, `appliance ls RUN`): nodes x the time of every lease the run holds,
+      by the cloud's clock, "spent" so far and "booked ahead": what Chameleon charges, in SUs = node-hours x the
+      node type's su_factor (`appliance run SPEC --plan` shows it), and what limits.node_hours caps.
+    `appliance ls RUN` lists the run's jobs, and for each resume its downtime by phase (lease, boot,
     SSH + contextualize, staging, Horovod start, restore, first step); for a managed run
     (`appliance run`), its controller and timeline: each lease, job and handover.
-    `appliance runs RUN --plot` draws the run's metrics from its newest committed checkpoint.
+    `appliance ls RUN --plot` draws the run's metrics from its newest committed checkpoint.
     """
     from ..flows import list_runs, plot_run
 
     if plot_png is not None:
         if not run:
-            raise click.UsageError("--plot needs a RUN: `appliance runs RUN --plot`")
+            raise click.UsageError("--plot needs a RUN: `appliance ls RUN --plot`")
         d = plot_run(run, plot_png or None)
         if as_json:
             _json_out(d)
@@ -223,7 +230,7 @@ def runs_cmd(run, plot_png, url, cloud_kind, site, as_json):
         tl = _timeline(run, url, cloud_kind, site) if url or (d and d.get("managed")) else None
         if d is None and tl is None:
             raise ApplianceError(f"no record of run {run!r} on this machine",
-                                 "`appliance runs` lists the runs; `--url URL` reads a managed run's from its store")
+                                 "`appliance ls` lists the runs; `--url URL` reads a managed run's from its store")
         if as_json:
             _json_out({**(d or {"run": run}), **({"timeline": tl} if tl is not None else {})})
             return
@@ -232,7 +239,7 @@ def runs_cmd(run, plot_png, url, cloud_kind, site, as_json):
         if d is None:
             return
         click.echo(f"run {d['run']}: {d['status']}, step {d['step']}, last checkpoint {d['last_checkpoint'] or '-'}, "
-                   f"{d['node_hours_used']:.3f} node-hours used, {d['node_hours_lost']:.3f} lost")
+                   f"{d['node_hours_used']:.3f} training node-hours, {d['node_hours_lost']:.3f} lost")
         for i, j in enumerate(d["jobs"], 1):
             steps = f"steps {j.get('first_step') or 0}..{j['last_step'] if j.get('last_step') is not None else '?'}"
             click.echo(f"  job {i} {j['job_id']}: {j.get('status')}, {steps} on {j.get('nodes')} node(s)"
@@ -255,11 +262,15 @@ def runs_cmd(run, plot_png, url, cloud_kind, site, as_json):
         return f"{v}s" if v < 120 else (f"{v // 60}m" if v < 7200 else f"{v // 3600}h{(v % 3600) // 60:02d}m")
 
     click.echo(f"{'RUN':<20} {'STATUS':<9} {'STEP':>7} {'CHECKPOINT':<16} {'AGE':>6} {'LEASE LEFT':>10} "
-               f"{'NODE-H USED':>11} {'LOST':>6}")
+               f"{'TRAIN NODE-H':>12} {'LOST':>6}")
     for r in rows:
         click.echo(f"{r['run']:<20} {r['status']:<9} {r['step']:>7} {r['last_checkpoint'] or '-':<16} "
-                   f"{age(r['checkpoint_age_s']):>6} {age(r['lease_left_s']):>10} {r['node_hours_used']:>11.3f} "
+                   f"{age(r['checkpoint_age_s']):>6} {age(r['lease_left_s']):>10} {r['node_hours_used']:>12.3f} "
                    f"{r['node_hours_lost']:>6.3f}")
+
+
+runs_alias = copy.copy(runs_cmd)  # `appliance runs`: the name `ls` had, one letter from `run` (cli/__init__.py)
+runs_alias.hidden = True
 
 
 def _timeline(run: str, url, cloud_kind, site) -> dict | None:

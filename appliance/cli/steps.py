@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from . import _cloud_opt, _cluster_name, _default_cloud, _json_out, _messages, _site_opt, main
+from . import _cloud_opt, _json_opt, _cluster_name, _default_cloud, _json_out, _messages, _site_opt, main
 from .views import _report
 
 
@@ -20,7 +20,7 @@ from .views import _report
               help="With --install: default gpu for gpu_* node types, else cpu.")
 @click.option("--wheel-cache", default=None, help="With --install: where built wheels are cached "
               "(default swift://appliance-wheels/).")
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def up_cmd(spec, lease_id, install, variant, wheel_cache, as_json):
     """Lease -> servers on the reservation -> floating IP on the head -> pinned host keys -> SSH -> contextualize.
 
@@ -47,7 +47,7 @@ def up_cmd(spec, lease_id, install, variant, wheel_cache, as_json):
 @click.option("--key-name", default=None, help="The key pair the stack was launched with.")
 @click.option("--key-file", default=None, help="Its private key here (default ~/.ssh/id_ed25519, then id_rsa).")
 @click.option("--slots", type=int, default=1, show_default=True, help="Horovod ranks per node (GPUs per node).")
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def adopt_cmd(stack, cloud_kind, site, key_name, key_file, slots, as_json):
     """Take over a cluster launched from heat-templates/horovod-cluster.yaml (e.g. in Horizon).
 
@@ -68,7 +68,7 @@ def adopt_cmd(stack, cloud_kind, site, key_name, key_file, slots, as_json):
 
 @main.command("status")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def status_cmd(name, as_json):
     """Lease time left, nodes and addresses of a cluster (NAME, or the SPEC that made it)."""
     from .. import flows
@@ -89,7 +89,8 @@ def status_cmd(name, as_json):
 @main.command("down")
 @click.argument("name")
 @click.option("--yes", is_flag=True, help="Do not ask.")
-def down_cmd(name, yes):
+@_json_opt
+def down_cmd(name, yes, as_json):
     """Delete a cluster's servers, release its floating IP, delete its lease (NAME, or its SPEC)."""
     from .. import flows
 
@@ -105,7 +106,10 @@ def down_cmd(name, yes):
                       abort=True)
     elif busy:
         click.echo(f"warning: {busy[2:]}", err=True)
-    flows.down(cname)
+    with _messages(err=as_json):
+        done = flows.down(cname)
+    if as_json:
+        _json_out({"cluster": cname, "deleted": done})
 
 
 
@@ -117,7 +121,7 @@ def down_cmd(name, yes):
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--online", is_flag=True,
               help="Also ask the object store: the dataset URL names objects, checkpoint.url is reachable.")
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def check_spec(spec, online, as_json):
     """Validate a run spec before a lease is paid for; print it as the appliance understands it.
 
@@ -204,7 +208,8 @@ def data():
 @_site_opt
 @click.option("--segment-size", default=5 * 1024**3, show_default=True,
               help="Bytes; larger files become SLOs of segments this size (Swift caps one object at 5 GiB).")
-def data_upload(src, url, cloud_kind, site, segment_size):
+@_json_opt
+def data_upload(src, url, cloud_kind, site, segment_size, as_json):
     """Upload a file or a directory tree to URL/<relative path>.
 
     \b
@@ -212,7 +217,11 @@ def data_upload(src, url, cloud_kind, site, segment_size):
     """
     from .. import flows
 
-    flows.data_upload(src, url, cloud=cloud_kind or _default_cloud(), site_name=site, segment_size=segment_size)
+    with _messages(err=as_json):
+        n = flows.data_upload(src, url, cloud=cloud_kind or _default_cloud(), site_name=site,
+                              segment_size=segment_size)
+    if as_json:
+        _json_out({"url": url, "files": n})
 
 
 @data.command("pack")
@@ -244,7 +253,7 @@ def data_pack(src, url, shard_size, fmt, cloud_kind, site, as_json):
 @click.argument("url")
 @_cloud_opt
 @_site_opt
-@click.option("--json", "as_json", is_flag=True)
+@_json_opt
 def data_ls(url, cloud_kind, site, as_json):
     """List objects under URL (every page: no 10,000-name cap)."""
     from .. import flows
@@ -263,8 +272,9 @@ def data_ls(url, cloud_kind, site, as_json):
 @click.argument("url")
 @_cloud_opt
 @_site_opt
-@click.option("--yes", is_flag=True)
-def data_rm(url, cloud_kind, site, yes):
+@click.option("--yes", is_flag=True, help="Do not ask.")
+@_json_opt
+def data_rm(url, cloud_kind, site, yes, as_json):
     """Delete every object under URL (SLO segments too)."""
     from .. import flows
 
@@ -272,7 +282,7 @@ def data_rm(url, cloud_kind, site, yes):
         click.confirm(f"delete every object under {url}?", abort=True)
     with _messages(err=True):
         n = flows.data_remove(url, cloud=cloud_kind or _default_cloud(), site_name=site)
-    click.echo(f"deleted {n} object(s)")
+    _json_out({"url": url, "deleted": n}) if as_json else click.echo(f"deleted {n} object(s)")
 
 
 @main.command("train")

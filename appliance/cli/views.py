@@ -93,7 +93,7 @@ def format_progress(tl: dict) -> list[str]:
     if nh:
         limit = nh.get("limit")
         left = f", limit {limit:g} ({max(0.0, limit - nh['spent'] - nh['booked']):.1f} left)" if limit else ""
-        out.append(f"  node-hours: {nh['spent']:.1f} spent, {nh['booked']:.1f} booked ahead{left}"
+        out.append(f"  leased node-hours: {nh['spent']:.1f} spent, {nh['booked']:.1f} booked ahead{left}"
                    + (f"; deadline {nh['deadline']} UTC" if nh.get("deadline") else ""))
     if est.get("step") is not None:
         of = f" of {est['total_steps']} ({100 * est['step'] / est['total_steps']:.0f}%)" if est.get("total_steps") else ""

@@ -474,7 +474,7 @@ def synced_files(ctx: RunContext) -> dict | None:
 
 
 def plot_run(run: str, path: str | None = None, *, spec_path: str | None = None) -> dict:
-    """`appliance runs RUN --plot`: the run's metrics from its newest committed checkpoint (one CSV across every
+    """`appliance ls RUN --plot`: the run's metrics from its newest committed checkpoint (one CSV across every
     job of the run) as a PNG, with the jobs' resume steps marked."""
     from ..checkpoint import plot, runs
 

@@ -220,7 +220,7 @@ class Control:
         if self.lost:  # another controller holds the run and writes its state now: this one's is not written
             log.info(f"[run] (not in the run's state: another controller holds it) {event} {fields}")
             return
-        if state is not None:  # `appliance runs` on this machine lists the run by its controller's word
+        if state is not None:  # `appliance ls` on this machine lists the run by its controller's word
             try:
                 runs.mark_status(self.run, state, self.id)
             except OSError as e:
@@ -333,7 +333,7 @@ def gone_here(controller_id: str) -> bool:
 def busy(run: str, holder: dict) -> ApplianceError:
     age = time.time() - float(holder.get("heartbeat", 0))
     return ApplianceError(f"run {run} already has a controller: {holder.get('cluster')} pid {holder.get('head')}, "
-                          f"alive {age:.0f}s ago", f"watch it with `appliance runs {run}`, stop it with `appliance "
+                          f"alive {age:.0f}s ago", f"watch it with `appliance ls {run}`, stop it with `appliance "
                           f"cancel {run}`; a controller that is gone is taken over {float(holder.get('ttl', TTL)):.0f}s"
                           " after its last heartbeat")
 
@@ -355,7 +355,7 @@ def read_logs(c: Control, run: str, *, lines: int, follow: bool, out: Callable[[
     metas = [o.name for o in c.cs.store.list(c.cs.prefix + "logs/") if o.name.endswith(".json")]
     if not metas:
         raise ApplianceError(f"run {run} has no job output in its store", "a managed run's controller puts its "
-                             "newest job's output there as it runs (`appliance run`); `appliance runs RUN` shows it")
+                             "newest job's output there as it runs (`appliance run`); `appliance ls RUN` shows it")
     newest = max((c.cs.read_json(m[len(c.cs.prefix):]) for m in metas), key=lambda m: m.get("at", 0))
     job, printed = newest["job_id"], None
     out(f"[appliance] job {job}: its output as the run's controller shipped it to the store")

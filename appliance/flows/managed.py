@@ -8,7 +8,7 @@ machine needs in the object store beside the run's checkpoints, ``URL/RUN/contro
   one controller per run; a second `appliance run SPEC` is refused while the first renews it; a controller that is
   gone (its machine off) is taken over once its heartbeat is older than the lock's ttl (at once on the machine that
   ran it, which can see its process is gone);
-- ``state.json``: what the run did, lease by lease (the timeline `appliance runs RUN` shows, from any machine);
+- ``state.json``: what the run did, lease by lease (the timeline `appliance ls RUN` shows, from any machine);
 - ``cancel.json``: `appliance cancel RUN` asks the controller that holds the lock to stop the run: its job stops
   with a checkpoint at the next step and the run's cluster goes (its lease with it).
 
@@ -160,7 +160,7 @@ class _Run:
 
     def job_ended(self, res: JobResult) -> None:
         """The run's pace and progress (steps made per second of training, the newest step of its total: the
-        estimated finish `appliance runs RUN` shows), and its node-hours so far; beside the handover, not before
+        estimated finish `appliance ls RUN` shows), and its node-hours so far; beside the handover, not before
         it (the store and the cloud are read)."""
         made, wall = steps_made(res), res.wall_s or 0.0
         meta = newest_meta(self.ctx)
@@ -553,7 +553,7 @@ def _control_of(run: str, url: str | None, cloud: str, site_name: str | None) ->
     flows = _flows()
     spec = find_spec(run, None, url, creds=flows.data_creds(url, cloud, site_name) if url else None)
     if not spec.checkpoint.url:
-        raise ApplianceError(f"run {run} has no checkpoint.url: it has no controller", "`appliance runs` lists runs")
+        raise ApplianceError(f"run {run} has no checkpoint.url: it has no controller", "`appliance ls` lists runs")
     return Control(spec, flows.RunContext.of(spec).creds(spec.checkpoint.url))
 
 
@@ -563,7 +563,7 @@ def cancel(run: str, *, url: str | None = None, cloud: str = "local", site_name:
     holder = c.lock.read()
     if holder is None or not c.lock.alive(holder, ended=gone_here):
         raise ApplianceError(f"run {run} has no live controller, so nothing to cancel", "a job started with "
-                             "`appliance train` stops with Ctrl-C there; `appliance runs` shows the run")
+                             "`appliance train` stops with Ctrl-C there; `appliance ls` shows the run")
     req = {"controller": holder["job_id"], "at": time.time(), "by": socket.gethostname()}
     c.cs.put_text("cancel.json", json.dumps(req), tempfile.gettempdir())
     return {"run": run, "controller": holder["job_id"], "host": holder.get("cluster"), "pid": holder.get("head")}

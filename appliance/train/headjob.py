@@ -159,7 +159,7 @@ def job_log(cluster: Cluster, run: str, *, job_id: str | None = None, lines: int
         job_id = job_id or newest_job(session.head, rd)
         if job_id is None:
             raise ApplianceError(f"no job output of run {run!r} on {cluster.head.name} (in {rd})",
-                                 "check the run's name and cluster (`appliance runs`, `appliance status`)")
+                                 "check the run's name and cluster (`appliance ls`, `appliance status`)")
         out_file, rc_file, pid_file = (shlex.quote(f) for f in job_files(rd, job_id))
         cmd = f"tail -n {f'-{lines}' if lines > 0 else '+1'} {out_file}"
         if follow:  # without a PID file (a job from before jobs recorded it): what is there
