@@ -542,9 +542,39 @@ def test_the_first_step_of_every_epoch_checks_for_a_stop(monkeypatch, tmp_path):
         ck.epoch = epoch
         for batch in range(50):
             ck.after_step(batch, {})
-    assert checked[:20] == list(range(1, 21))  # calibration: every step, then every 100th
+    assert checked[:6] == [1, 2, 4, 8, 16, 20]  # calibration: a few checks, then every 100th
     assert 51 in checked and 101 in checked, checked
-    assert len(checked) == 22
+    assert len(checked) == 8
+
+
+def test_the_first_steps_after_a_start_hold_few_collectives_and_a_stop_waits_at_most_as_long_as_they_ran(
+        monkeypatch, tmp_path):
+    """Keras times the first 5 batches of a fit against the callbacks' time and warns that they are slow (tf_keras
+    callbacks.py `_check_timing`): an allreduce at each of them, on a model whose batch takes milliseconds, was most
+    of the appliance's part of that warning. A stop asked during the calibration lands within as many steps as had
+    run; the stop-at:N test hook still lands exactly at N."""
+    ck, checked = _stop_checker(monkeypatch, tmp_path)
+    ck.epoch = 0
+    for batch in range(5):
+        ck.after_step(batch, {})
+    assert checked == [1, 2, 4]
+    ck.after_step(5, {})  # step 6
+    ck.stop_file.write_text("{}")
+    stopped = []
+    ck._stop_now = lambda: stopped.append(ck.step)
+    for batch in range(6, 20):
+        ck.after_step(batch, {})
+        if stopped:
+            break
+    assert stopped == [8]
+    ck2, checked2 = _stop_checker(monkeypatch, tmp_path / "x")
+    ck2.epoch, ck2._fault = 0, "stop-at:5"
+    ck2._stop_now = lambda: stopped.append(("hook", ck2.step))
+    for batch in range(6):
+        ck2.after_step(batch, {})
+        if len(stopped) > 1:
+            break
+    assert stopped[1] == ("hook", 5) and checked2 == [1, 2, 4, 5]
 
 
 def test_the_loop_checks_between_two_fits_and_saves_there(monkeypatch, tmp_path):

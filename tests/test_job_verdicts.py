@@ -353,3 +353,19 @@ def test_a_head_gone_with_its_lease_is_not_connected_to_again(monkeypatch):
     with pytest.raises(headjob._NodesGone, match="node-1 is gone with its lease"):
         headjob._reconnect(cluster, [SimpleNamespace(gone=lambda: True)], lambda m: None, 300)
     assert not tried
+
+
+def test_tensorflows_harmless_nodedef_line_is_not_shown_and_the_rest_is(tmp_path):
+    """TensorFlow 2.18 logs at error level, on every rank using tf.data with op determinism, that a rewritten node
+    has an attribute its op lacks ("Unknown attributes will be ignored"): the launcher does not show it (issue 61)."""
+    from appliance.train.launch import _Lines, _Output
+    from appliance.train.watch import Watch
+
+    shown = []
+    out = _Output(tmp_path / "job.log", shown.append)
+    lines = _Lines(Watch.__new__(Watch), [], out, ["node1"])
+    tf_line = ("2026-12-02 06:55:13.031803: E tensorflow/core/framework/node_def_util.cc:676] NodeDef mentions "
+               "attribute use_unbounded_threadpool which is not in the op definition: Op<name=MapDataset; ...>")
+    lines("stdout", f"[0]<stderr>:{tf_line}")
+    lines("stdout", "[0]<stdout>:epoch 1/3 loss=0.5")
+    assert shown == ["[0|node1] epoch 1/3 loss=0.5"]

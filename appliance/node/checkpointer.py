@@ -221,8 +221,8 @@ class Checkpointer(Uploads, Metrics):
 
     def _collective_stop(self, epoch_start: bool = False) -> tuple[bool, bool]:
         """(stop, save) agreed by all ranks: one allreduce (max of 0/1 flags) at agreed steps. The first
-        CALIBRATION steps after a start check every step while rank 0 times them; at the last of them the ranks
-        agree (the same allreduce carries rank 0's answer) on K, the number of steps per ``check_seconds``; from
+        CALIBRATION steps after a start check 1, 2, 4, 8 and 16 steps in, while rank 0 times them; at the last of
+        them the ranks agree (the same allreduce carries rank 0's answer) on K, the steps per ``check_seconds``; from
         then on every K-th step checks. Every rank reaches the same decision at the same step, and the check costs
         one tiny allreduce per half second (its cost per call: bench/results/ckpt.md); a stop waits 0.25 s for it
         on average. The first step of every epoch checks too (``epoch_start``): K steps are timed in the middle of an
@@ -237,7 +237,13 @@ class Checkpointer(Uploads, Metrics):
         if s == self._calib_from + 3 and self.rank == 0:
             self._t_calib = time.monotonic()
         if s < self._calib_at:
-            pass
+            # checks 1, 2, 4, 8 and 16 steps after the start: a stop asked meanwhile waits at most as many steps as
+            # have run, in a few collectives, so a fast model's first steps are not slowed (Keras times them). The
+            # stop-at:N test hook lands its stop exactly at N on every rank, as it asks.
+            since = s - self._calib_from
+            if since & (since - 1) and not epoch_start and self._fault != f"stop-at:{s}":
+                self._checked_at = -1
+                return False, False
         elif s == self._calib_at:
             k = 0
             if self.rank == 0:
@@ -374,7 +380,8 @@ class Checkpointer(Uploads, Metrics):
         epoch_start = self._checked_epoch != self.epoch  # the same on every rank: they run the same epochs
         self._checked_epoch = self.epoch
         stop, timed = self._collective_stop(epoch_start)
-        if self.rank == 0 and (self._checked_at == self.step or stop):  # about once per check interval
+        # about once per check interval, from the end of the calibration (the first summary costs a trace)
+        if self.rank == 0 and ((self._checked_at == self.step and self.step >= self._calib_at) or stop):
             self._log_metrics(logs or {}, every=1)
         due = (self.every_steps and self.step % self.every_steps == 0) or timed  # the same on every rank
         if due and not stop:

@@ -22,6 +22,17 @@ RANK_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 EXIT_LINE = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
 
 
+# Lines of a rank's output that say nothing about the job and are not shown (the job's log on the head node keeps
+# them; docs/troubleshooting.md says which and why): TensorFlow 2.18's error-level note, on every rank that uses
+# tf.data with op determinism on, that a rewritten dataset node carries an attribute its op does not define
+# (tensorflow core/framework/node_def_util.cc: "Unknown attributes will be ignored").
+HIDDEN = re.compile(r"NodeDef mentions attribute use_unbounded_threadpool which is not in the op definition")
+
+
+def hidden(text: str) -> bool:
+    return HIDDEN.search(text) is not None
+
+
 def who(rank: int, rank_hosts: list[str]) -> str:
     """How a rank's output lines are prefixed: ``[rank|host]``."""
     return f"[{rank}|{rank_hosts[rank] if rank < len(rank_hosts) else '?'}]"
@@ -171,7 +182,7 @@ def job_log(cluster: Cluster, run: str, *, job_id: str | None = None, lines: int
             m = RANK_LINE.match(line)
             if m is None:
                 out(f"[horovodrun] {line}")
-            elif parse(m.group(3), (Line.RANK_EXIT,)) is None:
+            elif parse(m.group(3), (Line.RANK_EXIT,)) is None and not hidden(m.group(3)):
                 rank = int(m.group(1))
                 out(f"{who(rank, hosts)} {m.group(3)}")
 

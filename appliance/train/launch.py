@@ -39,7 +39,7 @@ from ..provision.contextualize import contextualize
 from ..remote import ConnectionLost, Remote, Session
 from ..spec import Spec
 from .headjob import (EXIT_LINE, RANK_LINE, RUN_BUSY, _Connection, _Head, check_run_free, code_dir, code_files,
-                      detached_command, follow, locked_command, run_dir, who)
+                      detached_command, follow, hidden, locked_command, run_dir, who)
 from .watch import COLLATERAL, Watch
 
 
@@ -241,6 +241,8 @@ class _Lines:
             self.watch.own_exit(rank, int(x[1]))
             return
         if any(h.rank_line(rank, text) for h in self.hooks):
+            return
+        if hidden(text):
             return
         if COLLATERAL.search(text):
             self.watch.collateral.add(rank)

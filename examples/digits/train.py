@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 import tensorflow as tf
+import horovod.tensorflow as hvd_tf
 import horovod.tensorflow.keras as hvd
 
 from appliance.checkpoint.keras import Checkpointer
@@ -112,8 +113,10 @@ def main():
     lr = args.lr * ckpt.lr_scale  # the number of ranks (Horovod's rule), kept across a resize if the spec says
     opt = hvd.DistributedOptimizer(tf.keras.optimizers.Adam(learning_rate=Warmup(lr, args.warmup_epochs * steps)))
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    # every rank starts from rank 0's weights: broadcast once here, not in a callback at the end of the first batch,
+    # where Keras times it against a batch of this small model and warns that the callbacks are slow
+    hvd_tf.broadcast_variables(model.variables, root_rank=0)
     callbacks = [
-        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
         hvd.callbacks.MetricAverageCallback(),
         ckpt.callback,
     ]
