@@ -148,9 +148,11 @@ heat-template: install
 
 lock:
 	@echo "regenerating requirements.lock from .venv (check the diff)"
-	@# keeps the header comments first and the `# gpu:` block (comments after the packages) last
+	@# keeps the header comments first and the `# gpu:` block (comments after the packages) last; horovod's pin is
+	@# kept as it is (pip freeze names the wheel file it was installed from)
 	{ awk '!/^#/{p=1} /^#/ && !p' requirements.lock; \
-	  $(PIP) freeze --exclude-editable | grep -v -E '^(tensorflow==|appliance)'; \
+	  { $(PIP) freeze --exclude-editable | grep -v -E '^(tensorflow==|appliance|horovod)'; \
+	    grep '^horovod==' requirements.lock; } | sort -f; \
 	  awk '!/^#/{p=1} /^#/ && p' requirements.lock; } > requirements.lock.new
 	mv requirements.lock.new requirements.lock
 

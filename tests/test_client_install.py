@@ -1,9 +1,10 @@
 """The client install: `pip install .` into a fresh venv gives the CLI that drives a cloud (a laptop, a lab server,
 Chameleon's JupyterHub) without TensorFlow, Horovod, Ceph or root; the nodes run the training stack.
 
-The quickstart's path (docs/quickstart.md) is walked with that CLI against the local cloud, which a full install
-started: data upload, check --online, run --plan, up, stage, train, status, runs, logs, down. What `up` and `down`
-do on the cloud is checked as before (the lease's floating IP, the `cc` user, idempotent `up`, nothing left)."""
+The quickstart (docs/quickstart.md, examples/quickstart.ipynb) is run as a notebook, with that CLI, against the
+local cloud that a full install started: check --online, data upload, up, stage, train, ls, logs, down, lease list.
+What `up` and `down` do on the cloud is checked in between (the lease's floating IP, the `cc` user, idempotent
+`up`, nothing left)."""
 
 import json
 import os
@@ -69,7 +70,23 @@ def requests(method, pattern):
             if r["method"] == method and re.fullmatch(pattern, r["path"])]
 
 
-def test_the_quickstart_from_a_client_install_lease_up_stage_train_down(client, cloud, tmp_path):
+def _run_cells(nc, cells, start, until=None):
+    """Execute the notebook's cells from ``start`` up to the first whose source contains ``until``; their output."""
+    out = []
+    for i in range(start, len(cells)):
+        if until and until in cells[i].source:
+            return i, "".join(out)
+        nc.execute_cell(cells[i], i)  # a %%bash cell raises on a non-zero exit: the test fails there
+        out += [o.get("text", "") for o in cells[i].get("outputs", []) if o.get("output_type") == "stream"]
+    return len(cells), "".join(out)
+
+
+def test_the_quickstart_notebook_with_the_client_install_lease_up_stage_train_down(client, cloud, tmp_path):
+    """examples/quickstart.ipynb, as a JupyterHub user runs it, its `appliance` the client install's; the
+    parameters a `cloud: local` spec of the same shape as examples/chameleon.yaml."""
+    import nbformat
+    from nbclient import NotebookClient
+
     data = tmp_path / "data"
     data.mkdir()
     (data / "a.txt").write_text("a" * 1000)
@@ -86,47 +103,48 @@ def test_the_quickstart_from_a_client_install_lease_up_stage_train_down(client, 
         dataset: {{source: "swift://cycle-data/v1/", dest: data/cycle}}
         checkpoint: {{url: "swift://cycle-checkpoints/", every_steps: 50}}
         """))
-    up = cli(client, "data", "upload", str(data), "swift://cycle-data/v1/", "--cloud", "local", cwd=tmp_path)
-    assert "at the local cloud CHI@local" in up.stdout + up.stderr
-    ls = json.loads(cli(client, "data", "ls", "swift://cycle-data/v1/", "--cloud", "local", "--json",
-                        cwd=tmp_path).stdout)
-    assert [o["name"] for o in ls] == ["v1/a.txt"]
-    assert "ok" in cli(client, "check", str(spec), "--online", cwd=tmp_path).stdout
-    assert "lease" in cli(client, "run", str(spec), "--plan", "--for", "3h", cwd=tmp_path).stdout
-    cli(client, "up", str(spec), cwd=tmp_path)
-    cl = find_cluster("cycle")
-    assert len(cl.nodes) == 2 and cl.lease_id and cl.reservation_id and cl.floating_ip
-    assert cl.python == sys.executable  # the nodes' stack is the image's (the full install's), not the client's
-    assert cl.nodes[1].via_head  # workers are reached through the head, as on Chameleon
-    fip = os_cloud().conn.network.get_ip(cl.site.fip_id)
-    assert f"reservation:{cl.site.fip_reservation_id}" in fip.tags  # the lease's reserved FIP was used
-    st = json.loads(cli(client, "status", "cycle", "--json", cwd=tmp_path).stdout)
-    assert st["lease_status"] == "ACTIVE" and [n["state"] for n in st["nodes"]] == ["ACTIVE", "ACTIVE"]
-    assert st["seconds_left"] > 3600
-    cli(client, "stage", str(spec), cwd=tmp_path)
-    res = json.loads(cli(client, "train", str(spec), "--json", cwd=tmp_path).stdout)
-    assert res["exit_code"] == 0, res
-    assert res["hostnames_reported"] == ["cycle-0", "cycle-1"] and res["same_weights_on_all_ranks"], res
-    assert res["checkpoints_committed"] >= 1, res
-    assert "cycle" in cli(client, "ls", cwd=tmp_path).stdout
-    assert "exit" in cli(client, "logs", "cycle", "-n", "5", cwd=tmp_path).stdout
-    # the nodes are CC images: the launcher logs in as cc, which has passwordless sudo and was given the work
-    # directory; the job's files are cc's; root's key answers "log in as cc" (cloud-init's disable_root)
-    from appliance.remote import Session
-    with Session(cl) as s:
-        wd = cl.nodes[1].workdir
-        r = s[cl.nodes[1].name].run(f"id -un; sudo -n id -u; stat -c %U {wd}; find {wd} ! -user cc | head -3",
-                                    check=True)
-    assert r.out.split() == ["cc", "0", "cc"], r.out
-    r = testbed.node_exec(localcloud.testbed_name(), cl.nodes[0].name, "cat /root/.ssh/authorized_keys")
-    assert r.stdout.startswith('no-port-forwarding,no-agent-forwarding,no-X11-forwarding,command="echo '
-                               '\'Please login as the user \\"cc\\" rather than the user \\"root\\".\'')
-    # idempotent: a second `up` creates nothing new
-    before = len(requests("POST", r"/compute/v2.1/servers"))
-    cli(client, "up", str(spec), cwd=tmp_path)
-    assert len(requests("POST", r"/compute/v2.1/servers")) == before
-    assert len(requests("POST", r"/reservation/v1/leases")) >= 1
-    cli(client, "down", "cycle", "--yes", cwd=tmp_path)
+    nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
+    nb.cells = [c for c in nb.cells if "install" not in c.metadata.get("tags", [])]  # the client is installed
+    params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1
+    params[0].source = f"%env SPEC={spec}\n%env RUN=cycle\n%env DATA_DIR={data}\n%env DATA_URL=swift://cycle-data/v1/"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OS_", "PYTHON"))}
+    env["PATH"] = f"{client / 'bin'}:{env['PATH']}"
+    nc = NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    with nc.setup_kernel(env=env):
+        at, shown = _run_cells(nc, nb.cells, 0, until="appliance down")
+        assert "at the local cloud CHI@local" in shown, shown[-2000:]  # the site the data went to, said
+        assert "1 object(s), 1000 bytes" in shown and "ok: run 'cycle'" in shown, shown[-2000:]
+        assert "[0|cycle-0]" in shown and "cycle" in shown, shown[-2000:]  # the job's output, then `ls`
+        cl = find_cluster("cycle")
+        assert len(cl.nodes) == 2 and cl.lease_id and cl.reservation_id and cl.floating_ip
+        assert cl.python == sys.executable  # the nodes' stack is the image's (the full install's), not the client's
+        assert cl.nodes[1].via_head  # workers are reached through the head, as on Chameleon
+        fip = os_cloud().conn.network.get_ip(cl.site.fip_id)
+        assert f"reservation:{cl.site.fip_reservation_id}" in fip.tags  # the lease's reserved FIP was used
+        st = json.loads(cli(client, "status", "cycle", "--json", cwd=tmp_path).stdout)
+        assert st["lease_status"] == "ACTIVE" and [n["state"] for n in st["nodes"]] == ["ACTIVE", "ACTIVE"]
+        assert st["seconds_left"] > 3600
+        runs = json.loads(cli(client, "ls", "cycle", "--json", cwd=tmp_path).stdout)
+        assert runs["status"] == "complete" and runs["last_checkpoint"], runs
+        # the nodes are CC images: the launcher logs in as cc, which has passwordless sudo and was given the work
+        # directory; the job's files are cc's; root's key answers "log in as cc" (cloud-init's disable_root)
+        from appliance.remote import Session
+        with Session(cl) as s:
+            wd = cl.nodes[1].workdir
+            r = s[cl.nodes[1].name].run(f"id -un; sudo -n id -u; stat -c %U {wd}; find {wd} ! -user cc | head -3",
+                                        check=True)
+        assert r.out.split() == ["cc", "0", "cc"], r.out
+        r = testbed.node_exec(localcloud.testbed_name(), cl.nodes[0].name, "cat /root/.ssh/authorized_keys")
+        assert r.stdout.startswith('no-port-forwarding,no-agent-forwarding,no-X11-forwarding,command="echo '
+                                   '\'Please login as the user \\"cc\\" rather than the user \\"root\\".\'')
+        # idempotent: a second `up` creates nothing new
+        before = len(requests("POST", r"/compute/v2.1/servers"))
+        cli(client, "up", str(spec), cwd=tmp_path)
+        assert len(requests("POST", r"/compute/v2.1/servers")) == before
+        assert len(requests("POST", r"/reservation/v1/leases")) >= 1
+        _, shown = _run_cells(nc, nb.cells, at)
+    assert "leases at the local cloud CHI@local" in shown and "cycle" not in shown.split("leases at")[1], shown
     assert find_cluster("cycle") is None
     c = os_cloud()
     assert c.get_lease(cl.lease_id) is None
@@ -135,5 +153,4 @@ def test_the_quickstart_from_a_client_install_lease_up_stage_train_down(client, 
         if srv is not None:
             c.conn.compute.wait_for_delete(srv, interval=0.1, wait=120)
     assert not [n for n in (testbed.load(localcloud.testbed_name()).nodes) if n.name.startswith("cycle-")]
-    assert "cycle" not in cli(client, "lease", "list", "--cloud", "local", cwd=tmp_path).stdout
     cli(client, "down", "cycle", "--yes", cwd=tmp_path)  # idempotent

@@ -380,8 +380,7 @@ class Checkpointer(Uploads, Metrics):
         epoch_start = self._checked_epoch != self.epoch  # the same on every rank: they run the same epochs
         self._checked_epoch = self.epoch
         stop, timed = self._collective_stop(epoch_start)
-        # about once per check interval, from the end of the calibration (the first summary costs a trace)
-        if self.rank == 0 and ((self._checked_at == self.step and self.step >= self._calib_at) or stop):
+        if self.rank == 0 and (self._checked_at == self.step or stop):  # about once per check interval
             self._log_metrics(logs or {}, every=1)
         due = (self.every_steps and self.step % self.every_steps == 0) or timed  # the same on every rank
         if due and not stop:
