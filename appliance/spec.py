@@ -95,6 +95,7 @@ class Train:
     code: str = "."  # directory copied to every node (relative to the spec file)
     env: dict[str, str] = field(default_factory=dict)  # extra variables for the ranks
     start_timeout: int = 60  # seconds horovodrun waits for all ranks to start
+    requirements: str | None = None  # a pip requirements file in `code`, installed on every node before the job
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,10 @@ def _semantic_checks(spec: Spec) -> None:
     deadline_of(spec)
     if not spec.train.command.strip():
         raise SpecError("train.command: is empty", "give the command every rank runs, e.g. python train.py")
+    req = spec.train.requirements
+    if req is not None and (req.startswith("/") or not all(DEST_PART_RE.fullmatch(x) for x in req.split("/"))):
+        raise SpecError(f"train.requirements: {req!r} must be a file in train.code, named relative to it",
+                        "e.g. requirements: requirements.txt")
     if spec.train.start_timeout < 1:
         raise SpecError("train.start_timeout: must be at least 1 second", "set e.g. train.start_timeout: 60")
     for k in spec.train.env:

@@ -83,6 +83,8 @@ def test_defaults_fill_in():
     ({**GOOD, "nodes": {"alternatives": [{"node_type": "x", "zone": "a"}]}}, "nodes.alternatives[0].zone",
      "unknown key"),
     ({**GOOD, "lease": {"wait": "forever"}}, "lease.wait", "not a duration"),
+    ({**GOOD, "train": {"command": "x", "requirements": "../reqs.txt"}}, "train.requirements", "file in train.code"),
+    ({**GOOD, "train": {"command": "x", "requirements": "/etc/passwd"}}, "train.requirements", "file in train.code"),
     (["not", "a", "mapping"], "spec", "expected a mapping"),
 ])
 def test_bad_specs_name_the_field_and_the_fix(data, field, words):
@@ -126,3 +128,16 @@ def test_cli_check_ok():
     r = CliRunner().invoke(main, ["check", str(ROOT / "examples" / "digits.yaml")])
     assert r.exit_code == 0, r.output
     assert "2 rank(s)" in r.stdout
+
+
+def test_check_finds_a_requirements_file_that_is_not_in_the_code(tmp_path):
+    from appliance import flows
+
+    (tmp_path / "code").mkdir()
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: r\ntrain: {code: code, command: python t.py, requirements: requirements.txt}\n")
+    with pytest.raises(SpecError) as e:
+        flows.check(str(spec))
+    assert "train.requirements: no file requirements.txt" in str(e.value)
+    (tmp_path / "code" / "requirements.txt").write_text("tabulate\n")
+    assert flows.check(str(spec)).train.requirements == "requirements.txt"

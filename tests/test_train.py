@@ -1,5 +1,6 @@
 """Real Horovod jobs over SSH across testbed nodes: the digits example, failures, the rank environment."""
 
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -8,6 +9,7 @@ import pytest
 
 from appliance import testbed
 from appliance.cluster import from_testbed
+from appliance.errors import ApplianceError
 from appliance.provision.contextualize import cluster_key, contextualize
 from appliance.remote import Session
 from appliance.spec import load_spec
@@ -195,3 +197,48 @@ def test_a_second_job_of_the_same_run_is_refused_and_the_first_goes_on(cluster2,
     # and once it ended, the run is free again
     assert train(load_spec(write_spec(tmp_path, "python loop.py --steps 20", code=jobs_dir, name="twice")),
                  cluster2, out=lambda line: None).exit_code == 0
+
+
+def _wheel(path: Path, name: str, version: str, source: str) -> Path:
+    """A pure-Python wheel, as pip builds one (PEP 427), made by hand: no build step and no index needed."""
+    import zipfile
+
+    whl = path / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": source,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(whl, "w") as z:
+        for f, text in files.items():
+            z.writestr(f, text)
+    return whl
+
+
+def test_the_scripts_own_packages_are_installed_on_every_node_beside_the_stack(cluster2, tmp_path):
+    """Issue 61: train.requirements, pip-installed on every node before the job (here from a wheel shipped with the
+    code: the testbed has no index), importable by every rank; the stack's own versions are kept: a requirement that
+    would change numpy fails before the job, in one line naming the node."""
+    code = tmp_path / "code"
+    code.mkdir()
+    _wheel(code, "mypkg", "0.1", "VALUE = 'from the requirements'\n")
+    (code / "requirements.txt").write_text("--no-index\n--find-links .\nmypkg==0.1\n")
+    (code / "job.py").write_text(textwrap.dedent("""\
+        import json, os
+        import mypkg
+        print("APPLIANCE_RESULT " + json.dumps({"rank": int(os.environ["HOROVOD_RANK"]), "mypkg": mypkg.VALUE,
+              "from": os.path.dirname(mypkg.__file__)}), flush=True)
+        """))
+    spec = load_spec(write_spec(tmp_path, "python job.py", code=code, name="pkgs",
+                                extra="  requirements: requirements.txt\n"))
+    lines = []
+    res = train(spec, cluster2, out=lines.append)
+    assert res.exit_code == 0, "\n".join(lines[-30:])
+    assert {r: v["mypkg"] for r, v in res.results.items()} == {0: "from the requirements", 1: "from the requirements"}
+    assert all("/appliance/runs/pkgs/packages/" in v["from"] for v in res.results.values()), res.results
+    assert any("installed the packages of requirements.txt on 2 node(s)" in x for x in lines), lines[-20:]
+    (code / "requirements.txt").write_text("--no-index\n--find-links .\nmypkg==0.1\nnumpy==1.0\n")
+    with pytest.raises(ApplianceError) as e:
+        train(load_spec(spec.path), cluster2, out=lines.append)
+    msg = str(e.value)
+    assert msg.startswith("train.requirements: requirements.txt did not install on node") and "\n" not in msg, msg

@@ -134,6 +134,10 @@ def check(spec_path: str) -> Spec:
         pack_code(spec.code_dir)
     except ApplianceError as e:
         raise SpecError(f"train.code: {e.message}", e.fix) from None
+    req = spec.train.requirements
+    if req and not (spec.code_dir / req).is_file():
+        raise SpecError(f"train.requirements: no file {req} in {spec.code_dir}",
+                        "write the script's packages there, one per line as pip reads them, or remove the field")
     return spec
 
 

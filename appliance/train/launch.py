@@ -40,6 +40,7 @@ from ..remote import ConnectionLost, Remote, Session
 from ..spec import Spec
 from .headjob import (EXIT_LINE, RANK_LINE, RUN_BUSY, _Connection, _Head, check_run_free, code_dir, code_files,
                       detached_command, follow, hidden, locked_command, run_dir, who)
+from . import packages
 from .watch import COLLATERAL, Watch
 
 
@@ -136,7 +137,7 @@ def _probe_head(head: Remote, python: str) -> str:
 
 
 def horovodrun_command(cluster: Cluster, spec: Spec, *, job_id: str, nic: str, pkg_dir: str,
-                       extra_env: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
+                       extra_env: dict[str, str] | None = None, site: str | None = None) -> tuple[str, dict[str, str]]:
     """The shell command run on the head node, and the exact environment horovodrun gets."""
     head = cluster.head
     venv_bin = str(Path(cluster.python).parent)
@@ -147,7 +148,7 @@ def horovodrun_command(cluster: Cluster, spec: Spec, *, job_id: str, nic: str, p
         Env.RUN: spec.name,
         Env.RUN_DIR: run_dir(cluster, spec.name),
         Env.WORKDIR: head.workdir,
-        "PYTHONPATH": f"{pkg_dir}/node/shim",
+        "PYTHONPATH": f"{pkg_dir}/node/shim" + (f":{site}" if site else ""),  # site: train.requirements
     })
     if spec.dataset is not None:
         env_extra[Env.DATA_DIR] = f"{head.workdir}/{spec.dataset.dest}"
@@ -275,10 +276,12 @@ def _prepare(spec: Spec, cluster: Cluster, session: Session, ctx: JobContext, ho
         if ctx.restore:
             env_more[Env.RESTORE] = ctx.restore
         env_more.update(extra_env or {})
-        cmd, _env = horovodrun_command(cluster, spec, job_id=ctx.job_id, nic=nic, pkg_dir=pkg_dir,
-                                       extra_env=env_more)
         session.each(lambda r: r.put_dir(spec.code_dir, cdir))
         ctx.say(f"[appliance] copied {spec.code_dir} to {cdir} on {len(cluster.nodes)} node(s)")
+        site = packages.install(session, cluster.python, cdir, spec.train.requirements, f"{rd}/packages",
+                                ctx.say) if spec.train.requirements else None
+        cmd, _env = horovodrun_command(cluster, spec, job_id=ctx.job_id, nic=nic, pkg_dir=pkg_dir,
+                                       extra_env=env_more, site=site)
         session.head.run(f"cat > {shlex.quote(code_list)}", stdin=json.dumps(code_files(spec.code_dir)).encode(),
                          check=True)
     except BaseException:  # the job never starts: what the hooks set up goes
