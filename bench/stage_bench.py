@@ -144,6 +144,18 @@ def store_bytes(args) -> int:
     return (small + large + medium + up) * 3 // 2 + (1 << 30)
 
 
+def memory_problem(need: int, meminfo: str, headroom: int = 4 << 30) -> str | None:
+    """Why a memstore of ``need`` bytes does not fit this machine (/proc/meminfo's MemAvailable, less ``headroom``
+    for the stager, the peers and the page cache the runs read through), or None. Past it the kernel kills the OSD
+    mid-run and every later store call waits on a store that is gone."""
+    kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in meminfo.splitlines() if ":" in line)}
+    avail = kib.get("MemAvailable", kib.get("MemTotal", 0)) * 1024
+    if need + headroom <= avail:
+        return None
+    return (f"the Ceph RGW store would hold up to {need / 2**30:.1f} GiB in memory (memstore) and this machine has "
+            f"{avail / 2**30:.1f} GiB available ({headroom >> 30} GiB of it kept for the runs)")
+
+
 def seed_ours(sw, args) -> None:
     """The large-ours dataset: ``args.large`` objects of ``args.large_size`` random bytes, put as `appliance data
     upload` puts them (SwiftStore.put: one PUT each, its ETag checked, its CRC_META written)."""
@@ -372,6 +384,10 @@ def main() -> None:
     work, out, tv = Path(args.work), Path(args.out), Path(args.tools_venv)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
+    why = memory_problem(store_bytes(args), Path("/proc/meminfo").read_text()) if args.store == "rgw" else None
+    if why:
+        sys.exit(f"bench-stage: {why} (fix: fewer or smaller datasets, e.g. ARGS='--datasets small,large "
+                 f"--large-size {64 << 20}', or STORE=swift, which keeps them on disk)")
     sw = (SwiftServer(work / "swift", proxy_workers=2) if args.store == "swift" else
           RGWServer(work / "rgw", memstore_bytes=store_bytes(args), tls=args.tls)).start()
     os.environ.update(ca_env(sw))  # the seeding's clients (swiftclient, boto3, SwiftStore) trust it too

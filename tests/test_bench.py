@@ -119,3 +119,20 @@ def test_bench_on_one_and_two_nodes(cluster2, tmp_path):
                   out=lines.append)
     assert ov["samples_per_s"]["appliance"][0] > 0 and ov["samples_per_s"]["bare"][0] > 0
     assert ov["ratio"] == pytest.approx(ov["best"]["appliance"] / ov["best"]["bare"], rel=1e-3)
+
+
+def test_bench_stage_refuses_a_memstore_larger_than_the_machine():
+    """Issue 62: `make bench-stage STORE=rgw` sized its in-memory store past a 24 GB machine's memory; the kernel
+    killed the OSD mid-run and the checkpoint upload after it waited 20+ minutes. It now says so before it starts."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        sb = importlib.import_module("stage_bench")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    meminfo = "MemTotal:       24000000 kB\nMemFree:  1000 kB\nMemAvailable:   20000000 kB\n"
+    assert sb.memory_problem(8 << 30, meminfo) is None
+    why = sb.memory_problem(int(19.4 * 2**30), meminfo)
+    assert why and "19.4 GiB in memory" in why and "19.1 GiB available" in why, why
