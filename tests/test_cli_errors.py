@@ -219,10 +219,15 @@ def test_logs_of_a_run_whose_nodes_are_gone_show_this_machines_copy(appliance_ho
     d = paths.home() / "runs" / "gonelog"
     (d / "gonelog-20261125T050000-1.log").write_text("[0|n1] epoch 1\n[0|n1] epoch 2\n[appliance] job ended\n")
     said = []
+    from click.testing import CliRunner
+
+    from appliance.cli import main
     try:
         assert flows.logs("gonelog", lines=2, out=said.append) == "gonelog-20261125T050000-1"
+        js = json.loads(CliRunner().invoke(main, ["logs", "gonelog", "-n", "1", "--json"]).stdout)
     finally:
         shutil.rmtree(d)
+    assert js["run"] == "gonelog" and js["lines"][-1] == "[appliance] job ended", js
     assert said[0].startswith("[appliance] not from the head node (no cluster named 'gonelog'): this machine's copy")
     assert said[1:] == ["[0|n1] epoch 2", "[appliance] job ended"]
 

@@ -35,7 +35,7 @@ def test_every_json_option_is_documented():
 
 def test_the_verbs_that_act_or_list_have_json():
     want = {("down",), ("data", "upload"), ("data", "rm"), ("data", "ls"), ("ls",), ("lease", "list"), ("up",),
-            ("check",), ("run",), ("cancel",)}
+            ("check",), ("run",), ("cancel",), ("logs",)}
     has = {path for path, cmd in _commands(main) if any("--json" in getattr(p, "opts", ()) for p in cmd.params)}
     assert want <= has, want - has
 

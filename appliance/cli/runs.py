@@ -7,7 +7,7 @@ import copy
 import click
 
 from ..errors import ApplianceError
-from . import _cloud_opt, _default_cloud, _json_out, _messages, _site_opt, main
+from . import _cloud_opt, _default_cloud, _json_opt, _json_out, _messages, _site_opt, main
 from .views import _report, format_breakdown, format_timeline
 
 
@@ -21,7 +21,8 @@ from .views import _report, format_breakdown, format_timeline
               "machine.")
 @_cloud_opt
 @_site_opt
-def logs_cmd(run, cluster, lines, follow, url, cloud_kind, site):
+@_json_opt
+def logs_cmd(run, cluster, lines, follow, url, cloud_kind, site, as_json):
     """The output of RUN's newest job, read from the head node.
 
     \b
@@ -40,11 +41,17 @@ def logs_cmd(run, cluster, lines, follow, url, cloud_kind, site):
     """
     from .. import flows
 
+    if as_json and follow:
+        raise click.UsageError("--json prints the lines at hand; it cannot --follow")
+    shown: list[str] = []
     try:
-        flows.logs(run, cluster, lines=lines, follow=follow, out=click.echo, url=url,
-                   cloud=cloud_kind or _default_cloud(), site_name=site)
+        with _messages(err=as_json):
+            flows.logs(run, cluster, lines=lines, follow=follow, out=shown.append if as_json else click.echo, url=url,
+                       cloud=cloud_kind or _default_cloud(), site_name=site)
     except KeyboardInterrupt:
         click.echo("stopped following; the job goes on", err=True)
+    if as_json:
+        _json_out({"run": run, "lines": shown})
 
 
 
