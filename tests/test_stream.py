@@ -1,0 +1,131 @@
+"""Stream mode's reader (appliance/node/stream.py), without TensorFlow or a store: the order is the seed's and the
+epoch's alone, a reader started at a position yields exactly what an uninterrupted one would have after it, the
+cache never holds more than its capacity, a shard is read only once its MD5 matches, a missing shard is named."""
+
+import io
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from appliance.errors import ApplianceError
+from appliance.node.stream import Position, ShardCache, epoch_order, rank_share, read_epochs
+
+
+def packed(d: Path, n_shards: int, per_shard: int) -> dict:
+    """tar shards as `appliance data pack` writes them (WebDataset: members sharing a key are a sample)."""
+    import hashlib
+
+    d.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for s in range(n_shards):
+        name = f"shard-{s:06d}.tar"
+        with tarfile.open(d / name, "w") as t:
+            for k in range(per_shard):
+                for ext, data in (("txt", f"sample {s}/{k}".encode()), ("cls", str(k % 3).encode())):
+                    info = tarfile.TarInfo(f"{s:03d}{k:03d}.{ext}")
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
+        shards.append({"name": name, "size": (d / name).stat().st_size,
+                       "md5": hashlib.md5((d / name).read_bytes()).hexdigest(), "samples": per_shard})
+    return {"format": "tar", "shards": shards}
+
+
+def copier(src: Path, calls=None):
+    def fetch(name, dest):
+        if calls is not None:
+            calls.append(name)
+        shutil.copyfile(src / name, dest)
+    return fetch
+
+
+def read(index, src, tmp, *, rank=0, world=1, start=Position(), epochs=2, capacity=1 << 30, **kw):
+    return [(p, key) for p, key, _ in read_epochs(index, seed=7, rank=rank, world=world, start=start, epochs=epochs,
+                                                  root=tmp / f"cache-{rank}", fetch=copier(src), capacity=capacity, **kw)]
+
+
+def test_the_order_is_the_seeds_and_the_epochs_and_the_ranks_share_it():
+    a, b = epoch_order(7, 0, 10), epoch_order(7, 0, 10)
+    assert a == b and sorted(a) == list(range(10)) and epoch_order(7, 1, 10) != a and epoch_order(8, 0, 10) != a
+    shares = [rank_share(a, r, 3) for r in range(3)]
+    assert sorted(sum(shares, [])) == sorted(a[:9]) and {len(x) for x in shares} == {3}
+
+
+def test_the_ranks_read_every_shard_of_an_epoch_once(tmp_path):
+    index = packed(tmp_path / "src", 6, 4)
+    seen = [read(index, tmp_path / "src", tmp_path, rank=r, world=2, epochs=1) for r in range(2)]
+    keys = [k for s in seen for _, k in s]
+    assert len(keys) == 24 == len(set(keys))
+    assert seen[0][-1][0] == Position(1, 0, 0)  # the end of an epoch is the next one's start
+
+
+def test_a_reader_started_at_any_position_continues_exactly(tmp_path):
+    index = packed(tmp_path / "src", 5, 3)
+    whole = read(index, tmp_path / "src", tmp_path, rank=1, world=2, epochs=3)
+    assert len(whole) == 3 * 2 * 3  # 3 epochs x 2 shards of rank 1 x 3 samples
+    for cut in [0, 1, 2, 3, 5, 6, 11, len(whole) - 1]:
+        pos = whole[cut][0]
+        assert len(repr(pos.as_dict())) < 1024 and Position.of(pos.as_dict()) == pos
+        rest = read(index, tmp_path / "src", tmp_path / f"r{cut}", rank=1, world=2, epochs=3, start=pos)
+        assert [k for _, k in rest] == [k for _, k in whole[cut + 1:]], cut
+
+
+def test_the_cache_holds_at_most_its_capacity_and_releases_what_was_read(tmp_path):
+    index = packed(tmp_path / "src", 8, 5)
+    size = max(s["size"] for s in index["shards"])
+    cache = ShardCache(index["shards"], tmp_path / "c", copier(tmp_path / "src"), capacity=2 * size)
+    try:
+        for i in range(8):
+            path = cache.get(i)
+            assert len(list((tmp_path / "c").glob("*.tar"))) <= 2
+            assert path.exists()
+            cache.release(i)
+            assert not path.exists()
+        assert cache.peak <= 2 * size and cache.stats.fetched == 8
+        assert cache.stats.ready + cache.stats.stalls == 8
+    finally:
+        cache.close()
+    with pytest.raises(ApplianceError, match="larger than the stream cache"):
+        ShardCache(index["shards"], tmp_path / "c2", copier(tmp_path / "src"), capacity=size - 1)
+
+
+def test_a_shard_whose_bytes_do_not_match_is_fetched_again_and_never_read(tmp_path):
+    index = packed(tmp_path / "src", 2, 3)
+    bad = {"n": 1}
+
+    def flaky(name, dest):
+        shutil.copyfile(tmp_path / "src" / name, dest)
+        if bad["n"]:
+            bad["n"] -= 1
+            with open(dest, "r+b") as fh:
+                fh.seek(600)
+                fh.write(b"X")
+    cache = ShardCache(index["shards"], tmp_path / "c", flaky, capacity=1 << 30)
+    try:
+        assert cache.get(0).read_bytes() == (tmp_path / "src" / index["shards"][0]["name"]).read_bytes()
+        assert cache.stats.refetched == 1
+    finally:
+        cache.close()
+
+
+def test_a_shard_missing_from_the_store_is_one_error_naming_it(tmp_path):
+    index = packed(tmp_path / "src", 3, 2)
+    gone = index["shards"][epoch_order(7, 0, 3)[1]]["name"]
+    (tmp_path / "src" / gone).unlink()
+    with pytest.raises(ApplianceError, match=f"shard {gone} is in index.json but not in the store"):
+        read(index, tmp_path / "src", tmp_path, epochs=1)
+
+
+def test_a_full_cache_waits_for_the_reader_and_never_fails(tmp_path):
+    index = packed(tmp_path / "src", 6, 2)
+    size = max(s["size"] for s in index["shards"])
+    calls = []
+    cache = ShardCache(index["shards"], tmp_path / "c", copier(tmp_path / "src", calls), capacity=size)
+    try:
+        cache.get(0)  # the fetcher now waits on a full cache: the second shard is not fetched while the first is held
+        assert calls == [index["shards"][0]["name"]]
+        cache.release(0)
+        assert cache.get(1).exists()
+    finally:
+        cache.close()
