@@ -11,33 +11,15 @@ Shards are split between Horovod ranks by index (rank r reads shards r, r+size, 
 import json
 import os
 import sys
-import tarfile
 
 import tensorflow as tf
+
+from appliance.node.stream import tar_samples  # (key, {ext: bytes}) of one WebDataset tar shard
 
 
 def read_index(data_dir):
     with open(os.path.join(data_dir, "index.json")) as fh:
         return json.load(fh)
-
-
-def _tar_samples(path):
-    """Yield (key, {ext: bytes}) from one WebDataset tar shard, in order."""
-    key, parts = None, {}
-    with tarfile.open(path) as tf_:
-        for m in tf_:
-            if not m.isfile():
-                continue
-            d, _, base = m.name.rpartition("/")
-            stem, _, ext = base.partition(".")
-            k = f"{d}/{stem}" if d else stem
-            if key is not None and k != key:
-                yield key, parts
-                parts = {}
-            key = k
-            parts[ext] = tf_.extractfile(m).read()
-    if key is not None:
-        yield key, parts
 
 
 def dataset(data_dir, exts, rank=0, size=1):
@@ -51,7 +33,7 @@ def dataset(data_dir, exts, rank=0, size=1):
 
     def gen():
         for path in mine:
-            for key, parts in _tar_samples(path):
+            for key, parts in tar_samples(path):
                 yield {"__key__": key, **{e: parts[e] for e in exts}}
 
     sig = {"__key__": tf.TensorSpec([], tf.string), **{e: tf.TensorSpec([], tf.string) for e in exts}}
