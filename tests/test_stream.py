@@ -129,3 +129,19 @@ def test_a_full_cache_waits_for_the_reader_and_never_fails(tmp_path):
         assert cache.get(1).exists()
     finally:
         cache.close()
+
+
+def test_the_position_behind_a_step_is_known_from_the_seed(tmp_path):
+    """A checkpoint keeps only the step (the Checkpointer's epoch and batch); consumed = batches x batch size maps
+    back to the position the uninterrupted reader had there."""
+    from appliance.node.stream import position_of
+
+    index = packed(tmp_path / "src", 5, 3)
+    whole = read(index, tmp_path / "src", tmp_path, rank=0, world=2, epochs=2)
+    per_epoch = len(whole) // 2
+    for n, (pos, _) in enumerate(whole):
+        epoch, consumed = divmod(n + 1, per_epoch)
+        want = position_of(index, seed=7, rank=0, world=2, epoch=epoch, consumed=consumed)
+        assert Position.of(want.as_dict()) == pos, n
+    with pytest.raises(ApplianceError, match="past rank 0's share"):
+        position_of(index, seed=7, rank=0, world=2, epoch=0, consumed=per_epoch + 1)

@@ -187,6 +187,24 @@ def tar_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
         yield key, parts
 
 
+def position_of(index: dict, *, seed: int, rank: int, world: int, epoch: int, consumed: int) -> Position:
+    """The position after ``consumed`` samples of rank ``rank``'s share of ``epoch``: what a checkpoint after step S
+    of the epoch resumes from, with ``consumed`` = S x the rank's batch size. Training keeps only its step (the
+    Checkpointer's epoch and batch): the order is the seed's, so the samples behind it are known."""
+    shards = index["shards"]
+    mine = rank_share(epoch_order(seed, epoch, len(shards)), rank, world)
+    left = consumed
+    for done, j in enumerate(mine):
+        count = shards[j]["samples"]
+        if left < count:
+            return Position(epoch, done, left)
+        left -= count
+    if left:
+        raise ApplianceError(f"{consumed} samples into epoch {epoch} is past rank {rank}'s share of it",
+                             "the checkpoint is of another dataset, seed or world size")
+    return Position(epoch + 1, 0, 0)
+
+
 def _after(epoch: int, done: int, samples: int, count: int, share: int) -> Position:
     """The position after a sample, normalized: a shard read whole is done, an epoch read whole is the next's start
     (a resume there fetches nothing it has read)."""
