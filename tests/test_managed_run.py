@@ -39,6 +39,7 @@ def scripted(tmp_path, monkeypatch):
         def resume(run, **kw):
             assert run == "mr" and kw.pop("control") is not None
             assert kw.pop("on_ask") is not None  # every lease a resume asks for goes to the run's ledger first
+            assert "spec_path" not in kw and kw["spec"].name == "mr"  # the spec as read at the start, not again
             asked.append(kw)
             return todo.pop(0)
 
@@ -417,7 +418,7 @@ def test_at_the_lease_end_the_run_goes_on_on_the_warm_cluster_and_the_old_one_go
     """The handover's decisions: a next cluster that is ready is resumed on by name (no new lease); the old cluster
     goes; the downtime is on the timeline as warm. One that is not (None) falls back to a new lease."""
     res, asked, downs, _ = _handover_with(monkeypatch, scripted, ready=True)
-    assert res.exit_code == 0 and [{k: v for k, v in kw.items() if k not in ("spec_path", "out")} for kw in asked] \
+    assert res.exit_code == 0 and [{k: v for k, v in kw.items() if k not in ("spec", "out")} for kw in asked] \
         == [{"cluster_name": "mr_h"}] and downs[0] == "mr"  # then, finished, the run's cluster goes (release)
     assert any("goes on on mr_h, up and staged already" in m for m in said)
 

@@ -327,7 +327,8 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
            url: str | None = None, cloud: str = "local", site_name: str | None = None, new_lease: bool = False,
            out: Callable[[str], None] | None = None, control=None, node_type: str | None = None,
-           lease_duration: str | None = None, at_site: str | None = None, on_ask=None) -> JobResult | None:
+           lease_duration: str | None = None, at_site: str | None = None, on_ask=None,
+           spec: Spec | None = None) -> JobResult | None:
     """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
     new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
     what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete.
@@ -336,9 +337,11 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
     managed run's alternative, nodes.alternatives); ``lease_duration``: a new lease's, instead of the spec's (a
     managed run's, cut to its limits); ``at_site``: a new lease's site, instead of the spec's (an alternative at
     another site; the checkpoints stay in the run's own store); ``on_ask``: told of a new lease before Blazar is
-    asked (a managed run's ledger in the store: lifecycle._leased)."""
+    asked (a managed run's ledger in the store: lifecycle._leased); ``spec``: the run's spec as loaded already (a
+    managed run's, read once at its start: the file is not read again mid-run)."""
     t = {"start": time.time()}  # the resume's downtime, phase by phase (resume_breakdown)
-    spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
+    if spec is None:
+        spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
         spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
     if node_type is not None and node_type != spec.nodes.node_type:

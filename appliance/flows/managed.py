@@ -291,7 +291,7 @@ class _Run:
         return RunStatus.STOPPED if (res.stopped or {}).get("committed") else RunStatus.FAILED
 
     def resume(self, **kw) -> JobResult | None:
-        return _flows().resume(self.spec.name, spec_path=self.spec.path, out=self.out, control=self.control,
+        return _flows().resume(self.spec.name, spec=self.spec, out=self.out, control=self.control,
                                on_ask=self.asking, **kw)
 
     def loop(self) -> JobResult | None:
