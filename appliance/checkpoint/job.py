@@ -438,7 +438,7 @@ class JobCheckpoints(JobHooks):
             return None
         if info is None:
             return ""
-        if info.status in ("TERMINATED", "DELETED") or info.end <= now:
+        if info.over(now):
             return f" at {info.end:%Y-%m-%d %H:%M} UTC"
         return None
 
@@ -530,7 +530,7 @@ def lease_over_for(site: Site):
             info, now = at.cloud.lease_at(lease_id)
         except Exception:  # noqa: BLE001 - cannot tell: not over
             return False
-        return info is None or info.status in ("TERMINATED", "DELETED") or info.end <= now
+        return info is None or info.over(now)
     return over
 
 

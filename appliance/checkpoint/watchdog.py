@@ -107,7 +107,7 @@ class LeaseWatch:
         sent = self.clock.monotonic()
         info, date = self.site.cloud.lease_at(self.cluster.lease_id)
         received = self.clock.monotonic()
-        if info is None or info.status in ("TERMINATED", "DELETED", "ERROR"):
+        if info is None or info.unusable:
             return None
         return (info.end - self.clock.read(date, sent, received)).total_seconds() / self.scale, info.end
 

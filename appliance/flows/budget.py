@@ -21,7 +21,6 @@ import threading
 from ..spec import Spec, deadline_of, duration_seconds
 
 FLOOR_S = 1800  # the least lease worth booking, before the stop margins: a bare-metal boot takes 10-20 minutes
-ENDED = ("TERMINATED", "DELETED", "ERROR")
 
 
 def _iso(t: dt.datetime) -> str:
@@ -62,7 +61,7 @@ class Ledger:
         with self._mu:
             for lid, info in seen.items():
                 e = self.leases[lid]
-                if info is None or info.status in ENDED:
+                if info is None or info.unusable:
                     e["closed"], e["closed_at"] = True, _iso(max(now, _at(e["start"])))
                 else:
                     e["start"], e["end"] = _iso(info.start), _iso(info.end)

@@ -108,7 +108,7 @@ class Warm:
                         start=start.isoformat() + "Z" if start else "now")
             while not self._stop.is_set():
                 info = site.cloud.get_lease(booked.lease_id)
-                if info is None or info.status in ("ERROR", "TERMINATED", "DELETED"):
+                if info is None or info.unusable:
                     raise ApplianceError(f"the next lease {booked.lease_id} is {info.status if info else 'gone'}")
                 if info.status == "ACTIVE":
                     break
@@ -162,7 +162,7 @@ class Warm:
                              + max(300.0, 2 * self.poll * site.time_scale()))
         while not self._stop.is_set():
             info = site.cloud.get_lease(lid)
-            if info is None or info.status in ("ERROR", "TERMINATED", "DELETED"):
+            if info is None or info.unusable:
                 raise ApplianceError(f"the current lease {lid} is {info.status if info else 'gone'}")
             self.end = info.end
             early = (info.end - ahead - site.cloud.now()).total_seconds() / site.time_scale()  # real seconds
@@ -261,7 +261,7 @@ def _wait_for_slot(ctx, control, choices: list, fit=None, quiet: bool = False):
     t0 = time.monotonic()
     while True:
         info = site.cloud.get_lease(booked.lease_id)
-        if control.cancel is not None or info is None or info.status in ("ERROR", "TERMINATED", "DELETED"):
+        if control.cancel is not None or info is None or info.unusable:
             lifecycle.down(spec.name, site)
             return None
         if info.status == "ACTIVE":

@@ -17,8 +17,6 @@ from ..errors import ApplianceError
 
 log = report.get(__name__)
 
-ENDED = ("TERMINATED", "DELETED")  # an ERROR lease keeps its hosts (and its charge) until it is deleted
-
 
 class Asked:
     """``on_ask`` for lifecycle.up/book: each lease the run asks for, into the controller's state (written to the
@@ -52,7 +50,7 @@ def reconcile(ctx, control) -> list[str]:
                      "the next controller looks again")
             continue
         for name in names:
-            mine = [x for x in listed if x.name == name and x.status not in ENDED]
+            mine = [x for x in listed if x.name == name and not x.ended]  # an ERROR lease keeps its hosts
             rec = find_cluster(asked[name].get("cluster") or "")
             used = {info.id for info in mine if rec is not None and (rec.lease_id == info.id or not rec.lease_id
                                                                      and rec.site.lease_name == info.name)}

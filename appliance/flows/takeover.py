@@ -36,7 +36,7 @@ def lease_left(ctx, cluster: Cluster) -> float | None:
         info, now = site.cloud.lease_at(str(cluster.lease_id))
     except Exception:  # noqa: BLE001 - cannot tell
         return None
-    if info is None or info.status in ("TERMINATED", "DELETED"):
+    if info is None or info.ended:
         return 0.0
     return (info.end - now).total_seconds()
 

@@ -66,10 +66,10 @@ def _leased(site: Site, spec: Spec, key, *, lease_id: str | None = None, start: 
             log.info(f"the lease of {spec.name} ({info.id}) is in ERROR: deleting it (it holds its hosts), then "
                      "making a new lease")
             c.delete_lease(info.id)
-        elif info is None or info.status in ("TERMINATED", "DELETED"):
+        elif info is None or info.ended:
             log.info(f"the lease of {spec.name} has ended ({info.status if info else 'deleted'}); its servers are "
                      "gone. Making a new lease.")
-        if info is None or info.status in ("TERMINATED", "DELETED", "ERROR"):
+        if info is None or info.unusable:
             delete_cluster(spec.name)
             cluster = None
     if cluster is None:
@@ -145,7 +145,7 @@ def _made_before(c, name: str | None):
     if not name:
         return None
     for info in c.list_leases():
-        if info.name == name and info.status not in ("TERMINATED", "DELETED", "ERROR"):
+        if info.name == name and not info.unusable:
             log.info(f"lease {info.name} ({info.id}) was made by an `up` that did not finish: using it")
             return info
     return None
@@ -495,7 +495,7 @@ def status(name: str, site: Site | None = None) -> dict:
     else:
         out.update(lease_status=info.status, lease_end=info.end.isoformat() + "Z",
                    seconds_left=max(0, int((info.end - now).total_seconds())))
-        if info.status in ("TERMINATED", "DELETED"):
+        if info.ended:
             out["message"] = (f"the lease ended at {fmt_date(info.end)} UTC: every server of it was deleted, "
                               "local disks included. `appliance up SPEC` makes a new lease.")
     # one listing, not a GET per node (find_server: a second request, a listing, for each one gone); no name filter:
@@ -529,7 +529,7 @@ def down(name: str, site: Site | None = None) -> list[str]:
         done.append(f"lease {cluster.lease_id}")
     elif not cluster.lease_id and cluster.site.lease_name:  # asked for, its answer never recorded (or never came)
         for info in c.list_leases():
-            if info.name == cluster.site.lease_name and info.status not in ("TERMINATED", "DELETED") \
+            if info.name == cluster.site.lease_name and not info.ended \
                     and c.delete_lease(info.id):
                 done.append(f"lease {info.id} ({info.name})")
     delete_cluster(name)

@@ -352,7 +352,7 @@ class OpenStackCloud:
                 warned = True
             if info.status == "ACTIVE":
                 return info
-            if info.status in ("TERMINATED", "DELETED"):
+            if info.ended:
                 raise ApplianceError(f"lease {info.name} has ended ({info.status})", "create a new lease")
             if time.monotonic() > deadline:
                 raise ApplianceError(f"lease {info.name} not ACTIVE after {timeout:.0f}s (status {info.status}, "

@@ -197,6 +197,24 @@ class LeaseInfo:
                    degraded=bool(lease.get("degraded")),
                    missing_resources=bool(host and host.get("missing_resources")))
 
+    # Blazar's lease statuses (blazar/status.py LeaseStatus): TERMINATED at its end, DELETED when deleted; a lease
+    # in ERROR keeps its hosts (and its charge) until it is deleted
+    ENDED = ("TERMINATED", "DELETED")
+
+    @property
+    def ended(self) -> bool:
+        """Blazar has ended or deleted it: its servers are gone or going."""
+        return self.status in self.ENDED
+
+    @property
+    def unusable(self) -> bool:
+        """Nothing more can run on it: ended, or in ERROR."""
+        return self.ended or self.status == "ERROR"
+
+    def over(self, now: dt.datetime) -> bool:
+        """Ended, or past its end by the cloud's clock ``now`` (Blazar ends it at its next poll)."""
+        return self.ended or self.end <= now
+
     def as_dict(self) -> dict:
         return {"id": self.id, "name": self.name, "status": self.status, "start": self.start.isoformat() + "Z",
                 "end": self.end.isoformat() + "Z", "reservation_id": self.reservation_id,
