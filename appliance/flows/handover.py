@@ -58,6 +58,18 @@ def overlap_cost(spec) -> float:
     return duration_seconds(spec.lease.overlap) * spec.nodes.count / 3600
 
 
+
+def until_active(site, lease_id: str, stopped, pause):
+    """A booked lease, polled until ACTIVE; returned as last seen when it can no longer start (gone: None; ERROR,
+    ended) or once ``stopped()`` (its status then whatever it was). ``pause()`` waits between polls."""
+    info = None
+    while not stopped():
+        info = site.cloud.get_lease(lease_id)
+        if info is None or info.unusable or info.status == "ACTIVE":
+            return info
+        pause()
+    return info
+
 class Warm:
     """The next cluster of a run, made while the job trains on ``current``. ``ctx``: the run's RunContext;
     ``record``: the controller's timeline (Control.record); ``stage``: flows.stage_to_nodes; ``up``: lifecycle.up
@@ -106,15 +118,11 @@ class Warm:
             self.record("next lease", cluster=self.name, lease_id=booked.lease_id, node_type=spec.nodes.node_type,
                         **({"site": self.choice.site} if self.choice.site else {}),
                         start=start.isoformat() + "Z" if start else "now")
-            while not self._stop.is_set():
-                info = site.cloud.get_lease(booked.lease_id)
-                if info is None or info.unusable:
-                    raise ApplianceError(f"the next lease {booked.lease_id} is {info.status if info else 'gone'}")
-                if info.status == "ACTIVE":
-                    break
-                self._stop.wait(self.poll)
+            info = until_active(site, booked.lease_id, self._stop.is_set, lambda: self._stop.wait(self.poll))
             if self._stop.is_set():
                 return
+            if info is None or info.status != "ACTIVE":
+                raise ApplianceError(f"the next lease {booked.lease_id} is {info.status if info else 'gone'}")
             cluster = self.up(site, spec, timings=self.phases)
             if spec.dataset is not None:
                 self.stage(self.ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode)
@@ -259,14 +267,11 @@ def _wait_for_slot(ctx, control, choices: list, fit=None, quiet: bool = False):
     log.info(f"[run] the earliest {spec.nodes.count} x {label(a)} free: {start:%Y-%m-%d %H:%M} UTC, in "
              f"{wait_s / 60:.0f} min; booked (lease {booked.lease_id}), waiting for it")
     t0 = time.monotonic()
-    while True:
-        info = site.cloud.get_lease(booked.lease_id)
-        if control.cancel is not None or info is None or info.unusable:
-            lifecycle.down(spec.name, site)
-            return None
-        if info.status == "ACTIVE":
-            break
-        control.changed.wait(control.poll)
+    info = until_active(site, booked.lease_id, lambda: control.cancel is not None,
+                        lambda: control.changed.wait(control.poll))
+    if control.cancel is not None or info is None or info.status != "ACTIVE":
+        lifecycle.down(spec.name, site)
+        return None
     control.record("hosts free", node_type=nt, **where, waited_s=round(time.monotonic() - t0, 1),
                    wait_s=round(wait_s))
     return a
