@@ -191,14 +191,17 @@ def test_a_slow_metadata_service_does_not_stop_a_job_whose_lease_was_extended(tm
         monkeypatch.setattr("appliance.node.checkpointer.vendordata_lease_end",
                             lambda **kw: vendordata.vendordata_lease_end((str(cache),), **kw))
         ck = Checkpointer.__new__(Checkpointer)  # only the stop check: no model, no Horovod
-        ck._local_reason, ck._fault, ck.step, ck.rank, ck._vd_next, ck._commit_s = None, "", 5, 0, 0.0, []
+        # rank 0 reads vendordata off the training thread (_read_vendordata, once a minute): here one read by hand
+        ck._local_reason, ck._fault, ck.step, ck.rank, ck._vd_next, ck._commit_s = None, "", 5, 0, 1.0, []
+        ck._vd_end = None
         ck.stop_file = tmp_path / "STOP"
         ck._cv = threading.Condition()
         vendordata.reset_live_backoff()
+        ck._read_vendordata_once()
         assert ck._local_stop() is False and ck._local_reason is None
         live.end = time.time() + 30  # the live end is near too: stop
-        ck._vd_next = 0.0
         vendordata.reset_live_backoff()
+        ck._read_vendordata_once()
         assert ck._local_stop() is True and ck._local_reason == "lease end (vendordata)"
     finally:
         live.close()

@@ -174,7 +174,8 @@ class Checkpointer(Uploads, Metrics):
         self._csv = None
         self._fault = env.get("APPLIANCE_FAULT", "")
         self._deadline: float | None = None
-        self._vd_next = 0.0
+        self._vd_next = 0.0  # 1.0 once rank 0's vendordata reader runs
+        self._vd_end: float | None = None
         self.check_seconds = float(env.get(Env.STOP_CHECK_SECONDS) or STOP_CHECK_SECONDS)
         self.check_every = 1  # steps between collective stop checks, agreed after calibration
         self._checked_at = -1
@@ -204,16 +205,32 @@ class Checkpointer(Uploads, Metrics):
             if req.get("deadline"):
                 self._deadline = float(req["deadline"])
             return True
-        if self.rank == 0 and time.monotonic() >= self._vd_next:  # Chameleon's own lease end, on the node
-            self._vd_next = time.monotonic() + 60
-            margin = max(VENDORDATA_MARGIN, 3 * max(self._commit_s or [0.0]))
-            end = vendordata_lease_end(near=lambda e: time.time() >= e - margin)
-            if end is not None:
-                if time.time() >= end - margin:
-                    self._local_reason = "lease end (vendordata)"
-                    self._deadline = end - 30
-                    return True
+        if self.rank == 0:  # Chameleon's own lease end, on the node: read once a minute off the training thread
+            if self._vd_next == 0.0:
+                self._vd_next = 1.0
+                threading.Thread(target=self._read_vendordata, name="appliance-vendordata", daemon=True).start()
+            end, margin = self._vd_end, self._vd_margin()
+            if end is not None and time.time() >= end - margin:
+                self._local_reason = "lease end (vendordata)"
+                self._deadline = end - 30
+                return True
         return False
+
+    def _vd_margin(self) -> float:
+        return max(VENDORDATA_MARGIN, 3 * max(self._commit_s or [0.0]))
+
+    def _read_vendordata(self) -> None:
+        """Rank 0's lease end from vendordata, once a minute, for ``_local_stop`` (an HTTP read of the metadata
+        service: on the training thread it was most of the callback's time in a fast model's first steps)."""
+        while not self.stopped:
+            self._read_vendordata_once()
+            time.sleep(60)  # the metadata service's cache is hourly; a lease end is minutes away when it matters
+
+    def _read_vendordata_once(self) -> None:
+        try:
+            self._vd_end = vendordata_lease_end(near=lambda e: time.time() >= e - self._vd_margin())
+        except Exception:  # noqa: BLE001 - no vendordata is no lease end; the watchdog still acts
+            pass
 
     def _time_save_due(self) -> int:
         """Rank 0's clock says a periodic save is due (carried to every rank by the stop check)."""
