@@ -605,7 +605,13 @@ def _make_callback(owner: Checkpointer):
 
     class ApplianceCheckpoint(tf.keras.callbacks.Callback, ApplianceCallback):
         """Keras side of the Checkpointer. In ``Checkpointer.epochs()`` (the loop) it reports steps and epoch
-        ends; in a plain ``model.fit`` it also restores at the start and commits at the end."""
+        ends; in a plain ``model.fit`` it also restores at the start and commits at the end. It takes the step's
+        logs as tensors (``_supports_tf_logs``): Keras then does not wait for them at every step to hand them over
+        as numbers, a wait it would count as the callback's time; they are read only at the steps that log them."""
+
+        def __init__(self):
+            super().__init__()
+            self._supports_tf_logs = True
 
         def on_train_begin(self, logs=None):
             if owner.mode != "loop":
