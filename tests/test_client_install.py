@@ -8,7 +8,6 @@ What `up` and `down` do on the cloud is checked in between (the lease's floating
 
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -17,8 +16,8 @@ import pytest
 
 from appliance import localcloud, testbed
 from appliance.cluster import find_cluster
-from appliance.sites.openstack import OpenStackCloud, connect
 from conftest import ROOT, needs_netns
+from test_provision import os_cloud, requests  # the local cloud's clients, as the provisioning tests use them
 
 pytestmark = [pytest.mark.slow, needs_netns]
 
@@ -59,15 +58,6 @@ def test_the_client_install_has_no_training_stack_and_checks_a_chameleon_spec(cl
     # what nodes are installed from (`up --install`) came with it
     assert (client / "share" / "appliance" / "requirements.lock").read_bytes() == (ROOT / "requirements.lock").read_bytes()
     assert (client / "share" / "appliance" / "images" / "install-stack.sh").is_file()
-
-
-def os_cloud() -> OpenStackCloud:
-    return OpenStackCloud(connect(cloud=localcloud.CLOUD_NAME, config_file=str(localcloud.clouds_yaml())))
-
-
-def requests(method, pattern):
-    return [r for r in localcloud.admin("GET", "/requests")["requests"]
-            if r["method"] == method and re.fullmatch(pattern, r["path"])]
 
 
 def _run_cells(nc, cells, start, until=None):

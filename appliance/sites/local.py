@@ -40,9 +40,8 @@ class LocalSite(Site):
         credentials of its own, as Chameleon's sites have. Starting it is said first: a user who meant Chameleon
         (OS_CLOUD not set) learns it before anything is uploaded to a store that `cloud stop` empties."""
         if not self.cloud_up():
-            log.info(f"starting the local cloud {localcloud.SITES[0] if self.region is None else self.region}, a "
-                     "simulator on this machine (`appliance cloud stop` ends it and empties its store); for "
-                     "Chameleon, export OS_CLOUD (docs/chameleon.md)")
+            log.info(f"starting {self.describe()}, a simulator on this machine (`appliance cloud stop` ends it and "
+                     "empties its store); for Chameleon, export OS_CLOUD (docs/chameleon.md)")
         localcloud.start(site=self.region)
         return OpenStackCloud(connect(cloud=localcloud.cloud_name(self.region),
                                       config_file=str(localcloud.clouds_yaml(self.region)), region=self.region))
