@@ -51,6 +51,12 @@ class Env:
     CKPT_AUTO = "APPLIANCE_CKPT_AUTO"  # "0": no callback added to a plain Model.fit (checkpoint.auto: false)
     KERAS_RNG = "APPLIANCE_KERAS_RNG"  # "legacy": Keras' default RNG for random layers (not checkpointable)
     CKPT_CREDS = "APPLIANCE_CKPT_CREDS"  # a 0600 file on the head node, read by rank 0 only
+    # dataset.mode stream: the packed dataset's URL; a 0600 file on every node with the job's read credential for it
+    # (removed when the job ends); the shard cache's directory on each node's local disk and its size (per node)
+    STREAM_URL = "APPLIANCE_STREAM_URL"
+    STREAM_CREDS = "APPLIANCE_STREAM_CREDS"
+    STREAM_CACHE = "APPLIANCE_STREAM_CACHE"
+    STREAM_CACHE_BYTES = "APPLIANCE_STREAM_CACHE_BYTES"
     STOP_CHECK_SECONDS = "APPLIANCE_STOP_CHECK_SECONDS"
     ETC = "APPLIANCE_ETC"  # where contextualize wrote cluster.json (default /etc/appliance)
     # where rank 0 reads Chameleon's live vendordata (default: Nova's metadata address); empty: nowhere, only the

@@ -86,7 +86,8 @@ class Limits:
 class Dataset:
     source: str  # swift://container/prefix, s3://bucket/prefix or file:///path
     dest: str = "data"  # directory under the node's local disk
-    mode: Literal["full", "shard"] = "full"
+    mode: Literal["full", "shard", "stream"] = "full"
+    cache: str | None = None  # stream: each node's shard cache, e.g. 150GB (default: half the free disk at the start)
 
 
 @dataclass(frozen=True)
@@ -348,6 +349,7 @@ def _semantic_checks(spec: Spec) -> None:
         if spec.dataset.dest.startswith("/") or not all(DEST_PART_RE.fullmatch(x) for x in parts):
             raise SpecError(f"dataset.dest: {spec.dataset.dest!r} must be a relative path inside the node's local disk "
                             "(no '.', '..', hidden or empty parts)", "use a plain name such as data")
+    _check_stream(spec.dataset)
     if spec.checkpoint.url is not None and not URL_RE.fullmatch(spec.checkpoint.url):
         raise SpecError(f"checkpoint.url: {spec.checkpoint.url!r} is not a swift://, s3:// or file:// URL",
                         "write e.g. swift://checkpoints/")
@@ -364,6 +366,35 @@ def _semantic_checks(spec: Spec) -> None:
         raise SpecError("checkpoint.every_steps: must be at least 1", "set it to a positive step count or remove it")
     if ck.every_minutes is not None and not (math.isfinite(ck.every_minutes) and ck.every_minutes > 0):
         raise SpecError("checkpoint.every_minutes: must be positive", "set it to e.g. 10 or remove it")
+
+
+SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30,
+          "TiB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as 150GB or 512MiB; ValueError otherwise."""
+    m = SIZE_RE.fullmatch(str(text))
+    if not m:
+        raise ValueError(text)
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _check_stream(ds: Dataset | None) -> None:
+    if ds is None or ds.cache is None:
+        return
+    if ds.mode != "stream":
+        raise SpecError(f"dataset.cache: only stream mode has a cache (mode is {ds.mode})",
+                        "set dataset.mode: stream, or remove dataset.cache")
+    try:
+        size = parse_size(ds.cache)
+    except ValueError:
+        raise SpecError(f"dataset.cache: {ds.cache!r} is not a size", "write e.g. cache: 150GB (B, KB, MB, GB, TB, "
+                        "or KiB .. TiB)") from None
+    if size < 1:
+        raise SpecError(f"dataset.cache: {ds.cache} holds nothing", "give the cache room for a few shards, e.g. "
+                        "cache: 10GB")
 
 
 def parse_spec(data: Any, path: str = "<spec>", raw: bytes = b"") -> Spec:

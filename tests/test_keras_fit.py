@@ -30,11 +30,12 @@ EPOCHS = 3
 STEPS = {"tfdata": 28, "repeat": 28, "numpy": 29}  # per epoch on 2 ranks (898 or 899 digits per rank, batch 32)
 
 
-def spec_file(tmp_path: Path, name: str, data: str, *, url: str | None, env: dict | None = None) -> str:
+def spec_file(tmp_path: Path, name: str, data: str, *, url: str | None, env: dict | None = None, code: Path = CODE,
+              command: str | None = None, more: tuple[str, ...] = ()) -> str:
     env = {"APPLIANCE_STOP_CHECK_SECONDS": "0.0001", **(env or {})}  # a check every step: the stop lands anywhere
-    lines = [f"name: {name}", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
-             "train:", f"  code: {CODE}", f"  command: python train.py --data {data} --epochs {EPOCHS}",
-             "  env: " + json.dumps(env)]
+    command = command or f"python train.py --data {data} --epochs {EPOCHS}"
+    lines = [f"name: {name}", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}", *more,
+             "train:", f"  code: {code}", f"  command: {command}", "  env: " + json.dumps(env)]
     if url:
         lines.append(f"checkpoint: {{url: {json.dumps(url)}, keep: 2}}")
     p = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}.yaml"

@@ -27,6 +27,13 @@ def test_the_chameleon_example_is_valid():
     assert s.code_dir == (ROOT / "examples" / "digits").resolve()
 
 
+def test_a_stream_cache_is_a_size():
+    from appliance.spec import parse_size
+
+    s = parse_spec({**GOOD, "dataset": {"source": "swift://data/p", "mode": "stream", "cache": "150GB"}})
+    assert parse_size(s.dataset.cache) == 150 * 10**9 and parse_size("1.5 GiB") == 3 * 2**29
+
+
 def test_defaults_fill_in():
     s = parse_spec(GOOD)
     assert s.nodes.slots == 1 and s.checkpoint.keep == 3 and s.dataset is None
@@ -63,6 +70,11 @@ def test_defaults_fill_in():
     ({**GOOD, "dataset": {"source": "http://x/y"}}, "dataset.source", "swift://"),
     ({**GOOD, "dataset": {"source": "swift://data/p", "dest": "../etc"}}, "dataset.dest", "relative path"),
     ({**GOOD, "dataset": {"source": "swift://data/p", "mode": "half"}}, "dataset.mode", "one of"),
+    ({**GOOD, "dataset": {"source": "swift://data/p", "cache": "10GB"}}, "dataset.cache", "only stream mode"),
+    ({**GOOD, "dataset": {"source": "swift://data/p", "mode": "stream", "cache": "lots"}}, "dataset.cache",
+     "not a size"),
+    ({**GOOD, "dataset": {"source": "swift://data/p", "mode": "stream", "cache": "0GB"}}, "dataset.cache",
+     "holds nothing"),
     ({**GOOD, "checkpoint": {"keep": 0}}, "checkpoint.keep", "at least 1"),
     # a bucket or container Chameleon's RGW refuses to make: every checkpoint commit of the job would fail
     ({**GOOD, "checkpoint": {"url": "s3://My_Checkpoints/"}}, "checkpoint.url", "lower-case letters"),

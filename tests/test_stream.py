@@ -145,3 +145,97 @@ def test_the_position_behind_a_step_is_known_from_the_seed(tmp_path):
         assert Position.of(want.as_dict()) == pos, n
     with pytest.raises(ApplianceError, match="past rank 0's share"):
         position_of(index, seed=7, rank=0, world=2, epoch=0, consumed=per_epoch + 1)
+
+
+def uneven(d: Path, counts: list[int]) -> dict:
+    index = packed(d, len(counts), max(counts))
+    for s, n in zip(index["shards"], counts):
+        s["samples"] = n  # only the counts matter to the arithmetic below
+    return index
+
+
+def test_every_rank_takes_the_same_whole_batches_every_epoch():
+    from appliance.node.stream import samples_per_epoch
+
+    index = {"shards": [{"samples": n} for n in (10, 10, 10, 10, 7)]}
+    assert samples_per_epoch(index, 2, 4) == 16  # 2 shards a rank; the fewest two hold 17; whole batches of 4
+    assert samples_per_epoch(index, 1, 4) == 44
+    with pytest.raises(ApplianceError, match="less than one batch"):
+        samples_per_epoch(index, 2, 64)
+
+
+def stream(index, src, root, *, rank=0, world=2, batch=2, capacity=1 << 30):
+    from appliance.node.stream import Stream
+
+    return Stream(index, seed=7, rank=rank, world=world, batch_size=batch, root=root, fetch=copier(src),
+                  capacity=capacity)
+
+
+def take(s, n):
+    it = s.samples()
+    try:
+        return [next(it)[0] for _ in range(n)]
+    finally:
+        it.close()
+
+
+def test_a_stream_reads_its_share_each_epoch_and_a_resume_at_any_batch_continues_exactly(tmp_path):
+    """What Keras sees: ``steps_per_epoch`` batches an epoch from one iterator; a resume at (epoch, batch) gives
+    exactly the uninterrupted stream's samples after it, and fetches none of the shards already read whole."""
+    index = packed(tmp_path / "src", 7, 5)  # 3 shards a rank (2 ranks), 15 samples, 7 batches of 2: 14 an epoch
+    s = stream(index, tmp_path / "src", tmp_path / "a")
+    assert s.per_epoch == 14 and s.steps_per_epoch == 7
+    whole = take(s, 3 * 14)
+    order0 = rank_share(epoch_order(7, 0, 7), 0, 2)
+    first = [k for j in order0 for k in sorted({f"{j:03d}{i:03d}" for i in range(5)})][:14]
+    assert whole[:14] == first  # the share's shards in the epoch's order, the 15th sample left out
+    for epoch, batch in [(0, 0), (0, 3), (1, 2), (1, 6), (2, 5)]:
+        r = stream(index, tmp_path / "src", tmp_path / f"r{epoch}{batch}")
+        calls = []
+        r.fetch = copier(tmp_path / "src", calls)
+        r.start_at(epoch, batch)
+        cut = epoch * 14 + batch * 2
+        assert take(r, 3 * 14 - cut) == whole[cut:], (epoch, batch)
+        mine = rank_share(epoch_order(7, epoch, 7), 0, 2)
+        assert calls[0] == index["shards"][mine[batch * 2 // 5]]["name"]  # the shard of the next sample, first
+
+
+def test_a_stream_never_holds_more_than_its_cache(tmp_path):
+    index = packed(tmp_path / "src", 12, 3)
+    size = max(x["size"] for x in index["shards"])
+    s = stream(index, tmp_path / "src", tmp_path / "c", world=1, batch=3, capacity=2 * size)
+    assert len(take(s, 3 * 36)) == 108
+    assert 0 < s.peak <= 2 * size and 12 * size >= 4 * s.capacity
+
+
+def test_a_keras_resume_positions_the_processs_stream(tmp_path, monkeypatch):
+    from appliance.node import stream as mod
+
+    monkeypatch.setattr(mod, "_ACTIVE", [])
+    assert mod.take_plan(1, 2) is None  # no stream: Keras' own skip replays the batches
+    index = packed(tmp_path / "src", 4, 4)
+    s = stream(index, tmp_path / "src", tmp_path / "c")
+    mod._ACTIVE.append(s)
+    assert mod.take_plan(1, 3) == s.start == Position(1, 1, 2)  # 6 samples: one shard of 4, 2 into the next
+
+
+def test_the_store_fetch_names_a_missing_object_and_the_index_check_refuses_what_is_not_packed(tmp_path):
+    import json
+
+    from appliance.data.stream import stream_index
+    from appliance.node.stream import store_fetch
+
+    index = packed(tmp_path / "src", 2, 2)
+    url = f"file://{tmp_path / 'src'}/"
+    with pytest.raises(ApplianceError, match="no index.json there"):
+        stream_index(url, None)
+    (tmp_path / "src" / "index.json").write_text(json.dumps({**index, "format": "tfrecord"}))
+    with pytest.raises(ApplianceError, match="not one of tar shards"):
+        stream_index(url, None)
+    (tmp_path / "src" / "index.json").write_text(json.dumps(index))
+    assert stream_index(url, None)["shards"] == index["shards"]
+    fetch = store_fetch(url, None, print)
+    fetch(index["shards"][0]["name"], tmp_path / "got")
+    assert (tmp_path / "got").read_bytes() == (tmp_path / "src" / index["shards"][0]["name"]).read_bytes()
+    with pytest.raises(FileNotFoundError):
+        fetch("shard-999999.tar", tmp_path / "none")

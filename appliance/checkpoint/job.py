@@ -47,8 +47,9 @@ class JobCheckpoints(JobHooks):
     watched while the job runs (None: a cluster without a lease). Both resolved once by the workflow (flows)."""
 
     def __init__(self, site: Site, lease_site: Site | None = None, extend_by=None, on_first_step=None,
-                 launcher: str | None = None):
+                 launcher: str | None = None, on_extended: Callable[[object], None] | None = None):
         self.site, self.lease_site = site, lease_site
+        self.on_extended = on_extended  # told the new lease end after the job's own credential is renewed
         self.launcher = launcher  # a managed run's controller id, in the run's lock (RunLock.launcher)
         self.extend_by = extend_by  # a managed run's rule for the watchdog's extensions (LeaseWatch.extend_by)
         # told (timeline, resumed) once rank 0's first step is done, in a thread of its own (a resume's downtime)
@@ -202,7 +203,7 @@ class JobCheckpoints(JobHooks):
 
             try:
                 self.watch = LeaseWatch(self.spec, self.cluster, self.request_stop, self.say, site=site,
-                                        on_extended=self.renew_creds, extend_by=self.extend_by).start()
+                                        on_extended=self._extended, extend_by=self.extend_by).start()
             except ApplianceError as e:
                 self.say(f"[watchdog] not watching the lease: {e}")
         if threading.current_thread() is threading.main_thread():
@@ -387,6 +388,11 @@ class JobCheckpoints(JobHooks):
         tmp = f"{self.creds_file}.new"
         self.head.run(f"umask 077 && cat > {shlex.quote(tmp)} && mv -f {shlex.quote(tmp)} "
                       f"{shlex.quote(self.creds_file)}", stdin=body, check=True)
+
+    def _extended(self, lease_end) -> None:
+        self.renew_creds(lease_end)
+        if self.on_extended is not None:
+            self.on_extended(lease_end)
 
     def renew_creds(self, lease_end) -> None:
         """The lease was extended: a store credential for the job that outlives the new end (it expires

@@ -151,7 +151,9 @@ def check_spec(spec, online, as_json):
                f"{s.world_size} rank(s)")
     if found and "dataset" in found:
         d = found["dataset"]
-        click.echo(f"  dataset {d['url']}: {d['objects']:,} object(s), {d['size']}")
+        click.echo(f"  dataset {d['url']}: {d['objects']:,} object(s), {d['size']}"
+                   + (f"; a packed dataset of {d['shards']:,} tar shard(s), {d['samples']:,} sample(s), to stream"
+                      if "shards" in d else ""))
     if found and "checkpoint" in found:
         c = found["checkpoint"]
         if c["container"] != "there":
@@ -182,7 +184,9 @@ def stage_cmd(spec, cluster, concurrency, keep_extra, as_json):
 
     \b
     dataset.mode full: every node gets everything; shard: node r gets every n-th object (sorted
-    names), so rank r's input pipeline reads only what is local. A re-run fetches only what is
+    names), so rank r's input pipeline reads only what is local; stream: nothing is staged (the
+    job reads the packed shards while it trains: docs/staging.md), only index.json is checked.
+    A re-run fetches only what is
     missing or changed (a manifest on each node), and removes files whose objects left the store
     (--keep-extra keeps them). Zero-byte `folder/` objects are directories. Names that would escape
     the destination or name one path twice are refused before anything is written. Free space is
@@ -238,7 +242,8 @@ def data_pack(src, url, shard_size, fmt, cloud_kind, site, as_json):
 
     \b
     Files sharing a key (the name up to the first dot: 0001.jpg, 0001.cls) form one sample and
-    stay in one shard. Read them back with examples/packed/input_pipeline.py.
+    stay in one shard. Read them back with examples/packed/input_pipeline.py once staged, or
+    stream them while training (dataset.mode: stream, tar shards; examples/stream).
     """
     from .. import flows
 

@@ -21,6 +21,7 @@ from ..checkpoint.resume import choose_checkpoint, find_spec
 from ..checkpoint.runs import RunRecords, list_runs, record_resume, run_details, running_on  # noqa: F401 (CLI)
 from ..cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
 from ..data import dataset_summary, listing, pack_dir, remove, stage_cluster, unstaged, upload
+from ..data.stream import JobStream, stream_index
 from ..errors import ApplianceError, SpecError
 from .. import paths, report
 from ..node import doctor as node_doctor
@@ -154,6 +155,9 @@ def check_online(spec: Spec) -> dict:
     if spec.dataset is not None:
         url = spec.dataset.source
         out["dataset"] = dataset_summary(url, creds=run.creds(url))
+        if spec.dataset.mode == "stream":
+            index = stream_index(url, run.creds(url))
+            out["dataset"].update(shards=len(index["shards"]), samples=index.get("samples"))
     ck = spec.checkpoint
     cs = run.checkpoints
     if cs is not None:
@@ -230,6 +234,12 @@ def stage_to_nodes(run: RunContext, cluster: Cluster, url: str, dest: str, *, mo
     when staging ends; before, the nodes got this machine's Keystone token, which keystoneauth hands out until
     30 s before it expires (a long stage in a long-lived `appliance resume` could then fail with 401 midway), and
     which can do anything the user can for up to a day."""
+    if mode == "stream":  # nothing to stage: the job reads the shards; the index is checked now, not on every rank
+        index = stream_index(url, run.creds(url))
+        (out or log.info)(f"[stage] stream mode: {len(index['shards'])} shard(s), {index.get('samples', '?')} "
+                          f"sample(s), {sum(s['size'] for s in index['shards']) / 1e9:.2f} GB in {url} are read "
+                          "while the job trains; nothing is staged")
+        return {}
     creds, withdraw = run.site.job_store_creds(url, name=f"appliance-{run.spec.name}-stage",
                                                lease_end=cluster.lease_end_at, say=log.info)
     try:
@@ -269,9 +279,11 @@ def run_job(spec: Spec, cluster: Cluster, *, run: RunContext | None = None, cont
     run's controller (managed.Control: the job on its timeline, and stopped by a cancel); ``on_first_step``: told
     the job's timeline once its first step is done (JobCheckpoints)."""
     run = run or RunContext.of(spec)
+    stream = JobStream(run.site)
     ck = JobCheckpoints(run.site, run.lease_site(cluster), extend_by=control.extend_by if control else None,
-                        on_first_step=on_first_step, launcher=control.id if control else None)
-    hooks = [ck, RunRecords()] + ([control.hook(ck.user_stop)] if control is not None else [])
+                        on_first_step=on_first_step, launcher=control.id if control else None,
+                        on_extended=stream.renew)
+    hooks = [ck, stream, RunRecords()] + ([control.hook(ck.user_stop)] if control is not None else [])
     return train(spec, cluster, hooks=hooks, **kw)
 
 
@@ -279,7 +291,8 @@ def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[s
     """`appliance train SPEC`: validate the spec, find its cluster, run the job."""
     spec = load_spec(spec_path)
     cluster = resolve_cluster(spec, cluster_name)
-    if spec.dataset is not None:  # one line before the job, not the script's own traceback on every rank
+    if spec.dataset is not None and spec.dataset.mode != "stream":  # one line before the job, not the script's
+        # own traceback on every rank
         missing = unstaged(cluster, spec.dataset.dest)
         if missing:
             raise ApplianceError(f"dataset.dest {spec.dataset.dest} is empty or missing on {', '.join(missing)}: the "

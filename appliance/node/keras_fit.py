@@ -18,7 +18,8 @@ Three small hooks into tf_keras 2.18 (the version the lock pins), installed in e
   creation per earlier epoch (a seeded ``shuffle(..., reshuffle_each_iteration=True)`` advances its seed per
   iterator) and then ``batch`` elements; for data read through one iterator (``.repeat()`` with ``steps_per_epoch``,
   NumPy arrays, which Keras turns into one dataset of all epochs) ``epoch * steps_per_epoch + batch`` elements.
-  The skipped batches go through the input pipeline, not through training.
+  The skipped batches go through the input pipeline, not through training. A stream (``dataset.mode: stream``,
+  appliance/node/stream.py) is not replayed: it starts at the position itself, so no shard is fetched twice.
 
 - **A fit's input iterators are let go off the main thread.** Deleting a ``tf.data`` iterator joins its autotuning
   thread (``RootDataset::Iterator``'s destructor waits for ``Model::OptimizeLoop``), which in TensorFlow 2.18 often
@@ -91,6 +92,14 @@ def install_data_hooks() -> None:
             return
         self._model._appliance_skip = None
         epoch, batch, say = plan
+        from .stream import take_plan
+
+        at = take_plan(epoch, batch)
+        if at is not None:  # a stream (dataset.mode: stream) starts at the position itself: nothing fetched twice
+            say(f"the stream continues at epoch {epoch}, batch {batch} (shard {at.shards} of the rank's share, "
+                f"sample {at.samples} of it); nothing is read again")
+            yield from enumerate_epochs(self)
+            return
         if self._adapter.should_recreate_iterator():
             for _ in range(epoch):  # the iterators the earlier epochs made: seeded reshuffles advance per iterator
                 iter(self._dataset)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import sys
 import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -241,3 +243,212 @@ def read_epochs(index: dict, *, seed: int, rank: int, world: int, start: Positio
                 on_stats(cache.stats)
         finally:
             cache.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The job's stream: what a script reads (``open_stream``), and how a resume positions it
+
+STORE_DEADLINE = 600.0  # seconds one shard's fetch is retried through transient store errors before the job stops
+
+
+def samples_per_epoch(index: dict, world: int, batch_size: int) -> int:
+    """Samples each rank reads in every epoch: the fewest any rank's share could hold (the ``n_shards // world``
+    smallest shards), rounded down to whole batches, so every rank takes the same steps in every epoch (Horovod's
+    need). With shards of equal sample counts (what `appliance data pack` writes for samples of one size) no sample
+    is left out but the remainder of the order; with uneven ones a rank leaves the tail of its larger share."""
+    counts = sorted(s["samples"] for s in index["shards"])
+    k = len(counts) // world
+    n = sum(counts[:k]) // batch_size * batch_size
+    if n == 0:
+        raise ApplianceError(f"the dataset's {len(counts)} shard(s) give each of {world} rank(s) less than one batch of "
+                             f"{batch_size}", "pack smaller shards (`appliance data pack --shard-size`), or a smaller "
+                             "batch")
+    return n
+
+
+class Stream:
+    """Rank ``rank``'s samples, epoch after epoch, from ``start``: ``samples()`` is one pass over all epochs (Keras
+    reads it through one iterator, ``steps_per_epoch`` batches an epoch). Each epoch's shards are fetched ahead into
+    a ``ShardCache`` of ``capacity`` bytes and deleted once read; ``on_epoch`` hears each epoch's cache counts."""
+
+    def __init__(self, index: dict, *, seed: int, rank: int, world: int, batch_size: int, root: Path, fetch: Fetch,
+                 capacity: int, on_epoch: Callable[[int, CacheStats, int], None] | None = None):
+        if index.get("format") != "tar":
+            raise ApplianceError(f"stream mode reads tar shards; this dataset is {index.get('format')!r}",
+                                 "pack it with `appliance data pack --format tar`")
+        self.index, self.seed, self.rank, self.world = index, seed, rank, world
+        self.batch_size, self.root, self.fetch, self.capacity = batch_size, Path(root), fetch, capacity
+        self.per_epoch = samples_per_epoch(index, world, batch_size)
+        self.steps_per_epoch = self.per_epoch // batch_size
+        self.start = Position()
+        self.on_epoch = on_epoch
+        self.peak = 0  # the most bytes any epoch's cache held at once
+
+    def start_at(self, epoch: int, batch: int) -> Position:
+        """Where a resume at (epoch, batch) of ``steps_per_epoch`` continues: the sample after the ``batch`` x
+        batch-size this rank had read of ``epoch``."""
+        consumed = min(batch, self.steps_per_epoch) * self.batch_size
+        self.start = position_of(self.index, seed=self.seed, rank=self.rank, world=self.world, epoch=epoch,
+                                 consumed=consumed)
+        return self.start
+
+    def _needed(self, epoch: int) -> list[int]:
+        """The rank's shards of ``epoch`` up to the one holding its ``per_epoch``-th sample."""
+        shards, left, out = self.index["shards"], self.per_epoch, []
+        for j in rank_share(epoch_order(self.seed, epoch, len(self.index["shards"])), self.rank, self.world):
+            if left <= 0:
+                break
+            out.append(j)
+            left -= shards[j]["samples"]
+        return out
+
+    def samples(self) -> Iterator[tuple[str, dict[str, bytes]]]:
+        start, shards = self.start, self.index["shards"]
+        epoch = start.epoch
+        while True:
+            needed = self._needed(epoch)
+            first = start.shards if epoch == start.epoch else 0
+            skip = start.samples if epoch == start.epoch else 0
+            done = sum(shards[j]["samples"] for j in needed[:first]) + skip  # samples of the epoch already read
+            cache = ShardCache([shards[j] for j in needed[first:]], self.root / f"epoch-{epoch}", self.fetch,
+                               self.capacity)
+            last = None  # the epoch's last sample, given after its cache is closed and said (Keras may not ask on)
+            try:
+                for n in range(len(needed) - first):
+                    path = cache.get(n)
+                    for k, sample in enumerate(tar_samples(path)):
+                        if n == 0 and k < skip:
+                            continue
+                        done += 1
+                        if done == self.per_epoch:
+                            last = sample
+                            break
+                        yield sample
+                    cache.release(n)
+                    if last is not None:
+                        break
+            finally:
+                cache.close()
+                self.peak = max(self.peak, cache.peak)
+            if self.on_epoch:
+                self.on_epoch(epoch, cache.stats, cache.peak)
+            if last is not None:
+                yield last
+            epoch += 1
+
+    def dataset(self, exts: list[str], map_fn=None):
+        """A ``tf.data.Dataset`` of batches (``batch_size``, every epoch ``steps_per_epoch`` of them, then the next
+        epoch's) of dicts ``{"__key__": key, ext: bytes, ...}``, after ``map_fn`` when given (as ``Dataset.map``
+        takes it). Give ``model.fit`` ``steps_per_epoch=stream.steps_per_epoch``."""
+        import tensorflow as tf
+
+        sig = {"__key__": tf.TensorSpec([], tf.string), **{e: tf.TensorSpec([], tf.string) for e in exts}}
+
+        def gen():
+            try:
+                for key, parts in self.samples():
+                    missing = [e for e in exts if e not in parts]
+                    if missing:
+                        raise ApplianceError(f"sample {key} has no {', '.join(missing)} part in the packed dataset",
+                                             f"read the parts it has: {', '.join(sorted(parts))}")
+                    yield {"__key__": key, **{e: parts[e] for e in exts}}
+            except ApplianceError as e:  # said in one line before TensorFlow wraps it in its own error
+                print(f"[appliance] error: {e}", file=sys.stderr, flush=True)
+                raise
+
+        ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
+        if map_fn is not None:
+            ds = ds.map(map_fn)  # sequential: the order is the stream's
+        return ds.batch(self.batch_size, drop_remainder=True)
+
+
+_ACTIVE: list[Stream] = []  # the process's stream, which a Keras resume positions (keras_fit)
+
+
+def take_plan(epoch: int, batch: int) -> Position | None:
+    """A Keras resume at (epoch, batch): the process's stream starts there itself (nothing is read twice); None when
+    the process has no stream (Keras' own skip then replays the consumed batches)."""
+    return _ACTIVE[-1].start_at(epoch, batch) if _ACTIVE else None
+
+
+def store_fetch(url: str, creds_path: str | None, say: Callable[[str], None]) -> Fetch:
+    """The store's GET of a shard under ``url``, retried through transient errors for up to STORE_DEADLINE; a
+    missing object is FileNotFoundError. The credentials file is read again when the launcher replaced it."""
+    from ..store.base import transient_retry
+    from ..store.objects import open_store
+    from .creds import CredsFile
+
+    creds_file = CredsFile(creds_path or "")
+    held: list = []
+
+    def store():
+        if not held or creds_file.changed():
+            held[:] = [open_store(url, creds_file.load())]
+        return held[0]
+
+    def fetch(name: str, dest: Path) -> None:
+        def once():
+            st, prefix = store()
+            with open(dest, "wb") as fh:
+                st.get((prefix.rstrip("/") + "/" if prefix else "") + name, fh.write)
+        transient_retry(once, deadline=STORE_DEADLINE, note=lambda m: say(f"[appliance] stream: {name}: {m}"))
+
+    return fetch
+
+
+def open_stream(batch_size: int, *, seed: int = 0, url: str | None = None) -> Stream:
+    """This rank's stream of the job's packed dataset (``dataset.mode: stream``: the launcher set where it is, the
+    credentials file and the cache in the environment). ``seed`` fixes the shard order of every epoch: keep it
+    across a run's resumes. What keeps it from starting (no index, a cache smaller than a shard) is one line and
+    exit status 1, not a traceback."""
+    try:
+        return _open_stream(batch_size, seed, url)
+    except ApplianceError as e:
+        print(f"[appliance] error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def _open_stream(batch_size: int, seed: int, url: str | None) -> Stream:
+    import json
+    import os
+    import shutil
+
+    from ..protocol import Env
+    from .stage import _fmt_bytes
+
+    env = os.environ
+    url = url or env.get(Env.STREAM_URL)
+    if not url:
+        raise ApplianceError("no stream: the job's spec has no dataset in mode stream",
+                             "set dataset: {source: swift://..., mode: stream} in the spec")
+    rank, world = int(env.get("HOROVOD_RANK", 0)), int(env.get("HOROVOD_SIZE", 1))
+    local_rank, local = int(env.get("HOROVOD_LOCAL_RANK", 0)), max(1, int(env.get("HOROVOD_LOCAL_SIZE", 1)))
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+    fetch = store_fetch(url, env.get(Env.STREAM_CREDS), say)
+    root = Path(env.get(Env.STREAM_CACHE) or Path(env.get(Env.DATA_DIR) or ".") / ".stream-cache") / f"rank-{local_rank}"
+    shutil.rmtree(root, ignore_errors=True)  # a killed job's shards: the cache is this job's alone
+    root.mkdir(parents=True, exist_ok=True)
+    node_bytes = int(env.get(Env.STREAM_CACHE_BYTES) or 0) or shutil.disk_usage(root).free // 2
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        index_path = Path(tmp) / "index.json"
+        try:
+            fetch("index.json", index_path)
+        except FileNotFoundError:
+            raise ApplianceError(f"{url} has no index.json: not a packed dataset",
+                                 f"pack it: `appliance data pack DIR {url}`") from None
+        index = json.loads(index_path.read_text())
+
+    def on_epoch(epoch: int, st: CacheStats, peak: int) -> None:
+        say(f"[appliance] stream epoch {epoch}: rank 0 fetched {st.fetched} shard(s), {st.ready} ready when asked, "
+            f"{st.stalls} waited for ({st.waited_s:.1f}s), {st.refetched} fetched again; cache peak "
+            f"{_fmt_bytes(peak)} of {_fmt_bytes(node_bytes // local)}")
+
+    big = max(index["shards"], key=lambda x: x["size"]) if index.get("shards") else None
+    if big is not None and big["size"] > node_bytes // local:
+        raise ApplianceError(f"the stream cache ({node_bytes // local:,} bytes for each of the node's {local} rank(s)) "
+                             f"cannot hold shard {big['name']} ({big['size']:,} bytes)",
+                             "give dataset.cache room for a few shards per rank, or pack smaller shards")
+    s = Stream(index, seed=seed, rank=rank, world=world, batch_size=batch_size, root=root, fetch=fetch,
+               capacity=node_bytes // local, on_epoch=on_epoch)
+    _ACTIVE.append(s)
+    return s

@@ -95,6 +95,7 @@ class JobContext:
     # set before the hooks close when the launcher lost the head node and gave up: the job may still be running
     # there, so what it needs (its credentials file, the run's lock) must stay
     abandoned: bool = False
+    nodes: Session | None = None  # every node, for a hook that puts something on each (the stream's credentials)
 
 
 class JobHooks:
@@ -368,7 +369,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             # checkpoints of a fresh run), so they come before the copy too
             check_run_free(session.head, rd, spec.name)
             conn = _Connection(session)  # hooks reach the head through whichever connection is current
-            ctx = JobContext(spec, cluster, _Head(conn), rd, job_id, restore, say)
+            ctx = JobContext(spec, cluster, _Head(conn), rd, job_id, restore, say, nodes=session)
             cmd = _prepare(spec, cluster, session, ctx, hooks, extra_env, nic)
             say(f"[appliance] job {job_id}: {cluster.world_size} rank(s) on "
                 f"{', '.join(dict.fromkeys(rank_hosts))}, NIC {nic}")

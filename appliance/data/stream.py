@@ -1,0 +1,115 @@
+"""The launcher's side of ``dataset.mode: stream``, for one job: a `train` hook (flows.run_job adds it).
+
+Nothing is staged: the ranks read the packed dataset (`appliance data pack`: tar shards and index.json) from the
+store while they train (appliance/node/stream.py). Before the job, every node gets a 0600 file with the job's own
+credential for the dataset's URL (Site.job_store_creds: on a Keystone site an application credential of the job's,
+deleted when the job ends) and the ranks get the URL, that file's path and the cache's place and size in their
+environment (never the secret). When the lease is extended, a credential that outlives the new end replaces the
+file on every node (``renew``). When the job ends the files go from every node, and the credential is deleted."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable
+
+from ..errors import ApplianceError
+from ..protocol import Env
+from ..sites import Site
+from ..spec import parse_size
+from ..train.launch import JobContext, JobHooks
+
+
+class JobStream(JobHooks):
+    def __init__(self, site: Site):
+        self.site = site
+        self.ctx: JobContext | None = None
+        self.path: str | None = None  # the credentials file, the same path on every node
+        self._withdraw: list[Callable[[], None]] = []
+
+    def prepare(self, ctx: JobContext) -> dict[str, str]:
+        ds = ctx.spec.dataset
+        if ds is None or ds.mode != "stream":
+            return {}
+        self.ctx = ctx
+        data_dir = f"{ctx.cluster.head.workdir}/{ds.dest}"
+        env = {Env.STREAM_URL: ds.source, Env.STREAM_CACHE: f"{data_dir}/.stream-cache"}
+        if ds.cache:
+            env[Env.STREAM_CACHE_BYTES] = str(parse_size(ds.cache))
+        creds = self._creds(ctx.cluster.lease_end_at)
+        if creds is not None:
+            self.path = f"{ctx.run_dir}/.stream-creds.json"
+            self._write(creds)
+            env[Env.STREAM_CREDS] = self.path
+        ctx.say(f"[appliance] stream: the ranks read {ds.source} while they train, through a cache of "
+                f"{ds.cache or 'half the free disk'} per node in {data_dir}/.stream-cache")
+        return env
+
+    def _creds(self, lease_end):
+        ctx = self.ctx
+        creds, withdraw = self.site.job_store_creds(ctx.spec.dataset.source, lease_end=lease_end, say=ctx.say,
+                                                    name=f"appliance-{ctx.spec.name}-{ctx.job_id}-data")
+        if withdraw is not None:
+            self._withdraw.append(withdraw)
+        return creds
+
+    def _write(self, creds) -> None:
+        """The file on every node, written beside it and renamed over it (0600 from its first byte)."""
+        body = json.dumps({k: v for k, v in creds.__dict__.items() if v not in (None, {})}).encode()
+        path, tmp = shlex.quote(self.path), shlex.quote(f"{self.path}.new")
+        rd = shlex.quote(self.ctx.run_dir)
+        self.ctx.nodes.each(lambda r: r.run(f"mkdir -p {rd} && umask 077 && cat > {tmp} && mv -f {tmp} {path}",
+                                            stdin=body, check=True))
+
+    def renew(self, lease_end) -> None:
+        """The lease was extended: a credential that outlives the new end, on every node (the ranks read the file
+        again before their next fetch); the old one is deleted when the job ends."""
+        if self.path is None or not self._withdraw:
+            return  # Swift v1 keys or the user's S3 keys: they do not expire
+        self._write(self._creds(lease_end))
+
+    def close(self) -> None:
+        ctx = self.ctx
+        if ctx is None or ctx.abandoned:  # the job may still run: it keeps reading
+            return
+        if self.path:
+            path = shlex.quote(self.path)
+            try:
+                ctx.nodes.each(lambda r: r.run(f"rm -f {path}", timeout=15))
+            except ApplianceError:
+                ctx.say(f"[appliance] warning: could not remove {self.path} from every node")
+        for withdraw in self._withdraw:
+            try:
+                withdraw()
+            except Exception as e:  # noqa: BLE001 - it expires by itself a week after the lease end
+                ctx.say(f"[appliance] warning: could not delete the job's dataset credential ({e}); it expires "
+                        "7 days after the lease end")
+        self._withdraw = []
+
+
+def stream_index(url: str, creds) -> dict:
+    """The packed dataset's index.json under ``url``, checked as the ranks will read it (tar shards, each with a
+    name, size, MD5 and sample count): one line before a lease is spent on a dataset the job cannot stream."""
+    from . import _open
+    from ..store.base import transient_retry
+
+    buf: list[bytes] = []
+    with _open(url, creds) as (store, prefix):
+        name = (prefix.rstrip("/") + "/" if prefix else "") + "index.json"
+        try:
+            transient_retry(lambda: (buf.clear(), store.get(name, buf.append)))
+        except FileNotFoundError:
+            raise ApplianceError(f"dataset.source {url}: no index.json there, so it is not a packed dataset; stream "
+                                 "mode reads only those", f"pack it: `appliance data pack DIR {url}`, or use mode: "
+                                 "full or shard") from None
+    try:
+        index = json.loads(b"".join(buf))
+        shards = index["shards"]
+        ok = index.get("format") == "tar" and shards and all(
+            {"name", "size", "md5", "samples"} <= set(s) for s in shards)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ApplianceError(f"dataset.source {url}: its index.json is not one of tar shards as `appliance data pack` "
+                             "writes it", f"pack it again: `appliance data pack DIR {url} --format tar`")
+    return index
