@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 
 .PHONY: help install system-deps deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \
-	image image-lint bench-scale bench-scale-light bench-resume digits-data
+	image image-lint bench-scale bench-scale-light bench-resume bench-stream digits-data
 
 help:
 	@echo "make deploy   install, local cloud, digits to its store, up 2 nodes, stage, appliance run across two lease ends, down"
@@ -31,7 +31,8 @@ help:
 	@echo "              bench-stage (staging vs rclone/s5cmd/aws/swift), bench-ckpt (checkpoint overhead,"
 	@echo "              deadline -> commit, steps lost at lease end), bench-scale (up, stage, launch,"
 	@echo "              down on 2-16 nodes; bench-scale-light: 16-64 nodes, no TensorFlow in the job),"
-	@echo "              bench-resume (a resume's downtime by phase; cold vs warm handover, 15-min boot);"
+	@echo "              bench-resume (a resume's downtime by phase; cold vs warm handover, 15-min boot),"
+	@echo "              bench-stream (stream mode vs local disk, the link shaped around the training's demand);"
 	@echo "              results in bench/results"
 	@echo "make image    the GPU appliance image with diskimage-builder (docs/image.md)"
 	@echo "make clean    remove the testbed and .venv"
@@ -108,6 +109,11 @@ TLS ?=
 ARGS ?=
 bench-stage: install bench/.venv-tools/.installed
 	$(PY) bench/stage_bench.py --tools-venv bench/.venv-tools --store $(STORE) $(if $(TLS),--tls) $(ARGS)
+
+# Stream mode (dataset.mode: stream) vs reading staged shards from local disk, with the node's link limited to
+# multiples of the training's demand (goal >= 0.9x local at >= 1.2x the demand, input wait <= 5%)
+bench-stream: install
+	$(PY) bench/stream_bench.py $(ARGS)
 
 # Checkpoints: overhead (goal >= 0.98), deadline -> commit, steps lost at 20 random lease ends (goal 0)
 bench-ckpt: install bench/.venv-tools/.installed

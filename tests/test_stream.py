@@ -239,3 +239,29 @@ def test_the_store_fetch_names_a_missing_object_and_the_index_check_refuses_what
     assert (tmp_path / "got").read_bytes() == (tmp_path / "src" / index["shards"][0]["name"]).read_bytes()
     with pytest.raises(FileNotFoundError):
         fetch("shard-999999.tar", tmp_path / "none")
+
+
+def test_the_next_epochs_shards_are_fetched_while_this_ones_are_read(tmp_path):
+    """One cache across epoch ends: the fetcher asks for epoch 1's first shard while the reader is still in
+    epoch 0, so an epoch does not start with a wait."""
+    import threading
+
+    index = packed(tmp_path / "src", 4, 3)
+    s = stream(index, tmp_path / "src", tmp_path / "c", world=1, batch=3)
+    want = index["shards"][rank_share(epoch_order(7, 1, 4), 0, 1)[0]]["name"]
+    asked = threading.Event()
+    calls = []
+
+    def fetch(name, dest):
+        calls.append(name)
+        if len(calls) == 5 and name == want:  # 4 shards of epoch 0, then epoch 1's first
+            asked.set()
+        shutil.copyfile(tmp_path / "src" / name, dest)
+    s.fetch = fetch
+    it = s.samples()
+    try:
+        for _ in range(s.per_epoch - 1):  # all of epoch 0 but its last sample
+            next(it)
+        assert asked.wait(10), calls
+    finally:
+        it.close()

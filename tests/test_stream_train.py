@@ -47,9 +47,9 @@ def spec_file(tmp_path: Path, name: str, cache: str, *, url: str | None = None, 
 
 
 def epochs_said(lines: list[str]) -> list[dict]:
-    pat = re.compile(r"stream epoch (\d+): rank 0 fetched (\d+) shard\(s\), (\d+) ready when asked, (\d+) waited for "
+    pat = re.compile(r"stream epoch (\d+): rank 0 read (\d+) shard\(s\), (\d+) ready when asked, (\d+) waited for "
                      r"\(([\d.]+)s\), (\d+) fetched again; cache peak ([\d.]+ [KMGT]?B) of ([\d.]+ [KMGT]?B)")
-    keys = ("epoch", "fetched", "ready", "stalls", "waited", "refetched", "peak", "cap")
+    keys = ("epoch", "read", "ready", "stalls", "waited", "refetched", "peak", "cap")
     return [{k: parse_size(v.replace(" ", "")) if k in ("peak", "cap") else float(v) for k, v in zip(keys, m.groups())}
             for m in (pat.search(x) for x in lines) if m]
 
@@ -76,14 +76,14 @@ def test_a_dataset_four_times_the_cache_streams_to_the_end_and_resumes_mid_epoch
     assert n == EPOCHS * steps
     said = epochs_said(ref)
     assert [e["epoch"] for e in said] == list(range(EPOCHS)), ref[-40:]
-    for e in said:  # rank 0 fetched exactly the shards of its share it needed, never more than the cache at once
+    for e in said:  # rank 0 read exactly the shards of its share it needed, never more than the cache at once
         mine = rank_share(epoch_order(7, int(e["epoch"]), len(packed["shards"])), 0, 2)
         need, left = 0, per_epoch
         for j in mine:
             if left <= 0:
                 break
             need, left = need + 1, left - packed["shards"][j]["samples"]
-        assert e["fetched"] == need and e["refetched"] == 0
+        assert e["read"] == need and e["refetched"] == 0
         assert 0 < e["peak"] <= e["cap"] and abs(e["cap"] - parse_size(cache)) <= 0.05 * parse_size(cache)
     assert 4 * parse_size(cache) <= total
     assert any("stream: the ranks read" in x for x in ref)
@@ -104,9 +104,9 @@ def test_a_dataset_four_times_the_cache_streams_to_the_end_and_resumes_mid_epoch
     assert any(f"the stream continues at epoch 1, batch {batch}" in x for x in out2), out2[-40:]
     assert not any("skipped the" in x for x in out2)
     assert final_weights(out2) == (ref_sha, EPOCHS * steps), f"stopped after step {stop_at}"
-    # the resumed epoch fetched only the shards from the one holding the next sample on
+    # the resumed epoch read only the shards from the one holding the next sample on
     first = epochs_said(out2)[0]
-    assert first["epoch"] == 1 and first["fetched"] < epochs_said(ref)[1]["fetched"] or batch * BATCH < 8
+    assert first["epoch"] == 1 and first["read"] < epochs_said(ref)[1]["read"] or batch * BATCH < 8
     # the job's dataset credential was on every node while it ran, and is gone from every node now
     assert any("stream: the ranks read" in x for x in out2)
     from appliance.remote import Session

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import random
 import sys
 import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..errors import ApplianceError
@@ -70,20 +71,27 @@ class CacheStats:
     waited_s: float = 0.0  # the reader's time waiting for shards
 
 
-Fetch = Callable[[str, Path], None]  # (shard name, where to write it): the store's get, retried by its caller
+# (shard name, where to write it) -> the MD5 of the bytes written, or None (the cache then reads them back): the
+# store's GET, retried by its caller
+Fetch = Callable[[str, Path], "str | None"]
+
+
+def _too_big(s: dict, capacity: int) -> ApplianceError:
+    return ApplianceError(f"shard {s['name']} ({s['size']} bytes) is larger than the stream cache ({capacity} bytes)",
+                          "give dataset.cache more room, or pack smaller shards")
 
 
 class ShardCache:
-    """The shards ``names`` (in reading order, each {name, size, md5} from index.json) fetched ahead into ``root``
-    by one thread, at most ``capacity`` bytes at a time. ``get(i)`` waits for the i-th and returns its path;
-    ``release(i)`` deletes it. ``close()`` stops the fetcher."""
+    """The shards ``shards`` (in reading order, each {name, size, md5} from index.json; a list, or an endless
+    iterator: a stream's epochs one after the other) fetched ahead into ``root`` by one thread, at most ``capacity``
+    bytes at a time. ``get(i)`` waits for the i-th and returns its path; ``release(i)`` deletes it. ``close()``
+    stops the fetcher."""
 
-    def __init__(self, shards: list[dict], root: Path, fetch: Fetch, capacity: int):
-        if shards and max(s["size"] for s in shards) > capacity:
-            big = max(shards, key=lambda s: s["size"])
-            raise ApplianceError(f"shard {big['name']} ({big['size']} bytes) is larger than the stream cache "
-                                 f"({capacity} bytes)", "give dataset.cache more room, or pack smaller shards")
-        self.shards, self.root, self.fetch, self.capacity = shards, Path(root), fetch, capacity
+    def __init__(self, shards: Iterable[dict], root: Path, fetch: Fetch, capacity: int):
+        if isinstance(shards, list) and shards and max(s["size"] for s in shards) > capacity:
+            raise _too_big(max(shards, key=lambda s: s["size"]), capacity)
+        self._source, self.root, self.fetch, self.capacity = iter(shards), Path(root), fetch, capacity
+        self.shards: dict[int, dict] = {}  # the i-th shard, once the fetcher took it from the source
         self.root.mkdir(parents=True, exist_ok=True)
         self.stats = CacheStats()
         self.held = 0  # bytes of fetched, not yet released shards
@@ -103,15 +111,17 @@ class ShardCache:
         for attempt in range(FETCH_TRIES):
             tmp = path.with_name(path.name + ".part")
             try:
-                self.fetch(s["name"], tmp)
+                md5 = self.fetch(s["name"], tmp)
             except FileNotFoundError:
                 raise ApplianceError(f"shard {s['name']} is in index.json but not in the store",
                                      "pack the dataset again (`appliance data pack`), or restore the shard") from None
-            h = hashlib.md5(usedforsecurity=False)
-            with open(tmp, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-            if h.hexdigest() == s["md5"] and tmp.stat().st_size == s["size"]:
+            if md5 is None:  # a fetch that did not hash the bytes it wrote: read them back
+                h = hashlib.md5(usedforsecurity=False)
+                with open(tmp, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(block)
+                md5 = h.hexdigest()
+            if md5 == s["md5"] and tmp.stat().st_size == s["size"]:
                 tmp.replace(path)
                 return path
             tmp.unlink(missing_ok=True)
@@ -121,8 +131,11 @@ class ShardCache:
 
     def _run(self) -> None:
         try:
-            for i, s in enumerate(self.shards):
+            for i, s in enumerate(self._source):
+                if s["size"] > self.capacity:
+                    raise _too_big(s, self.capacity)
                 with self._cv:
+                    self.shards[i] = s
                     while not self._stop and self.held + s["size"] > self.capacity:
                         self._cv.wait()  # a full cache waits for the reader to release a shard
                     if self._stop:
@@ -158,7 +171,7 @@ class ShardCache:
             path = self._done.pop(i, None)
             if path is not None:
                 path.unlink(missing_ok=True)
-                self.held -= self.shards[i]["size"]
+                self.held -= self.shards.pop(i)["size"]
                 self._cv.notify_all()
 
     def close(self) -> None:
@@ -302,39 +315,44 @@ class Stream:
             left -= shards[j]["samples"]
         return out
 
-    def samples(self) -> Iterator[tuple[str, dict[str, bytes]]]:
-        start, shards = self.start, self.index["shards"]
-        epoch = start.epoch
+    def _plan(self) -> Iterator[tuple[int, int]]:
+        """(epoch, shard) in reading order from ``start``, epoch after epoch."""
+        start, epoch = self.start, self.start.epoch
         while True:
-            needed = self._needed(epoch)
-            first = start.shards if epoch == start.epoch else 0
-            skip = start.samples if epoch == start.epoch else 0
-            done = sum(shards[j]["samples"] for j in needed[:first]) + skip  # samples of the epoch already read
-            cache = ShardCache([shards[j] for j in needed[first:]], self.root / f"epoch-{epoch}", self.fetch,
-                               self.capacity)
-            last = None  # the epoch's last sample, given after its cache is closed and said (Keras may not ask on)
-            try:
-                for n in range(len(needed) - first):
-                    path = cache.get(n)
-                    for k, sample in enumerate(tar_samples(path)):
-                        if n == 0 and k < skip:
-                            continue
-                        done += 1
-                        if done == self.per_epoch:
-                            last = sample
-                            break
-                        yield sample
-                    cache.release(n)
-                    if last is not None:
-                        break
-            finally:
-                cache.close()
-                self.peak = max(self.peak, cache.peak)
-            if self.on_epoch:
-                self.on_epoch(epoch, cache.stats, cache.peak)
-            if last is not None:
-                yield last
+            for j in self._needed(epoch)[start.shards if epoch == start.epoch else 0:]:
+                yield epoch, j
             epoch += 1
+
+    def samples(self) -> Iterator[tuple[str, dict[str, bytes]]]:
+        """Samples from ``start`` on, through one cache whose fetcher runs ahead across epoch ends (the next
+        epoch's first shards are fetched while this one's last are read)."""
+        start, shards = self.start, self.index["shards"]
+        needed = self._needed(start.epoch)
+        done = sum(shards[j]["samples"] for j in needed[:start.shards]) + start.samples  # read of the first epoch
+        cache = ShardCache((shards[j] for _, j in self._plan()), self.root, self.fetch, self.capacity)
+        epoch, said = start.epoch, CacheStats()
+        try:
+            for n, (_, j) in enumerate(self._plan()):
+                last = None  # the epoch's last sample, given once the epoch is said (Keras may not ask on)
+                for k, sample in enumerate(tar_samples(cache.get(n))):
+                    if n == 0 and k < start.samples:
+                        continue
+                    done += 1
+                    if done == self.per_epoch:
+                        last = sample
+                        break
+                    yield sample
+                cache.release(n)
+                if last is not None:
+                    now = dataclasses.replace(cache.stats)
+                    self.peak = max(self.peak, cache.peak)
+                    if self.on_epoch:
+                        self.on_epoch(epoch, CacheStats(**{f.name: getattr(now, f.name) - getattr(said, f.name)
+                                                           for f in dataclasses.fields(CacheStats)}), cache.peak)
+                    said, epoch, done, cache.peak = now, epoch + 1, 0, cache.held
+                    yield last
+        finally:
+            cache.close()
 
     def dataset(self, exts: list[str], map_fn=None):
         """A ``tf.data.Dataset`` of batches (``batch_size``, every epoch ``steps_per_epoch`` of them, then the next
@@ -386,12 +404,18 @@ def store_fetch(url: str, creds_path: str | None, say: Callable[[str], None]) ->
             held[:] = [open_store(url, creds_file.load())]
         return held[0]
 
-    def fetch(name: str, dest: Path) -> None:
-        def once():
+    def fetch(name: str, dest: Path) -> str:
+        def once() -> str:
             st, prefix = store()
-            with open(dest, "wb") as fh:
-                st.get((prefix.rstrip("/") + "/" if prefix else "") + name, fh.write)
-        transient_retry(once, deadline=STORE_DEADLINE, note=lambda m: say(f"[appliance] stream: {name}: {m}"))
+            h = hashlib.md5(usedforsecurity=False)
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:  # straight into the file (Swift and S3: httpget.get_into), hashed as it arrives
+                st.fetch((prefix.rstrip("/") + "/" if prefix else "") + name, fd, 0, h.update)
+            finally:
+                os.close(fd)
+            return h.hexdigest()
+        return transient_retry(once, deadline=STORE_DEADLINE,
+                               note=lambda m: say(f"[appliance] stream: {name}: {m}"))
 
     return fetch
 
@@ -410,7 +434,6 @@ def open_stream(batch_size: int, *, seed: int = 0, url: str | None = None) -> St
 
 def _open_stream(batch_size: int, seed: int, url: str | None) -> Stream:
     import json
-    import os
     import shutil
 
     from ..protocol import Env
@@ -439,8 +462,8 @@ def _open_stream(batch_size: int, seed: int, url: str | None) -> Stream:
         index = json.loads(index_path.read_text())
 
     def on_epoch(epoch: int, st: CacheStats, peak: int) -> None:
-        say(f"[appliance] stream epoch {epoch}: rank 0 fetched {st.fetched} shard(s), {st.ready} ready when asked, "
-            f"{st.stalls} waited for ({st.waited_s:.1f}s), {st.refetched} fetched again; cache peak "
+        say(f"[appliance] stream epoch {epoch}: rank 0 read {st.ready + st.stalls} shard(s), {st.ready} ready when "
+            f"asked, {st.stalls} waited for ({st.waited_s:.1f}s), {st.refetched} fetched again; cache peak "
             f"{_fmt_bytes(peak)} of {_fmt_bytes(node_bytes // local)}")
 
     big = max(index["shards"], key=lambda x: x["size"]) if index.get("shards") else None

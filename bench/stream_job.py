@@ -1,0 +1,85 @@
+"""One reader of bench/stream_bench.py, run inside a testbed node's network namespace: it reads a packed dataset for
+some epochs at a training's pace and prints what it measured as one JSON line.
+
+  --mode stream   appliance/node/stream.py's Stream: shards fetched from the store through a bounded cache
+  --mode local    the same shards, already on the node's disk, read in the same order (what staging gives)
+
+The training's pace is a modelled accelerator step: after every batch the reader waits ``--step-ms`` (a GPU step
+leaves the CPU free, so the wait is a sleep here, not work). Input wait is the time spent getting the next batch.
+CPU is this process's own (user + system, fetch thread included)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from appliance.node.stream import Stream, epoch_order, rank_share, samples_per_epoch, store_fetch, tar_samples  # noqa: E402
+
+
+def local_samples(index: dict, root: Path, seed: int, per_epoch: int):
+    epoch = 0
+    while True:
+        n = 0
+        for j in rank_share(epoch_order(seed, epoch, len(index["shards"])), 0, 1):
+            for sample in tar_samples(root / index["shards"][j]["name"]):
+                if n == per_epoch:
+                    break
+                n += 1
+                yield sample
+            if n == per_epoch:
+                break
+        epoch += 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("stream", "local"), required=True)
+    ap.add_argument("--index", required=True, help="index.json (a local copy)")
+    ap.add_argument("--url", help="stream: the packed dataset's URL")
+    ap.add_argument("--creds", help="stream: a StoreCreds JSON file")
+    ap.add_argument("--local-dir", help="local: the directory of the shards; stream: the cache's")
+    ap.add_argument("--cache-bytes", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--step-ms", type=float, default=50.0)
+    ap.add_argument("--epochs", type=int, default=2)
+    args = ap.parse_args()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)  # after the imports: the reading's CPU only
+    index = json.loads(Path(args.index).read_text())
+    per_epoch = samples_per_epoch(index, 1, args.batch)
+    stats = []
+    if args.mode == "stream":
+        s = Stream(index, seed=7, rank=0, world=1, batch_size=args.batch, root=Path(args.local_dir),
+                   fetch=store_fetch(args.url, args.creds, lambda m: print(m, file=sys.stderr)),
+                   capacity=args.cache_bytes, on_epoch=lambda e, st, peak: stats.append({**st.__dict__, "peak": peak}))
+        it = s.samples()
+    else:
+        it = local_samples(index, Path(args.local_dir), 7, per_epoch)
+    steps = args.epochs * per_epoch // args.batch
+    wait = 0.0
+    nbytes = 0
+    t0 = time.monotonic()
+    for _ in range(steps):
+        t = time.monotonic()
+        for _ in range(args.batch):
+            _, parts = next(it)
+            nbytes += sum(len(v) for v in parts.values())
+        wait += time.monotonic() - t
+        time.sleep(args.step_ms / 1000)  # the modelled accelerator step (module docstring)
+    wall = time.monotonic() - t0
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"mode": args.mode, "steps": steps, "samples": steps * args.batch, "wall_s": wall,
+                      "samples_per_s": steps * args.batch / wall, "input_wait": wait / wall,
+                      "cpu_s": ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime, "bytes": nbytes, "epochs": stats}), flush=True)
+    import os
+
+    os._exit(0)  # the stream's fetcher may be in a GET of the next epoch: no need to wait for it
+
+
+if __name__ == "__main__":
+    main()
