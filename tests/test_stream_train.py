@@ -115,3 +115,47 @@ def test_a_dataset_four_times_the_cache_streams_to_the_end_and_resumes_mid_epoch
     with Session(cluster2) as s:
         left = s.each(lambda r: r.run(f"ls -a {run_dir(cluster2, 'streamrun')}").out)
     assert len(left) == 2 and not any(".stream-creds" in x for x in left.values()), left
+
+
+@pytest.mark.slow
+def test_a_streamed_run_survives_its_lease_end_on_the_local_cloud(cloud, tmp_path, said):
+    """On the local cloud (Keystone, Blazar, Nova, Ceph RGW): the packed digits in its store, every node reading them
+    with the job's own application credential, as on Chameleon. The lease end arrives mid-epoch; `appliance resume`
+    continues on a new lease's nodes (new disks, an empty cache) at the exact next sample and ends on the weights of
+    an uninterrupted run; the job's dataset credentials are deleted."""
+    from appliance import flows, localcloud, sites
+    from test_checkpoint import Lines, lease_left
+
+    src = tmp_path / "files"
+    subprocess.run([sys.executable, str(CODE / "make_dataset.py"), str(src)], check=True, capture_output=True)
+    index = flows.data_pack(str(src), URL, cloud="local", shard_size=SHARD)
+    cache = f"{sum(s['size'] for s in index['shards']) // 4 // 1000}KB"
+    epochs = 8
+
+    def spec(name: str, url: str | None) -> str:
+        return keras_fit_spec(tmp_path, name, "", url=url, env={"APPLIANCE_STOP_CHECK_SECONDS": "0.05"}, code=CODE,
+                              command=f"python train.py --epochs {epochs} --batch-size {BATCH}",
+                              more=(f"dataset: {{source: {json.dumps(URL)}, mode: stream, cache: {cache}}}",
+                                    "lease: {duration: 1h, stop_margin: 60s}"))
+    path = spec("ckstream", "swift://ckpts/")
+    cl = flows.up(path)
+    try:
+        ref: list[str] = []
+        assert train(load_spec(spec("ckstreamref", None)), cl, out=ref.append).exit_code == 0, ref[-20:]
+        out = Lines()
+        at_epoch = random.randint(2, epochs - 2)
+        out.on(f"Epoch {at_epoch}/{epochs}", lambda line: localcloud.admin("POST", "/advance",
+                                                                          {"seconds": lease_left(cl) - 45}))
+        res = train(load_spec(path), cl, out=out)
+        assert res.exit_code == 75 and res.stopped["committed"], (res.failure, out.lines[-20:])
+        localcloud.admin("POST", "/advance", {"seconds": 120})  # the lease ends: servers and disks go
+        said.clear()
+        res2 = resume("ckstream", out=said.append)
+        assert res2.exit_code == 0, (res2.failure, said[-20:])
+        assert any("new lease" in m for m in said) and res2.resumed["step"] == res.stopped["step"]
+        assert any("the stream continues at epoch" in m for m in said), said[-30:]
+        assert final_weights(said) == final_weights(ref)
+        left = [x["name"] for x in sites.open_site("local").cloud.list_app_creds()]
+        assert not [x for x in left if x.startswith("appliance-ckstream") and "-data-" in x], left
+    finally:
+        flows.down("ckstream")
