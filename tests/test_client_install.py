@@ -22,16 +22,45 @@ from test_provision import os_cloud, requests  # the local cloud's clients, as t
 pytestmark = [pytest.mark.slow, needs_netns]
 
 
+def other_pythons() -> list[str]:
+    """Pythons newer than the nodes' 3.11 that this machine has (on PATH, or pyenv's): what laptops run."""
+    import glob
+    import shutil
+
+    found = {}
+    for minor in ("3.12", "3.13"):
+        for path in [shutil.which(f"python{minor}"),
+                     *sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{minor}.*/bin/python{minor}")))]:
+            if path and subprocess.run([path, "-c", "import venv"], capture_output=True).returncode == 0:
+                found[minor] = path  # (pyenv's shim on PATH exits 127 for a version it does not select)
+                break
+    return [pytest.param(p, id=m) for m, p in found.items()] or [pytest.param(None, id="none")]
+
+
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    """A venv with only the client install (`pip install .`, no extras): the repository as a user installs it."""
-    venv = tmp_path_factory.mktemp("client") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+def wheel(tmp_path_factory):
+    """The repository as pip builds it for a user (`pip install .` builds this wheel), built once."""
+    out = tmp_path_factory.mktemp("wheel")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check",
+                        "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return next(out.glob("appliance-*.whl"))
+
+
+def install_client(wheel, venv, python=sys.executable):
+    """A venv of ``python`` with only the client install (no extras)."""
+    subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True)
     r = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
-                        "--disable-pip-version-check", "--no-compile", str(ROOT)],
+                        "--disable-pip-version-check", "--no-compile", str(wheel)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return venv
+
+
+@pytest.fixture(scope="module")
+def client(wheel, tmp_path_factory):
+    """A venv with only the client install (`pip install .`, no extras): the repository as a user installs it."""
+    return install_client(wheel, tmp_path_factory.mktemp("client") / "venv")
 
 
 def cli(client, *args, cwd, check=True, timeout=600):
@@ -58,6 +87,22 @@ def test_the_client_install_has_no_training_stack_and_checks_a_chameleon_spec(cl
     # what nodes are installed from (`up --install`) came with it
     assert (client / "share" / "appliance" / "requirements.lock").read_bytes() == (ROOT / "requirements.lock").read_bytes()
     assert (client / "share" / "appliance" / "images" / "install-stack.sh").is_file()
+
+
+@pytest.mark.parametrize("python", other_pythons())
+def test_the_client_installs_and_drives_the_local_cloud_on_newer_pythons(python, wheel, cloud, tmp_path):
+    """Laptops run Python 3.12 and 3.13; only the nodes need 3.11. The same wheel, installed on each, checks a
+    Chameleon spec and lists the local cloud's leases (openstacksdk, keystoneauth, Blazar's API)."""
+    if python is None:
+        pytest.skip("no Python 3.12 or 3.13 on this machine (PATH or ~/.pyenv)")
+    venv = install_client(wheel, tmp_path / "venv", python)
+    ver = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys; print(sys.version_info[:2])"],
+                         capture_output=True, text=True, check=True).stdout
+    assert ver.strip() in ("(3, 12)", "(3, 13)"), ver
+    out = cli(venv, "check", str(ROOT / "examples" / "chameleon.yaml"), cwd=tmp_path).stdout
+    assert "on chameleon, 2 x gpu_rtx_6000" in out, out
+    localcloud.start()
+    assert json.loads(cli(venv, "lease", "list", "--cloud", "local", "--json", cwd=tmp_path).stdout) is not None
 
 
 def _run_cells(nc, cells, start, until=None):
