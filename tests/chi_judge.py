@@ -23,7 +23,9 @@ seen["listed"] = [x.name for x in chi.lease.list_leases()]
 server = chi.server.Server(f"{name}-0", reservation_id=lease.node_reservations[0]["id"], image_name="appliance-cpu")
 server.submit(wait_for_active=True, wait_timeout=300, show="text")
 seen["server_status"] = server.status
-seen["fip"] = server.associate_floating_ip()
+# the lease's own floating IP: without one, python-chi takes the first unbound floating IP of the project
+# (chi/network.py get_free_floating_ip), which may be another lease's, released under it as that lease ends
+seen["fip"] = server.associate_floating_ip(seen["reserved_fips"][0])
 server.check_connectivity(timeout=120, show="text")
 # python-chi's default login user, cc, as CC images make it (and the local cloud's images do)
 seen["hostname"] = server.ssh_connection().run("hostname", hide=True).stdout.strip()
