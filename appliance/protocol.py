@@ -79,6 +79,7 @@ class Line:
     ERROR = "APPLIANCE_ERROR"  # a node-side failure: {"message", "fix"}
     NOTE = "APPLIANCE_NOTE"  # free text for the user (not JSON)
     DOCTOR = "APPLIANCE_DOCTOR"  # the doctor's checks
+    STREAM = "APPLIANCE_STREAM"  # rank 0: an epoch of its stream read (shards, waits for the store, the epoch's time)
 
 
 _TEXT = {Line.NOTE, Line.RANK_EXIT}  # kinds whose body is plain text

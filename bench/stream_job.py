@@ -56,7 +56,7 @@ def main() -> None:
     if args.mode == "stream":
         s = Stream(index, seed=7, rank=0, world=1, batch_size=args.batch, root=Path(args.local_dir),
                    fetch=store_fetch(args.url, args.creds, lambda m: print(m, file=sys.stderr)),
-                   capacity=args.cache_bytes, on_epoch=lambda e, st, peak: stats.append({**st.__dict__, "peak": peak}))
+                   capacity=args.cache_bytes, on_epoch=lambda e, st, peak, wall: stats.append({**st.__dict__, "peak": peak}))
         it = s.samples()
     else:
         it = local_samples(index, Path(args.local_dir), 7, per_epoch)

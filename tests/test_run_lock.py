@@ -140,3 +140,32 @@ def test_a_lock_whose_lease_is_over_holds_nothing_back(tmp_path):
     c.acquire(tmp_path)
     beat = lock(tmp_path, "job-c", clock)
     assert beat.follow() and beat.heartbeat(tmp_path) and beat.read()["lease_id"] == "lease-2"
+
+
+def test_heartbeats_are_the_stores_time_so_a_machine_minutes_fast_takes_no_live_lock(tmp_path, monkeypatch):
+    """Issue 60 item 11: heartbeats were written and judged by each machine's own clock, so a machine 300 s fast
+    took a live lock. Both sides now read the store's clock (its Date header; here the store's ``clock``)."""
+    import time as _time
+
+    store_time = [5000.0]
+    a_cs, b_cs = store(tmp_path), store(tmp_path)
+    for cs in (a_cs, b_cs):
+        cs.store.clock = lambda: store_time[0]
+    a = RunLock(a_cs, "job-a", cluster="c-a", head="h", interval=10, ttl=30)
+    b = RunLock(b_cs, "job-b", cluster="c-b", head="h", interval=10, ttl=30)
+    assert a.acquire(tmp_path) == (None, None)
+    assert a.read()["heartbeat"] == 5000.0  # the store's time, not this machine's
+    real = _time.time
+    monkeypatch.setattr(runlock.time, "time", lambda: real() + 300)  # B's machine runs 5 minutes fast
+    store_time[0] += 20
+    holder, _ = b.acquire(tmp_path)
+    assert holder is not None and holder["job_id"] == "job-a" and not b.held and b.age(holder) == 20
+    store_time[0] += 31
+    assert b.acquire(tmp_path)[0] is None and b.held  # 31 s of the store's time since a's heartbeat: a is gone
+
+
+def test_the_stores_clock_is_its_date_header():
+    from appliance.store.base import date_header
+
+    assert date_header("Wed, 02 Dec 2026 12:00:00 GMT") == 1796212800.0
+    assert abs(date_header(None) - __import__("time").time()) < 5  # no header: this machine's clock

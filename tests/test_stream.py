@@ -265,3 +265,27 @@ def test_the_next_epochs_shards_are_fetched_while_this_ones_are_read(tmp_path):
         assert asked.wait(10), calls
     finally:
         it.close()
+
+
+def test_the_launcher_says_each_epoch_of_the_stream_and_keeps_the_waits_on_the_result():
+    from types import SimpleNamespace
+
+    from appliance.cli.views import format_stream
+    from appliance.data.stream import JobStream
+    from appliance.protocol import Line, format_line
+
+    said = []
+    hook = JobStream(site=None)
+    hook.ctx = SimpleNamespace(say=said.append)
+    for e in range(2):
+        assert hook.rank_line(0, format_line(Line.STREAM, {"epoch": e, "read": 10, "ready": 9, "stalls": 1,
+                                                           "waited_s": 0.5, "refetched": 0, "peak": 3000,
+                                                           "capacity": 8000, "wall_s": 20.0}))
+    assert not hook.rank_line(0, "Epoch 3/3")
+    assert said[1] == ("[appliance] stream epoch 1: rank 0 read 10 shard(s), 9 ready when asked, 1 waited for (0.5s), "
+                       "0 fetched again; cache peak 3.0 KB of 8.0 KB")
+    res = SimpleNamespace(stream=None)
+    hook.finish(res)
+    assert res.stream == {"epochs": 2, "shards": 20, "stalls": 2, "waited_s": 1.0, "wall_s": 40.0}
+    assert format_stream(res.stream) == ("rank 0 waited 1.0s of 40.0s (2.5%) for shards from the store, 2 of 20 "
+                                         "shard(s), over 2 epoch(s)")

@@ -107,6 +107,13 @@ def test_a_dataset_four_times_the_cache_streams_to_the_end_and_resumes_mid_epoch
     # the resumed epoch read only the shards from the one holding the next sample on
     first = epochs_said(out2)[0]
     assert first["epoch"] == 1 and first["read"] < epochs_said(ref)[1]["read"] or batch * BATCH < 8
+    # `appliance ls RUN` shows each job's waits for the store
+    from appliance.checkpoint.runs import run_details
+    from appliance.cli.views import format_stream
+
+    job = run_details("streamrun")["jobs"][-1]
+    assert job["stream"]["epochs"] == EPOCHS - 1 and job["stream"]["shards"] == sum(e["read"] for e in epochs_said(out2))
+    assert "for shards from the store" in format_stream(job["stream"])
     # the job's dataset credential was on every node while it ran, and is gone from every node now
     assert any("stream: the ranks read" in x for x in out2)
     from appliance.remote import Session

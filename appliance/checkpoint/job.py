@@ -178,7 +178,7 @@ class JobCheckpoints(JobHooks):
         if stale is not None:
             self.say(f"[appliance] took over the run's lock from job {stale.get('job_id')} (cluster "
                      f"{stale.get('cluster')}), whose launcher stopped renewing it "
-                     f"{time.time() - float(stale.get('heartbeat', 0)):.0f}s ago")
+                     f"{lock.age(stale):.0f}s ago")
         self.lock, self._beat_stop = lock, threading.Event()
         killpoints.here("job-lock")  # the fault matrix: a launcher killed between the lock and the job's start
 

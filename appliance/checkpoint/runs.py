@@ -219,6 +219,8 @@ def _job_end(rec: dict, cluster: Cluster, res) -> None:
                         else max((c["step"] for c in res.commits), default=None))
     job.update({"ended": ended, "status": status, "exit_code": res.exit_code, "failure": res.failure,
                 "node_seconds": round(used, 1), "node_seconds_lost": round(lost, 1)})
+    if getattr(res, "stream", None):
+        job["stream"] = res.stream
     rec["status"] = status
     rec["node_seconds_used"] = round(rec.get("node_seconds_used", 0) + used, 1)
     rec["node_seconds_lost"] = round(rec.get("node_seconds_lost", 0) + lost, 1)
@@ -242,7 +244,7 @@ def run_details(run: str) -> dict | None:
         return None
     return {**summarize(rec), "managed": bool(rec.get("managed")), "jobs": [
         {k: j.get(k) for k in ("job_id", "status", "nodes", "world_size", "first_step", "last_step", "started",
-                               "ended", "exit_code", "failure", "resume_breakdown")} for j in rec.get("jobs", [])]}
+                               "ended", "exit_code", "failure", "resume_breakdown", "stream")} for j in rec.get("jobs", [])]}
 
 
 def running_on(cluster: str) -> list[dict]:

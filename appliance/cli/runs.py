@@ -8,7 +8,7 @@ import click
 
 from ..errors import ApplianceError
 from . import _cloud_opt, _default_cloud, _json_opt, _json_out, _messages, _site_opt, main
-from .views import _report, format_breakdown, format_timeline
+from .views import _report, format_breakdown, format_stream, format_timeline
 
 
 @main.command("logs")
@@ -253,6 +253,8 @@ def runs_cmd(run, plot_png, url, cloud_kind, site, as_json):
                        + (f": {j['failure']}" if j.get("failure") else ""))
             if j.get("resume_breakdown"):
                 click.echo(f"    downtime {format_breakdown(j['resume_breakdown'])}")
+            if j.get("stream"):
+                click.echo(f"    input    {format_stream(j['stream'])}")
         return
     rows = list_runs()
     if as_json:

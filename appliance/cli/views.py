@@ -114,6 +114,13 @@ def format_breakdown(b: dict) -> str:
     return (f"{total:.1f}s to the first step: " if total is not None else "") + ", ".join(parts)
 
 
+def format_stream(s: dict) -> str:
+    """A streamed job's waits for the store, on one line (dataset.mode stream)."""
+    share = s["waited_s"] / s["wall_s"] if s.get("wall_s") else 0.0
+    return (f"rank 0 waited {s['waited_s']:.1f}s of {s['wall_s']:.1f}s ({share:.1%}) for shards from the store, "
+            f"{s['stalls']} of {s['shards']} shard(s), over {s['epochs']} epoch(s)")
+
+
 def format_summary(s: dict) -> list[str]:
     ok = s["exit_code"] == 0
     stopped = bool(s.get("stopped") and s["stopped"].get("committed"))
@@ -140,6 +147,8 @@ def format_summary(s: dict) -> list[str]:
     lines.append(f"  ranks     {s['ranks']} (reported from {', '.join(s['hostnames_reported']) or 'none'})")
     if s.get("epochs") is not None:
         lines.append(f"  epochs    {s['epochs']}")
+    if s.get("stream"):
+        lines.append(f"  input     {format_stream(s['stream'])}")
     if s.get("val_accuracy") is not None:
         lines.append(f"  accuracy  {s['val_accuracy']:.4f} (validation)")
     if s.get("same_weights_on_all_ranks") is not None:

@@ -14,7 +14,8 @@ import shlex
 from collections.abc import Callable
 
 from ..errors import ApplianceError
-from ..protocol import Env
+from ..node.stage import _fmt_bytes
+from ..protocol import Env, Line, parse
 from ..sites import Site
 from ..spec import parse_size
 from ..train.launch import JobContext, JobHooks
@@ -23,6 +24,7 @@ from ..train.launch import JobContext, JobHooks
 class JobStream(JobHooks):
     def __init__(self, site: Site):
         self.site = site
+        self.epochs: list[dict] = []  # rank 0's APPLIANCE_STREAM reports, one an epoch
         self.ctx: JobContext | None = None
         self.path: str | None = None  # the credentials file, the same path on every node
         self._withdraw: list[Callable[[], None]] = []
@@ -67,6 +69,26 @@ class JobStream(JobHooks):
         if self.path is None or not self._withdraw:
             return  # Swift v1 keys or the user's S3 keys: they do not expire
         self._write(self._creds(lease_end))
+
+    def rank_line(self, rank: int, text: str) -> bool:
+        got = parse(text, (Line.STREAM,))
+        if got is None or not isinstance(got[1], dict):
+            return False
+        e = got[1]
+        self.epochs.append(e)
+        self.ctx.say(f"[appliance] stream epoch {e.get('epoch')}: rank 0 read {e.get('read')} shard(s), "
+                     f"{e.get('ready')} ready when asked, {e.get('stalls')} waited for ({e.get('waited_s', 0):.1f}s), "
+                     f"{e.get('refetched')} fetched again; cache peak {_fmt_bytes(e.get('peak', 0))} of "
+                     f"{_fmt_bytes(e.get('capacity', 0))}")
+        return True
+
+    def finish(self, result) -> None:
+        """Rank 0's waits for the store over the job's epochs, on the result (the run's record keeps them)."""
+        if self.epochs:
+            result.stream = {"epochs": len(self.epochs), "shards": sum(e.get("read", 0) for e in self.epochs),
+                             "stalls": sum(e.get("stalls", 0) for e in self.epochs),
+                             "waited_s": round(sum(e.get("waited_s", 0.0) for e in self.epochs), 1),
+                             "wall_s": round(sum(e.get("wall_s", 0.0) for e in self.epochs), 1)}
 
     def close(self) -> None:
         ctx = self.ctx

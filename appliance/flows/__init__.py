@@ -530,7 +530,7 @@ def job_summary(res: JobResult) -> dict:
         "wall_seconds": round(res.wall_s, 1), "log": res.log_path, "run": res.run,
         "stopped": res.stopped, "resumed": res.resumed, "resume_breakdown": res.resume_breakdown,
         "checkpoints_committed": len(res.commits),
-        "last_checkpoint": res.commits[-1]["name"] if res.commits else None,
+        "last_checkpoint": res.commits[-1]["name"] if res.commits else None, "stream": res.stream,
     }
     if res.cluster_cloud in ("local", "chameleon"):  # a cluster on a site: its lease and how to end it
         summary["next"] = [f"  appliance status {res.run}        # lease time left, nodes",

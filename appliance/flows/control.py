@@ -110,7 +110,7 @@ class Control:
                     **({"credential_expires": own} if own else {}))
         if stale:
             log.info(f"[run] took over run {self.run} from controller {stale.get('job_id')}, gone "
-                     f"{time.time() - float(stale.get('heartbeat', 0)):.0f}s")
+                     f"{self.lock.age(stale):.0f}s")
         threading.Thread(target=self._beat, name="appliance-controller", daemon=True).start()
 
     def close(self, status: RunStatus) -> None:
@@ -346,7 +346,7 @@ def read_timeline(c: Control) -> dict | None:
     holder = c.lock.read()
     state["controller_alive"] = bool(holder and c.lock.alive(holder, ended=gone_here))
     if holder:
-        state["controller_heartbeat_age_s"] = round(time.time() - float(holder.get("heartbeat", 0)))
+        state["controller_heartbeat_age_s"] = round(c.lock.age(holder))
     return state
 
 

@@ -282,10 +282,11 @@ def samples_per_epoch(index: dict, world: int, batch_size: int) -> int:
 class Stream:
     """Rank ``rank``'s samples, epoch after epoch, from ``start``: ``samples()`` is one pass over all epochs (Keras
     reads it through one iterator, ``steps_per_epoch`` batches an epoch). Each epoch's shards are fetched ahead into
-    a ``ShardCache`` of ``capacity`` bytes and deleted once read; ``on_epoch`` hears each epoch's cache counts."""
+    a ``ShardCache`` of ``capacity`` bytes and deleted once read; ``on_epoch`` hears each epoch's cache counts, its
+    cache's peak and its seconds (from its first sample asked for to its last)."""
 
     def __init__(self, index: dict, *, seed: int, rank: int, world: int, batch_size: int, root: Path, fetch: Fetch,
-                 capacity: int, on_epoch: Callable[[int, CacheStats, int], None] | None = None):
+                 capacity: int, on_epoch: Callable[[int, CacheStats, int, float], None] | None = None):
         if index.get("format") != "tar":
             raise ApplianceError(f"stream mode reads tar shards; this dataset is {index.get('format')!r}",
                                  "pack it with `appliance data pack --format tar`")
@@ -330,10 +331,11 @@ class Stream:
         needed = self._needed(start.epoch)
         done = sum(shards[j]["samples"] for j in needed[:start.shards]) + start.samples  # read of the first epoch
         cache = ShardCache((shards[j] for _, j in self._plan()), self.root, self.fetch, self.capacity)
-        epoch, said = start.epoch, CacheStats()
+        epoch, said, t0 = start.epoch, CacheStats(), None
         try:
             for n, (_, j) in enumerate(self._plan()):
                 last = None  # the epoch's last sample, given once the epoch is said (Keras may not ask on)
+                t0 = t0 or time.monotonic()
                 for k, sample in enumerate(tar_samples(cache.get(n))):
                     if n == 0 and k < start.samples:
                         continue
@@ -348,8 +350,9 @@ class Stream:
                     self.peak = max(self.peak, cache.peak)
                     if self.on_epoch:
                         self.on_epoch(epoch, CacheStats(**{f.name: getattr(now, f.name) - getattr(said, f.name)
-                                                           for f in dataclasses.fields(CacheStats)}), cache.peak)
-                    said, epoch, done, cache.peak = now, epoch + 1, 0, cache.held
+                                                           for f in dataclasses.fields(CacheStats)}), cache.peak,
+                                      time.monotonic() - t0)
+                    said, epoch, done, cache.peak, t0 = now, epoch + 1, 0, cache.held, None
                     yield last
         finally:
             cache.close()
@@ -436,8 +439,7 @@ def _open_stream(batch_size: int, seed: int, url: str | None) -> Stream:
     import json
     import shutil
 
-    from ..protocol import Env
-    from .stage import _fmt_bytes
+    from ..protocol import Env, Line, emit
 
     env = os.environ
     url = url or env.get(Env.STREAM_URL)
@@ -461,10 +463,11 @@ def _open_stream(batch_size: int, seed: int, url: str | None) -> Stream:
                                  f"pack it: `appliance data pack DIR {url}`") from None
         index = json.loads(index_path.read_text())
 
-    def on_epoch(epoch: int, st: CacheStats, peak: int) -> None:
-        say(f"[appliance] stream epoch {epoch}: rank 0 read {st.ready + st.stalls} shard(s), {st.ready} ready when "
-            f"asked, {st.stalls} waited for ({st.waited_s:.1f}s), {st.refetched} fetched again; cache peak "
-            f"{_fmt_bytes(peak)} of {_fmt_bytes(node_bytes // local)}")
+    def on_epoch(epoch: int, st: CacheStats, peak: int, wall_s: float) -> None:
+        if rank == 0:  # for the launcher (data/stream.py says it, and keeps it in the run's record)
+            emit(Line.STREAM, {"epoch": epoch, "read": st.ready + st.stalls, "ready": st.ready, "stalls": st.stalls,
+                               "waited_s": round(st.waited_s, 3), "refetched": st.refetched, "peak": peak,
+                               "capacity": node_bytes // local, "wall_s": round(wall_s, 3)})
 
     big = max(index["shards"], key=lambda x: x["size"]) if index.get("shards") else None
     if big is not None and big["size"] > node_bytes // local:

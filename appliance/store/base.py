@@ -282,6 +282,23 @@ class Store:
         """One request that needs the credentials, to start warm; raises FileNotFoundError for a missing
         container. Nothing to do for a store that is a directory."""
 
+    def clock(self) -> float:
+        """The store's own time (the Date header of one request, RFC 9110 section 6.6.1: whole seconds), so that
+        every machine that writes or judges a heartbeat in it (store/runlock.py) reads one clock, whatever its own
+        says; this machine's for a store that is a directory."""
+        return time.time()
+
+
+
+def date_header(value: str | None) -> float:
+    """A response's Date header as a timestamp; this machine's clock when there is none (a store that sends no
+    Date breaks HTTP/1.1's rule for origin servers with a clock, RFC 9110 section 6.6.1)."""
+    from email.utils import parsedate_to_datetime
+
+    try:
+        return parsedate_to_datetime(value).timestamp() if value else time.time()
+    except (TypeError, ValueError):
+        return time.time()
 
 
 def quota_exceeded(where: str) -> StoreRefused:

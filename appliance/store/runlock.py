@@ -19,7 +19,11 @@ The rules:
   before every checkpoint commit and prune (node/checkpointer.py) and synced-files commit (node/filesync.py);
 - **release** marks the job's generation released instead of deleting it: generations only grow, so a job that lost
   the lock can never read it as its own again. The generations older than the one before the taker's are deleted.
-- a read that fails is retried and then raised (StoreUnavailable), never taken for "no lock".
+- a read that fails is retried and then raised (StoreUnavailable), never taken for "no lock";
+- **one clock**: a heartbeat is the store's time when it was written (``Store.clock``, its Date header), and a
+  lock's age is the store's time now minus it, so a machine whose clock is minutes fast neither takes a live lock
+  nor keeps a dead one (the machines that write and judge heartbeats are the launcher, the head node and the
+  controller, on any host).
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ READ_WAIT = 60.0  # seconds a failing read of the lock is retried before the sto
 
 class RunLock:
     def __init__(self, cs: CheckpointStore, job_id: str, *, cluster: str, head: str, interval: float = INTERVAL,
-                 ttl: float = TTL, now: Callable[[], float] = time.time, lease_id: str | None = None,
+                 ttl: float = TTL, now: Callable[[], float] | None = None, lease_id: str | None = None,
                  lease_site: str | None = None, launcher: str | None = None):
         self.cs, self.job_id, self.cluster, self.head = cs, job_id, cluster, head
-        self.interval, self.ttl, self.now = interval, ttl, now
+        self.interval, self.ttl = interval, ttl
+        self.now = now or (lambda: retrying(cs.store.clock, what="read the store's clock",
+                                            until=time.time() + READ_WAIT))
         self.lease_id = lease_id  # the job's lease: once it is over, its servers are gone and so is the job
         self.lease_site = lease_site  # its site, when not the run's own (Blazar's lease ids are per site)
         # the managed run's controller that launched the job (its id, host:pid:...): a controller that takes the run
@@ -141,7 +147,11 @@ class RunLock:
         renewed within its ttl."""
         return not lock.get("released") and not ended(str(lock.get("job_id"))) and \
             not (lock.get("lease_id") and lease_over(str(lock["lease_id"]), lock.get("lease_site"))) and \
-            self.now() - float(lock.get("heartbeat", 0)) < float(lock.get("ttl", self.ttl))
+            self.age(lock) < float(lock.get("ttl", self.ttl))
+
+    def age(self, lock: dict) -> float:
+        """Seconds since ``lock``'s last heartbeat, by the store's clock."""
+        return self.now() - float(lock.get("heartbeat", 0))
 
     def follow(self) -> bool:
         """Whether the run's newest generation is this job's (the head node's beat, which did not take the lock

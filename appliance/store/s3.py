@@ -13,7 +13,7 @@ from ..errors import ApplianceError
 from .tcp import quickack_boto
 from .. import report
 
-from .base import MAX_OBJECT, SEGMENTS_IN_FLIGHT, ObjectInfo, StoreCreds, StoreRefused, _status, transient_retry, _check_name, Store, quota_exceeded
+from .base import MAX_OBJECT, SEGMENTS_IN_FLIGHT, ObjectInfo, StoreCreds, StoreRefused, _status, transient_retry, _check_name, Store, quota_exceeded, date_header
 from .hashes import EMPTY_MD5, _b64, _damaged, _crc_header, _Slice, large_object_etags, crc_from
 
 log = report.get(__name__)
@@ -324,6 +324,17 @@ class S3Store(Store):
             if status in (401, 403):  # someone else's bucket, or keys the store does not take (HEAD says not which)
                 raise (self._keys_refused() or self._taken()) from None
             raise
+
+    def clock(self) -> float:
+        from botocore.exceptions import ClientError
+
+        try:
+            got = self.client().head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                raise FileNotFoundError(f"s3://{self.bucket}") from None
+            raise
+        return date_header(got.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date"))
 
     def _taken(self) -> StoreRefused:
         return StoreRefused(f"S3 bucket {self.bucket!r} belongs to someone else (bucket names are shared by every "

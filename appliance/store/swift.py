@@ -13,7 +13,7 @@ from ..errors import ApplianceError
 from .tcp import quickack_swift
 from .. import report
 
-from .base import T, SWIFT_PAGE, MAX_OBJECT, SEGMENTS_IN_FLIGHT, ObjectInfo, StoreCreds, StoreRefused, transient_retry, _check_name, Store, quota_exceeded
+from .base import T, SWIFT_PAGE, MAX_OBJECT, SEGMENTS_IN_FLIGHT, ObjectInfo, StoreCreds, StoreRefused, transient_retry, _check_name, Store, quota_exceeded, date_header
 from .hashes import EMPTY_MD5, _damaged, _crc_header, _Slice, large_object_etags, slo_etag, crc_from
 
 log = report.get(__name__)
@@ -390,6 +390,9 @@ class SwiftStore(Store):
     def reach(self) -> None:
         """One authenticated request (HEAD of the container): the token, and the store's first check of it."""
         self._call(self.conn().head_container, self.container)
+
+    def clock(self) -> float:
+        return date_header(self._call(self.conn().head_container, self.container).get("date"))
 
     def ensure_container(self) -> None:
         _check_name("swift", self.container)

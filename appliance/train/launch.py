@@ -74,6 +74,8 @@ class JobResult:
     # the job ended for its lease's end: stopped before it (the launcher's watchdog, the vendordata, the node's
     # watchdog), or the end took its nodes; hooks set it (a managed run continues on a new lease then)
     lease_end: bool = False
+    # dataset.mode stream: rank 0's waits for the store over the job's whole epochs (data/stream.py JobStream)
+    stream: dict | None = None
 
     @property
     def hostnames(self) -> list[str]:
