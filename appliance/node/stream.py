@@ -436,6 +436,7 @@ def open_stream(batch_size: int, *, seed: int = 0, url: str | None = None) -> St
 
 
 def _open_stream(batch_size: int, seed: int, url: str | None) -> Stream:
+    import atexit
     import json
     import shutil
 
@@ -453,6 +454,7 @@ def _open_stream(batch_size: int, seed: int, url: str | None) -> Stream:
     root = Path(env.get(Env.STREAM_CACHE) or Path(env.get(Env.DATA_DIR) or ".") / ".stream-cache") / f"rank-{local_rank}"
     shutil.rmtree(root, ignore_errors=True)  # a killed job's shards: the cache is this job's alone
     root.mkdir(parents=True, exist_ok=True)
+    atexit.register(shutil.rmtree, root, True)  # and what the job fetched ahead goes with it
     node_bytes = int(env.get(Env.STREAM_CACHE_BYTES) or 0) or shutil.disk_usage(root).free // 2
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         index_path = Path(tmp) / "index.json"
