@@ -603,6 +603,8 @@ def _hold(path: str) -> None:
 def _make_callback(owner: Checkpointer):
     import tensorflow as tf
 
+    from . import keras_fit
+
     class ApplianceCheckpoint(tf.keras.callbacks.Callback, ApplianceCallback):
         """Keras side of the Checkpointer. In ``Checkpointer.epochs()`` (the loop) it reports steps and epoch
         ends; in a plain ``model.fit`` it also restores at the start and commits at the end. It takes the step's
@@ -622,7 +624,11 @@ def _make_callback(owner: Checkpointer):
                 owner.epoch, owner.first = epoch, 0
 
         def on_train_batch_end(self, batch, logs=None):
-            owner.after_step(batch, logs)
+            t0 = time.perf_counter()
+            try:
+                owner.after_step(batch, logs)
+            finally:  # the appliance's own cost, not counted as the script's by Keras' slowness check
+                keras_fit.own_time(time.perf_counter() - t0)
 
         def on_epoch_end(self, epoch, logs=None):
             owner.epoch_end(epoch, logs)
