@@ -351,6 +351,39 @@ def test_the_next_lease_is_booked_overlap_before_the_end_and_its_cluster_made_on
     lifecycle.down("mh", site=site)
 
 
+def test_the_run_books_the_leases_its_plan_printed(tmp_path):
+    """Issue 60 item 4: `appliance run --plan` prints the leases the run expects; the run follows it. The plan of a
+    run of two leases with a warm handover, made before anything is booked, against what the run books: its first
+    lease, then the next one (warm, overlap before the first's end), by node type, node count, start and end."""
+    import datetime as dt
+    import functools
+
+    from appliance.flows import plan
+    from appliance.flows.handover import Warm
+    from appliance.provision import lifecycle
+    from fakes import no_nodes
+
+    site, spec = _warm_site(tmp_path, name="pb")
+    printed = plan.make(flows.RunContext(spec, site), "3h")
+    assert printed["path"] == "successor leases" and len(printed["leases"]) == 2
+    up = functools.partial(lifecycle.up, finish_nodes=no_nodes)
+    current = up(site, spec)
+    w = Warm(flows.RunContext(spec, site), current, lambda ev, **kw: None, None, 0.001, up=up).start()
+    c = site.cloud
+    booked = lambda: [x for x in c.leases.values() if x.id != current.lease_id]  # noqa: E731
+    for _ in range(10_000):  # the thread books it
+        if booked():
+            break
+        time.sleep(0.001)
+    first = c.leases[current.lease_id]
+    minute = lambda t: f"{t:%Y-%m-%d %H:%M}"  # noqa: E731 - the plan's resolution
+    assert [(minute(x.start), minute(x.end)) for x in (first, *booked())] == \
+        [(p["start"], p["end"]) for p in printed["leases"]]
+    assert [a[1:] for a in c.verbs("create_lease")] == [(spec.nodes.node_type, spec.nodes.count)] * 2
+    w.abandon()
+    lifecycle.down("pb", site=site)
+
+
 def find_cluster_named(name):
     from appliance.cluster import find_cluster
 
