@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from appliance.errors import ApplianceError
-from appliance.node.stream import Position, ShardCache, epoch_order, rank_share, read_epochs
+from appliance.node.stream import Position, ShardCache, epoch_order, rank_share
 
 
 def packed(d: Path, n_shards: int, per_shard: int) -> dict:
@@ -40,11 +40,6 @@ def copier(src: Path, calls=None):
     return fetch
 
 
-def read(index, src, tmp, *, rank=0, world=1, start=Position(), epochs=2, capacity=1 << 30, **kw):
-    return [(p, key) for p, key, _ in read_epochs(index, seed=7, rank=rank, world=world, start=start, epochs=epochs,
-                                                  root=tmp / f"cache-{rank}", fetch=copier(src), capacity=capacity, **kw)]
-
-
 def test_the_order_is_the_seeds_and_the_epochs_and_the_ranks_share_it():
     a, b = epoch_order(7, 0, 10), epoch_order(7, 0, 10)
     assert a == b and sorted(a) == list(range(10)) and epoch_order(7, 1, 10) != a and epoch_order(8, 0, 10) != a
@@ -54,21 +49,9 @@ def test_the_order_is_the_seeds_and_the_epochs_and_the_ranks_share_it():
 
 def test_the_ranks_read_every_shard_of_an_epoch_once(tmp_path):
     index = packed(tmp_path / "src", 6, 4)
-    seen = [read(index, tmp_path / "src", tmp_path, rank=r, world=2, epochs=1) for r in range(2)]
-    keys = [k for s in seen for _, k in s]
+    seen = [take(stream(index, tmp_path / "src", tmp_path / f"c{r}", rank=r, world=2, batch=1), 12) for r in range(2)]
+    keys = [k for s in seen for k in s]
     assert len(keys) == 24 == len(set(keys))
-    assert seen[0][-1][0] == Position(1, 0, 0)  # the end of an epoch is the next one's start
-
-
-def test_a_reader_started_at_any_position_continues_exactly(tmp_path):
-    index = packed(tmp_path / "src", 5, 3)
-    whole = read(index, tmp_path / "src", tmp_path, rank=1, world=2, epochs=3)
-    assert len(whole) == 3 * 2 * 3  # 3 epochs x 2 shards of rank 1 x 3 samples
-    for cut in [0, 1, 2, 3, 5, 6, 11, len(whole) - 1]:
-        pos = whole[cut][0]
-        assert len(repr(pos.as_dict())) < 1024 and Position.of(pos.as_dict()) == pos
-        rest = read(index, tmp_path / "src", tmp_path / f"r{cut}", rank=1, world=2, epochs=3, start=pos)
-        assert [k for _, k in rest] == [k for _, k in whole[cut + 1:]], cut
 
 
 def test_the_cache_holds_at_most_its_capacity_and_releases_what_was_read(tmp_path):
@@ -114,7 +97,7 @@ def test_a_shard_missing_from_the_store_is_one_error_naming_it(tmp_path):
     gone = index["shards"][epoch_order(7, 0, 3)[1]]["name"]
     (tmp_path / "src" / gone).unlink()
     with pytest.raises(ApplianceError, match=f"shard {gone} is in index.json but not in the store"):
-        read(index, tmp_path / "src", tmp_path, epochs=1)
+        take(stream(index, tmp_path / "src", tmp_path / "c", world=1, batch=1), 6)
 
 
 def test_a_full_cache_waits_for_the_reader_and_never_fails(tmp_path):
@@ -133,25 +116,16 @@ def test_a_full_cache_waits_for_the_reader_and_never_fails(tmp_path):
 
 def test_the_position_behind_a_step_is_known_from_the_seed(tmp_path):
     """A checkpoint keeps only the step (the Checkpointer's epoch and batch); consumed = batches x batch size maps
-    back to the position the uninterrupted reader had there."""
+    back to a position in the rank's share of the epoch: a shard and the samples into it."""
     from appliance.node.stream import position_of
 
-    index = packed(tmp_path / "src", 5, 3)
-    whole = read(index, tmp_path / "src", tmp_path, rank=0, world=2, epochs=2)
-    per_epoch = len(whole) // 2
-    for n, (pos, _) in enumerate(whole):
-        epoch, consumed = divmod(n + 1, per_epoch)
-        want = position_of(index, seed=7, rank=0, world=2, epoch=epoch, consumed=consumed)
-        assert Position.of(want.as_dict()) == pos, n
+    index = packed(tmp_path / "src", 5, 3)  # rank 0 of 2: 2 shards of 3 samples an epoch
+    at = lambda n: position_of(index, seed=7, rank=0, world=2, epoch=1, consumed=n)  # noqa: E731
+    assert [at(n) for n in (0, 2, 3, 5, 6)] == [Position(1, 0, 0), Position(1, 0, 2), Position(1, 1, 0),
+                                                Position(1, 1, 2), Position(2, 0, 0)]
+    assert len(repr(at(5).as_dict())) < 1024 and Position.of(at(5).as_dict()) == at(5)
     with pytest.raises(ApplianceError, match="past rank 0's share"):
-        position_of(index, seed=7, rank=0, world=2, epoch=0, consumed=per_epoch + 1)
-
-
-def uneven(d: Path, counts: list[int]) -> dict:
-    index = packed(d, len(counts), max(counts))
-    for s, n in zip(index["shards"], counts):
-        s["samples"] = n  # only the counts matter to the arithmetic below
-    return index
+        at(7)
 
 
 def test_every_rank_takes_the_same_whole_batches_every_epoch():

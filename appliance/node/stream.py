@@ -5,8 +5,8 @@ cache on the node's local disk: the part of `dataset.mode: stream` that does not
   shards, the same on every rank and every machine; rank r of w reads every w-th of it (``rank_share``), so the
   ranks together read each shard of the epoch once (the tail that does not divide evenly is left out of that epoch,
   as Horovod needs the same step count on every rank).
-- **The position** (``Position``: epoch, shards done, samples into the current shard) is a few integers; a reader
-  started at a position yields exactly the samples an uninterrupted reader would have yielded after it.
+- **The position** (``Position``: epoch, shards done, samples into the current shard) is a few integers; a stream
+  started at a position yields exactly the samples an uninterrupted one would have yielded after it.
 - **The cache** (``ShardCache``) fetches the rank's shards in reading order ahead of the reader into a directory,
   never holding more than its capacity (it waits for the reader to release one), verifies each shard's MD5 from
   index.json before the reader may open it (a shard that does not match is fetched again, never read), and counts
@@ -220,44 +220,6 @@ def position_of(index: dict, *, seed: int, rank: int, world: int, epoch: int, co
     return Position(epoch + 1, 0, 0)
 
 
-def _after(epoch: int, done: int, samples: int, count: int, share: int) -> Position:
-    """The position after a sample, normalized: a shard read whole is done, an epoch read whole is the next's start
-    (a resume there fetches nothing it has read)."""
-    if samples < count:
-        return Position(epoch, done, samples)
-    return Position(epoch + 1, 0, 0) if done + 1 == share else Position(epoch, done + 1, 0)
-
-
-def read_epochs(index: dict, *, seed: int, rank: int, world: int, start: Position, epochs: int, root: Path,
-                fetch: Fetch, capacity: int, on_stats: Callable[[CacheStats], None] | None = None) \
-        -> Iterator[tuple[Position, str, dict[str, bytes]]]:
-    """Rank ``rank``'s samples from ``start`` to the end of epoch ``epochs - 1``, each with the position after it
-    (what a checkpoint taken after this sample records). Tar shards only."""
-    if index.get("format") != "tar":
-        raise ApplianceError(f"stream mode reads tar shards; this dataset is {index.get('format')!r}",
-                             "pack it with `appliance data pack --format tar`")
-    shards = index["shards"]
-    for epoch in range(start.epoch, epochs):
-        mine = rank_share(epoch_order(seed, epoch, len(shards)), rank, world)
-        first = start.shards if epoch == start.epoch else 0
-        cache = ShardCache([shards[j] for j in mine[first:]], root / f"epoch-{epoch}", fetch, capacity)
-        try:
-            for n in range(len(mine) - first):
-                done = first + n
-                skip = start.samples if (epoch == start.epoch and n == 0) else 0
-                path = cache.get(n)
-                count = shards[mine[done]]["samples"]
-                for k, (key, parts) in enumerate(tar_samples(path)):
-                    if k < skip:
-                        continue
-                    yield _after(epoch, done, k + 1, count, len(mine)), key, parts
-                cache.release(n)
-            if on_stats:
-                on_stats(cache.stats)
-        finally:
-            cache.close()
-
-
 # ---------------------------------------------------------------------------------------------
 # The job's stream: what a script reads (``open_stream``), and how a resume positions it
 
@@ -281,9 +243,9 @@ def samples_per_epoch(index: dict, world: int, batch_size: int) -> int:
 
 class Stream:
     """Rank ``rank``'s samples, epoch after epoch, from ``start``: ``samples()`` is one pass over all epochs (Keras
-    reads it through one iterator, ``steps_per_epoch`` batches an epoch). Each epoch's shards are fetched ahead into
-    a ``ShardCache`` of ``capacity`` bytes and deleted once read; ``on_epoch`` hears each epoch's cache counts, its
-    cache's peak and its seconds (from its first sample asked for to its last)."""
+    reads it through one iterator, ``steps_per_epoch`` batches an epoch). The shards are fetched ahead into one
+    ``ShardCache`` of ``capacity`` bytes and deleted once read; ``on_epoch`` hears each epoch's cache counts, the
+    cache's peak in it and its seconds (from its first sample asked for to its last)."""
 
     def __init__(self, index: dict, *, seed: int, rank: int, world: int, batch_size: int, root: Path, fetch: Fetch,
                  capacity: int, on_epoch: Callable[[int, CacheStats, int, float], None] | None = None):
