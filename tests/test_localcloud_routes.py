@@ -398,3 +398,24 @@ def test_blazar_lists_each_hosts_allocations_from_now_on_as_python_chi_reads_the
     r = held[next(iter(gpu))][0]
     assert set(r) == {"id", "lease_id", "start_date", "end_date", "extras"}
     assert dt.datetime.strptime(r["start_date"], "%Y-%m-%dT%H:%M:%S.%f") == start.replace(second=0, microsecond=0)
+
+
+def test_the_stores_servers_listen_below_the_ephemeral_range(tmp_path):
+    """Ports handed to Swift's and Ceph's servers come from below the kernel's ephemeral range: a port the kernel
+    gave a throwaway socket could be taken by any outgoing connection before the server bound it (Swift then waited
+    out its 30 s bind timeout and `make test` saw "Swift did not start (container)")."""
+    import socket
+
+    from appliance.localcloud import ports
+
+    low = ports.ephemeral_low()
+    got = {ports.listen_port() for _ in range(20)}
+    assert all(ports.LOW <= p < low for p in got) and len(got) > 1
+    rng = tmp_path / "range"
+    rng.write_text("40000\t60999\n")
+    assert ports.ephemeral_low(str(rng)) == 40000
+    with socket.socket() as s:  # a port in use is never handed out
+        p = ports.listen_port()
+        s.bind(("127.0.0.1", p))
+        s.listen()
+        assert p not in {ports.listen_port() for _ in range(50)}

@@ -26,7 +26,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -35,6 +34,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import ApplianceError
+from .ports import listen_port
 
 DAEMONS = ("mon", "osd", "rgw")
 PACKAGES = "ceph-mon ceph-osd radosgw ceph-common"
@@ -42,12 +42,6 @@ PACKAGES = "ceph-mon ceph-osd radosgw ceph-common"
 # staging benchmark writes); a cap, not an allocation
 MEMSTORE_BYTES = int(os.environ.get("APPLIANCE_RGW_MEMSTORE_BYTES", str(8 << 30)))
 QUOTA_SHARE = 0.75  # of memstore's bytes, the RGW user's quota: writes past it are refused, not held
-
-
-def _free_port(ip: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 def self_signed(d: Path, ip: str) -> tuple[Path, Path]:
@@ -172,7 +166,7 @@ class RGWServer:
         self.base.mkdir(parents=True, exist_ok=True)
         for d in ("mon", "osd", "run", "log"):
             (self.base / d).mkdir(exist_ok=True)
-        self.ports = {"mon": _free_port(), "rgw": _free_port(self.bind_ip)}
+        self.ports = {"mon": listen_port(), "rgw": listen_port(self.bind_ip)}
         (self.base / "ports.json").write_text(json.dumps(self.ports))
         b = self.base
         # a one-node test cluster: one replica, no cephx, a memstore OSD (ceph doc/dev/dev_cluster_deployment.rst,

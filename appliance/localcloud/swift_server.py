@@ -20,7 +20,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,14 +27,9 @@ import urllib.request
 from pathlib import Path
 
 from ..errors import ApplianceError
+from .ports import listen_port
 
 SERVERS = ("account", "container", "object")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SwiftServer:
@@ -78,7 +72,7 @@ class SwiftServer:
         if saved.exists():
             self.ports = json.loads(saved.read_text())
         else:
-            self.ports = {name: _free_port() for name in ("proxy", *SERVERS, "memcached")}
+            self.ports = {name: listen_port() for name in ("proxy", *SERVERS, "memcached")}
             saved.write_text(json.dumps(self.ports))
         if not (etc / "swift.conf").exists():
             (etc / "swift.conf").write_text(
