@@ -263,3 +263,53 @@ def test_the_launcher_says_each_epoch_of_the_stream_and_keeps_the_waits_on_the_r
     assert res.stream == {"epochs": 2, "shards": 20, "stalls": 2, "waited_s": 1.0, "wall_s": 40.0}
     assert format_stream(res.stream) == ("rank 0 waited 1.0s of 40.0s (2.5%) for shards from the store, 2 of 20 "
                                          "shard(s), over 2 epoch(s)")
+
+
+def test_the_dataset_credential_goes_to_every_node_is_renewed_at_an_extension_and_goes_at_the_end(tmp_path):
+    """The launcher's side (data/stream.py): a 0600 file on every node, never the secret in the environment; a new
+    credential at a lease extension; at the end the file leaves every node and both credentials are deleted."""
+    import json
+    from types import SimpleNamespace
+
+    from appliance.data.stream import JobStream
+    from appliance.protocol import Env
+    from appliance.spec import parse_spec
+    from appliance.store.objects import StoreCreds
+
+    made, withdrawn, ran = [], [], []
+
+    def job_store_creds(url, *, name, lease_end, say):
+        made.append((url, name, lease_end))
+        n = len(made)
+        return StoreCreds(app_cred_id=f"id{n}", app_cred_secret=f"secret{n}"), lambda: withdrawn.append(n)
+
+    class Node:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, cmd, stdin=None, check=False, timeout=None):
+            ran.append((self.name, cmd, stdin))
+
+    nodes = SimpleNamespace(each=lambda fn: {n.name: fn(n) for n in (Node("n1"), Node("n2"))})
+    spec = parse_spec({"name": "s", "train": {"command": "x"},
+                       "dataset": {"source": "swift://data/p/", "mode": "stream", "cache": "10GB"}})
+    ctx = SimpleNamespace(spec=spec, cluster=SimpleNamespace(head=SimpleNamespace(workdir="/mnt/local"),
+                                                             lease_end_at="end1"),
+                          run_dir="/mnt/local/appliance/runs/s", job_id="j1", say=lambda m: None, nodes=nodes,
+                          abandoned=False)
+    hook = JobStream(SimpleNamespace(job_store_creds=job_store_creds))
+    env = hook.prepare(ctx)
+    assert env[Env.STREAM_URL] == "swift://data/p/" and env[Env.STREAM_CACHE_BYTES] == str(10**10)
+    assert env[Env.STREAM_CREDS] == "/mnt/local/appliance/runs/s/.stream-creds.json"
+    assert not any("secret" in v for v in env.values())
+    writes = [(n, stdin) for n, cmd, stdin in ran if "umask 077" in cmd]
+    assert [n for n, _ in writes] == ["n1", "n2"] and json.loads(writes[0][1])["app_cred_secret"] == "secret1"
+    hook.renew("end2")
+    assert made[-1][2] == "end2" and json.loads(ran[-1][2])["app_cred_secret"] == "secret2"
+    ran.clear()
+    hook.close()
+    assert [(n, cmd) for n, cmd, _ in ran] == [(n, "rm -f /mnt/local/appliance/runs/s/.stream-creds.json")
+                                                for n in ("n1", "n2")]
+    assert withdrawn == [1, 2]
+    assert JobStream(SimpleNamespace()).prepare(SimpleNamespace(spec=parse_spec({"name": "s", "train": {
+        "command": "x"}}))) == {}  # not a stream: nothing
