@@ -185,7 +185,7 @@ def stage_cmd(spec, cluster, concurrency, keep_extra, as_json):
     \b
     dataset.mode full: every node gets everything; shard: node r gets every n-th object (sorted
     names), so rank r's input pipeline reads only what is local; stream: nothing is staged (the
-    job reads the packed shards while it trains: docs/staging.md), only index.json is checked.
+    job reads the packed shards while it trains: docs/stream.md), only index.json is checked.
     A re-run fetches only what is
     missing or changed (a manifest on each node), and removes files whose objects left the store
     (--keep-extra keeps them). Zero-byte `folder/` objects are directories. Names that would escape
