@@ -8,6 +8,7 @@ thread that lets go of the last reference); the seconds themselves vary with Ten
 asserted."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +108,28 @@ def test_keras_slowness_check_counts_the_users_callbacks_not_the_appliances():
     assert p.returncode == 0, p.stderr[-2000:]
     got = dict(line.split()[1:] for line in p.stdout.splitlines() if line.startswith("SLOW "))
     assert got == {"1": "False", "2": "True"}, (got, p.stderr[-1500:])
+
+
+FROZEN = r'''
+import gc, os
+import tensorflow as tf
+tf.keras.layers.Dense  # the script's first use of Keras: the shim's hooks run once tf_keras is imported
+frozen = gc.get_freeze_count()
+a, b = [], []
+a.append(b)
+b.append(a)  # the script's own cyclic garbage, made after the import
+del a, b
+print("FROZEN", frozen, gc.collect())
+'''
+
+
+@pytest.mark.e2e  # TensorFlow in a process of its own (~6 s)
+def test_a_rank_freezes_what_tensorflow_and_keras_made_at_import_and_still_collects_the_scripts_garbage():
+    """The shim, as every rank loads it: once tf_keras is imported, the objects of the import (hundreds of thousands)
+    leave the garbage collector's walks for good (gc.freeze); what the script makes afterwards is collected."""
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1",
+           "PYTHONPATH": f"{ROOT / 'appliance' / 'node' / 'shim'}:{ROOT}"}
+    p = subprocess.run([sys.executable, "-c", FROZEN], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    frozen, collected = (int(x) for x in next(x for x in p.stdout.splitlines() if x.startswith("FROZEN")).split()[1:])
+    assert frozen > 100_000 and collected >= 2, p.stdout

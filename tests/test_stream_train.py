@@ -1,7 +1,7 @@
 """``dataset.mode: stream`` end to end, on the local cloud (Keystone, Blazar, Nova, Ceph RGW): examples/stream/train.py
 (an ordinary Keras + Horovod script that reads its data with ``open_stream``) on 2 nodes through horovodrun, the
-packed digits in the cloud's store, each node's cache a quarter of the dataset. Nothing is staged; every shard a
-rank reads is fetched while it trains, with the job's own application credential on every node (as on
+packed digits in the cloud's store, each node's data disk a quarter of the dataset and the cache its default (half
+of what is free there). Nothing is staged; every shard a rank reads is fetched while it trains, with the job's own application credential on every node (as on
 Chameleon), and verified against index.json's MD5. The lease end arrives mid-epoch; `appliance resume` continues
 on a new lease's nodes (new disks, an empty cache) at the exact next sample, reads nothing twice, and ends on the
 weights of an uninterrupted run."""
@@ -28,10 +28,10 @@ EPOCHS, BATCH, SHARD = 8, 32, 16384
 URL = "swift://streamdata/digits/"
 
 
-def spec_file(tmp_path: Path, name: str, cache: str, *, url: str | None = None) -> str:
+def spec_file(tmp_path: Path, name: str, *, url: str | None = None) -> str:
     return keras_fit_spec(tmp_path, name, "", url=url, env={"APPLIANCE_STOP_CHECK_SECONDS": "0.05"}, code=CODE,
                           command=f"python train.py --epochs {EPOCHS} --batch-size {BATCH}",
-                          more=(f"dataset: {{source: {json.dumps(URL)}, mode: stream, cache: {cache}}}",
+                          more=(f"dataset: {{source: {json.dumps(URL)}, mode: stream}}",
                                 "lease: {duration: 1h, stop_margin: 60s}"))
 
 
@@ -54,7 +54,8 @@ def shards_needed(index: dict, epoch: int, per_epoch: int) -> int:
 
 
 @pytest.mark.slow
-def test_a_dataset_four_times_the_cache_streams_across_a_lease_end_and_resumes_exactly(cloud, tmp_path, said):
+def test_a_dataset_four_times_the_nodes_data_disks_streams_across_a_lease_end_and_resumes_exactly(cloud, tmp_path,
+                                                                                                    said):
     from appliance import flows, localcloud, sites
     from appliance.checkpoint.runs import run_details
     from appliance.cli.views import format_stream
@@ -65,13 +66,22 @@ def test_a_dataset_four_times_the_cache_streams_across_a_lease_end_and_resumes_e
     subprocess.run([sys.executable, str(CODE / "make_dataset.py"), str(src)], check=True, capture_output=True)
     index = flows.data_pack(str(src), URL, cloud="local", shard_size=SHARD)
     total = sum(s["size"] for s in index["shards"])
-    cache = f"{total // 4 // 1000}KB"  # each node's cache: a quarter of the dataset (its 1 rank gets all of it)
+    disk = total // 4 // 4096 * 4096  # each node's data disk (/mnt/local/data, where dataset.dest puts it): a quarter of the dataset
     per_epoch = samples_per_epoch(index, 2, BATCH)
     steps = per_epoch // BATCH
-    path = spec_file(tmp_path, "ckstream", cache, url="swift://ckpts/")
-    cl = flows.up(path)
+    path = spec_file(tmp_path, "ckstream", url="swift://ckpts/")
+    localcloud.admin("POST", "/terms", {"data_disk": disk})  # the nodes booted from now on have one
     try:
-        spec = load_spec(spec_file(tmp_path, "ckstreamref", cache))
+        cl = flows.up(path)
+    finally:
+        localcloud.admin("POST", "/terms", {"data_disk": None})  # the resume's nodes get theirs from the term below
+    try:
+        from appliance.remote import Session
+
+        with Session(cl) as s:
+            sizes = s.each(lambda r: r.run("df -B1 --output=size /mnt/local/data | tail -1").out.strip())
+        assert [int(x) for x in sizes.values()] == [disk] * 2, sizes
+        spec = load_spec(spec_file(tmp_path, "ckstreamref"))
         staged: list[str] = []
         assert stage_to_nodes(RunContext.of(spec), cl, URL, "data", mode="stream", out=staged.append) == {}
         assert f"{len(index['shards'])} shard(s), 1797 sample(s)" in staged[0] and "nothing is staged" in staged[0]
@@ -85,8 +95,8 @@ def test_a_dataset_four_times_the_cache_streams_across_a_lease_end_and_resumes_e
         assert [e["epoch"] for e in said_ref] == list(range(EPOCHS)), ref[-40:]
         for e in said_ref:  # rank 0 read exactly the shards it needed, never holding more than the cache
             assert e["read"] == shards_needed(index, int(e["epoch"]), per_epoch) and e["refetched"] == 0
-            assert 0 < e["peak"] <= e["cap"] and abs(e["cap"] - parse_size(cache)) <= 0.05 * parse_size(cache)
-        assert 4 * parse_size(cache) <= total
+            assert 0 < e["peak"] <= e["cap"] and abs(e["cap"] - disk / 2) <= 0.05 * disk  # half the free disk
+        assert 4 * disk <= total
 
         out = Lines()
         at_epoch = random.randint(2, EPOCHS - 2)
@@ -97,13 +107,18 @@ def test_a_dataset_four_times_the_cache_streams_across_a_lease_end_and_resumes_e
         stop = res1.stopped["step"]
         localcloud.admin("POST", "/advance", {"seconds": 120})  # the lease ends: servers and disks go
         said.clear()
-        res2 = resume("ckstream", out=said.append)
+        localcloud.admin("POST", "/terms", {"data_disk": disk})
+        try:
+            res2 = resume("ckstream", out=said.append)
+        finally:
+            localcloud.admin("POST", "/terms", {"data_disk": None})
         assert res2.exit_code == 0, (res2.failure, said[-20:])
         assert any("new lease" in m for m in said) and res2.resumed["step"] == stop
         epoch, batch = divmod(stop, steps)
         assert any(f"the stream continues at epoch {epoch}, batch {batch}" in m for m in said), said[-30:]
         assert not any("skipped the" in m for m in said)
         assert final_weights(said) == final_weights(ref), f"stopped after step {stop}"
+        assert all(0 < e["peak"] <= e["cap"] <= disk / 2 * 1.05 for e in epochs_said(said))  # new nodes, new disks
         first = epochs_said(said)[0]  # the resumed epoch read only from the shard of the next sample on
         assert first["epoch"] == epoch and first["read"] <= shards_needed(index, epoch, per_epoch)
         job = run_details("ckstream")["jobs"][-1]  # `appliance ls RUN` shows the job's waits for the store
@@ -111,7 +126,6 @@ def test_a_dataset_four_times_the_cache_streams_across_a_lease_end_and_resumes_e
         assert job["stream"]["shards"] == sum(e["read"] for e in epochs_said(said))
         assert "for shards from the store" in format_stream(job["stream"])
         from appliance.cluster import find_cluster
-        from appliance.remote import Session
         from appliance.train.launch import run_dir
 
         now = find_cluster("ckstream")  # the new lease's nodes: the job's credentials file is gone from each

@@ -26,7 +26,7 @@ def _link_exists(name):
 @pytest.mark.slow
 @needs_netns
 def test_lifecycle_idempotent_and_clean():
-    tb = testbed.up(LC, 2)
+    tb = testbed.up(LC, 2, data_disk=4 << 20)  # each node has a data disk of 4 MiB
     try:
         pids = [n.sshd_pid for n in tb.nodes]
         st = testbed.status(LC)
@@ -53,6 +53,11 @@ def test_lifecycle_idempotent_and_clean():
         assert outs["node1"].splitlines()[0] == "node1" and outs["node2"].splitlines()[0] == "node2"
         assert "10.77." in outs["node1"] and outs["node1"] != outs["node2"]
         assert os.path.exists(os.path.join(tb.nodes[0].disk, "mine"))
+        with Session(cl) as s:  # its size is what df says on the node, and a write past it fails (ENOSPC)
+            full = s.each(lambda r: r.run("df -B1 --output=size /mnt/local/data | tail -1; dd if=/dev/zero "
+                                          "of=/mnt/local/data/big bs=1M count=5 2>&1; echo dd=$?").out)
+        for out in full.values():
+            assert int(out.split()[0]) == 4 << 20 and "dd=1" in out and "No space left on device" in out, out
         host_hosts = open("/etc/hosts").read()
         assert "node1" not in host_hosts  # the host's own /etc/hosts is untouched
     finally:
@@ -65,6 +70,7 @@ def test_lifecycle_idempotent_and_clean():
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or "sshd" not in open(f"/proc/{pid}/cmdline").read()
     assert testbed.load(LC) is None
+    assert f"/{LC}/" not in open("/proc/self/mounts").read()  # the data disks are unmounted
     assert testbed.down(LC) == []  # idempotent
 
 

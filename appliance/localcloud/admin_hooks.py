@@ -40,14 +40,17 @@ def tokens(req: Request):
 def terms(req: Request):
     """Chameleon's terms this cloud holds its users to, changed while it runs (tests): ``clean_seconds`` (a node's
     cleaning after its server's delete, cloud.py), ``su_budget`` (the project's SUs, portal.py; null: not
-    enforced). Answers them with the SUs used and left."""
+    enforced), ``data_disk`` (bytes of the data disk a node booted from now on has, cloud.py; null: none).
+    Answers them with the SUs used and left."""
     c, body = req.cloud, req.body or {}
     if req.method == "POST":
+        if "data_disk" in body:
+            c.data_disk = None if body["data_disk"] is None else int(body["data_disk"])
         if "clean_seconds" in body:
             c.clean_seconds = float(body["clean_seconds"])
         if "su_budget" in body:
             c.portal.su_budget = None if body["su_budget"] is None else float(body["su_budget"])
-    return 200, {"clean_seconds": c.clean_seconds, "su_budget": c.portal.su_budget,
+    return 200, {"clean_seconds": c.clean_seconds, "su_budget": c.portal.su_budget, "data_disk": c.data_disk,
                  "su_used": round(c.portal.used(), 4), "su_left": c.portal.left()}
 
 

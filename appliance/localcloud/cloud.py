@@ -84,6 +84,11 @@ class Cloud:
         # CLEANING, `_node_resources_unavailable` for any state but AVAILABLE): real seconds, like the boot
         self.clean_seconds = clean_seconds
         self.cleaning: dict[str, float] = {}  # host id -> time.monotonic() its cleaning ends
+        # a bare-metal node's disks have a size (Chameleon's flavor says 240 GB; a node's is its Ironic node's
+        # `local_gb` property, openstack/ironic doc/source/install/enrollment.rst), and a write past it fails.
+        # Nodes here share the host's disk; for tests, a node can get a data disk of this many bytes at the
+        # dataset's default place (testbed.netns DATA_DIR): None, no such disk
+        self.data_disk: int | None = None
         self.base_url = base_url
         self.lock = threading.RLock()
         self._terminating: list[threading.Thread] = []  # the deletes' teardowns (Nova's terminate_instance casts)
@@ -411,7 +416,7 @@ class Cloud:
                 self.faults["ssh_never"] -= 1
                 pub = ""
                 srv.no_ssh = True
-            node = self.nodes.add(hostname, pub + "\n" if pub else "", user=IMAGE_USER)
+            node = self.nodes.add(hostname, pub + "\n" if pub else "", user=IMAGE_USER, data_disk=self.data_disk)
             srv.ip = node.ip  # the metadata service finds the server by it, as Neutron's proxy does
             if srv.user_data:
                 # cloud-init's scripts-user runs a user_data script once, late in the boot (after the SSH host

@@ -48,6 +48,7 @@ Three small hooks into tf_keras 2.18 (the version the lock pins), installed in e
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 import threading
@@ -286,3 +287,13 @@ def on_tf_keras_import(module) -> None:
     install_data_hooks()
     if os.environ.get(Env.CKPT_URL) and os.environ.get(Env.CKPT_AUTO, "1") != "0":
         install_autolog()
+    freeze_imports()
+
+
+def freeze_imports() -> None:
+    """TensorFlow and Keras leave ~380,000 objects to Python's garbage collector at import, and each of its full
+    collections walks them all again (0.28 s of CPU here); the garbage of a Keras training loop asks for one every
+    few seconds. They live as long as the rank does: they go to the collector's permanent generation
+    (``gc.freeze``, https://docs.python.org/3/library/gc.html#gc.freeze), and what the script makes from here on is
+    collected as before. The digits job spends 14% less CPU with it (docs/benchmark.md)."""
+    gc.freeze()

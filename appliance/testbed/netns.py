@@ -40,12 +40,13 @@ from pathlib import Path
 
 from .. import paths, report
 from ..errors import ApplianceError
-from .nodeimage import default_user, root_home_for, sshd_config
+from .nodeimage import DEFAULT_UID, default_user, root_home_for, sshd_config
 
 log = report.get(__name__)
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")
 NODE_MOUNT = "/mnt/local"  # where a node sees its local disk
+DATA_DIR = "data"  # a node's data disk, where one is asked for: at the dataset's default place (dataset.dest)
 METADATA_IP = "169.254.169.254"  # Nova's metadata address, as instances see it
 SSHD = "/usr/sbin/sshd"
 
@@ -60,6 +61,7 @@ class TestbedNode:
     sshd_pid: int | None = None
     slots: int = 1
     user: str = "root"  # the login user: root, or an image's default user (cc) that cloud-init made
+    data_disk: int | None = None  # bytes of its data disk at DATA_MOUNT (a tmpfs of that size); None: no such disk
 
     @property
     def disk(self) -> str:
@@ -251,8 +253,9 @@ def _healthy(tb: Testbed) -> bool:
 
 
 def up(name: str = "tb", nodes: int = 2, *, slots: int = 1, mode: str = "auto",
-       ready_timeout: float = 20.0) -> Testbed:
-    """Bring up a testbed of ``nodes`` nodes. Idempotent: a healthy testbed of that size is reused."""
+       ready_timeout: float = 20.0, data_disk: int | None = None) -> Testbed:
+    """Bring up a testbed of ``nodes`` nodes. Idempotent: a healthy testbed of that size is reused.
+    ``data_disk``: each node has a data disk of that many bytes at /mnt/local/data (namespace nodes)."""
     if not NAME_RE.match(name):
         raise ApplianceError(f"testbed name {name!r} is invalid", "use 1-6 lowercase letters/digits, e.g. tb")
     if nodes < 1 or nodes > 50:
@@ -275,7 +278,7 @@ def up(name: str = "tb", nodes: int = 2, *, slots: int = 1, mode: str = "auto",
         base.mkdir(parents=True, exist_ok=True)
         try:
             if ok:
-                tb = _up_netns(name, base, nodes, slots, ready_timeout)
+                tb = _up_netns(name, base, nodes, slots, ready_timeout, data_disk)
             else:
                 log.info(f"testbed {name}: single-host mode ({reason}): all {nodes * slots} slots on this machine, "
                          "no SSH")
@@ -332,14 +335,22 @@ def _make_bridge_on(name: str, base: Path, net: ipaddress.IPv4Network) -> Testbe
 
 
 def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, slots: int = 1,
-                ip: str | None = None, user: str = "root") -> TestbedNode:
+                ip: str | None = None, user: str = "root", data_disk: int | None = None) -> TestbedNode:
     """Create one node (namespace, veth, sshd) on the testbed's bridge; does not wait for sshd. ``user``: the
-    login user; another than root is made as cloud-init makes an image's default user (``nodeimage.default_user``)."""
+    login user; another than root is made as cloud-init makes an image's default user (``nodeimage.default_user``).
+    ``data_disk``: a disk of that many bytes for data at ``/mnt/local/data``, the login user's, smaller than the
+    datasets a test streams (a write past it fails with ENOSPC, and ``df`` says its size): a tmpfs, mounted on the
+    host so the host sees into it as into the rest of the node's disk."""
     base = Path(tb.base)
     net = ipaddress.IPv4Network(f"{tb.host_ip}/{tb.prefix}", strict=False)
     root_home = Path(pwd.getpwuid(0).pw_dir)
     d = base / node_name
     (d / "disk").mkdir(parents=True, exist_ok=True)
+    if data_disk:
+        owner = 0 if user == "root" else DEFAULT_UID
+        (d / "disk" / DATA_DIR).mkdir(exist_ok=True)
+        _run("mount", "-t", "tmpfs", "-o", f"size={int(data_disk)},mode=755,uid={owner},gid={owner}",
+             f"apl-data-{node_name}", str(d / "disk" / DATA_DIR))
     (d / "ssh").mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(d / "ssh", 0o700)
     etc_ssh = d / "etc-ssh"
@@ -348,7 +359,8 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
         if Path("/etc/ssh", f).is_file():
             shutil.copy(Path("/etc/ssh", f), etc_ssh / f)
     node = TestbedNode(name=node_name, ip=ip or str(net.network_address + 10 + index), dir=str(d),
-                       netns=f"apl-{tb.name}-{node_name}", veth=f"apl{tb.name}v{index}", slots=slots, user=user)
+                       netns=f"apl-{tb.name}-{node_name}", veth=f"apl{tb.name}v{index}", slots=slots, user=user,
+                       data_disk=data_disk)
     tb.nodes.append(node)
     tb.save()
     _keygen(etc_ssh / "ssh_host_ed25519_key", f"root@{node_name}")
@@ -383,7 +395,8 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
     script = (
         f"hostname {node_name} && mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm && "
         f"mount --bind {d}/hosts /etc/hosts && mount --bind {etc_ssh} /etc/ssh && "
-        f"mount --bind {d}/disk {NODE_MOUNT} && {mounts}mount --bind {d}/ssh {root_home}/.ssh && "
+        f"mount --rbind {d}/disk {NODE_MOUNT} && "  # with its data disk, where it has one
+        f"{mounts}mount --bind {d}/ssh {root_home}/.ssh && "
         f"exec {SSHD} -D -f {d}/sshd_config -E {d}/sshd.log"
     )
     with open(d / "boot.log", "wb") as out:
@@ -417,11 +430,12 @@ def _wait_ready(tb: Testbed, nodes: list[TestbedNode], timeout: float) -> None:
             time.sleep(0.05)  # readiness poll of a local port
 
 
-def _up_netns(name: str, base: Path, count: int, slots: int, ready_timeout: float) -> Testbed:
+def _up_netns(name: str, base: Path, count: int, slots: int, ready_timeout: float,
+              data_disk: int | None = None) -> Testbed:
     tb = _make_bridge(name, base)
     pub = (base / "id_ed25519.pub").read_text()
     for i in range(1, count + 1):
-        _start_node(tb, i, f"node{i}", pub, slots=slots)
+        _start_node(tb, i, f"node{i}", pub, slots=slots, data_disk=data_disk)
     _wait_ready(tb, tb.nodes, ready_timeout)
     log.info(f"testbed {name}: {count} node(s) up on {tb.bridge} ({tb.host_ip}/{tb.prefix})")
     return tb
@@ -440,7 +454,17 @@ def _stop_node(node: TestbedNode) -> list[str]:
             removed.append(f"namespace {node.netns}")
     if node.veth and _run("ip", "link", "del", node.veth, check=False).returncode == 0:
         removed.append(f"link {node.veth}")
+    data = os.path.join(node.disk, DATA_DIR)
+    if os.path.ismount(data) and _run("umount", "--lazy", data, check=False).returncode == 0:
+        removed.append(f"data disk {data}")  # its tmpfs, with what the node left there
     return removed
+
+
+def _mounts_under(base: Path) -> list[str]:
+    """Mount points at or below ``base`` (/proc/self/mounts escapes a space in a path as \\040)."""
+    prefix = str(base).rstrip("/") + "/"
+    points = [line.split()[1].replace("\\040", " ") for line in Path("/proc/self/mounts").read_text().splitlines()]
+    return sorted((p for p in points if (p + "/").startswith(prefix)), reverse=True)
 
 
 def _teardown(name: str, tb: Testbed | None) -> list[str]:
@@ -475,6 +499,9 @@ def _teardown(name: str, tb: Testbed | None) -> list[str]:
     if _run("ip", "link", "del", bridge, check=False).returncode == 0:
         removed.append(f"bridge {bridge}")
     base = _base(name)
+    for mnt in _mounts_under(base):  # a data disk whose node the record missed
+        if _run("umount", "--lazy", mnt, check=False).returncode == 0:
+            removed.append(f"data disk {mnt}")
     if base.exists():
         shutil.rmtree(base)
         removed.append(f"state {base}")
