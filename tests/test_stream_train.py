@@ -1,10 +1,10 @@
 """``dataset.mode: stream`` end to end, on the local cloud (Keystone, Blazar, Nova, Ceph RGW): examples/stream/train.py
 (an ordinary Keras + Horovod script that reads its data with ``open_stream``) on 2 nodes through horovodrun, the
 packed digits in the cloud's store, each node's data disk a quarter of the dataset and the cache its default (half
-of what is free there). Nothing is staged; every shard a rank reads is fetched while it trains, with the job's own application credential on every node (as on
-Chameleon), and verified against index.json's MD5. The lease end arrives mid-epoch; `appliance resume` continues
-on a new lease's nodes (new disks, an empty cache) at the exact next sample, reads nothing twice, and ends on the
-weights of an uninterrupted run."""
+of what is free there). Nothing is staged; every shard a rank reads is fetched while it trains, with the job's own
+application credential on every node (as on Chameleon), and verified against index.json's MD5. In a managed run
+(`appliance run`) the lease end arrives mid-epoch; the run goes on by itself on a new lease's nodes (new disks, an
+empty cache) at the exact next sample, reads nothing twice, and ends on the weights of an uninterrupted run."""
 
 import json
 import random
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.flows import resume, run_job as train
+from appliance.flows import run_job as train
 from appliance.node.stream import epoch_order, rank_share, samples_per_epoch
 from appliance.spec import load_spec, parse_size
 from conftest import NETNS_OK, ROOT
@@ -32,7 +32,7 @@ def spec_file(tmp_path: Path, name: str, *, url: str | None = None) -> str:
     return keras_fit_spec(tmp_path, name, "", url=url, env={"APPLIANCE_STOP_CHECK_SECONDS": "0.05"}, code=CODE,
                           command=f"python train.py --epochs {EPOCHS} --batch-size {BATCH}",
                           more=(f"dataset: {{source: {json.dumps(URL)}, mode: stream}}",
-                                "lease: {duration: 1h, stop_margin: 60s}"))
+                                "lease: {duration: 1h, stop_margin: 60s, keep_when_done: true}"))
 
 
 def epochs_said(lines: list[str]) -> list[dict]:
@@ -55,10 +55,11 @@ def shards_needed(index: dict, epoch: int, per_epoch: int) -> int:
 
 @pytest.mark.slow
 def test_a_dataset_four_times_the_nodes_data_disks_streams_across_a_lease_end_and_resumes_exactly(cloud, tmp_path,
-                                                                                                    said):
+                                                                                                    said, monkeypatch):
     from appliance import flows, localcloud, sites
     from appliance.checkpoint.runs import run_details
     from appliance.cli.views import format_stream
+    from appliance.cluster import find_cluster
     from appliance.flows import RunContext, check_online, stage_to_nodes
     from test_checkpoint import Lines, lease_left
 
@@ -74,7 +75,7 @@ def test_a_dataset_four_times_the_nodes_data_disks_streams_across_a_lease_end_an
     try:
         cl = flows.up(path)
     finally:
-        localcloud.admin("POST", "/terms", {"data_disk": None})  # the resume's nodes get theirs from the term below
+        localcloud.admin("POST", "/terms", {"data_disk": None})  # the next lease's nodes: the term is set again below
     try:
         from appliance.remote import Session
 
@@ -98,34 +99,40 @@ def test_a_dataset_four_times_the_nodes_data_disks_streams_across_a_lease_end_an
             assert 0 < e["peak"] <= e["cap"] and abs(e["cap"] - disk / 2) <= 0.05 * disk  # half the free disk
         assert 4 * disk <= total
 
+        # the managed run (`appliance run SPEC --foreground`): its lease's end comes mid-epoch (the cloud's clock
+        # jumps to 45 s before it, inside the 60 s stop margin): the job stops after a step with a commit, and the
+        # run goes on by itself on a new lease's nodes (new data disks, an empty cache)
         out = Lines()
         at_epoch = random.randint(2, EPOCHS - 2)
         out.on(f"Epoch {at_epoch}/{EPOCHS}", lambda line: localcloud.admin("POST", "/advance",
                                                                           {"seconds": lease_left(cl) - 45}))
-        res1 = train(load_spec(path), cl, out=out)
-        assert res1.exit_code == 75 and res1.stopped["committed"], (res1.failure, out.lines[-20:])
-        stop = res1.stopped["step"]
-        localcloud.admin("POST", "/advance", {"seconds": 120})  # the lease ends: servers and disks go
+        monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "0.5")
         said.clear()
         localcloud.admin("POST", "/terms", {"data_disk": disk})
         try:
-            res2 = resume("ckstream", out=said.append)
+            res2 = flows.run_managed(path, out=out)
         finally:
             localcloud.admin("POST", "/terms", {"data_disk": None})
+        said += out.lines
         assert res2.exit_code == 0, (res2.failure, said[-20:])
-        assert any("new lease" in m for m in said) and res2.resumed["step"] == stop
+        jobs = run_details("ckstream")["jobs"]
+        assert [j["status"] for j in jobs] == ["stopped", "complete"], jobs
+        stop = jobs[0]["last_step"]
+        assert jobs[1]["first_step"] == stop and res2.resumed["step"] == stop  # 0 steps lost
+        assert find_cluster("ckstream").lease_id != cl.lease_id  # a new lease's nodes
         epoch, batch = divmod(stop, steps)
-        assert any(f"the stream continues at epoch {epoch}, batch {batch}" in m for m in said), said[-30:]
+        assert epoch == at_epoch - 1 and any(f"the stream continues at epoch {epoch}, batch {batch}" in m
+                                             for m in said), said[-30:]
         assert not any("skipped the" in m for m in said)
-        assert final_weights(said) == final_weights(ref), f"stopped after step {stop}"
-        assert all(0 < e["peak"] <= e["cap"] <= disk / 2 * 1.05 for e in epochs_said(said))  # new nodes, new disks
-        first = epochs_said(said)[0]  # the resumed epoch read only from the shard of the next sample on
+        assert final_weights(out.lines) == final_weights(ref), f"stopped after step {stop}"
+        second = out.lines[next(i for i, x in enumerate(out.lines) if "the stream continues at" in x):]
+        assert all(0 < e["peak"] <= e["cap"] <= disk / 2 * 1.05 for e in epochs_said(second))  # new nodes, new disks
+        first = epochs_said(second)[0]  # the resumed epoch read only from the shard of the next sample on
         assert first["epoch"] == epoch and first["read"] <= shards_needed(index, epoch, per_epoch)
-        job = run_details("ckstream")["jobs"][-1]  # `appliance ls RUN` shows the job's waits for the store
+        job = jobs[-1]  # `appliance ls RUN` shows the job's waits for the store
         assert job["stream"]["epochs"] == EPOCHS - epoch
-        assert job["stream"]["shards"] == sum(e["read"] for e in epochs_said(said))
+        assert job["stream"]["shards"] == sum(e["read"] for e in epochs_said(second))
         assert "for shards from the store" in format_stream(job["stream"])
-        from appliance.cluster import find_cluster
         from appliance.train.launch import run_dir
 
         now = find_cluster("ckstream")  # the new lease's nodes: the job's credentials file is gone from each
