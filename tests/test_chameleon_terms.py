@@ -297,7 +297,7 @@ def test_a_lease_refused_for_the_projects_sus_parks_the_run_with_the_balance_in_
         asked.append(kw.get("node_type"))
         raise NoSUs(f"not enough SUs for this lease (Blazar: Reservation for project {portal.PROJECT} would spend "
                     "48.00 SUs, only 12.00 left)", "ask your project's PI for SUs")
-    monkeypatch.setattr(flows, "resume", resume)
+    monkeypatch.setattr(flows.steps, "resume", resume)
     with pytest.raises(NoSUs, match="only 12.00 left"):  # its line, and a non-zero exit of `appliance run -f`
         flows.run_managed(str(spec))
     assert asked == [None]  # not the alternative: the SUs are the project's, whatever the node type

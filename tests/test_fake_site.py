@@ -488,7 +488,7 @@ def test_staging_nodes_get_an_application_credential_of_their_own_deleted_after(
             raise ApplianceError("staging failed on st-0: boom")
         return {}
 
-    monkeypatch.setattr(flows, "stage_cluster", stage_cluster)
+    monkeypatch.setattr(flows.steps, "stage_cluster", stage_cluster)
     cluster = Cluster(name="st", cloud="fake", nodes=[], lease_end="2026-11-30T12:00:00")
     flows.stage_to_nodes(run, cluster, "swift://data/x/", "data", mode="full")
     creds, live = seen[0]

@@ -43,7 +43,7 @@ def scripted(tmp_path, monkeypatch):
             asked.append(kw)
             return todo.pop(0)
 
-        monkeypatch.setattr(flows, "resume", resume)
+        monkeypatch.setattr(flows.steps, "resume", resume)
         return flows.run_managed(str(spec), max_restarts=1), asked
     return use
 
@@ -263,7 +263,7 @@ def test_a_controller_started_while_a_job_of_the_run_runs_waits_for_it_then_goes
     looks = [held, held, None]
     monkeypatch.setattr(takeover, "live_job", lambda ctx: looks.pop(0))
     monkeypatch.setattr(managed, "_has_committed_work", lambda ctx: True)
-    monkeypatch.setattr(flows, "resume", lambda run, **kw: _job(0))
+    monkeypatch.setattr(flows.steps, "resume", lambda run, **kw: _job(0))
     res = flows.run_managed(spec.path)
     assert res.exit_code == 0 and looks == []
     assert sum("job mw-1 of run mw still runs on cluster mw" in m and "waiting for it to end" in m for m in said) == 1
@@ -281,7 +281,7 @@ def test_a_cancel_while_waiting_for_such_a_job_asks_it_to_stop_and_starts_nothin
     monkeypatch.setattr(headjob, "ask_to_stop", lambda cl, run, reason: asked.append((cl, run, reason)))
     looks = [{"job_id": "mx-1", "cluster": "mx"}] * 3 + [None]
     monkeypatch.setattr(takeover, "live_job", lambda ctx: looks.pop(0))
-    monkeypatch.setattr(flows, "resume", lambda run, **kw: pytest.fail("a cancelled run starts nothing"))
+    monkeypatch.setattr(flows.steps, "resume", lambda run, **kw: pytest.fail("a cancelled run starts nothing"))
     assert managed._Run(flows.RunContext(spec, open_site("local")), c, 0, None).first_job() is None
     assert asked == [("cluster mx", "mx", "appliance cancel")]  # once, though the job took three looks to end
     c.close("cancelled")
@@ -485,7 +485,7 @@ def test_the_specs_notify_command_hears_each_handover_and_the_end(tmp_path, monk
     resumed = _job(0)
     resumed.resume_breakdown = {"total": 9.9}
     monkeypatch.setattr(managed._Run, "first_job", lambda self: first)
-    monkeypatch.setattr(flows, "resume", lambda run, **kw: resumed)
+    monkeypatch.setattr(flows.steps, "resume", lambda run, **kw: resumed)
     assert flows.run_managed(str(spec)).exit_code == 0
     lines = got.read_text().splitlines()
     events = [json.loads(x.rsplit(" ", 1)[0]) for x in lines]
@@ -527,7 +527,7 @@ def no_hosts_for(tmp_path, monkeypatch):
             if nt in refused and kw.get("new_lease"):
                 raise NoHosts(f"not enough hosts available for 2 x {nt}")
             return _job(0)
-        monkeypatch.setattr(flows, "resume", resume)
+        monkeypatch.setattr(flows.steps, "resume", resume)
         slots = iter(slot if isinstance(slot, list) else [slot])
 
         def wait_for_slot(ctx, control, choices, fit, quiet):
@@ -698,7 +698,7 @@ def test_a_handovers_downtime_is_on_the_timeline_as_soon_as_the_new_jobs_first_s
         res = todo.pop(0)
         res.resume_breakdown = {"total": 7.5, "stage checkpoint": 0.4}
         return res
-    monkeypatch.setattr(flows, "resume", resume)
+    monkeypatch.setattr(flows.steps, "resume", resume)
     assert flows.run_managed(spec.path, max_restarts=1).exit_code == 0
     assert seen[0][-2:] == ["handover", "downtime"] and "downtime" not in seen[1][len(seen[0]):]
     tl = managed.read_timeline(managed._control_of("md", None, "local", None))

@@ -7,35 +7,32 @@ which cluster a run uses or strings steps together: that is here (resolve_cluste
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import socket
-import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 
-from ..checkpoint.job import JobCheckpoints, refuse_if_running
 from ..checkpoint.resume import choose_checkpoint, find_spec
-from ..checkpoint.runs import RunRecords, list_runs, record_resume, run_details, running_on  # noqa: F401 (CLI)
-from ..cluster import Cluster, find_cluster, from_node_config, load_cluster, node_config_path
-from ..data import dataset_summary, listing, pack_dir, remove, stage_cluster, unstaged, upload
-from ..data.stream import JobStream, stream_index
-from ..errors import ApplianceError, SpecError
+from ..checkpoint.runs import list_runs, run_details, running_on  # noqa: F401 (CLI)
+from ..cluster import Cluster, find_cluster, load_cluster
+from ..data import dataset_summary, listing, pack_dir, remove, unstaged, upload
+from ..data.stream import stream_index
+from ..errors import ApplianceError, SpecError  # noqa: F401 (SpecError: the CLI's)
 from .. import paths, report
 from ..node import doctor as node_doctor
 from ..node.watchdog import node_watch  # noqa: F401 (re-exported for the CLI)
 from ..provision import heat, lifecycle
-from ..remote import Session, pack_code
-from ..sites import Site, for_cluster, for_spec, load_spec, open_site
+from ..remote import Session
+from ..sites import Site, for_spec, load_spec, open_site
 from ..sites.local import (  # noqa: F401 (the simulator's verbs, for the CLI)
     cloud_start, cloud_status, cloud_stop, testbed_down, testbed_status, testbed_up)
 from ..spec import Spec
-from ..store.checkpoints import CheckpointStore
 from ..store.objects import StoreRefused, unreachable
 from ..train.headjob import job_log
-from ..train.launch import JobResult, train
+from ..train.launch import JobResult
+from .steps import (  # noqa: F401 (the steps, for the CLI and the tests)
+    RESUME_PHASES, RunContext, check, data_creds, resolve_cluster, resume, resume_breakdown, run_job, stage_to_nodes,
+    synced_files)
 
 log = report.get(__name__)
 
@@ -46,100 +43,11 @@ __all__ = ["RunContext", "resolve_cluster", "run_job", "run_managed", "train_spe
 # -- sites and credentials --------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class RunContext:
-    """What a command needs for one run, resolved once here and passed down: the spec, its site (one client, one
-    Keystone session for the whole command), the store credentials and the run's checkpoint store. No step below
-    resolves a site of its own."""
-
-    spec: Spec
-    site: Site  # the run's own site: its store and checkpoints, its controller's credential
-    _others: dict = dataclasses.field(default_factory=dict, repr=False)  # other sites its clusters are on, by region
-
-    @classmethod
-    def of(cls, spec: Spec) -> RunContext:
-        return cls(spec, for_spec(spec))
-
-    def at(self, region: str | None) -> Site:
-        """The site ``region`` of the run's cloud (a managed run's alternative at another site: CHI@TACC for a run
-        at CHI@UC), one client each for the whole command; the run's own for None or its own region."""
-        if region is None or region == self.site.region:
-            return self.site
-        if region not in self._others:
-            self._others[region] = open_site(self.spec.cloud, region)
-        return self._others[region]
-
-    def site_of(self, name: str) -> Site:
-        """The site of the cluster recorded as ``name`` (the run's own when there is none)."""
-        cl = find_cluster(name)
-        return self.at(cl.site.region) if cl is not None and cl.cloud == self.spec.cloud else self.site
-
-    def creds(self, url: str):
-        """Store credentials for ``url`` (None for file://: Site.store_creds)."""
-        return self.site.store_creds(url)
-
-    @functools.cached_property
-    def checkpoints(self) -> CheckpointStore | None:
-        """The run's checkpoint store (None: the spec has no checkpoint.url)."""
-        url = self.spec.checkpoint.url
-        return CheckpointStore(url, self.spec.name, self.creds(url)) if url else None
-
-    def lease_site(self, cluster: Cluster) -> Site | None:
-        """The site whose lease the cluster runs on (the spec's own when they agree), None without a lease."""
-        if not cluster.lease_id:
-            return None
-        if cluster.cloud == self.spec.cloud:
-            return self.at(cluster.site.region)
-        return for_cluster(cluster)
-
-
 def site(kind: str, region: str | None = None) -> Site:
     return open_site(kind, region)
 
 
-def data_creds(url: str, kind: str, region: str | None = None):
-    """Credentials for an object-store URL on a site (none for file://: Site.store_creds); the site is said, so
-    that nobody uploads to the local cloud meaning Chameleon."""
-    site = open_site(kind, region)
-    creds = site.store_creds(url)
-    if not url.startswith("file:"):
-        log.info(f"{url} at {site.describe()}")
-    return creds
-
-
 # -- clusters -------------------------------------------------------------------------------------
-
-
-def resolve_cluster(spec: Spec, cluster_name: str | None = None) -> Cluster:
-    """The cluster a spec runs on: one named explicitly, the run's own (made by `appliance up`), the one this
-    machine heads (a Heat stack's head node), or the site's default (the local testbed, brought up if needed)."""
-    if cluster_name:
-        return load_cluster(cluster_name)
-    own = find_cluster(spec.name)
-    if own is not None:
-        return own
-    if node_config_path() is not None:  # on the head node of a cluster contextualized at boot (Heat)
-        return from_node_config()
-    cl = for_spec(spec).default_cluster(spec)
-    if cl is None:
-        raise ApplianceError(f"no cluster for run {spec.name!r}", f"run `appliance up {spec.path}` first")
-    return cl
-
-
-def check(spec_path: str) -> Spec:
-    """`appliance check`: everything that can be checked before a lease is paid for: the spec's own rules, its
-    site's (Chameleon's 7-day cap and sites; the local cloud's node types and pool sizes), and the training code
-    (it exists and is small enough to copy to the nodes)."""
-    spec = load_spec(spec_path)
-    try:
-        pack_code(spec.code_dir)
-    except ApplianceError as e:
-        raise SpecError(f"train.code: {e.message}", e.fix) from None
-    req = spec.train.requirements
-    if req and not (spec.code_dir / req).is_file():
-        raise SpecError(f"train.requirements: no file {req} in {spec.code_dir}",
-                        "write the script's packages there, one per line as pip reads them, or remove the field")
-    return spec
 
 
 def check_online(spec: Spec) -> dict:
@@ -227,32 +135,6 @@ def stage_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[s
                           mode=spec.dataset.mode, concurrency=concurrency, keep_extra=keep_extra, out=out)
 
 
-def stage_to_nodes(run: RunContext, cluster: Cluster, url: str, dest: str, *, mode: str, out=None,
-                   **kw) -> dict[str, dict]:
-    """stage_cluster with what the nodes get for ``url`` as a job's nodes get it (Site.job_store_creds): with
-    Keystone and swift://, an application credential of the staging's own (renewable tokens, restricted), deleted
-    when staging ends; before, the nodes got this machine's Keystone token, which keystoneauth hands out until
-    30 s before it expires (a long stage in a long-lived `appliance resume` could then fail with 401 midway), and
-    which can do anything the user can for up to a day."""
-    if mode == "stream":  # nothing to stage: the job reads the shards; the index is checked now, not on every rank
-        index = stream_index(url, run.creds(url))
-        (out or log.info)(f"[stage] stream mode: {len(index['shards'])} shard(s), {index.get('samples', '?')} "
-                          f"sample(s), {sum(s['size'] for s in index['shards']) / 1e9:.2f} GB in {url} are read "
-                          "while the job trains; nothing is staged")
-        return {}
-    creds, withdraw = run.site.job_store_creds(url, name=f"appliance-{run.spec.name}-stage",
-                                               lease_end=cluster.lease_end_at, say=log.info)
-    try:
-        return stage_cluster(cluster, url, dest, mode=mode, creds=creds, out=out or log.info, **kw)
-    finally:
-        if withdraw is not None:
-            try:
-                withdraw()
-            except Exception as e:  # noqa: BLE001 - it expires on its own a week after the lease
-                log.info(f"[stage] note: could not delete the staging's application credential ({e}); it expires on "
-                         "its own")
-
-
 def data_upload(src: str, url: str, *, cloud: str, site_name: str | None = None, **kw) -> int:
     return upload(src, url, creds=data_creds(url, cloud, site_name), **kw)
 
@@ -270,21 +152,6 @@ def data_remove(url: str, *, cloud: str, site_name: str | None = None) -> int:
 
 
 # -- training -------------------------------------------------------------------------------------
-
-
-def run_job(spec: Spec, cluster: Cluster, *, run: RunContext | None = None, control=None, on_first_step=None,
-            **kw) -> JobResult:
-    """A training job with the appliance's hooks: checkpoints (settings, credentials file, lease watchdog, rank 0's
-    reports) and the run record. ``run``: the command's context, when it has one already; ``control``: the managed
-    run's controller (managed.Control: the job on its timeline, and stopped by a cancel); ``on_first_step``: told
-    the job's timeline once its first step is done (JobCheckpoints)."""
-    run = run or RunContext.of(spec)
-    stream = JobStream(run.site)
-    ck = JobCheckpoints(run.site, run.lease_site(cluster), extend_by=control.extend_by if control else None,
-                        on_first_step=on_first_step, launcher=control.id if control else None,
-                        on_extended=stream.renew)
-    hooks = [ck, stream, RunRecords()] + ([control.hook(ck.user_stop)] if control is not None else [])
-    return train(spec, cluster, hooks=hooks, **kw)
 
 
 def train_spec(spec_path: str, cluster_name: str | None = None, out: Callable[[str], None] | None = None) -> JobResult:
@@ -335,162 +202,6 @@ def logs(run: str, cluster_name: str | None = None, *, lines: int = 50, follow: 
     for line in text[-lines:] if lines > 0 else text:
         out(line)
     return copy.stem
-
-
-def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
-           url: str | None = None, cloud: str = "local", site_name: str | None = None, new_lease: bool = False,
-           out: Callable[[str], None] | None = None, control=None, node_type: str | None = None,
-           lease_duration: str | None = None, at_site: str | None = None, on_ask=None,
-           spec: Spec | None = None) -> JobResult | None:
-    """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
-    new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
-    what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete.
-    ``new_lease``: the run's own cluster goes first (its lease ends: run_managed), and a new lease is made;
-    ``control``: the managed run's controller (run_job); ``node_type``: a new lease's, instead of the spec's (a
-    managed run's alternative, nodes.alternatives); ``lease_duration``: a new lease's, instead of the spec's (a
-    managed run's, cut to its limits); ``at_site``: a new lease's site, instead of the spec's (an alternative at
-    another site; the checkpoints stay in the run's own store); ``on_ask``: told of a new lease before Blazar is
-    asked (a managed run's ledger in the store: lifecycle._leased); ``spec``: the run's spec as loaded already (a
-    managed run's, read once at its start: the file is not read again mid-run)."""
-    t = {"start": time.time()}  # the resume's downtime, phase by phase (resume_breakdown)
-    if spec is None:
-        spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
-    if nodes is not None and nodes != spec.nodes.count:
-        spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
-    if node_type is not None and node_type != spec.nodes.node_type:
-        spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, node_type=node_type))
-    if lease_duration is not None:
-        spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=lease_duration))
-    ctx = RunContext.of(spec)
-    ck = _resume_point(ctx)
-    if ck is _COMPLETE:
-        return None
-    t["checkpoint chosen"] = time.time()
-    up_phases: dict[str, float] = {}
-    cluster = _resume_cluster(ctx, cluster_name, up_phases, new_lease, at_site, on_ask)
-    t["cluster ready"] = time.time()
-    if spec.dataset is not None:
-        stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
-    t["data staged"] = time.time()
-    early: dict = {}
-
-    def first(marks: dict, resumed: dict | None) -> None:
-        # the downtime as soon as the job's first step is done: a managed run's timeline and notify hook hear it
-        # then, not when the job ends, which may be a lease later
-        early["breakdown"] = resume_breakdown(t, up_phases, types.SimpleNamespace(timeline=marks, resumed=resumed))
-        if control is not None:
-            control.first_step(early["breakdown"])
-    if ck is None:
-        # a resume of the files only: no checkpoint to restore
-        res = run_job(spec, cluster, run=ctx, out=out, restore="", control=control, on_first_step=first)
-    else:
-        rel = f"appliance/runs/{run}/restore/{ck.name}"
-        stage_to_nodes(ctx, cluster, f"{spec.checkpoint.url.rstrip('/')}/{run}/{ck.name}/", rel, mode="full",
-                       out=out)
-        t["checkpoint staged"] = time.time()
-        res = run_job(spec, cluster, run=ctx, out=out, restore=f"{cluster.head.workdir}/{rel}",
-                      control=control, on_first_step=first)
-    res.resume_breakdown = early.get("breakdown") or resume_breakdown(t, up_phases, res)
-    record_resume(run, res.job_id, res.resume_breakdown)
-    return res
-
-
-_COMPLETE = object()  # _resume_point: the run has finished
-
-
-def _resume_point(ctx: RunContext):
-    """The committed checkpoint to resume from; None when the run has only its synced working directory (level
-    3); _COMPLETE when the run has finished. Refuses while another job of the run is alive (its lock)."""
-    spec, cs = ctx.spec, ctx.checkpoints
-    try:
-        ck = choose_checkpoint(spec, cs)
-    except ApplianceError:
-        files = synced_files(ctx)  # level 3: only the synced working directory
-        if files is None:
-            raise
-        ck = None
-        log.info(f"[resume] run {spec.name}: no committed checkpoint; the synced working directory (manifest "
-                 f"{files['seq']}, {len(files['files'])} file(s)) is restored on the head node before the script runs")
-    refuse_if_running(spec, cs, ctx.site)
-    if ck is None:
-        return None
-    meta = cs.read_manifest(ck)["meta"]
-    log.info(f"[resume] run {spec.name}: checkpoint {ck.name} (step {ck.step}, epoch {meta['epoch']}, batch "
-             f"{meta['offset']}, made on {meta['world_size']} rank(s))")
-    if meta.get("complete"):
-        log.info(f"[resume] run {spec.name} already finished at step {ck.step}; nothing to do")
-        return _COMPLETE
-    return ck
-
-
-def _resume_cluster(ctx: RunContext, cluster_name: str | None, up_phases: dict[str, float],
-                    new_lease: bool = False, at_site: str | None = None, on_ask=None) -> Cluster:
-    """The named cluster; else the run's own (a new lease + `up` on a site with leases) or the site's default.
-    ``new_lease``: the run's own cluster is taken down first (its lease is about to end or has ended: its hosts are
-    free for the new one), then a new lease + `up` (at ``at_site``, else the spec's site)."""
-    spec = ctx.spec
-    if cluster_name:
-        return load_cluster(cluster_name)
-    if new_lease:
-        if find_cluster(spec.name) is not None:
-            lifecycle.down(spec.name, ctx.site_of(spec.name))
-        at = dataclasses.replace(spec, site=at_site) if at_site else spec
-        return lifecycle.up(ctx.at(at_site), at, timings=up_phases, on_ask=on_ask)
-    own = find_cluster(spec.name)
-    default = None if own is not None else ctx.site.default_cluster(spec)
-    if own is not None and own.cloud == spec.cloud and own.site.region != spec.site:  # the run went on elsewhere
-        spec = dataclasses.replace(spec, site=own.site.region)
-    cluster = default if default is not None else lifecycle.up(ctx.site_of(spec.name), spec, timings=up_phases,
-                                                               on_ask=on_ask)
-    if cluster.world_size != spec.world_size:
-        log.info(f"[resume] note: cluster {cluster.name} has {cluster.world_size} rank(s), the spec asks for "
-                 f"{spec.world_size}")
-    return cluster
-
-
-RESUME_PHASES = ("find checkpoint", "lease", "boot", "ssh + contextualize", "install", "cluster (other)", "stage data",
-                 "stage checkpoint", "job setup", "horovod start", "restore", "first step")  # in the order they run
-
-
-def resume_breakdown(t: dict[str, float], up_phases: dict[str, float], res: JobResult) -> dict[str, float | None]:
-    """Seconds of each part of a resume's downtime, from `appliance resume` to the job's first step (issue 16
-    goal 5). ``t``: flows.resume's marks; ``up_phases``: lifecycle.up's (absent when the cluster was reused);
-    ``res.timeline``: the job's (horovodrun started, rank 0 restored, first step done)."""
-    tl, r = res.timeline, res.resumed or {}
-    restore = r.get("restore_s")
-
-    def span(a, b):
-        return round(b - a, 2) + 0.0 if a is not None and b is not None else None  # + 0.0: never "-0.0"
-
-    staged = t.get("checkpoint staged", t["data staged"])
-    out: dict[str, float | None] = {"find checkpoint": span(t["start"], t["checkpoint chosen"])}
-    rest_of_up = t["cluster ready"] - t["checkpoint chosen"]  # each part rounded only once it is computed: rounded
-    for k in ("lease", "boot", "ssh + contextualize", "install"):  # parts can add up to more than their whole
-        if k in up_phases:
-            out[k] = round(up_phases[k], 2)
-            rest_of_up -= up_phases[k]
-    out["cluster (other)"] = span(0.0, rest_of_up)
-    out["stage data"] = span(t["cluster ready"], t["data staged"])
-    out["stage checkpoint"] = span(t["data staged"], t.get("checkpoint staged"))
-    out["job setup"] = span(staged, tl.get("launched"))  # contextualize check, code copy, lock, credentials file
-    at_restored = tl.get("resumed")
-    out["horovod start"] = span(tl.get("launched"), at_restored - restore if at_restored and restore is not None
-                                else at_restored)  # horovodrun, Python + TensorFlow import, the model built
-    out["restore"] = restore
-    out["first step"] = span(at_restored, tl.get("first_step"))
-    out["total"] = span(t["start"], tl.get("first_step"))
-    return out
-
-
-def synced_files(ctx: RunContext) -> dict | None:
-    """The newest manifest of the run's synced working directory (level 3) that verifies, or None."""
-    from ..store.filesync import FileSet
-
-    url = ctx.spec.checkpoint.url
-    if not url:
-        return None
-    with report.prefixed("[resume] "):
-        return FileSet(url, ctx.spec.name, ctx.creds(url)).newest_good()
 
 
 def plot_run(run: str, path: str | None = None, *, spec_path: str | None = None) -> dict:

@@ -42,7 +42,7 @@ from ..errors import ApplianceError, NoHosts, NoSUs, SpecError
 from ..provision import lifecycle
 from ..spec import Alternative, Spec, duration_seconds
 from ..train.launch import JobResult
-from . import credential, takeover
+from . import credential, steps, takeover
 from .budget import Budget, Ledger, estimate, newest_meta, steps_made
 from .control import CONTROL, NOTIFIED, Control, busy, gone_here, read_logs, read_timeline  # noqa: F401
 from .handover import PARK_POLL, Warm, choices_of, label, other_name, overlap_cost, wait_for_slot
@@ -51,12 +51,6 @@ from .leases import Asked, reconcile
 log = report.get(__name__)
 
 READY_FD = "APPLIANCE_CONTROLLER_READY_FD"  # start(): the pipe the detached controller says "ready" on
-
-
-def _flows():
-    from .. import flows  # the package's own verbs (run_job, resume: tests stand in for them there)
-
-    return flows
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -78,9 +72,8 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
       a cancel also takes the run's cluster down.
     Returns the last job's result (None: the run had finished already). ``spec``: the spec already loaded (the
     first job's; the resumes read ``spec_path``)."""
-    flows = _flows()
-    spec = _needs_url(spec or flows.check(spec_path))
-    ctx = flows.RunContext.of(spec)
+    spec = _needs_url(spec or steps.check(spec_path))
+    ctx = steps.RunContext.of(spec)
     control = Control(spec, ctx.creds(spec.checkpoint.url), renew=lambda: ctx.creds(spec.checkpoint.url))
     control.take()
     runs.mark_managed(spec)
@@ -155,7 +148,7 @@ class _Run:
         if spec is not None and cluster.lease_id:  # not in the job's way: its start is the handover's downtime
             self.later(self.track, cluster.lease_id, len(cluster.nodes), spec.nodes.node_type, self.elsewhere(cluster))
         if duration_seconds(self.spec.lease.overlap) and cluster.lease_id and cluster.lease_end_at:
-            self.warm = Warm(self.ctx, cluster, self.control.record, _flows().stage_to_nodes,
+            self.warm = Warm(self.ctx, cluster, self.control.record, steps.stage_to_nodes,
                              self.control.poll, plan=self).start()
 
     def job_ended(self, res: JobResult) -> None:
@@ -291,7 +284,7 @@ class _Run:
         return RunStatus.STOPPED if (res.stopped or {}).get("committed") else RunStatus.FAILED
 
     def resume(self, **kw) -> JobResult | None:
-        return _flows().resume(self.spec.name, spec=self.spec, out=self.out, control=self.control,
+        return steps.resume(self.spec.name, spec=self.spec, out=self.out, control=self.control,
                                on_ask=self.asking, **kw)
 
     def loop(self) -> JobResult | None:
@@ -433,7 +426,7 @@ class _Run:
     def first_job(self) -> JobResult | None:
         """A managed run's first job: a resume when the run has committed work, else a fresh job on its own
         cluster."""
-        flows, ctx, spec, control = _flows(), self.ctx, self.spec, self.control
+        ctx, spec, control = self.ctx, self.spec, self.control
         followed = takeover.wait_for_live_job(ctx, control, on_follow=lambda cl: self.job_started(cl, spec))
         if control.cancel is not None:
             return None
@@ -458,9 +451,9 @@ class _Run:
             spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=kw["lease_duration"]))
         cluster = lifecycle.up(ctx.site, spec, on_ask=self.asking)  # idempotent: the run's own cluster
         if spec.dataset is not None:
-            flows.stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
+            steps.stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
                                  out=self.out)
-        return flows.run_job(spec, cluster, run=ctx, out=self.out, control=control)
+        return steps.run_job(spec, cluster, run=ctx, out=self.out, control=control)
 
 
 def _current_cluster(spec: Spec) -> str | None:
@@ -479,7 +472,7 @@ def _has_committed_work(ctx) -> bool:
             return True
     except FileNotFoundError:  # no container yet: a new run
         return False
-    return _flows().synced_files(ctx) is not None
+    return steps.synced_files(ctx) is not None
 
 
 # -- the detached controller, and what any machine can ask of it ---------------------------------------
@@ -500,11 +493,11 @@ def start(spec_path: str, *, max_restarts: int = 0) -> dict:
     """`appliance run SPEC`: the controller in a process of its own (a new session: it outlives the terminal and
     the shell that typed the command), its output in ~/.appliance/runs/RUN/controller.log. Returns once it holds
     the run (its lock in the store), or raises with its own error line."""
-    spec = _needs_url(_flows().check(spec_path))
+    spec = _needs_url(steps.check(spec_path))
     where = runs.record_dir(spec.name)
     where.mkdir(parents=True, exist_ok=True)
     log_path = where / "controller.log"
-    ctx = _flows().RunContext.of(spec)
+    ctx = steps.RunContext.of(spec)
     live = Control(spec, ctx.creds(spec.checkpoint.url))  # refused before anything is made: nothing of the live
     holder = live.lock.read()                               # controller's (its credential file) is touched
     if holder is not None and live.lock.alive(holder, ended=gone_here):
@@ -537,8 +530,8 @@ def plan(spec_path: str, *, run_for: str | None = None) -> dict:
     nothing."""
     from . import plan as planning
 
-    spec = _flows().check(spec_path)
-    return planning.make(_flows().RunContext.of(spec), run_for)
+    spec = steps.check(spec_path)
+    return planning.make(steps.RunContext.of(spec), run_for)
 
 
 def _needs_url(spec: Spec) -> Spec:
@@ -550,11 +543,10 @@ def _needs_url(spec: Spec) -> Spec:
 
 def _control_of(run: str, url: str | None, cloud: str, site_name: str | None) -> Control:
     """A reader of RUN's controller record (from this machine's run record, or ``url``)."""
-    flows = _flows()
-    spec = find_spec(run, None, url, creds=flows.data_creds(url, cloud, site_name) if url else None)
+    spec = find_spec(run, None, url, creds=steps.data_creds(url, cloud, site_name) if url else None)
     if not spec.checkpoint.url:
         raise ApplianceError(f"run {run} has no checkpoint.url: it has no controller", "`appliance ls` lists runs")
-    return Control(spec, flows.RunContext.of(spec).creds(spec.checkpoint.url))
+    return Control(spec, steps.RunContext.of(spec).creds(spec.checkpoint.url))
 
 
 def cancel(run: str, *, url: str | None = None, cloud: str = "local", site_name: str | None = None) -> dict:
