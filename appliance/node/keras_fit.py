@@ -38,8 +38,10 @@ Three small hooks into tf_keras 2.18 (the version the lock pins), installed in e
   appliance's callback spends its intended cost there (a checkpoint's save at its step, the first steps' collective
   stop checks: measured by `make bench-ckpt`), and a script of one ``fit`` per epoch met the check again at every
   epoch: the warning came from the appliance, not from the script. ``CallbackList._call_batch_hook_helper`` is
-  wrapped to take the appliance callback's own seconds (``own_time``) out of what Keras counts; every other
-  callback's still count.
+  wrapped to take the appliance callback's own seconds (``own_time``) out of what Keras counts, and the one
+  broadcast of Horovod's ``BroadcastGlobalVariablesCallback`` (the job's start-up sync of the initial weights, at
+  the end of its first batch: ~50 ms across two nodes, against batches of 10 ms, so every Horovod script met the
+  warning once); every other callback's still count, Horovod's included once its broadcast is done.
 
 - **Autolog** (level 2, ``checkpoint.auto``): ``Model.fit`` gets the appliance's callback appended when the call has
   none, once per process (the first ``fit``).
@@ -75,6 +77,8 @@ def install_timing_hook() -> None:
 
     @functools.wraps(helper)
     def _call_batch_hook_helper(self, hook_name, batch, logs):
+        for cb in self.callbacks:
+            _time_broadcast(cb)
         before = _OWN[0]
         helper(self, hook_name, batch, logs)
         times = getattr(self, "_hook_times", {}).get(hook_name)
@@ -83,6 +87,26 @@ def install_timing_hook() -> None:
 
     callbacks.CallbackList._call_batch_hook_helper = _call_batch_hook_helper
     _STATE["timing"] = True
+
+
+def _time_broadcast(cb) -> None:
+    """Horovod's broadcast callback (horovod/_keras/callbacks.py ``BroadcastGlobalVariablesCallbackImpl``: one
+    broadcast in ``on_batch_end``, then ``broadcast_done``) counts that broadcast as the appliance's own seconds."""
+    if getattr(cb, "broadcast_done", None) is not False or "horovod" not in type(cb).__module__ \
+            or "on_batch_end" in vars(cb):
+        return
+    inner = cb.on_batch_end
+
+    def on_batch_end(batch, logs=None):
+        if cb.broadcast_done:
+            return inner(batch, logs)
+        t0 = time.perf_counter()
+        try:
+            return inner(batch, logs)
+        finally:
+            own_time(time.perf_counter() - t0)
+
+    cb.on_batch_end = on_batch_end
 
 
 def rng_to_generator(backend_module) -> None:
