@@ -338,12 +338,18 @@ def test_store_5xx_is_retried_and_a_dead_store_is_reported_loudly(cluster2, tb2,
         # best effort: the lock expires by itself; what is tested is the node's stop)
         monkeypatch.setattr(runlock, "READ_WAIT", 5.0)
 
+        # the job waits after step 21 until the store is down (its 68 steps after the commit take about a second,
+        # less than the commit's line may take to get here)
+        released = tmp_path / "released"  # the ranks see it (one file system); it stays for the next test's resume
+
         def store_dies(line):
             proxy.down = True
             stop_file(tb2, "ckdown").write_text(json.dumps({"reason": "test: lease end", "deadline": time.time() + 6}))
+            released.touch()
 
         out.on("[checkpoint] step 20 committed", store_dies)
-        res = train(load_spec(digits_spec(tmp_path, "ckdown", url="swift://ckpts/")), cluster2, out=out)
+        res = train(load_spec(digits_spec(tmp_path, "ckdown", url="swift://ckpts/",
+                                          env={"APPLIANCE_FAULT": f"hold-at:21:{released}"})), cluster2, out=out)
         assert res.exit_code == 1
         assert res.stopped and res.stopped["committed"] is False
         assert "NOT committed" in res.failure and "kept on node1" in res.failure
