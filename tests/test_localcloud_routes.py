@@ -419,3 +419,11 @@ def test_the_stores_servers_listen_below_the_ephemeral_range(tmp_path):
         s.bind(("127.0.0.1", p))
         s.listen()
         assert p not in {ports.listen_port() for _ in range(50)}
+
+
+def test_an_endpoint_file_without_an_address_yet_is_a_cloud_not_up():
+    """`start` polls for the server's endpoint file and reads it at once: read while being written it was empty, and
+    the health check raised (urllib's ValueError, "unknown url type") instead of waiting on (seen in make test)."""
+    from appliance import localcloud
+
+    assert localcloud._health("") is False

@@ -151,6 +151,8 @@ def _public_base(base: str, site: str | None = None) -> str:
 
 
 def _health(base: str) -> bool:
+    if not base.startswith(("http://", "https://")):  # no address yet (a file being written): not up
+        return False
     try:
         with urllib.request.urlopen(f"{base}/_admin/health", timeout=2) as r:
             return r.status == 200

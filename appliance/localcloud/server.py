@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import email.utils
 import json
+import os
 import signal
 import sys
 import threading
@@ -156,7 +157,9 @@ def serve(state_dir: Path, port: int, time_scale: float, boot_seconds: float, te
             cloud.tick()
 
     threading.Thread(target=engine, daemon=True).start()
-    (state_dir / "endpoint").write_text(base)
+    tmp = state_dir / "endpoint.tmp"  # whole or not at all: `start` polls for this file and reads it at once
+    tmp.write_text(base)
+    os.replace(tmp, state_dir / "endpoint")
     try:
         httpd.serve_forever(poll_interval=0.2)
     finally:
