@@ -23,17 +23,19 @@ seen["reserved_fips"] = lease.get_reserved_floating_ips()
 seen["listed"] = [x.name for x in chi.lease.list_leases()]
 server = chi.server.Server(f"{name}-0", reservation_id=lease.node_reservations[0]["id"], image_name="appliance-cpu")
 seen["boot_errors"] = []
-for _ in range(5):
+asking_until = time.monotonic() + 120  # the reserved node's cleaning: seconds here, minutes on Chameleon
+while True:
     server.submit(wait_for_active=True, wait_timeout=300, show="text")
-    if server.status == "ACTIVE":
+    if server.status == "ACTIVE" or time.monotonic() > asking_until:
         break
     # python-chi's wait returns at ERROR too: "No valid host" while the reserved node is still cleaned after an
     # earlier server's delete (Ironic, as on Chameleon: the local cloud's rows in docs/localcloud.md); a user
-    # deletes it and asks again
+    # deletes it and asks again a moment later
     seen["boot_errors"].append(str((server.conn.compute.get_server(server.id).fault or {}).get("message")))
     server.delete()
     while any(x.id == server.id for x in server.conn.compute.servers()):  # Nova's delete is asynchronous
         time.sleep(0.5)
+    time.sleep(1)  # a user's pause before asking again: nothing says when a cleaning ends
 seen["server_status"] = server.status
 # the lease's own floating IP: without one, python-chi takes the first unbound floating IP of the project
 # (chi/network.py get_free_floating_ip), which may be another lease's
