@@ -77,8 +77,9 @@ def install_timing_hook() -> None:
 
     @functools.wraps(helper)
     def _call_batch_hook_helper(self, hook_name, batch, logs):
-        for cb in self.callbacks:
-            _time_broadcast(cb)
+        if getattr(self, "_check_timing", False):  # the batches Keras times (its broadcast is in the first)
+            for cb in self.callbacks:
+                _time_broadcast(cb)
         before = _OWN[0]
         helper(self, hook_name, batch, logs)
         times = getattr(self, "_hook_times", {}).get(hook_name)
@@ -319,5 +320,5 @@ def freeze_imports() -> None:
     collections walks them all again (0.28 s of CPU here); the garbage of a Keras training loop asks for one every
     few seconds. They live as long as the rank does: they go to the collector's permanent generation
     (``gc.freeze``, https://docs.python.org/3/library/gc.html#gc.freeze), and what the script makes from here on is
-    collected as before. The digits job spends 14% less CPU with it (docs/benchmark.md)."""
+    collected as before. A digits rank spends 15% less CPU with it (docs/train.md)."""
     gc.freeze()
