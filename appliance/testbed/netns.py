@@ -61,7 +61,7 @@ class TestbedNode:
     sshd_pid: int | None = None
     slots: int = 1
     user: str = "root"  # the login user: root, or an image's default user (cc) that cloud-init made
-    data_disk: int | None = None  # bytes of its data disk at DATA_MOUNT (a tmpfs of that size); None: no such disk
+    data_disk: int | None = None  # bytes of its data disk at disk/DATA_DIR (a tmpfs of that size); None: none
 
     @property
     def disk(self) -> str:
