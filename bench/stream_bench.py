@@ -10,7 +10,8 @@ a modelled accelerator step of ``--step-ms`` after every batch, which sets the t
 (batch x sample size / step). The link into the node is then limited with Linux tc (a token bucket on the
 bridge's side of the node's veth) to multiples of that demand, and at each rate:
 
-- ``stream``: samples/s and the fraction of wall time spent waiting for input, through a cache of a few shards;
+- ``stream``: samples/s and the share of the steps' time spent waiting for input, through a cache of a few
+  shards, with the stream's GETs in flight at once (``FETCHERS``) and with one at a time;
 - ``stage``: the node's stager (`appliance stage`'s, appliance/node/stage_main.py) fetching the whole dataset
   first: its wall time and CPU;
 - ``local``: reading the staged shards from disk in the same order (the ceiling stream mode is measured against).
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,8 +72,6 @@ def in_node(ns: str, args: list[str]) -> str:
 
 def stage(ns: str, sw, dest: Path) -> dict:
     """The node's stager, as `appliance stage` runs it (the job on stdin), timed with its own CPU (wait4)."""
-    import shutil
-
     shutil.rmtree(dest, ignore_errors=True)
     job = {"url": URL, "dest": str(dest), "mode": "full", "rank": 0, "nodes": 1,
            "creds": {"auth_url": sw.auth_url, "user": sw.user, "key": sw.key}}
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--shard-bytes", type=int, default=2 * 1024**2)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--step-ms", type=float, default=50.0)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--cache-shards", type=int, default=4, help="the stream cache, in shards")
     ap.add_argument("--rates", default="0.6,1.2,2,0", help="link rates as multiples of the demand (0: unshaped)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -118,6 +118,7 @@ def main() -> None:
         shape(node.veth, None)
         sw.stop()
         testbed.down(TB)
+        shutil.rmtree(work, ignore_errors=True)  # the samples, the packed copy and the store's objects
     write(args, Path(args.out), rows, info)
 
 
@@ -145,14 +146,18 @@ def run(args, work: Path, tb, node, sw) -> tuple[list[dict], dict]:
         shape(node.veth, rate)
         st = stage(node.netns, sw, staged)
         local = read(node.netns, "local", work, args, ["--local-dir", str(staged)])
-        sm = read(node.netns, "stream", work, args, ["--url", URL, "--creds", str(work / "creds.json"),
-                                                       "--local-dir", str(Path(node.disk) / "bench-cache"),
-                                                       "--cache-bytes", str(cache)])
+        streamed = ["--url", URL, "--creds", str(work / "creds.json"),
+                    "--local-dir", str(Path(node.disk) / "bench-cache"), "--cache-bytes", str(cache)]
+        sm = read(node.netns, "stream", work, args, streamed)
+        one = read(node.netns, "stream", work, args, [*streamed, "--fetchers", "1"])
         row = {"link": f"{mult:g}x demand" if mult else "unshaped", "link_MBps": rate / 1e6 if rate else None,
                "stage_s": st["wall_s"], "stage_cpu_s_per_GB": st["cpu_s"] / (total / 1e9),
                "local_samples_per_s": local["samples_per_s"], "local_input_wait": local["input_wait"],
                "stream_samples_per_s": sm["samples_per_s"], "stream_input_wait": sm["input_wait"],
+               "local_start_s": local["start_s"], "stream_start_s": sm["start_s"],
                "stream_vs_local": sm["samples_per_s"] / local["samples_per_s"],
+               "stream_1_fetcher_vs_local": one["samples_per_s"] / local["samples_per_s"],
+               "stream_1_fetcher_input_wait": one["input_wait"],
                "stream_cpu_s_per_GB": sm["cpu_s"] / (sm["bytes"] / 1e9),
                "local_cpu_s_per_GB": local["cpu_s"] / (local["bytes"] / 1e9),
                "stream_stalls": sum(e["stalls"] for e in sm["epochs"]),
@@ -177,14 +182,19 @@ def write(args, out: Path, rows: list[dict], info: dict) -> None:
              f"{info['demand_Bps'] / 1e6:.1f} MB/s. {info['epochs']} epochs; the stream's cache "
              f"{info['cache_bytes'] / 1e6:.1f} MB. One node (a network namespace), OpenStack Swift on its bridge, "
              f"the link into the node limited by tc; {info['cores']} cores.", "",
+             "Input wait: the share of the steps' time spent waiting for the next batch; start: the seconds until "
+             "the first batch (paid once a job).", "",
              "| link into the node | stream samples/s | local disk samples/s | stream / local | input wait: stream | "
-             "input wait: local | stage (s) | stage, then read (s) | stream (s) | CPU s/GB: stream (fetch + read) | "
+             "input wait: local | start (s): stream / local | one GET at a time: stream / local, input wait | "
+             "stage (s) | stage, then read (s) | stream (s) | CPU s/GB: stream (fetch + read) | "
              "CPU s/GB: local read | CPU s/GB: stager |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         link = r["link"] + (f" ({r['link_MBps']:.1f} MB/s)" if r["link_MBps"] else "")
         lines.append(f"| {link} | {r['stream_samples_per_s']:.0f} | {r['local_samples_per_s']:.0f} | "
                      f"{r['stream_vs_local']:.2f} | {r['stream_input_wait']:.1%} | {r['local_input_wait']:.1%} | "
+                     f"{r['stream_start_s']:.2f} / {r['local_start_s']:.2f} | "
+                     f"{r['stream_1_fetcher_vs_local']:.2f}, {r['stream_1_fetcher_input_wait']:.1%} | "
                      f"{r['stage_s']:.1f} | {r['stage_then_local_wall_s']:.1f} | {r['stream_wall_s']:.1f} | "
                      f"{r['stream_cpu_s_per_GB']:.2f} | {r['local_cpu_s_per_GB']:.2f} | {r['stage_cpu_s_per_GB']:.2f} |")
     (out / "stream.md").write_text("\n".join(lines) + "\n")

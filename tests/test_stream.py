@@ -100,6 +100,38 @@ def test_a_shard_missing_from_the_store_is_one_error_naming_it(tmp_path):
         take(stream(index, tmp_path / "src", tmp_path / "c", world=1, batch=1), 6)
 
 
+def test_up_to_fetchers_gets_run_at_once_in_reading_order_within_the_capacity(tmp_path):
+    """A rank's GETs overlap (one TCP stream is not the link, each first byte waits a round trip): ``fetchers`` of
+    them at once, never more, never past the cache's capacity, and the reader gets each shard by its place."""
+    import threading
+
+    index = packed(tmp_path / "src", 9, 2)
+    size = max(s["size"] for s in index["shards"])
+    lock = threading.Lock()
+    for cap, fetchers, want in ((9 * size, 3, 3), (2 * size, 3, 2)):
+        together = threading.Barrier(want, timeout=10)  # broken (the test fails) unless `want` GETs run at once
+        now, most = [0], [0]
+
+        def fetch(name, dest):
+            with lock:
+                now[0] += 1
+                most[0] = max(most[0], now[0])
+            if name in [s["name"] for s in index["shards"][:want]]:
+                together.wait()
+            shutil.copyfile(tmp_path / "src" / name, dest)
+            with lock:
+                now[0] -= 1
+        cache = ShardCache(index["shards"], tmp_path / f"c{cap}", fetch, capacity=cap, fetchers=fetchers)
+        try:
+            for i in range(9):
+                assert cache.get(i).read_bytes() == (tmp_path / "src" / index["shards"][i]["name"]).read_bytes()
+                assert cache.held <= cap
+                cache.release(i)
+        finally:
+            cache.close()
+        assert most[0] == want and cache.peak <= cap
+
+
 def test_a_full_cache_waits_for_the_reader_and_never_fails(tmp_path):
     index = packed(tmp_path / "src", 6, 2)
     size = max(s["size"] for s in index["shards"])
@@ -166,12 +198,36 @@ def test_a_stream_reads_its_share_each_epoch_and_a_resume_at_any_batch_continues
     for epoch, batch in [(0, 0), (0, 3), (1, 2), (1, 6), (2, 5)]:
         r = stream(index, tmp_path / "src", tmp_path / f"r{epoch}{batch}")
         calls = []
-        r.fetch = copier(tmp_path / "src", calls)
+        r.fetch, r.fetchers = copier(tmp_path / "src", calls), 1  # one GET at a time: the calls in reading order
         r.start_at(epoch, batch)
         cut = epoch * 14 + batch * 2
         assert take(r, 3 * 14 - cut) == whole[cut:], (epoch, batch)
         mine = rank_share(epoch_order(7, epoch, 7), 0, 2)
         assert calls[0] == index["shards"][mine[batch * 2 // 5]]["name"]  # the shard of the next sample, first
+
+
+@pytest.mark.parametrize("was, now", [(2, 3), (3, 2)])
+def test_on_another_world_size_the_interrupted_epoch_is_read_from_the_new_shares_and_the_next_are_whole(
+        tmp_path, was, now):
+    """What docs/stream.md promises when a resume has another number of ranks: the interrupted epoch's remainder
+    comes from the new shares at the same batch (so some of its samples may be read twice, others not at all), the
+    epochs after it are whole (every sample of the epoch's shares once across the ranks)."""
+    index = packed(tmp_path / "src", 12, 4)
+    keys = lambda share: [f"{j:03d}{i:03d}" for j in share for i in range(4)]  # noqa: E731
+    before = [take(stream(index, tmp_path / "src", tmp_path / f"a{r}", rank=r, world=was), 6) for r in range(was)]
+    got, per = [], 48 // now
+    for r in range(now):  # interrupted at epoch 0, batch 3 (6 samples a rank); resumed on `now` ranks
+        s = stream(index, tmp_path / "src", tmp_path / f"b{r}", rank=r, world=now)
+        s.start_at(0, 3)
+        assert s.per_epoch == per
+        got.append(take(s, per - 6 + per))
+        assert got[r][:per - 6] == keys(rank_share(epoch_order(7, 0, 12), r, now))[6:]
+    epoch0 = [k for b in before for k in b] + [k for g in got for k in g[:per - 6]]
+    if now > was:
+        assert len(epoch0) == len(set(epoch0)) < 48  # more ranks: some never read in that epoch
+    else:
+        assert len(set(epoch0)) < len(epoch0)  # fewer ranks: some read twice
+    assert sorted(k for g in got for k in g[per - 6:]) == sorted(keys(range(12)))
 
 
 def test_a_stream_never_holds_more_than_its_cache(tmp_path):
@@ -228,7 +284,7 @@ def test_the_next_epochs_shards_are_fetched_while_this_ones_are_read(tmp_path):
 
     def fetch(name, dest):
         calls.append(name)
-        if len(calls) == 5 and name == want:  # 4 shards of epoch 0, then epoch 1's first
+        if calls.count(want) == 2:  # epoch 0 reads each of the 4 shards once, then epoch 1's first
             asked.set()
         shutil.copyfile(tmp_path / "src" / name, dest)
     s.fetch = fetch

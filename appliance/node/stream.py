@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import queue
 import random
 import sys
 import tarfile
@@ -30,6 +31,9 @@ from pathlib import Path
 from ..errors import ApplianceError
 
 FETCH_TRIES = 3  # a shard whose bytes do not match its MD5 is fetched this many times before the job stops
+# GETs in flight per rank (rclone's default --transfers is 4): one TCP stream's rate is not the link's, and each
+# GET's first byte waits a round trip; the cache's capacity bounds them too
+FETCHERS = 4
 
 
 def epoch_order(seed: int, epoch: int, n_shards: int) -> list[int]:
@@ -83,25 +87,34 @@ def _too_big(s: dict, capacity: int) -> ApplianceError:
 
 class ShardCache:
     """The shards ``shards`` (in reading order, each {name, size, md5} from index.json; a list, or an endless
-    iterator: a stream's epochs one after the other) fetched ahead into ``root`` by one thread, at most ``capacity``
-    bytes at a time. ``get(i)`` waits for the i-th and returns its path; ``release(i)`` deletes it. ``close()``
-    stops the fetcher."""
+    iterator: a stream's epochs one after the other) fetched ahead into ``root``, at most ``capacity`` bytes at a
+    time and up to ``fetchers`` GETs at once: one thread reserves room for the shards in reading order and hands
+    each to the next free fetcher. ``get(i)`` waits for the i-th and returns its path; ``release(i)`` deletes it.
+    ``close()`` stops the fetching."""
 
-    def __init__(self, shards: Iterable[dict], root: Path, fetch: Fetch, capacity: int):
+    def __init__(self, shards: Iterable[dict], root: Path, fetch: Fetch, capacity: int, fetchers: int = FETCHERS):
         if isinstance(shards, list) and shards and max(s["size"] for s in shards) > capacity:
             raise _too_big(max(shards, key=lambda s: s["size"]), capacity)
         self._source, self.root, self.fetch, self.capacity = iter(shards), Path(root), fetch, capacity
-        self.shards: dict[int, dict] = {}  # the i-th shard, once the fetcher took it from the source
+        self.shards: dict[int, dict] = {}  # the i-th shard, once the dispatcher took it from the source
         self.root.mkdir(parents=True, exist_ok=True)
         self.stats = CacheStats()
-        self.held = 0  # bytes of fetched, not yet released shards
+        self.held = 0  # bytes of reserved (being fetched or fetched), not yet released shards
         self.peak = 0
         self._done: dict[int, Path] = {}
-        self._error: BaseException | None = None
+        self._failed: dict[int, BaseException] = {}
+        self._error: BaseException | None = None  # the dispatcher's: no shard from ``_next`` on will come
+        self._next = 0  # shards handed to the fetchers so far
+        self._busy = 0  # fetchers in a GET
+        self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="appliance-stream-fetch", daemon=True)
-        self._thread.start()
+        self._fetchers = max(1, fetchers)
+        self._threads = [threading.Thread(target=self._run, name="appliance-stream-dispatch", daemon=True)]
+        self._threads += [threading.Thread(target=self._work, name=f"appliance-stream-fetch-{k}", daemon=True)
+                          for k in range(self._fetchers)]
+        for t in self._threads:
+            t.start()
 
     def _path(self, i: int) -> Path:
         return self.root / f"{i:06d}-{Path(self.shards[i]['name']).name}"
@@ -125,31 +138,50 @@ class ShardCache:
                 tmp.replace(path)
                 return path
             tmp.unlink(missing_ok=True)
-            self.stats.refetched += 1
+            with self._cv:
+                self.stats.refetched += 1
         raise ApplianceError(f"shard {s['name']}: its bytes did not match index.json's MD5 in {FETCH_TRIES} fetches",
                              "pack the dataset again (`appliance data pack`); nothing of this shard was read")
 
     def _run(self) -> None:
+        """The dispatcher: room in the cache and a free fetcher for each shard, in reading order."""
         try:
             for i, s in enumerate(self._source):
                 if s["size"] > self.capacity:
                     raise _too_big(s, self.capacity)
                 with self._cv:
                     self.shards[i] = s
-                    while not self._stop and self.held + s["size"] > self.capacity:
+                    while not self._stop and not self._failed and (
+                            self.held + s["size"] > self.capacity or self._busy >= self._fetchers):
                         self._cv.wait()  # a full cache waits for the reader to release a shard
-                    if self._stop:
+                    if self._stop or self._failed:
                         return
                     self.held += s["size"]
                     self.peak = max(self.peak, self.held)
-                path = self._fetch_verified(i)
-                with self._cv:
-                    self._done[i] = path
-                    self.stats.fetched += 1
-                    self._cv.notify_all()
+                    self._busy += 1
+                    self._next = i + 1
+                self._todo.put(i)
         except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
             with self._cv:
                 self._error = e
+                self._cv.notify_all()
+
+    def _work(self) -> None:
+        """A fetcher: the shards the dispatcher hands it, one GET at a time."""
+        while (i := self._todo.get()) is not None:
+            try:
+                path, err = self._fetch_verified(i), None
+            except BaseException as e:  # noqa: BLE001 - handed to the reader of this shard
+                path, err = None, e
+            with self._cv:
+                self._busy -= 1
+                if self._stop and path is not None:
+                    path.unlink(missing_ok=True)  # fetched after close(): nobody will read it
+                elif path is not None:
+                    self._done[i] = path
+                    self.stats.fetched += 1
+                else:
+                    self._failed[i] = err  # type: ignore[assignment]
                 self._cv.notify_all()
 
     def get(self, i: int) -> Path:
@@ -159,11 +191,11 @@ class ShardCache:
                 self.stats.ready += 1
                 return self._done[i]
             self.stats.stalls += 1
-            while i not in self._done and self._error is None:
+            while i not in self._done and i not in self._failed and not (self._error is not None and i >= self._next):
                 self._cv.wait()
             self.stats.waited_s += time.monotonic() - t0
             if i not in self._done:
-                raise self._error  # type: ignore[misc]
+                raise self._failed.get(i) or self._error  # type: ignore[misc]
             return self._done[i]
 
     def release(self, i: int) -> None:
@@ -178,7 +210,9 @@ class ShardCache:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=30)
+        for _ in range(self._fetchers):
+            self._todo.put(None)
+        self._threads[0].join(timeout=30)  # the fetchers may be in a GET: they delete what they finish after this
         for i in list(self._done):
             self.release(i)
 
@@ -259,6 +293,7 @@ class Stream:
         self.start = Position()
         self.on_epoch = on_epoch
         self.peak = 0  # the most bytes any epoch's cache held at once
+        self.fetchers = FETCHERS
 
     def start_at(self, epoch: int, batch: int) -> Position:
         """Where a resume at (epoch, batch) of ``steps_per_epoch`` continues: the sample after the ``batch`` x
@@ -292,7 +327,8 @@ class Stream:
         start, shards = self.start, self.index["shards"]
         needed = self._needed(start.epoch)
         done = sum(shards[j]["samples"] for j in needed[:start.shards]) + start.samples  # read of the first epoch
-        cache = ShardCache((shards[j] for _, j in self._plan()), self.root, self.fetch, self.capacity)
+        cache = ShardCache((shards[j] for _, j in self._plan()), self.root, self.fetch, self.capacity,
+                           self.fetchers)
         epoch, said, t0 = start.epoch, CacheStats(), None
         try:
             for n, (_, j) in enumerate(self._plan()):
@@ -342,7 +378,9 @@ class Stream:
         ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
         if map_fn is not None:
             ds = ds.map(map_fn)  # sequential: the order is the stream's
-        return ds.batch(self.batch_size, drop_remainder=True)
+        # prefetched: the next batches are read while the step runs (the order and the resume position are the
+        # stream's, whatever tf.data has read ahead)
+        return ds.batch(self.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
 
 _ACTIVE: list[Stream] = []  # the process's stream, which a Keras resume positions (keras_fit)
