@@ -22,6 +22,15 @@ class _Dropped(Exception):
     """A held request the stopped proxy closes without an answer."""
 
 
+class _Quiet(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        """A client the test killed resets its connection: nothing to print (anything else is, as http.server does)."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class FaultProxy:
     def __init__(self, upstream: str, bind_ip: str = "127.0.0.1"):
         u = urlparse(upstream)
@@ -139,7 +148,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_COPY = _any
 
-        self.server = ThreadingHTTPServer((bind_ip, 0), Handler)
+        self.server = _Quiet((bind_ip, 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://{bind_ip}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
