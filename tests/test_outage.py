@@ -5,7 +5,8 @@ when a site's Keystone hangs. Chameleon's Keystone is one service for the whole 
 The job (a light script, level 3: its working directory synced) goes on; its tokens live 20 s, so the syncer's
 next token request meets the frozen Keystone. Nothing may take the outage for a lease end (no false recovery: one
 job, complete), and the syncer's thread must outlive it: a file the script writes after the outage is committed
-while the job still runs, not only at its exit."""
+while the job still runs, not only at its exit. Its controller renews its own store token as it expires and
+releases the run's lock at the end with it."""
 
 import json
 import os
@@ -97,3 +98,5 @@ def test_a_frozen_control_plane_mid_run_is_no_lease_end_and_the_syncer_outlives_
     assert result["r"].exit_code == 0, (result["r"].failure, lines[-30:])
     assert [j["status"] for j in run_details("ko")["jobs"]] == ["complete"], json.dumps(run_details("ko"))[:2000]
     assert not [x for x in lines if "Traceback" in x or "died" in x], lines
+    # the controller's lock is released at the end, with the store credentials it renewed on the way
+    assert not [x for x in lines if "could not release the controller lock" in x], lines[-20:]

@@ -169,3 +169,24 @@ def test_the_stores_clock_is_its_date_header():
 
     assert date_header("Wed, 02 Dec 2026 12:00:00 GMT") == 1796212800.0
     assert abs(date_header(None) - __import__("time").time()) < 5  # no header: this machine's clock
+
+
+def test_a_lock_handed_a_renewed_store_reads_the_stores_clock_with_it(tmp_path):
+    """The controller renews its store credentials when the store refuses them (flows/control.py) and hands the
+    new store to its lock. The lock's clock (the store's Date header) was still read with the first store, so once
+    the first token expired (a day on Chameleon) every heartbeat and the release were refused (401): the lock went
+    stale under a live controller, and a run's end left it to expire."""
+    from appliance.store.base import StoreRefused
+
+    first = store(tmp_path)
+    held = RunLock(first, "ctl", cluster="c", head="h")
+    assert held.acquire(tmp_path) == (None, None)
+
+    def expired():
+        raise StoreRefused("Swift refused access to container 'ckpts' (401): the token may have expired")
+    first.store.clock = expired
+    held.cs = store(tmp_path)  # the renewed credentials' store
+    assert held.heartbeat(tmp_path)
+    assert held.read()["job_id"] == "ctl"
+    held.release(tmp_path)
+    assert held.read() is None and held.current()[1]["released"]

@@ -48,7 +48,9 @@ class RunLock:
                  lease_site: str | None = None, launcher: str | None = None):
         self.cs, self.job_id, self.cluster, self.head = cs, job_id, cluster, head
         self.interval, self.ttl = interval, ttl
-        self.now = now or (lambda: retrying(cs.store.clock, what="read the store's clock",
+        # the store's clock through ``self.cs`` as it is at each read: a controller hands its lock a new store when
+        # it renews its credentials (flows/control.py), and the first one's token expires
+        self.now = now or (lambda: retrying(self.cs.store.clock, what="read the store's clock",
                                             until=time.time() + READ_WAIT))
         self.lease_id = lease_id  # the job's lease: once it is over, its servers are gone and so is the job
         self.lease_site = lease_site  # its site, when not the run's own (Blazar's lease ids are per site)
