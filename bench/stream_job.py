@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from appliance.node.stream import Stream, epoch_order, rank_share, samples_per_epoch, store_fetch, tar_samples  # noqa: E402
+from appliance.node.stream import (Stream, epoch_order, rank_share, sample_batches, samples_per_epoch,  # noqa: E402
+                                   store_fetch, tar_samples)
 
 EXTS = ["bin", "cls"]
 
@@ -41,19 +42,6 @@ def local_samples(index: dict, root: Path, seed: int, per_epoch: int):
             if n == per_epoch:
                 break
         epoch += 1
-
-
-def local_dataset(index: dict, root: Path, seed: int, per_epoch: int, batch: int):
-    """The staged shards through the pipeline ``Stream.dataset`` builds: generator, batch, prefetch."""
-    import tensorflow as tf
-
-    def gen():
-        for k, parts in local_samples(index, root, seed, per_epoch):
-            yield {"__key__": k, **{e: parts[e] for e in EXTS}}
-
-    sig = {"__key__": tf.TensorSpec([], tf.string), **{e: tf.TensorSpec([], tf.string) for e in EXTS}}
-    return tf.data.Dataset.from_generator(gen, output_signature=sig).batch(batch, drop_remainder=True).prefetch(
-        tf.data.AUTOTUNE)
 
 
 def main() -> None:
@@ -82,7 +70,9 @@ def main() -> None:
         s.fetchers = args.fetchers or s.fetchers
         it = iter(s.dataset(EXTS))
     else:
-        it = iter(local_dataset(index, Path(args.local_dir), 7, per_epoch, args.batch))
+        # the staged shards through the very pipeline Stream.dataset builds
+        it = iter(sample_batches(lambda: local_samples(index, Path(args.local_dir), 7, per_epoch), EXTS,
+                                 args.batch))
     steps = args.epochs * per_epoch // args.batch
     wait = 0.0
     nbytes = 0

@@ -44,6 +44,7 @@ def test_a_frozen_control_plane_mid_run_is_no_lease_end_and_the_syncer_outlives_
     from appliance import flows, report, sites
     from appliance.checkpoint.runs import run_details
     from appliance.store.filesync import FileSet
+    from test_checkpoint import wait_for
 
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "job.py").write_text(JOB)
@@ -65,12 +66,6 @@ def test_a_frozen_control_plane_mid_run_is_no_lease_end_and_the_syncer_outlives_
             return set()
         return set(body["files"]) if body else set()
 
-    def wait_for(what, cond, timeout=240.0):
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, f"no {what} in {timeout:.0f}s"
-            time.sleep(0.5)
-
     lines: list[str] = []
     result: dict = {}
     run = threading.Thread(target=lambda: result.update(r=flows.run_managed(str(spec), out=lines.append)),
@@ -79,14 +74,15 @@ def test_a_frozen_control_plane_mid_run_is_no_lease_end_and_the_syncer_outlives_
     try:
         with report.to(lines.append):
             run.start()
-            wait_for("first sync", lambda: any(f.startswith("tick-") for f in synced()))
+            wait_for("a first sync", lambda: any(f.startswith("tick-") for f in synced()), every=0.5)
             os.kill(pid, signal.SIGSTOP)
             try:
                 time.sleep(FREEZE_S)  # the outage itself: nothing to wait on but the time
             finally:
                 os.kill(pid, signal.SIGCONT)
             after.touch()
-            wait_for("file written after the outage, synced while the job runs", lambda: "after.txt" in synced())
+            wait_for("the file written after the outage, synced while the job runs", lambda: "after.txt" in synced(),
+                     every=0.5)
             assert run.is_alive() and not result, lines[-20:]
             release.touch()
             run.join(300)

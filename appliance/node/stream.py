@@ -359,28 +359,35 @@ class Stream:
         """A ``tf.data.Dataset`` of batches (``batch_size``, every epoch ``steps_per_epoch`` of them, then the next
         epoch's) of dicts ``{"__key__": key, ext: bytes, ...}``, after ``map_fn`` when given (as ``Dataset.map``
         takes it). Give ``model.fit`` ``steps_per_epoch=stream.steps_per_epoch``."""
-        import tensorflow as tf
+        return sample_batches(self.samples, exts, self.batch_size, map_fn)
 
-        sig = {"__key__": tf.TensorSpec([], tf.string), **{e: tf.TensorSpec([], tf.string) for e in exts}}
 
-        def gen():
-            try:
-                for key, parts in self.samples():
-                    missing = [e for e in exts if e not in parts]
-                    if missing:
-                        raise ApplianceError(f"sample {key} has no {', '.join(missing)} part in the packed dataset",
-                                             f"read the parts it has: {', '.join(sorted(parts))}")
-                    yield {"__key__": key, **{e: parts[e] for e in exts}}
-            except ApplianceError as e:  # said in one line before TensorFlow wraps it in its own error
-                print(f"[appliance] error: {e}", file=sys.stderr, flush=True)
-                raise
+def sample_batches(samples: Callable[[], Iterator[tuple[str, dict[str, bytes]]]], exts: list[str], batch_size: int,
+                   map_fn=None):
+    """The ``tf.data.Dataset`` ``Stream.dataset`` gives: batches of dicts ``{"__key__": key, ext: bytes, ...}`` of
+    what ``samples()`` yields, in its order, prefetched."""
+    import tensorflow as tf
 
-        ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
-        if map_fn is not None:
-            ds = ds.map(map_fn)  # sequential: the order is the stream's
-        # prefetched: the next batches are read while the step runs (the order and the resume position are the
-        # stream's, whatever tf.data has read ahead)
-        return ds.batch(self.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    sig = {"__key__": tf.TensorSpec([], tf.string), **{e: tf.TensorSpec([], tf.string) for e in exts}}
+
+    def gen():
+        try:
+            for key, parts in samples():
+                missing = [e for e in exts if e not in parts]
+                if missing:
+                    raise ApplianceError(f"sample {key} has no {', '.join(missing)} part in the packed dataset",
+                                         f"read the parts it has: {', '.join(sorted(parts))}")
+                yield {"__key__": key, **{e: parts[e] for e in exts}}
+        except ApplianceError as e:  # said in one line before TensorFlow wraps it in its own error
+            print(f"[appliance] error: {e}", file=sys.stderr, flush=True)
+            raise
+
+    ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
+    if map_fn is not None:
+        ds = ds.map(map_fn)  # sequential: the order is the stream's
+    # prefetched: the next batches are read while the step runs (the order and the resume position are the
+    # stream's, whatever tf.data has read ahead)
+    return ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
 
 _ACTIVE: list[Stream] = []  # the process's stream, which a Keras resume positions (keras_fit)
