@@ -368,6 +368,28 @@ def test_a_cancel_request_that_is_not_an_object_does_not_stop_the_controllers_he
         c.close("cancelled")
 
 
+def test_a_controller_whose_lock_renewals_fail_says_so_and_when_they_work_again(tmp_path, monkeypatch, said):
+    """A controller's lock renewals that failed were silent: a controller whose store token had expired went on,
+    its lock going stale under it, with not a word until the run's end."""
+    import tempfile
+
+    spec, c = _controller(tmp_path, monkeypatch, "mh")
+    assert c.lock.acquire(tempfile.gettempdir())[0] is None  # held, without take()'s beating thread
+    renew = c.lock.heartbeat
+
+    def refused(tmp_dir):
+        raise OSError("the store did not answer")
+    monkeypatch.setattr(c.lock, "heartbeat", refused)
+    assert c._heartbeat() and c._heartbeat() and c._heartbeat()  # not lost: tried again at the next beat
+    warned = [m for m in said if "could not renew its lock" in m]
+    assert len(warned) == 1 and "the store did not answer" in warned[0] and "goes stale in" in warned[0]
+    monkeypatch.setattr(c.lock, "heartbeat", renew)
+    assert c._heartbeat() and any("renews its lock again" in m for m in said)
+    said.clear()
+    assert c._heartbeat() and not said
+    c.lock.release()
+
+
 def test_a_controller_that_lost_its_lock_writes_no_more_of_the_runs_state(tmp_path, monkeypatch):
     spec, c = _controller(tmp_path, monkeypatch, "ml")
     c.record("controller", state="running")

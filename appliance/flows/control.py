@@ -73,6 +73,7 @@ class Control:
         self._mu = threading.Lock()
         self._writing = threading.Lock()
         self._log: tuple[str, int, int] = ("", 0, 0)  # the job log shipped: its name, bytes counted, lines in them
+        self._missed: list[float] | None = None  # lock renewals failing: [since, last said] (monotonic)
 
     def _store(self, fn):
         """``fn()``, once more with new store credentials when the store refused the ones it had: a bare Keystone
@@ -141,13 +142,35 @@ class Control:
                 log.info(f"[run] warning: the controller's poll failed ({type(e).__name__}: {e}); again next poll")
             if time.monotonic() - last >= self.lock.interval:
                 last = time.monotonic()
-                try:
-                    if not self._store(lambda: self.lock.heartbeat(tempfile.gettempdir())):
-                        self.lost = True
-                        log.info(f"[run] another controller took run {self.run} over: this one starts nothing more")
-                        return
-                except Exception:  # noqa: BLE001 - retried at the next beat; the ttl allows several misses
-                    pass
+                if not self._heartbeat():
+                    self.lost = True
+                    log.info(f"[run] another controller took run {self.run} over: this one starts nothing more")
+                    return
+
+    def _heartbeat(self) -> bool:
+        """One renewal of the lock: False when another controller holds it. A renewal that fails is tried again at
+        the next beat (the ttl allows several misses) and said: at the first miss, then every third of the ttl,
+        with how long the lock has left, and once more when a renewal works again."""
+        try:
+            held = self._store(lambda: self.lock.heartbeat(tempfile.gettempdir()))
+        except Exception as e:  # noqa: BLE001 - whatever it was, the next beat tries again
+            now = time.monotonic()
+            if self._missed is None:
+                self._missed = [now, float("-inf")]  # since, said at
+            since, said = self._missed
+            if now - said >= self.lock.ttl / 3:
+                self._missed[1] = now
+                left = self.lock.ttl - (now - since) - self.lock.interval
+                log.info(f"[run] warning: the controller could not renew its lock ({type(e).__name__}: {e}); "
+                         f"again every {self.lock.interval:.0f}s; "
+                         + (f"it goes stale in {left:.0f}s" if left > 0 else "it may be stale")
+                         + " if this goes on, and another controller could then take the run over")
+            return True
+        if self._missed is not None:
+            log.info(f"[run] the controller renews its lock again, after "
+                     f"{time.monotonic() - self._missed[0]:.0f}s of failures")
+            self._missed = None
+        return held
 
     def ship_log(self) -> None:
         """The newest job's output as this machine's launcher showed it (its last LOG_TAIL bytes, from a line's

@@ -134,9 +134,9 @@ class SwiftStore(Store):
             f"Swift refused access to container {self.container!r} ({status})"
             + ("" if renewable or status != 401 else ": the token may have expired"),
             "check the credentials and that the container is yours at this site" if renewable
-            else "give the job renewable store credentials (an unrestricted application credential in "
-                 "OS_CLOUD, so the job can make its own; ST_AUTH/ST_USER/ST_KEY; or an s3:// URL with EC2 keys): "
-                 "a token lives a day")
+            else "use renewable store credentials (an unrestricted application credential in "
+                 "OS_CLOUD, from which the job and the run's controller make their own; ST_AUTH/ST_USER/ST_KEY; or "
+                 "an s3:// URL with EC2 keys): a token lives a day")
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under ``prefix``: page after page until a page comes back empty. A short page is not the
