@@ -16,7 +16,9 @@ CEPH_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
 PYTEST_ARGS ?=
 # `make test` runs the tests in a few processes (pytest-xdist): one per core, at most 4. End-to-end tests wait on
 # boots, stores and jobs much of the time, and another test's work fills that. Each test file runs whole in one
-# worker (--dist loadfile), so its fixtures (a local cloud, a store, a reference run) are made once.
+# worker (--dist loadfile), so its fixtures (a local cloud, a store, a reference run) are made once. (One worker
+# more than the 2 cores here: 25:00 instead of 25:40, the CPU busy 84% instead of 80%, and timing-bound tests
+# failed.)
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 
 .PHONY: help install system-deps deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \

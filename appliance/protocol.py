@@ -50,6 +50,7 @@ class Env:
     FILES_SYNC = "APPLIANCE_FILES_SYNC"  # "0": no sync
     CKPT_AUTO = "APPLIANCE_CKPT_AUTO"  # "0": no callback added to a plain Model.fit (checkpoint.auto: false)
     KERAS_RNG = "APPLIANCE_KERAS_RNG"  # "legacy": Keras' default RNG for random layers (not checkpointable)
+    HOROVOD_AUTOGRAPH = "APPLIANCE_HOROVOD_AUTOGRAPH"  # "convert": autograph converts Horovod's code (TF's default)
     CKPT_CREDS = "APPLIANCE_CKPT_CREDS"  # a 0600 file on the head node, read by rank 0 only
     # dataset.mode stream: the packed dataset's URL; a 0600 file on every node with the job's read credential for it
     # (removed when the job ends); the shard cache's directory on each node's local disk and its size (per node)

@@ -1,4 +1,4 @@
-"""Checkpoints, the lease watchdog and `appliance resume`.
+"""Checkpoints and `appliance resume` (lease ends and managed runs: test_lease_end.py).
 
 Real parts throughout: the digits example (TensorFlow + Horovod on 2 testbed nodes), a real Swift server
 (with a fault-injecting HTTP proxy in front of it where the store must fail), and the local cloud (Blazar
@@ -6,19 +6,14 @@ leases whose end deletes the servers). Every resumed run is compared with an uni
 seed and world size: the final weights must be bit-identical.
 """
 
-import contextlib
 import csv
-import datetime as dt
 import io
 import json
 import os
-import random
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from appliance import localcloud
 from appliance.checkpoint import runs
@@ -33,15 +28,11 @@ from appliance.store.objects import StoreCreds, slo_etag
 from appliance import flows, sites
 from appliance.spec import load_spec
 from appliance.flows import run_job as train
-from click.testing import CliRunner
-
-from appliance.cli import main as cli_main
-from conftest import ROOT, NETNS_OK
+from conftest import ROOT, NETNS_OK, digits_code
 from faultproxy import FaultProxy
 
 pytestmark = pytest.mark.skipif(not NETNS_OK, reason="needs network namespaces")
 
-DIGITS = ROOT / "examples" / "digits"
 EPOCHS = 4  # 22 steps per epoch on 2 ranks: 88 steps
 LONG = 30  # the lease tests: 660 steps, so a stop asked for at an arbitrary epoch lands well before the end
 
@@ -49,7 +40,8 @@ LONG = 30  # the lease tests: 660 steps, so a stop asked for at an arbitrary epo
 def digits_spec(tmp_path: Path, name: str, *, url: str | None, every: int = 20, env: dict | None = None,
                 extra: str = "", fname: str | None = None, epochs: int = EPOCHS) -> str:
     lines = [f"name: {name}", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
-             "image: appliance-cpu", "train:", f"  code: {DIGITS}", f"  command: python train.py --epochs {epochs}"]
+             "image: appliance-cpu", "train:", f"  code: {digits_code()}",
+             f"  command: python train.py --data . --epochs {epochs}"]
     # a stop-check interval of ~5 digits steps (default 1 s, ~100 steps) so that these short runs can stop
     env = {"APPLIANCE_STOP_CHECK_SECONDS": "0.05", **(env or {})}
     lines.append("  env: " + json.dumps(env))
@@ -94,14 +86,6 @@ def reference(cluster2, tmp_path_factory):
                 out=lambda line: None)
     assert res.exit_code == 0, res.failure
     assert res.results[0]["steps"] == EPOCHS * 22
-    return sha(res)
-
-
-@pytest.fixture(scope="module")
-def reference_long(cluster2, tmp_path_factory):
-    res = train(load_spec(digits_spec(tmp_path_factory.mktemp("ref30"), "ckref30", url=None, epochs=LONG)), cluster2,
-                out=lambda line: None)
-    assert res.exit_code == 0, res.failure
     return sha(res)
 
 
@@ -330,7 +314,10 @@ def test_store_5xx_is_retried_and_a_dead_store_is_reported_loudly(cluster2, tb2,
         assert res.exit_code == 0, res.failure
         assert len(proxy.failed) == 4 and all(f.startswith("PUT ") for f in proxy.failed)
         assert sha(res) == reference  # training went on while uploads were retried
-        assert [c.step for c in store_for(swift, "ck5xx").committed()] == [88, 80]
+        steps = [c.step for c in store_for(swift, "ck5xx").committed()]
+        # the last and one before it kept (keep: 2); which one depends on how long the retried uploads took: a
+        # checkpoint due while an older one still uploads supersedes it (node/uploads.py), as 88 did 80 under load
+        assert steps[0] == 88 and len(steps) == 2 and steps[1] in (20, 40, 60, 80), steps
 
         # the store goes down for good after the first commit; a stop is requested with a short deadline
         out = Lines()
@@ -556,497 +543,3 @@ def wait_for(what: str, cond, timeout: float = 300.0, every: float = 1.0):
             return got
         time.sleep(every)  # the poll's period
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def _job_sha(run: str, job_id: str) -> str:
-    """The final weights' digest from a job's own output (the launcher's copy of it on this machine)."""
-    from appliance.protocol import Line, parse
-
-    shas = set()
-    for line in (runs.record_dir(run) / f"{job_id}.log").read_text().splitlines():
-        got = parse(line.split("] ", 1)[-1], (Line.RESULT,))
-        if got and isinstance(got[1], dict) and "weights_sha256" in got[1]:
-            shas.add(got[1]["weights_sha256"])
-    assert len(shas) == 1, shas
-    return shas.pop()
-
-
-@pytest.mark.slow
-def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_killed(cloud, reference_long,
-                                                                                      tmp_path, monkeypatch):
-    """`appliance run SPEC` (issue 52): the command returns once its controller (a process of its own) holds the run,
-    and every process of the shell that typed it is killed with -9 at once. On the second lease the controller
-    itself is killed -9 while the job trains, and `appliance run SPEC` again follows that job, makes its next
-    cluster meanwhile, and hands it over warm when its lease's end takes its nodes. The spec asks for a warm handover
-    (lease.overlap): at each lease, the next lease is booked to start 15 minutes before this one ends, and once the
-    cloud's clock gets there its cluster is booted and staged while the job trains. At the end (the clock jumps
-    again) the job stops after a step with a committed checkpoint and continues on that cluster from that very
-    step, with no lease, boot or SSH in the downtime. The run finishes on its third lease with no further command:
-    0 steps lost, the final weights the uninterrupted run's, each handover's downtime on the run's timeline."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-
-    from appliance.cluster import find_cluster
-    from appliance.flows import managed
-
-    monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "0.5")  # the controller looks at the next lease twice a second
-    # the second lease's job waits after step 300 (past the commit the test waits for) until `released` exists,
-    # so that it is still there when its controller has been killed, another follows it, and its lease ends (the
-    # whole training is ~20 s here); the weights are the same
-    released = Path(tempfile.gettempdir()) / f"appliance-released-{os.urandom(4).hex()}"  # the ranks' user sees it
-    spec_path = digits_spec(tmp_path, "cklease", url="swift://ckpts/", every=50, epochs=LONG,
-                            env={"APPLIANCE_FAULT": f"hold-at:300:{released}"},
-                            extra="lease: {duration: 1h, stop_margin: 60s, overlap: 15m}\n")
-    shell = subprocess.Popen(["bash", "-c", f"{sys.executable} -m appliance.cli run {spec_path}; sleep 600"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    said = ""
-    for line in iter(shell.stdout.readline, ""):  # its first lines (the store may start first), to its own
-        said += line
-        if "controller started" in line:
-            break
-    os.killpg(shell.pid, signal.SIGKILL)  # the shell, `appliance run` if still there, the sleep: all of it
-    shell.wait()
-    assert "controller started" in said, said + shell.stdout.read()
-    cs = CheckpointStore("swift://ckpts/", "cklease", sites.open_site("local").store_creds())
-    reader = managed._control_of("cklease", None, "local", None)
-    state = lambda: managed.read_timeline(reader) or {}  # noqa: E731
-    events = lambda kind: [e for e in state().get("events", []) if e["event"] == kind]  # noqa: E731
-    try:
-        stopped_at = 0
-        for lease in (1, 2):
-            # the job of this lease has committed past where the last one stopped (at a random one of its first
-            # commits: the training is 660 steps, ~20 s here, and each lease end takes a few seconds of polls)
-            target = stopped_at + 50 * random.randint(1, 3 - lease)
-
-            def committed_here():
-                jobs = events("job")
-                done = cs.committed()
-                return len(jobs) == lease and done and done[0].step >= target and find_cluster(jobs[-1]["cluster"])
-
-            cl = wait_for(f"a commit at step >= {target} on lease {lease}", committed_here, every=0.2)
-            if lease == 2:  # the controller is killed -9 while the job trains (the laptop slept): the job goes on,
-                # detached on its head; `appliance run SPEC` again follows it, and makes its next cluster meanwhile
-                dead = state()["controller"]["pid"]
-                os.kill(dead, signal.SIGKILL)
-                wait_for("the controller's end", lambda: managed.gone_here(f"{socket.gethostname()}:{dead}:"))
-                again = subprocess.run([sys.executable, "-m", "appliance.cli", "run", spec_path, "--json"],
-                                       capture_output=True, text=True, timeout=120)
-                assert again.returncode == 0, again.stderr
-                wait_for("the new controller to follow the job", lambda: events("following"), every=0.2)
-            if lease == 1:  # the controller runs with a credential of its own, in a file, not in its environment
-                env = open(f"/proc/{state()['controller']['pid']}/environ", "rb").read().decode()
-                own = yaml.safe_load(open(env.split("APPLIANCE_RUN_CLOUD=")[1].split("\0")[0]))["clouds"]
-                secret = own["appliance-run"]["auth"]["application_credential_secret"]
-                assert secret not in env and "\0OS_" not in "\0" + env
-                assert [x["name"] for x in sites.open_site("local").cloud.list_app_creds()
-                        if x["name"].startswith("appliance-run-cklease-")]
-            # 14 minutes before its end: the next lease has started; its cluster is made while the job trains
-            localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 14 * 60})
-            wait_for(f"the next cluster of lease {lease}", lambda: len(events("next cluster ready")) == lease,
-                     every=0.2)
-            # then the end comes: the first job stops 60 s before it; the second, held at its step with no
-            # launcher, is there when the end takes its nodes, and resumes from its newest commit
-            localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) + (5 if lease == 2 else -45)})
-            ended = wait_for(f"the job of lease {lease} to stop for its end",
-                             lambda: [e for e in events("job end") if e["lease_end"]][lease - 1:])
-            stopped_at = ended[0]["step"]
-            released.touch()  # the third job goes through step 300
-        final = wait_for("the run to finish", lambda: (s := state()).get("status") not in (None, "running", "handover",
-                                                                                          "starting") and s)
-        assert final["status"] == "finished", final["events"][-4:]
-        assert not final["controller_alive"]  # it ended with the run, its lock released
-        ev = final["events"]
-        jobs = [e for e in ev if e["event"] == "job"]
-        assert len({j["lease_id"] for j in jobs}) == 3 and [j["restore"] for j in jobs] == [False, True, True]
-        assert [j["cluster"] for j in jobs] == ["cklease", "cklease_h", "cklease"]  # the two names take turns
-        rec = runs.load("cklease")
-        assert [j["status"] for j in rec["jobs"]] == ["stopped", "stopped", "complete"] and rec["status"] == "complete"
-        for before, after in zip(rec["jobs"], rec["jobs"][1:]):
-            assert after["first_step"] == before["last_step"]  # 0 steps lost at each lease end
-        assert rec["node_seconds_lost"] == 0
-        assert _job_sha("cklease", rec["jobs"][-1]["job_id"]) == reference_long
-        for j in jobs[:2]:  # the old leases went
-            old = sites.open_site("local").cloud.get_lease(j["lease_id"])
-            assert old is None or old.status == "DELETED", old
-        assert find_cluster("cklease_h") is None  # the third lease's next one, if booked, went with the run's end
-        # each handover's downtime, phase by phase: no lease, boot or SSH in it (the cluster was up), the checkpoint
-        # staged, horovodrun, the restore, the first step; the parts add up to the whole
-        downs = [e for e in ev if e["event"] == "downtime"]
-        assert len(downs) == 2 and all(d["warm"] for d in downs)
-        assert [j.get("resume_breakdown") for j in rec["jobs"][1:]] == [d["breakdown"] for d in downs]
-        for b in (d["breakdown"] for d in downs):
-            assert b.get("lease") is None and b.get("boot") is None and b.get("ssh + contextualize") is None, b
-            bad = [k for k in flows.RESUME_PHASES if k not in ("lease", "boot", "ssh + contextualize", "install")
-                   and (b.get(k) is None or b[k] < 0)]
-            assert not bad, (bad, b)
-            assert b["restore"] > 0, b
-            assert abs(sum(v for k, v in b.items() if k != "total" and v is not None) - b["total"]) < 0.1, b
-        # what `appliance ls` shows of it: each lease counted (the first two deleted at their handovers), and the
-        # newest step of the training's total
-        # all closed: the first two at their handovers, the last once the run finished, and a next lease booked ahead
-        # for the third job (counted from the moment Blazar made it) when the run's end abandoned it
-        leases = final["leases"]
-        assert {j["lease_id"] for j in jobs} <= set(leases) and all(e["closed"] for e in leases.values()), leases
-        # booked ahead and not used: the next lease the killed controller booked (its follower makes the next
-        # cluster afresh), and the third job's, if booked, abandoned at the run's end
-        ahead = set(leases) - {j["lease_id"] for j in jobs}
-        assert len(ahead) <= 2 and ahead <= {e.get("lease_id") for e in final["asked"].values()}, final["asked"]
-        following = [e for e in ev if e["event"] == "following"]  # the second job, followed to its lease's end
-        assert [e["job_id"] for e in following] == [jobs[1]["job_id"]] and not [e for e in ev if e["event"] == "waiting"]
-        assert [e.get("followed") for e in ev if e["event"] == "job end"] == [None, True, None]
-        assert find_cluster("cklease") is None  # finished: its cluster and lease went (lease.keep_when_done: false)
-        assert final["node_hours"]["spent"] > 0 and final["estimate"]["step"] == final["estimate"]["total_steps"]
-        assert not [x for x in sites.open_site("local").cloud.list_app_creds()  # the controller's went with it
-                    if x["name"].startswith("appliance-run-cklease-")]
-        shown = []  # `appliance logs RUN --url`: the last job's output, from the store (as on any other machine)
-        assert managed.store_logs("cklease", url="swift://ckpts/", lines=0, out=shown.append) == jobs[-1]["job_id"]
-        assert any("[0|" in line for line in shown), shown[-5:]
-    finally:
-        pid = (state().get("controller") or {}).get("pid")
-        if pid and state().get("status") not in ("finished", "failed", "stopped", "cancelled"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # a failed test leaves no controller behind
-        released.unlink(missing_ok=True)
-        flows.down("cklease")
-        flows.down("cklease_h")
-
-
-@pytest.mark.slow
-def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_lease(cloud, reference_long,
-                                                                                         tmp_path):
-    """The fault matrix of a cold handover (appliance/killpoints.py), in one run, each controller killed with -9
-    and `appliance run SPEC` typed again: the first once the handover's lease is in the run's state and before
-    Blazar is asked; the second just after Blazar made it and before its answer was recorded anywhere; the third,
-    which finds that lease by its recorded name and boots on it, once it holds the run's lock for the new job and
-    before the job starts. The fourth takes the run over at once (the dead controller's process is gone, and no job
-    runs on the head: no 300 s wait on the lock of a job that never started), finishes the handover on the lease
-    already made, its downtime on the timeline, and the run ends: two leases in all (none left behind), one job at
-    a time, the final weights the uninterrupted run's."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-
-    from appliance.cluster import find_cluster
-    from appliance.flows import managed
-
-    # limits.node_hours 3.5: the first lease (1 h on 2 nodes) leaves 1.5, so the second is cut to 45 minutes
-    spec_path = digits_spec(tmp_path, "ckctl", url="swift://ckpts/", every=50, epochs=LONG,
-                            extra="lease: {duration: 1h, stop_margin: 60s}\nlimits: {node_hours: 3.5}\n")
-
-    def start(kill_at: str | None = None) -> int:
-        env = {**os.environ, **({"APPLIANCE_KILL_AT": kill_at} if kill_at else {})}
-        p = subprocess.run([sys.executable, "-m", "appliance.cli", "run", spec_path, "--json"], capture_output=True,
-                           text=True, timeout=120, env=env)
-        assert p.returncode == 0, p.stderr
-        return json.loads(p.stdout)["pid"]
-
-    def killed(pid: int, where: str) -> None:
-        wait_for(f"the controller killed {where}", lambda: managed.gone_here(f"{socket.gethostname()}:{pid}:"))
-
-    site = sites.open_site("local")
-    cs = CheckpointStore("swift://ckpts/", "ckctl", site.store_creds())
-    localcloud.admin("DELETE", "/requests")
-    pid = start("lease-asked:2")  # the run's second lease: the handover's
-    reader = managed._control_of("ckctl", None, "local", None)
-    state = lambda: managed.read_timeline(reader) or {}  # noqa: E731
-    try:
-        cl = wait_for("the first commit", lambda: cs.committed() and find_cluster("ckctl"))
-        first = cl.lease_id
-        localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45})
-        killed(pid, "with the handover's lease recorded and not asked for")
-        pid = start("lease-made")
-        killed(pid, "with the handover's lease made and not answered")
-        pid = start("job-lock")
-        killed(pid, "with the run's lock taken for a job it never started")
-        pid = start()
-        final = wait_for("the run to finish", lambda: (s := state()).get("status") in ("finished", "failed", "stopped")
-                         and s)
-        assert final["status"] == "finished", final["events"][-4:]
-        ev = final["events"]
-        controllers = [e for e in ev if e["event"] == "controller"]
-        assert len(controllers) == 4 and [c["took_over"] for c in controllers[1:]] == [c["id"] for c in controllers[:3]]
-        after = ev[ev.index(controllers[3]):]  # the third took the run over at once: no wait on the dead job's lock
-        assert [e["event"] for e in after if e["event"] in ("job not started", "waiting")] == ["job not started"]
-        downs = [e for e in after if e["event"] == "downtime"]
-        assert len(downs) == 1 and downs[0]["takeover"] and not downs[0]["warm"], downs
-        made = [r for r in localcloud.admin("GET", "/requests")["requests"] if r["method"] == "POST"
-                and r["path"].rstrip("/").endswith("/leases") and (r["body"] or {}).get("name", "").startswith("ckctl-")]
-        assert len(made) == 2, made  # the lease made before the second kill was used, no third one
-        asked = final["asked"]  # the first controller's record of a lease it never asked for: closed, not counted
-        assert [e for e in asked.values() if not e.get("lease_id") and not e.get("closed")] == [], asked
-        assert len([e for e in asked.values() if e.get("lease_id")]) == 2, asked
-        leases = final["leases"]  # both counted, the first by the controller that was killed
-        assert len(leases) == 2 and leases[first]["closed"] and final["node_hours"]["limit"] == 3.5, leases
-        second = leases[[e for e in ev if e["event"] == "job"][-1]["lease_id"]]
-        minutes = (dt.datetime.fromisoformat(second["end"][:-1]) - dt.datetime.fromisoformat(second["start"][:-1]))
-        assert dt.timedelta(minutes=44) <= minutes <= dt.timedelta(minutes=46), second
-        # no orphan: the run's leases are gone, the second with its cluster once the run finished
-        assert [x.id for x in site.cloud.list_leases() if x.name.startswith("ckctl-") and x.status != "DELETED"] == []
-        assert find_cluster("ckctl") is None
-        jobs = runs.load("ckctl")["jobs"]
-        assert [j["status"] for j in jobs] == ["stopped", "not started", "complete"], jobs
-        ran = [jobs[0], jobs[2]]
-        assert ran[0]["ended"] <= ran[1]["started"]  # never two jobs at once
-        assert ran[1]["first_step"] == ran[0]["last_step"]
-        assert _job_sha("ckctl", ran[-1]["job_id"]) == reference_long
-        # the store credential made for the job that never started went with the takeover, not a week later
-        made = [r["body"]["application_credential"]["name"] for r in localcloud.admin("GET", "/requests")["requests"]
-                if r["method"] == "POST" and r["path"].endswith("/application_credentials")
-                and r["body"]["application_credential"]["name"].startswith(f"appliance-ckctl-{jobs[1]['job_id']}-")]
-        assert len(made) == 1, made  # it had one
-        assert not [x for x in site.cloud.list_app_creds() if x["name"] in made]
-    finally:
-        if state().get("status") not in ("finished", "failed", "stopped", "cancelled"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # a failed test leaves no controller behind
-        flows.down("ckctl")
-
-
-@pytest.mark.slow
-def test_hosts_taken_at_lease_ends_the_run_fails_over_to_another_site_then_waits_for_its_next_free_slot(
-        cloud, reference_long, tmp_path, monkeypatch):
-    """Other projects' reservations take the hosts at two lease ends. At the first, every compute_local host is held
-    (the two the run does not use from now on, the run's own two from its end on): the new lease is refused
-    (Blazar's NotEnoughHostsAvailable) and the run goes on on its spec's alternative, gpu_local at the local cloud's
-    other site, CHI@local2 (its own Keystone, Blazar and credentials: the controller holds one of its own there too;
-    the checkpoints stay in the run's own store). At the second, the gpu_local hosts there are held too, for 30
-    minutes from the end: the run reads both sites' host allocations, books the earliest slot (gpu_local at
-    CHI@local2, when that reservation ends), says how long the wait is, and waits for it; the cloud's clock gets
-    there and the run goes on. Each from the very step it stopped at; the final weights are the uninterrupted
-    run's, and no lease of the run is left at either site."""
-    import subprocess
-    import sys
-
-    from appliance.cluster import find_cluster
-    from appliance.flows import managed
-
-    monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "1")
-    spec_path = digits_spec(tmp_path, "ckalt", url="swift://ckpts/", every=50, epochs=LONG,
-                            extra="lease: {duration: 1h, stop_margin: 60s}\n")
-    Path(spec_path).write_text(Path(spec_path).read_text().replace(
-        "nodes: {count: 2, node_type: compute_local, slots: 1}",
-        "nodes: {count: 2, node_type: compute_local, slots: 1, alternatives: [{node_type: gpu_local, site: "
-        "CHI@local2}]}"))
-    site = sites.open_site("local")
-    c, c2 = site.cloud, sites.open_site("local", "CHI@local2").cloud
-    cs = CheckpointStore("swift://ckpts/", "ckalt", site.store_creds())
-    p = subprocess.run([sys.executable, "-m", "appliance.cli", "run", spec_path, "--json"], capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    reader = managed._control_of("ckalt", None, "local", None)
-    state = lambda: managed.read_timeline(reader) or {}  # noqa: E731
-    events = lambda kind: [e for e in state().get("events", []) if e["event"] == kind]  # noqa: E731
-    others = []
-
-    def someone_else(node_type: str, start, hours: float, at=c) -> None:
-        others.append((at, at.create_lease(f"someone-else-{len(others)}", node_type, 2, dt.timedelta(hours=hours),
-                                           start=start).id))
-
-    def just_after(cl):
-        info = sites.for_cluster(cl).cloud.get_lease(cl.lease_id)
-        return info.end.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
-
-    try:
-        cl = wait_for("the first commit", lambda: cs.committed() and find_cluster("ckalt"))
-        someone_else("compute_local", None, 3)  # the two idle ones, now
-        someone_else("compute_local", just_after(cl), 3)  # the run's own two, from its end
-        localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45})
-        stopped = wait_for("the job on gpu_local to commit", lambda: (j := events("job"))[1:] and
-                           j[-1]["node_type"] == "gpu_local" and cs.committed()[0].step > events("job end")[0]["step"]
-                           and find_cluster("ckalt"))
-        assert stopped.site.region == "CHI@local2" and c.get_lease(stopped.lease_id) is None  # a lease of the other
-        someone_else("gpu_local", just_after(stopped), 0.5, c2)  # the run's gpu hosts, for 30 minutes from its end
-        localcloud.admin("POST", "/advance", {"seconds": lease_left(stopped) - 45})
-        waiting = wait_for("the wait for a slot", lambda: events("waiting for hosts"))[0]
-        assert waiting["node_type"] == "gpu_local" and waiting["site"] == "CHI@local2", waiting
-        assert 30 * 60 <= waiting["wait_s"] <= 35 * 60, waiting
-        start = dt.datetime.fromisoformat(waiting["start"].replace("Z", ""))
-        localcloud.admin("POST", "/advance", {"seconds": (start - c.now()).total_seconds() + 5})
-        final = wait_for("the run to finish", lambda: (s := state()).get("status") in ("finished", "failed", "stopped",
-                                                                                      "parked") and s)
-        assert final["status"] == "finished", final["events"][-5:]
-        ev = final["events"]
-        assert [e["node_type"] for e in ev if e["event"] == "no hosts"] == ["compute_local", "compute_local",
-                                                                             "gpu_local"]
-        assert [(e["node_type"], e["site"]) for e in ev if e["event"] == "job"] == [
-            ("compute_local", "local"), ("gpu_local", "CHI@local2"), ("gpu_local", "CHI@local2")]
-        assert [e["node_type"] for e in ev if e["event"] == "hosts free"] == ["gpu_local"]
-        rec = runs.load("ckalt")
-        jobs = rec["jobs"]
-        assert [j["status"] for j in jobs] == ["stopped", "stopped", "complete"]
-        assert all(b["first_step"] == a["last_step"] for a, b in zip(jobs, jobs[1:]))  # 0 steps lost
-        assert _job_sha("ckalt", jobs[-1]["job_id"]) == reference_long
-        shown = CliRunner().invoke(cli_main, ["ls", "ckalt"]).output
-        assert "no hosts free now: gpu_local at CHI@local2 booked from" in shown, shown
-        assert "gpu_local at CHI@local2 free after" in shown, shown
-        mine = [x for at in (c, c2) for x in at.list_leases() if x.name.startswith("ckalt")]
-        assert not [x for x in mine if x.status not in ("TERMINATED", "DELETED")], mine  # released at both sites
-    finally:
-        for at, lid in others:
-            at.delete_lease(lid)
-        flows.down("ckalt")
-
-
-@pytest.mark.slow
-def test_admin_termination_resumes_from_the_last_commit(cloud, reference_long, tmp_path, said):
-    spec_path = digits_spec(tmp_path, "ckgone", url="swift://ckpts/", every=50, epochs=LONG,
-                            extra="lease: {duration: 1h}\n")
-    cl = flows.up(spec_path)
-    try:
-        out = Lines()
-        out.on("[checkpoint] step 100 committed",
-               lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) + 60}))
-        res = train(load_spec(spec_path), cl, out=out, heartbeat=2.0)
-        assert res.exit_code != 0 and res.stopped is None
-        last = max(c["step"] for c in res.commits)
-        assert 100 <= last < LONG * 22
-        said.clear()
-        res2 = resume("ckgone", out=said.append)
-        assert res2.exit_code == 0, res2.failure
-        assert res2.resumed["step"] == last  # lost work <= one interval: what ran after the last commit
-        assert sha(res2) == reference_long
-        rec = runs.load("ckgone")
-        assert rec["node_seconds_lost"] > 0 and rec["status"] == "complete"
-    finally:
-        flows.down("ckgone")
-
-
-@pytest.mark.slow
-def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference_long, tmp_path):
-    spec_path = digits_spec(tmp_path, "ckext", url="swift://ckpts/", every=200, epochs=LONG,
-                            extra="lease: {duration: 1h, stop_margin: 60s, extend: true}\n")
-    cl = flows.up(spec_path)
-    try:
-        out = Lines()
-        # 400 s before the end: past the launcher's extension point (ahead of the node-side 10-min margin), not yet
-        # at rank 0's own vendordata margin (5 min), which would stop the job had the extension come too late
-        out.on(f"epoch 1/{LONG} ", lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 400}))
-        res = train(load_spec(spec_path), cl, out=out)
-        # not stopped: the lease was extended and the run finished
-        assert res.exit_code == 0, (res.failure, res.stopped, [x for x in out.lines if "[watchdog]" in x
-                                                               or "vendordata" in x or "lease" in x])
-        assert res.stopped is None and out.has("[watchdog] extended lease")
-        assert not out.has("lease end (vendordata)")
-        assert lease_left(cl) > 3000  # one more hour
-        assert sha(res) == reference_long
-    finally:
-        flows.down("ckext")
-
-
-@pytest.mark.slow
-def test_an_unchanged_keras_script_survives_the_lease_end(cloud, tmp_path, said):
-    """Issue 13's first test: an ordinary Keras + Horovod script (examples/plain_fit, in the shape of Horovod's
-    MNIST example: `.repeat().shuffle().batch()` with steps_per_epoch, rank 0's progress bar and ModelCheckpoint),
-    nothing of the appliance in it, `checkpoint.url` in the spec. The lease end arrives mid-run: every rank stops
-    after the same step with a committed checkpoint, the lease ends, and `appliance resume` continues it on a new
-    lease with 0 steps lost."""
-    epochs, steps = 40, 28
-    p = tmp_path / "plain.yaml"
-    p.write_text("\n".join([
-        "name: ckplain", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
-        "image: appliance-cpu", "train:", f"  code: {ROOT / 'examples' / 'plain_fit'}",
-        f"  command: python train.py --data repeat --epochs {epochs}",
-        '  env: {"APPLIANCE_STOP_CHECK_SECONDS": "0.05"}',
-        "checkpoint: {url: \"swift://ckpts/\", keep: 2}", "lease: {duration: 1h, stop_margin: 60s}"]) + "\n")
-    cl = flows.up(str(p))
-    try:
-        out = Lines()
-        at_epoch = random.randint(2, 10)
-        out.on(f"Epoch {at_epoch}/{epochs}", lambda line: localcloud.admin("POST", "/advance",
-                                                                          {"seconds": lease_left(cl) - 45}))
-        res = train(load_spec(str(p)), cl, out=out)
-        assert res.exit_code == 75, (res.failure, out.lines[-20:])
-        assert out.has("[appliance] protected (level 2, ")
-        st = res.stopped
-        assert st["committed"] and st["step"] < epochs * steps
-        localcloud.admin("POST", "/advance", {"seconds": 120})  # the lease ends: servers and disks go
-        assert flows.status("ckplain")["lease_status"] == "TERMINATED"
-        said.clear()
-        res2 = resume("ckplain", out=said.append)
-        assert res2.exit_code == 0, (res2.failure, said[-20:])
-        assert any("new lease" in m for m in said)
-        assert res2.resumed["step"] == st["step"]  # 0 steps lost beyond the stop step
-        assert any(f"after {epochs * steps} optimizer steps" in m for m in said)
-        assert runs.load("ckplain")["status"] == "complete"
-    finally:
-        flows.down("ckplain")
-
-
-@pytest.mark.slow
-def test_a_custom_loop_keeps_its_own_checkpoint_files_across_the_lease_end(cloud, tmp_path, said):
-    """Level 3: a custom Horovod loop (examples/custom_loop) writing ./checkpoint-N.h5 itself. Nothing stops it;
-    at the stop request rank 0's working directory is committed to the store, the lease ends under the job (the
-    report says so and names the synced files), and `appliance resume` puts the files back on a new lease before
-    the script starts: the script resumes from its newest file. (The resumed job runs a few epochs more, not to
-    the first job's 400: its spec says so, as a user's may.)"""
-    def loop_spec(epochs: int) -> Path:
-        p = tmp_path / f"loop-{epochs}.yaml"
-        p.write_text("\n".join([
-            "name: ckloop", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}",
-            "image: appliance-cpu", "train:", f"  code: {ROOT / 'examples' / 'custom_loop'}",
-            f"  command: python train.py --epochs {epochs}",
-            "checkpoint: {url: \"swift://ckpts/\", keep: 2}", "lease: {duration: 1h, stop_margin: 60s}"]) + "\n")
-        return p
-
-    p = loop_spec(400)
-    cl = flows.up(str(p))
-    try:
-        out = Lines()
-        # 58 s before the end: inside the stop margin (60 s), with room for the final sync on a loaded machine (at
-        # 45 s the end once came first in a full `make test` and nothing was synced)
-        out.on("epoch 3/", lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 58}))
-        # the last sync before the end is committed: the lease ends, under the running job
-        out.on("the last before the lease end", lambda line: localcloud.admin("POST", "/advance", {"seconds": 120}))
-        res = train(load_spec(str(p)), cl, out=out)
-        assert out.has("[appliance] protected (level 3 only, ")
-        assert res.exit_code != 0 and res.failure.startswith("the lease ended")
-        assert "the working directory was synced" in res.failure, res.failure
-        synced = [int(x.split("epoch ")[1].split("/")[0]) for x in out.lines if "] epoch " in x and "/400 loss" in x]
-        assert synced, out.lines[-20:]
-        said.clear()
-        epochs = max(synced) + 3
-        res2 = resume("ckloop", spec_path=str(loop_spec(epochs)), out=said.append)
-        assert res2.exit_code == 0, (res2.failure, said[-20:])
-        assert any("new lease" in m for m in said)
-        resumed = [int(m.split("resuming from epoch ")[1]) for m in said if "resuming from epoch " in m]
-        assert resumed and 3 <= resumed[0] <= max(synced), (resumed, max(synced))
-        assert any(f"done after epoch {epochs}" in m for m in said)
-    finally:
-        flows.down("ckloop")
-
-
-@pytest.mark.slow
-def test_a_second_job_of_a_run_on_another_cluster_is_refused_by_the_store_lock(cluster2, swift, st_env,
-                                                                               reference_long, tmp_path):
-    """Issue 14 item 3: while a job of the run runs on one cluster, `appliance resume` of the same run on another
-    cluster (here: node2 alone, another head node, so the head's own lock cannot see it) is refused by the run's lock
-    in the store, with one line naming the running job, before it touches any node; the running job is undisturbed
-    (bit-exact against the reference) and releases the lock when it ends."""
-    from appliance.store.runlock import RunLock
-
-    two = Cluster(name="pt-two", cloud="testbed", nodes=[cluster2.nodes[1]], key_file=cluster2.key_file,
-                  known_hosts=cluster2.known_hosts, python=cluster2.python, etc_dir=cluster2.etc_dir,
-                  testbed=cluster2.testbed)
-    two.save()
-    spec_path = digits_spec(tmp_path, "cklock", url="swift://ckpts/", epochs=LONG)
-    refused: list[str] = []
-
-    def second(line):
-        try:
-            resume("cklock", spec_path=spec_path, cluster_name="pt-two", out=lambda m: None)
-            refused.append("not refused")
-        except Exception as e:  # noqa: BLE001
-            refused.append(str(e))
-
-    out = Lines()
-    out.on(f"epoch 3/{LONG} ", second)
-    res = train(load_spec(spec_path), cluster2, out=out)
-    assert res.exit_code == 0, res.failure
-    assert len(refused) == 1 and "run 'cklock' already has a job running: cklock-" in refused[0], refused
-    assert "on cluster pt-cluster (head node1)" in refused[0]
-    assert sha(res) == reference_long
-    cs = store_for(swift, "cklock")
-    assert RunLock(cs, "", cluster="", head="").read() is None  # released at the end

@@ -13,6 +13,7 @@ pipeline with a seeded shuffle (Keras re-creates its iterator each epoch), ``.re
 import json
 import random
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from appliance import report
 from appliance.flows import resume
 from appliance.flows import run_job as train
 from appliance.spec import load_spec
-from conftest import NETNS_OK, ROOT
+from conftest import NETNS_OK, ROOT, digits_code
 
 pytestmark = pytest.mark.skipif(not NETNS_OK, reason="needs network namespaces")
 
@@ -30,12 +31,14 @@ EPOCHS = 3
 STEPS = {"tfdata": 28, "repeat": 28, "numpy": 29}  # per epoch on 2 ranks (898 or 899 digits per rank, batch 32)
 
 
-def spec_file(tmp_path: Path, name: str, data: str, *, url: str | None, env: dict | None = None, code: Path = CODE,
+def spec_file(tmp_path: Path, name: str, data: str, *, url: str | None, env: dict | None = None,
+              code: Path | None = None,
               command: str | None = None, more: tuple[str, ...] = ()) -> str:
     env = {"APPLIANCE_STOP_CHECK_SECONDS": "0.0001", **(env or {})}  # a check every step: the stop lands anywhere
     command = command or f"python train.py --data {data} --epochs {EPOCHS}"
     lines = [f"name: {name}", "cloud: local", "nodes: {count: 2, node_type: compute_local, slots: 1}", *more,
-             "train:", f"  code: {code}", f"  command: {command}", "  env: " + json.dumps(env)]
+             "train:", f"  code: {code or digits_code('plain_fit')}", f"  command: {command}",
+             "  env: " + json.dumps(env)]
     if url:
         lines.append(f"checkpoint: {{url: {json.dumps(url)}, keep: 2}}")
     p = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}.yaml"
@@ -154,10 +157,11 @@ def test_level_1_the_callback_passed_by_hand_with_auto_off(references, cluster2,
     text = text.replace("    verbose = 1 if hvd.rank() == 0 else 0\n",
                         "    callbacks.append(callback())\n    verbose = 1 if hvd.rank() == 0 else 0\n")
     (code / "train.py").write_text(text)
+    shutil.copy(digits_code("plain_fit") / "digits.npz", code)
 
     def spec(name, url, env=None):
-        p = Path(spec_file(tmp_path, name, "tfdata", url=url, env=env))
-        p.write_text(p.read_text().replace(str(CODE), str(code)).replace("keep: 2}", "keep: 2, auto: false}"))
+        p = Path(spec_file(tmp_path, name, "tfdata", url=url, env=env, code=code))
+        p.write_text(p.read_text().replace("keep: 2}", "keep: 2, auto: false}"))
         return str(p)
 
     stop_at = random.randint(STEPS["tfdata"] + 1, 2 * STEPS["tfdata"] - 2)

@@ -1,6 +1,6 @@
 """`appliance run SPEC` (flows.run_managed), the loop's decisions in the fast tier: what follows a job that ended
 for its lease, one that failed, one its user stopped. The jobs are stand-ins; the e2e tier runs the loop for real
-across a lease end (tests/test_checkpoint.py::test_a_managed_run_goes_on_across_the_lease_end_bit_exactly)."""
+across a lease end (tests/test_lease_end.py::test_a_managed_run_goes_on_across_the_lease_end_bit_exactly)."""
 
 import json
 import os

@@ -1,9 +1,9 @@
 """A resume's downtime, phase by phase (issue 16 goal 5): computed from the marks of flows.resume, lifecycle.up and
 the job, kept in the run record, shown by `appliance resume` and `appliance ls RUN`.
 
-Fast tier. The e2e lease-end test (tests/test_checkpoint.py::
-test_lease_end_stops_at_a_step_and_resume_on_a_new_lease_is_bit_exact) checks the same on a real resume: a new
-lease, boot, SSH, staging, horovodrun, the restore and the first step.
+Fast tier. The e2e managed run (tests/test_lease_end.py::
+test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_killed) checks the same on two real
+handovers: staging, horovodrun, the restore and the first step, with no lease, boot or SSH in them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ this machine, was killed after it took the run's lock and before the job started
 the lock's ttl (300 s of paid, idle lease); a job that runs on, or a head that cannot be asked, is waited for; a
 handover the killed controller began is finished with its downtime on the timeline. The kill points the e2e fault
 matrix uses (appliance/killpoints.py). The e2e tier kills a controller at those points across a real handover
-(tests/test_checkpoint.py::test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_lease)."""
+(tests/test_lease_end.py::test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_lease)."""
 
 from __future__ import annotations
 

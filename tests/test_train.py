@@ -15,13 +15,13 @@ from appliance.remote import Session
 from appliance.spec import load_spec
 from appliance.protocol import denied_names
 from appliance.flows import run_job as train
-from conftest import ROOT, needs_netns, tb_name, write_spec
+from conftest import digits_code, needs_netns, tb_name, write_spec
 
 pytestmark = [pytest.mark.slow, needs_netns]
 
 
 def test_digits_across_two_nodes(cluster2, tmp_path):
-    spec = load_spec(write_spec(tmp_path, "python train.py --epochs 20", code=ROOT / "examples" / "digits",
+    spec = load_spec(write_spec(tmp_path, "python train.py --data . --epochs 20", code=digits_code(),
                                 name="digits"))
     lines = []
     res = train(spec, cluster2, out=lines.append)
@@ -147,7 +147,7 @@ def test_single_host_mode_trains(tmp_path):
     tb = testbed.up(tb_name("sh"), 2, mode="single-host")
     try:
         cl = from_testbed(tb, name="sh-cluster")
-        spec = load_spec(write_spec(tmp_path, "python train.py --epochs 3", code=ROOT / "examples" / "digits",
+        spec = load_spec(write_spec(tmp_path, "python train.py --data . --epochs 3", code=digits_code(),
                                     name="single"))
         res = train(spec, cl, out=lambda line: None)
         assert res.exit_code == 0

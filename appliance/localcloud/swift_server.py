@@ -36,8 +36,12 @@ class SwiftServer:
     user = "test:tester"
     kind = "swift"
 
-    def __init__(self, base: str | Path, *, proxy_workers: int = 1, bind_ip: str = "127.0.0.1"):
-        """bind_ip: where the proxy listens; a testbed bridge's host address makes it reachable from nodes."""
+    def __init__(self, base: str | Path, *, proxy_workers: int = 0, bind_ip: str = "127.0.0.1"):
+        """bind_ip: where the proxy listens; a testbed bridge's host address makes it reachable from nodes.
+        proxy_workers: the proxy's forked workers; 0, as for the other servers, serves in the server's one process
+        (openstack/swift swift/common/wsgi.py ``WorkersStrategy.no_fork_sock``: with no workers, no fork). A forking
+        server's parent wakes every half second to look after its children (``WorkersStrategy.loop_timeout``): the
+        four servers of an idle Swift took 8% of a core here, for as long as a test module holds one."""
         self.base = Path(base)
         self.bind_ip = bind_ip
         self.key = secrets.token_hex(16)  # a fresh secret per start: nothing guessable, nothing to leak twice
@@ -84,7 +88,7 @@ class SwiftServer:
                   f"log_name = swift\n")
         for name in SERVERS:
             (etc / f"{name}-server.conf").write_text(
-                f"[DEFAULT]\nbind_port = {self.ports[name]}\n{common}workers = 1\n\n"
+                f"[DEFAULT]\nbind_port = {self.ports[name]}\n{common}workers = 0\n\n"
                 f"[pipeline:main]\npipeline = healthcheck {name}-server\n\n[app:{name}-server]\nuse = egg:swift#{name}\n\n"
                 "[filter:healthcheck]\nuse = egg:swift#healthcheck\n")
         fernet = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()

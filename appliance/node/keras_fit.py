@@ -315,6 +315,25 @@ def on_tf_keras_import(module) -> None:
     freeze_imports()
 
 
+def horovod_unconverted() -> None:
+    """TensorFlow's autograph leaves Horovod's code unconverted, as it leaves TensorFlow's and Keras' own
+    (tensorflow/python/autograph/core/config.py ``CONVERSION_RULES``, to which this adds ``DoNotConvert("horovod")``,
+    as TensorFlow's own converter_testing.py adds its rules). Horovod's allreduce is traced inside a
+    ``tf.function`` of its own (horovod/tensorflow/util.py ``_make_subgraph``), and autograph converted it and
+    everything it calls at each trace (a ``model.fit`` traces twice): 2.6 s of CPU per rank start here, a third of
+    the start of a digits rank, with the same weights to the bit. Horovod's code needs no conversion: it runs
+    unconverted in TF1 graph mode (the same function, outside ``tf.function``) and branches on tensors with
+    ``tf.cond`` itself (horovod/tensorflow/gradient_aggregation.py). ``APPLIANCE_HOROVOD_AUTOGRAPH=convert`` keeps
+    TensorFlow's default."""
+    if os.environ.get(Env.HOROVOD_AUTOGRAPH) == "convert":
+        return
+    from tensorflow.python.autograph.core import config
+
+    rule = config.DoNotConvert("horovod")
+    if not any(isinstance(r, config.DoNotConvert) and r.matches("horovod") for r in config.CONVERSION_RULES):
+        config.CONVERSION_RULES = (rule, *config.CONVERSION_RULES)
+
+
 def freeze_imports() -> None:
     """TensorFlow and Keras leave ~380,000 objects to Python's garbage collector at import, and each of its full
     collections walks them all again (0.28 s of CPU here); the garbage of a Keras training loop asks for one every

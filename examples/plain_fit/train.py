@@ -2,7 +2,8 @@
 
 Written the way Horovod's Keras examples are (hvd.init, DistributedOptimizer, the broadcast and metric-averaging
 callbacks, a learning-rate warm-up callback, rank 0's ModelCheckpoint and progress bar, ``model.fit``), on
-scikit-learn's bundled 8x8 digits so that it runs offline. With ``checkpoint.url`` in the spec, `appliance train`
+scikit-learn's bundled 8x8 digits so that it runs offline (or the same images from ``digits.npz`` beside it, as
+examples/digits/make_dataset.py writes them). With ``checkpoint.url`` in the spec, `appliance train`
 protects it without a change (level 2, docs/checkpoints.md): the ranks' start-up shim adds the appliance's callback
 to ``model.fit``, which stops every rank after the same step before the lease end, commits, and resumes mid-epoch.
 
@@ -16,6 +17,7 @@ Rank 0 prints one line ``weights sha256 <hex> after <N> optimizer steps`` at the
 
 import argparse
 import hashlib
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -36,11 +38,16 @@ def main():
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
-    from sklearn.datasets import load_digits
+    if os.path.exists("digits.npz"):
+        with np.load("digits.npz") as z:
+            images, labels = z["x"].reshape(-1, 8, 8, 1), z["y"]
+    else:
+        from sklearn.datasets import load_digits
 
-    d = load_digits()
-    x = (d.images[..., np.newaxis] / 16.0).astype("float32")[hvd.rank()::hvd.size()]
-    y = d.target.astype("int64")[hvd.rank()::hvd.size()]
+        d = load_digits()
+        images, labels = (d.images[..., np.newaxis] / 16.0).astype("float32"), d.target.astype("int64")
+    x = images[hvd.rank()::hvd.size()]
+    y = labels[hvd.rank()::hvd.size()]
     steps = len(x) // args.batch_size
 
     model = tf.keras.Sequential([

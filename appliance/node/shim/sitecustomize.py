@@ -9,6 +9,8 @@
    `model.fit`, and with `checkpoint.url` set the appliance's callback added to `Model.fit` (checkpoint.auto).
 
 3. In rank 0 of a job with checkpoint.url: the synced working directory (`appliance/node/filesync.py`, level 3).
+4. Once `tensorflow` is imported: TensorFlow's autograph leaves Horovod's code as it is
+   (`appliance/node/keras_fit.py` ``horovod_unconverted``): a rank's first step comes seconds of CPU sooner.
 
 Nothing of Keras is imported until something asks for keras or tf_keras.
 """
@@ -39,8 +41,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs a hook once a module (here `tf_keras`) has been executed, by wrapping the loader the other finders
     return for it."""
 
-    def __init__(self, name, hook):
-        self.name, self.hook = name, hook
+    def __init__(self, name, hook, failed):
+        self.name, self.hook, self.failed = name, hook, failed
 
     def find_spec(self, fullname, path=None, target=None):
         # called for probes too (TensorFlow's lazy `tf.keras` asks importlib.util.find_spec("tf_keras")), so it
@@ -50,7 +52,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
-        loader, hook, finder = spec.loader, self.hook, self
+        loader, hook, finder, failed = spec.loader, self.hook, self, self.failed
 
         class _Loader(importlib.abc.Loader):
             def __getattr__(self, name):  # get_resource_reader, is_package, ...: the real loader's
@@ -66,8 +68,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 try:
                     hook(module)
                 except Exception as e:  # never break the user's import
-                    print(f"[appliance] the Keras hooks did not install ({type(e).__name__}: {e}); checkpoints "
-                          "of a plain Model.fit will not resume mid-epoch", file=sys.stderr, flush=True)
+                    print(f"[appliance] {failed} ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 
         spec.loader = _Loader()
         return spec
@@ -77,6 +78,12 @@ def _keras_hooks(module):
     from appliance.node.keras_fit import on_tf_keras_import
 
     on_tf_keras_import(module)
+
+
+def _tf_hooks(module):
+    from appliance.node.keras_fit import horovod_unconverted
+
+    horovod_unconverted()
 
 
 if os.environ.get("HOROVOD_RANK") == "0" and os.environ.get("APPLIANCE_CKPT_URL") and \
@@ -89,4 +96,8 @@ if os.environ.get("HOROVOD_RANK") == "0" and os.environ.get("APPLIANCE_CKPT_URL"
 if os.environ.get("TF_USE_LEGACY_KERAS") == "1" and importlib.util.find_spec("tf_keras") is not None:
     sys.meta_path.insert(0, _KerasAlias())
     if importlib.util.find_spec("appliance") is not None:
-        sys.meta_path.insert(0, _AfterImport("tf_keras", _keras_hooks))
+        sys.meta_path.insert(0, _AfterImport("tf_keras", _keras_hooks, "the Keras hooks did not install; checkpoints "
+                                             "of a plain Model.fit will not resume mid-epoch"))
+
+if "tensorflow" not in sys.modules and importlib.util.find_spec("appliance") is not None:
+    sys.meta_path.insert(0, _AfterImport("tensorflow", _tf_hooks, "autograph converts Horovod's code as before"))
