@@ -38,8 +38,8 @@ class _KerasAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a hook once a module (here `tf_keras`) has been executed, by wrapping the loader the other finders
-    return for it."""
+    """Runs a hook once a module (here `tf_keras`, and `tensorflow`) has been executed, by wrapping the loader the
+    other finders return for it; ``failed`` is the line said when the hook raises."""
 
     def __init__(self, name, hook, failed):
         self.name, self.hook, self.failed = name, hook, failed
