@@ -75,12 +75,13 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
     from appliance.flows import managed
 
     monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "0.5")  # the controller looks at the next lease twice a second
-    # the second lease's job waits after step 300 (past the commit the test waits for) until `released` exists,
-    # so that it is still there when its controller has been killed, another follows it, and its lease ends (the
-    # whole training is ~20 s here); the weights are the same
+    # the second lease's job waits after its 120th step (past the commit the test waits for) until `released`
+    # exists, so that it is still there when its controller has been killed, another follows it, and its lease
+    # ends (the whole training is ~20 s here); the first and third pass, the file there; the weights are the same
     released = Path(tempfile.gettempdir()) / f"appliance-released-{os.urandom(4).hex()}"  # the ranks' user sees it
+    released.touch()
     spec_path = digits_spec(tmp_path, "cklease", url="swift://ckpts/", every=50, epochs=LONG,
-                            env={"APPLIANCE_FAULT": f"hold-at:300:{released}"},
+                            env={"APPLIANCE_FAULT": f"hold-after:120:{released}"},
                             extra="lease: {duration: 1h, stop_margin: 60s, overlap: 15m}\n")
     shell = subprocess.Popen(["bash", "-c", f"{sys.executable} -m appliance.cli run {spec_path}; sleep 600"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -100,7 +101,8 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
         stopped_at = 0
         for lease in (1, 2):
             # the job of this lease has committed past where the last one stopped (at a random one of its first
-            # commits: the training is 660 steps, ~20 s here, and each lease end takes a few seconds of polls)
+            # commits: the training is 660 steps, ~20 s here, and each lease end takes a few seconds of polls; the
+            # second job commits in its first 119 steps, every 50, then holds)
             target = stopped_at + 50 * random.randint(1, 3 - lease)
 
             def committed_here():
@@ -135,7 +137,10 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
             ended = wait_for(f"the job of lease {lease} to stop for its end",
                              lambda: [e for e in events("job end") if e["lease_end"]][lease - 1:])
             stopped_at = ended[0]["step"]
-            released.touch()  # the third job goes through step 300
+            if lease == 1:  # the second job holds (it starts training 10+ s after this end: horovodrun, imports)
+                released.unlink()
+            else:
+                released.touch()  # the third goes on
         final = wait_for("the run to finish", lambda: (s := state()).get("status") not in (None, "running", "handover",
                                                                                           "starting") and s)
         assert final["status"] == "finished", final["events"][-4:]

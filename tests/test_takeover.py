@@ -45,13 +45,14 @@ def locked(tmp_path, monkeypatch):
     ctx = flows.RunContext(spec, open_site("local"))
     control = managed.Control(spec, None, poll=0.01)
     control.take()
-    head = {"runs": False, "asked": 0}
+    head = {"runs": False, "asked": 0, "ended": None}
 
     def job_runs(cluster, run):
         head["asked"] += 1
         return head["runs"]
 
     monkeypatch.setattr(headjob, "job_runs", job_runs)
+    monkeypatch.setattr(headjob, "job_end", lambda cluster, run, job_id: head["ended"])
     monkeypatch.setattr(takeover, "find_cluster", lambda name: type("Cl", (), {"name": name})())
     monkeypatch.setattr(takeover, "_withdraw_job_creds", lambda ctx, job_id: head.setdefault("withdrawn", job_id))
 
@@ -93,12 +94,16 @@ def test_a_job_its_killed_controller_locked_and_never_started_is_taken_over_at_o
     assert holder is None and stale["job_id"] == f"{spec.name}-1"
 
 
-@pytest.mark.parametrize("case", ["runs on its head", "head does not answer", "launcher alive", "no launcher"])
+@pytest.mark.parametrize("case", ["runs on its head", "head does not answer", "launcher alive", "no launcher",
+                                  "ended on its head"])
 def test_a_job_that_may_run_is_waited_for(locked, monkeypatch, case):
     """A job that runs (its launcher died, it goes on detached), a head that cannot be asked, a launcher that is not
-    known gone (another machine's, or alive), a job `appliance train` launched: the lock decides, as before."""
+    known gone (another machine's, or alive), a job `appliance train` launched, a job that ran to its end with no
+    launcher (its exit status on the head; its lock is still there until the head's beat releases it): the lock
+    decides, as before, and nothing is marked "not started"."""
     spec, ctx, control, head, lock = locked
     head["runs"] = {"runs on its head": True, "head does not answer": None}.get(case, False)
+    head["ended"] = {"rc": 0, "stopped": None, "resumed": None} if case == "ended on its head" else None
     launcher = {"launcher alive": control.id.replace(control.id.split(":")[1], "1", 1), "no launcher": None}.get(
         case, _gone_controller())
     job = lock(launcher)

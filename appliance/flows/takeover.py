@@ -98,7 +98,9 @@ def _launched(ctx, control: Control, job: dict) -> tuple[str, Cluster | None]:
     """How a live job of the run stands when an earlier controller launched it (the run's lock names it; not this
     one) on a cluster this machine knows: ("runs", cluster) when its head node runs a job of the run; ("not
     started", cluster) when it does not and that controller was of this machine and is gone; else ("", None): a head
-    that cannot be asked, a job `appliance train` launched, a launcher that may still start it."""
+    that cannot be asked, a job `appliance train` launched, a launcher that may still start it, a job that ran and
+    has ended (its exit status on the head: its head's beat releases the lock within its interval,
+    node/lockbeat.py)."""
     launcher = str(job.get("launcher") or "")
     cl = find_cluster(str(job.get("cluster"))) if launcher and launcher != control.id else None
     if cl is None:
@@ -106,7 +108,7 @@ def _launched(ctx, control: Control, job: dict) -> tuple[str, Cluster | None]:
     runs_now = headjob.job_runs(cl, ctx.spec.name)
     if runs_now:
         return "runs", cl
-    if runs_now is False and gone_here(launcher):
+    if runs_now is False and gone_here(launcher) and headjob.job_end(cl, ctx.spec.name, str(job.get("job_id"))) is None:
         return "not started", cl
     return "", None
 

@@ -10,8 +10,8 @@ Use in a training script (see examples/digits/train.py)::
     for epoch, first in ckpt.epochs(model, args.epochs, steps_per_epoch):
         perm = np.random.RandomState(args.seed + epoch).permutation(n)   # epoch order from (seed, epoch)
         mine = perm[rank::size][: steps_per_epoch * bs][first * bs:]      # skip what was done
-        model.fit(x[mine], y[mine], batch_size=bs, epochs=epoch + 1, initial_epoch=epoch, shuffle=False,
-                  callbacks=[..., ckpt.callback])
+        model.fit(tf.data.Dataset.from_tensor_slices((x[mine], y[mine])).batch(bs),
+                  epochs=epoch + 1, initial_epoch=epoch, callbacks=[..., ckpt.callback])
     ckpt.close()                                                         # final checkpoint, committed
 
 What it does:
@@ -151,6 +151,7 @@ class Checkpointer(Uploads, Metrics):
         self.epoch, self.first, self.offset = 0, 0, 0
         self.stopped = False
         self._first_step_said = False
+        self._steps_here = 0  # this job's steps (a resumed job starts at the restored step)
         self.stop_reason: str | None = None
         self._stop_decided_at: float | None = None  # wall time of the check that agreed to stop
         self._stop_marks: dict = {}
@@ -388,8 +389,8 @@ class Checkpointer(Uploads, Metrics):
 
     def after_step(self, batch: int, logs: dict | None) -> None:
         self.step += 1
-        if self._fault.startswith(f"hold-at:{self.step}:"):  # test hook: every rank waits after this step, before
-            _hold(self._fault.split(":", 2)[2])               # any collective of it, until the file exists
+        if self._fault.startswith("hold-"):
+            self._fault_hold()
         if not self._first_step_said and self.rank == 0:  # the launcher times a resume's downtime up to here
             self._first_step_said = True
             emit(Line.FIRST_STEP, {"step": self.step})
@@ -404,6 +405,13 @@ class Checkpointer(Uploads, Metrics):
             self._periodic_save()
         if stop:
             self._stop_now()
+
+    def _fault_hold(self) -> None:
+        """Test hooks (``_hold``): every rank waits after this step, before any collective of it, until the file
+        exists; ``hold-at:STEP:PATH`` at the run's step STEP, ``hold-after:N:PATH`` after this job's N-th step."""
+        self._steps_here += 1
+        if self._fault.startswith((f"hold-at:{self.step}:", f"hold-after:{self._steps_here}:")):
+            _hold(self._fault.split(":", 2)[2])
 
     def _stop_now(self) -> None:
         """Every rank, at the check that agreed to stop: save, commit, report (``_finish_stop``), now. In the loop
@@ -594,7 +602,7 @@ class ApplianceCallback:
 
 
 def _hold(path: str) -> None:
-    """The ``hold-at:STEP:PATH`` test hook: the job stays at a step (a job that outlives its controller's restart,
+    """The ``hold-at:STEP:PATH`` and ``hold-after:N:PATH`` test hooks: the job stays at a step (a job that outlives its controller's restart,
     tests/test_checkpoint.py) until PATH exists; nothing of the training changes."""
     while not os.path.exists(path):
         time.sleep(0.1)  # polling a file the test makes: there is nothing to wait on across the nodes

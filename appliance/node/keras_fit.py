@@ -321,10 +321,9 @@ def horovod_unconverted() -> None:
     as TensorFlow's own converter_testing.py adds its rules). Horovod's allreduce is traced inside a
     ``tf.function`` of its own (horovod/tensorflow/util.py ``_make_subgraph``), and autograph converted it and
     everything it calls at each trace (a ``model.fit`` traces twice): a digits rank's start and first epoch took
-    8.6 s of CPU here, 6.7 s without (docs/train.md), with the same weights to the bit. Horovod's code needs no
-    conversion: it runs
-    unconverted in TF1 graph mode (the same function, outside ``tf.function``) and branches on tensors with
-    ``tf.cond`` itself (horovod/tensorflow/gradient_aggregation.py). ``APPLIANCE_HOROVOD_AUTOGRAPH=convert`` keeps
+    10.0 s of CPU here, 7.6 s without (docs/train.md), with the same weights to the bit. Horovod's code needs no
+    conversion: it runs unconverted in TF1 graph mode (the same function, outside ``tf.function``) and branches on
+    tensors with ``tf.cond`` itself (horovod/tensorflow/gradient_aggregation.py). ``APPLIANCE_HOROVOD_AUTOGRAPH=convert`` keeps
     TensorFlow's default."""
     if os.environ.get(Env.HOROVOD_AUTOGRAPH) == "convert":
         return
