@@ -120,6 +120,13 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
                                        capture_output=True, text=True, timeout=120)
                 assert again.returncode == 0, again.stderr
                 wait_for("the new controller to follow the job", lambda: events("following"), every=0.2)
+
+                def booked_by_the_follower():  # before the cloud's clock jumps past the start it asks for
+                    kinds = [e["event"] for e in state().get("events", [])]
+                    return [k for k in kinds[kinds.index("following"):] if k in ("next lease", "next cluster failed")]
+
+                booked = wait_for("the follower's next lease", booked_by_the_follower, every=0.2)
+                assert booked[0] == "next lease", state()["events"][-3:]
             if lease == 1:  # the controller runs with a credential of its own, in a file, not in its environment
                 env = open(f"/proc/{state()['controller']['pid']}/environ", "rb").read().decode()
                 own = yaml.safe_load(open(env.split("APPLIANCE_RUN_CLOUD=")[1].split("\0")[0]))["clouds"]
