@@ -108,8 +108,9 @@ def _launched(ctx, control: Control, job: dict) -> tuple[str, Cluster | None]:
     runs_now = headjob.job_runs(cl, ctx.spec.name)
     if runs_now:
         return "runs", cl
-    if runs_now is False and gone_here(launcher) and headjob.job_end(cl, ctx.spec.name, str(job.get("job_id"))) is None:
-        return "not started", cl
+    if runs_now is False and gone_here(launcher):
+        ended = headjob.job_end(cl, ctx.spec.name, str(job.get("job_id")))
+        return ("not started", cl) if ended is None else ("", None)
     return "", None
 
 

@@ -151,7 +151,7 @@ class Checkpointer(Uploads, Metrics):
         self.epoch, self.first, self.offset = 0, 0, 0
         self.stopped = False
         self._first_step_said = False
-        self._steps_here = 0  # this job's steps (a resumed job starts at the restored step)
+        self._steps_here = 0  # this job's own steps, counted for the hold-after test hook only
         self.stop_reason: str | None = None
         self._stop_decided_at: float | None = None  # wall time of the check that agreed to stop
         self._stop_marks: dict = {}
@@ -602,8 +602,8 @@ class ApplianceCallback:
 
 
 def _hold(path: str) -> None:
-    """The ``hold-at:STEP:PATH`` and ``hold-after:N:PATH`` test hooks: the job stays at a step (a job that outlives its controller's restart,
-    tests/test_checkpoint.py) until PATH exists; nothing of the training changes."""
+    """The hold test hooks (``Checkpointer._fault_hold``): the job stays at a step until PATH exists (a job that
+    outlives its controller's restart, tests/test_lease_end.py); nothing of the training changes."""
     while not os.path.exists(path):
         time.sleep(0.1)  # polling a file the test makes: there is nothing to wait on across the nodes
 

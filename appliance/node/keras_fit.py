@@ -323,8 +323,8 @@ def horovod_unconverted() -> None:
     everything it calls at each trace (a ``model.fit`` traces twice): a digits rank's start and first epoch took
     10.0 s of CPU here, 7.6 s without (docs/train.md), with the same weights to the bit. Horovod's code needs no
     conversion: it runs unconverted in TF1 graph mode (the same function, outside ``tf.function``) and branches on
-    tensors with ``tf.cond`` itself (horovod/tensorflow/gradient_aggregation.py). ``APPLIANCE_HOROVOD_AUTOGRAPH=convert`` keeps
-    TensorFlow's default."""
+    tensors with ``tf.cond`` itself (horovod/tensorflow/gradient_aggregation.py).
+    ``APPLIANCE_HOROVOD_AUTOGRAPH=convert`` keeps TensorFlow's default."""
     if os.environ.get(Env.HOROVOD_AUTOGRAPH) == "convert":
         return
     from tensorflow.python.autograph.core import config
