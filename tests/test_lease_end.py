@@ -7,6 +7,7 @@ uninterrupted run of the same seed and world size: the final weights must be bit
 """
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -21,13 +22,12 @@ from click.testing import CliRunner
 from appliance import flows, localcloud, sites
 from appliance.checkpoint import runs
 from appliance.cli import main as cli_main
-from appliance.cluster import Cluster
 from appliance.flows import resume
 from appliance.flows import run_job as train
 from appliance.spec import load_spec
 from appliance.store.checkpoints import CheckpointStore
 from conftest import ROOT, NETNS_OK, digits_code
-from test_checkpoint import LONG, Lines, digits_spec, lease_left, sha, store_for, wait_for
+from test_checkpoint import LONG, Lines, digits_spec, lease_left, sha, wait_for
 
 pytestmark = pytest.mark.skipif(not NETNS_OK, reason="needs network namespaces")
 
@@ -151,7 +151,10 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
         final = wait_for("the run to finish", lambda: (s := state()).get("status") not in (None, "running", "handover",
                                                                                           "starting") and s)
         assert final["status"] == "finished", final["events"][-4:]
-        assert not final["controller_alive"]  # it ended with the run, its lock released
+        # the controller writes "finished", then takes its end steps (its lock, its credential) and exits
+        pid = final["controller"]["pid"]
+        wait_for("the controller's exit", lambda: managed.gone_here(f"{socket.gethostname()}:{pid}:"))
+        assert not state()["controller_alive"]  # it ended with the run, its lock released
         ev = final["events"]
         jobs = [e for e in ev if e["event"] == "job"]
         assert len({j["lease_id"] for j in jobs}) == 3 and [j["restore"] for j in jobs] == [False, True, True]
@@ -303,15 +306,17 @@ def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_
 @pytest.mark.slow
 def test_hosts_taken_at_lease_ends_the_run_fails_over_to_another_site_then_waits_for_its_next_free_slot(
         cloud, reference_long, tmp_path, monkeypatch):
-    """Other projects' reservations take the hosts at two lease ends. At the first, every compute_local host is held
-    (the two the run does not use from now on, the run's own two from its end on): the new lease is refused
-    (Blazar's NotEnoughHostsAvailable) and the run goes on on its spec's alternative, gpu_local at the local cloud's
-    other site, CHI@local2 (its own Keystone, Blazar and credentials: the controller holds one of its own there too;
-    the checkpoints stay in the run's own store). At the second, the gpu_local hosts there are held too, for 30
-    minutes from the end: the run reads both sites' host allocations, books the earliest slot (gpu_local at
-    CHI@local2, when that reservation ends), says how long the wait is, and waits for it; the cloud's clock gets
-    there and the run goes on. Each from the very step it stopped at; the final weights are the uninterrupted
-    run's, and no lease of the run is left at either site."""
+    """Other projects' reservations take the hosts at two lease ends, of a run with warm handovers (lease.overlap).
+    Before the run starts, two compute_local hosts are held for hours, the other two (the run's own) from shortly
+    after its first lease's end: the next lease, booked ahead to start during the overlap, is refused for
+    compute_local (the run's own hosts are busy until the end it overlaps) and is booked on the spec's alternative,
+    gpu_local at the local cloud's other site, CHI@local2 (its own Keystone, Blazar and credentials: the controller
+    holds one of its own there too; the checkpoints stay in the run's own store); the cluster there is made while
+    the job trains, and the handover is warm. At the second end, the gpu_local hosts there are held too, for 30
+    minutes from the end: no next lease anywhere, so the handover is cold: the run reads both sites' host
+    allocations, books the earliest slot (gpu_local at CHI@local2, when that reservation ends), says how long the
+    wait is, and waits for it; the cloud's clock gets there and the run goes on. Each from the very step it stopped
+    at; the final weights are the uninterrupted run's, and no lease of the run is left at either site."""
     import subprocess
     import sys
 
@@ -319,8 +324,14 @@ def test_hosts_taken_at_lease_ends_the_run_fails_over_to_another_site_then_waits
     from appliance.flows import managed
 
     monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "1")
+    # the second job waits after its 100th step (past a commit) until `released` exists, so that it is still there
+    # when the test has taken the hosts of its next lease and moved the cloud's clock to its end (the training is
+    # ~20 s here); the first and third pass, the file there
+    released = Path(tempfile.gettempdir()) / f"appliance-released-{os.urandom(4).hex()}"  # the ranks' user sees it
+    released.touch()
     spec_path = digits_spec(tmp_path, "ckalt", url="swift://ckpts/", every=50, epochs=LONG,
-                            extra="lease: {duration: 1h, stop_margin: 60s}\n")
+                            env={"APPLIANCE_FAULT": f"hold-after:100:{released}"},
+                            extra="lease: {duration: 1h, stop_margin: 60s, overlap: 15m}\n")
     Path(spec_path).write_text(Path(spec_path).read_text().replace(
         "nodes: {count: 2, node_type: compute_local, slots: 1}",
         "nodes: {count: 2, node_type: compute_local, slots: 1, alternatives: [{node_type: gpu_local, site: "
@@ -328,33 +339,38 @@ def test_hosts_taken_at_lease_ends_the_run_fails_over_to_another_site_then_waits
     site = sites.open_site("local")
     c, c2 = site.cloud, sites.open_site("local", "CHI@local2").cloud
     cs = CheckpointStore("swift://ckpts/", "ckalt", site.store_creds())
-    p = subprocess.run([sys.executable, "-m", "appliance.cli", "run", spec_path, "--json"], capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    reader = managed._control_of("ckalt", None, "local", None)
-    state = lambda: managed.read_timeline(reader) or {}  # noqa: E731
-    events = lambda kind: [e for e in state().get("events", []) if e["event"] == kind]  # noqa: E731
     others = []
 
     def someone_else(node_type: str, start, hours: float, at=c) -> None:
         others.append((at, at.create_lease(f"someone-else-{len(others)}", node_type, 2, dt.timedelta(hours=hours),
                                            start=start).id))
 
-    def just_after(cl):
-        info = sites.for_cluster(cl).cloud.get_lease(cl.lease_id)
-        return info.end.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
-
     try:
+        someone_else("compute_local", None, 3)  # two of the four, now
+        # the other two (the run's own) from 5 minutes after the end of the run's first lease (1 h from about now)
+        someone_else("compute_local", c.now().replace(second=0, microsecond=0) + dt.timedelta(minutes=65), 3)
+        p = subprocess.run([sys.executable, "-m", "appliance.cli", "run", spec_path, "--json"], capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        reader = managed._control_of("ckalt", None, "local", None)
+        state = lambda: managed.read_timeline(reader) or {}  # noqa: E731
+        events = lambda kind: [e for e in state().get("events", []) if e["event"] == kind]  # noqa: E731
+
+        def just_after(cl):
+            info = sites.for_cluster(cl).cloud.get_lease(cl.lease_id)
+            return info.end.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
+
         cl = wait_for("the first commit", lambda: cs.committed() and find_cluster("ckalt"))
-        someone_else("compute_local", None, 3)  # the two idle ones, now
-        someone_else("compute_local", just_after(cl), 3)  # the run's own two, from its end
         localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 45})
+        wait_for("the first job's stop for its lease's end", lambda: events("job end"), every=0.2)
+        released.unlink()  # the second job holds (it starts training 5+ s after this end: horovodrun, imports)
         stopped = wait_for("the job on gpu_local to commit", lambda: (j := events("job"))[1:] and
                            j[-1]["node_type"] == "gpu_local" and cs.committed()[0].step > events("job end")[0]["step"]
-                           and find_cluster("ckalt"))
+                           and find_cluster(j[-1]["cluster"]), every=0.2)
         assert stopped.site.region == "CHI@local2" and c.get_lease(stopped.lease_id) is None  # a lease of the other
         someone_else("gpu_local", just_after(stopped), 0.5, c2)  # the run's gpu hosts, for 30 minutes from its end
         localcloud.admin("POST", "/advance", {"seconds": lease_left(stopped) - 45})
+        released.touch()  # the second job goes on, and stops for its lease's end; the third passes
         waiting = wait_for("the wait for a slot", lambda: events("waiting for hosts"))[0]
         assert waiting["node_type"] == "gpu_local" and waiting["site"] == "CHI@local2", waiting
         assert 30 * 60 <= waiting["wait_s"] <= 35 * 60, waiting
@@ -364,8 +380,14 @@ def test_hosts_taken_at_lease_ends_the_run_fails_over_to_another_site_then_waits
                                                                                       "parked") and s)
         assert final["status"] == "finished", final["events"][-5:]
         ev = final["events"]
-        assert [e["node_type"] for e in ev if e["event"] == "no hosts"] == ["compute_local", "compute_local",
-                                                                             "gpu_local"]
+        # the first next lease: compute_local refused, the alternative booked; the second: none anywhere, so cold
+        assert [e["node_type"] for e in ev if e["event"] == "next lease refused"] == ["compute_local", "compute_local",
+                                                                                       "gpu_local"]
+        # (the third job's, if booked by the time the run ended, was abandoned: no lease is left, below)
+        assert [(e["node_type"], e.get("site")) for e in ev if e["event"] == "next lease"][:1] == [
+            ("gpu_local", "CHI@local2")]
+        assert [e["node_type"] for e in ev if e["event"] == "no hosts"] == ["compute_local", "gpu_local"]
+        assert [d["warm"] for d in ev if d["event"] == "downtime"] == [True, False]
         assert [(e["node_type"], e["site"]) for e in ev if e["event"] == "job"] == [
             ("compute_local", "local"), ("gpu_local", "CHI@local2"), ("gpu_local", "CHI@local2")]
         assert [e["node_type"] for e in ev if e["event"] == "hosts free"] == ["gpu_local"]
@@ -380,9 +402,11 @@ def test_hosts_taken_at_lease_ends_the_run_fails_over_to_another_site_then_waits
         mine = [x for at in (c, c2) for x in at.list_leases() if x.name.startswith("ckalt")]
         assert not [x for x in mine if x.status not in ("TERMINATED", "DELETED")], mine  # released at both sites
     finally:
+        released.unlink(missing_ok=True)
         for at, lid in others:
             at.delete_lease(lid)
         flows.down("ckalt")
+        flows.down("ckalt_h")
 
 
 @pytest.mark.slow
@@ -410,15 +434,39 @@ def test_admin_termination_resumes_from_the_last_commit(cloud, reference_long, t
 
 
 @pytest.mark.slow
-def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference_long, tmp_path):
+def test_watchdog_extends_the_lease_and_a_second_job_on_another_cluster_is_refused_by_the_store_lock(
+        cloud, reference_long, tmp_path):
+    """lease.extend: the launcher extends the lease ahead of the node-side margin and the job runs to its end.
+    Meanwhile (issue 14 item 3) `appliance resume` of the same run on another cluster (a record of the second node
+    alone: another head node, so the head's own lock cannot see the job) is refused by the run's lock in the store,
+    with one line naming the running job, before it touches any node; the running job is undisturbed (bit-exact
+    against the reference) and releases the lock when it ends."""
+    from appliance.cluster import delete_cluster
+    from appliance.store.runlock import RunLock
+
     spec_path = digits_spec(tmp_path, "ckext", url="swift://ckpts/", every=200, epochs=LONG,
                             extra="lease: {duration: 1h, stop_margin: 60s, extend: true}\n")
     cl = flows.up(spec_path)
+    refused: list[str] = []
+
+    def second(line):
+        two = dataclasses.replace(cl, name="ckext-two", nodes=[cl.nodes[1]], lease_id=None, reservation_id=None,
+                                  lease_end=None, floating_ip=None)
+        two.save()
+        try:
+            resume("ckext", spec_path=spec_path, cluster_name="ckext-two", out=lambda m: None)
+            refused.append("not refused")
+        except Exception as e:  # noqa: BLE001
+            refused.append(str(e))
+        finally:
+            delete_cluster("ckext-two")  # its record only: the node is the job's
+
     try:
         out = Lines()
         # 400 s before the end: past the launcher's extension point (ahead of the node-side 10-min margin), not yet
         # at rank 0's own vendordata margin (5 min), which would stop the job had the extension come too late
         out.on(f"epoch 1/{LONG} ", lambda line: localcloud.admin("POST", "/advance", {"seconds": lease_left(cl) - 400}))
+        out.on("[checkpoint] step 200 committed", second)  # a resume needs a commit to resume from
         res = train(load_spec(spec_path), cl, out=out)
         # not stopped: the lease was extended and the run finished
         assert res.exit_code == 0, (res.failure, res.stopped, [x for x in out.lines if "[watchdog]" in x
@@ -427,6 +475,10 @@ def test_watchdog_extends_the_lease_when_the_spec_allows(cloud, reference_long, 
         assert not out.has("lease end (vendordata)")
         assert lease_left(cl) > 3000  # one more hour
         assert sha(res) == reference_long
+        assert len(refused) == 1 and "run 'ckext' already has a job running: ckext-" in refused[0], refused
+        assert "on cluster ckext (head " in refused[0], refused
+        cs = CheckpointStore("swift://ckpts/", "ckext", sites.open_site("local").store_creds())
+        assert RunLock(cs, "", cluster="", head="").read() is None  # released at the end
     finally:
         flows.down("ckext")
 
@@ -511,37 +563,3 @@ def test_a_custom_loop_keeps_its_own_checkpoint_files_across_the_lease_end(cloud
         assert any(f"done after epoch {epochs}" in m for m in said)
     finally:
         flows.down("ckloop")
-
-
-@pytest.mark.slow
-def test_a_second_job_of_a_run_on_another_cluster_is_refused_by_the_store_lock(cluster2, swift, st_env,
-                                                                               reference_long, tmp_path):
-    """Issue 14 item 3: while a job of the run runs on one cluster, `appliance resume` of the same run on another
-    cluster (here: node2 alone, another head node, so the head's own lock cannot see it) is refused by the run's lock
-    in the store, with one line naming the running job, before it touches any node; the running job is undisturbed
-    (bit-exact against the reference) and releases the lock when it ends."""
-    from appliance.store.runlock import RunLock
-
-    two = Cluster(name="pt-two", cloud="testbed", nodes=[cluster2.nodes[1]], key_file=cluster2.key_file,
-                  known_hosts=cluster2.known_hosts, python=cluster2.python, etc_dir=cluster2.etc_dir,
-                  testbed=cluster2.testbed)
-    two.save()
-    spec_path = digits_spec(tmp_path, "cklock", url="swift://ckpts/", epochs=LONG)
-    refused: list[str] = []
-
-    def second(line):
-        try:
-            resume("cklock", spec_path=spec_path, cluster_name="pt-two", out=lambda m: None)
-            refused.append("not refused")
-        except Exception as e:  # noqa: BLE001
-            refused.append(str(e))
-
-    out = Lines()
-    out.on(f"epoch 3/{LONG} ", second)
-    res = train(load_spec(spec_path), cluster2, out=out)
-    assert res.exit_code == 0, res.failure
-    assert len(refused) == 1 and "run 'cklock' already has a job running: cklock-" in refused[0], refused
-    assert "on cluster pt-cluster (head node1)" in refused[0]
-    assert sha(res) == reference_long
-    cs = store_for(swift, "cklock")
-    assert RunLock(cs, "", cluster="", head="").read() is None  # released at the end
