@@ -30,6 +30,7 @@ from ..cluster import Cluster
 from ..errors import ApplianceError
 from ..protocol import NODE_WATCH_MARGIN
 from ..sites import Site
+from ..sites.lease import Lease
 from ..spec import Spec, duration_seconds
 
 
@@ -158,18 +159,10 @@ class LeaseWatch:
     def _extend(self, end: dt.datetime) -> bool:
         # by the spec's duration, and never by less than keeps the new end clear of the next extension point
         by = dt.timedelta(seconds=max(duration_seconds(self.spec.lease.duration), 2 * self.extend_at() * self.scale))
-        if self.extend_by is not None:
-            most, why = self.extend_by(self.cluster.lease_id, end)
-            if most is None:
-                self.say(f"[watchdog] not extending the lease ({why}); the job will stop {_human(self.margin())} "
-                         "before the end")
-                return False
-            by = min(by, most)
-        try:
-            info = self.site.cloud.extend_lease(self.cluster.lease_id, by=by)
-        except ApplianceError as e:
-            self.say(f"[watchdog] could not extend the lease: {e}; the job will stop {_human(self.margin())} "
-                     "before the end instead")
+        info, why = Lease(self.site.cloud, self.cluster.lease_id).extend(by, end, self.extend_by)
+        if info is None:
+            self.say(f"[watchdog] not extending the lease ({why}); the job will stop {_human(self.margin())} "
+                     "before the end")
             return False
         self.say(f"[watchdog] extended lease {self.cluster.lease_id} to {info.end:%Y-%m-%d %H:%M} UTC")
         self.end_seen = info.end

@@ -26,6 +26,7 @@ from ..checkpoint.runs import RunStatus
 from ..cluster import Cluster, find_cluster
 from ..errors import ApplianceError, NoHosts
 from ..provision import lifecycle
+from ..sites.lease import Lease
 from ..spec import duration_seconds
 
 log = report.get(__name__)
@@ -58,17 +59,6 @@ def overlap_cost(spec) -> float:
     return duration_seconds(spec.lease.overlap) * spec.nodes.count / 3600
 
 
-
-def until_active(site, lease_id: str, stopped, pause):
-    """A booked lease, polled until ACTIVE; returned as last seen when it can no longer start (gone: None; ERROR,
-    ended) or once ``stopped()`` (its status then whatever it was). ``pause()`` waits between polls."""
-    info = None
-    while not stopped():
-        info = site.cloud.get_lease(lease_id)
-        if info is None or info.unusable or info.status == "ACTIVE":
-            return info
-        pause()
-    return info
 
 class Warm:
     """The next cluster of a run, made while the job trains on ``current``. ``ctx``: the run's RunContext;
@@ -118,7 +108,8 @@ class Warm:
             self.record("next lease", cluster=self.name, lease_id=booked.lease_id, node_type=spec.nodes.node_type,
                         **({"site": self.choice.site} if self.choice.site else {}),
                         start=start.isoformat() + "Z" if start else "now")
-            info = until_active(site, booked.lease_id, self._stop.is_set, lambda: self._stop.wait(self.poll))
+            info = Lease(site.cloud, booked.lease_id).until_active(self._stop.is_set,
+                                                                  lambda: self._stop.wait(self.poll))
             if self._stop.is_set():
                 return
             if info is None or info.status != "ACTIVE":
@@ -169,7 +160,7 @@ class Warm:
         ahead = dt.timedelta(seconds=duration_seconds(self.spec.lease.overlap)
                              + max(300.0, 2 * self.poll * site.time_scale()))
         while not self._stop.is_set():
-            info = site.cloud.get_lease(lid)
+            info = Lease(site.cloud, lid).info()
             if info is None or info.unusable:
                 raise ApplianceError(f"the current lease {lid} is {info.status if info else 'gone'}")
             self.end = info.end
@@ -177,14 +168,10 @@ class Warm:
             if early > 0:  # half the time left at a time, within 1 and 20 polls: days of a lease, few reads
                 self._stop.wait(min(max(early / 2, self.poll), 20 * self.poll))
                 continue
-            most, why = self.plan.extend_by(lid, info.end, warm=True)  # the run's limits: at most this far
-            by = min(dt.timedelta(seconds=duration_seconds(self.spec.lease.duration)), most) if most else None
-            if by is not None:
-                try:
-                    new = site.cloud.extend_lease(lid, by=by)
-                except ApplianceError as e:
-                    by, why = None, e.message
-            if by is None:
+            new, why = Lease(site.cloud, lid).extend(  # by the spec's duration, at most the run's limits allow
+                dt.timedelta(seconds=duration_seconds(self.spec.lease.duration)), info.end,
+                lambda lid, end: self.plan.extend_by(lid, end, warm=True))
+            if new is None:
                 self.record("extend refused", lease_id=lid, reason=why[:300])
                 log.info(f"[run] lease {lid} was not extended ({why}): the next lease is booked")
                 return True
@@ -267,8 +254,8 @@ def _wait_for_slot(ctx, control, choices: list, fit=None, quiet: bool = False):
     log.info(f"[run] the earliest {spec.nodes.count} x {label(a)} free: {start:%Y-%m-%d %H:%M} UTC, in "
              f"{wait_s / 60:.0f} min; booked (lease {booked.lease_id}), waiting for it")
     t0 = time.monotonic()
-    info = until_active(site, booked.lease_id, lambda: control.cancel is not None,
-                        lambda: control.changed.wait(control.poll))
+    info = Lease(site.cloud, booked.lease_id).until_active(lambda: control.cancel is not None,
+                                                           lambda: control.changed.wait(control.poll))
     if control.cancel is not None or info is None or info.status != "ACTIVE":
         lifecycle.down(spec.name, site)
         return None

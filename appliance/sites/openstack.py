@@ -21,6 +21,7 @@ import time
 
 from .. import report
 from ..errors import ApplianceError, Unanswered, socket_reason
+from .lease import Lease
 from .openstack_api import (  # noqa: F401 - the API's records and rules, named here as before
     API_DATE, EXTENSION_WINDOW, HOSTKEYS_HEADER, MAX_LEASE, RESERVATION_KEY, LeaseInfo, ListedServer, _date_of,
     _not_found, blazar_error, explain_blazar, fip_reservation, fmt_date, host_reservation, parse_console_host_keys,
@@ -330,34 +331,35 @@ class OpenStackCloud:
         reallocation too (`resources_changed`; blazar/plugins/oshosts/host_plugin.py `heal_reservations`), and
         nothing clears it. Only `missing_resources` on the host reservation means the lease lacks a host."""
         deadline = time.monotonic() + timeout
-        last = None
-        warned = False
-        while True:
-            info = self.get_lease(lease_id)
-            if info is None:
-                raise ApplianceError(f"lease {lease_id} disappeared while waiting for it", "create a new one")
-            if info.status != last:
+        said = {"status": None, "degraded": False}
+
+        def seen(info: LeaseInfo | None) -> None:
+            if info is None or info.status == "ERROR":
+                return  # said below
+            if info.status != said["status"]:
                 log.info(f"lease {info.name}: {info.status}")
-                last = info.status
-            if info.status == "ERROR":
-                raise ApplianceError(f"lease {info.name} ({lease_id}) is in ERROR",
-                                     "delete it (`appliance lease delete`) and create another")
+                said["status"] = info.status
             if info.missing_resources:
                 raise ApplianceError(f"lease {info.name} is missing a reserved host: one failed and Blazar found no "
                                      "replacement",
                                      f"`openstack reservation host reallocate --lease-id {lease_id} <host>`, or a new lease")
-            if info.degraded and not warned:
+            if info.degraded and not said["degraded"]:
                 log.info(f"note: lease {info.name} is marked degraded: Blazar replaced a failed host; every host is "
                          "there")
-                warned = True
-            if info.status == "ACTIVE":
-                return info
-            if info.ended:
-                raise ApplianceError(f"lease {info.name} has ended ({info.status})", "create a new lease")
-            if time.monotonic() > deadline:
-                raise ApplianceError(f"lease {info.name} not ACTIVE after {timeout:.0f}s (status {info.status}, "
-                                     f"starts {info.start:%Y-%m-%d %H:%M} UTC)", "wait, or pass --timeout")
-            time.sleep(poll)  # polling a remote API
+                said["degraded"] = True
+
+        info = Lease(self, lease_id).until_active(lambda: time.monotonic() > deadline, lambda: time.sleep(poll), seen)
+        if info is None:
+            raise ApplianceError(f"lease {lease_id} disappeared while waiting for it", "create a new one")
+        if info.status == "ERROR":
+            raise ApplianceError(f"lease {info.name} ({lease_id}) is in ERROR",
+                                 "delete it (`appliance lease delete`) and create another")
+        if info.status == "ACTIVE":
+            return info
+        if info.ended:
+            raise ApplianceError(f"lease {info.name} has ended ({info.status})", "create a new lease")
+        raise ApplianceError(f"lease {info.name} not ACTIVE after {timeout:.0f}s (status {info.status}, "
+                             f"starts {info.start:%Y-%m-%d %H:%M} UTC)", "wait, or pass --timeout")
 
     def extend_lease(self, lease_id: str, *, by: dt.timedelta | None = None, to: dt.datetime | None = None) -> LeaseInfo:
         """PUT an absolute end date, after checking Chameleon's 48 h window and 7-day cap ourselves."""
