@@ -11,6 +11,7 @@ from appliance import flows
 from appliance.errors import SpecError
 from appliance.flows import budget, managed
 from appliance.flows.handover import Warm
+from appliance.provision import lifecycle
 from appliance.sites.openstack import LeaseInfo
 from fakes import FakeSite, fault
 from test_fake_site import spec_of
@@ -100,7 +101,7 @@ def test_a_run_at_its_node_hours_limit_books_no_lease_and_ends_with_its_checkpoi
     first = cloud.create_lease("bn-1", "compute_local", 2, dt.timedelta(hours=4))
     run.track(first.id, 2, "compute_local")  # 8 node-hours of 9: 30 min on 2 nodes, under the floor (40 min)
     cloud.clock = first.end
-    assert run.new_lease() is None and run.cold() is None
+    assert run.new_lease() is None and run.recovery.cold({}) is None
     assert run.limited.startswith("limits.node_hours 9 (8.0 spent or booked, 1.0 left)")
     assert ("limit", {"reason": run.limited}) in events and not cloud.verbs("create_lease")[1:]
     assert any("has reached limits.node_hours 9" in m and "raise the limit" in m for m in said)
@@ -113,9 +114,10 @@ def test_a_lease_within_the_limits_is_asked_for_shorter(tmp_path, monkeypatch):
     cloud.clock += dt.timedelta(hours=4)
     assert run.new_lease() == {"lease_duration": "180m"}  # 6 node-hours left on 2 nodes
     asked = []
-    monkeypatch.setattr(run, "resume", lambda **kw: asked.append(kw))
-    run.cold()
-    assert asked == [{"new_lease": True, "lease_duration": "180m"}]
+    monkeypatch.setattr(lifecycle, "up", lambda site, spec, **kw: asked.append((spec.nodes.node_type,
+                                                                                spec.lease.duration)))
+    run.recovery.cold({})
+    assert asked == [("compute_local", "180m")]
 
 
 def _warm(tmp_path, name):

@@ -284,6 +284,7 @@ def test_the_syncer_thread_outlives_a_keystone_outage_and_syncs_after_it(tmp_pat
 def test_a_lease_refused_for_the_projects_sus_parks_the_run_with_the_balance_in_one_line(tmp_path, monkeypatch, said):
     from appliance import flows
     from appliance.flows import managed
+    from appliance.provision import lifecycle
     from test_managed_run import _lease_end_job
 
     spec = tmp_path / "ms.yaml"
@@ -293,14 +294,15 @@ def test_a_lease_refused_for_the_projects_sus_parks_the_run_with_the_balance_in_
     monkeypatch.setattr(managed._Run, "first_job", lambda self: _lease_end_job())
     asked = []
 
-    def resume(run, **kw):
-        asked.append(kw.get("node_type"))
+    def up(site, spec, **kw):
+        asked.append(spec.nodes.node_type)
         raise NoSUs(f"not enough SUs for this lease (Blazar: Reservation for project {portal.PROJECT} would spend "
                     "48.00 SUs, only 12.00 left)", "ask your project's PI for SUs")
-    monkeypatch.setattr(flows.steps, "resume", resume)
+    monkeypatch.setattr(lifecycle, "up", up)
+    monkeypatch.setattr(flows.steps, "resume", lambda run, **kw: kw["acquire"]({}))
     with pytest.raises(NoSUs, match="only 12.00 left"):  # its line, and a non-zero exit of `appliance run -f`
         flows.run_managed(str(spec))
-    assert asked == [None]  # not the alternative: the SUs are the project's, whatever the node type
+    assert asked == ["compute_local"]  # not the alternative: the SUs are the project's, whatever the node type
     tl = managed.read_timeline(managed._control_of("ms", None, "local", None))
     assert tl["status"] == "parked" and "only 12.00 left" in next(e for e in tl["events"]
                                                                    if e["event"] == "no SUs")["reason"]

@@ -6,13 +6,15 @@ import json
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from appliance import flows
 from appliance.checkpoint import runs
-from appliance.flows import control, managed, takeover
+from appliance.flows import control, handover, managed, takeover
 from appliance.protocol import EXIT_STOPPED
+from appliance.provision import lifecycle
 from appliance.sites import open_site
 from appliance.train.launch import JobResult
 from conftest import write_spec
@@ -40,10 +42,15 @@ def scripted(tmp_path, monkeypatch):
             assert run == "mr" and kw.pop("control") is not None
             assert kw.pop("on_ask") is not None  # every lease a resume asks for goes to the run's ledger first
             assert "spec_path" not in kw and kw["spec"].name == "mr"  # the spec as read at the start, not again
+            assert kw.pop("ctx").spec is kw["spec"]  # and the run's one context
+            if "acquire" in kw:  # a handover: the recovery strategy's cluster, and the node type its job runs as
+                got = kw.pop("acquire")({})
+                kw["cluster"] = got and (got[0].name, got[1])
             asked.append(kw)
             return todo.pop(0)
 
         monkeypatch.setattr(flows.steps, "resume", resume)
+        monkeypatch.setattr(lifecycle, "up", lambda site, spec, **kw: SimpleNamespace(name=spec.name))
         return flows.run_managed(str(spec), max_restarts=1), asked
     return use
 
@@ -53,7 +60,7 @@ def test_each_lease_end_continues_on_a_new_lease_until_the_job_finishes(scripted
     cut = _job(1, lease_end=True, failure="the lease ended at 2026-12-01 10:00 UTC before the job finished")
     res, asked = scripted(_job(EXIT_STOPPED, lease_end=True, stopped=stop), cut, _job(0))
     assert res.exit_code == 0
-    assert [kw["new_lease"] for kw in asked] == [True, True]
+    assert [kw["cluster"] for kw in asked] == [("mr", "compute_local")] * 2  # each on a new lease of its own
     assert sum("goes on on a new lease" in m for m in said) == 2
 
 
@@ -68,7 +75,7 @@ def test_a_failed_job_is_resumed_max_restarts_times_in_a_row_then_fails_the_run(
     crash = dict(failure="rank 1 on b exited with status 3")
     res, asked = scripted(_job(3, **crash), _job(3, **crash))
     assert res.exit_code == 3 and res.failure == crash["failure"]
-    assert len(asked) == 1 and not asked[0].get("new_lease")  # on the same cluster, from the newest commit
+    assert len(asked) == 1 and "cluster" not in asked[0]  # on the same cluster, from the newest commit
     assert any("restart 1 of 1" in m for m in said)
 
 
@@ -77,7 +84,7 @@ def test_a_lease_end_between_two_failures_starts_the_count_again(scripted):
     stop = {"step": 40, "reason": "lease end (vendordata)", "committed": True}
     res, asked = scripted(_job(3, **crash), _job(EXIT_STOPPED, lease_end=True, stopped=stop), _job(3, **crash),
                           _job(0))
-    assert res.exit_code == 0 and [bool(kw.get("new_lease")) for kw in asked] == [False, True, False]
+    assert res.exit_code == 0 and ["cluster" in kw for kw in asked] == [False, True, False]
 
 
 def test_a_run_that_had_finished_is_not_run_again(scripted):
@@ -355,7 +362,6 @@ def test_the_run_books_the_leases_its_plan_printed(tmp_path):
     """Issue 60 item 4: `appliance run --plan` prints the leases the run expects; the run follows it. The plan of a
     run of two leases with a warm handover, made before anything is booked, against what the run books: its first
     lease, then the next one (warm, overlap before the first's end), by node type, node count, start and end."""
-    import datetime as dt
     import functools
 
     from appliance.flows import plan
@@ -452,13 +458,13 @@ def test_at_the_lease_end_the_run_goes_on_on_the_warm_cluster_and_the_old_one_go
     goes; the downtime is on the timeline as warm. One that is not (None) falls back to a new lease."""
     res, asked, downs, _ = _handover_with(monkeypatch, scripted, ready=True)
     assert res.exit_code == 0 and [{k: v for k, v in kw.items() if k not in ("spec", "out")} for kw in asked] \
-        == [{"cluster_name": "mr_h"}] and downs[0] == "mr"  # then, finished, the run's cluster goes (release)
+        == [{"cluster": ("mr_h", "compute_local")}] and downs[0] == "mr"  # then, finished, the run's cluster goes
     assert any("goes on on mr_h, up and staged already" in m for m in said)
 
 
 def test_with_no_next_cluster_ready_the_handover_is_cold_and_what_was_made_goes(scripted, monkeypatch, said):
     res, asked, _, abandoned = _handover_with(monkeypatch, scripted, ready=False)
-    assert res.exit_code == 0 and [kw.get("new_lease") for kw in asked] == [True] and abandoned
+    assert res.exit_code == 0 and [kw.get("cluster") for kw in asked] == [("mr", "compute_local")] and abandoned
     assert any("goes on on a new lease" in m for m in said)
 
 
@@ -510,7 +516,6 @@ def no_hosts_for(tmp_path, monkeypatch):
     from appliance.errors import NoHosts
 
     from appliance.flows.handover import label
-    from appliance.spec import Alternative
 
     spec = tmp_path / "ma.yaml"
 
@@ -518,16 +523,17 @@ def no_hosts_for(tmp_path, monkeypatch):
         spec.write_text(f"name: ma\ncloud: local\ntrain: {{code: {tmp_path}, command: python x.py}}\n"
                         f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n"
                         f"nodes: {{count: 2, node_type: compute_local, alternatives: {alternatives}}}\n")
-        asked, looked = [], []
+        asked, looked, booked = [], [], []
         monkeypatch.setattr(managed._Run, "first_job", lambda self: _lease_end_job())
 
-        def resume(run, **kw):
-            nt = (kw.get("node_type") or "compute_local") + (f" at {kw['at_site']}" if kw.get("at_site") else "")
-            asked.append((nt, kw.get("new_lease", False)))
-            if nt in refused and kw.get("new_lease"):
+        def up(site, spec, **kw):  # (node type [at site], on a new lease: not on the one booked at a slot)
+            nt = spec.nodes.node_type + (f" at {spec.site}" if spec.site else "")
+            asked.append((nt, not booked))
+            if nt in refused and not booked:
                 raise NoHosts(f"not enough hosts available for 2 x {nt}")
-            return _job(0)
-        monkeypatch.setattr(flows.steps, "resume", resume)
+            return SimpleNamespace(name=spec.name)
+        monkeypatch.setattr(lifecycle, "up", up)
+        monkeypatch.setattr(flows.steps, "resume", lambda run, **kw: kw["acquire"]({}) and _job(0))
         slots = iter(slot if isinstance(slot, list) else [slot])
 
         def wait_for_slot(ctx, control, choices, fit, quiet):
@@ -536,9 +542,10 @@ def no_hosts_for(tmp_path, monkeypatch):
             if got == "cancel":  # `appliance cancel` while the run is parked, between two looks
                 threading.Thread(target=control.cancelled, args=({"by": "elsewhere"},)).start()
                 return None
+            booked.extend([got] if got else [])
             return got and next(a for a in choices if label(a) == got)
-        monkeypatch.setattr(managed, "wait_for_slot", wait_for_slot)
-        monkeypatch.setattr(managed, "PARK_POLL", park_poll)
+        monkeypatch.setattr(handover, "wait_for_slot", wait_for_slot)
+        monkeypatch.setattr(handover, "PARK_POLL", park_poll)
         return flows.run_managed(str(spec)), asked, looked
     return run
 

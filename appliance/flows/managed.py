@@ -38,15 +38,16 @@ from ..checkpoint import runs
 from ..checkpoint.runs import RunStatus
 from ..checkpoint.resume import find_spec
 from ..cluster import Cluster, find_cluster
-from ..errors import ApplianceError, NoHosts, NoSUs, SpecError
+from ..errors import ApplianceError, NoSUs, SpecError
 from ..provision import lifecycle
-from ..spec import Alternative, Spec, duration_seconds
+from ..spec import Spec, duration_seconds
 from ..train.launch import JobResult
 from . import credential, steps, takeover
 from .budget import Budget, Ledger, estimate, newest_meta, steps_made
 from .control import CONTROL, NOTIFIED, Control, busy, gone_here, read_logs, read_timeline  # noqa: F401
-from .handover import PARK_POLL, Warm, choices_of, label, other_name, overlap_cost, wait_for_slot
+from .handover import Warm, other_name, overlap_cost
 from .leases import Asked, reconcile
+from .recovery import Recovery
 
 log = report.get(__name__)
 
@@ -70,8 +71,8 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
       often the script's own and would happen again), then its failure is the run's;
     - its user stopped it (SIGTERM, Ctrl-C) or cancelled the run (`appliance cancel RUN`): the run stops there;
       a cancel also takes the run's cluster down.
-    Returns the last job's result (None: the run had finished already). ``spec``: the spec already loaded (the
-    first job's; the resumes read ``spec_path``)."""
+    Returns the last job's result (None: the run had finished already). ``spec``: the spec already loaded (else
+    read from ``spec_path`` once: every job of the run, resumes included, runs with it and the one RunContext)."""
     spec = _needs_url(spec or steps.check(spec_path))
     ctx = steps.RunContext.of(spec)
     control = Control(spec, ctx.creds(spec.checkpoint.url), renew=lambda: ctx.creds(spec.checkpoint.url))
@@ -133,6 +134,7 @@ class _Run:
         self.handing_over: dict | None = None  # a handover whose job has not made its first step yet: {"warm"}
         # every lease the run asks for, in the store first (leases.py); the handovers' and slots' bookings too
         self.asking = control.on_ask = Asked(control, self.booked)
+        self.recovery = Recovery(self)  # where the run goes on after a lease end (recovery.py)
 
     def booked(self, info, nodes: int, node_type: str, site: str | None) -> None:
         """A lease Blazar made for the run (leases.Asked): counted in its node-hours from now, booked ahead too."""
@@ -284,8 +286,8 @@ class _Run:
         return RunStatus.STOPPED if (res.stopped or {}).get("committed") else RunStatus.FAILED
 
     def resume(self, **kw) -> JobResult | None:
-        return steps.resume(self.spec.name, spec=self.spec, out=self.out, control=self.control,
-                               on_ask=self.asking, **kw)
+        return steps.resume(self.spec.name, spec=self.spec, ctx=self.ctx, out=self.out, control=self.control,
+                            on_ask=self.asking, **kw)
 
     def loop(self) -> JobResult | None:
         spec, control = self.spec, self.control
@@ -322,28 +324,30 @@ class _Run:
         return res
 
     def handover(self, res: JobResult) -> JobResult | None:
-        """The job ended with its lease: onto the next cluster made meanwhile (warm), else a new lease (cold)."""
+        """The job ended with its lease: onto the next cluster made meanwhile (warm), else a new lease (cold); the
+        recovery strategy (recovery.py) returns the cluster, inside the resume (its lease and boot are downtime)."""
         spec, site = self.spec, self.ctx.site_of(self.current or self.spec.name)
         warm, self.warm = self.warm, None
         nxt = warm.ready() if warm is not None else None
         old = self.current
         self.control.record("handover", state=RunStatus.HANDOVER, after=res.job_id, warm=nxt is not None)
+        gone = None
         if nxt is not None:
             log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on {nxt.name}, up and "
                      "staged already")
             gone = threading.Thread(target=lifecycle.down, args=(old, site), daemon=True)
             gone.start()  # the old cluster goes while the checkpoint is staged on the new one
-            self.handing_over = {"warm": True}
-            res = self.resume(cluster_name=nxt.name, **self.choice(warm.choice) if warm.choice else {})
-            gone.join()
         else:
             if warm is not None:
                 warm.abandon()
             log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on a new lease")
             if old and old != spec.name and find_cluster(old) is not None:
-                lifecycle.down(old, site)  # resume(new_lease) takes down the one named RUN itself
-            self.handing_over = {"warm": False}
-            res = self.cold()
+                lifecycle.down(old, site)  # the strategy takes down the one named RUN itself
+        self.handing_over = {"warm": nxt is not None}
+        choice = warm.choice if nxt is not None else None
+        res = self.resume(acquire=lambda phases: self.recovery.next_cluster(nxt, choice, phases))
+        if gone is not None:
+            gone.join()
         if res is not None and res.resume_breakdown and self.handing_over is not None:  # no first step was made
             self.downtime(res.job_id, res.resume_breakdown)
         self.handing_over = None
@@ -361,28 +365,6 @@ class _Run:
                 p = self.control.state.get("progress") or {}
                 self.control.update(progress={**p, "downtime_s": [*p.get("downtime_s", [])[-9:], breakdown["total"]]})
 
-    def cold(self) -> JobResult | None:
-        """A resume on a new lease: of the spec's node type at its site; when Blazar has not the hosts, of each of
-        nodes.alternatives in order (a node type at the run's site or at another: the checkpoints stay in the run's
-        store); when none has them now, of the earliest slot of any within lease.wait (booked and waited for, the
-        wait on the timeline). None: no slot within the wait (the run parks), or a limit reached (limits: no lease
-        is worth booking within them)."""
-        spec = self.spec
-        choices = choices_of(spec)
-        if (kw := self.new_lease()) is None:
-            return None
-        for i, a in enumerate(choices):
-            try:
-                return self.resume(new_lease=True, **self.choice(a), **kw)
-            except NoHosts as e:
-                log.info(f"[run] no {spec.nodes.count} x {label(a)} free for the next lease ({e.message})"
-                         + (f"; trying {label(choices[i + 1])}" if i + 1 < len(choices) else ""))
-                self.control.record("no hosts", node_type=a.node_type, **({"site": a.site} if a.site else {}))
-        a = self.wait_for_hosts(choices)
-        if a is None:
-            return None
-        return self.resume(**self.choice(a))
-
     def followed_end(self, job_id: str, cluster: Cluster) -> JobResult | None:
         """A job an earlier controller launched, followed to its end: its result (takeover.followed_result), on
         the timeline and in the run's pace, for the loop to end the run with or hand over; None: the run resumes."""
@@ -398,30 +380,6 @@ class _Run:
                                                                             default=None), followed=True)
             self.later(self.job_ended, res)
         return res
-
-    def choice(self, a: Alternative) -> dict:
-        """resume's keywords for a lease of ``a`` (the spec's own node type and site: none)."""
-        return {**({"node_type": a.node_type} if a.node_type != self.spec.nodes.node_type else {}),
-                **({"at_site": a.site} if a.site not in (None, self.spec.site) else {})}
-
-    def wait_for_hosts(self, choices: list[Alternative]) -> Alternative | None:
-        """No choice has hosts now: the earliest free slot within lease.wait, booked and waited for; without one
-        the run parks with its checkpoint (status parked, no lease held) and looks again every PARK_POLL, until a
-        slot appears, the run is cancelled, or its limits leave no lease (limits.deadline passes). Returns the
-        choice whose lease has started, or None."""
-        c, looked = self.control, 0
-        while c.cancel is None and not c.lost:
-            a = wait_for_slot(self.ctx, c, choices, fit=lambda start: self.lease_length(start)[0], quiet=looked > 0)
-            if a is not None or c.cancel is not None:
-                self.parked = False
-                return a
-            if self.new_lease() is None:  # the limits leave no lease now: the run ends (said)
-                self.parked = False
-                return None
-            self.parked, looked = True, looked + 1
-            c.changed.wait(PARK_POLL)  # the next look, or at once on a cancel
-            c.changed.clear()
-        return None
 
     def first_job(self) -> JobResult | None:
         """A managed run's first job: a resume when the run has committed work, else a fresh job on its own

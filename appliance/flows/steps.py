@@ -160,36 +160,42 @@ def run_job(spec: Spec, cluster: Cluster, *, run: RunContext | None = None, cont
 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
-           url: str | None = None, cloud: str = "local", site_name: str | None = None, new_lease: bool = False,
-           out: Callable[[str], None] | None = None, control=None, node_type: str | None = None,
-           lease_duration: str | None = None, at_site: str | None = None, on_ask=None,
-           spec: Spec | None = None) -> JobResult | None:
+           url: str | None = None, cloud: str = "local", site_name: str | None = None,
+           out: Callable[[str], None] | None = None, control=None, lease_duration: str | None = None, on_ask=None,
+           spec: Spec | None = None, ctx: RunContext | None = None,
+           acquire: Callable[[dict], tuple[Cluster, str] | None] | None = None) -> JobResult | None:
     """`appliance resume RUN`: the newest good committed checkpoint -> a cluster (the named one; the run's own, or a
     new lease + `up`, when it has one or is on a site with leases; else the default) -> the dataset staged (only
     what is missing) -> the checkpoint staged to every node -> the job, restoring it. None if the run is complete.
-    ``new_lease``: the run's own cluster goes first (its lease ends: run_managed), and a new lease is made;
-    ``control``: the managed run's controller (run_job); ``node_type``: a new lease's, instead of the spec's (a
-    managed run's alternative, nodes.alternatives); ``lease_duration``: a new lease's, instead of the spec's (a
-    managed run's, cut to its limits); ``at_site``: a new lease's site, instead of the spec's (an alternative at
-    another site; the checkpoints stay in the run's own store); ``on_ask``: told of a new lease before Blazar is
-    asked (a managed run's ledger in the store: lifecycle._leased); ``spec``: the run's spec as loaded already (a
-    managed run's, read once at its start: the file is not read again mid-run)."""
+    ``control``: the managed run's controller (run_job); ``lease_duration``: a new lease's, instead of the spec's (a
+    managed run's, cut to its limits); ``on_ask``: told of a new lease before Blazar is asked (a managed run's
+    ledger in the store: lifecycle._leased); ``spec``, ``ctx``: the run's spec and context as made already (a
+    managed run's, at its start: the file is not read again mid-run); ``acquire(phases)``: the cluster instead,
+    and the node type its job runs as (a managed run's recovery strategy, recovery.py: its lease and boot go into
+    ``phases``, the downtime's; None: no cluster, and no job)."""
     t = {"start": time.time()}  # the resume's downtime, phase by phase (resume_breakdown)
     if spec is None:
         spec = find_spec(run, spec_path, url, creds=data_creds(url, cloud, site_name) if url else None)
     if nodes is not None and nodes != spec.nodes.count:
         spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
-    if node_type is not None and node_type != spec.nodes.node_type:
-        spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, node_type=node_type))
     if lease_duration is not None:
         spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=lease_duration))
-    ctx = RunContext.of(spec)
+    ctx = RunContext(spec, ctx.site, ctx._others) if ctx is not None else RunContext.of(spec)
     ck = _resume_point(ctx)
     if ck is _COMPLETE:
         return None
     t["checkpoint chosen"] = time.time()
     up_phases: dict[str, float] = {}
-    cluster = _resume_cluster(ctx, cluster_name, up_phases, new_lease, at_site, on_ask)
+    if acquire is not None:
+        got = acquire(up_phases)
+        if got is None:
+            return None
+        cluster, node_type = got
+        if node_type != spec.nodes.node_type:  # an alternative's: what the job's records say it ran on
+            spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, node_type=node_type))
+            ctx = RunContext(spec, ctx.site, ctx._others)
+    else:
+        cluster = _resume_cluster(ctx, cluster_name, up_phases, on_ask)
     t["cluster ready"] = time.time()
     if spec.dataset is not None:
         stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode, out=out)
@@ -245,19 +251,11 @@ def _resume_point(ctx: RunContext):
     return ck
 
 
-def _resume_cluster(ctx: RunContext, cluster_name: str | None, up_phases: dict[str, float],
-                    new_lease: bool = False, at_site: str | None = None, on_ask=None) -> Cluster:
-    """The named cluster; else the run's own (a new lease + `up` on a site with leases) or the site's default.
-    ``new_lease``: the run's own cluster is taken down first (its lease is about to end or has ended: its hosts are
-    free for the new one), then a new lease + `up` (at ``at_site``, else the spec's site)."""
+def _resume_cluster(ctx: RunContext, cluster_name: str | None, up_phases: dict[str, float], on_ask=None) -> Cluster:
+    """The named cluster; else the run's own (a new lease + `up` on a site with leases) or the site's default."""
     spec = ctx.spec
     if cluster_name:
         return load_cluster(cluster_name)
-    if new_lease:
-        if find_cluster(spec.name) is not None:
-            lifecycle.down(spec.name, ctx.site_of(spec.name))
-        at = dataclasses.replace(spec, site=at_site) if at_site else spec
-        return lifecycle.up(ctx.at(at_site), at, timings=up_phases, on_ask=on_ask)
     own = find_cluster(spec.name)
     default = None if own is not None else ctx.site.default_cluster(spec)
     if own is not None and own.cloud == spec.cloud and own.site.region != spec.site:  # the run went on elsewhere
