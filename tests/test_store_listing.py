@@ -663,3 +663,18 @@ def test_a_token_given_and_refused_is_not_taken_again_once_a_new_one_was_made():
         assert [o.name for o in st.list()] == ["a"] and V1Swift.auths == ["tk0"]
         V1Swift.token = "tk1"
         assert [o.name for o in st.list()] == ["a"] and V1Swift.auths == ["tk0", "tk1"]
+
+
+def test_a_file_store_listing_skips_a_file_renamed_away_during_the_walk(tmp_path, monkeypatch):
+    """A run lock's heartbeat rewrites its generation as NAME.part renamed onto NAME. A file:// listing that walked
+    the directory before the rename and read the .part's size after it raised FileNotFoundError, which the lock's
+    reader takes for "no container yet": the lock read as held by nobody while its holder renewed it."""
+    (tmp_path / "r" / "lock").mkdir(parents=True)
+    (tmp_path / "r" / "lock" / "000000001.json").write_text("{}")
+    real = os.walk
+
+    def walk(top):  # the walk sees the heartbeat's temporary file, which is renamed before its stat
+        return [(d, dirs, [*files, "000000001.json.part"] if d.endswith("lock") else files) for d, dirs, files in
+                real(top)]
+    monkeypatch.setattr(objects.os, "walk", walk)
+    assert [o.name for o in objects.FileStore(str(tmp_path)).list("r/lock/")] == ["r/lock/000000001.json"]

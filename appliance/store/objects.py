@@ -46,8 +46,13 @@ class FileStore(Store):
             for f in sorted(files):
                 p = Path(dirpath) / f
                 name = str(p.relative_to(base))
-                if name.startswith(prefix):
-                    yield ObjectInfo(name, p.stat().st_size, md5_file(p))
+                if not name.startswith(prefix):
+                    continue
+                try:
+                    info = ObjectInfo(name, p.stat().st_size, md5_file(p))
+                except FileNotFoundError:  # gone since the walk (a writer's .part renamed onto its name): not there
+                    continue
+                yield info
 
     def get(self, name, write, *, start=None, end=None) -> dict:
         with open(self.root / name, "rb") as fh:
