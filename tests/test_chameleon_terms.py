@@ -600,3 +600,24 @@ def test_the_controller_renews_its_store_credentials_when_the_store_refuses_them
     c.asked("mn-1", {"cluster": "mn"})
     assert renewed == [1] and c.cs.read_json("state.json")["asked"]["mn-1"]["cluster"] == "mn"
     assert c.lock.cs is c.cs
+
+
+def test_the_runs_status_changes_only_by_its_named_transitions(tmp_path, monkeypatch, said):
+    """One method per transition (Control.running, handing_over, parked, close; runs.NEXT): a change no controller
+    makes is said and leaves the status as it was; an ended run's status changes no more."""
+    from appliance.checkpoint.runs import RunStatus
+
+    spec, c = _controller(tmp_path, monkeypatch, "mt")
+    c.running("job", job_id="j1")
+    c.handing_over(after="j1", warm=False)
+    c.running("job", job_id="j2")
+    assert c.state["status"] == RunStatus.RUNNING
+    c.parked(reason="no slot within lease.wait 1h")
+    c.handing_over(after="j2", warm=False)  # a parked run holds no lease: nothing of it ends with one
+    assert c.state["status"] == RunStatus.PARKED
+    assert any("handover: run mt cannot go from parked to handover; its status stays parked" in m for m in said)
+    assert [e["event"] for e in c.state["events"]][-2:] == ["parked", "handover"]  # on the timeline all the same
+    c._to(RunStatus.FINISHED, "end", {"status": RunStatus.FINISHED})
+    c.running("job", job_id="late")
+    assert c.state["status"] == RunStatus.FINISHED
+    assert c.cs.read_json("state.json")["status"] == "finished"

@@ -619,7 +619,8 @@ def test_wait_for_slot_books_the_earliest_slot_and_measures_the_wait(tmp_path, m
 
     events = []
     control = SimpleNamespace(cancel=None, changed=threading.Event(), poll=0.001,
-                              record=lambda ev, **kw: events.append((ev, kw)))
+                              record=lambda ev, **kw: events.append((ev, kw)),
+                              parked=lambda ev="parked", **kw: events.append((ev, kw)))
     choices = [Alternative("compute_local"), Alternative("b")]
     assert wait_for_slot(flows.RunContext(spec, site), control, choices) == choices[1]
     (lease,) = c.leases.values()

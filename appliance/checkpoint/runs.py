@@ -143,6 +143,16 @@ class RunStatus(StrEnum):
 
 
 GOING = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED)
+ENDED = tuple(s for s in RunStatus if s not in GOING) + (RunStatus.PARKED,)  # a run may end parked (no SUs)
+
+# The status changes a managed run's controller makes (flows/control.py Control: one method per transition, each
+# named by the timeline event that makes it); every other change is refused. An ended run's status changes no more.
+NEXT: dict[RunStatus, frozenset[RunStatus]] = {
+    RunStatus.STARTING: frozenset({RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED, *ENDED}),
+    RunStatus.RUNNING: frozenset({RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED, *ENDED}),
+    RunStatus.HANDOVER: frozenset({RunStatus.RUNNING, RunStatus.PARKED, *ENDED}),
+    RunStatus.PARKED: frozenset({RunStatus.RUNNING, *ENDED}),
+}
 
 
 def machine_tag() -> str:

@@ -117,7 +117,7 @@ class Control:
     def close(self, status: RunStatus) -> None:
         self._done.set()
         self.ship_log()
-        self.record("end", status=status, state=status)
+        self._to(status, "end", {"status": status})
         if self._notifier is not None:  # the last word reaches the hook before the controller exits
             self._events.put(None)
             self._notifier.join(timeout=120)
@@ -229,9 +229,32 @@ class Control:
 
     # the timeline
 
+    # the run's status: one method per transition (runs.NEXT), each an event on the timeline
+
+    def running(self, event: str = "job", **fields) -> None:
+        """A job of the run trains: launched by this controller ("job"), or followed ("following": takeover.py)."""
+        self._to(RunStatus.RUNNING, event, fields)
+
+    def handing_over(self, **fields) -> None:
+        """A job ended with its lease: the next cluster, then the resume (managed._Run.handover)."""
+        self._to(RunStatus.HANDOVER, "handover", fields)
+
+    def parked(self, event: str = "parked", **fields) -> None:
+        """No hosts within lease.wait ("parked": handover.wait_for_slot), or no SUs ("no SUs"): no lease held."""
+        self._to(RunStatus.PARKED, event, fields)
+
+    def _to(self, state: RunStatus, event: str, fields: dict) -> None:
+        now = self.state["status"]
+        if state not in runs.NEXT.get(now, ()):  # a transition no controller makes: said, and the status stays
+            log.info(f"[run] warning: {event}: run {self.run} cannot go from {now} to {state}; its status stays {now}")
+            self.record(event, **fields)
+            return
+        self.record(event, state=state, **fields)
+
     def record(self, event: str, *, state: RunStatus | None = None, **fields) -> None:
         """Add an event to the run's timeline and write it to the store (a failure is said, not raised: the
-        run goes on; the next event writes the whole state again)."""
+        run goes on; the next event writes the whole state again). ``state``: the run's new status, through the
+        transitions above (and close) only."""
         entry = {"at": round(time.time(), 3), "event": event, **fields}
         if event in NOTIFIED:
             self.notify(entry)
@@ -323,7 +346,7 @@ class _ControlHook(JobHooks):
 
     def started(self, ctx: JobContext) -> None:
         c, cl = self.control, ctx.cluster
-        c.record("job", state=RunStatus.RUNNING, job_id=ctx.job_id, cluster=cl.name, site=cl.site.region or cl.cloud,
+        c.running("job", job_id=ctx.job_id, cluster=cl.name, site=cl.site.region or cl.cloud,
                  node_type=ctx.spec.nodes.node_type, hosts=[n.name for n in cl.nodes], lease_id=cl.lease_id,
                  lease_end=cl.lease_end, restore=bool(ctx.restore))
         with c._mu:

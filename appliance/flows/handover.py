@@ -22,7 +22,6 @@ import threading
 import time
 
 from .. import report
-from ..checkpoint.runs import RunStatus
 from ..cluster import Cluster, find_cluster
 from ..errors import ApplianceError, NoHosts
 from ..provision import lifecycle
@@ -224,7 +223,7 @@ def _wait_for_slot(ctx, control, choices: list, fit=None, quiet: bool = False):
     if not slots or slots[0][0] > limit:
         first = f"; the first is {label(choices[slots[0][1]])} at {slots[0][0]:%Y-%m-%d %H:%M} UTC" if slots else ""
         if not quiet:
-            control.record("parked", state=RunStatus.PARKED, reason=f"no slot within lease.wait {spec.lease.wait}{first}")
+            control.parked(reason=f"no slot within lease.wait {spec.lease.wait}{first}")
             log.info(f"[run] no {spec.nodes.count} x {' or '.join(map(label, choices))} free within lease.wait "
                      f"({spec.lease.wait}){first}: the run is parked with its checkpoint, holds no lease, and looks "
                      f"again every {PARK_POLL / 60:.0f} min (a longer lease.wait or more nodes.alternatives help; "
@@ -235,7 +234,7 @@ def _wait_for_slot(ctx, control, choices: list, fit=None, quiet: bool = False):
     fits = fit(start) if fit else None
     if fit and fits is None:
         if not quiet:
-            control.record("parked", state=RunStatus.PARKED, reason=f"the first slot, {label(a)} at {start:%Y-%m-%d %H:%M} "
+            control.parked(reason=f"the first slot, {label(a)} at {start:%Y-%m-%d %H:%M} "
                                                             "UTC, is past the run's limits")
             log.info(f"[run] the first free slot, {spec.nodes.count} x {label(a)} at {start:%Y-%m-%d %H:%M} UTC, "
                      f"leaves no lease within the run's limits: the run is parked with its checkpoint and looks "

@@ -271,7 +271,7 @@ class _Run:
         self.parked = True
         log.info(f"[run] error: run {self.spec.name} is parked, holding no lease: {e.message} (fix: {e.fix}; then "
                  f"`appliance run {self.spec.path}` continues it from its newest checkpoint)")
-        self.control.record("no SUs", state=RunStatus.PARKED, reason=e.message[:300])
+        self.control.parked("no SUs", reason=e.message[:300])
 
     def final_status(self, res: JobResult | None) -> RunStatus:
         """The run's status once its loop has ended with ``res`` (its last job's result)."""
@@ -330,7 +330,7 @@ class _Run:
         warm, self.warm = self.warm, None
         nxt = warm.ready() if warm is not None else None
         old = self.current
-        self.control.record("handover", state=RunStatus.HANDOVER, after=res.job_id, warm=nxt is not None)
+        self.control.handing_over(after=res.job_id, warm=nxt is not None)
         gone = None
         if nxt is not None:
             log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on {nxt.name}, up and "

@@ -10,7 +10,6 @@ import time
 
 from .. import report
 from ..checkpoint import runs
-from ..checkpoint.runs import RunStatus
 from ..cluster import Cluster, find_cluster
 from ..errors import ApplianceError
 from ..protocol import EXIT_STOPPED
@@ -73,7 +72,7 @@ def wait_for_live_job(ctx, control: Control, on_follow=None) -> dict | None:
                 followed, said = {"job_id": jid, "cluster": cl}, True
                 log.info(f"[run] job {jid} of run {ctx.spec.name} runs on {cl.name}, launched by a controller that "
                          "is gone: following it to its end, which is handed over as any job's")
-                control.record("following", state=RunStatus.RUNNING, job_id=jid, cluster=cl.name)
+                control.running("following", job_id=jid, cluster=cl.name)
                 on_follow(cl)
         if not said:
             said = True
