@@ -347,8 +347,8 @@ class _ControlHook(JobHooks):
     def started(self, ctx: JobContext) -> None:
         c, cl = self.control, ctx.cluster
         c.running("job", job_id=ctx.job_id, cluster=cl.name, site=cl.site.region or cl.cloud,
-                 node_type=ctx.spec.nodes.node_type, hosts=[n.name for n in cl.nodes], lease_id=cl.lease_id,
-                 lease_end=cl.lease_end, restore=bool(ctx.restore))
+                  node_type=ctx.spec.nodes.node_type, hosts=[n.name for n in cl.nodes], lease_id=cl.lease_id,
+                  lease_end=cl.lease_end, restore=bool(ctx.restore))
         with c._mu:
             c._stop_job = self.stop
             c.job_id = ctx.job_id

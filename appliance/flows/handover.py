@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import os
 import threading
 import time
@@ -57,6 +58,15 @@ def overlap_cost(spec) -> float:
     """Node-hours the overlap costs per lease end (both clusters leased through it)."""
     return duration_seconds(spec.lease.overlap) * spec.nodes.count / 3600
 
+
+def leased_as(spec, a, seconds: int | None = None):
+    """The spec a lease of the Alternative ``a`` is asked for: its node type, at its site (None: the spec's), for
+    ``seconds`` (None: lease.duration)."""
+    spec = dataclasses.replace(spec, site=a.site or spec.site,
+                               nodes=dataclasses.replace(spec.nodes, node_type=a.node_type))
+    if seconds is None:
+        return spec
+    return dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=f"{seconds // 60}m"))
 
 
 class Warm:
@@ -132,8 +142,7 @@ class Warm:
         NoHosts when none has the hosts."""
         choices = choices_of(spec)
         for i, a in enumerate(choices):
-            at = dataclasses.replace(spec, site=a.site or spec.site,
-                                     nodes=dataclasses.replace(spec.nodes, node_type=a.node_type))
+            at = leased_as(spec, a)
             site = self.ctx.at(a.site)
             try:
                 booked = lifecycle.book(site, at, start, on_ask=getattr(self.plan, "asking", None))
@@ -169,7 +178,7 @@ class Warm:
                 continue
             new, why = Lease(site.cloud, lid).extend(  # by the spec's duration, at most the run's limits allow
                 dt.timedelta(seconds=duration_seconds(self.spec.lease.duration)), info.end,
-                lambda lid, end: self.plan.extend_by(lid, end, warm=True))
+                functools.partial(self.plan.extend_by, warm=True))
             if new is None:
                 self.record("extend refused", lease_id=lid, reason=why[:300])
                 log.info(f"[run] lease {lid} was not extended ({why}): the next lease is booked")
@@ -234,18 +243,16 @@ def _wait_for_slot(ctx, control, choices: list, fit=None, quiet: bool = False):
     fits = fit(start) if fit else None
     if fit and fits is None:
         if not quiet:
-            control.parked(reason=f"the first slot, {label(a)} at {start:%Y-%m-%d %H:%M} "
-                                                            "UTC, is past the run's limits")
+            control.parked(reason=f"the first slot, {label(a)} at {start:%Y-%m-%d %H:%M} UTC, is past the run's "
+                                  "limits")
             log.info(f"[run] the first free slot, {spec.nodes.count} x {label(a)} at {start:%Y-%m-%d %H:%M} UTC, "
                      f"leaves no lease within the run's limits: the run is parked with its checkpoint and looks "
                      f"again every {PARK_POLL / 60:.0f} min (raise the limits in {spec.path}, then `appliance run` "
                      "again)")
         return None
     site = ctx.at(a.site)
-    lease = dataclasses.replace(spec.lease, duration=f"{fits // 60}m") if fits else spec.lease
-    booked = lifecycle.book(site, dataclasses.replace(spec, lease=lease, site=a.site or spec.site,
-                                                      nodes=dataclasses.replace(spec.nodes, node_type=nt)),
-                            start if start > now + dt.timedelta(minutes=1) else None,
+    booked = lifecycle.book(site, leased_as(spec, a, fits or None), start if start > now + dt.timedelta(minutes=1)
+                            else None,
                             on_ask=getattr(control, "on_ask", None))
     wait_s = max(0.0, (start - now).total_seconds())
     control.record("waiting for hosts", node_type=nt, **where, lease_id=booked.lease_id,

@@ -22,7 +22,7 @@ from ..errors import NoHosts
 from ..provision import lifecycle
 from ..spec import Alternative
 from . import handover
-from .handover import choices_of, label
+from .handover import choices_of, label, leased_as
 
 log = report.get(__name__)
 
@@ -62,10 +62,8 @@ class Recovery:
     def up(self, a: Alternative, phases: dict[str, float], duration: str | None = None) -> Cluster:
         """The run's cluster on a lease of ``a`` (the one booked under the run's name, else a new one of
         ``duration``: None, the spec's), up: each lease asked for goes to the run's ledger first."""
-        spec = self.run.spec
-        at = dataclasses.replace(spec, site=a.site or spec.site,
-                                 nodes=dataclasses.replace(spec.nodes, node_type=a.node_type))
-        if duration is not None:
+        at = leased_as(self.run.spec, a)
+        if duration is not None:  # new_lease's keyword: its duration cut to the run's limits
             at = dataclasses.replace(at, lease=dataclasses.replace(at.lease, duration=duration))
         return lifecycle.up(self.run.ctx.at(a.site), at, timings=phases, on_ask=self.run.asking)
 

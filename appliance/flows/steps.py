@@ -43,6 +43,11 @@ class RunContext:
     def of(cls, spec: Spec) -> RunContext:
         return cls(spec, for_spec(spec))
 
+    def with_spec(self, spec: Spec) -> RunContext:
+        """The same run's context for its spec as changed for one job (a lease's duration, an alternative's node
+        type): the same site clients."""
+        return RunContext(spec, self.site, self._others)
+
     def at(self, region: str | None) -> Site:
         """The site ``region`` of the run's cloud (a managed run's alternative at another site: CHI@TACC for a run
         at CHI@UC), one client each for the whole command; the run's own for None or its own region."""
@@ -180,7 +185,7 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
         spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, count=nodes))
     if lease_duration is not None:
         spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=lease_duration))
-    ctx = RunContext(spec, ctx.site, ctx._others) if ctx is not None else RunContext.of(spec)
+    ctx = ctx.with_spec(spec) if ctx is not None else RunContext.of(spec)
     ck = _resume_point(ctx)
     if ck is _COMPLETE:
         return None
@@ -193,7 +198,7 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
         cluster, node_type = got
         if node_type != spec.nodes.node_type:  # an alternative's: what the job's records say it ran on
             spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, node_type=node_type))
-            ctx = RunContext(spec, ctx.site, ctx._others)
+            ctx = ctx.with_spec(spec)
     else:
         cluster = _resume_cluster(ctx, cluster_name, up_phases, on_ask)
     t["cluster ready"] = time.time()
