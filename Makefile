@@ -14,6 +14,9 @@ DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached shel
 # Ceph's RADOS Gateway, the local cloud's object store as on Chameleon (appliance/localcloud/rgw_server.py)
 CEPH_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
 PYTEST_ARGS ?=
+# A Python 3.12 (what a CC-Ubuntu24.04 node runs; Debian 12 has none): the local cloud's 24.04 nodes run it, and
+# make install builds Horovod for it once (testbed/nodeimage.py PYTHON312_AT looks in the same places)
+PYTHON312 ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12))
 # `make test` runs the tests in a few processes (pytest-xdist): one per core, at most 4. End-to-end tests wait on
 # boots, stores and jobs much of the time, and another test's work fills that. Each test file runs whole in one
 # worker (--dist loadfile), so its fixtures (a local cloud, a store, a reference run) are made once; the longest
@@ -21,7 +24,7 @@ PYTEST_ARGS ?=
 # busy 94% of a whole run with 2 workers; one worker more ran 25:00 instead of 25:40 and timing-bound tests failed.)
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 
-.PHONY: help install system-deps deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \
+.PHONY: help install system-deps wheel-py312 gpu-wheel deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \
 	image image-lint bench-scale bench-scale-light bench-resume bench-stream digits-data
 
 help:
@@ -37,6 +40,7 @@ help:
 	@echo "              bench-stream (stream mode vs local disk, the link shaped around the training's demand);"
 	@echo "              results in bench/results"
 	@echo "make image    the GPU appliance image with diskimage-builder (docs/image.md)"
+	@echo "make gpu-wheel  Horovod's GPU build (NCCL from TensorFlow's wheel) on this machine, and its checks"
 	@echo "make clean    remove the testbed and .venv"
 
 install: system-deps $(VENV)/.installed
@@ -65,6 +69,18 @@ $(VENV)/.installed: requirements.lock pyproject.toml images/install-stack.sh
 	  --wheels $(WHEEL_CACHE) --appliance . --editable
 	touch $@
 
+# Horovod built for Python 3.12 into the wheel cache, by the same script, as a CC-Ubuntu24.04 node would build it
+# (the e2e test of such a node takes it from there, as from the object store's wheel cache). Once per machine:
+# skipped when the cache has it; the venv it was built in is removed.
+STACK312 := build/stack-py3.12
+wheel-py312: $(VENV)/.installed
+	@if [ -z "$(PYTHON312)" ]; then echo "note: no Python 3.12 here; the CC-Ubuntu24.04 node test will be skipped"; exit 0; fi; \
+	args="--variant cpu --python $(PYTHON312) --venv $(STACK312) --lock requirements.lock --appliance ."; \
+	tag=$$(bash images/install-stack.sh $$args --print-tag | sed -n 's/^APPLIANCE_STACK_TAG \([^ ]*\).*/\1/p'); \
+	if ls $(WHEEL_CACHE)/$$tag/horovod-*.whl >/dev/null 2>&1; then exit 0; fi; \
+	wh=$$($(PY) -c 'from appliance.sites.local import local_wheelhouse; print(local_wheelhouse())') && \
+	PIP_FIND_LINKS=$$wh bash images/install-stack.sh $$args --wheels $(WHEEL_CACHE) && rm -rf $(STACK312)
+
 # the digits dataset in the local cloud's store (starts the local cloud): what the lease-end demo stages
 digits-data: install
 	$(PY) examples/digits/make_dataset.py build/digits-data
@@ -83,7 +99,7 @@ deploy: digits-data
 
 # The import-layers contract first (.importlinter, docs/architecture.md), then both tiers. .venv-chi: python-chi,
 # Chameleon's own client, judges the local cloud (an e2e test).
-test: install .venv-chi/.installed
+test: install wheel-py312 .venv-chi/.installed
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 

@@ -4,21 +4,33 @@
 #   - the image build (DIB element appliance-stack): --variant gpu --venv /opt/appliance/venv
 #   - the boot-time installer (`appliance up --install`) on a stock CC-Ubuntu CUDA node: --variant gpu
 #
-# Steps: (1) a venv with the wanted Python; (2) every package of the lock, exactly, with --no-deps
+# Steps: (1) a venv with a Python the pins support: --python PY, or (auto) the image's own python3.11 where it is a
+# release, else its python3.12 (Ubuntu 24.04 has no 3.11), else a Python that uv (pinned) installs; (2) every
+# package of the lock, exactly, with --no-deps
 # (the gpu variant swaps tensorflow-cpu for the lock's `# gpu:` lines: the GPU TensorFlow and the CUDA,
 # cuDNN and NCCL wheels it was built against), installed by uv (pinned in the lock: the same wheels as pip,
 # unpacked in parallel; it reads UV_INDEX_URL, not pip.conf); (3) Horovod built from source against that
-# TensorFlow (Gloo always, NCCL on gpu), or a wheel already built for the same TF/variant/Python taken from
-# --wheels; (4) the appliance package; (5) the build check: Horovod's TensorFlow extension loads and was built
-# with Gloo (and NCCL on gpu). Idempotent: a step whose result is there already is skipped.
+# TensorFlow (Gloo always; on gpu NCCL, linked shared against the NCCL wheel TensorFlow brings, so a process holds
+# one NCCL), or a wheel already built for the same key taken from --wheels (the key: TF, variant, Python, and on
+# gpu the CUDA toolkit and NCCL; `--print-tag` prints it); (4) the appliance package; (5) the build check:
+# Horovod's TensorFlow extension loads and was built with Gloo (and on gpu NCCL, linked as above). Idempotent: a
+# step whose result is there already is skipped.
 #
 # Usage: install-stack.sh --variant cpu|gpu --venv DIR --lock FILE --appliance SRC
-#                         [--wheels DIR] [--python PY] [--editable] [--system-deps]
+#                         [--wheels DIR] [--python PY|auto] [--editable] [--system-deps] [--print-tag]
 set -euo pipefail
 
-variant=cpu venv="" lock="" src="" wheels="" python=python3.11 editable=0 system_deps=0
+variant=cpu venv="" lock="" src="" wheels="" python=auto editable=0 system_deps=0 print_tag=0
+nccl_link=$(mktemp -u -d)  # made only for a gpu build
 say() { printf 'install-stack: %s\n' "$*"; }
 die() { printf 'install-stack: error: %s\n' "$*" >&2; exit 1; }
+
+# The Pythons the pins support: TensorFlow 2.18.1 has cp311 and cp312 wheels, and Horovod 0.28.1 builds on both.
+PYTHONS="3.11 3.12"
+MANAGED_PYTHON=3.11  # what uv installs where the image has neither (CC-Ubuntu22.04: python3.11 is 3.11.0~rc1)
+# The GPU build's compute capabilities: Chameleon's GPUs, P100 (sm_60), V100 (70), RTX 6000 (75), A100 (80),
+# A30/A40 (86), H100 (90); those the CUDA toolkit cannot build (CUDA 13 has no sm_60/sm_70) are said and left out
+CUDA_CCS="60 70 75 80 86 90"
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -30,7 +42,8 @@ while [ $# -gt 0 ]; do
     --python) python=$2; shift 2 ;;
     --editable) editable=1; shift ;;
     --system-deps) system_deps=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --print-tag) print_tag=1; shift ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -40,11 +53,19 @@ if [ -z "$venv" ] || [ -z "$lock" ] || [ -z "$src" ]; then
 fi
 [ -f "$lock" ] || die "lock file $lock not found"
 wheels=${wheels:-$venv/.wheels}
+pin() { sed -n "s/^$1==//p" "$lock"; }
+tf_version=$(pin tensorflow_cpu) hvd_version=$(pin horovod) uv_version=$(pin uv)
+if [ -z "$tf_version" ] || [ -z "$hvd_version" ] || [ -z "$uv_version" ]; then
+  die "$lock lacks the tensorflow_cpu, horovod or uv pin"
+fi
+# cmake >= 4 (CC-Ubuntu26.04) refuses Gloo's cmake_minimum_required of 2.8 without this; older cmake ignores it
+export CMAKE_POLICY_VERSION_MINIMUM=3.5
 
 # -- 0. system packages (image build and boot-time install; make install has its own list) ------------
-if [ "$system_deps" = 1 ]; then
-  pkgs="build-essential cmake g++ git python3.11 python3.11-venv python3.11-dev openssh-client firewalld"
-  [ "$variant" = gpu ] && pkgs="$pkgs libnccl2 libnccl-dev"  # from the CUDA apt repo the CC CUDA images have
+# No apt NCCL: NVIDIA's repository serves CUDA 13 builds of libnccl2 now; Horovod links the NCCL wheel TensorFlow
+# brings (step 3). python3-venv/-dev: the image's own Python (3.12 on Ubuntu 24.04; 3.10 on 22.04, where uv brings one).
+if [ "$system_deps" = 1 ] && [ "$print_tag" = 0 ]; then
+  pkgs="build-essential cmake g++ git python3-venv python3-dev openssh-client firewalld"
   say "system packages: $pkgs"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
@@ -52,26 +73,96 @@ if [ "$system_deps" = 1 ]; then
   apt-get install -y -qq $pkgs >/dev/null
 fi
 
-# -- 1. the venv ------------------------------------------------------------------------------------
-command -v "$python" >/dev/null || die "$python not found (fix: apt-get install python3.11-venv, or --python PY)"
-pyver=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-[ "$pyver" = 3.11 ] || die "$python is Python $pyver; TensorFlow 2.18 + Horovod 0.28.1 are pinned for 3.11"
+# -- 1. the venv, with a Python the pins support ----------------------------------------------------------
+py_minor() {  # "3.11" or "3.12" for a final release of a supported Python; nothing otherwise
+  "$1" -c 'import sys
+v = sys.version_info
+if v.releaselevel == "final" and "%d.%d" % v[:2] in sys.argv[1].split(): print("%d.%d" % v[:2])' "$PYTHONS" \
+    2>/dev/null || true
+}
+py_says() { "$1" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null || echo "?"; }
+find_python() {  # sets python (a path, or "managed") and pyver
+  if [ -x "$venv/bin/python" ]; then  # a re-run keeps the venv's Python (and so the wheel-cache key)
+    python=$venv/bin/python pyver=$(py_minor "$venv/bin/python")
+    [ -n "$pyver" ] || die "$venv has Python $(py_says "$venv/bin/python"), not one of $PYTHONS (fix: remove $venv)"
+    return
+  fi
+  if [ "$python" != auto ]; then
+    command -v "$python" >/dev/null || die "$python not found (fix: --python auto finds one)"
+    python=$(command -v "$python") pyver=$(py_minor "$python")
+    [ -n "$pyver" ] || die "$python is Python $(py_says "$python"); the pins need a $PYTHONS release (fix: --python auto)"
+    return
+  fi
+  local c p
+  for c in python3.11 python3.12 python3; do
+    p=$(command -v "$c" 2>/dev/null) || continue
+    pyver=$(py_minor "$p")
+    if [ -n "$pyver" ]; then python=$p; return; fi
+    [ "$print_tag" = 1 ] || say "python: $p is $(py_says "$p"), not a $PYTHONS release; not used"
+  done
+  python=managed pyver=$MANAGED_PYTHON
+}
+managed_python() {  # Python $MANAGED_PYTHON installed by uv (the lock's pin) beside the venv; prints its path
+  local boot=${venv%/}.uv base
+  if [ ! -x "$boot/bin/uv" ]; then
+    base=$(command -v python3) || die "no python3 to run uv with (fix: apt-get install python3-venv)"
+    "$base" -m venv "$boot" || die "$base -m venv failed (fix: apt-get install python3-venv)"
+    "$boot/bin/python" -m pip --disable-pip-version-check install -q "uv==$uv_version"
+  fi
+  UV_PYTHON_INSTALL_DIR=${venv%/}.python "$boot/bin/uv" python install -q "$MANAGED_PYTHON" >&2 ||
+    die "uv could not install Python $MANAGED_PYTHON (it downloads from GitHub; fix: install python3.12-venv)"
+  UV_PYTHON_INSTALL_DIR=${venv%/}.python "$boot/bin/uv" python find --python-preference only-managed \
+    "$MANAGED_PYTHON"
+}
+find_python
+
+# the wheel-cache key: what a built Horovod depends on (TF, variant, Python; on gpu the CUDA toolkit it was compiled
+# with and the NCCL wheel it links)
+tag="tf$tf_version-$variant-py$pyver"
+# site-packages of the venv (a venv's layout on Linux), where the NCCL wheel and Horovod's mpi_lib land
+site=$venv/lib/python$pyver/site-packages
+build_env=(HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+           HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "MAKEFLAGS=-j$(nproc)")
+if [ "$variant" = gpu ]; then
+  cuda=${CUDA_HOME:-/usr/local/cuda}
+  cuda_version=$({ "$cuda/bin/nvcc" --version 2>/dev/null || true; } | sed -n 's/.*release \([0-9][0-9.]*\),.*/\1/p')
+  [ -n "$cuda_version" ] || die "no CUDA toolkit at $cuda (fix: use a CC-Ubuntu*-CUDA image, or set CUDA_HOME)"
+  nccl_version=$(sed -n 's/^# gpu: nvidia-nccl-cu12==//p' "$lock")
+  [ -n "$nccl_version" ] || die "$lock has no '# gpu: nvidia-nccl-cu12==...' line"
+  tag="$tag-cuda$cuda_version-nccl$nccl_version"
+  # One NCCL in the process: TensorFlow's (the nvidia-nccl-cu12 wheel), linked shared (Horovod's FindNCCL.cmake
+  # takes libnccl_static.a unless HOROVOD_NCCL_LINK=SHARED, and finds the library as libnccl.so, which the wheel
+  # does not ship: a link to its libnccl.so.2 in a build directory). The RUNPATH reaches the wheel from
+  # site-packages/horovod/tensorflow/mpi_lib*.so in any venv.
+  nccl=$site/nvidia/nccl
+  can=$({ "$cuda/bin/nvcc" --list-gpu-arch 2>/dev/null || true; } | sed -n 's/^compute_//p' | tr '\n' ' ')
+  ccs="" skipped=""
+  for cc in $CUDA_CCS; do
+    case " $can " in *" $cc "*) ccs="$ccs${ccs:+,}$cc" ;; *) skipped="$skipped sm_$cc" ;; esac
+  done
+  [ -n "$ccs" ] || die "CUDA $cuda_version at $cuda builds none of sm_${CUDA_CCS// /, sm_}"
+  build_env+=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_CUDA_HOME=$cuda" "PATH=$cuda/bin:$PATH"
+              "HOROVOD_NCCL_INCLUDE=$nccl/include" "HOROVOD_NCCL_LIB=$nccl_link" HOROVOD_NCCL_LINK=SHARED
+              "HOROVOD_BUILD_CUDA_CC_LIST=$ccs" "LDFLAGS=-Wl,-rpath,\$ORIGIN/../../nvidia/nccl/lib ${LDFLAGS:-}")
+fi
+if [ "$print_tag" = 1 ]; then  # the key and how Horovod would be built, nothing installed
+  echo "APPLIANCE_STACK_TAG $tag python=$python"
+  printf 'APPLIANCE_STACK_BUILD %s\n' "${build_env[@]}"
+  [ -z "${skipped:-}" ] || echo "APPLIANCE_STACK_SKIPPED$skipped"
+  exit 0
+fi
+[ "$python" = managed ] && { say "python: none of $PYTHONS here; uv installs $MANAGED_PYTHON"; python=$(managed_python); }
 if [ ! -x "$venv/bin/python" ]; then
-  say "creating $venv"
-  "$python" -m venv "$venv"
+  say "creating $venv (Python $(py_says "$python"), $python)"
+  "$python" -m venv "$venv" || die "$python -m venv failed (fix: apt-get install python3-venv)"
 fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
 pip install -q --upgrade pip setuptools wheel
-uv_version=$(sed -n 's/^uv==//p' "$lock")
-[ -n "$uv_version" ] || die "$lock lacks the uv pin"
 pip install -q "uv==$uv_version"
 
 # -- 2. the lock, exactly ------------------------------------------------------------------------------
-tf_version=$(sed -n 's/^tensorflow_cpu==//p' "$lock")
-hvd_version=$(sed -n 's/^horovod==//p' "$lock")
-if [ -z "$tf_version" ] || [ -z "$hvd_version" ]; then die "$lock lacks the tensorflow_cpu or horovod pin"; fi
 reqs=$(mktemp)
-trap 'rm -f "$reqs"' EXIT
+trap 'rm -rf "$reqs" "$nccl_link"' EXIT
 if [ "$variant" = gpu ]; then
   grep -v -E '^(#|horovod==|tensorflow_cpu==)' "$lock" > "$reqs"
   sed -n 's/^# gpu: //p' "$lock" >> "$reqs"
@@ -89,19 +180,21 @@ uv_from=()
 case "${PIP_NO_INDEX:-}" in 1|true|yes) uv_from+=(--no-index) ;; esac
 "$venv/bin/uv" pip install -q --no-deps --compile-bytecode --python "$venv/bin/python" "${uv_from[@]}" -r "$reqs"
 
-# -- 3. Horovod, built against the installed TensorFlow (once per TF version, variant and Python) ------------
-tag="tf$tf_version-$variant-py$pyver"
+# -- 3. Horovod, built against the installed TensorFlow (once per wheel-cache key) ------------------------------
+purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+[ "$(realpath -m "$site")" = "$(realpath -m "$purelib")" ] || die "$venv is not laid out as a venv on Linux ($purelib)"
 mkdir -p "$wheels/$tag"
 find_wheel() { find "$wheels/$tag" -maxdepth 1 -name "horovod-$hvd_version-*.whl" | head -n 1; }
 wheel=$(find_wheel)
 if [ -z "$wheel" ]; then
-  say "building horovod $hvd_version against tensorflow $tf_version ($variant; ~5 min on 2 cores)"
-  build_env=(HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
-             HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "MAKEFLAGS=-j$(nproc)")
+  say "building horovod $hvd_version against tensorflow $tf_version ($tag; ~5 min on 2 cores)"
   if [ "$variant" = gpu ]; then
-    cuda=${CUDA_HOME:-/usr/local/cuda}
-    [ -x "$cuda/bin/nvcc" ] || die "no CUDA toolkit at $cuda (fix: use a CC-Ubuntu*-CUDA image, or set CUDA_HOME)"
-    build_env+=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_CUDA_HOME=$cuda" "PATH=$cuda/bin:$PATH")
+    { [ -f "$nccl/include/nccl.h" ] && [ -f "$nccl/lib/libnccl.so.2" ]; } ||
+      die "no NCCL wheel at $nccl (the lock's nvidia-nccl-cu12 line; fix: re-run, or check the lock's # gpu: lines)"
+    mkdir -p "$nccl_link"
+    ln -sf "$nccl/lib/libnccl.so.2" "$nccl_link/libnccl.so"
+    [ -z "$skipped" ] || say "CUDA $cuda_version cannot build for$skipped: those GPUs cannot run this wheel"
+    say "gpu: CUDA $cuda_version ($cuda), compute capabilities $ccs, NCCL $nccl_version from $nccl (shared)"
   fi
   env "${build_env[@]}" "$venv/bin/python" -m pip --disable-pip-version-check wheel -q --no-build-isolation \
     --no-deps --no-cache-dir -w "$wheels/$tag" "horovod==$hvd_version"
@@ -136,5 +229,12 @@ want="TensorFlow Gloo"
 for w in $want; do
   grep -q "\[X\] $w" <<<"$check" || die "horovod was built without $w (see $venv/check-build.txt)"
 done
+if [ "$variant" = gpu ]; then  # one NCCL: the wheel's, shared; none compiled in (its version banner absent)
+  so=$(find "$site/horovod/tensorflow" -maxdepth 1 -name 'mpi_lib*.so' | head -n 1)
+  readelf -d "$so" | grep -q 'NEEDED.*\[libnccl\.so\.2\]' ||
+    die "$so does not load libnccl.so.2: it was not linked against the NCCL wheel (fix: remove $wheels/$tag, re-run)"
+  ! grep -qa 'NCCL version' "$so" || die "$so has an NCCL compiled in (a static libnccl) besides TensorFlow's"
+  want="$want (NCCL shared: $(readelf -d "$so" | sed -n 's/.*RUNPATH.*\[\(.*\)\]/\1/p'))"
+fi
 say "ok: $venv has tensorflow $tf_version + horovod $hvd_version ($want)"
 echo "APPLIANCE_STACK ok variant=$variant venv=$venv wheel=$wheel"

@@ -169,46 +169,89 @@ def test_image_upload_to_the_local_glance(cloud, tmp_path):
     assert r.exit_code == 2
 
 
-@pytest.mark.slow
-@needs_netns
-def test_up_install_from_the_wheel_cache_then_doctor(cloud, tmp_path, said):
-    """The boot-time installer on a stock node: a fresh venv on the node's own disk, Horovod from the object
-    store's wheel cache (no build), the build checked by the script, then the doctor there."""
-    from appliance import flows, sites
-    from appliance.provision import install
+def stack_tag(python: str, variant: str = "cpu") -> str:
+    """The wheel-cache key install-stack.sh computes for ``python`` (its --print-tag, the key's one source)."""
+    r = subprocess.run(["bash", str(ROOT / "images" / "install-stack.sh"), "--print-tag", "--variant", variant,
+                        "--python", python, "--venv", "/nonexistent/venv", "--lock", str(ROOT / "requirements.lock"),
+                        "--appliance", str(ROOT)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()[1]
+
+
+def _cache_wheel(tag: str, tmp_path: Path) -> None:
+    """The wheel `make install` built for ``tag``, in the local cloud's wheel cache, as if an earlier cluster had
+    built it (a build on the node takes ~5 minutes here)."""
+    from appliance import sites
     from appliance.store.objects import open_store
 
-    tag = install.stack_tag("cpu")
     built = sorted((Path.home() / ".cache" / "appliance" / "wheels" / tag).glob("horovod-*.whl"))
     assert built, f"make install builds Horovod into ~/.cache/appliance/wheels/{tag}/"
     store, _ = open_store("swift://appliance-wheels/", sites.open_site("local").store_creds())
     store.ensure_container()
-    store.put(f"{tag}/{built[-1].name}", built[-1])  # as if an earlier cluster had built it
+    store.put(f"{tag}/{built[-1].name}", built[-1])
     digest = tmp_path / "digest"
     digest.write_text(hashlib.sha256(built[-1].read_bytes()).hexdigest() + "\n")
     store.put(f"{tag}/{built[-1].name}.sha256", digest)
-    spec = tmp_path / "inst.yaml"
+
+
+def _install_and_train(tmp_path: Path, said, name: str, image: str, tag: str, minor: str, doctor_too: bool):
+    """`appliance up SPEC --install` on a stock image, then the digits example trained to its end there."""
+    from appliance import flows
+
+    _cache_wheel(tag, tmp_path)
+    spec = tmp_path / f"{name}.yaml"
     spec.write_text(textwrap.dedent(f"""\
-        name: inst
+        name: {name}
         cloud: local
+        image: {image}
         nodes: {{count: 1}}
         lease: {{duration: 2h}}
-        train: {{code: {ROOT / 'examples' / 'digits'}, command: python train.py}}
+        train: {{code: {ROOT / 'examples' / 'digits'}, command: python train.py --epochs 4}}
         """))
     said.clear()
     cl = flows.up(str(spec), install=True)
     try:
         assert cl.python == "/mnt/local/appliance/venv/bin/python"
-        assert cl.site.installed == {"tag": tag, "built": None, "cached": True}, said
-        assert any("the wheel cache has" in m for m in said)
-        assert not any("building horovod" in m for m in said)
-        results = flows.doctor_cluster(cl)
-        checks = {c.name: c for c in results[cl.head.name]}
-        assert not [c for c in checks.values() if c.status == "fail"], doctor.format_checks(list(checks.values()))
-        assert "/mnt/local/appliance/venv" in checks["python"].detail  # the node's own new venv
-        assert checks["nic"].status == "ok"
+        installed = cl.site.installed
+        assert {k: installed[k] for k in ("tag", "built", "cached")} == {"tag": tag, "built": None, "cached": True}
+        assert f"python{minor}" in installed["interpreter"] or f"/{minor}." in installed["interpreter"], installed
+        assert any("the wheel cache has" in m for m in said) and not any("building horovod" in m for m in said)
+        r = CliRunner().invoke(main, ["train", str(spec), "--json"])
+        assert r.exit_code == 0, r.output[-2000:]
+        res = json.loads(r.stdout[r.stdout.index("{"):])
+        assert res["exit_code"] == 0 and res["ranks_reported"] == [0] and res["epochs"] == 4, res
+        if doctor_too:
+            results = flows.doctor_cluster(cl)
+            checks = {c.name: c for c in results[cl.head.name]}
+            assert not [c for c in checks.values() if c.status == "fail"], \
+                doctor.format_checks(list(checks.values()))
+            assert "/mnt/local/appliance/venv" in checks["python"].detail  # the node's own new venv
+            assert checks["nic"].status == "ok"
     finally:
-        flows.down("inst")
+        flows.down(name)
+
+
+@pytest.mark.slow
+@needs_netns
+def test_up_install_on_a_22_04_node_from_the_wheel_cache_trains_then_doctor(cloud, tmp_path, said):
+    """The boot-time installer on a stock CC-Ubuntu22.04 node (its python3.11): a fresh venv on the node's own
+    disk, Horovod from the object store's wheel cache (no build), the build checked by the script, the digits
+    example trained to its end, then the doctor there."""
+    tag = stack_tag("/usr/bin/python3.11")
+    _install_and_train(tmp_path, said, "inst", "CC-Ubuntu22.04", tag, "3.11", doctor_too=True)
+
+
+@pytest.mark.slow
+@needs_netns
+def test_up_install_on_a_24_04_node_without_python_3_11_trains(cloud, tmp_path, said):
+    """CC-Ubuntu24.04 has no python3.11 (Ubuntu noble ships 3.12): install-stack.sh finds the node's 3.12 by
+    itself, the wheel cache serves the 3.12 build, and the digits example trains to its end."""
+    from appliance.testbed import nodeimage
+
+    py = nodeimage.python312()
+    if py is None:
+        pytest.skip("this machine has no Python 3.12 for a 24.04 node (make install says where one is looked for)")
+    _install_and_train(tmp_path, said, "inst24", "CC-Ubuntu24.04", stack_tag(py), "3.12", doctor_too=False)
 
 
 def test_doctor_on_a_gpu_machine_without_the_stack(monkeypatch):

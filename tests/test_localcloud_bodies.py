@@ -39,7 +39,7 @@ class InstantNodes(NodeBackend):
         self.teardown = threading.Event()  # a node's teardown (a server's delete) waits for it
         self.teardown.set()
 
-    def add(self, hostname, authorized_keys, user="root", data_disk=None):
+    def add(self, hostname, authorized_keys, user="root", data_disk=None, image=None):
         d = self.root / hostname
         d.mkdir(parents=True, exist_ok=True)
         ip = f"10.99.0.{10 + sum(hostname.encode()) % 180}"  # by name: servers boot in threads, in any order

@@ -19,7 +19,7 @@ from appliance.localcloud.nodes import NodeBackend
 class NoNodes(NodeBackend):
     host_ip = "10.99.0.1"
 
-    def add(self, hostname, authorized_keys, user="root", data_disk=None):
+    def add(self, hostname, authorized_keys, user="root", data_disk=None, image=None):
         raise RuntimeError("no nodes in the fast tier")
 
     def stop_sshd(self, node): ...

@@ -63,5 +63,38 @@ def test_the_local_wheelhouse_fetches_a_pin_that_moved(tmp_path, monkeypatch):
     monkeypatch.setattr(local.subprocess, "run", lambda cmd, **kw: (
         asked.append(cmd), subprocess.CompletedProcess(cmd, 0, "", ""))[1])
     local.local_wheelhouse()
-    wanted = [a for cmd in asked for a in cmd if "==" in a and not a.startswith("horovod")]
-    assert wanted == [f"python-blazarclient=={paths.lock_pin('python-blazarclient')}"], wanted
+    wanted = {a for cmd in asked for a in cmd if "==" in a and not a.startswith("horovod")}
+    assert wanted == {f"python-blazarclient=={paths.lock_pin('python-blazarclient')}"}, wanted
+
+
+def test_the_local_wheelhouse_has_each_node_pythons_wheels(tmp_path, monkeypatch):
+    """A CC-Ubuntu24.04 node installs with Python 3.12: a package whose only wheel here is for this Python (cp311)
+    is fetched for 3.12 too, as a binary wheel for that Python; a pure-Python wheel serves both."""
+    import subprocess
+
+    from appliance import paths
+    from appliance.sites import local
+
+    monkeypatch.setattr(local.Path, "home", lambda: tmp_path)
+    monkeypatch.setattr(local, "node_pythons", lambda: ["3.11", "3.12"])
+    monkeypatch.setattr(local.sys, "version_info", (3, 11, 2, "final", 0))
+    wh = tmp_path / ".cache" / "appliance" / "wheelhouse"
+    wh.mkdir(parents=True)
+    for ln in (ln for ln in paths.LOCK.read_text().splitlines() if ln and not ln.startswith("#")):
+        name, version = ln.split("==")
+        tag = "cp311-cp311-manylinux_2_17_x86_64" if name == "numpy" else "py3-none-any"
+        (wh / f"{name.replace('-', '_')}-{version}-{tag}.whl").write_text("")
+    for extra in ("pip-26.3-py3-none-any.whl", "setuptools-84.2.1-py3-none-any.whl", "wheel-0.48.0-py3-none-any.whl",
+                  f"horovod-{paths.lock_pin('horovod')}.tar.gz"):
+        (wh / extra).write_text("")
+    monkeypatch.setattr(local, "_tags_of", lambda v: {t for t in __import__("packaging.tags").tags.parse_tag(
+        f"cp{v.replace('.', '')}-cp{v.replace('.', '')}-manylinux_2_17_x86_64")} | {
+        t for t in __import__("packaging.tags").tags.parse_tag("py3-none-any")})
+    asked = []
+    monkeypatch.setattr(local.subprocess, "run", lambda cmd, **kw: (
+        asked.append(cmd), subprocess.CompletedProcess(cmd, 0, "", ""))[1])
+    local.local_wheelhouse()
+    assert len(asked) == 1, asked
+    cmd = asked[0]
+    assert [a for a in cmd if "==" in a] == [f"numpy=={paths.lock_pin('numpy')}"]
+    assert cmd[cmd.index("--python-version") + 1] == "3.12" and "--only-binary" in cmd

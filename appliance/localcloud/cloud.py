@@ -123,7 +123,8 @@ class Cloud:
         self.images: list[Image] = [
             Image(_uuid(), name, self.project_id, made, disk_format="qcow2", container_format="bare", status="active",
                   visibility="public", size=1 << 30, updated_at=made)
-            for name in ("appliance-cpu", "CC-Ubuntu22.04", "CC-Ubuntu22.04-CUDA")]
+            for name in ("appliance-cpu", "CC-Ubuntu22.04", "CC-Ubuntu22.04-CUDA", "CC-Ubuntu24.04",
+                         "CC-Ubuntu24.04-CUDA")]  # 24.04: python3 is 3.12, no python3.11 (testbed/nodeimage.py)
         self.faults: dict[str, int] = {}
         # the last REQUEST_LOG requests, secrets redacted (admin_hooks.requests: what tests read back)
         self.requests: collections.deque[dict] = collections.deque(maxlen=REQUEST_LOG)
@@ -416,7 +417,9 @@ class Cloud:
                 self.faults["ssh_never"] -= 1
                 pub = ""
                 srv.no_ssh = True
-            node = self.nodes.add(hostname, pub + "\n" if pub else "", user=IMAGE_USER, data_disk=self.data_disk)
+            image = next((i.name for i in self.images if i.id == srv.image["id"]), None)
+            node = self.nodes.add(hostname, pub + "\n" if pub else "", user=IMAGE_USER, data_disk=self.data_disk,
+                                  image=image)
             srv.ip = node.ip  # the metadata service finds the server by it, as Neutron's proxy does
             if srv.user_data:
                 # cloud-init's scripts-user runs a user_data script once, late in the boot (after the SSH host

@@ -19,9 +19,10 @@ class NodeBackend(ABC):
         """This machine's address on the nodes' network (the floating-IP range is next to it)."""
 
     @abstractmethod
-    def add(self, hostname: str, authorized_keys: str, user: str = "root", data_disk: int | None = None):
+    def add(self, hostname: str, authorized_keys: str, user: str = "root", data_disk: int | None = None,
+            image: str | None = None):
         """Boot a node whose login user ``user`` has the key pair ``authorized_keys``, with a data disk of
-        ``data_disk`` bytes (None: none); returns it (``.ip``, ``.dir`` with its host keys, ``.sshd_pid``,
+        ``data_disk`` bytes (None: none), from the image named ``image``; returns it (``.ip``, ``.dir`` with its host keys, ``.sshd_pid``,
         ``.netns``)."""
 
     @abstractmethod
@@ -63,8 +64,9 @@ class TestbedNodes(NodeBackend):
     def host_ip(self) -> str:
         return self.bridge.host_ip
 
-    def add(self, hostname: str, authorized_keys: str, user: str = "root", data_disk: int | None = None):
-        return testbed.add_node(self.name, hostname, authorized_keys, user=user, data_disk=data_disk)
+    def add(self, hostname: str, authorized_keys: str, user: str = "root", data_disk: int | None = None,
+            image: str | None = None):
+        return testbed.add_node(self.name, hostname, authorized_keys, user=user, data_disk=data_disk, image=image)
 
     def stop_sshd(self, node) -> None:
         testbed.kill_pids([node.sshd_pid])

@@ -131,9 +131,9 @@ class LocalSite(Site):
         session.each(claim)  # node.workdir stays the site's (up set it)
 
     def install_options(self) -> dict:
-        """Nodes are namespaces here: no PyPI, the host's packages, a per-node venv."""
-        return dict(venv=f"{self.workdir}/appliance/venv", system_deps=False, sudo=False,
-                    python=getattr(sys, "_base_executable", sys.executable),
+        """Nodes are namespaces here: no PyPI, the host's packages, a per-node venv; the node's own Python, found
+        by install-stack.sh as on Chameleon (a CC-Ubuntu24.04 node has no python3.11)."""
+        return dict(venv=f"{self.workdir}/appliance/venv", system_deps=False, sudo=False, python="auto",
                     pip_env={"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(local_wheelhouse())})
 
     def default_cluster(self, spec: Spec) -> Cluster:
@@ -165,37 +165,91 @@ def _local_key() -> tuple[str, str]:
 
 def local_wheelhouse() -> Path:
     """The local cloud's nodes have no route to PyPI: fill a wheelhouse here (from pip's cache after the first
-    time) that they read through the shared filesystem. Chameleon nodes use PyPI directly."""
+    time) that they read through the shared filesystem, with wheels for every Python a node may run
+    (install-stack.sh's PYTHONS: a CC-Ubuntu24.04 node's is 3.12). Chameleon nodes use PyPI directly."""
     wh = Path.home() / ".cache" / "appliance" / "wheelhouse"
     wh.mkdir(parents=True, exist_ok=True)
     reqs = [line for line in LOCK.read_text().splitlines() if line and not line.startswith("#")
             and not line.startswith("horovod==")]
-    def norm(name: str) -> str:  # PEP 503
-        return re.sub(r"[-_.]+", "-", name).lower()
-
-    have = {_wheelhouse_entry(p.name, norm) for p in wh.iterdir()}  # (name, version): a pin that moved is missing
-    names = {n for n, _ in have}
-    missing = [r for r in reqs if (norm(r.split("==")[0]), r.split("==")[1]) not in have] + \
-        [r for r in ("pip", "setuptools", "wheel") if r not in names]
-    if missing or ("horovod", paths.lock_pin("horovod")) not in have:
-        log.info(f"filling the local wheelhouse {wh} ({len(missing)} package(s), from PyPI or pip's cache)")
-        pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "--no-deps", "-d", str(wh)]
-        cmds = ([pip + missing] if missing else []) + [pip + ["--no-binary", ":all:", "horovod==" + paths.lock_pin("horovod")]]
-        for cmd in cmds:
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise ApplianceError(f"pip download failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}",
-                                     "check this machine reaches PyPI")
+    have = [_wheelhouse_entry(p.name) for p in wh.iterdir()]
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "--no-deps", "-d", str(wh)]
+    cmds = []
+    for version in node_pythons():
+        tags = _tags_of(version)
+        # (name, version) with a wheel this Python takes: a pin that moved, or a wheel of another Python, is missing
+        got = {(n, v) for n, v, t in have if t is None or t & tags}
+        names = {n for n, _ in got}
+        missing = [r for r in reqs if (_norm(r.split("==")[0]), _version(r.split("==")[1])) not in got] + \
+            [r for r in ("pip", "setuptools", "wheel") if r not in names]
+        if missing:
+            this = version == "%d.%d" % sys.version_info[:2]
+            cmds.append(pip + ([] if this else _other_python(version)) + missing)
+    if ("horovod", paths.lock_pin("horovod")) not in {(n, v) for n, v, _ in have}:
+        cmds.append(pip + ["--no-binary", ":all:", "horovod==" + paths.lock_pin("horovod")])
+    if cmds:
+        log.info(f"filling the local wheelhouse {wh} (Python {', '.join(node_pythons())}; from PyPI or pip's cache)")
+    for cmd in cmds:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ApplianceError(f"pip download failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}",
+                                 "check this machine reaches PyPI")
     return wh
 
 
-def _wheelhouse_entry(filename: str, norm) -> tuple[str, str]:
-    """(normalised name, version) of a wheel (``name-version-...whl``) or an sdist (``name-version.tar.gz``)."""
+def node_pythons() -> list[str]:
+    """The Pythons the stack installs on (install-stack.sh's PYTHONS, its one source)."""
+    m = re.search(r'^PYTHONS="([^"]+)"', paths.shipped("images/install-stack.sh").read_text(), re.M)
+    return m.group(1).split() if m else ["%d.%d" % sys.version_info[:2]]
+
+
+def _platforms() -> list[str]:
+    """This machine's manylinux platform tags, newest first (PEP 600, and the legacy aliases of PEP 599)."""
+    import platform
+
+    arch = platform.machine()
+    glibc = platform.libc_ver()[1] or "2.17"
+    minor = int(glibc.split(".")[1])
+    return ([f"manylinux_2_{m}_{arch}" for m in range(minor, 4, -1)] +
+            [f"manylinux{x}_{arch}" for x in ("2014", "2010", "1")] + [f"linux_{arch}"])
+
+
+def _tags_of(version: str) -> set:
+    from packaging import tags
+
+    if version == "%d.%d" % sys.version_info[:2]:
+        return set(tags.sys_tags())
+    v = tuple(int(x) for x in version.split("."))
+    return set(tags.cpython_tags(v, platforms=_platforms())) | set(tags.compatible_tags(v, platforms=_platforms()))
+
+
+def _other_python(version: str) -> list[str]:
+    """pip download's options for another Python's wheels (binary only: pip cannot build for another Python)."""
+    plat = [a for p in _platforms() for a in ("--platform", p)]
+    return ["--only-binary", ":all:", "--python-version", version, "--implementation", "cp", *plat]
+
+
+def _norm(name: str) -> str:  # PEP 503
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _version(v: str) -> str:  # PEP 440's normal form, as parse_wheel_filename gives it
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return str(Version(v))
+    except InvalidVersion:
+        return v
+
+
+def _wheelhouse_entry(filename: str) -> tuple[str, str, set | None]:
+    """(normalised name, version, the wheel's tags) of a wheel; an sdist (``name-version.tar.gz``) has no tags."""
     if filename.endswith(".whl"):
-        name, version = filename.split("-")[:2]
-    else:
-        name, _, version = re.sub(r"\.(tar\.gz|zip)$", "", filename).rpartition("-")
-    return norm(name), version
+        from packaging.utils import parse_wheel_filename
+
+        name, version, _build, tags = parse_wheel_filename(filename)
+        return _norm(name), str(version), set(tags)
+    name, _, version = re.sub(r"\.(tar\.gz|zip)$", "", filename).rpartition("-")
+    return _norm(name), _version(version), None
 
 
 # `appliance cloud` and `appliance testbed`: the simulator itself, reached through the local site

@@ -96,16 +96,17 @@ def listen_in_netns(netns: str, address: str, port: int) -> socket.socket:
 
 
 def add_node(name: str, node_name: str, authorized_keys: str, *, ready_timeout: float = 20.0,
-             user: str = "root", data_disk: int | None = None) -> TestbedNode:
+             user: str = "root", data_disk: int | None = None, image: str | None = None) -> TestbedNode:
     """Boot one node on testbed ``name`` and wait for its sshd. Returns the node record. ``user``: its login user
-    (``nodeimage.default_user``); ``data_disk``: bytes of its data disk (None: none)."""
+    (``nodeimage.default_user``); ``data_disk``: bytes of its data disk (None: none); ``image``: the CC image's
+    name (``nodeimage.image_mounts``)."""
     with _locked(name, wait=120):
         tb = load(name)
         if tb is None:
             raise ApplianceError(f"testbed {name} does not exist")
         used = {int(n.veth.rsplit("v", 1)[1]) for n in tb.nodes if n.veth}
         index = next(i for i in range(1, 200) if i not in used)
-        node = _start_node(tb, index, node_name, authorized_keys, user=user, data_disk=data_disk)
+        node = _start_node(tb, index, node_name, authorized_keys, user=user, data_disk=data_disk, image=image)
     _wait_ready(tb, [node], ready_timeout)
     return node
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from .. import paths, report
 from ..errors import ApplianceError
-from .nodeimage import DEFAULT_UID, default_user, root_home_for, sshd_config
+from .nodeimage import DEFAULT_UID, default_user, image_mounts, root_home_for, sshd_config
 
 log = report.get(__name__)
 
@@ -335,12 +335,14 @@ def _make_bridge_on(name: str, base: Path, net: ipaddress.IPv4Network) -> Testbe
 
 
 def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, slots: int = 1,
-                ip: str | None = None, user: str = "root", data_disk: int | None = None) -> TestbedNode:
+                ip: str | None = None, user: str = "root", data_disk: int | None = None,
+                image: str | None = None) -> TestbedNode:
     """Create one node (namespace, veth, sshd) on the testbed's bridge; does not wait for sshd. ``user``: the
     login user; another than root is made as cloud-init makes an image's default user (``nodeimage.default_user``).
     ``data_disk``: a disk of that many bytes for data at ``/mnt/local/data``, the login user's, smaller than the
     datasets a test streams (a write past it fails with ENOSPC, and ``df`` says its size): a tmpfs, mounted on the
-    host so the host sees into it as into the rest of the node's disk."""
+    host so the host sees into it as into the rest of the node's disk. ``image``: the CC image it boots from, where that
+    differs from this machine (``nodeimage.image_mounts``)."""
     base = Path(tb.base)
     net = ipaddress.IPv4Network(f"{tb.host_ip}/{tb.prefix}", strict=False)
     root_home = Path(pwd.getpwuid(0).pw_dir)
@@ -369,6 +371,7 @@ def _start_node(tb: Testbed, index: int, node_name: str, authorized_keys: str, s
         (d / "ssh" / "authorized_keys").write_text(authorized_keys)
     else:
         mounts = default_user(d, user, authorized_keys) + root_home_for(d, root_home)
+    mounts += image_mounts(d, image)
     os.chmod(d / "ssh" / "authorized_keys", 0o600)
     (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n{node.ip}\t{node_name}\n")
     (d / "sshd_config").write_text(sshd_config(node))

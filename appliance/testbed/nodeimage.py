@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import stat
 from pathlib import Path
 
 from ..errors import ApplianceError
@@ -114,3 +115,53 @@ def root_home_for(d: Path, root_home: Path) -> str:
     (rh / ".ssh").mkdir(exist_ok=True)
     cmds.append(f"mount --rbind {rh} {root_home}")
     return "".join(f"{c} && " for c in cmds)
+
+
+# The Python of a CC image (ChameleonCloud/CC-Images builds CC-Ubuntu* on Ubuntu's cloud images): Ubuntu 24.04
+# (noble) ships Python 3.12 as python3 and has no python3.11 package (packages.ubuntu.com/noble/python3.12; deadsnakes
+# packages 3.11 for noble because Ubuntu does not). CC-Ubuntu22.04's python3.11 is 3.11.0~rc1 (jammy-updates); here
+# a 22.04 node sees this machine's python3.11, a release (docs/localcloud.md says so).
+NOBLE_HIDDEN = ("python3.11", "python3.11-config", "x86_64-linux-gnu-python3.11-config", "pydoc3.11", "python3-config")
+PYTHON312_AT = ("/usr/bin/python3.12", "/usr/local/bin/python3.12", "~/.pyenv/versions/3.12*/bin/python3.12")
+
+
+def python312() -> str | None:
+    """A Python 3.12 interpreter on this machine (not a shim): what a 24.04 node runs as its python3."""
+    import glob
+    import subprocess
+
+    for pattern in PYTHON312_AT:
+        for p in sorted(glob.glob(os.path.expanduser(pattern)), reverse=True):
+            try:
+                out = subprocess.run([p, "-c", "import sys, venv; print(sys.version_info[:2] == (3, 12))"],
+                                     capture_output=True, text=True, timeout=30).stdout.strip()
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if out == "True":
+                return os.path.realpath(p)
+    return None
+
+
+def image_mounts(d: Path, image: str | None) -> str:
+    """What a node booted from ``image`` (a CC image's name) differs in from this machine, as mount commands for
+    its boot script: a CC-Ubuntu24.04* image's Python (noble_python); nothing for the others."""
+    return noble_python(d) if image and image.startswith("CC-Ubuntu24.04") else ""
+
+
+def noble_python(d: Path) -> str:
+    """A node booted from a CC-Ubuntu24.04 image: its /usr/bin without python3.11 and with python3 -> python3.12, as
+    a read-only overlay in the node's mount namespace (whiteouts in the upper layer hide the host's 3.11). Returns
+    the mount command for the node's boot script."""
+    py = python312()
+    if py is None:
+        raise ApplianceError("the local cloud cannot boot a CC-Ubuntu24.04 node: this machine has no Python 3.12 "
+                             "(a 24.04 node's python3)", f"install one at one of {', '.join(PYTHON312_AT)}")
+    layer = d / "usr-bin-noble"
+    if layer.exists():
+        shutil.rmtree(layer)
+    layer.mkdir()
+    for name in NOBLE_HIDDEN:
+        os.mknod(layer / name, stat.S_IFCHR, os.makedev(0, 0))  # an overlayfs whiteout
+    os.symlink(py, layer / "python3.12")
+    os.symlink("python3.12", layer / "python3")
+    return f"mount -t overlay overlay -o ro,lowerdir={layer}:/usr/bin /usr/bin && "
