@@ -10,7 +10,8 @@ from ..spec import Nodes, Spec, duration_seconds
 from ..store.objects import StoreCreds
 from . import local_disk
 from .base import LoginKey, Site
-from .openstack import OpenStackCloud, connect
+from .openstack import OpenStackCloud
+from .openstack_auth import connect
 
 CHAMELEON_PYTHON = "/opt/appliance/venv/bin/python"  # the appliance image's venv (images/)
 SITES = ("CHI@UC", "CHI@TACC")  # bare-metal sites with GPU nodes
