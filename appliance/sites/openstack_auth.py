@@ -4,8 +4,10 @@ the clouds.yaml entry of each Chameleon site; every way it can fail said in one 
 from __future__ import annotations
 
 import os
+import sys
 
 from ..errors import ApplianceError, socket_reason
+from .openstack_api import EXPIRED, RENEW
 
 
 
@@ -15,6 +17,58 @@ def _unreachable(where: str, region_cfg, text: str) -> ApplianceError:
     url = ((getattr(region_cfg, "config", None) or {}).get("auth") or {}).get("auth_url")
     return ApplianceError(f"cannot reach Keystone{f' at {url}' if url else ''} for {where} ({socket_reason(text)})",
                           "check auth_url / OS_AUTH_URL and the network")
+
+
+def _no_plugin(where: str, name: str) -> ApplianceError:
+    """clouds.yaml names an auth_type no installed package provides: keystoneauth's NoMatchingPlugin. `ccauth
+    clouds-yaml` writes ``v3chameleonoidc``, a plugin of ChameleonCloud/ccauth, loaded only from the same Python."""
+    py = sys.executable
+    if name.startswith("v3chameleon"):
+        return ApplianceError(f"{where} has auth_type {name}, a keystoneauth plugin of Chameleon's ccauth package, "
+                              f"which is not installed in this Python ({py})",
+                              f"`{py} -m pip install ccauth`; a uv tool install: `uv tool install --with ccauth .`")
+    return ApplianceError(f"{where} has auth_type {name!r}, which no keystoneauth plugin installed in this Python "
+                          f"({py}) provides", "check auth_type (v3applicationcredential, v3password, ...), or install "
+                          f"the package that provides it: `{py} -m pip install PACKAGE`")
+
+
+def clouds_yaml_places(config_file: str | None = None) -> list[str]:
+    """Where openstacksdk looks for clouds.yaml, in its order (the first found is read): OS_CLIENT_CONFIG_FILE, then
+    openstack/config/loader.py CONFIG_FILES (the working directory, the user's config directories, the system's),
+    each also as clouds.yml and clouds.json, named here once as clouds.yaml; ``config_file``: the only one read."""
+    from openstack.config import loader
+
+    if config_file:
+        return [config_file]
+    home, cwd = os.path.expanduser("~"), os.getcwd()
+    places = []
+    for p in loader.CONFIG_FILES:
+        if not p.endswith(f"{os.sep}clouds.yaml"):
+            continue
+        if os.path.dirname(p) == cwd:
+            p = f".{os.sep}clouds.yaml"
+        elif p.startswith(home + os.sep):
+            p = "~" + p[len(home):]
+        if p not in places:
+            places.append(p)
+    env = os.environ.get("OS_CLIENT_CONFIG_FILE")
+    return [f"OS_CLIENT_CONFIG_FILE={env}"] * bool(env) + places
+
+
+def _no_entry(cloud: str, cfg, config_file: str | None) -> ApplianceError:
+    """OS_CLOUD names no entry of the clouds.yaml openstacksdk read (or it found none): which file it read and its
+    entries, and where it looked."""
+    places = ", ".join(clouds_yaml_places(config_file))
+    if cfg.config_filename:
+        names = [n for n in cfg.get_cloud_names() if n != cfg.envvar_key]
+        return ApplianceError(f"OS_CLOUD={cloud}: no such entry in {cfg.config_filename} (its entries: "
+                              f"{', '.join(names) or 'none'}; clouds.yaml is looked for in {places}, the first found "
+                              "is read)", f"set OS_CLOUD to one of its entries, or add an entry {cloud} with your "
+                              "credential: docs/chameleon.md, step 1")
+    return ApplianceError(f"OS_CLOUD={cloud}: no clouds.yaml found (looked for: {places}; .yml and .json too)",
+                          "put your credential's clouds.yaml in ~/.config/openstack/clouds.yaml, or point "
+                          "OS_CLIENT_CONFIG_FILE at it: the site's dashboard gives one (Identity > Application "
+                          "Credentials), and so does `cc-login --output-clouds-yaml ~/.config/openstack/clouds.yaml`")
 
 
 RUN_CLOUD_ENV = "APPLIANCE_RUN_CLOUD"  # a clouds.yaml whose entry RUN_CLOUD holds a managed run's own credential
@@ -43,6 +97,8 @@ def connect(*, cloud: str | None = None, config_file: str | None = None, region:
     try:
         files = [config_file] if config_file else None
         cfg = openstack.config.OpenStackConfig(config_files=files) if files else openstack.config.OpenStackConfig()
+        if cloud and cloud not in cfg.get_cloud_names():
+            raise _no_entry(cloud, cfg, config_file)
         if region and (cloud or os.environ.get("OS_REGION_NAME") not in (None, region)):
             cloud = entry_for_region(cfg.cloud_config.get("clouds") or {}, cloud, region)
             where = f"clouds.yaml entry {cloud!r}"
@@ -57,12 +113,14 @@ def connect(*, cloud: str | None = None, config_file: str | None = None, region:
     except (ksa.Unauthorized, openstack.exceptions.SDKException) as e:
         text = str(e)
         if isinstance(e, ksa.Unauthorized) or "401" in text or "requires authentication" in text:
-            raise ApplianceError(f"OpenStack rejected the credentials in {where} (401 Unauthorized)",
-                                 "check the application credential id/secret (or password); on Chameleon create an "
-                                 "*unrestricted* application credential (docs/chameleon.md)") from None
+            raise ApplianceError(f"OpenStack rejected the credentials in {where} (401 Unauthorized: {EXPIRED})",
+                                 f"{RENEW}; to lease, an application credential must be unrestricted "
+                                 "(docs/chameleon.md)") from None
         if "Unable to establish connection" in text or "Connection" in text:
             raise _unreachable(where, region_cfg, text) from None
         raise ApplianceError(f"OpenStack authentication with {where} failed: {text}") from None
+    except ksa.NoMatchingPlugin as e:
+        raise _no_plugin(where, e.name) from None
     except ksa.MissingRequiredOptions as e:
         names = ", ".join(o.dest for o in e.options)
         raise ApplianceError(f"{where} lacks {names}", "add it to clouds.yaml or export the OS_* variable") from None

@@ -1,0 +1,123 @@
+"""A new user's first contact from a laptop (issue 76 point 4): what `appliance` says before anything works. Each
+refusal is one line with its fix and a non-zero exit; nothing here reaches a cloud (a clouds.yaml in tmp_path,
+openstacksdk's Connection faked where a 401 is needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from appliance.cli import main
+from appliance.errors import ApplianceError
+from appliance.sites.openstack_auth import connect
+
+CHI_UC = "https://chi.uc.chameleoncloud.org:5000/v3"
+
+
+@pytest.fixture
+def clouds_yaml(tmp_path, monkeypatch):
+    """A clouds.yaml with the given entries, the only one openstacksdk finds; no OS_* variable but OS_CLOUD."""
+    def write(entries: dict, os_cloud: str) -> str:
+        for k in [k for k in os.environ if k.startswith("OS_")]:
+            monkeypatch.delenv(k)
+        path = tmp_path / "clouds.yaml"
+        path.write_text(yaml.safe_dump({"clouds": entries}, sort_keys=False))
+        monkeypatch.setenv("OS_CLIENT_CONFIG_FILE", str(path))
+        monkeypatch.setenv("OS_CLOUD", os_cloud)
+        return str(path)
+    return write
+
+
+def _cli(*args) -> tuple[int, str, str]:
+    r = CliRunner().invoke(main, list(args))
+    return r.exit_code, r.stdout, r.stderr
+
+
+# -- 1. a ccauth entry without ccauth -----------------------------------------------------------------------------
+
+
+def test_a_ccauth_entry_without_ccauth_says_to_install_it_into_this_python(clouds_yaml):
+    """`ccauth clouds-yaml` writes auth_type v3chameleonoidc, a plugin of the ccauth package: without it keystoneauth
+    raised NoMatchingPlugin, which the CLI printed as an unexpected error ("report it")."""
+    clouds_yaml({"CHI@UC": {"auth_type": "v3chameleonoidc", "auth": {"auth_url": CHI_UC}, "region_name": "CHI@UC"}},
+                "CHI@UC")
+    with pytest.raises(ApplianceError) as e:
+        connect()
+    assert "v3chameleonoidc" in e.value.message and "ccauth" in e.value.message
+    assert e.value.fix.startswith(f"`{sys.executable} -m pip install ccauth`")
+    code, out, err = _cli("lease", "list", "--cloud", "chameleon")
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: clouds.yaml entry 'CHI@UC' has auth_type v3chameleonoidc") and "report it" not in err
+
+
+# -- 4. OS_CLOUD names no entry -----------------------------------------------------------------------------------
+
+
+def test_an_os_cloud_that_names_no_entry_says_where_clouds_yaml_was_looked_for_and_its_entries(clouds_yaml):
+    from openstack.config import loader
+
+    path = clouds_yaml({"CHI@UC": {"auth_type": "v3applicationcredential", "auth": {"auth_url": CHI_UC},
+                                   "region_name": "CHI@UC"},
+                        "CHI@TACC": {"auth_type": "v3applicationcredential", "region_name": "CHI@TACC"}}, "chi-uc")
+    with pytest.raises(ApplianceError) as e:
+        connect()
+    msg = e.value.message
+    assert msg.startswith(f"OS_CLOUD=chi-uc: no such entry in {path} (its entries: CHI@UC, CHI@TACC;"), msg
+    assert f"OS_CLIENT_CONFIG_FILE={path}" in msg and "~/.config/openstack/clouds.yaml" in msg
+    assert "/etc/openstack/clouds.yaml" in msg and "./clouds.yaml" in msg
+    assert f"{loader.UNIX_SITE_CONFIG_HOME}/clouds.yaml" in msg
+    assert "OS_CLOUD to one of its entries" in e.value.fix
+
+
+def test_no_clouds_yaml_anywhere_says_where_it_was_looked_for(clouds_yaml, tmp_path, monkeypatch):
+    from openstack.config import loader
+
+    clouds_yaml({}, "CHI@UC")
+    monkeypatch.setenv("OS_CLIENT_CONFIG_FILE", str(tmp_path / "nowhere.yaml"))
+    monkeypatch.setattr(loader, "CONFIG_FILES", [str(tmp_path / "none" / "clouds.yaml")])
+    with pytest.raises(ApplianceError) as e:
+        connect()
+    assert e.value.message.startswith("OS_CLOUD=CHI@UC: no clouds.yaml found (looked for: OS_CLIENT_CONFIG_FILE="
+                                      f"{tmp_path}/nowhere.yaml, {tmp_path}/none/clouds.yaml"), e.value.message
+    assert "~/.config/openstack/clouds.yaml" in e.value.fix
+
+
+# -- 5. a 401 may be an expired credential ------------------------------------------------------------------------
+
+
+def test_a_401_asks_whether_the_credential_expired_and_says_how_to_renew_it(clouds_yaml, monkeypatch):
+    import keystoneauth1.exceptions as ksa
+    import openstack.connection
+
+    class Refused:
+        def __init__(self, config):
+            pass
+
+        def authorize(self):
+            raise ksa.Unauthorized("The request you have made requires authentication. (HTTP 401)")
+
+    monkeypatch.setattr(openstack.connection, "Connection", Refused)
+    clouds_yaml({"CHI@UC": {"auth_type": "v3applicationcredential", "region_name": "CHI@UC",
+                            "auth": {"auth_url": CHI_UC, "application_credential_id": "a",
+                                     "application_credential_secret": "b"}}}, "CHI@UC")
+    with pytest.raises(ApplianceError) as e:
+        connect()
+    assert "(401 Unauthorized: expired?" in e.value.message
+    assert "cc-login" in e.value.fix and "ccauth" in e.value.fix and "new application credential" in e.value.fix
+
+
+def test_blazars_401_asks_whether_the_token_expired():
+    from appliance.sites.openstack_api import explain_blazar
+
+    class BlazarClientException(Exception):  # python-blazarclient's: the message, and the status in kwargs
+        def __init__(self, msg, code):
+            super().__init__(msg)
+            self.kwargs = {"code": code}
+
+    got = explain_blazar(BlazarClientException("ERROR: The request you have made requires authentication.", 401))
+    assert "(401 Unauthorized: expired?" in got.message and "cc-login" in got.fix
