@@ -121,3 +121,39 @@ def test_blazars_401_asks_whether_the_token_expired():
 
     got = explain_blazar(BlazarClientException("ERROR: The request you have made requires authentication.", 401))
     assert "(401 Unauthorized: expired?" in got.message and "cc-login" in got.fix
+
+
+# -- 3. `appliance check` and the spec's key_file -----------------------------------------------------------------
+
+
+def _chameleon_spec(tmp_path, **fields) -> str:
+    """examples/chameleon.yaml with ``fields`` changed (its train.code made absolute), in tmp_path."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = yaml.safe_load((root / "examples" / "chameleon.yaml").read_text())
+    doc["train"]["code"] = str(root / "examples" / doc["train"]["code"])
+    doc.update(fields)
+    path = tmp_path / "chameleon.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_check_names_a_key_file_that_is_not_there_and_exits_2(tmp_path):
+    spec = _chameleon_spec(tmp_path, key_file=str(tmp_path / "no-such-key"))
+    code, out, err = _cli("check", spec)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+    assert err.startswith(f"error: key_file: {tmp_path}/no-such-key is not a file on this machine (the private key of "
+                          "key pair 'my-key'"), err
+    assert "ssh-keygen -t ed25519" in err and "Compute > Key Pairs" in err
+    key = tmp_path / "id_ed25519"
+    key.write_text("a private key\n")
+    code, out, err = _cli("check", _chameleon_spec(tmp_path, key_file=str(key)))
+    assert code == 0 and out.startswith(f"{tmp_path}/chameleon.yaml: ok: run 'digits-chi' on chameleon"), (out, err)
+
+
+def test_check_on_chameleon_without_key_file_needs_a_default_key_here(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.ssh/id_ed25519, no ~/.ssh/id_rsa
+    code, out, err = _cli("check", _chameleon_spec(tmp_path, key_file=None))
+    assert code == 2 and err.startswith("error: key_file: not set, and neither ~/.ssh/id_ed25519 nor ~/.ssh/id_rsa is "
+                                        "on this machine"), err
