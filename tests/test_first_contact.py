@@ -157,3 +157,19 @@ def test_check_on_chameleon_without_key_file_needs_a_default_key_here(tmp_path, 
     code, out, err = _cli("check", _chameleon_spec(tmp_path, key_file=None))
     assert code == 2 and err.startswith("error: key_file: not set, and neither ~/.ssh/id_ed25519 nor ~/.ssh/id_rsa is "
                                         "on this machine"), err
+
+
+# -- 6. --json on every verb --------------------------------------------------------------------------------------
+
+
+def test_lease_delete_and_cloud_stop_print_their_result_as_json(monkeypatch):
+    from appliance import flows
+
+    monkeypatch.setattr(flows, "lease", lambda verb, lease_id, **kw: verb == "delete" and lease_id == "L1")
+    monkeypatch.setattr(flows, "cloud_stop", lambda: False)
+    code, out, err = _cli("lease", "delete", "L1", "--cloud", "local", "--yes", "--json")
+    assert code == 0 and json.loads(out) == {"id": "L1", "deleted": True}, (out, err)
+    code, out, err = _cli("lease", "delete", "L2", "--cloud", "local", "--yes", "--json")
+    assert code == 0 and json.loads(out) == {"id": "L2", "deleted": False}, (out, err)
+    code, out, err = _cli("cloud", "stop", "--json")
+    assert code == 0 and json.loads(out) == {"stopped": False}, (out, err)
