@@ -123,6 +123,79 @@ def test_blazars_401_asks_whether_the_token_expired():
     assert "(401 Unauthorized: expired?" in got.message and "cc-login" in got.fix
 
 
+# -- 2. `appliance run SPEC --plan` before any credential ---------------------------------------------------------
+
+
+@pytest.fixture
+def no_credentials(tmp_path, monkeypatch):
+    """No OS_* variable, no clouds.yaml, no key: a laptop before step 1 of docs/quickstart.md."""
+    for k in [k for k in os.environ if k.startswith("OS_")] + ["APPLIANCE_RUN_CLOUD"]:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+
+
+def test_run_plan_of_the_chameleon_example_needs_no_credential(no_credentials):
+    """`appliance run examples/chameleon.yaml --plan --for 30d` asked Keystone first, so a newcomer could not see
+    what a run costs before making a credential."""
+    from pathlib import Path
+
+    from appliance.sites.chameleon_types import TABLE_DATE
+
+    spec = str(Path(__file__).resolve().parents[1] / "examples" / "chameleon.yaml")
+    code, out, err = _cli("run", spec, "--plan", "--for", "30d")
+    assert code == 0, (out, err)
+    lines = out.splitlines()
+    assert lines[0] == "plan of run digits-chi: 2 x gpu_rtx_6000 at CHI@UC for 720.0 h (--for 30d); successor leases"
+    assert lines[1] == ("  the site was not asked (no OpenStack credentials: neither OS_CLOUD nor OS_AUTH_URL is set): "
+                        f"its figures are from the appliance's table of Chameleon node types as of {TABLE_DATE} "
+                        "(appliance/sites/chameleon_types.py)")
+    assert lines[2].startswith("  table: 37 gpu_rtx_6000 hosts (the nodes the reference-repository lists at CHI@UC), "
+                               "1 x Quadro RTX 6000 per node; su_factor 1 (assumed: not public;"), lines[2]
+    assert "  total: 30 lease(s), 1440 node-hours, 1440 SUs (su_factor 1 of gpu_rtx_6000, 37 hosts at the site)" in out
+    code, out, err = _cli("run", spec, "--plan", "--for", "30d", "--json")
+    p = json.loads(out)
+    assert code == 0 and p["source"] == "table" and p["assumed"]["date"] == TABLE_DATE and len(p["leases"]) == 30
+    assert p["assumed"]["gpus"] == 1 and p["su_factor"] == 1.0 and p["hosts_of_node_type"] == 37
+
+
+def test_run_plan_with_a_credential_that_works_asks_the_site(no_credentials, monkeypatch):
+    import datetime as dt
+    from pathlib import Path
+
+    from appliance.sites.chameleon import ChameleonSite
+
+    class Blazar:  # the site's answers: its clock, its hosts of the node type and their su_factor
+        def now(self):
+            return dt.datetime(2026, 12, 1, 12, 0)
+
+        def node_type_hosts(self, node_type):
+            return (5, 2.5) if node_type == "gpu_rtx_6000" else (0, 1.0)
+
+        def region_name(self):
+            return "CHI@UC"
+
+    monkeypatch.setattr(ChameleonSite, "connect", lambda self: Blazar())
+    spec = str(Path(__file__).resolve().parents[1] / "examples" / "chameleon.yaml")
+    code, out, err = _cli("run", spec, "--plan", "--for", "2d", "--json")
+    p = json.loads(out)
+    assert code == 0 and p["source"] == "site" and "assumed" not in p, (out, err)
+    assert (p["hosts_of_node_type"], p["su_factor"], p["leases"][0]["start"]) == (5, 2.5, "2026-12-01 12:00")
+    assert p["sus"] == 2.5 * p["node_hours"]
+
+
+def test_the_node_type_table_says_what_it_does_not_know():
+    from appliance.sites.chameleon_types import facts
+
+    base = facts("compute_skylake", "CHI@UC")  # not in the table: a base node type
+    assert base["hosts"] is None and base["su_factor"] == 1.0 and "portal's default" in base["su_factor_from"]
+    assert "not in the table" in base["hosts_from"]
+    assert facts("gpu_rtx_6000", "CHI@TACC")["hosts"] == 0  # the reference-repository lists none there
+    assert facts("gpu_h100", None)["site"] == "CHI@TACC" and facts("gpu_h100", None)["hosts"] == 2
+    both = facts("compute_gigaio", None)
+    assert both["hosts"] is None and both["site"] == "CHI@UC or CHI@TACC"
+
+
 # -- 3. `appliance check` and the spec's key_file -----------------------------------------------------------------
 
 

@@ -202,6 +202,11 @@ class Site(ABC):
     def check_spec(cls, spec: Spec) -> None:
         """The site's own rules beyond the spec's (raise SpecError)."""
 
+    def catalog(self, node_type: str, site: str | None = None) -> dict | None:
+        """What the appliance ships about ``node_type`` at ``site``, for a plan made without asking the site (its
+        hosts, GPUs per node, su_factor, and where each figure comes from); None: nothing shipped, ask the site."""
+        return None
+
     def check_here(self, spec: Spec) -> None:
         """What the spec names on this machine, checked before a lease is paid for (`appliance check`, `up`, `run`;
         not where a spec is only read: a controller's copy in the store, `--plan`): its key_file is a file here."""

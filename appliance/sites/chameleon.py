@@ -52,6 +52,12 @@ class ChameleonSite(Site):
                                  "set key_file in the spec to the private key of key_name")
         return LoginKey(key_name or "", str(Path(key_file).expanduser()))
 
+    def catalog(self, node_type: str, site: str | None = None) -> dict | None:
+        """The node types' table shipped with the appliance (chameleon_types.py, dated)."""
+        from .chameleon_types import facts
+
+        return facts(node_type, site or self.region)
+
     def check_here(self, spec: Spec) -> None:
         """key_file, or without it ~/.ssh/id_ed25519 or id_rsa (login_key's defaults), is a file here."""
         super().check_here(spec)
