@@ -127,11 +127,15 @@ def cloud_start(time_scale, hosts, site, clean_seconds, su_budget, as_json):
 
 
 @cloud.command("stop")
-def cloud_stop():
+@_json_opt
+def cloud_stop(as_json):
     """Stop the local cloud; its servers (testbed nodes) are deleted."""
     from .. import flows
 
-    flows.cloud_stop()
+    with _messages(err=as_json):
+        ran = flows.cloud_stop()
+    if as_json:
+        _json_out({"stopped": ran})
 
 
 @cloud.command("status")
@@ -238,15 +242,19 @@ def lease_extend(lease_id, by, to, cloud_kind, site, as_json):
 @_cloud_opt
 @_site_opt
 @click.option("--yes", is_flag=True, help="Do not ask.")
-def lease_delete(lease_id, cloud_kind, site, yes):
+@_json_opt
+def lease_delete(lease_id, cloud_kind, site, yes, as_json):
     """Delete a lease: its servers are deleted with it."""
     from .. import flows
 
     if not yes:
-        click.confirm(f"delete lease {lease_id} and every server on it?", abort=True)
+        click.confirm(f"delete lease {lease_id} and every server on it?", abort=True, err=as_json)
     with _messages(err=True):
         ok = flows.lease("delete", lease_id, cloud=cloud_kind or _default_cloud(), site_name=site)
-    click.echo(f"lease {lease_id} deleted" if ok else f"no lease {lease_id} (already gone)")
+    if as_json:
+        _json_out({"id": lease_id, "deleted": ok})
+    else:
+        click.echo(f"lease {lease_id} deleted" if ok else f"no lease {lease_id} (already gone)")
 
 
 
@@ -321,7 +329,8 @@ def doctor_cmd(cluster, python, etc, no_allreduce, as_json):
 @click.option("--margin", default="10m", show_default=True, help="Act this long before the lease end.")
 @click.option("--poll", default=60.0, show_default=True, help="Seconds between looks.")
 @click.option("--once", is_flag=True, help="Look once and exit (prints the runs it asked to stop).")
-def watchdog_cmd(on_node, margin, poll, once):
+@click.option("--json", "as_json", is_flag=True, help="With --once, print the runs it asked to stop as JSON.")
+def watchdog_cmd(on_node, margin, poll, once, as_json):
     """On a node: before the lease ends, ask every running training job to stop with a committed checkpoint.
 
     \b
@@ -335,6 +344,9 @@ def watchdog_cmd(on_node, margin, poll, once):
         margin_s = float(duration_seconds(margin))
     except Exception:
         raise click.BadParameter(f"{margin!r} is not a duration like 10m or 1h", param_hint="--margin") from None
-    stopped = node_watch(margin=margin_s, poll=poll, once=once)
-    if once:
+    with _messages(err=as_json):
+        stopped = node_watch(margin=margin_s, poll=poll, once=once)
+    if as_json:
         _json_out({"stopped": stopped})
+    elif once:
+        click.echo(f"asked {len(stopped)} job(s) to stop" + (f": {', '.join(stopped)}" if stopped else ""))

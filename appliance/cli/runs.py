@@ -100,7 +100,8 @@ def run_cmd(spec, max_restarts, foreground, plan, run_for, as_json):
 
     \b
     Before you start: `appliance run SPEC --plan --for 30d` prints the leases it expects
-    to book, their node-hours and SUs, and whether they keep to Chameleon's usage policy.
+    to book, their node-hours and SUs, and whether they keep to Chameleon's usage policy
+    (without a credential: from a dated table of Chameleon's node types, and it says so).
     """
     from .. import flows
 

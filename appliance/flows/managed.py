@@ -488,7 +488,7 @@ def plan(spec_path: str, *, run_for: str | None = None) -> dict:
     nothing."""
     from . import plan as planning
 
-    spec = steps.check(spec_path)
+    spec = steps.check(spec_path, here=False)
     return planning.make(steps.RunContext.of(spec), run_for)
 
 

@@ -28,6 +28,7 @@ import dataclasses
 import datetime as dt
 import math
 
+from ..errors import ApplianceError
 from ..spec import Spec, deadline_of, duration_seconds
 
 DAY = 86400
@@ -91,17 +92,40 @@ def notifier_coverage(planned: list[Planned], now: dt.datetime) -> float:
     return worst
 
 
+def site_facts(ctx) -> dict:
+    """The site's clock and name, its hosts of the spec's node type and their su_factor: asked of the site (Blazar)
+    when its credential works; else from what the appliance ships (Site.catalog: a dated table of Chameleon's node
+    types), with why the site was not asked and what the table assumed ("assumed"), so that a plan needs no
+    credential. A site that ships nothing (the local cloud) is asked, or its refusal raised."""
+    spec, nt = ctx.spec, ctx.spec.nodes.node_type
+    try:
+        cloud = ctx.site.cloud
+        now = cloud.now()
+        hosts, su_factor = cloud.node_type_hosts(nt)
+        return {"now": now, "site": spec.site or ctx.site.region or cloud.region_name() or spec.cloud,
+                "hosts": hosts, "su_factor": su_factor}
+    except ApplianceError as e:
+        table = ctx.site.catalog(nt, spec.site)
+        if table is None:
+            raise
+        why = e.message
+    return {"now": dt.datetime.now(dt.timezone.utc).replace(tzinfo=None), "site": table["site"] or spec.cloud,
+            "hosts": table["hosts"], "su_factor": table["su_factor"], "assumed": {**table, "why": why}}
+
+
 def make(ctx, run_for: str | None = None) -> dict:
     """The plan of ``ctx.spec``'s managed run: its leases, their node-hours and SUs, the policy's verdicts."""
     spec = ctx.spec
-    now = ctx.site.cloud.now()
+    facts = site_facts(ctx)
+    now, hosts, su_factor = facts["now"], facts["hosts"], facts["su_factor"]
     length_s, basis = run_length(spec, now, run_for)
     planned = leases(spec, now, length_s)
-    hosts, su_factor = ctx.site.cloud.node_type_hosts(spec.nodes.node_type)
     node_hours = sum(p.node_hours() for p in planned)
-    out = {"run": spec.name, "site": spec.site or ctx.site.region or ctx.site.cloud.region_name() or spec.cloud, "node_type": spec.nodes.node_type,
+    out = {"run": spec.name, "site": facts["site"], "node_type": spec.nodes.node_type,
            "nodes": spec.nodes.count, "run_for_s": round(length_s), "basis": basis, "su_factor": su_factor,
            "hosts_of_node_type": hosts, "path": "extend" if spec.lease.extend else "successor leases",
+           "source": "table" if facts.get("assumed") else "site",
+           **({"assumed": facts["assumed"]} if facts.get("assumed") else {}),
            "leases": [{"start": f"{p.start:%Y-%m-%d %H:%M}", "end": f"{p.end:%Y-%m-%d %H:%M}",
                        "node_hours": round(p.node_hours(), 1), "sus": round(p.node_hours() * su_factor, 1),
                        **({"extensions": p.extensions} if p.extensions else {})} for p in planned],
@@ -120,7 +144,7 @@ def make(ctx, run_for: str | None = None) -> dict:
                 "within 48 h of its end and books another only when Blazar refuses; or nodes.alternatives and a gap "
                 "between leases; or ask the help desk for a longer lease and put its ticket in lease.exemption)")})
     held = spec.nodes.count * (2 if duration_seconds(spec.lease.overlap) else 1)
-    if any(k in spec.nodes.node_type.lower() for k in HIGH_END) and hosts > HOG_MIN_NODES \
+    if any(k in spec.nodes.node_type.lower() for k in HIGH_END) and hosts is not None and hosts > HOG_MIN_NODES \
             and held > HOG_SHARE * hosts:
         out["findings"].append({"rule": "hogging", "ok": False, "line": (
             f"{held} of the {hosts} {spec.nodes.node_type} hosts at once (more than half of a high-end node type, "
@@ -132,6 +156,14 @@ def lines(p: dict) -> list[str]:
     """The plan as said to a user."""
     out = [f"plan of run {p['run']}: {p['nodes']} x {p['node_type']} at {p['site']} for "
            f"{p['run_for_s'] / 3600:.1f} h ({p['basis']}); {p['path']}"]
+    a = p.get("assumed")
+    if a:
+        gpus = f", {a['gpus']} x {a['gpu']} per node" if a.get("gpus") else ""
+        out.append(f"  the site was not asked ({a['why']}): its figures are from the appliance's table of Chameleon "
+                   f"node types as of {a['date']} ({a['table']})")
+        out.append(f"  table: {p['hosts_of_node_type'] if p['hosts_of_node_type'] is not None else 'unknown'} "
+                   f"{p['node_type']} hosts ({a['hosts_from']}){gpus}; su_factor {p['su_factor']:g} "
+                   f"({a['su_factor_from']})")
     shown = list(enumerate(p["leases"], 1))
     if len(shown) > 6:  # the first three and the last (--json has them all)
         shown = [*shown[:3], (None, len(shown) - 4), shown[-1]]
@@ -142,8 +174,10 @@ def lines(p: dict) -> list[str]:
         ext = f", extended {x['extensions']} time(s)" if x.get("extensions") else ""
         out.append(f"  lease {i}: {x['start']} -> {x['end']} UTC{ext}: {x['node_hours']:g} node-hours, "
                    f"{x['sus']:g} SUs")
+    hosts = p["hosts_of_node_type"]
     out.append(f"  total: {len(p['leases'])} lease(s), {p['node_hours']:g} node-hours, {p['sus']:g} SUs "
-               f"(su_factor {p['su_factor']:g} of {p['node_type']}, {p['hosts_of_node_type']} hosts at the site)")
+               f"(su_factor {p['su_factor']:g} of {p['node_type']}, "
+               + (f"{hosts} hosts at the site)" if hosts is not None else "its hosts at the site not known)"))
     out.append(f"  Chameleon's stacking notifier would see at most {p['notifier_coverage']:.0%} of its 21-day window "
                "covered at any moment (it reports >= 90%)")
     for f in p["findings"]:

@@ -107,11 +107,14 @@ def resolve_cluster(spec: Spec, cluster_name: str | None = None) -> Cluster:
     return cl
 
 
-def check(spec_path: str) -> Spec:
+def check(spec_path: str, *, here: bool = True) -> Spec:
     """`appliance check`: everything that can be checked before a lease is paid for: the spec's own rules, its
-    site's (Chameleon's 7-day cap and sites; the local cloud's node types and pool sizes), and the training code
-    (it exists and is small enough to copy to the nodes)."""
+    site's (Chameleon's 7-day cap and sites; the local cloud's node types and pool sizes), the training code (it
+    exists and is small enough to copy to the nodes), and with ``here`` what it names on this machine (its key_file:
+    Site.check_here; a plan, which logs in nowhere, does without)."""
     spec = load_spec(spec_path)
+    if here:
+        for_spec(spec).check_here(spec)
     try:
         pack_code(spec.code_dir)
     except ApplianceError as e:

@@ -19,8 +19,10 @@ import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..cluster import Cluster
+from ..errors import SpecError
 from ..spec import Spec
 from ..store.objects import StoreCreds, parse_url
 
@@ -200,6 +202,19 @@ class Site(ABC):
     def check_spec(cls, spec: Spec) -> None:
         """The site's own rules beyond the spec's (raise SpecError)."""
 
+    def catalog(self, node_type: str, site: str | None = None) -> dict | None:
+        """What the appliance ships about ``node_type`` at ``site``, for a plan made without asking the site (its
+        hosts, GPUs per node, su_factor, and where each figure comes from); None: nothing shipped, ask the site."""
+        return None
+
+    def check_here(self, spec: Spec) -> None:
+        """What the spec names on this machine, checked before a lease is paid for (`appliance check`, `up`, `run`;
+        not where a spec is only read: a controller's copy in the store, `--plan`): its key_file is a file here."""
+        if spec.key_file and not Path(spec.key_file).expanduser().is_file():
+            pair = f"key pair {spec.key_name!r}" if spec.key_name else "the key pair key_name names"
+            raise SpecError(f"key_file: {spec.key_file} is not a file on this machine (the private key of {pair}, "
+                            "which `appliance` logs in to the nodes with)", NEW_KEY)
+
     def prepare_nodes(self, cluster: Cluster, session) -> None:
         """Bring each node's work directory to the site's fast local disk (updates ``node.workdir``)."""
 
@@ -210,6 +225,11 @@ class Site(ABC):
     def default_cluster(self, spec: Spec) -> Cluster | None:
         """The cluster a run uses when it has none of its own and none was named (None: bring one up)."""
         return None
+
+
+NEW_KEY = ("set key_file to the private key of key_name's pair; or make a pair, `ssh-keygen -t ed25519 -f "
+           "~/.ssh/id_ed25519`, import ~/.ssh/id_ed25519.pub at the site as key_name (Compute > Key Pairs), and set "
+           "key_file: ~/.ssh/id_ed25519")
 
 
 def _s3_keys_in_env() -> bool:

@@ -9,12 +9,19 @@ from ..errors import ApplianceError, SpecError
 from ..spec import Nodes, Spec, duration_seconds
 from ..store.objects import StoreCreds
 from . import local_disk
-from .base import LoginKey, Site
-from .openstack import OpenStackCloud, connect
+from .base import NEW_KEY, LoginKey, Site
+from .openstack import OpenStackCloud
+from .openstack_auth import connect
 
 CHAMELEON_PYTHON = "/opt/appliance/venv/bin/python"  # the appliance image's venv (images/)
 SITES = ("CHI@UC", "CHI@TACC")  # bare-metal sites with GPU nodes
 MAX_LEASE_S = 7 * 86400  # Chameleon's lease cap
+DEFAULT_KEYS = ("~/.ssh/id_ed25519", "~/.ssh/id_rsa")  # the private key a spec without key_file logs in with
+
+
+def default_key() -> str | None:
+    """The first of DEFAULT_KEYS on this machine (expanded), or None."""
+    return next((str(p) for k in DEFAULT_KEYS if (p := Path(k).expanduser()).exists()), None)
 
 
 class ChameleonSite(Site):
@@ -39,15 +46,24 @@ class ChameleonSite(Site):
         return " ".join(filter(None, ["Chameleon", where, f"(OS_CLOUD={entry})" if entry else None]))
 
     def login_key(self, key_name, key_file) -> LoginKey:
-        if not key_file:
-            for cand in ("~/.ssh/id_ed25519", "~/.ssh/id_rsa"):
-                if Path(cand).expanduser().exists():
-                    key_file = str(Path(cand).expanduser())
-                    break
+        key_file = key_file or default_key()
         if not key_file or not Path(key_file).expanduser().exists():
             raise ApplianceError(f"no private key for key pair {key_name!r} on this machine",
                                  "set key_file in the spec to the private key of key_name")
         return LoginKey(key_name or "", str(Path(key_file).expanduser()))
+
+    def catalog(self, node_type: str, site: str | None = None) -> dict | None:
+        """The node types' table shipped with the appliance (chameleon_types.py, dated)."""
+        from .chameleon_types import facts
+
+        return facts(node_type, site or self.region)
+
+    def check_here(self, spec: Spec) -> None:
+        """key_file, or without it ~/.ssh/id_ed25519 or id_rsa (login_key's defaults), is a file here."""
+        super().check_here(spec)
+        if not spec.key_file and default_key() is None:
+            raise SpecError(f"key_file: not set, and neither {' nor '.join(DEFAULT_KEYS)} is on this machine (the "
+                            f"private key of key pair {spec.key_name!r} is needed to log in to the nodes)", NEW_KEY)
 
     def _site_store_creds(self) -> StoreCreds:
         return self._keystone_store_creds()

@@ -17,7 +17,8 @@ from ..errors import ApplianceError, SpecError
 from ..spec import Spec, duration_seconds
 from ..store.objects import StoreCreds
 from .base import LoginKey, Site
-from .openstack import OpenStackCloud, connect
+from .openstack import OpenStackCloud
+from .openstack_auth import connect
 
 log = report.get(__name__)
 

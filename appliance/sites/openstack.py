@@ -8,7 +8,8 @@ No hand-written HTTP to OpenStack. The facts this follows (docs/chameleon.md, an
   7 days past it; a lease lasts at most 7 days;
 - waiting fails fast on ERROR or a host reservation with `missing_resources`; `degraded` alone (sticky after any
   reallocation) is a note.
-The request bodies, answers and refusals are in openstack_api.py.
+The request bodies, answers and refusals are in openstack_api.py; the credentials (clouds.yaml, OS_*) in
+openstack_auth.py.
 """
 
 from __future__ import annotations
@@ -16,111 +17,18 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
-import os
 import time
 
 from .. import report
-from ..errors import ApplianceError, Unanswered, socket_reason
+from ..errors import ApplianceError, Unanswered
 from .lease import Lease
 from .openstack_api import (  # noqa: F401 - the API's records and rules, named here as before
     API_DATE, EXTENSION_WINDOW, HOSTKEYS_HEADER, MAX_LEASE, RESERVATION_KEY, LeaseInfo, ListedServer, _date_of,
     _not_found, blazar_error, explain_blazar, fip_reservation, fmt_date, host_reservation, parse_console_host_keys,
     parse_lease_date, parse_password_host_keys, resource_properties, unanswered)
+from .openstack_auth import RUN_CLOUD, RUN_CLOUD_ENV, connect, entry_for_region  # noqa: F401 - named here as before
 
 log = report.get(__name__)
-
-# ---------------------------------------------------------------------------------------------
-# auth
-
-
-def _unreachable(where: str, region_cfg, text: str) -> ApplianceError:
-    """Keystone not reached: its URL and the socket's reason ("Connection refused", "Name or service not known",
-    "timed out"), not urllib3's chain of wrappers around it."""
-    url = ((getattr(region_cfg, "config", None) or {}).get("auth") or {}).get("auth_url")
-    return ApplianceError(f"cannot reach Keystone{f' at {url}' if url else ''} for {where} ({socket_reason(text)})",
-                          "check auth_url / OS_AUTH_URL and the network")
-
-
-RUN_CLOUD_ENV = "APPLIANCE_RUN_CLOUD"  # a clouds.yaml whose entry RUN_CLOUD holds a managed run's own credential
-RUN_CLOUD = "appliance-run"
-
-
-def connect(*, cloud: str | None = None, config_file: str | None = None, region: str | None = None):
-    """An openstacksdk Connection from clouds.yaml (+ OS_CLOUD) or OS_* variables (openrc).
-
-    Raises ApplianceError naming the variable or clouds.yaml entry to fix.
-    """
-    import keystoneauth1.exceptions as ksa
-    import openstack
-    import openstack.config
-    import openstack.exceptions
-
-    if os.environ.get(RUN_CLOUD_ENV):  # a managed run's controller: its own credential (flows/credential.py)
-        cloud, config_file = RUN_CLOUD, os.environ[RUN_CLOUD_ENV]
-    cloud = cloud or os.environ.get("OS_CLOUD")
-    where = f"clouds.yaml entry {cloud!r}" if cloud else "the OS_* variables (openrc)"
-    if not cloud and not os.environ.get("OS_AUTH_URL"):
-        raise ApplianceError("no OpenStack credentials: neither OS_CLOUD nor OS_AUTH_URL is set",
-                             "export OS_CLOUD=<your clouds.yaml entry>, or source your site's openrc "
-                             "(see docs/chameleon.md)")
-    region_cfg = None
-    try:
-        files = [config_file] if config_file else None
-        cfg = openstack.config.OpenStackConfig(config_files=files) if files else openstack.config.OpenStackConfig()
-        if region and (cloud or os.environ.get("OS_REGION_NAME") not in (None, region)):
-            cloud = entry_for_region(cfg.cloud_config.get("clouds") or {}, cloud, region)
-            where = f"clouds.yaml entry {cloud!r}"
-        region_cfg = cfg.get_one(cloud=cloud, region_name=region) if cloud else \
-            cfg.get_one(region_name=region, load_envvars=True)
-        conn = openstack.connection.Connection(config=region_cfg)
-        conn.authorize()
-    except openstack.exceptions.ConfigException as e:
-        raise ApplianceError(f"OpenStack configuration: {e}",
-                             f"check OS_CLOUD={cloud} names an entry in clouds.yaml" if cloud
-                             else "check OS_AUTH_URL, OS_REGION_NAME and the other OS_* variables") from None
-    except (ksa.Unauthorized, openstack.exceptions.SDKException) as e:
-        text = str(e)
-        if isinstance(e, ksa.Unauthorized) or "401" in text or "requires authentication" in text:
-            raise ApplianceError(f"OpenStack rejected the credentials in {where} (401 Unauthorized)",
-                                 "check the application credential id/secret (or password); on Chameleon create an "
-                                 "*unrestricted* application credential (docs/chameleon.md)") from None
-        if "Unable to establish connection" in text or "Connection" in text:
-            raise _unreachable(where, region_cfg, text) from None
-        raise ApplianceError(f"OpenStack authentication with {where} failed: {text}") from None
-    except ksa.MissingRequiredOptions as e:
-        names = ", ".join(o.dest for o in e.options)
-        raise ApplianceError(f"{where} lacks {names}", "add it to clouds.yaml or export the OS_* variable") from None
-    except ksa.ConnectFailure as e:
-        raise _unreachable(where, region_cfg, str(e)) from None
-    except ksa.EndpointNotFound as e:
-        raise ApplianceError(f"{where}: {e}", "check region_name / OS_REGION_NAME (e.g. CHI@UC, CHI@TACC)") from None
-    return conn
-
-
-def entry_for_region(clouds: dict, cloud: str | None, region: str) -> str:
-    """The clouds.yaml entry for the site ``region``: ``cloud`` when it is that site's (or names no region), else
-    the one entry whose region is ``region`` (of those, the one with ``cloud``'s auth_type). Each Chameleon site is its own region with its own Keystone, so a
-    credential (an application credential above all) is a site's own (python-chi chi/context.py use_site; Horizon's
-    "OpenStack clouds.yaml File" at each site gives its entry); a run at CHI@UC with an alternative at CHI@TACC
-    reaches TACC with TACC's entry."""
-    def regions(entry: dict) -> list[str]:
-        listed = entry.get("regions") or ([entry["region_name"]] if entry.get("region_name") else [])
-        return [r if isinstance(r, str) else r.get("name") for r in listed]
-
-    own = regions(clouds.get(cloud) or {}) if cloud else []
-    if cloud and (not own or region in own):
-        return cloud
-    found = [name for name, entry in clouds.items() if region in regions(entry or {})]
-    if len(found) > 1 and cloud:  # several for the site (a credential and a password): the one of the same kind
-        kind = (clouds.get(cloud) or {}).get("auth_type")
-        found = [name for name in found if clouds[name].get("auth_type") == kind] or found
-    if len(found) == 1:
-        return found[0]
-    why = f"{len(found)} entries ({', '.join(found)}) are" if found else "no entry is"
-    raise ApplianceError(f"{why} for site {region} in clouds.yaml" + (f" (OS_CLOUD={cloud} is {', '.join(own)})"
-                                                                      if cloud else ""),
-                         f"each Chameleon site has its own Keystone: add one entry with region_name: {region} and a "
-                         "credential of that site (docs/chameleon.md, Several sites)")
 
 
 def blazar_client(conn):

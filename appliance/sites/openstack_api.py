@@ -51,6 +51,14 @@ def fip_reservation(public_network_id: str, amount: int = 1) -> dict:
 # ---------------------------------------------------------------------------------------------
 # errors
 
+# A credential Keystone refuses (401) has often expired: a Chameleon token lasts a day (kolla's token_expiration,
+# 86400 s, chi-in-a-box's default), and so does the application credential `cc-login` writes by default
+# (ChameleonCloud/ccauth); `ccauth clouds-yaml` writes entries that log in again through the browser.
+EXPIRED = "expired? a Chameleon token or a cc-login credential lasts 24 h"
+RENEW = ("renew it: `cc-login --output-clouds-yaml ~/.config/openstack/clouds.yaml` or `ccauth clouds-yaml`, or "
+         "create a new application credential (the site's dashboard: Identity > Application Credentials); else "
+         "check its id and secret (or password)")
+
 
 def blazar_error(e: Exception) -> tuple[int | None, str]:
     """(HTTP status, message) of a BlazarClientException: the text is args[0], the status kwargs['code']."""
@@ -110,7 +118,7 @@ def explain_blazar(e: Exception, *, node_type: str = "", count: int = 0, end: st
                               "Application Credentials, or `openstack application credential create --unrestricted "
                               "NAME`) and use it")
     if code == 401:
-        return ApplianceError("Blazar rejected the token (401)", "check your credentials (application credential must be unrestricted)")
+        return ApplianceError(f"Blazar rejected the token (401 Unauthorized: {EXPIRED})", RENEW)
     return ApplianceError(f"Blazar: {msg.strip()}")
 
 
