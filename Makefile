@@ -81,6 +81,18 @@ wheel-py312: $(VENV)/.installed
 	wh=$$($(PY) -c 'from appliance.sites.local import local_wheelhouse; print(local_wheelhouse())') && \
 	PIP_FIND_LINKS=$$wh bash images/install-stack.sh $$args --wheels $(WHEEL_CACHE) && rm -rf $(STACK312)
 
+# Horovod's GPU build, here, as far as this machine goes (no GPU; docs/image.md "The GPU build, checked here"): the
+# lock's GPU TensorFlow and CUDA wheels in a venv of their own, Horovod compiled with CUDA_HOME's nvcc and linked
+# against TensorFlow's NCCL wheel by install-stack.sh (which checks the linkage: NEEDED libnccl.so.2, no NCCL
+# compiled in, nccl_built), then the wheel's compute capabilities and RUNPATH said. CUDA_HOME here is a CUDA 13
+# tree: a compile-and-link check, keyed cuda13.0 (sm_75..sm_90; no CUDA 12.6 node takes it). ~3 GB of wheels.
+CUDA_HOME ?= /usr/local/cuda
+GPU_VENV := build/stack-gpu
+gpu-wheel: $(VENV)/.installed
+	CUDA_HOME=$(CUDA_HOME) PIP_FIND_LINKS=$(HOME)/.cache/appliance/gpu-wheelhouse bash images/install-stack.sh \
+	  --variant gpu --python $(PYTHON) --venv $(GPU_VENV) --lock requirements.lock --appliance . --wheels build/wheels-gpu
+	$(GPU_VENV)/bin/python -m appliance.node.linkage --venv $(GPU_VENV) --json | tee build/gpu-wheel.json
+
 # the digits dataset in the local cloud's store (starts the local cloud): what the lease-end demo stages
 digits-data: install
 	$(PY) examples/digits/make_dataset.py build/digits-data

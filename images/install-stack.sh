@@ -52,6 +52,7 @@ if [ -z "$venv" ] || [ -z "$lock" ] || [ -z "$src" ]; then
   die "--venv, --lock and --appliance are required (see --help)"
 fi
 [ -f "$lock" ] || die "lock file $lock not found"
+venv=$(realpath -m "$venv")  # absolute: the Horovod build runs in a directory of its own and reads paths under it
 wheels=${wheels:-$venv/.wheels}
 pin() { sed -n "s/^$1==//p" "$lock"; }
 tf_version=$(pin tensorflow_cpu) hvd_version=$(pin horovod) uv_version=$(pin uv)

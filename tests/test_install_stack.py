@@ -198,3 +198,20 @@ def install_pin_gpu(name: str) -> str:
     import re
 
     return re.search(rf"^# gpu: {re.escape(name)}==(\S+)", LOCK.read_text(), re.M).group(1)
+
+
+def test_a_relative_venv_gives_the_build_absolute_paths(tmp_path):
+    """Horovod's build runs in a directory of its own (pip's), so a relative --venv (make gpu-wheel's
+    build/stack-gpu) made CMake miss the NCCL wheel: "Could NOT find NCCL (missing: NCCL_INCLUDE_DIR ...)"."""
+    (tmp_path / "bin").mkdir()
+    fake_python(tmp_path / "bin", "python3.11", "3.11.2")
+    cuda = fake_cuda(tmp_path / "cuda", "12.6", range(50, 91))
+    bindir = tmp_path / "bin"
+    for t in TOOLS:
+        os.symlink(shutil.which(t), bindir / t)
+    r = subprocess.run(["bash", str(SCRIPT), "--print-tag", "--variant", "gpu", "--venv", "rel/venv", "--lock",
+                        str(LOCK), "--appliance", str(ROOT)], capture_output=True, text=True, cwd=tmp_path,
+                       env={"PATH": str(bindir), "CUDA_HOME": str(cuda)})
+    build = dict(line.split(" ", 1)[1].split("=", 1) for line in r.stdout.splitlines()
+                 if line.startswith("APPLIANCE_STACK_BUILD "))
+    assert build["HOROVOD_NCCL_INCLUDE"] == f"{tmp_path}/rel/venv/lib/python3.11/site-packages/nvidia/nccl/include"
