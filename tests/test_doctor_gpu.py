@@ -15,6 +15,7 @@ from appliance.flows import gpucheck
 from appliance.node import doctor, doctor_report, gpudoctor
 from appliance.node.doctor import Check
 from appliance.train.launch import JobResult
+from conftest import ROOT, needs_netns
 
 V = "NCCL version 2.21.5+cuda12.4"
 LIB = "/v/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2"
@@ -288,3 +289,30 @@ def test_the_nccl_job_and_the_bench_through_the_launch_path_on_this_cpu(monkeypa
                                                                   (cl, "2 GPUs")))
     gpucheck.efficiency(one, both)
     assert one.status == "ok" and both.status == "ok" and "scaling efficiency" in both.detail, (one, both)
+
+
+@pytest.mark.slow
+@needs_netns
+def test_doctor_gpu_on_a_cluster_of_cpu_nodes(cluster2, tmp_path):
+    """`appliance doctor --gpu --cluster NAME` over SSH on the 2-node testbed: every node's lines and versions come
+    back, the device-agnostic checks pass on each node's CPU, the GPU ones say `no GPU`, and the report is written."""
+    import dataclasses
+
+    # the nodes run this checkout's appliance package (the venv's may be installed from another one)
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT} exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    cl = dataclasses.replace(cluster2, name="pt-doctor", python=str(py))
+    cl.save()
+    r = CliRunner().invoke(main, ["doctor", "--gpu", "--cluster", cl.name, "--no-allreduce", "--report",
+                                  str(tmp_path / "rep.json")])
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "rep.json").read_text())
+    assert sorted(rep["nodes"]) == sorted(n.name for n in cl.nodes) and rep["cluster"] == cl.name
+    for name, node in rep["nodes"].items():
+        checks = {c["name"]: c for c in node["checks"]}
+        assert checks["resume bit-exact"]["status"] == "ok" and checks["weights on the CPU"]["status"] == "ok", name
+        assert checks["nccl allreduce (1 rank)"]["detail"] == "no GPU"
+        assert node["info"]["versions"]["tensorflow"] == "2.18.1"
+    assert [c["detail"] for c in rep["cluster_checks"]] == ["no GPU"] * 3
+    print(r.output)

@@ -62,8 +62,10 @@ def examine_nodes(cluster: Cluster, allreduce: bool = True, gpu: bool = False) -
         if Line.DOCTOR in got:
             return [Check(**c) for c in got[Line.DOCTOR]], got.get(Line.DOCTOR_INFO, {})
         tail = (r.err.strip().splitlines() or [f"exit {r.rc}"])[-1]
-        return [Check("appliance", "fail", f"the doctor did not run on {node.name}: {tail}",
-                      "the node lacks the appliance package: use the appliance image or `appliance up --install`")], {}
+        fix = ("the node's appliance package is older than this one: update it (`appliance up SPEC --install`, or "
+               "a new image)" if "unrecognized arguments" in tail else
+               "the node lacks the appliance package: use the appliance image or `appliance up --install`")
+        return [Check("appliance", "fail", f"the doctor did not run on {node.name}: {tail}", fix)], {}
 
     with Session(cluster) as session:
         return session.each(one)
