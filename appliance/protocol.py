@@ -80,6 +80,7 @@ class Line:
     ERROR = "APPLIANCE_ERROR"  # a node-side failure: {"message", "fix"}
     NOTE = "APPLIANCE_NOTE"  # free text for the user (not JSON)
     DOCTOR = "APPLIANCE_DOCTOR"  # the doctor's checks
+    DOCTOR_INFO = "APPLIANCE_DOCTOR_INFO"  # `doctor --gpu`: the node's versions, GPUs and nvidia-smi, for the report
     STREAM = "APPLIANCE_STREAM"  # rank 0: an epoch of its stream read (shards, waits for the store, the epoch's time)
 
 

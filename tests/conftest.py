@@ -238,12 +238,12 @@ E2E_TESTS = {"test_doctor_passes_on_this_machine"}  # a real 2-rank horovodrun a
 # test_outage and test_stream_train last: one worker ran them alone for 2-3 minutes. The order is that of the
 # seconds each file took in two whole runs here (2 cores): lease_end 665, checkpoint 389, keras_fit 386, image 201,
 # train 176, store_guarantees 174, stage 167, client_install 153, provision 131, stream_train 106, outage 101,
-# bench 87, heat 67; every other file under 30. Except test_outage, third: most of its time is a frozen Keystone
+# bench 87, heat 67; every other file under 30 (test_doctor_gpu, added since, 90 alone: TensorFlow in some 20 processes). Except test_outage, third: most of its time is a frozen Keystone
 # waited out (FREEZE_S), a core idle unless the other worker runs a file that keeps both busy (at the end, beside
 # provision and heat, the cores were ~55% busy through it).
 LONGEST_FIRST = ["test_lease_end.py", "test_checkpoint.py", "test_outage.py", "test_keras_fit.py", "test_image.py",
                  "test_train.py", "test_store_guarantees.py", "test_stage.py", "test_client_install.py",
-                 "test_provision.py", "test_stream_train.py", "test_bench.py", "test_heat.py"]
+                 "test_provision.py", "test_stream_train.py", "test_doctor_gpu.py", "test_bench.py", "test_heat.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -88,6 +88,12 @@ def test_doctor_fails_clearly_when_the_stack_is_missing(tmp_path):
     assert any(line.strip().startswith("FAIL tensorflow") and "(fix: " in line for line in r.output.splitlines())
 
 
+def test_python_3_11_and_3_12_are_accepted():
+    for v, want in (("3.11.0rc1", "ok"), ("3.12.3", "ok"), ("3.10.12", "fail"), ("3.13.1", "fail")):
+        c = doctor.stack_checks({"python": v, "executable": "/v/bin/python"}, {})[0]
+        assert c.status == want, (v, c)
+
+
 def test_doctor_passes_on_this_machine(tmp_path):
     checks = doctor.run_checks(sys.executable, str(tmp_path))
     bad = [c for c in checks if c.status == "fail"]

@@ -295,8 +295,14 @@ def image_upload_cmd(path, name, disk_format, cloud_kind, site, as_json):
 @click.option("--python", "python", default=None, help="The venv's Python to check (default: this one).")
 @click.option("--etc", default=None, help="The node's appliance config dir (default: $APPLIANCE_ETC or /etc/appliance).")
 @click.option("--no-allreduce", is_flag=True, help="Skip the 2-rank horovodrun allreduce (~10 s).")
-@_json_opt
-def doctor_cmd(cluster, python, etc, no_allreduce, as_json):
+@click.option("--gpu", is_flag=True,
+              help="Also check the stack on the GPUs (NCCL, every rank's allreduce, the benchmark, a bit-exact "
+                   "resume) and write a report; minutes, the first thing to run on a GPU lease.")
+@click.option("--report", "report_path", default=None, metavar="PATH",
+              help="With --gpu: write the report here (.json, and .md beside it; default ~/.appliance/doctor/).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the checks as JSON (with --gpu: the whole report, its paths included).")
+def doctor_cmd(cluster, python, etc, no_allreduce, gpu, report_path, as_json):
     """Is this node (or every node of a cluster) ready to train? One line per check, with the fix.
 
     \b
@@ -306,21 +312,48 @@ def doctor_cmd(cluster, python, etc, no_allreduce, as_json):
     \b
       appliance doctor                    # on a node, e.g. after `ssh cc@HEAD`
       appliance doctor --cluster digits   # every node of a cluster, from your machine
+      appliance doctor --gpu --cluster digits   # and the GPU checks, with a report (docs/chameleon.md)
     """
     from .. import flows
     from ..node import doctor as dr
 
+    if report_path and not gpu:
+        raise click.UsageError("--report goes with --gpu")
+    if gpu:
+        with _messages(quiet=as_json):
+            rep = flows.doctor_gpu(cluster, python, etc, allreduce=not no_allreduce, report_path=report_path,
+                                   command="appliance doctor --gpu" + (f" --cluster {cluster}" if cluster else ""))
+        _json_out(rep) if as_json else _print_gpu_report(rep)
+        if rep["verdict"] == "fail":
+            sys.exit(1)
+        return
     per_node = flows.doctor(cluster, python, etc, allreduce=not no_allreduce)
     failed = any(c.status == "fail" for checks in per_node.values() for c in checks)
     if as_json:
         _json_out({node: dr.as_dicts(checks) for node, checks in per_node.items()})
     else:
-        for node, checks in per_node.items():
-            click.echo(f"{node}:")
-            for line in dr.format_checks(checks):
-                click.echo(f"  {line}")
+        _print_checks(per_node)
     if failed:
         sys.exit(1)
+
+
+def _print_checks(groups: dict[str, list]) -> None:
+    from ..node import doctor as dr
+
+    for node, checks in groups.items():
+        click.echo(f"{node}:")
+        for line in dr.format_checks(checks):
+            click.echo(f"  {line}")
+
+
+def _print_gpu_report(rep: dict) -> None:
+    from ..node.doctor import Check
+
+    groups = {name: [Check(**c) for c in node["checks"]] for name, node in rep["nodes"].items()}
+    groups["every rank"] = [Check(**c) for c in rep["cluster_checks"]]
+    _print_checks(groups)
+    click.echo(f"{rep['verdict']} after {rep['seconds']:.0f} s; the report: {rep['report']['json']} "
+               f"(readable: {rep['report']['markdown']})")
 
 
 @main.command("watchdog")

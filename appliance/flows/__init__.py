@@ -30,6 +30,7 @@ from ..spec import Spec
 from ..store.objects import StoreRefused, unreachable
 from ..train.headjob import job_log
 from ..train.launch import JobResult
+from .gpucheck import doctor_gpu, examine_nodes  # noqa: F401 (doctor_gpu: the CLI's)
 from .steps import (  # noqa: F401 (the steps, for the CLI and the tests)
     RESUME_PHASES, RunContext, check, data_creds, resolve_cluster, resume, resume_breakdown, run_job, stage_to_nodes,
     synced_files)
@@ -37,7 +38,8 @@ from .steps import (  # noqa: F401 (the steps, for the CLI and the tests)
 log = report.get(__name__)
 
 __all__ = ["RunContext", "resolve_cluster", "run_job", "run_managed", "train_spec", "stage_spec", "resume", "up",
-           "down", "status", "adopt", "site", "data_creds", "doctor", "job_summary", "list_runs", "node_watch"]
+           "down", "status", "adopt", "site", "data_creds", "doctor", "doctor_gpu", "job_summary", "list_runs",
+           "node_watch"]
 
 
 # -- sites and credentials --------------------------------------------------------------------------
@@ -276,7 +278,8 @@ def bench(spec_path: str, cluster_name: str | None, cfg, *, overhead: bool = Fal
 
 def doctor(cluster_name: str | None = None, python: str | None = None, etc: str | None = None,
            allreduce: bool = True) -> dict[str, list]:
-    """`appliance doctor`: this node's checks, or every node's of a cluster (over SSH, in parallel)."""
+    """`appliance doctor`: this node's checks, or every node's of a cluster (over SSH, in parallel). With
+    ``--gpu``: gpucheck.doctor_gpu."""
     if not cluster_name:
         return {socket.gethostname(): node_doctor.run_checks(python, etc, allreduce=allreduce)}
     return doctor_cluster(load_cluster(cluster_name), allreduce=allreduce)
@@ -284,29 +287,7 @@ def doctor(cluster_name: str | None = None, python: str | None = None, etc: str 
 
 def doctor_cluster(cluster: Cluster, allreduce: bool = True) -> dict[str, list]:
     """Run the node doctor (`python -m appliance.node.doctor`) on every node with the cluster's Python."""
-    import shlex
-
-    from ..protocol import Line, parse
-
-    Check = node_doctor.Check
-
-    def one(remote) -> list:
-        node = remote.node
-        cmd = (f"{shlex.quote(cluster.python)} -m appliance.node.doctor --python {shlex.quote(cluster.python)} "
-               f"--etc {shlex.quote(cluster.config_dir(node))}" + ("" if allreduce else " --no-allreduce"))
-        r = remote.run(cmd, timeout=300)
-        for line in r.out.splitlines():
-            got = parse(line, (Line.DOCTOR,))
-            if got is not None:
-                return [Check(**c) for c in got[1]]
-        tail = (r.err.strip().splitlines() or [f"exit {r.rc}"])[-1]
-        return [Check("appliance", "fail", f"the doctor did not run on {node.name}: {tail}",
-                      "the node lacks the appliance package: use the appliance image or `appliance up --install`")]
-
-    if cluster.single_host:
-        return {cluster.head.name: node_doctor.run_checks(cluster.python, cluster.config_dir(cluster.head), allreduce)}
-    with Session(cluster) as session:
-        return session.each(one)
+    return {name: checks for name, (checks, _) in examine_nodes(cluster, allreduce).items()}
 
 
 # -- leases and images (the site's verbs) -----------------------------------------------------------

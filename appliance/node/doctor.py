@@ -6,6 +6,8 @@ this node, the NIC the cluster uses, firewalld's trusted peers; and whether the 
 are built (said, not failed: without them it checks at hashlib's speed and reads https a TLS record per call). GPU
 checks are skipped (not failed) on a node without NVIDIA GPUs; everything else must pass. The stack is probed in a
 child process with the venv's Python, so the doctor still reports when TensorFlow or Horovod is broken or missing.
+``--gpu`` adds the checks that run on the device (appliance/node/gpudoctor.py) and prints the node's versions and
+nvidia-smi for the report (`appliance doctor --gpu`, appliance/flows/gpucheck.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from ..protocol import Env, Line, emit, rank_environment
 # the checkout's lock (make install: editable), the copy install-stack.sh leaves in the venv, or a client install's
 LOCKS = (Path(__file__).resolve().parents[2] / "requirements.lock", Path(sys.prefix) / "appliance-requirements.lock",
          Path(sys.prefix) / "share" / "appliance" / "requirements.lock")
+PYTHONS = ("3.11.", "3.12.")  # the stack's pins install on both (Ubuntu 22.04's python3.11, 24.04's python3.12)
 INSTALL_FIX = "install the stack: images/install-stack.sh (docs/image.md), or use the appliance image"
 
 PROBE = r"""
@@ -34,6 +38,8 @@ try:
     out["tensorflow"] = tf.__version__
     out["tf_gpus"] = len(tf.config.list_physical_devices("GPU"))
     out["tf_cuda"] = bool(tf.test.is_built_with_cuda())
+    info = tf.sysconfig.get_build_info()
+    out["tf_build"] = {k: str(info[k]) for k in ("cuda_version", "cudnn_version") if k in info}
 except Exception as e:
     out["tensorflow_error"] = f"{type(e).__name__}: {e}"
 try:
@@ -45,6 +51,7 @@ try:
     import horovod
     import horovod.tensorflow as hvd
     out["horovod"] = horovod.__version__
+    out["horovod_dir"] = os.path.dirname(horovod.__file__)
     out["hvd_gloo"] = bool(hvd.gloo_built()); out["hvd_nccl"] = bool(hvd.nccl_built())
     out["hvd_mpi"] = bool(hvd.mpi_built())
 except Exception as e:
@@ -66,6 +73,8 @@ class Check:
     status: str  # ok | fail | skip
     detail: str
     fix: str | None = None
+    seconds: float | None = None  # how long the check took, where it runs something (the GPU checks)
+    data: dict | None = None  # the numbers behind it, for the report (appliance/node/doctor_report.py)
 
 
 def _pins(locks=LOCKS) -> dict[str, str]:
@@ -139,8 +148,9 @@ def gpu_checks(p: dict) -> list[Check]:
 def stack_checks(p: dict, pins: dict[str, str]) -> list[Check]:
     if "error" in p:
         return [Check("python", "fail", p["error"], "check the venv's python (`--python`)")]
-    checks = [Check("python", "ok" if p["python"].startswith("3.11.") else "fail", f"{p['python']} ({p['executable']})",
-                    None if p["python"].startswith("3.11.") else "the stack is pinned for Python 3.11")]
+    good = p["python"].startswith(PYTHONS)
+    checks = [Check("python", "ok" if good else "fail", f"{p['python']} ({p['executable']})",
+                    None if good else "the stack is pinned for Python 3.11 and 3.12: make the venv with one of them")]
     for key, pin_names, label in (("tensorflow", ("tensorflow_cpu", "tensorflow"), "tensorflow"),
                                   ("tf_keras", ("tf_keras",), "tf-keras"), ("horovod", ("horovod",), "horovod")):
         have = p.get(key)
@@ -211,17 +221,33 @@ def nic_checks(etc: Path | None) -> list[Check]:
     return checks
 
 
-def run_checks(python: str | None = None, etc: str | None = None, allreduce: bool = True) -> list[Check]:
+def examine(python: str | None = None, etc: str | None = None, allreduce: bool = True,
+            gpu: bool = False) -> tuple[list[Check], dict]:
+    """Every check of this node, and what the report says of it (versions, GPUs, nvidia-smi). ``gpu``: also the
+    GPU checks of `appliance doctor --gpu` (appliance/node/gpudoctor.py)."""
     python = python or sys.executable
     etc_p = Path(etc or os.environ.get(Env.ETC) or "/etc/appliance")
+    t0 = time.monotonic()
     p = probe(python)
     checks = stack_checks(p, _pins())
+    checks[0].seconds = round(time.monotonic() - t0, 1)  # the probe's: Python, TensorFlow and Horovod imported
     checks += gpu_checks(p)
     if allreduce:
+        t0 = time.monotonic()
         checks.append(allreduce_check(python) if "horovod" in p else
                       Check("allreduce (2 ranks)", "skip", "horovod is not importable"))
+        checks[-1].seconds = round(time.monotonic() - t0, 1)
     checks += nic_checks(etc_p)
-    return checks
+    if not gpu:
+        return checks, {"probe": p}
+    from . import gpudoctor
+
+    more, info = gpudoctor.node_checks(python, p)
+    return checks + more, info
+
+
+def run_checks(python: str | None = None, etc: str | None = None, allreduce: bool = True) -> list[Check]:
+    return examine(python, etc, allreduce)[0]
 
 
 def as_dicts(checks: list[Check]) -> list[dict]:
@@ -230,7 +256,8 @@ def as_dicts(checks: list[Check]) -> list[dict]:
 
 def format_checks(checks: list[Check]) -> list[str]:
     mark = {"ok": "ok  ", "fail": "FAIL", "skip": "skip"}
-    return [f"{mark[c.status]} {c.name:<26} {c.detail}" + (f"  (fix: {c.fix})" if c.fix else "") for c in checks]
+    return [f"{mark[c.status]} {c.name:<26} {c.detail}" + (f"  (fix: {c.fix})" if c.fix else "")
+            + (f"  [{c.seconds:.0f} s]" if c.seconds and c.seconds >= 1 else "") for c in checks]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,9 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python")
     ap.add_argument("--etc")
     ap.add_argument("--no-allreduce", action="store_true")
+    ap.add_argument("--gpu", action="store_true", help="also the GPU checks (appliance/node/gpudoctor.py)")
     a = ap.parse_args(argv)
-    checks = run_checks(a.python, a.etc, allreduce=not a.no_allreduce)
+    checks, info = examine(a.python, a.etc, allreduce=not a.no_allreduce, gpu=a.gpu)
     emit(Line.DOCTOR, as_dicts(checks))
+    if a.gpu:
+        emit(Line.DOCTOR_INFO, info)
     return 1 if any(c.status == "fail" for c in checks) else 0
 
 

@@ -59,6 +59,17 @@ def build(name: str, image_size: int, classes: int):
     raise SystemExit(f"unknown model {name!r} (choose from {', '.join(MODELS)})")
 
 
+def pick_gpu(gpus: list, local_rank: int, local_size: int) -> tuple[object, str | None]:
+    """This rank's GPU, ``gpus[local_rank % len(gpus)]``, and a note when the node runs more ranks than it has GPUs
+    (ranks then share a GPU: each gets a part of its throughput, and NCCL refuses a GPU that two ranks of one job
+    share unless each rank has its own NCCL_HOSTID)."""
+    gpu = gpus[local_rank % len(gpus)]
+    if local_size <= len(gpus):
+        return gpu, None
+    return gpu, (f"note: {local_size} ranks share {len(gpus)} GPU(s) on {socket.gethostname()}; local rank "
+                 f"{local_rank} uses GPU {local_rank % len(gpus)}")
+
+
 def barrier():
     hvd.allreduce(tf.constant(0.0), name="appliance_bench_barrier").numpy()
 
@@ -161,10 +172,14 @@ def main() -> int:
 
     hvd.init()
     gpus = tf.config.list_physical_devices("GPU")
+    shared = bool(gpus) and hvd.local_size() > len(gpus)
     if gpus:
-        tf.config.experimental.set_memory_growth(gpus[hvd.local_rank()], True)
-        tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
-        device = tf.config.experimental.get_device_details(gpus[hvd.local_rank()]).get("device_name", "GPU")
+        gpu, note = pick_gpu(gpus, hvd.local_rank(), hvd.local_size())
+        if note:
+            print(note, flush=True)
+        tf.config.experimental.set_memory_growth(gpu, True)
+        tf.config.set_visible_devices(gpu, "GPU")
+        device = tf.config.experimental.get_device_details(gpu).get("device_name", "GPU")
     else:
         device = f"CPU ({os.cpu_count()} cores visible)"
     if args.precision == "mixed":
@@ -187,7 +202,7 @@ def main() -> int:
     me = {"rank": hvd.rank(), "size": hvd.size(), "hostname": socket.gethostname()}
     hosts = hvd.allgather_object(me["hostname"])
     if hvd.rank() == 0:
-        me.update({"bench": cells, "hosts": hosts, "device": device, "tensorflow": tf.__version__,
+        me.update({"bench": cells, "hosts": hosts, "device": device, "shared_gpu": shared, "tensorflow": tf.__version__,
                    "horovod": horovod.__version__,
                    "nccl": bool(hvd.nccl_built()), "gloo": bool(hvd.gloo_built())})
     print("APPLIANCE_RESULT " + json.dumps(me), flush=True)
