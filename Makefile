@@ -91,7 +91,7 @@ GPU_VENV := build/stack-gpu
 gpu-wheel: $(VENV)/.installed
 	CUDA_HOME=$(CUDA_HOME) PIP_FIND_LINKS=$(HOME)/.cache/appliance/gpu-wheelhouse bash images/install-stack.sh \
 	  --variant gpu --python $(PYTHON) --venv $(GPU_VENV) --lock requirements.lock --appliance . --wheels build/wheels-gpu
-	$(GPU_VENV)/bin/python -m appliance.node.linkage --venv $(GPU_VENV) --json | tee build/gpu-wheel.json
+	$(GPU_VENV)/bin/python -m appliance.node.linkage --expect gpu
 
 # the digits dataset in the local cloud's store (starts the local cloud): what the lease-end demo stages
 digits-data: install

@@ -13,7 +13,8 @@
 # TensorFlow (Gloo always; on gpu NCCL, linked shared against the NCCL wheel TensorFlow brings, so a process holds
 # one NCCL), or a wheel already built for the same key taken from --wheels (the key: TF, variant, Python, and on
 # gpu the CUDA toolkit and NCCL; `--print-tag` prints it); (4) the appliance package; (5) the build check:
-# Horovod's TensorFlow extension loads and was built with Gloo (and on gpu NCCL, linked as above). Idempotent: a
+# Horovod's TensorFlow extension loads and was built with Gloo (and on gpu NCCL, linked as above:
+# `python -m appliance.node.linkage`). Idempotent: a
 # step whose result is there already is skipped.
 #
 # Usage: install-stack.sh --variant cpu|gpu --venv DIR --lock FILE --appliance SRC
@@ -230,12 +231,10 @@ want="TensorFlow Gloo"
 for w in $want; do
   grep -q "\[X\] $w" <<<"$check" || die "horovod was built without $w (see $venv/check-build.txt)"
 done
-if [ "$variant" = gpu ]; then  # one NCCL: the wheel's, shared; none compiled in (its version banner absent)
-  so=$(find "$site/horovod/tensorflow" -maxdepth 1 -name 'mpi_lib*.so' | head -n 1)
-  readelf -d "$so" | grep -q 'NEEDED.*\[libnccl\.so\.2\]' ||
-    die "$so does not load libnccl.so.2: it was not linked against the NCCL wheel (fix: remove $wheels/$tag, re-run)"
-  ! grep -qa 'NCCL version' "$so" || die "$so has an NCCL compiled in (a static libnccl) besides TensorFlow's"
-  want="$want (NCCL shared: $(readelf -d "$so" | sed -n 's/.*RUNPATH.*\[\(.*\)\]/\1/p'))"
+if [ "$variant" = gpu ]; then  # one NCCL: the wheel's, shared, none compiled in; the compute capabilities inside
+  "$venv/bin/python" -m appliance.node.linkage --expect gpu > "$venv/check-linkage.txt" 2>&1 ||
+    die "Horovod's NCCL linkage is not TensorFlow's wheel, shared (see $venv/check-linkage.txt; fix: remove $wheels/$tag, re-run)"
+  want="$want (NCCL linkage: $venv/check-linkage.txt)"
 fi
 say "ok: $venv has tensorflow $tf_version + horovod $hvd_version ($want)"
 echo "APPLIANCE_STACK ok variant=$variant venv=$venv wheel=$wheel"
