@@ -83,15 +83,20 @@ wheel-py312: $(VENV)/.installed
 
 # Horovod's GPU build, here, as far as this machine goes (no GPU; docs/image.md "The GPU build, checked here"): the
 # lock's GPU TensorFlow and CUDA wheels in a venv of their own, Horovod compiled with CUDA_HOME's nvcc and linked
-# against TensorFlow's NCCL wheel by install-stack.sh (which checks the linkage: NEEDED libnccl.so.2, no NCCL
-# compiled in, nccl_built), then the wheel's compute capabilities and RUNPATH said. CUDA_HOME here is a CUDA 13
-# tree: a compile-and-link check, keyed cuda13.0 (sm_75..sm_90; no CUDA 12.6 node takes it). ~3 GB of wheels.
+# against TensorFlow's NCCL wheel by install-stack.sh, then python -m appliance.node.linkage with NVIDIA's cuobjdump
+# (a PyPI wheel): NEEDED libnccl.so.2, no NCCL compiled in, the RUNPATH, the compute capabilities inside. CUDA_HOME
+# here is a CUDA 13 tree: a compile-and-link check keyed cuda13.0, which no CUDA 12.6 node takes, and which has no
+# sm_60/sm_70 (P100, V100): the one failure this target lets pass. ~3 GB of wheels, ~6 min of build on 2 cores.
 CUDA_HOME ?= /usr/local/cuda
 GPU_VENV := build/stack-gpu
+CUOBJDUMP := nvidia-cuda-cuobjdump==13.5.37
 gpu-wheel: $(VENV)/.installed
-	CUDA_HOME=$(CUDA_HOME) PIP_FIND_LINKS=$(HOME)/.cache/appliance/gpu-wheelhouse bash images/install-stack.sh \
+	CUDA_HOME=$(CUDA_HOME) bash images/install-stack.sh \
 	  --variant gpu --python $(PYTHON) --venv $(GPU_VENV) --lock requirements.lock --appliance . --wheels build/wheels-gpu
-	$(GPU_VENV)/bin/python -m appliance.node.linkage --expect gpu
+	test -x build/tools/nvidia/cu13/bin/cuobjdump || { $(PIP) download -q --no-deps -d build/tools $(CUOBJDUMP) && \
+	  cd build/tools && unzip -q -o nvidia_cuda_cuobjdump-*.whl 'nvidia/*' && chmod +x nvidia/cu13/bin/cuobjdump; }
+	PATH=$(CURDIR)/build/tools/nvidia/cu13/bin:$$PATH $(GPU_VENV)/bin/python -m appliance.node.linkage --expect gpu \
+	  | tee build/gpu-wheel-check.txt; ! grep '^FAIL' build/gpu-wheel-check.txt | grep -v 'cuda archs'
 
 # the digits dataset in the local cloud's store (starts the local cloud): what the lease-end demo stages
 digits-data: install

@@ -22,7 +22,6 @@
 set -euo pipefail
 
 variant=cpu venv="" lock="" src="" wheels="" python=auto editable=0 system_deps=0 print_tag=0
-nccl_link=$(mktemp -u -d)  # made only for a gpu build
 say() { printf 'install-stack: %s\n' "$*"; }
 die() { printf 'install-stack: error: %s\n' "$*" >&2; exit 1; }
 
@@ -76,18 +75,32 @@ if [ "$system_deps" = 1 ] && [ "$print_tag" = 0 ]; then
 fi
 
 # -- 1. the venv, with a Python the pins support ----------------------------------------------------------
-py_minor() {  # "3.11" or "3.12" for a final release of a supported Python; nothing otherwise
+py_minor() {  # "3.11" or "3.12" for a final release of a supported Python that can make a venv with pip
+  # (Debian and Ubuntu ship ensurepip apart, in pythonX.Y-venv); nothing otherwise
   "$1" -c 'import sys
 v = sys.version_info
+try:
+    import ensurepip, venv
+except ImportError:
+    sys.exit()
 if v.releaselevel == "final" and "%d.%d" % v[:2] in sys.argv[1].split(): print("%d.%d" % v[:2])' "$PYTHONS" \
     2>/dev/null || true
 }
 py_says() { "$1" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null || echo "?"; }
+fresh=""
 find_python() {  # sets python (a path, or "managed") and pyver
-  if [ -x "$venv/bin/python" ]; then  # a re-run keeps the venv's Python (and so the wheel-cache key)
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import pip' 2>/dev/null; then
+    local asked=$python  # a re-run keeps the venv's Python (and so the wheel-cache key)
     python=$venv/bin/python pyver=$(py_minor "$venv/bin/python")
     [ -n "$pyver" ] || die "$venv has Python $(py_says "$venv/bin/python"), not one of $PYTHONS (fix: remove $venv)"
+    if [ "$asked" != auto ] && [ "$(py_minor "$(command -v "$asked" || echo "$asked")")" != "$pyver" ]; then
+      die "$venv has Python $pyver, not --python $asked's (fix: remove $venv, or --python auto)"
+    fi
     return
+  fi
+  if [ -e "$venv/bin/python" ]; then  # an earlier run stopped while making it (no python3-venv, say)
+    [ "$print_tag" = 1 ] || say "$venv has no working pip: it is made anew"
+    fresh=--clear
   fi
   if [ "$python" != auto ]; then
     command -v "$python" >/dev/null || die "$python not found (fix: --python auto finds one)"
@@ -100,7 +113,7 @@ find_python() {  # sets python (a path, or "managed") and pyver
     p=$(command -v "$c" 2>/dev/null) || continue
     pyver=$(py_minor "$p")
     if [ -n "$pyver" ]; then python=$p; return; fi
-    [ "$print_tag" = 1 ] || say "python: $p is $(py_says "$p"), not a $PYTHONS release; not used"
+    [ "$print_tag" = 1 ] || say "python: $p is $(py_says "$p"): not a $PYTHONS release that makes venvs; not used"
   done
   python=managed pyver=$MANAGED_PYTHON
 }
@@ -109,12 +122,15 @@ managed_python() {  # Python $MANAGED_PYTHON installed by uv (the lock's pin) be
   if [ ! -x "$boot/bin/uv" ]; then
     base=$(command -v python3) || die "no python3 to run uv with (fix: apt-get install python3-venv)"
     "$base" -m venv "$boot" || die "$base -m venv failed (fix: apt-get install python3-venv)"
-    "$boot/bin/python" -m pip --disable-pip-version-check install -q "uv==$uv_version"
+    "$boot/bin/python" -m pip --disable-pip-version-check install -q "uv==$uv_version" >&2 ||
+      die "pip could not install uv==$uv_version into $boot (see above)"
   fi
-  UV_PYTHON_INSTALL_DIR=${venv%/}.python "$boot/bin/uv" python install -q "$MANAGED_PYTHON" >&2 ||
-    die "uv could not install Python $MANAGED_PYTHON (it downloads from GitHub; fix: install python3.12-venv)"
-  UV_PYTHON_INSTALL_DIR=${venv%/}.python "$boot/bin/uv" python find --python-preference only-managed \
-    "$MANAGED_PYTHON"
+  # --no-bin: no python3.11 link in ~/.local/bin; VIRTUAL_ENV unset: `find` would answer an active venv
+  env -u VIRTUAL_ENV UV_PYTHON_INSTALL_DIR="${venv%/}.python" "$boot/bin/uv" python install -q --no-bin \
+    "$MANAGED_PYTHON" >&2 || die "uv could not install Python $MANAGED_PYTHON (it downloads from GitHub; fix: let the" \
+    "node reach github.com, or install a released Python 3.12 or 3.11 with its venv package)"
+  env -u VIRTUAL_ENV UV_PYTHON_INSTALL_DIR="${venv%/}.python" "$boot/bin/uv" python find \
+    --python-preference only-managed "$MANAGED_PYTHON"
 }
 find_python
 
@@ -134,8 +150,8 @@ if [ "$variant" = gpu ]; then
   tag="$tag-cuda$cuda_version-nccl$nccl_version"
   # One NCCL in the process: TensorFlow's (the nvidia-nccl-cu12 wheel), linked shared (Horovod's FindNCCL.cmake
   # takes libnccl_static.a unless HOROVOD_NCCL_LINK=SHARED, and finds the library as libnccl.so, which the wheel
-  # does not ship: a link to its libnccl.so.2 in a build directory). The RUNPATH reaches the wheel from
-  # site-packages/horovod/tensorflow/mpi_lib*.so in any venv.
+  # does not ship: a link to its libnccl.so.2 beside it). The RUNPATH reaches the wheel from
+  # site-packages/horovod/tensorflow/mpi_lib*.so in any venv (CMake adds the build venv's own lib dir too).
   nccl=$site/nvidia/nccl
   can=$({ "$cuda/bin/nvcc" --list-gpu-arch 2>/dev/null || true; } | sed -n 's/^compute_//p' | tr '\n' ' ')
   ccs="" skipped=""
@@ -144,7 +160,7 @@ if [ "$variant" = gpu ]; then
   done
   [ -n "$ccs" ] || die "CUDA $cuda_version at $cuda builds none of sm_${CUDA_CCS// /, sm_}"
   build_env+=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_CUDA_HOME=$cuda" "PATH=$cuda/bin:$PATH"
-              "HOROVOD_NCCL_INCLUDE=$nccl/include" "HOROVOD_NCCL_LIB=$nccl_link" HOROVOD_NCCL_LINK=SHARED
+              "HOROVOD_NCCL_INCLUDE=$nccl/include" "HOROVOD_NCCL_LIB=$nccl/lib" HOROVOD_NCCL_LINK=SHARED
               "HOROVOD_BUILD_CUDA_CC_LIST=$ccs" "LDFLAGS=-Wl,-rpath,\$ORIGIN/../../nvidia/nccl/lib ${LDFLAGS:-}")
 fi
 if [ "$print_tag" = 1 ]; then  # the key and how Horovod would be built, nothing installed
@@ -154,9 +170,9 @@ if [ "$print_tag" = 1 ]; then  # the key and how Horovod would be built, nothing
   exit 0
 fi
 [ "$python" = managed ] && { say "python: none of $PYTHONS here; uv installs $MANAGED_PYTHON"; python=$(managed_python); }
-if [ ! -x "$venv/bin/python" ]; then
+if [ ! -x "$venv/bin/python" ] || [ -n "$fresh" ]; then
   say "creating $venv (Python $(py_says "$python"), $python)"
-  "$python" -m venv "$venv" || die "$python -m venv failed (fix: apt-get install python3-venv)"
+  "$python" -m venv $fresh "$venv" || die "$python -m venv failed (fix: apt-get install python3-venv)"
 fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
 pip install -q --upgrade pip setuptools wheel
@@ -164,7 +180,7 @@ pip install -q "uv==$uv_version"
 
 # -- 2. the lock, exactly ------------------------------------------------------------------------------
 reqs=$(mktemp)
-trap 'rm -rf "$reqs" "$nccl_link"' EXIT
+trap 'rm -f "$reqs"' EXIT
 if [ "$variant" = gpu ]; then
   grep -v -E '^(#|horovod==|tensorflow_cpu==)' "$lock" > "$reqs"
   sed -n 's/^# gpu: //p' "$lock" >> "$reqs"
@@ -193,8 +209,7 @@ if [ -z "$wheel" ]; then
   if [ "$variant" = gpu ]; then
     { [ -f "$nccl/include/nccl.h" ] && [ -f "$nccl/lib/libnccl.so.2" ]; } ||
       die "no NCCL wheel at $nccl (the lock's nvidia-nccl-cu12 line; fix: re-run, or check the lock's # gpu: lines)"
-    mkdir -p "$nccl_link"
-    ln -sf "$nccl/lib/libnccl.so.2" "$nccl_link/libnccl.so"
+    ln -sf libnccl.so.2 "$nccl/lib/libnccl.so"
     [ -z "$skipped" ] || say "CUDA $cuda_version cannot build for$skipped: those GPUs cannot run this wheel"
     say "gpu: CUDA $cuda_version ($cuda), compute capabilities $ccs, NCCL $nccl_version from $nccl (shared)"
   fi

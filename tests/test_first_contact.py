@@ -184,6 +184,29 @@ def test_run_plan_with_a_credential_that_works_asks_the_site(no_credentials, mon
     assert p["sus"] == 2.5 * p["node_hours"]
 
 
+def test_run_plan_when_blazar_answers_an_error_is_one_line_never_a_traceback(no_credentials, monkeypatch):
+    """The plan's first question is Blazar's clock (GET /leases); its error came through as python-blazarclient's
+    exception, past the table and past the one-line errors: the plan says why the site was not asked instead."""
+    from pathlib import Path
+
+    from appliance.sites.chameleon import ChameleonSite
+
+    class BlazarClientException(Exception):
+        def __init__(self, msg, code):
+            super().__init__(msg)
+            self.kwargs = {"code": code}
+
+    class Blazar:
+        def now(self):
+            raise BlazarClientException("ERROR: The request you have made requires authentication.", 401)
+
+    monkeypatch.setattr(ChameleonSite, "connect", lambda self: Blazar())
+    spec = str(Path(__file__).resolve().parents[1] / "examples" / "chameleon.yaml")
+    code, out, err = _cli("run", spec, "--plan", "--for", "2d", "--json")
+    p = json.loads(out)
+    assert code == 0 and p["source"] == "table" and "401 Unauthorized: expired?" in p["assumed"]["why"], (out, err)
+
+
 def test_the_node_type_table_says_what_it_does_not_know():
     from appliance.sites.chameleon_types import facts
 

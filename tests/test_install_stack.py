@@ -19,13 +19,14 @@ LOCK = ROOT / "requirements.lock"
 TOOLS = ("sed", "tr", "nproc", "mktemp", "realpath", "env", "bash", "sh", "cat", "grep")
 
 
-def fake_python(bindir: Path, name: str, version: str, final: bool = True) -> None:
+def fake_python(bindir: Path, name: str, version: str, final: bool = True, pip: bool = True) -> None:
     """A `python3.X` that answers the script's two questions as that Python would: its version, and (for a final
     release of a version the pins support) its X.Y."""
     minor = ".".join(version.split(".")[:2])
     (bindir / name).write_text(f"""#!/bin/sh
 case "$2" in
   *releaselevel*) case " $3 " in *" {minor} "*) {'echo ' + minor if final else 'true'} ;; esac ;;
+  "import pip") {'exit 0' if pip else 'exit 1'} ;;
   *) echo {version} ;;
 esac
 """)
@@ -102,6 +103,21 @@ def test_a_python_the_pins_do_not_support_is_one_line(tmp_path):
     r, _ = print_tag(tmp_path, "--python", "python3.14")
     assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert "python3.14 is Python 3.14.3; the pins need a 3.11 3.12 release (fix: --python auto)" in r.stderr
+
+
+def test_a_python_that_cannot_make_a_venv_is_passed_over(tmp_path):
+    """Ubuntu ships ensurepip apart (pythonX.Y-venv): a deadsnakes python3.11 without it beside a working 3.12."""
+    import sys
+
+    (tmp_path / "bin").mkdir()
+    no_venv = tmp_path / "bin" / "python3.11"  # this machine's 3.11 (a release) with ensurepip taken away
+    no_venv.write_text(f"""#!/bin/sh
+exec {sys._base_executable} -c 'import sys; sys.modules["ensurepip"] = None; sys.argv = sys.argv[1:]; exec(sys.argv[0])' "$2" "$3"
+""")
+    os.chmod(no_venv, 0o755)
+    fake_python(tmp_path / "bin", "python3.12", "3.12.3")
+    r, out = print_tag(tmp_path)
+    assert out["APPLIANCE_STACK_TAG"][0].split()[0].endswith("-py3.12")
 
 
 def test_the_gpu_build_links_tensorflows_nccl_shared_for_chameleons_gpus(tmp_path):
@@ -215,3 +231,27 @@ def test_a_relative_venv_gives_the_build_absolute_paths(tmp_path):
     build = dict(line.split(" ", 1)[1].split("=", 1) for line in r.stdout.splitlines()
                  if line.startswith("APPLIANCE_STACK_BUILD "))
     assert build["HOROVOD_NCCL_INCLUDE"] == f"{tmp_path}/rel/venv/lib/python3.11/site-packages/nvidia/nccl/include"
+
+
+def test_a_venv_an_earlier_run_left_without_pip_is_made_anew(tmp_path):
+    """`python3 -m venv` without python3-venv dies after writing bin/python: the re-run the fix line asks for must
+    not take that venv as made (it stopped at `No module named pip`, with no line of the script's)."""
+    (tmp_path / "bin").mkdir()
+    fake_python(tmp_path / "bin", "python3.12", "3.12.3")
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    fake_python(tmp_path / "venv" / "bin", "python", "3.12.3", pip=False)
+    r, out = print_tag(tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert out["APPLIANCE_STACK_TAG"][0].split()[1] == f"python={tmp_path}/bin/python3.12"
+
+
+def test_a_venv_keeps_its_python_and_refuses_another_one_asked_for(tmp_path):
+    (tmp_path / "bin").mkdir()
+    fake_python(tmp_path / "bin", "python3.12", "3.12.3")
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    fake_python(tmp_path / "venv" / "bin", "python", "3.11.2")
+    r, out = print_tag(tmp_path)
+    assert out["APPLIANCE_STACK_TAG"][0].split() == [f"tf{install_pin('tensorflow_cpu')}-cpu-py3.11",
+                                                      f"python={tmp_path}/venv/bin/python"]
+    r, _ = print_tag(tmp_path, "--python", "python3.12")
+    assert r.returncode == 1 and "has Python 3.11, not --python python3.12's (fix: remove" in r.stderr

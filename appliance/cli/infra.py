@@ -260,7 +260,7 @@ def lease_delete(lease_id, cloud_kind, site, yes, as_json):
 
 @main.group()
 def image():
-    """The appliance image: a GPU training stack on Chameleon's CC-Ubuntu22.04-CUDA (docs/image.md).
+    """The appliance image: a GPU training stack on Chameleon's CC-Ubuntu24.04-CUDA (docs/image.md).
 
     \b
       make image                                    # build it with diskimage-builder

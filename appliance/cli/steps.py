@@ -14,7 +14,7 @@ from .views import _report
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--lease", "lease_id", default=None, help="Use this existing lease instead of creating one.")
 @click.option("--install", is_flag=True,
-              help="Install the training stack on every node (for stock CC-Ubuntu22.04-CUDA images; not needed "
+              help="Install the training stack on every node (for stock CC-Ubuntu24.04-CUDA or 22.04 images; not needed "
                    "with the appliance image). Horovod's built wheel is cached in --wheel-cache.")
 @click.option("--variant", type=click.Choice(["cpu", "gpu"]), default=None,
               help="With --install: default gpu for gpu_* node types, else cpu.")

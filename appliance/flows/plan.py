@@ -100,7 +100,14 @@ def site_facts(ctx) -> dict:
     spec, nt = ctx.spec, ctx.spec.nodes.node_type
     try:
         cloud = ctx.site.cloud
-        now = cloud.now()
+        try:
+            now = cloud.now()
+        except ApplianceError:
+            raise
+        except Exception as e:  # Blazar's own error (a 401 or a 5xx on GET /leases): its one line
+            from ..sites.openstack_api import explain_blazar
+
+            raise explain_blazar(e) from None
         hosts, su_factor = cloud.node_type_hosts(nt)
         return {"now": now, "site": spec.site or ctx.site.region or cloud.region_name() or spec.cloud,
                 "hosts": hosts, "su_factor": su_factor}

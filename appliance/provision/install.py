@@ -88,7 +88,8 @@ def node_tags(session: Session, inst, **opts) -> str:
         if res.rc != 0 or not m:
             tail = (res.err.strip().splitlines() or [f"exit {res.rc}"])[-1]
             raise ApplianceError(f"{r.node.name} cannot install the stack: {tail}",
-                                 "use a CC-Ubuntu22.04 or 24.04 image (docs/image.md)")
+                                 "as install-stack.sh's line says; it installs on CC-Ubuntu24.04 and 22.04, CUDA or "
+                                 "not (docs/image.md)")
         return m.group(1)
 
     tags = session.each(ask)

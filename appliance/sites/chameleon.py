@@ -84,7 +84,7 @@ class ChameleonSite(Site):
         if spec.image == Spec.image:
             raise SpecError(f"image: missing for cloud: chameleon ({Spec.image} is the local cloud's)",
                             "set image: appliance-gpu (built with `make image`, docs/image.md), or a stock image "
-                            "such as CC-Ubuntu22.04-CUDA with `appliance up --install`")
+                            "such as CC-Ubuntu24.04-CUDA with `appliance up --install`")
         if not spec.key_name:
             raise SpecError("key_name: missing for cloud: chameleon", "set key_name to your Nova key pair's name")
 

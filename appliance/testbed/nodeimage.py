@@ -150,18 +150,26 @@ def image_mounts(d: Path, image: str | None) -> str:
 
 def noble_python(d: Path) -> str:
     """A node booted from a CC-Ubuntu24.04 image: its /usr/bin without python3.11 and with python3 -> python3.12, as
-    a read-only overlay in the node's mount namespace (whiteouts in the upper layer hide the host's 3.11). Returns
-    the mount command for the node's boot script."""
+    a read-only overlay in the node's mount namespace (whiteouts in the upper layer hide this machine's 3.11; the
+    same in /usr/local/bin where this machine has a python3.11 there). Returns the mount commands for the node's
+    boot script."""
     py = python312()
     if py is None:
         raise ApplianceError("the local cloud cannot boot a CC-Ubuntu24.04 node: this machine has no Python 3.12 "
                              "(a 24.04 node's python3)", f"install one at one of {', '.join(PYTHON312_AT)}")
-    layer = d / "usr-bin-noble"
-    if layer.exists():
-        shutil.rmtree(layer)
-    layer.mkdir()
-    for name in NOBLE_HIDDEN:
-        os.mknod(layer / name, stat.S_IFCHR, os.makedev(0, 0))  # an overlayfs whiteout
-    os.symlink(py, layer / "python3.12")
-    os.symlink("python3.12", layer / "python3")
-    return f"mount -t overlay overlay -o ro,lowerdir={layer}:/usr/bin /usr/bin && "
+    cmds = []
+    for bindir in ("/usr/bin", "/usr/local/bin"):
+        hidden = [n for n in NOBLE_HIDDEN if os.path.lexists(f"{bindir}/{n}")]
+        if bindir != "/usr/bin" and not hidden:
+            continue
+        layer = d / ("usr-bin-noble" if bindir == "/usr/bin" else "usr-local-bin-noble")
+        if layer.exists():
+            shutil.rmtree(layer)
+        layer.mkdir()
+        for name in hidden:
+            os.mknod(layer / name, stat.S_IFCHR, os.makedev(0, 0))  # an overlayfs whiteout
+        if bindir == "/usr/bin":
+            os.symlink(py, layer / "python3.12")
+            os.symlink("python3.12", layer / "python3")
+        cmds.append(f"mount -t overlay overlay -o ro,lowerdir={layer}:{bindir} {bindir} && ")
+    return "".join(cmds)
