@@ -190,3 +190,18 @@ def test_a_lock_handed_a_renewed_store_reads_the_stores_clock_with_it(tmp_path):
     assert held.read()["job_id"] == "ctl"
     held.release(tmp_path)
     assert held.read() is None and held.current()[1]["released"]
+
+
+def test_taken_by_names_the_lock_that_took_the_run_even_one_written_over_the_holders_own_generation(tmp_path):
+    """What a controller asks before each write (flows/control.py): None while the newest generation is its own;
+    the taker's lock once another took it, a newer generation or (a store that ignores If-None-Match: RGW 16) the
+    holder's own generation written over."""
+    clock = [1000.0]
+    a, b = lock(tmp_path, "job-a", clock), lock(tmp_path, "job-b", clock)
+    a.acquire(tmp_path)
+    assert a.taken_by() is None and a.lost_to is None
+    over = {"job_id": "job-b", "heartbeat": clock[0]}  # b's write over a's generation, as RGW lets it land
+    b.cs.put_text(f"lock/{a.generation:09d}.json", json.dumps(over), tmp_path)
+    assert a.taken_by()["job_id"] == "job-b" and a.lost_to["job_id"] == "job-b"
+    clock[0] += 60
+    assert b.acquire(tmp_path)[0] is None and a.taken_by()["job_id"] == "job-b" and not a.heartbeat(tmp_path)

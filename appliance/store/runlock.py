@@ -16,7 +16,8 @@ The rules:
 - **the holder** is the job of the newest generation; a heartbeat rewrites only the job's own generation (no other
   writer has that name), and only while no newer generation exists;
 - **a job that lost the lock** (a newer generation is another job's) commits and prunes nothing: ``fenced`` is asked
-  before every checkpoint commit and prune (node/checkpointer.py) and synced-files commit (node/filesync.py);
+  before every checkpoint commit and prune (node/checkpointer.py) and synced-files commit (node/filesync.py); a
+  managed run's controller asks ``taken_by`` before each write of its state and each lease it asks for;
 - **release** marks the job's generation released instead of deleting it: generations only grow, so a job that lost
   the lock can never read it as its own again. The generations older than the one before the taker's are deleted.
 - a read that fails is retried and then raised (StoreUnavailable), never taken for "no lock";
@@ -59,6 +60,7 @@ class RunLock:
         self.launcher = launcher
         self.held = False
         self.generation = 0  # ours, while held
+        self.lost_to: dict | None = None  # the lock that took the run from this holder, once seen (taken_by)
 
     @staticmethod
     def _rel(gen: int) -> str:
@@ -167,12 +169,25 @@ class RunLock:
             self.launcher = self.launcher or cur[1].get("launcher")
         return self.held
 
+    def taken_by(self) -> dict | None:
+        """None while the run's newest generation is this holder's own, live one; else the lock that holds the run
+        instead (remembered in ``lost_to``; ``{}`` when the run has none left). What a holder asks before each write
+        that only the holder may make (a controller's state and leases: flows/control.py). Its cost: one listing of
+        ``lock/`` and one GET of the newest generation (a few hundred bytes); the body is read, not only the name,
+        because a store that ignores If-None-Match (RGW 16) lets a taker write over this holder's own generation.
+        A read that fails raises StoreUnavailable: neither held nor lost."""
+        cur = self.current()
+        if cur is not None and cur[0] == self.generation and cur[1].get("job_id") == self.job_id \
+                and not cur[1].get("released"):
+            return None
+        self.lost_to = cur[1] if cur else {}
+        return self.lost_to
+
     def heartbeat(self, tmp_dir) -> bool:
         """Renew the lock if it is still ours: False (and no write) once a newer generation exists."""
         if not self.held:
             return False
-        cur = self.current()
-        if cur is None or cur[0] != self.generation or cur[1].get("job_id") != self.job_id:
+        if self.taken_by() is not None:
             self.held = False
             return False
         self._rewrite(tmp_dir)
