@@ -42,6 +42,11 @@ class Unanswered(ApplianceError):
     asked for may exist, and is looked for rather than forgotten."""
 
 
+class Unavailable(ApplianceError):
+    """The cloud did not answer a read or a delete (a 5xx, a timeout, a refused connection) though it was asked again
+    with back-off: not an answer ("not there" least of all); the same step later may well succeed."""
+
+
 class JobFailed(ApplianceError):
     """The training job ran and failed; exit_code is the job's."""
 

@@ -335,7 +335,7 @@ class _Run:
         if nxt is not None:
             log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on {nxt.name}, up and "
                      "staged already")
-            gone = threading.Thread(target=lifecycle.down, args=(old, site), daemon=True)
+            gone = threading.Thread(target=lifecycle.teardown, args=(old, site), daemon=True)
             gone.start()  # the old cluster goes while the checkpoint is staged on the new one
         else:
             if warm is not None:

@@ -510,12 +510,39 @@ def status(name: str, site: Site | None = None) -> dict:
 
 
 def down(name: str, site: Site | None = None) -> list[str]:
-    """Delete servers, release the floating IP, delete the lease, forget the cluster. Idempotent."""
+    """Delete servers, release the floating IP, delete the lease, forget the cluster. Idempotent. The cloud's reads
+    and deletes are asked again with back-off (sites/openstack_auth.py); a step that still fails is one line, and
+    the record stays for a later `appliance down` to finish."""
     if not state_path(name).exists():
         log.info(f"no cluster named {name!r}; nothing to do")
         return []
     cluster = load_cluster(name)
-    c = (site or _site_of(cluster)).cloud
+    try:
+        done = _take_down(cluster, (site or _site_of(cluster)).cloud)
+    except ApplianceError as e:
+        raise ApplianceError(f"cluster {name} is not all gone: {e.message}",
+                             f"{e.fix + '; then ' if e.fix else ''}run `appliance down {name}` again: its record "
+                             "is kept, and it deletes what is left") from None
+    delete_cluster(name)
+    for suffix in (".known_hosts", ".id_ed25519", ".id_ed25519.pub"):
+        (paths.clusters_dir() / f"{name}{suffix}").unlink(missing_ok=True)
+    log.info(f"cluster {name}: removed " + (", ".join(done) if done else "its record (nothing left in the cloud)"))
+    return done
+
+
+def teardown(name: str, site: Site | None = None) -> bool:
+    """`down` for a thread of its own (a managed run's old cluster, taken down while the run goes on): a failure is
+    said in one line, not a thread's traceback, and the record stays. Whether all of it is gone."""
+    try:
+        down(name, site)
+        return True
+    except ApplianceError as e:
+        log.info(f"warning: {e}")
+        return False
+
+
+def _take_down(cluster: Cluster, c) -> list[str]:
+    """What `down` deletes, in its order; what went."""
     done = []
     targets = [(f"server {node.name}", node.server_id) for node in cluster.nodes or [] if node.server_id]
     targets += [(f"server {sid}", sid) for sid in cluster.site.servers.values()
@@ -532,10 +559,6 @@ def down(name: str, site: Site | None = None) -> list[str]:
             if info.name == cluster.site.lease_name and not info.ended \
                     and c.delete_lease(info.id):
                 done.append(f"lease {info.id} ({info.name})")
-    delete_cluster(name)
-    for suffix in (".known_hosts", ".id_ed25519", ".id_ed25519.pub"):
-        (paths.clusters_dir() / f"{name}{suffix}").unlink(missing_ok=True)
-    log.info(f"cluster {name}: removed " + (", ".join(done) if done else "its record (nothing left in the cloud)"))
     return done
 
 

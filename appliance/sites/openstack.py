@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import re
 import time
 
 from .. import report
@@ -24,11 +25,17 @@ from ..errors import ApplianceError, Unanswered
 from .lease import Lease
 from .openstack_api import (  # noqa: F401 - the API's records and rules, named here as before
     API_DATE, EXTENSION_WINDOW, HOSTKEYS_HEADER, MAX_LEASE, RESERVATION_KEY, LeaseInfo, ListedServer, _date_of,
-    _not_found, blazar_error, explain_blazar, fip_reservation, fmt_date, host_reservation, parse_console_host_keys,
-    parse_lease_date, parse_password_host_keys, resource_properties, unanswered)
-from .openstack_auth import RUN_CLOUD, RUN_CLOUD_ENV, connect, entry_for_region  # noqa: F401 - named here as before
+    _not_found, bare_500, blazar_error, explain_blazar, fip_reservation, fmt_date, host_reservation,
+    parse_console_host_keys, parse_lease_date, parse_password_host_keys, resource_properties, unanswered,
+    unavailable, why_unanswered)
+from .openstack_auth import (  # noqa: F401 - named here as before
+    RUN_CLOUD, RUN_CLOUD_ENV, connect, entry_for_region, read_retry_session)
 
 log = report.get(__name__)
+
+# a lease found by name after a lost answer was made after the ask: by its created_at (Blazar's manager's clock)
+# against the API's Date header less the time since the ask, less this for the two clocks' skew
+LEASE_CLOCK_SLACK = dt.timedelta(seconds=60)
 
 
 def blazar_client(conn):
@@ -44,6 +51,9 @@ class OpenStackCloud:
     def __init__(self, conn):
         self.conn = conn
         self.blazar = blazar_client(conn)
+        # a managed run's own credential (openstack_auth.connect: RUN_CLOUD) is unrestricted: a bare 500 from Blazar
+        # is then no refused trust, and a lease may have been made
+        self.unrestricted = getattr(conn.config, "name", None) == RUN_CLOUD
 
     # -- time -------------------------------------------------------------------------------------
 
@@ -112,12 +122,11 @@ class OpenStackCloud:
         Returns (access, secret)."""
         import secrets as _secrets
 
-        from keystoneauth1 import session as ks_session
         from keystoneauth1.identity import v3
 
         auth = v3.ApplicationCredential(auth_url=self.identity_url(), application_credential_id=app_cred["id"],
                                         application_credential_secret=app_cred["secret"])
-        sess = ks_session.Session(auth=auth, verify=self.conn.session.verify)
+        sess = read_retry_session()(auth=auth, verify=self.conn.session.verify)
         access, secret = _secrets.token_hex(16), _secrets.token_hex(16)
         body = {"type": "ec2", "user_id": self.conn.current_user_id, "project_id": self.conn.current_project_id,
                 "blob": json.dumps({"access": access, "secret": secret})}
@@ -146,6 +155,9 @@ class OpenStackCloud:
         url = f"{self.identity_url()}/users/{self.conn.current_user_id}/credentials/OS-EC2"
         project = self.conn.current_project_id
         r = self.conn.session.get(url, raise_exc=False)
+        if r.status_code >= 500:  # asked again already: not "none", which would make another
+            raise ApplianceError(f"Keystone is not answering ({r.status_code}: {_keystone_message(r)}, asked again "
+                                 "with back-off)", "run the step again in a few minutes")
         mine = [c for c in (r.json().get("credentials") or []) if c.get("tenant_id") == project] \
             if r.status_code == 200 else []
         if not mine:
@@ -175,16 +187,53 @@ class OpenStackCloud:
         reservations = [host_reservation(node_type, count)]
         if floating_ip:
             reservations.append(fip_reservation(self.public_network_id()))
-        try:
-            lease = self.blazar.lease.create(name, "now" if start is None else fmt_date(begin), fmt_date(end),
-                                             reservations, [])
-        except Exception as e:  # BlazarClientException, or keystoneauth's when no answer came
-            if unanswered(e):
-                raise Unanswered(f"Blazar did not answer whether it made lease {name} ({type(e).__name__}: "
-                                 f"{blazar_error(e)[1][:200]})", "run the step again: it looks for the lease by "
-                                 "its name before it asks for another") from None
-            raise explain_blazar(e, node_type=node_type, count=count) from None
+        lease = self._ask_lease(name, lambda: self.blazar.lease.create(
+            name, "now" if start is None else fmt_date(begin), fmt_date(end), reservations, []),
+            node_type=node_type, count=count)
         return LeaseInfo.from_api(lease)
+
+    def _lost(self, e: Exception) -> bool:
+        """A lease POST whose outcome is unknown: no answer, a gateway's 502-504, or, for a managed run's own
+        (unrestricted) credential, Blazar's bare 500: an RPC to its manager that timed out, which may still make it."""
+        return unanswered(e) or (self.unrestricted and bare_500(e))
+
+    def _ask_lease(self, name: str, ask, *, node_type: str, count: int) -> dict:
+        """Blazar's lease from ``ask()`` (the POST), never sent again blindly: an answer lost is looked for by the
+        lease's name among the leases made since (Blazar allows two of one name); only when none is found is it
+        asked once more. Two lost: Unanswered, the name kept for `up`, `down` and the run's ledger to find it."""
+        lost = None
+        for _ in range(2):
+            t0 = time.monotonic()
+            try:
+                return ask()
+            except Exception as e:  # BlazarClientException, or keystoneauth's when no answer came
+                if not self._lost(e):
+                    raise explain_blazar(e, node_type=node_type, count=count) from None
+                lost = e
+            found = self._lease_named(name, time.monotonic() - t0, lost)
+            if found is not None:
+                log.info(f"lease {name}: Blazar made it, though its answer was lost ({why_unanswered(lost)})")
+                return found
+            log.info(f"lease {name}: Blazar's answer was lost ({why_unanswered(lost)}) and no lease of that name "
+                     "was made: asking again")
+        raise Unanswered(f"Blazar did not answer whether it made lease {name}, twice ({why_unanswered(lost)}; "
+                         f"{blazar_error(lost)[1][:160]}), and no lease of that name is listed yet",
+                         "run the step again: it looks for the lease by its name before it asks for another")
+
+    def _lease_named(self, name: str, asked_s: float, lost: Exception) -> dict | None:
+        """The lease named ``name`` that Blazar made since it was asked ``asked_s`` seconds ago (its created_at by the
+        cloud's clock, less LEASE_CLOCK_SLACK), or None. A listing that fails is not "none": Unanswered."""
+        try:
+            resp, body = self.blazar.lease.request_manager.get("/leases")
+        except Exception as e:
+            raise Unanswered(f"Blazar did not answer whether it made lease {name} ({why_unanswered(lost)}), nor the "
+                             f"listing that looks for it ({why_unanswered(e)})",
+                             "run the step again: it looks for the lease by its name before it asks for another") \
+                from None
+        since = _date_of(resp) - dt.timedelta(seconds=asked_s) - LEASE_CLOCK_SLACK
+        made = [x for x in (body or {}).get("leases") or [] if x.get("name") == name
+                and (not x.get("created_at") or parse_lease_date(x["created_at"]) >= since)]
+        return max(made, key=lambda x: x.get("created_at") or "") if made else None
 
     def get_lease(self, lease_id: str) -> LeaseInfo | None:
         return self._read_lease(lease_id)[0]
@@ -332,8 +381,32 @@ class OpenStackCloud:
                       metadata={RESERVATION_KEY: reservation_id})
         if user_data:
             kwargs["user_data"] = base64.b64encode(user_data.encode()).decode()
-        srv = self.conn.compute.create_server(**kwargs)
-        return srv.id
+        for _ in range(2):  # an answer lost: looked for by name and reservation, then asked once more (as a lease)
+            try:
+                return self.conn.compute.create_server(**kwargs).id
+            except Exception as e:  # openstacksdk's HttpException, or keystoneauth's when no answer came
+                if not unanswered(e):
+                    raise _cloud_error("Nova", e, f"server {name} was refused") from None
+                lost = e
+            found = self._server_named(name, reservation_id, lost)
+            if found is not None:
+                log.info(f"  {name}: Nova made it, though its answer was lost ({why_unanswered(lost)})")
+                return found
+        raise Unanswered(f"Nova did not answer whether it made server {name}, twice ({why_unanswered(lost)})",
+                         "run `appliance up` again: it uses the servers it finds by name on the reservation")
+
+    def _server_named(self, name: str, reservation_id: str, lost: Exception) -> str | None:
+        """The id of a server named ``name`` asked for on ``reservation_id`` (its metadata) and not being deleted,
+        or None; a listing that fails is not "none": Unanswered."""
+        try:
+            listed = self.find_servers(f"^{re.escape(name)}$")
+        except Exception as e:
+            raise Unanswered(f"Nova did not answer whether it made server {name} ({why_unanswered(lost)}), nor the "
+                             f"listing that looks for it ({why_unanswered(e)})",
+                             "run `appliance up` again: it uses the servers it finds by name on the reservation") \
+                from None
+        return next((srv.id for srv in listed if srv.name == name and srv.task_state != "deleting"
+                     and srv.metadata.get(RESERVATION_KEY) == reservation_id), None)
 
     def get_server(self, server_id: str):
         return self.conn.compute.find_server(server_id)
@@ -376,6 +449,8 @@ class OpenStackCloud:
             self.conn.compute.delete_server(server_id, ignore_missing=False)
         except openstack.exceptions.NotFoundException:
             return False
+        except Exception as e:  # keystoneauth asked again already (openstack_auth.retry_policy)
+            raise _cloud_error("Nova", e, f"Nova refused to delete server {server_id}") from None
         return True
 
     def server_ip(self, srv) -> str:
@@ -447,14 +522,23 @@ class OpenStackCloud:
 
         try:
             ip = self.conn.network.get_ip(fip_id)
+            if ip is None:
+                return
+            if "blazar" in (ip.tags or []):
+                self.conn.network.update_ip(ip, port_id=None)  # a reserved FIP goes back with its lease
+            else:
+                self.conn.network.delete_ip(ip)
         except openstack.exceptions.NotFoundException:  # released already (a reserved FIP goes at the lease end)
             return
-        if ip is None:
-            return
-        if "blazar" in (ip.tags or []):
-            self.conn.network.update_ip(ip, port_id=None)  # a reserved FIP goes back with its lease
-        else:
-            self.conn.network.delete_ip(ip)
+        except Exception as e:  # keystoneauth asked again already where it may (openstack_auth.retry_policy)
+            raise _cloud_error("Neutron", e, f"Neutron refused to release floating IP {fip_id}") from None
+
+
+def _cloud_error(service: str, e: Exception, refused: str) -> ApplianceError:
+    """An openstacksdk or keystoneauth error in one line: not answering (5xx, no answer), or ``refused`` and why."""
+    if unanswered(e) or (getattr(e, "status_code", None) or 0) >= 500:
+        return unavailable(service, e)
+    return ApplianceError(f"{refused}: {(str(e).splitlines() or [type(e).__name__])[0][:200]}")
 
 
 def _keystone_message(r) -> str:

@@ -10,7 +10,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from ..errors import ApplianceError, NoHosts, NoSUs
+from ..errors import ApplianceError, NoHosts, NoSUs, Unavailable, socket_reason
 
 API_DATE = "%Y-%m-%d %H:%M"
 MAX_LEASE = dt.timedelta(days=7)
@@ -71,12 +71,34 @@ def unanswered(e: Exception) -> bool:
     """A request whose outcome is unknown: no answer (keystoneauth's ConnectTimeout/ConnectFailure after the
     request may have reached the service count too: a reset mid-request), or a gateway's 502/503/504 in front of
     a service that may have acted."""
-    code, _ = blazar_error(e)
+    code = blazar_error(e)[0] or getattr(e, "status_code", None)  # Blazar's client, or openstacksdk's HttpException
     if code in (502, 503, 504):
         return True
     names = {c.__name__ for c in type(e).__mro__}
     return bool(names & {"ConnectionError", "ConnectFailure", "ConnectTimeout", "RetriableConnectionFailure",
                          "GatewayTimeout", "BadGateway", "ServiceUnavailable", "TimeoutError", "Timeout"})
+
+
+def bare_500(e: Exception) -> bool:
+    """Blazar's answer to any error not its own: 500 "Internal Server Error" (ChameleonCloud/blazar
+    blazar/api/v1/utils.py `Rest.route` -> `internal_error`), whatever happened: a restricted credential's trust
+    refused (nothing made), or the create_lease RPC to its manager timed out (oslo.messaging MessagingTimeout), after
+    which the manager may still make the lease."""
+    code, msg = blazar_error(e)
+    return code == 500 and msg.strip().rstrip(".").lower() in ("", "internal server error")
+
+
+def why_unanswered(e: Exception) -> str:
+    """A failure without an answer in a few words: the HTTP status, or the socket's reason."""
+    code = blazar_error(e)[0] or getattr(e, "status_code", None)
+    return f"HTTP {code}" if code else f"{type(e).__name__}: {socket_reason(e)}"
+
+
+def unavailable(service: str, e: Exception) -> Unavailable:
+    """A read or a delete the service did not answer though keystoneauth asked again (openstack_auth.RETRIES)."""
+    return Unavailable(f"{service} is not answering ({why_unanswered(e)}, asked again with back-off)",
+                       "the site's control plane is down or overloaded: run the step again in a few minutes "
+                       "(nothing is taken for gone while it does not answer)")
 
 
 def _not_found(e: Exception) -> bool:
@@ -87,6 +109,8 @@ def _not_found(e: Exception) -> bool:
 def explain_blazar(e: Exception, *, node_type: str = "", count: int = 0, end: str = "") -> ApplianceError:
     code, msg = blazar_error(e)
     low = msg.lower()
+    if unanswered(e):
+        return unavailable("Blazar", e)
     if "not enough hosts" in low or "notenoughhosts" in low:
         what = f"{count} x {node_type}" if node_type else "the reserved hosts"
         return NoHosts(f"not enough hosts available for {what} in that window (Blazar: {msg.strip()})",

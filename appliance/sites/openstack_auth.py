@@ -1,13 +1,52 @@
 """Keystone credentials: an openstacksdk Connection from clouds.yaml (OS_CLOUD) or the OS_* variables (openrc), and
-the clouds.yaml entry of each Chameleon site; every way it can fail said in one line with the fix."""
+the clouds.yaml entry of each Chameleon site; every way it can fail said in one line with the fix. Its one session
+re-sends what is safe to send again (read_retry_session)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
 from ..errors import ApplianceError, socket_reason
 from .openstack_api import EXPIRED, RENEW
+
+# What keystoneauth sends again by itself (keystoneauth1/session.py `Session._send_request`: ``connect_retries`` for
+# a connection refused or reset and for a timeout, ``status_code_retries`` for ``retriable_status_codes``, each with
+# its exponential back-off from 0.5 s, or ``*_retry_delay`` apart): only what may be sent twice. A read, or a DELETE
+# of a known id (a second one is a 404: "already gone"); and Keystone's token POST (a second token harms nothing).
+# Never another POST, PUT or PATCH: keystoneauth would re-send any method, a read timeout included, and a lease or
+# a server asked for twice is two (Blazar and Nova allow two of one name); those are found by name instead
+# (OpenStackCloud.create_lease, create_server). Blazar answers any error that is not its own with a bare 500
+# (ChameleonCloud/blazar blazar/api/v1/utils.py `Rest.route`): a read answered 500 is read again too.
+SAFE_METHODS = frozenset({"GET", "HEAD", "DELETE"})
+RETRIES = 5  # 0.5 + 1 + 2 + 4 + 8 s of back-off: a gateway's restart or a service's short outage passes
+RETRIABLE = [429, 500, 502, 503, 504]
+RETRY_DELAY: float | None = None  # None: keystoneauth's exponential back-off (the fast tests set a fixed one)
+READ_TIMEOUT = (15.0, 120.0)  # (connect, read) seconds of a read with no api_timeout: a hung read is retried
+
+
+def retry_policy(url: str, method: str, kwargs: dict, timeout: float | None) -> dict:
+    """keystoneauth's retry settings for one request: retries for a safe one, none for any other."""
+    if method.upper() in SAFE_METHODS or (kwargs.get("authenticated") is False and "/auth/tokens" in url):
+        return {"connect_retries": RETRIES, "status_code_retries": RETRIES, "retriable_status_codes": RETRIABLE,
+                "connect_retry_delay": RETRY_DELAY, "status_code_retry_delay": RETRY_DELAY,
+                "timeout": kwargs.get("timeout") or timeout or READ_TIMEOUT}
+    return {"connect_retries": 0, "status_code_retries": 0}
+
+
+@functools.cache
+def read_retry_session() -> type:
+    """The keystoneauth Session class of every OpenStack call (openstacksdk's proxies, blazarclient's adapter,
+    Keystone itself): each request with retry_policy's settings, over whatever openstacksdk's config or a proxy
+    set. (keystoneauth is imported once a connection is made, not with the CLI.)"""
+    from keystoneauth1 import session as ks_session
+
+    class ReadRetrySession(ks_session.Session):
+        def request(self, url, method, **kwargs):  # type: ignore[override]
+            return super().request(url, method, **{**kwargs, **retry_policy(url, method, kwargs, self.timeout)})
+
+    return ReadRetrySession
 
 
 
@@ -104,6 +143,7 @@ def connect(*, cloud: str | None = None, config_file: str | None = None, region:
             where = f"clouds.yaml entry {cloud!r}"
         region_cfg = cfg.get_one(cloud=cloud, region_name=region) if cloud else \
             cfg.get_one(region_name=region, load_envvars=True)
+        region_cfg.set_session_constructor(read_retry_session())
         conn = openstack.connection.Connection(config=region_cfg)
         conn.authorize()
     except openstack.exceptions.ConfigException as e:
