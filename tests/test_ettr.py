@@ -126,3 +126,65 @@ def test_an_older_timeline_without_marks_reads_the_run_records_lost_seconds():
     _sums(e)
     assert e["parts"]["lost"] == 200.0 and e["parts"]["train"] == 790.0 and e["notes"]  # its launch, said
     assert ettr.ettr({"events": []}) is None
+
+
+def test_the_controller_records_what_the_ettr_needs_and_ls_shows_it(tmp_path, monkeypatch):
+    """The timeline the controller itself writes (its job hook, a handover, its downtime), read back from the store
+    (on a clock of the test's): `appliance ls RUN` prints one ETTR line and its breakdown, --json the fields."""
+    from click.testing import CliRunner
+
+    from appliance.cli import main
+    from appliance.flows import control
+
+    now = [10000.0]
+    clock = SimpleNamespace(time=lambda: now[0], monotonic=time.monotonic, sleep=time.sleep)
+    monkeypatch.setattr(control, "time", clock)
+    monkeypatch.setattr(ettr, "time", clock)
+    spec = _spec(tmp_path, "me")
+    c = managed.Control(spec, None, poll=3600)
+    c.take()
+    runs.mark_managed(spec)
+    for job, at, first, commit, end in (("j1", 10100, 10130, 11000, 11100), ("j2", 11700, 11820, 12500, 12800)):
+        now[0] = at
+        hook = c.hook(lambda reason: None)
+        hook.started(_Ctx(spec, job))
+        if job == "j2":
+            now[0] = first
+            c.record("downtime", job_id="j2", warm=False, breakdown={"lease": 30.0, "boot": 600.0, "total": 700.0})
+        now[0] = end
+        hook.finish(JobResult(job_id=job, exit_code=75 if job == "j1" else 1, world_size=2, rank_hosts=["n1", "n2"],
+                              lease_end=True, commits=[{"name": "c", "step": 10, "at": commit}],
+                              timeline={"launched": first - 20, "first_step": first},
+                              stopped={"step": 12, "committed": True} if job == "j1" else None))
+        if job == "j1":
+            now[0] = 11101
+            c.handing_over(after="j1", warm=False)
+    done = [x for x in c.state["events"] if x["event"] == "job end"]
+    assert [(x["first_step_at"], x["last_commit_at"], x["end_committed"]) for x in done] == [
+        (10130, 11000, True), (11820, 12500, False)]
+    now[0] = 13000
+    r = CliRunner().invoke(main, ["ls", "me"])
+    assert r.exit_code == 0, r.output
+    (line,) = [x for x in r.output.splitlines() if "ETTR" in x]
+    assert line == ("  ETTR 55.0%: trained and kept 27m30s of the run's 50m00s so far (controller's clock); "
+                    "handovers (1) 12m00s, lost steps 5m00s, start 2m10s, other 3m20s")
+    assert "    handovers: before resume 20.0s, lease 30.0s, boot 10m00s, other 70.0s" in r.output.splitlines()
+    c.close("failed")
+    r = CliRunner().invoke(main, ["ls", "me", "--json"])
+    e = json.loads(r.output)["ettr"]
+    _sums(e)
+    assert e["ended"] and e["clock"] == "controller" and e["handovers"] == 1 and e["run_s"] == 3000.0
+    assert {"ettr", "run_s", "parts", "handover", "wait", "notes"} <= set(e) and not e["notes"]
+    assert e["parts"] == {"train": 1650.0, "lost": 300.0, "handover": 720.0, "wait": 0.0, "start": 130.0,
+                          "restart": 0.0, "other": 200.0}
+
+
+def test_the_ettr_line_says_each_part():
+    from appliance.cli.views import format_ettr
+
+    lines = format_ettr(ettr.ettr({"events": _three_leases()}))
+    assert lines[0] == ("  ETTR 76.4%: trained and kept 47m30s of the run's 62m10s (controller's clock); "
+                        "handovers (2) 10m40s, lost steps 100.0s, start 2m10s, other 10.0s")
+    assert lines[1].startswith("    handovers: before resume 40.0s, find checkpoint 1.0s, cluster (other) 19.0s, "
+                               "lease 40.0s, boot 6m40s")
+    assert len(lines) == 2
