@@ -254,7 +254,8 @@ def run_details(run: str) -> dict | None:
         return None
     return {**summarize(rec), "managed": bool(rec.get("managed")), "jobs": [
         {k: j.get(k) for k in ("job_id", "status", "nodes", "world_size", "first_step", "last_step", "started",
-                               "ended", "exit_code", "failure", "resume_breakdown", "stream")} for j in rec.get("jobs", [])]}
+                               "ended", "exit_code", "failure", "resume_breakdown", "stream",
+                               "node_seconds_lost")} for j in rec.get("jobs", [])]}
 
 
 def running_on(cluster: str) -> list[dict]:

@@ -8,7 +8,7 @@ import click
 
 from ..errors import ApplianceError
 from . import _cloud_opt, _default_cloud, _json_opt, _json_out, _messages, _site_opt, main
-from .views import _report, format_breakdown, format_stream, format_timeline
+from .views import _report, format_breakdown, format_ettr, format_stream, format_timeline
 
 
 @main.command("logs")
@@ -214,7 +214,9 @@ def runs_cmd(run, plot_png, url, cloud_kind, site, as_json):
       node type's su_factor (`appliance run SPEC --plan` shows it), and what limits.node_hours caps.
     `appliance ls RUN` lists the run's jobs, and for each resume its downtime by phase (lease, boot,
     SSH + contextualize, staging, Horovod start, restore, first step); for a managed run
-    (`appliance run`), its controller and timeline: each lease, job and handover.
+    (`appliance run`), its controller and timeline: each lease, job and handover, and its ETTR: the
+    share of its time spent on steps committed and kept, and what took the rest (handovers by phase,
+    waits for hosts, lost steps), on the controller's clock (docs/managed.md).
     `appliance ls RUN --plot` draws the run's metrics from its newest committed checkpoint.
     """
     from ..flows import list_runs, plot_run
@@ -232,17 +234,18 @@ def runs_cmd(run, plot_png, url, cloud_kind, site, as_json):
                 click.echo(f"warning: the step axis restarts: {p}")
         return
     if run:  # one run: its row, then every job (steps, how it ended, a resume's downtime by phase)
-        from ..flows import run_details
+        from ..flows import run_details, run_ettr
 
         d = run_details(run)
         tl = _timeline(run, url, cloud_kind, site) if url or (d and d.get("managed")) else None
         if d is None and tl is None:
             raise ApplianceError(f"no record of run {run!r} on this machine",
                                  "`appliance ls` lists the runs; `--url URL` reads a managed run's from its store")
+        e = run_ettr(tl, (d or {}).get("jobs")) if tl is not None else None
         if as_json:
-            _json_out({**(d or {"run": run}), **({"timeline": tl} if tl is not None else {})})
+            _json_out({**(d or {"run": run}), **({"timeline": tl, "ettr": e} if tl is not None else {})})
             return
-        for line in format_timeline(tl) if tl is not None else []:
+        for line in [*format_timeline(tl), *(format_ettr(e) if e else [])] if tl is not None else []:
             click.echo(line)
         if d is None:
             return

@@ -105,6 +105,31 @@ def format_progress(tl: dict) -> list[str]:
     return out
 
 
+def format_ettr(e: dict) -> list[str]:
+    """A managed run's ETTR on one line, then what ate the rest: its handovers by phase, its waits (flows/ettr.py
+    defines each part; they sum to the run's time)."""
+    p, so_far = e["parts"], "" if e["ended"] else " so far"
+    rest = [f"{name} {_dur(p[k])}" for k, name in (("handover", f"handovers ({e['handovers']})"), ("wait", "waits"),
+                                                   ("lost", "lost steps"), ("start", "start"),
+                                                   ("restart", "restarts"), ("other", "other")) if p[k] >= 0.05]
+    ratio = f"{e['ettr']:.1%}" if e.get("ettr") is not None else "-"
+    out = [f"  ETTR {ratio}: trained and kept {_dur(p['train'])} of the run's {_dur(e['run_s'])}{so_far} "
+           f"(controller's clock)" + (f"; {', '.join(rest)}" if rest else "")]
+    for k, name in (("handover", "handovers"), ("wait", "waits")):
+        parts = [f"{d} {_dur(s)}" for d, s in e[k].items() if s >= 0.05]
+        if parts:
+            out.append(f"    {name}: {', '.join(parts)}")
+    return out
+
+
+def _dur(s: float) -> str:
+    """Seconds as said: 42.5s, 12m05s, 3h07m."""
+    if s < 120:
+        return f"{s:.1f}s"
+    s = int(round(s))
+    return f"{s // 60}m{s % 60:02d}s" if s < 7200 else f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
 def format_breakdown(b: dict) -> str:
     """A resume's downtime on one line: the total to the first step, then each part that took time."""
     from ..flows import RESUME_PHASES

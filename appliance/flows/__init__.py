@@ -308,3 +308,4 @@ def image_upload(path: str, name: str, *, cloud: str, site_name: str | None = No
 
 
 from .managed import cancel as cancel_run, plan as plan_run, run_managed, start as start_managed, timeline  # noqa: E402,F401,E501
+from .ettr import ettr as run_ettr  # noqa: E402,F401 (`appliance ls RUN`)

@@ -25,6 +25,7 @@ from ..store.base import StoreRefused
 from ..store.runlock import INTERVAL, TTL, RunLock
 from ..train.launch import JobContext, JobHooks, JobResult
 from .credential import EXPIRES_ENV
+from .ettr import job_end_marks
 
 log = report.get(__name__)
 
@@ -401,7 +402,7 @@ class _ControlHook(JobHooks):
         if step is None and result.commits:
             step = max(x["step"] for x in result.commits)
         c.record("job end", job_id=result.job_id, exit_code=result.exit_code, lease_end=bool(result.lease_end),
-                 step=step, failure=result.failure)
+                 step=step, failure=result.failure, **job_end_marks(result))  # its ETTR (ettr.py)
 
 
 def gone_here(controller_id: str) -> bool:

@@ -45,6 +45,7 @@ from ..train.launch import JobResult
 from . import credential, steps, takeover
 from .budget import Budget, Ledger, estimate, newest_meta, steps_made
 from .control import CONTROL, NOTIFIED, Control, busy, gone_here, read_logs, read_timeline  # noqa: F401
+from .ettr import job_end_marks
 from .handover import Warm, other_name, overlap_cost
 from .leases import Asked, reconcile
 from .recovery import Recovery
@@ -377,7 +378,8 @@ class _Run:
         if res is not None:
             self.control.record("job end", job_id=job_id, exit_code=res.exit_code, lease_end=res.lease_end,
                                 step=(res.stopped or {}).get("step") or max((c["step"] for c in res.commits),
-                                                                            default=None), followed=True)
+                                                                            default=None), followed=True,
+                                **job_end_marks(res))
             self.later(self.job_ended, res)
         return res
 
