@@ -434,7 +434,7 @@ def _handover_with(monkeypatch, scripted, ready: bool):
         def start(self):
             return self
 
-        def ready(self):
+        def ready(self, control=None):
             return SimpleNamespace(name=self.name) if ready else None
 
         def abandon(self):

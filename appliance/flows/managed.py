@@ -324,13 +324,18 @@ class _Run:
         return res
 
     def handover(self, res: JobResult) -> JobResult | None:
-        """The job ended with its lease: onto the next cluster made meanwhile (warm), else a new lease (cold); the
-        recovery strategy (recovery.py) returns the cluster, inside the resume (its lease and boot are downtime)."""
+        """The job ended with its lease: onto the next cluster made meanwhile (warm: waited for only while its
+        lease starts soon, handover.Warm.ready), else a new lease (cold); the recovery strategy (recovery.py)
+        returns the cluster, inside the resume (its lease and boot are downtime). A cancel meanwhile ends it."""
         spec, site = self.spec, self.ctx.site_of(self.current or self.spec.name)
         warm, self.warm = self.warm, None
-        nxt = warm.ready() if warm is not None else None
         old = self.current
-        self.control.handing_over(after=res.job_id, warm=nxt is not None)
+        self.control.handing_over(after=res.job_id, warm=warm is not None)
+        nxt = warm.ready(self.control) if warm is not None else None
+        if self.control.cancel is not None or self.control.lost:
+            if warm is not None:
+                warm.abandon()  # made as the cancel came: it goes too
+            return res
         gone = None
         if nxt is not None:
             log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on {nxt.name}, up and "
