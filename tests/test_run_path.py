@@ -2,6 +2,7 @@
 takes its cluster from the recovery strategy (flows/recovery.py) as a handover does, and never the site's default
 cluster; a handover waits for the warm cluster only while its lease starts soon (handover.Warm.ready)."""
 
+import dataclasses
 import datetime as dt
 import functools
 import threading
@@ -10,8 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from appliance import flows
+from appliance.errors import NoHosts
 from appliance.flows import managed
 from appliance.provision import lifecycle
+from appliance.sites.local import LocalSite
 from appliance.train.launch import JobResult
 from conftest import write_spec
 from fakes import FakeSite, no_nodes
@@ -24,6 +27,70 @@ def _job(rc=0, *, lease_end=False, n=[0]):  # noqa: B006 - a counter for job ids
     stopped = {"step": 40, "reason": "lease end (vendordata)", "committed": True} if lease_end else None
     return JobResult(job_id=f"p{n[0]}", exit_code=rc, world_size=2, rank_hosts=["a", "b"], lease_end=lease_end,
                      stopped=stopped)
+
+
+@pytest.fixture
+def first_job_of(tmp_path, monkeypatch):
+    """run_managed of a spec on compute_local with nodes.alternatives [gpu_local], through its real first job and
+    resume, with committed work (a continued run) or none (a new one): new leases of the node types in ``refused``
+    are refused for want of hosts; ``default`` stands for the site's default cluster. Returns (result, the node
+    types leases were asked for, the jobs run as (node type, cluster), the default cluster's uses)."""
+    def run(name: str, committed: bool, refused: set, default=None):
+        spec = write_spec(tmp_path, "python x.py", code=tmp_path, name=name,
+                          extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n"
+                                "nodes: {count: 2, node_type: compute_local, alternatives: [gpu_local]}\n")
+        asked, ran, defaults = [], [], []
+
+        def up(site, spec, **kw):
+            asked.append(spec.nodes.node_type)
+            if spec.nodes.node_type in refused:
+                raise NoHosts(f"not enough hosts available for 2 x {spec.nodes.node_type}")
+            return SimpleNamespace(name=spec.name, cloud="local", world_size=2)
+
+        def job(spec, cluster, **kw):
+            ran.append((spec.nodes.node_type, cluster.name))
+            return _job(0)
+
+        def default_cluster(self, spec):  # the bare testbed on the local cloud; none on Chameleon
+            defaults.append(spec.name)
+            return default
+        monkeypatch.setattr(managed, "_has_committed_work", lambda ctx: committed)
+        monkeypatch.setattr(flows.steps, "_resume_point", lambda ctx: None)  # its synced files: nothing to stage
+        monkeypatch.setattr(flows.steps, "run_job", job)
+        monkeypatch.setattr(lifecycle, "up", up)
+        monkeypatch.setattr(LocalSite, "default_cluster", default_cluster)
+        return flows.run_managed(str(spec)), asked, ran, defaults
+    return run
+
+
+@pytest.mark.parametrize("committed", [True, False], ids=["continued", "new"])
+def test_a_run_whose_first_choice_is_busy_starts_on_the_alternative(first_job_of, committed):
+    """`appliance run SPEC` again (after parking, a stop, a reboot, a takeover) with the spec's node type busy and
+    nodes.alternatives free: the run failed at once, having asked only for its own node type."""
+    res, asked, ran, _ = first_job_of(f"pa{int(committed)}", committed, {"compute_local"})
+    assert asked == ["compute_local", "gpu_local"]
+    assert res.exit_code == 0 and ran == [("gpu_local", f"pa{int(committed)}")]
+
+
+def test_a_continued_managed_run_never_trains_on_the_sites_default_cluster(first_job_of):
+    """The local site's default cluster is the bare testbed, no lease of the run's: a continued run with no cluster
+    record here trained on it, and reported finished."""
+    testbed = SimpleNamespace(name="testbed-tb", cloud="testbed", world_size=2, lease_id=None)
+    res, asked, ran, defaults = first_job_of("pb", True, set(), default=testbed)
+    assert res.exit_code == 0 and ran == [("compute_local", "pb")] and asked == ["compute_local"]
+    assert defaults == []
+
+
+def test_a_managed_resume_without_the_strategys_cluster_is_refused_in_one_line(tmp_path, monkeypatch):
+    from appliance.errors import ApplianceError
+
+    spec = flows.check(str(write_spec(tmp_path, "python x.py", code=tmp_path, name="pc",
+                                      extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")))
+    monkeypatch.setattr(flows.steps, "_resume_point", lambda ctx: None)
+    monkeypatch.setattr(LocalSite, "default_cluster", lambda self, spec: pytest.fail("the default cluster was taken"))
+    with pytest.raises(ApplianceError, match="trains only on a lease of its own") as e:
+        flows.steps.resume("pc", spec=spec, control=SimpleNamespace())
+    assert "\n" not in str(e.value.message)
 
 
 # -- the current lease gone early: the warm booking starts hours ahead ------------------------------------------------
@@ -119,3 +186,30 @@ def test_the_warm_cluster_is_waited_for_while_its_lease_starts_within_overlap_an
     site.cloud.clock = start - dt.timedelta(minutes=35)
     assert w.far() is None
     lifecycle.down("py", site=site)
+
+
+def test_a_continued_run_goes_on_on_the_next_cluster_its_killed_controller_booted(tmp_path, monkeypatch):
+    """The controller was killed as the handover began: RUN's lease ends soon, RUN_h is up on the next lease. The
+    run went on on RUN, took RUN_h down as "made and never used", and was stopped again at RUN's end."""
+    from appliance.checkpoint import runs
+
+    site = FakeSite()
+    spec = flows.check(str(write_spec(tmp_path, "python x.py", code=tmp_path, name="pz",
+                                      extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n"
+                                            "lease: {duration: 2h, overlap: 30m}\n")))
+    up = functools.partial(lifecycle.up, finish_nodes=no_nodes)
+    own = up(site, spec)
+    runs.job_started(spec, own, "pz-old")  # the killed controller's last job ran on it
+    site.cloud.clock += dt.timedelta(minutes=90)  # the next lease starts overlap before the end
+    nxt = up(site, dataclasses.replace(spec, name="pz_h"))
+    site.cloud.clock += dt.timedelta(minutes=15)  # 15 min of RUN's lease left, 1 h 45 of the next's
+    ran = []
+    monkeypatch.setattr(flows.steps.RunContext, "of", classmethod(lambda cls, s: cls(s, site)))
+    monkeypatch.setattr(managed, "_has_committed_work", lambda ctx: True)
+    monkeypatch.setattr(flows.steps, "_resume_point", lambda ctx: None)
+    monkeypatch.setattr(flows.steps, "run_job", lambda spec, cluster, **kw: ran.append(cluster.name) or _job(0))
+    monkeypatch.setattr(lifecycle, "up", up)
+    assert flows.run_managed(str(spec.path)).exit_code == 0
+    assert ran == ["pz_h"] and len(site.cloud.verbs("create_lease")) == 2  # no new lease
+    assert site.cloud.verbs("delete_lease") == [(own.lease_id,)]  # the one not used goes; the next one is kept
+    lifecycle.down(nxt.name, site=site)
