@@ -84,7 +84,11 @@ class Warm:
         self.cluster: Cluster | None = None
         self.choice = None  # the Alternative its lease was booked for (the spec's own node type first)
         self.phases: dict[str, float] = {}
+        self.booked: tuple[str, object] | None = None  # the next lease booked: (its id, its site)
+        self.extending = False  # waiting to extend the current lease first (lease.extend): nothing booked yet
         self._stop = threading.Event()
+        self._done = threading.Event()  # _make has ended: the cluster made, or not
+        self._wake = self._done  # set with it: what ready() waits on (a cancel sets the run's)
         self._thread = threading.Thread(target=self._make, name="appliance-next-cluster", daemon=True)
 
     def start(self) -> Warm:
@@ -114,6 +118,7 @@ class Warm:
                     return
                 spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=f"{length // 60}m"))
             site, spec, booked = self._book(spec, start)
+            self.booked = (booked.lease_id, site)
             self.record("next lease", cluster=self.name, lease_id=booked.lease_id, node_type=spec.nodes.node_type,
                         **({"site": self.choice.site} if self.choice.site else {}),
                         start=start.isoformat() + "Z" if start else "now")
@@ -134,6 +139,9 @@ class Warm:
             why = f"{type(e).__name__}: {e}" if not isinstance(e, ApplianceError) else str(e)
             log.info(f"[run] the next cluster was not made ({why}); the handover at the lease end will be cold")
             self.record("next cluster failed", cluster=self.name, error=why[:300])
+        finally:
+            self._done.set()
+            self._wake.set()
 
     def _book(self, spec, start):
         """The next lease booked: of the spec's node type at its site, else (Blazar has not the hosts then: the
@@ -174,8 +182,10 @@ class Warm:
             self.end = info.end
             early = (info.end - ahead - site.cloud.now()).total_seconds() / site.time_scale()  # real seconds
             if early > 0:  # half the time left at a time, within 1 and 20 polls: days of a lease, few reads
+                self.extending = True
                 self._stop.wait(min(max(early / 2, self.poll), 20 * self.poll))
                 continue
+            self.extending = False
             new, why = Lease(site.cloud, lid).extend(  # by the spec's duration, at most the run's limits allow
                 dt.timedelta(seconds=duration_seconds(self.spec.lease.duration)), info.end,
                 functools.partial(self.plan.extend_by, warm=True))
@@ -187,10 +197,51 @@ class Warm:
             log.info(f"[run] extended lease {lid} to {new.end:%Y-%m-%d %H:%M} UTC")
         return False
 
-    def ready(self) -> Cluster | None:
-        """The next cluster once it is made (waits for it: its boot is shorter than a cold one from now), or None."""
-        self._thread.join()
+    def ready(self, control=None) -> Cluster | None:
+        """The next cluster once it is made, or None: the handover is cold. It is waited for (its boot is shorter
+        than a cold one from now) only while its lease starts soon (`far`); a lease that starts later (the current
+        one went early: deleted in Horizon, `appliance lease delete`), or none booked yet, is not waited for: the
+        booking goes at once. ``control``: the run's controller: a cancel (its ``changed`` event) ends the wait
+        at once, and the booking goes."""
+        wake = self._wake = control.changed if control is not None else self._done
+        while not self._done.is_set():
+            if control is not None and (control.cancel is not None or control.lost):
+                self.abandon()
+                return None
+            if (why := self.far()) is not None:
+                self.record("next lease abandoned", cluster=self.name, reason=why)
+                log.info(f"[run] {why}: not waited for; its booking goes, and the run goes on on a new lease now")
+                self.abandon()
+                return None
+            wake.wait(self.poll)  # the next look at the lease's start, or at once: made, failed, or a cancel
+            if wake is not self._done:
+                wake.clear()
         return self.cluster
+
+    def far(self) -> str | None:
+        """Why the next lease is not worth waiting for, or None. It is waited for while it starts within
+        lease.overlap + lease.stop_margin of now (of real time, by the cloud's clock): at a lease end the job stopped
+        for, it starts at most lease.stop_margin ahead (the job stops stop_margin before the end, the next lease
+        starts overlap before it), and once started its cluster boots meanwhile; a cloud that cannot tell is waited
+        for."""
+        if self.extending:
+            return "the next lease is not booked yet (lease.extend: the current lease was to be extended first)"
+        if self.booked is None:  # being booked now
+            return None
+        lid, site = self.booked
+        try:
+            info, now = site.cloud.lease_at(lid)
+            scale = site.time_scale()
+        except Exception:  # noqa: BLE001 - cannot tell: the next look asks again
+            return None
+        if info is None or info.unusable:
+            return f"the next lease {lid} is {info.status if info else 'gone'}"
+        ahead = (info.start - now).total_seconds() / scale  # real seconds
+        lease = self.spec.lease
+        if ahead <= duration_seconds(lease.overlap) / scale + duration_seconds(lease.stop_margin):
+            return None
+        return (f"the next lease {lid} starts {info.start:%Y-%m-%d %H:%M} UTC, {ahead / 3600:.1f} h from now, past "
+                f"lease.overlap {lease.overlap} + lease.stop_margin {lease.stop_margin} (the current lease ended early)")
 
     def abandon(self) -> None:
         """Stop making it; what was made goes (no lease or server of the run is left behind)."""

@@ -46,7 +46,7 @@ from . import credential, steps, takeover
 from .budget import Budget, Ledger, estimate, newest_meta, steps_made
 from .control import CONTROL, NOTIFIED, Control, busy, gone_here, read_logs, read_timeline  # noqa: F401
 from .ettr import job_end_marks
-from .handover import Warm, other_name, overlap_cost
+from .handover import Warm, overlap_cost
 from .leases import Asked, reconcile
 from .recovery import Recovery
 
@@ -314,7 +314,7 @@ class _Run:
                 restarts += 1
                 log.info(f"[run] job {res.job_id} failed ({res.failure}); restart {restarts} of {self.max_restarts}, "
                          "from the newest committed checkpoint")
-                res = self.resume(cluster_name=self.current if self.current != spec.name else None)
+                res = self.resume(acquire=self.recovery.next_cluster)  # its cluster again while its lease runs
             else:
                 break
         if control.cancel is not None:
@@ -325,13 +325,18 @@ class _Run:
         return res
 
     def handover(self, res: JobResult) -> JobResult | None:
-        """The job ended with its lease: onto the next cluster made meanwhile (warm), else a new lease (cold); the
-        recovery strategy (recovery.py) returns the cluster, inside the resume (its lease and boot are downtime)."""
+        """The job ended with its lease: onto the next cluster made meanwhile (warm: waited for only while its
+        lease starts soon, handover.Warm.ready), else a new lease (cold); the recovery strategy (recovery.py)
+        returns the cluster, inside the resume (its lease and boot are downtime). A cancel meanwhile ends it."""
         spec, site = self.spec, self.ctx.site_of(self.current or self.spec.name)
         warm, self.warm = self.warm, None
-        nxt = warm.ready() if warm is not None else None
         old = self.current
-        self.control.handing_over(after=res.job_id, warm=nxt is not None)
+        self.control.handing_over(after=res.job_id, warm=warm is not None)
+        nxt = warm.ready(self.control) if warm is not None else None
+        if self.control.cancel is not None or self.control.lost:
+            if warm is not None:
+                warm.abandon()  # made as the cancel came: it goes too
+            return res
         gone = None
         if nxt is not None:
             log.info(f"[run] job {res.job_id} ended with its lease: run {spec.name} goes on on {nxt.name}, up and "
@@ -346,7 +351,7 @@ class _Run:
                 lifecycle.down(old, site)  # the strategy takes down the one named RUN itself
         self.handing_over = {"warm": nxt is not None}
         choice = warm.choice if nxt is not None else None
-        res = self.resume(acquire=lambda phases: self.recovery.next_cluster(nxt, choice, phases))
+        res = self.resume(acquire=lambda phases: self.recovery.next_cluster(phases, nxt, choice, ended=old))
         if gone is not None:
             gone.join()
         if res is not None and res.resume_breakdown and self.handing_over is not None:  # no first step was made
@@ -384,36 +389,30 @@ class _Run:
         return res
 
     def first_job(self) -> JobResult | None:
-        """A managed run's first job: a resume when the run has committed work, else a fresh job on its own
-        cluster."""
+        """A managed run's first job: a resume when the run has committed work, else a fresh job; either on the
+        cluster the recovery strategy returns (recovery.py: the run's own while its lease runs, else a new lease
+        of the spec's node type or of an alternative, a slot, or none: the run parks)."""
         ctx, spec, control = self.ctx, self.spec, self.control
         followed = takeover.wait_for_live_job(ctx, control, on_follow=lambda cl: self.job_started(cl, spec))
         if control.cancel is not None:
             return None
         reconcile(ctx, control)  # leases an earlier controller asked for that nothing here uses: they go
-        other = other_name(spec.name, self.current)
-        if self.warm is None and self.current and other != self.current and find_cluster(other) is not None:
-            lifecycle.down(other, ctx.site_of(other))  # a next cluster a killed controller made and never used
         if followed is not None and (res := self.followed_end(**followed)) is not None:
             return res  # the loop hands it over, onto the next cluster made while it was followed
-        if _has_committed_work(ctx):
+        if _has_committed_work(ctx):  # the cluster it has while its lease runs, else a new lease: the strategy's
             log.info(f"[run] run {spec.name} has committed work: resuming it")
             self.handing_over = takeover.unfinished_handover(control)
-            cl = find_cluster(self.current) if self.current and self.current != spec.name else None
-            if cl is not None and takeover.lease_runs(ctx, cl):
-                return self.resume(cluster_name=cl.name)
-            if (kw := self.new_lease()) is None:
-                return None
-            return self.resume(**kw)
-        if (kw := self.new_lease()) is None:
+            return self.resume(acquire=self.recovery.next_cluster)
+        got = self.recovery.next_cluster({})  # the run's own cluster (`appliance up`) while its lease runs, or new
+        if got is None:
             return None
-        if kw:
-            spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=kw["lease_duration"]))
-        cluster = lifecycle.up(ctx.site, spec, on_ask=self.asking)  # idempotent: the run's own cluster
+        cluster, node_type = got
+        if node_type != spec.nodes.node_type:  # an alternative's: what the job's records say it ran on
+            spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, node_type=node_type))
         if spec.dataset is not None:
             steps.stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
                                  out=self.out)
-        return steps.run_job(spec, cluster, run=ctx, out=self.out, control=control)
+        return steps.run_job(spec, cluster, run=ctx.with_spec(spec), out=self.out, control=control)
 
 
 def _current_cluster(spec: Spec) -> str | None:

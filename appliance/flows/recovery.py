@@ -1,15 +1,20 @@
-"""A managed run's recovery strategy: where the run goes on once its job has ended with its lease (as SkyPilot's
+"""A managed run's recovery strategy: the one path by which a managed run gets a cluster to train on (as SkyPilot's
 managed jobs keep theirs, sky/jobs/recovery_strategy.py: the controller's loop only drives; the strategy returns
-the next cluster). In order:
+the next cluster), for its first job (new, or continued by `appliance run SPEC` again: after parking, a stop, the
+controller's machine rebooted, a takeover), a restart, and each handover. In order:
 
-1. the next cluster made while the job trained (the warm handover, handover.Warm), when it is ready;
-2. a new lease now (cold): of the spec's own node type at its site, then of each of nodes.alternatives (another
+1. a cluster of the run it has already and can train on now (``existing``: its record on this machine, RUN or
+   RUN_h, its lease ACTIVE with more than twice lease.stop_margin left); at a handover, the run's other cluster is
+   the next one below;
+2. the next cluster made while the job trained (the warm handover, handover.Warm), when it is ready;
+3. a new lease now (cold): of the spec's own node type at its site, then of each of nodes.alternatives (another
    node type, or another site: the checkpoints stay in the run's store), the first Blazar has the hosts for;
-3. the earliest free slot of any choice within lease.wait, booked and waited for (handover.wait_for_slot);
-4. none: the run parks with its committed checkpoint, holding no lease, and looks again every PARK_POLL until a
+4. the earliest free slot of any choice within lease.wait, booked and waited for (handover.wait_for_slot);
+5. none: the run parks with its committed checkpoint, holding no lease, and looks again every PARK_POLL until a
    slot appears, the run is cancelled, or its limits leave no lease.
 
-A new lease is asked for within the run's limits (managed._Run.new_lease: its duration cut to them, or none).
+Never the site's default cluster (the local cloud's bare testbed): a managed run trains on a lease of its own. A
+new lease is asked for within the run's limits (managed._Run.new_lease: its duration cut to them, or none).
 """
 
 from __future__ import annotations
@@ -18,11 +23,11 @@ import dataclasses
 
 from .. import report
 from ..cluster import Cluster, find_cluster
-from ..errors import NoHosts
+from ..errors import ApplianceError, NoHosts
 from ..provision import lifecycle
-from ..spec import Alternative
+from ..spec import Alternative, duration_seconds
 from . import handover
-from .handover import choices_of, label, leased_as
+from .handover import choices_of, label, leased_as, other_name
 
 log = report.get(__name__)
 
@@ -33,14 +38,74 @@ class Recovery:
     def __init__(self, run):
         self.run = run
 
-    def next_cluster(self, made: Cluster | None, choice: Alternative | None,
-                     phases: dict[str, float]) -> tuple[Cluster, str] | None:
-        """The cluster the run goes on on, and the node type its job runs as: ``made``, the one made while the job
-        trained (booked for ``choice``: None, the spec's own); else one on a new lease, whose lease and boot go into
-        ``phases`` (the resume's downtime). None: the run parks, or has reached a limit (both said)."""
+    def next_cluster(self, phases: dict[str, float], made: Cluster | None = None, choice: Alternative | None = None,
+                     ended: str | None = None) -> tuple[Cluster, str] | None:
+        """The cluster the run goes on on, and the node type its job runs as (the order above): ``made``, the one
+        made while the job trained (booked for ``choice``: None, the spec's own); else one the run has
+        (``ended``: the one whose job just ended with its lease, never); else one on a new lease. Its lease and
+        boot go into ``phases`` (the resume's downtime). None: the run is cancelled, parks, or has reached a limit
+        (said)."""
+        c = self.run.control
+        if c.cancel is not None or c.lost:
+            return None
         if made is not None:
             return made, (choice.node_type if choice is not None else self.run.spec.nodes.node_type)
-        return self.cold(phases)
+        return self.existing(phases, ended) or self.cold(phases)
+
+    def existing(self, phases: dict[str, float], ended: str | None = None) -> tuple[Cluster, str] | None:
+        """The run's cluster whose lease runs longest, when it leaves more than twice lease.stop_margin (the job
+        would stop at once on less), brought up again (lifecycle.up: the same lease, a server gone replaced); the
+        run's other clusters go (a next cluster a killed controller made and never used, a lease that has ended).
+        The one a Warm of the run makes now is left to it. None: none is usable."""
+        run, spec = self.run, self.run.spec
+        mine = (spec.name, other_name(spec.name, spec.name))
+        skip = {ended, run.warm.name if run.warm is not None else None}
+        found = [(self.left(cl), cl) for n in dict.fromkeys((run.current, *mine))
+                 if n and n not in skip and (cl := find_cluster(n)) is not None]
+        got = None
+        for left, cl in sorted(found, key=lambda x: -(x[0] or 0.0)):
+            if got is None and (left or 0.0) > 2 * duration_seconds(spec.lease.stop_margin):
+                got = self.again(cl, phases)
+                if got is not None:
+                    continue
+            if left is not None and cl.name in mine:
+                self.down(cl.name)
+        return got
+
+    def left(self, cl: Cluster) -> float | None:
+        """Real seconds the run can train on ``cl`` from now (by the cloud's clock): its lease's time left while it
+        is ACTIVE and its servers are asked for, else 0; None: not the run's cloud's, or the site cannot tell (not
+        used, and not taken down)."""
+        if cl.cloud != self.run.spec.cloud:
+            return None
+        if not cl.lease_id or not cl.site.servers:
+            return 0.0
+        site = self.run.ctx.lease_site(cl)
+        try:
+            info, now = site.cloud.lease_at(cl.lease_id)
+            return (info.end - now).total_seconds() / site.time_scale() if info and info.status == "ACTIVE" else 0.0
+        except Exception:  # noqa: BLE001
+            return None
+
+    def again(self, cl: Cluster, phases: dict[str, float]) -> tuple[Cluster, str] | None:
+        """``cl`` up again under its name, on its lease, as the node type its lease was asked for (the run's
+        ledger; the spec's own when it has none); None when its hosts are gone (NoHosts: said)."""
+        run, spec = self.run, self.run.spec
+        asked = run.ledger.copy().get(cl.lease_id) or {}
+        a = Alternative(asked.get("node_type") or spec.nodes.node_type, cl.site.region or spec.site)
+        at = dataclasses.replace(leased_as(spec, a), name=cl.name)
+        log.info(f"[run] run {spec.name} goes on on its cluster {cl.name}, whose lease {cl.lease_id} runs")
+        try:
+            return lifecycle.up(run.ctx.site_of(cl.name), at, timings=phases, on_ask=run.asking), a.node_type
+        except NoHosts as e:
+            log.info(f"[run] cluster {cl.name} cannot be brought up again ({e.message}): a new lease instead")
+            return None
+
+    def down(self, name: str) -> None:
+        try:
+            lifecycle.down(name, self.run.ctx.site_of(name))
+        except ApplianceError as e:  # its lease ends by itself; `appliance down` takes what is left
+            log.info(f"[run] warning: cluster {name} was not taken down ({e.message}): `appliance down {name}`")
 
     def cold(self, phases: dict[str, float]) -> tuple[Cluster, str] | None:
         run, spec = self.run, self.run.spec

@@ -202,6 +202,9 @@ def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None =
         if node_type != spec.nodes.node_type:  # an alternative's: what the job's records say it ran on
             spec = dataclasses.replace(spec, nodes=dataclasses.replace(spec.nodes, node_type=node_type))
             ctx = ctx.with_spec(spec)
+    elif control is not None:  # a managed run's cluster comes from its recovery strategy, never the site's default
+        raise ApplianceError(f"run {run} is a managed run: it trains only on a lease of its own, never on "
+                             f"{ctx.site.describe()}'s default cluster", f"`appliance run {spec.path}` continues it")
     else:
         cluster = _resume_cluster(ctx, cluster_name, up_phases, on_ask)
     t["cluster ready"] = time.time()
