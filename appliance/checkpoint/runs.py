@@ -135,6 +135,7 @@ class RunStatus(StrEnum):
     RUNNING = "running"  # a job trains (launched by this controller, or followed: flows/takeover.py)
     HANDOVER = "handover"  # a job ended with its lease: the next cluster, then the resume
     PARKED = "parked"  # no hosts (or no SUs) for the next lease: no lease held, the controller looks again
+    WAITING = "waiting"  # the cloud does not answer (Keystone, Blazar, Nova): the run waits with its checkpoint
     FINISHED = "finished"
     STOPPED = "stopped"  # its user stopped it, with a commit: `appliance run SPEC` continues it
     FAILED = "failed"
@@ -142,16 +143,18 @@ class RunStatus(StrEnum):
     LIMIT = "limit"  # limits.node_hours or limits.deadline reached
 
 
-GOING = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED)
+GOING = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED, RunStatus.WAITING)
 ENDED = tuple(s for s in RunStatus if s not in GOING) + (RunStatus.PARKED,)  # a run may end parked (no SUs)
+_AWAY = frozenset({RunStatus.WAITING})  # the cloud may go away in any step that asks it for the next cluster
 
 # The status changes a managed run's controller makes (flows/control.py Control: one method per transition, each
 # named by the timeline event that makes it); every other change is refused. An ended run's status changes no more.
 NEXT: dict[RunStatus, frozenset[RunStatus]] = {
-    RunStatus.STARTING: frozenset({RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED, *ENDED}),
-    RunStatus.RUNNING: frozenset({RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED, *ENDED}),
-    RunStatus.HANDOVER: frozenset({RunStatus.RUNNING, RunStatus.PARKED, *ENDED}),
-    RunStatus.PARKED: frozenset({RunStatus.RUNNING, *ENDED}),
+    RunStatus.STARTING: frozenset({RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED, *_AWAY, *ENDED}),
+    RunStatus.RUNNING: frozenset({RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED, *_AWAY, *ENDED}),
+    RunStatus.HANDOVER: frozenset({RunStatus.RUNNING, RunStatus.PARKED, *_AWAY, *ENDED}),
+    RunStatus.PARKED: frozenset({RunStatus.RUNNING, *_AWAY, *ENDED}),
+    RunStatus.WAITING: frozenset({RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED, *_AWAY, *ENDED}),
 }
 
 

@@ -243,6 +243,11 @@ class Control:
         """No hosts within lease.wait ("parked": handover.wait_for_slot), or no SUs ("no SUs"): no lease held."""
         self._to(RunStatus.PARKED, event, fields)
 
+    def waiting(self, **fields) -> None:
+        """The cloud does not answer while the run asks it for its next cluster ("cloud away", with the error):
+        the run waits with its checkpoint (recovery.Recovery.next_cluster)."""
+        self._to(RunStatus.WAITING, "cloud away", fields)
+
     def _to(self, state: RunStatus, event: str, fields: dict) -> None:
         now = self.state["status"]
         if state not in runs.NEXT.get(now, ()):  # a transition no controller makes: said, and the status stays

@@ -20,16 +20,21 @@ new lease is asked for within the run's limits (managed._Run.new_lease: its dura
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from .. import report
 from ..cluster import Cluster, find_cluster
-from ..errors import ApplianceError, NoHosts
+from ..errors import ApplianceError, NoHosts, Unanswered, Unavailable
 from ..provision import lifecycle
 from ..spec import Alternative, duration_seconds
 from . import handover
 from .handover import choices_of, label, leased_as, other_name
+from .leases import reconcile
 
 log = report.get(__name__)
+
+# seconds between looks while the cloud does not answer: the first, and the most (doubling in between)
+CLOUD_WAIT = (15.0, 600.0)
 
 
 class Recovery:
@@ -40,6 +45,38 @@ class Recovery:
 
     def next_cluster(self, phases: dict[str, float], made: Cluster | None = None, choice: Alternative | None = None,
                      ended: str | None = None) -> tuple[Cluster, str] | None:
+        """The strategy below, through the control plane's bad hours: a step the cloud does not answer (Unavailable:
+        a read still failing after keystoneauth's retries; Unanswered: a create whose answer was lost and could not
+        be looked up) is not the run's end. The run waits with its checkpoint in status waiting ("cloud away" on the
+        timeline, with the error), looks again after CLOUD_WAIT[0] seconds, doubling to CLOUD_WAIT[1], and goes on
+        by itself once the cloud answers ("cloud back"), then deletes the leases it asked for meanwhile that nothing
+        uses (leases.reconcile). A cancel ends the wait at once. Every step is asked again from the top: each is
+        idempotent (a lease or cluster of the run's name is found, not made twice)."""
+        c, away, delay = self.run.control, None, CLOUD_WAIT[0]
+        while True:
+            try:
+                got = self._next(phases, made, choice, ended)
+            except (Unavailable, Unanswered) as e:
+                if c.cancel is not None or c.lost:
+                    return None
+                if away is None:
+                    away = time.monotonic()
+                    log.info(f"[run] the cloud does not answer ({e.message}): run {self.run.spec.name} waits with "
+                             f"its checkpoint and asks again (`appliance cancel {self.run.spec.name}` ends the wait)")
+                    c.waiting(error=e.message)
+                c.changed.wait(delay)  # the next look, or at once on a cancel
+                c.changed.clear()
+                delay = min(2 * delay, CLOUD_WAIT[1])
+                continue
+            if away is not None:
+                waited = round(time.monotonic() - away, 1)
+                log.info(f"[run] the cloud answers again after {waited:.0f} s: run {self.run.spec.name} goes on")
+                c.record("cloud back", waited_s=waited)
+                reconcile(self.run.ctx, c)
+            return got
+
+    def _next(self, phases: dict[str, float], made: Cluster | None, choice: Alternative | None,
+              ended: str | None) -> tuple[Cluster, str] | None:
         """The cluster the run goes on on, and the node type its job runs as (the order above): ``made``, the one
         made while the job trained (booked for ``choice``: None, the spec's own); else one the run has
         (``ended``: the one whose job just ended with its lease, never); else one on a new lease. Its lease and

@@ -1,0 +1,85 @@
+"""A managed run through the control plane's bad hours (issue 77 item 1), in the fast tier: a step of the recovery
+strategy the cloud does not answer (errors.Unavailable, Unanswered) puts the run in status waiting, with the error on
+the timeline, and the run goes on by itself once the cloud answers; a cancel ends the wait at once."""
+
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from appliance import flows
+from appliance.checkpoint.runs import NEXT, RunStatus
+from appliance.errors import Unanswered, Unavailable
+from appliance.flows import managed, recovery
+from appliance.provision import lifecycle
+from appliance.train.launch import JobResult
+from conftest import write_spec
+
+
+@pytest.fixture
+def away_run(tmp_path, monkeypatch):
+    """run_managed of a new run on the local site whose first `lifecycle.up` calls raise ``errors`` in turn (then
+    succeed), the job on the cluster ending with 0. Returns (result, the controller's state.json, the ups asked)."""
+    def run(name: str, errors: list, on_error=None):
+        spec = write_spec(tmp_path, "python x.py", code=tmp_path, name=name,
+                          extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")
+        ups = []
+
+        def up(site, spec, **kw):
+            ups.append(spec.nodes.node_type)
+            if errors:
+                e = errors.pop(0)
+                if on_error is not None:
+                    on_error(spec)
+                raise e
+            return SimpleNamespace(name=spec.name, cloud="local", world_size=2)
+
+        def job(spec, cluster, **kw):
+            return JobResult(job_id="w1", exit_code=0, world_size=2, rank_hosts=["a", "b"])
+
+        monkeypatch.setattr(managed, "_has_committed_work", lambda ctx: False)
+        monkeypatch.setattr(flows.steps, "run_job", job)
+        monkeypatch.setattr(lifecycle, "up", up)
+        monkeypatch.setattr(recovery, "reconcile", lambda ctx, control: [])
+        res = flows.run_managed(str(spec))
+        state = json.loads((tmp_path / "ck" / name / "controller" / "state.json").read_text())
+        return res, state, ups
+    return run
+
+
+def test_the_run_waits_while_the_cloud_does_not_answer_and_goes_on_by_itself(away_run, monkeypatch):
+    """One 503 left after keystoneauth's retries, then a lease POST whose answer was lost and could not be looked
+    up: the run ended "failed" at the first of them, its checkpoint and (for the second) a billed lease left behind."""
+    monkeypatch.setattr(recovery, "CLOUD_WAIT", (0.01, 0.02))
+    res, state, ups = away_run("cw1", [Unavailable("Blazar is not answering (HTTP 503)"),
+                                       Unanswered("the lease cw1 may have been made (HTTP 504)")])
+    assert res.exit_code == 0 and len(ups) == 3 and state["status"] == "finished"
+    events = [e["event"] for e in state["events"]]
+    away = [e for e in state["events"] if e["event"] == "cloud away"]
+    assert len(away) == 1 and "HTTP 503" in away[0]["error"]  # said once for the whole wait
+    assert events.index("cloud away") < events.index("cloud back"), events
+
+
+def test_a_cancel_ends_the_wait_for_the_cloud_at_once(away_run, monkeypatch):
+    monkeypatch.setattr(recovery, "CLOUD_WAIT", (600.0, 600.0))
+    monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "0.05")
+    out = {}
+
+    def cancel_later(spec):
+        threading.Thread(target=lambda: out.setdefault("cancel", managed.cancel(
+            spec.name, url=spec.checkpoint.url)), daemon=True).start()
+
+    t = threading.Thread(target=lambda: out.setdefault("run", away_run(
+        "cw2", [Unavailable("Keystone is not answering")] * 50, on_error=cancel_later)))
+    t.start()
+    t.join(30)  # a hang guard only: the wait is 600 s, the cancel ends it within a poll
+    assert not t.is_alive(), "the run still waits for the cloud after its cancel"
+    res, state, ups = out["run"]
+    assert res is None and state["status"] == "cancelled" and len(ups) == 1
+
+
+def test_waiting_is_a_status_of_its_own_reached_from_every_status_that_asks_the_cloud():
+    for s in (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED):
+        assert RunStatus.WAITING in NEXT[s]
+    assert {RunStatus.RUNNING, RunStatus.CANCELLED, RunStatus.PARKED} <= NEXT[RunStatus.WAITING]
