@@ -188,3 +188,19 @@ def test_the_ettr_line_says_each_part():
     assert lines[1].startswith("    handovers: before resume 40.0s, find checkpoint 1.0s, cluster (other) 19.0s, "
                                "lease 40.0s, boot 6m40s")
     assert len(lines) == 2
+
+
+def test_a_wait_for_the_cloud_in_a_handover_is_a_wait_of_its_own():
+    """The cloud did not answer the recovery strategy for 900 s of a cold handover (recovery.next_cluster)."""
+    ev = _three_leases()
+    i = next(k for k, e in enumerate(ev) if e.get("event") == "handover")
+    ev[i + 1:i + 1] = [{"at": 1102.0, "event": "cloud away", "error": "Blazar is not answering (HTTP 503)"},
+                       {"at": 2002.0, "event": "cloud back", "waited_s": 900.0}]
+    for e in ev[i + 3:]:
+        e["at"] += 900.0
+        for k in ("first_step_at", "last_commit_at"):
+            if e.get(k):
+                e[k] += 900.0
+    e = ettr.ettr({"events": ev})
+    _sums(e)
+    assert e["wait"] == {"cloud": 900.0}

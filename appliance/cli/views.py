@@ -67,6 +67,8 @@ def format_timeline(tl: dict) -> list[str]:
         elif kind == "waiting for hosts":
             out.append(f"  {at(e['at'])} no hosts free now: {_where(e)} booked from {e.get('start')}, a wait of "
                        f"{e.get('wait_s', 0) / 60:.0f} min")
+        elif kind == "cloud back":
+            out.append(f"  {at(e['at'])} the cloud answers again after {e.get('waited_s')} s")
         elif kind == "hosts free":
             out.append(f"  {at(e['at'])} {_where(e)} free after {e.get('waited_s')} s")
         elif kind == "lease extended":
@@ -74,7 +76,8 @@ def format_timeline(tl: dict) -> list[str]:
         elif kind == "lease deleted":
             out.append(f"  {at(e['at'])} lease {e.get('name')} ({str(e.get('lease_id'))[:8]}) deleted: {e.get('reason')}")
         elif kind in ("next lease", "next cluster ready", "next cluster failed", "no hosts", "parked", "stuck",
-                      "extend refused", "no next lease", "limit", "no SUs", "slot taken", "next lease refused"):
+                      "extend refused", "no next lease", "limit", "no SUs", "slot taken", "next lease refused",
+                      "cloud away"):
             detail = (e.get("node_type") and _where(e)) or e.get("error") or e.get("reason") or e.get("cluster") or ""
             out.append(f"  {at(e['at'])} {kind}" + (f": {detail}" if detail else ""))
     return out

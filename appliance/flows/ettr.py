@@ -14,7 +14,8 @@ span covers is ``other``. So the parts sum to ``run_s`` by construction, and ``e
 - ``wait``: no hosts, or no controller. ``parked``: from a "parked" (or "no SUs") event to the next event that is
   not one of a parked run's ("slot taken", "no hosts", "next lease refused"); ``hosts``: from "waiting for hosts"
   (a slot booked ahead) to "hosts free" (or the next job, park or end); ``no controller``: from an "end" to the
-  next "controller" (the run stopped, or parked without SUs, until `appliance run SPEC` again).
+  next "controller" (the run stopped, or parked without SUs, until `appliance run SPEC` again); ``cloud``: from
+  "cloud away" (the cloud did not answer the recovery strategy) to "cloud back".
 - ``handover``: each handover's downtime by phase, from the "downtime" event's breakdown (steps.RESUME_PHASES):
   its ``total`` ends at the new job's first step, its phases laid out in the order they run (a cold handover's
   ``cluster (other)``, where the run looks for hosts and waits, before its ``lease``), and ``before resume`` from
@@ -162,6 +163,8 @@ def _wait_spans(events: list[dict], finish: float):
             yield e["at"], _next(events, i, lambda k: k not in PARKED_QUIET, finish), "wait", "parked"
         elif kind == "waiting for hosts":
             yield e["at"], _next(events, i, lambda k: k in WAIT_ENDS, finish), "wait", "hosts"
+        elif kind == "cloud away":
+            yield e["at"], _next(events, i, lambda k: k in ("cloud back", *WAIT_ENDS), finish), "wait", "cloud"
         elif kind == "end" and i + 1 < len(events):
             yield e["at"], _next(events, i, lambda k: k == "controller", finish), "wait", "no controller"
 
