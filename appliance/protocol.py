@@ -58,6 +58,7 @@ class Env:
     STREAM_CREDS = "APPLIANCE_STREAM_CREDS"
     STREAM_CACHE = "APPLIANCE_STREAM_CACHE"
     STREAM_CACHE_BYTES = "APPLIANCE_STREAM_CACHE_BYTES"
+    STREAM_SHUFFLE = "APPLIANCE_STREAM_SHUFFLE"  # shards whose samples a stream mixes at once (dataset.shuffle)
     STOP_CHECK_SECONDS = "APPLIANCE_STOP_CHECK_SECONDS"
     ETC = "APPLIANCE_ETC"  # where contextualize wrote cluster.json (default /etc/appliance)
     # where rank 0 reads Chameleon's live vendordata (default: Nova's metadata address); empty: nowhere, only the

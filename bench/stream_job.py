@@ -23,25 +23,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from appliance.node.stream import (Stream, epoch_order, rank_share, sample_batches, samples_per_epoch,  # noqa: E402
-                                   store_fetch, tar_samples)
+from appliance.node.stream import Stream, sample_batches, store_fetch, tar_samples  # noqa: E402
+from appliance.node.stream_order import WINDOW, Order, reads  # noqa: E402
 
 EXTS = ["bin", "cls"]
 
 
-def local_samples(index: dict, root: Path, seed: int, per_epoch: int):
-    epoch = 0
-    while True:
-        n = 0
-        for j in rank_share(epoch_order(seed, epoch, len(index["shards"])), 0, 1):
-            for sample in tar_samples(root / index["shards"][j]["name"]):
-                if n == per_epoch:
-                    break
-                n += 1
-                yield sample
-            if n == per_epoch:
-                break
-        epoch += 1
+def local_samples(index: dict, root: Path, seed: int, batch: int):
+    """The stream's order (one rank, its default shuffle window) read from the staged shards."""
+    order = Order(tuple(x["samples"] for x in index["shards"]), seed, batch, 1, WINDOW)
+    held: dict[int, list] = {}
+    for n, j, k, first, last in reads(order, 0, 1, 0):
+        if first:
+            held[n] = list(tar_samples(root / index["shards"][j]["name"]))
+        yield held[n][k]
+        if last:
+            del held[n]
 
 
 def main() -> None:
@@ -61,7 +58,7 @@ def main() -> None:
 
     ru0 = resource.getrusage(resource.RUSAGE_SELF)  # after the imports: the reading's CPU only
     index = json.loads(Path(args.index).read_text())
-    per_epoch = samples_per_epoch(index, 1, args.batch)
+    per_epoch = Order(tuple(x["samples"] for x in index["shards"]), 7, args.batch, 1).steps_per_epoch * args.batch
     stats = []
     if args.mode == "stream":
         s = Stream(index, seed=7, rank=0, world=1, batch_size=args.batch, root=Path(args.local_dir),
@@ -71,7 +68,7 @@ def main() -> None:
         it = iter(s.dataset(EXTS))
     else:
         # the staged shards through the very pipeline Stream.dataset builds
-        it = iter(sample_batches(lambda: local_samples(index, Path(args.local_dir), 7, per_epoch), EXTS,
+        it = iter(sample_batches(lambda: local_samples(index, Path(args.local_dir), 7, args.batch), EXTS,
                                  args.batch))
     steps = args.epochs * per_epoch // args.batch
     wait = 0.0

@@ -1,6 +1,8 @@
-"""Stream mode's reader (appliance/node/stream.py), without TensorFlow or a store: the order is the seed's and the
-epoch's alone, a reader started at a position yields exactly what an uninterrupted one would have after it, the
-cache never holds more than its capacity, a shard is read only once its MD5 matches, a missing shard is named."""
+"""Stream mode's reader (appliance/node/stream.py, its order: stream_order.py), without TensorFlow or a store: the
+order is the run's settings' alone (not the world size's), its samples mixed across a window of shards, a reader
+started at a position yields exactly what an uninterrupted one would have after it, on any world size with the same
+global batch, every sample of an epoch is read once, the cache never holds more than its capacity, a shard is read
+only once its MD5 matches, a missing shard is named, a resume in another order is refused in one line."""
 
 import io
 import shutil
@@ -10,25 +12,34 @@ from pathlib import Path
 import pytest
 
 from appliance.errors import ApplianceError
-from appliance.node.stream import Position, ShardCache, epoch_order, rank_share
+from appliance.node.stream import Position, ShardCache
+from appliance.node.stream_order import Order, epoch_order, global_batch, reads
 
 
-def packed(d: Path, n_shards: int, per_shard: int) -> dict:
-    """tar shards as `appliance data pack` writes them (WebDataset: members sharing a key are a sample)."""
+def first_shard(index, step, rank=0, world=1, window=16, shares=None, batch=1):
+    """The first shard a rank reads from global ``step`` on."""
+    o = Order(tuple(x["samples"] for x in index["shards"]), 7, batch * world, shares or world, window)
+    return index["shards"][next(reads(o, rank, world, step))[1]]["name"]
+
+
+def packed(d: Path, n_shards: int, per_shard: int, last: int | None = None) -> dict:
+    """tar shards as `appliance data pack` writes them (WebDataset: members sharing a key are a sample); ``last``:
+    the last shard's samples, when it holds fewer."""
     import hashlib
 
     d.mkdir(parents=True, exist_ok=True)
     shards = []
     for s in range(n_shards):
         name = f"shard-{s:06d}.tar"
+        count = last if last is not None and s == n_shards - 1 else per_shard
         with tarfile.open(d / name, "w") as t:
-            for k in range(per_shard):
+            for k in range(count):
                 for ext, data in (("txt", f"sample {s}/{k}".encode()), ("cls", str(k % 3).encode())):
                     info = tarfile.TarInfo(f"{s:03d}{k:03d}.{ext}")
                     info.size = len(data)
                     t.addfile(info, io.BytesIO(data))
         shards.append({"name": name, "size": (d / name).stat().st_size,
-                       "md5": hashlib.md5((d / name).read_bytes()).hexdigest(), "samples": per_shard})
+                       "md5": hashlib.md5((d / name).read_bytes()).hexdigest(), "samples": count})
     return {"format": "tar", "shards": shards}
 
 
@@ -40,11 +51,12 @@ def copier(src: Path, calls=None):
     return fetch
 
 
-def test_the_order_is_the_seeds_and_the_epochs_and_the_ranks_share_it():
+def test_the_order_is_the_seeds_and_the_epochs():
     a, b = epoch_order(7, 0, 10), epoch_order(7, 0, 10)
     assert a == b and sorted(a) == list(range(10)) and epoch_order(7, 1, 10) != a and epoch_order(8, 0, 10) != a
-    shares = [rank_share(a, r, 3) for r in range(3)]
-    assert sorted(sum(shares, [])) == sorted(a[:9]) and {len(x) for x in shares} == {3}
+    o = Order((5,) * 10, 7, 4, 2, 3)
+    assert [global_batch(o, i) for i in range(30)] == [global_batch(o, i) for i in range(30)]
+    assert global_batch(o, 0) != global_batch(Order((5,) * 10, 8, 4, 2, 3), 0)
 
 
 def test_the_ranks_read_every_shard_of_an_epoch_once(tmp_path):
@@ -146,35 +158,11 @@ def test_a_full_cache_waits_for_the_reader_and_never_fails(tmp_path):
         cache.close()
 
 
-def test_the_position_behind_a_step_is_known_from_the_seed(tmp_path):
-    """A checkpoint keeps only the step (the Checkpointer's epoch and batch); consumed = batches x batch size maps
-    back to a position in the rank's share of the epoch: a shard and the samples into it."""
-    from appliance.node.stream import position_of
-
-    index = packed(tmp_path / "src", 5, 3)  # rank 0 of 2: 2 shards of 3 samples an epoch
-    at = lambda n: position_of(index, seed=7, rank=0, world=2, epoch=1, consumed=n)  # noqa: E731
-    assert [at(n) for n in (0, 2, 3, 5, 6)] == [Position(1, 0, 0), Position(1, 0, 2), Position(1, 1, 0),
-                                                Position(1, 1, 2), Position(2, 0, 0)]
-    assert len(repr(at(5).as_dict())) < 1024 and Position.of(at(5).as_dict()) == at(5)
-    with pytest.raises(ApplianceError, match="past rank 0's share"):
-        at(7)
-
-
-def test_every_rank_takes_the_same_whole_batches_every_epoch():
-    from appliance.node.stream import samples_per_epoch
-
-    index = {"shards": [{"samples": n} for n in (10, 10, 10, 10, 7)]}
-    assert samples_per_epoch(index, 2, 4) == 16  # 2 shards a rank; the fewest two hold 17; whole batches of 4
-    assert samples_per_epoch(index, 1, 4) == 44
-    with pytest.raises(ApplianceError, match="less than one batch"):
-        samples_per_epoch(index, 2, 64)
-
-
-def stream(index, src, root, *, rank=0, world=2, batch=2, capacity=1 << 30):
+def stream(index, src, root, *, rank=0, world=2, batch=2, capacity=1 << 30, window=16, shares=None, seed=7):
     from appliance.node.stream import Stream
 
-    return Stream(index, seed=7, rank=rank, world=world, batch_size=batch, root=root, fetch=copier(src),
-                  capacity=capacity)
+    return Stream(index, seed=seed, rank=rank, world=world, batch_size=batch, root=root, fetch=copier(src),
+                  capacity=capacity, window=window, shares=shares)
 
 
 def take(s, n):
@@ -185,68 +173,163 @@ def take(s, n):
         it.close()
 
 
-def test_a_stream_reads_its_share_each_epoch_and_a_resume_at_any_batch_continues_exactly(tmp_path):
+def test_an_epoch_is_the_datasets_samples_over_the_global_batch_and_its_remainder_opens_the_next():
+    from appliance.node.stream_order import Order
+
+    o = Order((10, 10, 10, 10, 7), 7, 8, 2)
+    assert o.total == 47 and o.steps_per_epoch == 5 and [o.share_size(c) for c in range(2)] == [23, 24]
+    with pytest.raises(ApplianceError, match="less than one global batch"):
+        Order((10, 7), 7, 64, 2).check(2)
+    with pytest.raises(ApplianceError, match="does not split"):
+        Order((10, 7), 7, 6, 4).check(2)
+
+
+def class_mix(window: int) -> list[int]:
+    """Distinct classes in each global batch of 32 of 2 epochs of a folder packed from class00/ .. class09/ (each
+    class 4 shards of 200 samples, in pack order: a shard holds one class)."""
+    o = Order((200,) * 40, 7, 32, 1, window)
+    it = reads(o, 0, 1, 0)
+    return [len({next(it)[1] // 4 for _ in range(32)}) for _ in range(2 * o.steps_per_epoch)]
+
+
+def test_samples_are_mixed_across_shards_so_batches_mix_classes_as_a_uniform_shuffle_would():
+    """A uniform shuffle gives 9.7 distinct classes of 10 in a batch of 32; shards alone shuffled give one."""
+    mixed, off = class_mix(32), class_mix(0)
+    assert sum(mixed) / len(mixed) >= 8 and min(mixed) >= 5
+    assert sum(x == 1 for x in off) / len(off) >= 0.85  # the shard order only: batches of one class
+
+
+def global_batches(index, src, root, *, world, steps, shares, start=None, rec=None, window=3):
+    """Every rank's batches of 12 / world from (epoch, batch) ``start`` (a resume of a checkpoint with stream
+    record ``rec``), put together rank after rank: the global batches the ranks read."""
+    per, out = 12 // world, [[] for _ in range(steps)]
+    for r in range(world):
+        s = stream(index, src, root / f"w{world}r{r}", rank=r, world=world, batch=per, shares=shares, window=window)
+        if start is not None:
+            s.resume(*start, rec)
+        got = take(s, steps * per)
+        for i in range(steps):
+            out[i] += got[i * per:(i + 1) * per]
+    return out
+
+
+@pytest.mark.parametrize("was, now", [(2, 4), (4, 2)])
+def test_a_resume_on_another_world_size_with_the_same_global_batch_reads_the_same_global_batches(tmp_path, was,
+                                                                                                  now):
+    """The run's canonical shares are the first job's world size; the global batches are theirs, whatever the
+    world size: interrupted mid-epoch on ``was`` ranks, resumed on ``now``, every step's global batch is the
+    uninterrupted run's."""
+    index = packed(tmp_path / "src", 9, 7, last=4)  # 60 samples, an uneven last shard: 5 steps of 12 an epoch
+    src = tmp_path / "src"
+    whole = global_batches(index, src, tmp_path / "a", world=was, steps=15, shares=None)
+    first = stream(index, src, tmp_path / "rec", world=was, batch=12 // was, window=3)
+    assert first.steps_per_epoch == 5
+    rec = first.record(1, 2)  # a checkpoint at epoch 1, batch 2: global step 7
+    assert rec["step"] == 7 and rec["shares"] == was
+    later = global_batches(index, src, tmp_path / "b", world=now, steps=8, shares=None, start=(1, 2), rec=rec)
+    assert later == whole[7:]
+
+
+def test_every_sample_of_an_epoch_is_read_once_with_an_uneven_last_shard_on_3_ranks(tmp_path):
+    """3 ranks, 3 shares of 38 samples (12, 13, 13): each rank's first 12 or 13 samples are its share's part of
+    epoch 0, the next ones of epoch 1; together each epoch is every sample once."""
+    index = packed(tmp_path / "src", 8, 5, last=3)
+    keys = {f"{j:03d}{i:03d}" for j in range(8) for i in range(5 if j < 7 else 3)}
+    epochs = [[], []]
+    for r in range(3):
+        s = stream(index, tmp_path / "src", tmp_path / f"c{r}", rank=r, world=3, batch=2, window=3)
+        n = s.order.share_size(r)
+        got = take(s, 2 * n)
+        epochs[0] += got[:n]
+        epochs[1] += got[n:]
+    for e in epochs:
+        assert sorted(e) == sorted(keys)
+
+
+def test_a_resume_at_an_epochs_end_starts_the_next_and_the_stream_sees_every_epoch_end(tmp_path):
+    """5 shards of 4 on one rank, batches of 3: 6 steps (18 samples) an epoch, 2 left over; a resume at the
+    epoch's last batch (or past it) is the next epoch's first, and the stream says each epoch's end after it."""
+    index = packed(tmp_path / "src", 5, 4)
+    whole = take(stream(index, tmp_path / "src", tmp_path / "w", world=1, batch=3, window=2), 3 * 18)
+    for batch in (6, 9):
+        s = stream(index, tmp_path / "src", tmp_path / f"r{batch}", world=1, batch=3, window=2)
+        said = []
+        s.on_epoch = lambda e, *_: said.append(e)
+        assert s.start_at(0, batch) == s.start_at(1, 0) == Position(6, 0, 18)
+        assert take(s, 2 * 18) == whole[18:] and said == [1, 2]
+
+
+def test_a_resume_in_another_order_is_refused_in_one_line(tmp_path):
+    index = packed(tmp_path / "src", 4, 4)
+    rec = stream(index, tmp_path / "src", tmp_path / "a").record(1, 2)
+    cases = [(dict(seed=8), "its seed is 8, the checkpoint's is 7"), (dict(batch=4), "its global batch is 8"),
+             (dict(window=2), "dataset.shuffle window is 2")]
+    for kw, msg in cases:
+        with pytest.raises(ApplianceError, match=msg) as e:
+            stream(index, tmp_path / "src", tmp_path / "b", **kw).resume(1, 2, rec)
+        assert "\n" not in str(e.value) and "cannot resume" in str(e.value)
+    other = packed(tmp_path / "src2", 4, 4, last=3)
+    with pytest.raises(ApplianceError, match=r"its packed dataset \(index.json\) is"):
+        stream(other, tmp_path / "src2", tmp_path / "c").resume(1, 2, rec)
+    with pytest.raises(ApplianceError, match="another steps_per_epoch"):
+        stream(index, tmp_path / "src", tmp_path / "d").resume(1, 3, rec)
+    s = stream(index, tmp_path / "src", tmp_path / "e", world=4, batch=1)  # 4 ranks, the run's 2 shares
+    assert s.resume(1, 2, rec).step == rec["step"] and s.order.shares == 2
+
+
+def test_a_stream_reads_every_epoch_and_a_resume_at_any_batch_continues_exactly(tmp_path):
     """What Keras sees: ``steps_per_epoch`` batches an epoch from one iterator; a resume at (epoch, batch) gives
-    exactly the uninterrupted stream's samples after it, and fetches none of the shards already read whole."""
-    index = packed(tmp_path / "src", 7, 5)  # 3 shards a rank (2 ranks), 15 samples, 7 batches of 2: 14 an epoch
-    s = stream(index, tmp_path / "src", tmp_path / "a")
-    assert s.per_epoch == 14 and s.steps_per_epoch == 7
-    whole = take(s, 3 * 14)
-    order0 = rank_share(epoch_order(7, 0, 7), 0, 2)
-    first = [k for j in order0 for k in sorted({f"{j:03d}{i:03d}" for i in range(5)})][:14]
-    assert whole[:14] == first  # the share's shards in the epoch's order, the 15th sample left out
-    for epoch, batch in [(0, 0), (0, 3), (1, 2), (1, 6), (2, 5)]:
-        r = stream(index, tmp_path / "src", tmp_path / f"r{epoch}{batch}")
+    exactly the uninterrupted stream's samples after it, and fetches first the shard of its next sample."""
+    index = packed(tmp_path / "src", 7, 5)  # 35 samples, global batches of 4: 8 steps, 16 samples a rank
+    s = stream(index, tmp_path / "src", tmp_path / "a", window=3)
+    assert s.per_epoch == 16 and s.steps_per_epoch == 8
+    whole = take(s, 3 * 16)
+    for epoch, batch in [(0, 0), (0, 3), (1, 2), (1, 7), (2, 5)]:
+        r = stream(index, tmp_path / "src", tmp_path / f"r{epoch}{batch}", window=3)
         calls = []
         r.fetch, r.fetchers = copier(tmp_path / "src", calls), 1  # one GET at a time: the calls in reading order
         r.start_at(epoch, batch)
-        cut = epoch * 14 + batch * 2
-        assert take(r, 3 * 14 - cut) == whole[cut:], (epoch, batch)
-        mine = rank_share(epoch_order(7, epoch, 7), 0, 2)
-        assert calls[0] == index["shards"][mine[batch * 2 // 5]]["name"]  # the shard of the next sample, first
+        cut = (epoch * 8 + batch) * 2
+        assert take(r, 3 * 16 - cut) == whole[cut:], (epoch, batch)
+        assert calls[0] == first_shard(index, epoch * 8 + batch, world=2, window=3, batch=2)
 
 
-@pytest.mark.parametrize("was, now", [(2, 3), (3, 2)])
-def test_on_another_world_size_the_interrupted_epoch_is_read_from_the_new_shares_and_the_next_are_whole(
-        tmp_path, was, now):
-    """What docs/stream.md promises when a resume has another number of ranks: the interrupted epoch's remainder
-    comes from the new shares at the same batch (so some of its samples may be read twice, others not at all), the
-    epochs after it are whole (every sample of the epoch's shares once across the ranks)."""
-    index = packed(tmp_path / "src", 12, 4)
-    keys = lambda share: [f"{j:03d}{i:03d}" for j in share for i in range(4)]  # noqa: E731
-    before = [take(stream(index, tmp_path / "src", tmp_path / f"a{r}", rank=r, world=was), 6) for r in range(was)]
-    got, per = [], 48 // now
-    for r in range(now):  # interrupted at epoch 0, batch 3 (6 samples a rank); resumed on `now` ranks
-        s = stream(index, tmp_path / "src", tmp_path / f"b{r}", rank=r, world=now)
-        s.start_at(0, 3)
-        assert s.per_epoch == per
-        got.append(take(s, per - 6 + per))
-        assert got[r][:per - 6] == keys(rank_share(epoch_order(7, 0, 12), r, now))[6:]
-    epoch0 = [k for b in before for k in b] + [k for g in got for k in g[:per - 6]]
-    if now > was:
-        assert len(epoch0) == len(set(epoch0)) < 48  # more ranks: some never read in that epoch
-    else:
-        assert len(set(epoch0)) < len(epoch0)  # fewer ranks: some read twice
-    assert sorted(k for g in got for k in g[per - 6:]) == sorted(keys(range(12)))
-
-
-def test_a_stream_never_holds_more_than_its_cache(tmp_path):
+def test_a_stream_never_holds_more_than_its_cache_and_refuses_one_its_shuffle_does_not_fit(tmp_path):
     index = packed(tmp_path / "src", 12, 3)
     size = max(x["size"] for x in index["shards"])
-    s = stream(index, tmp_path / "src", tmp_path / "c", world=1, batch=3, capacity=2 * size)
+    s = stream(index, tmp_path / "src", tmp_path / "c", world=1, batch=3, capacity=2 * size, window=2)
     assert len(take(s, 3 * 36)) == 108
     assert 0 < s.peak <= 2 * size and 12 * size >= 4 * s.capacity
+    with pytest.raises(ApplianceError, match="cannot hold the 3 shard"):
+        stream(index, tmp_path / "src", tmp_path / "d", world=1, batch=3, capacity=2 * size, window=3)
 
 
-def test_a_keras_resume_positions_the_processs_stream(tmp_path, monkeypatch):
+def test_a_keras_resume_positions_the_stream_the_fit_trains_on_not_a_validation_one(tmp_path, monkeypatch):
     from appliance.node import stream as mod
 
     monkeypatch.setattr(mod, "_ACTIVE", [])
+    monkeypatch.setattr(mod, "_TRAINING", [])
     assert mod.take_plan(1, 2) is None  # no stream: Keras' own skip replays the batches
     index = packed(tmp_path / "src", 4, 4)
-    s = stream(index, tmp_path / "src", tmp_path / "c")
-    mod._ACTIVE.append(s)
-    assert mod.take_plan(1, 3) == s.start == Position(1, 1, 2)  # 6 samples: one shard of 4, 2 into the next
+    train, val = (stream(index, tmp_path / "src", tmp_path / n) for n in ("t", "v"))
+    data = object()  # what train.dataset() returned, and the fit reads
+    train.datasets.append(data)
+    mod._ACTIVE += [train, val]
+    rec = train.record(1, 3)
+    assert mod.take_plan(1, 3, rec, data=data) == train.start == Position(7, 1, 12)  # 4 steps an epoch
+    assert val.start == Position()
+    assert mod.stream_record(1, 3) == rec
+
+
+def test_a_tf_data_shuffle_of_a_streams_dataset_is_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from appliance.node.stream import refuse_shuffle
+
+    ds = refuse_shuffle(SimpleNamespace())
+    with pytest.raises(ApplianceError, match="not shuffled by tf.data") as e:
+        ds.shuffle(1000)
+    assert "\n" not in str(e.value)
 
 
 def test_the_store_fetch_names_a_missing_object_and_the_index_check_refuses_what_is_not_packed(tmp_path):
@@ -278,7 +361,7 @@ def test_the_next_epochs_shards_are_fetched_while_this_ones_are_read(tmp_path):
 
     index = packed(tmp_path / "src", 4, 3)
     s = stream(index, tmp_path / "src", tmp_path / "c", world=1, batch=3)
-    want = index["shards"][rank_share(epoch_order(7, 1, 4), 0, 1)[0]]["name"]
+    want = first_shard(index, s.steps_per_epoch, batch=3)
     asked = threading.Event()
     calls = []
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from appliance.flows import run_job as train
-from appliance.node.stream import epoch_order, rank_share, samples_per_epoch
+from appliance.node.stream_order import WINDOW, Order, reads
 from appliance.spec import load_spec, parse_size
 from conftest import NETNS_OK, ROOT
 from test_keras_fit import final_weights, spec_file as keras_fit_spec
@@ -43,14 +43,15 @@ def epochs_said(lines: list[str]) -> list[dict]:
             for m in (pat.search(x) for x in lines) if m]
 
 
+def order_of(index: dict) -> Order:
+    """The run's order: seed 7, 2 ranks (the first job's: 2 canonical shares), the default shuffle window."""
+    return Order(tuple(s["samples"] for s in index["shards"]), 7, 2 * BATCH, 2, WINDOW)
+
+
 def shards_needed(index: dict, epoch: int, per_epoch: int) -> int:
-    """How many of rank 0's shards of ``epoch`` hold its ``per_epoch`` samples."""
-    need, left = 0, per_epoch
-    for j in rank_share(epoch_order(7, epoch, len(index["shards"])), 0, 2):
-        if left <= 0:
-            break
-        need, left = need + 1, left - index["shards"][j]["samples"]
-    return need
+    """How many shards rank 0 starts reading in (Keras) ``epoch``, of ``per_epoch`` samples: its cache's reads."""
+    it = reads(order_of(index), 0, 2, epoch * per_epoch // BATCH)
+    return sum(next(it)[3] for _ in range(per_epoch))
 
 
 @pytest.mark.slow
@@ -68,7 +69,7 @@ def test_a_dataset_four_times_the_nodes_data_disks_streams_across_a_lease_end_an
     index = flows.data_pack(str(src), URL, cloud="local", shard_size=SHARD)
     total = sum(s["size"] for s in index["shards"])
     disk = total // 4 // 4096 * 4096  # each node's data disk (/mnt/local/data, where dataset.dest puts it): a quarter of the dataset
-    per_epoch = samples_per_epoch(index, 2, BATCH)
+    per_epoch = order_of(index).steps_per_epoch * BATCH
     steps = per_epoch // BATCH
     path = spec_file(tmp_path, "ckstream", url="swift://ckpts/")
     localcloud.admin("POST", "/terms", {"data_disk": disk})  # the nodes booted from now on have one

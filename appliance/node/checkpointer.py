@@ -46,6 +46,7 @@ from ..store.checkpoints import CheckpointStore, ckpt_name
 from .creds import CredsFile
 from .filesync import note
 from .metrics import Metrics
+from .stream import stream_record
 from .uploads import Uploads
 from .vendordata import vendordata_lease_end
 
@@ -328,9 +329,11 @@ class Checkpointer(Uploads, Metrics):
         epoch, first = self._restore()
         self._calib_from, self._calib_at = self.step, self.step + CALIBRATION
         self.epoch, self.first = epoch, 0
+        keras_fit.training_stream(model)  # a stream the fit reads: its position goes with each save
         if self.meta:
             model._training_state = keras_fit.ResumeAt(epoch, first)
-            model._appliance_skip = (epoch, first, self._log if self.rank == 0 else (lambda m: None))
+            model._appliance_skip = (epoch, first, self._log if self.rank == 0 else (lambda m: None),
+                                     self.meta.get("stream"))
 
     def end_fit(self) -> None:
         """A plain ``Model.fit`` returned normally (all epochs, or another callback stopped it): the final
@@ -494,7 +497,7 @@ class Checkpointer(Uploads, Metrics):
                 "complete": complete, "run": self.run, "saved_at": time.time(),
                 "spec_hash": os.environ.get(Env.SPEC_HASH, ""),
                 "code_hash": os.environ.get(Env.CODE_HASH, ""), "rng": states[0], "rng_ranks": states,
-                "mode": self.mode}
+                "mode": self.mode, "stream": stream_record(epoch, offset, self.steps_per_epoch or None)}
         if self._writer is not None:
             self._writer.flush()
         if self._csv is not None:

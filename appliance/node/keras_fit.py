@@ -152,13 +152,11 @@ def install_data_hooks() -> None:
             yield from enumerate_epochs(self)
             return
         self._model._appliance_skip = None
-        epoch, batch, say = plan
-        from .stream import take_plan
-
-        at = take_plan(epoch, batch)
+        epoch, batch, say, rec = (*plan, None)[:4]
+        at = _stream_plan(self, epoch, batch, rec)
         if at is not None:  # a stream (dataset.mode: stream) starts at the position itself: nothing fetched twice
-            say(f"the stream continues at epoch {epoch}, batch {batch} (shard {at.shards} of the rank's share, "
-                f"sample {at.samples} of it); nothing is read again")
+            say(f"the stream continues at epoch {epoch}, batch {batch} (global step {at.step}: data epoch "
+                f"{at.epoch}, sample {at.sample}); nothing is read again")
             yield from enumerate_epochs(self)
             return
         if self._adapter.should_recreate_iterator():
@@ -180,6 +178,28 @@ def install_data_hooks() -> None:
     cls.enumerate_epochs = _enumerate_epochs
     _STATE["data"] = True
     install_timing_hook()
+
+
+def _stream_plan(handler, epoch: int, batch: int, rec: dict | None):
+    """The stream the fit trains on (its dataset: ``handler._dataset``) positioned at (epoch, batch), or None
+    without a stream; a checkpoint of another order stops the rank with one line."""
+    from ..errors import ApplianceError
+    from .stream import take_plan
+
+    try:
+        return take_plan(epoch, batch, rec, data=getattr(handler, "_dataset", None),
+                         steps_per_epoch=int(getattr(handler, "_inferred_steps", 0) or 0) or None)
+    except ApplianceError as e:
+        print(f"[appliance] error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def training_stream(model):
+    """The stream (dataset.mode: stream) the model's fit trains on, or None: its DataHandler's dataset is one a
+    stream made (or the first stream opened)."""
+    from .stream import training_stream as pick
+
+    return pick(getattr(getattr(model, "_appliance_data", None), "_dataset", None))
 
 
 LET_GO_WAIT = 10.0  # seconds a let-go iterator waits for its last other holder before it is simply dropped

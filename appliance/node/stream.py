@@ -1,12 +1,13 @@
 """Reading a packed dataset (`appliance data pack`: shards + index.json) while it is fetched, through a bounded
 cache on the node's local disk: the part of `dataset.mode: stream` that does not depend on TensorFlow.
 
-- **The order** of an epoch is a function of the seed and the epoch alone (``epoch_order``): a permutation of the
-  shards, the same on every rank and every machine; rank r of w reads every w-th of it (``rank_share``), so the
-  ranks together read each shard of the epoch once (the tail that does not divide evenly is left out of that epoch,
-  as Horovod needs the same step count on every rank).
-- **The position** (``Position``: epoch, shards done, samples into the current shard) is a few integers; a stream
-  started at a position yields exactly the samples an uninterrupted one would have yielded after it.
+- **The order** (appliance/node/stream_order.py): each step's global batch is a function of the run's seed, global
+  batch, canonical shares (the first job's world size), shuffle window and index alone, never of the world size;
+  samples are mixed across a window of shards; every sample of an epoch is read once. Rank r of w reads its part
+  of each global batch.
+- **The position** (``Position``) is the global step; a stream started at a step yields exactly the samples an
+  uninterrupted one would have yielded after it, on any world size with the same global batch. A checkpoint keeps
+  it with what fixes the order (``Stream.record``); a resume in another order is refused in one line.
 - **The cache** (``ShardCache``) fetches the rank's shards in reading order ahead of the reader into a directory,
   never holding more than its capacity (it waits for the reader to release one), verifies each shard's MD5 from
   index.json before the reader may open it (a shard that does not match is fetched again, never read), and counts
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..errors import ApplianceError
+from .stream_order import WINDOW, Order, check_record, fingerprint, reads, record, shares_read
 
 FETCH_TRIES = 3  # a shard whose bytes do not match its MD5 is fetched this many times before the job stops
 # GETs in flight per rank (rclone's default --transfers is 4): one TCP stream's rate is not the link's, and each
@@ -36,34 +38,15 @@ FETCH_TRIES = 3  # a shard whose bytes do not match its MD5 is fetched this many
 FETCHERS = 4
 
 
-def epoch_order(seed: int, epoch: int, n_shards: int) -> list[int]:
-    """The shards' reading order in ``epoch``: the same for a seed and an epoch whatever the world size."""
-    order = list(range(n_shards))
-    random.Random(f"appliance-stream:{seed}:{epoch}").shuffle(order)  # str seeds hash with SHA-512: stable
-    return order
-
-
-def rank_share(order: list[int], rank: int, world: int) -> list[int]:
-    """Rank ``rank``'s shards of an epoch's order: every ``world``-th, from the rank's own; the same count on every
-    rank (the remainder of the order is not read in that epoch)."""
-    usable = len(order) - len(order) % world
-    return order[rank:usable:world]
-
-
 @dataclasses.dataclass(frozen=True)
 class Position:
-    """Where a rank's reader is: ``shards`` of its share of ``epoch`` read whole, ``samples`` into the next."""
+    """Where the run's stream is: ``step`` global batches read since the run's start, which put it ``sample``
+    samples into data epoch ``epoch`` (``step`` x the global batch = ``epoch`` x the dataset's samples +
+    ``sample``)."""
 
+    step: int = 0
     epoch: int = 0
-    shards: int = 0
-    samples: int = 0
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def of(cls, d: dict | None) -> Position:
-        return cls(**{k: int(v) for k, v in (d or {}).items() if k in ("epoch", "shards", "samples")})
+    sample: int = 0
 
 
 @dataclasses.dataclass
@@ -236,22 +219,29 @@ def tar_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
         yield key, parts
 
 
-def position_of(index: dict, *, seed: int, rank: int, world: int, epoch: int, consumed: int) -> Position:
-    """The position after ``consumed`` samples of rank ``rank``'s share of ``epoch``: what a checkpoint after step S
-    of the epoch resumes from, with ``consumed`` = S x the rank's batch size. Training keeps only its step (the
-    Checkpointer's epoch and batch): the order is the seed's, so the samples behind it are known."""
-    shards = index["shards"]
-    mine = rank_share(epoch_order(seed, epoch, len(shards)), rank, world)
-    left = consumed
-    for done, j in enumerate(mine):
-        count = shards[j]["samples"]
-        if left < count:
-            return Position(epoch, done, left)
-        left -= count
-    if left:
-        raise ApplianceError(f"{consumed} samples into epoch {epoch} is past rank {rank}'s share of it",
-                             "the checkpoint is of another dataset, seed or world size")
-    return Position(epoch + 1, 0, 0)
+class _Shard:
+    """A shard in the cache, its samples read in any order: the tar's members indexed once, each sample's read
+    on demand (``tar_samples``'s grouping: members sharing a key are one sample)."""
+
+    def __init__(self, path: Path):
+        self.tar = tarfile.open(path)
+        self.samples: list[tuple[str, list]] = []
+        for m in self.tar:
+            if not m.isfile():
+                continue
+            d, _, base = m.name.rpartition("/")
+            stem, _, ext = base.partition(".")
+            key = f"{d}/{stem}" if d else stem
+            if not self.samples or self.samples[-1][0] != key:
+                self.samples.append((key, []))
+            self.samples[-1][1].append((ext, m))
+
+    def sample(self, k: int) -> tuple[str, dict[str, bytes]]:
+        key, members = self.samples[k]
+        return key, {ext: self.tar.extractfile(m).read() for ext, m in members}
+
+    def close(self) -> None:
+        self.tar.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,106 +250,129 @@ def position_of(index: dict, *, seed: int, rank: int, world: int, epoch: int, co
 STORE_DEADLINE = 600.0  # seconds one shard's fetch is retried through transient store errors before the job stops
 
 
-def samples_per_epoch(index: dict, world: int, batch_size: int) -> int:
-    """Samples each rank reads in every epoch: the fewest any rank's share could hold (the ``n_shards // world``
-    smallest shards), rounded down to whole batches, so every rank takes the same steps in every epoch (Horovod's
-    need). With shards of equal sample counts (what `appliance data pack` writes for samples of one size) no sample
-    is left out but the remainder of the order; with uneven ones a rank leaves the tail of its larger share."""
-    counts = sorted(s["samples"] for s in index["shards"])
-    k = len(counts) // world
-    n = sum(counts[:k]) // batch_size * batch_size
-    if n == 0:
-        raise ApplianceError(f"the dataset's {len(counts)} shard(s) give each of {world} rank(s) less than one batch of "
-                             f"{batch_size}", "pack smaller shards (`appliance data pack --shard-size`), or a smaller "
-                             "batch")
-    return n
-
-
 class Stream:
-    """Rank ``rank``'s samples, epoch after epoch, from ``start``: ``samples()`` is one pass over all epochs (Keras
-    reads it through one iterator, ``steps_per_epoch`` batches an epoch). The shards are fetched ahead into one
-    ``ShardCache`` of ``capacity`` bytes and deleted once read; ``on_epoch`` hears each epoch's cache counts, the
-    cache's peak in it and its seconds (from its first sample asked for to its last)."""
+    """Rank ``rank``'s samples, step after step, from ``start`` (appliance/node/stream_order.py: the order):
+    ``samples()`` is one pass over all epochs (Keras reads it through one iterator, ``steps_per_epoch`` batches an
+    epoch). The shards are fetched ahead into one ``ShardCache`` of ``capacity`` bytes and deleted once read;
+    ``on_epoch`` hears each Keras epoch's cache counts, the cache's peak in it and its seconds (from its first
+    sample asked for to its last). ``shares``: the run's canonical shares (default: this world size; a resume takes
+    the checkpoint's); ``window``: shards whose samples are mixed at once (0: none)."""
 
     def __init__(self, index: dict, *, seed: int, rank: int, world: int, batch_size: int, root: Path, fetch: Fetch,
-                 capacity: int, on_epoch: Callable[[int, CacheStats, int, float], None] | None = None):
+                 capacity: int, window: int = WINDOW, shares: int | None = None,
+                 on_epoch: Callable[[int, CacheStats, int, float], None] | None = None):
         if index.get("format") != "tar":
             raise ApplianceError(f"stream mode reads tar shards; this dataset is {index.get('format')!r}",
                                  "pack it with `appliance data pack --format tar`")
         self.index, self.seed, self.rank, self.world = index, seed, rank, world
         self.batch_size, self.root, self.fetch, self.capacity = batch_size, Path(root), fetch, capacity
-        self.per_epoch = samples_per_epoch(index, world, batch_size)
-        self.steps_per_epoch = self.per_epoch // batch_size
+        self.fingerprint = fingerprint(index)
+        self._set_order(Order(tuple(s["samples"] for s in index["shards"]), seed, batch_size * world,
+                              shares or world, window))
         self.start = Position()
         self.on_epoch = on_epoch
         self.peak = 0  # the most bytes any epoch's cache held at once
         self.fetchers = FETCHERS
+        self.datasets: list = []  # what ``dataset()`` made: the fit that reads one of them trains on this stream
 
-    def start_at(self, epoch: int, batch: int) -> Position:
-        """Where a resume at (epoch, batch) of ``steps_per_epoch`` continues: the sample after the ``batch`` x
-        batch-size this rank had read of ``epoch``."""
-        consumed = min(batch, self.steps_per_epoch) * self.batch_size
-        self.start = position_of(self.index, seed=self.seed, rank=self.rank, world=self.world, epoch=epoch,
-                                 consumed=consumed)
+    def _set_order(self, order: Order) -> None:
+        order.check(self.world)
+        held = shares_read(order, self.rank, self.world) * max(order.window, 1)
+        big = max(s["size"] for s in self.index["shards"])
+        if held * big > self.capacity:
+            raise ApplianceError(f"the stream cache ({self.capacity:,} bytes a rank) cannot hold the {held} shard(s) "
+                                 f"of {big:,} bytes the shuffle keeps at once (dataset.shuffle {order.window} x "
+                                 f"{held // max(order.window, 1)} share(s) a rank)",
+                                 "give dataset.cache more room, or set a smaller dataset.shuffle")
+        self.order = order
+        self.steps_per_epoch = order.steps_per_epoch
+        self.per_epoch = self.steps_per_epoch * self.batch_size  # this rank's samples in a Keras epoch
+
+    def start_at(self, epoch: int, batch: int, steps_per_epoch: int | None = None) -> Position:
+        """Where a resume at (epoch, batch) of ``steps_per_epoch`` (the stream's by default) continues: the next
+        global batch; a batch past the epoch's end is the next epoch's first."""
+        spe = steps_per_epoch or self.steps_per_epoch
+        step = epoch * spe + min(batch, spe)
+        n = step * self.order.global_batch
+        self.start = Position(step, n // self.order.total, n % self.order.total)
         return self.start
 
-    def _needed(self, epoch: int) -> list[int]:
-        """The rank's shards of ``epoch`` up to the one holding its ``per_epoch``-th sample."""
-        shards, left, out = self.index["shards"], self.per_epoch, []
-        for j in rank_share(epoch_order(self.seed, epoch, len(self.index["shards"])), self.rank, self.world):
-            if left <= 0:
-                break
-            out.append(j)
-            left -= shards[j]["samples"]
-        return out
+    def record(self, epoch: int, batch: int, steps_per_epoch: int | None = None) -> dict:
+        """What a checkpoint at (epoch, batch) keeps of the stream: the position and what fixes the order."""
+        spe = steps_per_epoch or self.steps_per_epoch
+        return record(self.order, self.fingerprint, epoch * spe + min(batch, spe))
 
-    def _plan(self) -> Iterator[tuple[int, int]]:
-        """(epoch, shard) in reading order from ``start``, epoch after epoch."""
-        start, epoch = self.start, self.start.epoch
-        while True:
-            for j in self._needed(epoch)[start.shards if epoch == start.epoch else 0:]:
-                yield epoch, j
-            epoch += 1
+    def resume(self, epoch: int, batch: int, rec: dict | None, steps_per_epoch: int | None = None) -> Position:
+        """A resume at (epoch, batch) of a checkpoint whose stream record is ``rec``: refused in one line when its
+        order is not this one (seed, global batch, shuffle window, dataset), on the run's canonical shares."""
+        if rec:
+            check_record(self.order, self.fingerprint, rec)
+            self._set_order(dataclasses.replace(self.order, shares=int(rec.get("shares") or self.order.shares)))
+        at = self.start_at(epoch, batch, steps_per_epoch)
+        if rec and "step" in rec and int(rec["step"]) != at.step:
+            raise ApplianceError(f"the stream cannot resume: the checkpoint is at its step {rec['step']}, epoch "
+                                 f"{epoch} batch {batch} is step {at.step} (another steps_per_epoch)",
+                                 "give model.fit steps_per_epoch=stream.steps_per_epoch, as the first job did")
+        return at
 
     def samples(self) -> Iterator[tuple[str, dict[str, bytes]]]:
-        """Samples from ``start`` on, through one cache whose fetcher runs ahead across epoch ends (the next
-        epoch's first shards are fetched while this one's last are read)."""
-        start, shards = self.start, self.index["shards"]
-        needed = self._needed(start.epoch)
-        done = sum(shards[j]["samples"] for j in needed[:start.shards]) + start.samples  # read of the first epoch
-        cache = ShardCache((shards[j] for _, j in self._plan()), self.root, self.fetch, self.capacity,
-                           self.fetchers)
-        epoch, said, t0 = start.epoch, CacheStats(), None
+        """Samples from ``start`` on, through one cache whose fetcher runs ahead in reading order, across epoch
+        ends; each shard is deleted after this rank's last sample of it."""
+        shards, step = self.index["shards"], self.start.step
+        plan = lambda: reads(self.order, self.rank, self.world, step)  # noqa: E731
+        cache = ShardCache((shards[j] for _, j, _, first, _ in plan() if first), self.root, self.fetch,
+                           self.capacity, self.fetchers)
+        held: dict[int, _Shard] = {}
+        epoch, done = divmod(step, self.steps_per_epoch)
+        done, said, t0 = done * self.batch_size, CacheStats(), None
         try:
-            for n, (_, j) in enumerate(self._plan()):
-                last = None  # the epoch's last sample, given once the epoch is said (Keras may not ask on)
+            for n, _, k, first, last in plan():
                 t0 = t0 or time.monotonic()
-                for k, sample in enumerate(tar_samples(cache.get(n))):
-                    if n == 0 and k < start.samples:
-                        continue
-                    done += 1
-                    if done == self.per_epoch:
-                        last = sample
-                        break
-                    yield sample
-                cache.release(n)
-                if last is not None:
-                    now = dataclasses.replace(cache.stats)
-                    self.peak = max(self.peak, cache.peak)
-                    if self.on_epoch:
-                        self.on_epoch(epoch, CacheStats(**{f.name: getattr(now, f.name) - getattr(said, f.name)
-                                                           for f in dataclasses.fields(CacheStats)}), cache.peak,
-                                      time.monotonic() - t0)
-                    said, epoch, done, cache.peak, t0 = now, epoch + 1, 0, cache.held, None
-                    yield last
+                if first:
+                    held[n] = _Shard(cache.get(n))
+                sample = held[n].sample(k)
+                if last:
+                    held.pop(n).close()
+                    cache.release(n)
+                done += 1
+                if done == self.per_epoch:  # said before its last sample is given: Keras may not ask on
+                    said = self._said(epoch, cache, said, t0)
+                    epoch, done, t0 = epoch + 1, 0, None
+                yield sample
         finally:
+            for h in held.values():
+                h.close()
             cache.close()
+
+    def _said(self, epoch: int, cache: ShardCache, said: CacheStats, t0: float) -> CacheStats:
+        now = dataclasses.replace(cache.stats)
+        self.peak = max(self.peak, cache.peak)
+        if self.on_epoch:
+            self.on_epoch(epoch, CacheStats(**{f.name: getattr(now, f.name) - getattr(said, f.name)
+                                               for f in dataclasses.fields(CacheStats)}), cache.peak,
+                          time.monotonic() - t0)
+        cache.peak = cache.held
+        return now
 
     def dataset(self, exts: list[str], map_fn=None):
         """A ``tf.data.Dataset`` of batches (``batch_size``, every epoch ``steps_per_epoch`` of them, then the next
         epoch's) of dicts ``{"__key__": key, ext: bytes, ...}``, after ``map_fn`` when given (as ``Dataset.map``
         takes it). Give ``model.fit`` ``steps_per_epoch=stream.steps_per_epoch``."""
-        return sample_batches(self.samples, exts, self.batch_size, map_fn)
+        ds = sample_batches(self.samples, exts, self.batch_size, map_fn)
+        self.datasets.append(ds)
+        return ds
+
+
+def refuse_shuffle(ds):
+    """``ds.shuffle(...)`` on a stream's dataset: one line, not a shuffle. The stream shuffles its samples itself
+    (dataset.shuffle); tf.data's buffer would hold batches no checkpoint keeps, so a resume would read another
+    order."""
+    def shuffle(*args, **kwargs):
+        raise ApplianceError("a stream's dataset is not shuffled by tf.data: the stream mixes its samples itself "
+                             "(dataset.shuffle in the spec), in an order a resume continues exactly",
+                             "remove .shuffle(); set dataset.shuffle (shards mixed at once) for more mixing")
+    ds.shuffle = shuffle
+    return ds
 
 
 def sample_batches(samples: Callable[[], Iterator[tuple[str, dict[str, bytes]]]], exts: list[str], batch_size: int,
@@ -387,16 +400,35 @@ def sample_batches(samples: Callable[[], Iterator[tuple[str, dict[str, bytes]]]]
         ds = ds.map(map_fn)  # sequential: the order is the stream's
     # prefetched: the next batches are read while the step runs (the order and the resume position are the
     # stream's, whatever tf.data has read ahead)
-    return ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    return refuse_shuffle(ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
 
 
-_ACTIVE: list[Stream] = []  # the process's stream, which a Keras resume positions (keras_fit)
+_ACTIVE: list[Stream] = []  # the process's streams, in the order opened
+_TRAINING: list[Stream] = []  # the one a fit trains on (``training_stream``): a resume positions it, a save records it
 
 
-def take_plan(epoch: int, batch: int) -> Position | None:
-    """A Keras resume at (epoch, batch): the process's stream starts there itself (nothing is read twice); None when
-    the process has no stream (Keras' own skip then replays the consumed batches)."""
-    return _ACTIVE[-1].start_at(epoch, batch) if _ACTIVE else None
+def training_stream(data=None) -> Stream | None:
+    """The stream a fit of ``data`` trains on: the one whose ``dataset()`` is ``data``, else (a dataset mapped
+    further) the first opened; never another one a validation reads. None when the process has no stream."""
+    mine = [s for s in _ACTIVE if any(d is data for d in s.datasets)] if data is not None else []
+    pick = (mine or _ACTIVE[:1] or [None])[0]
+    _TRAINING[:] = [pick] if pick is not None else []
+    return pick
+
+
+def take_plan(epoch: int, batch: int, rec: dict | None = None, *, data=None,
+              steps_per_epoch: int | None = None) -> Position | None:
+    """A Keras resume at (epoch, batch): the stream the fit of ``data`` trains on starts there itself (nothing is
+    read twice), once the checkpoint's record ``rec`` shows the same order; None when the process has no stream
+    (Keras' own skip then replays the consumed batches)."""
+    s = training_stream(data) if data is not None or not _TRAINING else _TRAINING[0]
+    return s.resume(epoch, batch, rec, steps_per_epoch) if s is not None else None
+
+
+def stream_record(epoch: int, batch: int, steps_per_epoch: int | None = None) -> dict | None:
+    """What a checkpoint at (epoch, batch) keeps of the training stream; None without one."""
+    s = _TRAINING[0] if _TRAINING else (_ACTIVE[0] if _ACTIVE else None)
+    return s.record(epoch, batch, steps_per_epoch) if s is not None else None
 
 
 def store_fetch(url: str, creds_path: str | None, say: Callable[[str], None]) -> Fetch:
@@ -430,19 +462,20 @@ def store_fetch(url: str, creds_path: str | None, say: Callable[[str], None]) ->
     return fetch
 
 
-def open_stream(batch_size: int, *, seed: int = 0, url: str | None = None) -> Stream:
+def open_stream(batch_size: int, *, seed: int = 0, url: str | None = None, shares: int | None = None) -> Stream:
     """This rank's stream of the job's packed dataset (``dataset.mode: stream``: the launcher set where it is, the
-    credentials file and the cache in the environment). ``seed`` fixes the shard order of every epoch: keep it
-    across a run's resumes. What keeps it from starting (no index, a cache smaller than a shard) is one line and
-    exit status 1, not a traceback."""
+    credentials file, the cache and the shuffle window in the environment). ``seed`` fixes the order of every
+    epoch: keep it across a run's resumes, with the global batch (``batch_size`` x ranks). ``shares``: the run's
+    canonical shares (default: the first job's world size; a resume keeps the checkpoint's). What keeps it from
+    starting (no index, a cache smaller than the shuffle holds) is one line and exit status 1, not a traceback."""
     try:
-        return _open_stream(batch_size, seed, url)
+        return _open_stream(batch_size, seed, url, shares)
     except ApplianceError as e:
         print(f"[appliance] error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 
-def _open_stream(batch_size: int, seed: int, url: str | None) -> Stream:
+def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None) -> Stream:
     import atexit
     import json
     import shutil
@@ -483,7 +516,8 @@ def _open_stream(batch_size: int, seed: int, url: str | None) -> Stream:
         raise ApplianceError(f"the stream cache ({node_bytes // local:,} bytes for each of the node's {local} rank(s)) "
                              f"cannot hold shard {big['name']} ({big['size']:,} bytes)",
                              "give dataset.cache room for a few shards per rank, or pack smaller shards")
+    window = int(env[Env.STREAM_SHUFFLE]) if env.get(Env.STREAM_SHUFFLE) else WINDOW
     s = Stream(index, seed=seed, rank=rank, world=world, batch_size=batch_size, root=root, fetch=fetch,
-               capacity=node_bytes // local, on_epoch=on_epoch)
+               capacity=node_bytes // local, window=window, shares=shares, on_epoch=on_epoch)
     _ACTIVE.append(s)
     return s

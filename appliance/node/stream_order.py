@@ -1,0 +1,210 @@
+"""The order a stream (appliance/node/stream.py) reads a packed dataset in: which sample each rank reads at each
+step, a function of the run's settings alone (``Order``: the shards' sample counts, the seed, the global batch,
+the canonical shares, the shuffle window), never of the world size.
+
+- **An epoch's order** (``share_order``): the shards in a permutation of (seed, epoch), their samples one after
+  the other, cut into ``shares`` canonical shares of N // shares or N // shares + 1 samples (a shard may straddle
+  two); each share cut into windows of ``window`` shards whose samples are permuted together, seeded by (seed,
+  epoch, share, window). ``window`` 0: no sample shuffle (each shard's samples in pack order).
+- **Global batches**: each share is an endless sequence (its epoch 0, then its epoch 1, ...); step i's global
+  batch of B samples is, share after share, each share's samples i*B/C .. (i+1)*B/C - 1. So every sample of every
+  epoch is read once and none twice, an uneven last shard included: an epoch's remainder that does not fill a
+  batch opens the next batch, which reads on into the next epoch.
+- **A rank's part**: rank r of w reads positions r*B/w .. (r+1)*B/w - 1 of each global batch. The global batches do
+  not depend on w: a resume on another world size with the same global batch reads the same batches.
+- **What a rank holds** (``reads``): a shard of a window is a *visit*, numbered in the order the rank first reads
+  it (the cache fetches in that order) and done after the rank's last sample of it in the window (the cache
+  deletes it then): at most ``window`` shards per share the rank reads at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import hashlib
+import json
+import random
+from collections.abc import Iterator
+
+from ..errors import ApplianceError
+
+WINDOW = 16  # shards whose samples are mixed at once (dataset.shuffle's default): 16 x 64 MB shards = 1 GB a share
+
+
+def epoch_order(seed: int, epoch: int, n_shards: int) -> list[int]:
+    """The shards' order in ``epoch``: the same for a seed and an epoch whatever the world size."""
+    order = list(range(n_shards))
+    random.Random(f"appliance-stream:{seed}:{epoch}").shuffle(order)  # str seeds hash with SHA-512: stable
+    return order
+
+
+def fingerprint(index: dict) -> str:
+    """index.json's shards (names, MD5s, sample counts), hashed: another pack of the dataset is another order."""
+    rows = [[s["name"], s.get("md5", ""), s["samples"]] for s in index["shards"]]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class Order:
+    counts: tuple[int, ...]  # samples of each shard, in index.json's order
+    seed: int
+    global_batch: int
+    shares: int  # canonical shares: fixed at the run's first job
+    window: int = WINDOW
+
+    @property
+    def total(self) -> int:
+        return _starts(self.counts)[-1]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.total // self.global_batch
+
+    def share_size(self, c: int) -> int:
+        return (c + 1) * self.total // self.shares - c * self.total // self.shares
+
+    def check(self, world: int) -> None:
+        """What the order and ``world`` ranks need: whole shares and rank parts of the global batch, a batch."""
+        b, c = self.global_batch, self.shares
+        if b % c or b % world:
+            raise ApplianceError(f"the stream's global batch {b} does not split into {c} canonical share(s) and "
+                                 f"{world} rank(s) evenly", "use a global batch that both divide")
+        if self.steps_per_epoch == 0:
+            raise ApplianceError(f"the dataset's {self.total} sample(s) are less than one global batch of {b}",
+                                 "a smaller batch, or more data")
+
+
+@functools.lru_cache(maxsize=4)
+def _starts(counts: tuple[int, ...]) -> list[int]:
+    """Each shard's first global sample id, and the total last."""
+    out = [0]
+    for n in counts:
+        out.append(out[-1] + n)
+    return out
+
+
+def shard_of(starts: list[int], gid: int) -> tuple[int, int]:
+    """(shard, sample in the shard) of global sample id ``gid`` (``starts``: ``_starts`` of the counts)."""
+    j = bisect.bisect_right(starts, gid) - 1
+    return j, gid - starts[j]
+
+
+def _pieces(o: Order, c: int, epoch: int) -> list[tuple[int, int, int]]:
+    """Share ``c``'s part of ``epoch``'s shard order: (shard, first sample, end) of each shard in it."""
+    lo, hi = c * o.total // o.shares, (c + 1) * o.total // o.shares
+    out, pos = [], 0
+    for j in epoch_order(o.seed, epoch, len(o.counts)):
+        a, b = max(lo, pos), min(hi, pos + o.counts[j])
+        if a < b:
+            out.append((j, a - pos, b - pos))
+        pos += o.counts[j]
+        if pos >= hi:
+            break
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def share_order(o: Order, c: int, epoch: int) -> tuple[list[int], list[int]]:
+    """Share ``c``'s samples in ``epoch`` (global sample ids, in reading order) and its windows' bounds (offsets into
+    that list, 0 first and the share's size last)."""
+    starts, pieces, k = _starts(o.counts), _pieces(o, c, epoch), max(o.window, 1)
+    ids, bounds = [], [0]
+    for w in range(0, len(pieces), k):
+        block = [starts[j] + i for j, a, b in pieces[w:w + k] for i in range(a, b)]
+        if o.window:
+            random.Random(f"appliance-stream:{o.seed}:{epoch}:{c}:{w // k}").shuffle(block)
+        ids += block
+        bounds.append(len(ids))
+    return ids, bounds
+
+
+def rank_slots(o: Order, rank: int, world: int) -> list[tuple[int, int]]:
+    """Rank ``rank``'s positions in each global batch, as (share, place in the share's part of the batch)."""
+    b, per = o.global_batch // o.shares, o.global_batch // world
+    return [(p // b, p % b) for p in range(rank * per, (rank + 1) * per)]
+
+
+def shares_read(o: Order, rank: int, world: int) -> int:
+    return len({c for c, _ in rank_slots(o, rank, world)})
+
+
+def global_batch(o: Order, step: int) -> list[int]:
+    """The global sample ids of step ``step``'s global batch (what every world size reads at that step)."""
+    b = o.global_batch // o.shares
+    return [_sample_at(o, c, step * b + q) for c in range(o.shares) for q in range(b)]
+
+
+def _sample_at(o: Order, c: int, t: int) -> int:
+    epoch, u = divmod(t, o.share_size(c))
+    return share_order(o, c, epoch)[0][u]
+
+
+@dataclasses.dataclass
+class _Window:
+    ids: list[int]  # its epoch's share order
+    base: int  # the share place of that epoch's first sample
+    end: int  # the first share place past the window
+    visits: dict[int, list]  # shard -> [visit number or None, the rank's samples of it left]
+
+
+def _enter(o: Order, c: int, t: int, mine: set[int], starts: list[int]) -> _Window:
+    """Share ``c``'s window holding place ``t``, with the rank's reads of each shard in it from ``t`` on."""
+    b, size = o.global_batch // o.shares, o.share_size(c)
+    epoch, u = divmod(t, size)
+    ids, bounds = share_order(o, c, epoch)
+    w = bisect.bisect_right(bounds, u) - 1
+    base = epoch * size
+    visits: dict[int, list] = {}
+    for x in range(t, base + bounds[w + 1]):
+        if x % b in mine:
+            j = shard_of(starts, ids[x - base])[0]
+            visits.setdefault(j, [None, 0])[1] += 1
+    return _Window(ids, base, base + bounds[w + 1], visits)
+
+
+def reads(o: Order, rank: int, world: int, step: int) -> Iterator[tuple[int, int, int, bool, bool]]:
+    """(visit, shard, sample in the shard, first of the visit, last of it) for each sample rank ``rank`` of
+    ``world`` reads, from global step ``step`` on, endlessly."""
+    b, slots, starts = o.global_batch // o.shares, rank_slots(o, rank, world), _starts(o.counts)
+    mine = {c: {q for cc, q in slots if cc == c} for c, _ in slots}
+    current: dict[int, _Window] = {}
+    visits, i = 0, step
+    while True:
+        for c, q in slots:
+            t = i * b + q
+            win = current.get(c)
+            if win is None or t >= win.end:
+                win = current[c] = _enter(o, c, t, mine[c], starts)
+            j, k = shard_of(starts, win.ids[t - win.base])
+            v = win.visits[j]
+            first = v[0] is None
+            if first:
+                v[0], visits = visits, visits + 1
+            v[1] -= 1
+            yield v[0], j, k, first, v[1] == 0
+        i += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# What a checkpoint keeps of the stream, and what a resume must match
+
+CHECKED = (("seed", "seed"), ("global_batch", "global batch"), ("window", "dataset.shuffle window"),
+           ("index", "packed dataset (index.json)"))
+
+
+def record(o: Order, index_fp: str, step: int) -> dict:
+    """The stream's part of a checkpoint at global step ``step``: the position and what fixes the order."""
+    n = step * o.global_batch
+    return {"step": step, "epoch": n // o.total, "sample": n % o.total, "seed": o.seed,
+            "global_batch": o.global_batch, "shares": o.shares, "window": o.window, "index": index_fp}
+
+
+def check_record(o: Order, index_fp: str, rec: dict) -> None:
+    """A resume reads on in the checkpoint's order or not at all: one line naming what differs."""
+    now = {"seed": o.seed, "global_batch": o.global_batch, "window": o.window, "index": index_fp}
+    for key, what in CHECKED:
+        if key in rec and rec[key] != now[key]:
+            raise ApplianceError(f"the stream cannot resume: its {what} is {now[key]}, the checkpoint's is "
+                                 f"{rec[key]} (another order: it would continue at other samples)",
+                                 f"resume with the checkpoint's {what}, or start a new run")
