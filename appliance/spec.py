@@ -88,6 +88,9 @@ class Dataset:
     dest: str = "data"  # directory under the node's local disk
     mode: Literal["full", "shard", "stream"] = "full"
     cache: str | None = None  # stream: each node's shard cache, e.g. 150GB (default: half the free disk at the start)
+    # stream: shards whose samples are mixed at once, per canonical share (the cache holds that many per share a rank
+    # reads); 0: no sample shuffle (the shards' order only); None: the stream's default (16)
+    shuffle: int | None = None
 
 
 @dataclass(frozen=True)
@@ -382,6 +385,13 @@ def parse_size(text: str) -> int:
 
 
 def _check_stream(ds: Dataset | None) -> None:
+    if ds is not None and ds.shuffle is not None:
+        if ds.mode != "stream":
+            raise SpecError(f"dataset.shuffle: only stream mode shuffles its samples (mode is {ds.mode})",
+                            "set dataset.mode: stream, or remove dataset.shuffle")
+        if isinstance(ds.shuffle, bool) or not isinstance(ds.shuffle, int) or ds.shuffle < 0:
+            raise SpecError(f"dataset.shuffle: {ds.shuffle!r} is not a number of shards",
+                            "write e.g. shuffle: 16 (shards mixed at once), or 0 for no sample shuffle")
     if ds is None or ds.cache is None:
         return
     if ds.mode != "stream":

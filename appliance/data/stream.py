@@ -38,6 +38,8 @@ class JobStream(JobHooks):
         env = {Env.STREAM_URL: ds.source, Env.STREAM_CACHE: f"{data_dir}/.stream-cache"}
         if ds.cache:
             env[Env.STREAM_CACHE_BYTES] = str(parse_size(ds.cache))
+        if ds.shuffle is not None:
+            env[Env.STREAM_SHUFFLE] = str(ds.shuffle)
         creds = self._creds(ctx.cluster.lease_end_at)
         if creds is not None:
             self.path = f"{ctx.run_dir}/.stream-creds.json"
