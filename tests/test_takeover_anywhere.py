@@ -221,6 +221,17 @@ def test_a_job_that_does_not_answer_the_cancel_loses_its_lease_and_the_steps_los
     c.close("cancelled")
 
 
+def test_a_lock_with_no_word_of_a_start_is_not_the_cancels_to_end(tmp_path, monkeypatch):
+    spec = flows.check(str(write_spec(tmp_path, "python x.py", code=tmp_path, name=f"tn{os.urandom(3).hex()}",
+                                      extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")))
+    ctx = flows.RunContext(spec, open_site("local"))
+    c = managed.Control(spec, None, poll=3600)
+    c.take()
+    _job_lock(ctx, f"{spec.name}-1", "a dead controller", started=False, lease_id="L9")
+    assert stopping.enforce(ctx, c, wait=lambda s: pytest.fail("waited"), now=lambda: 0.0) == "not started"
+    c.close("cancelled")
+
+
 def test_the_controller_enforces_the_stop_on_a_cancel(tmp_path, monkeypatch):
     spec = flows.check(str(write_spec(tmp_path, "python x.py", code=tmp_path, name=f"te{os.urandom(3).hex()}",
                                       extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")))

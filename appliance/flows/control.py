@@ -48,7 +48,8 @@ class Control:
     def __init__(self, spec: Spec, creds, *, poll: float | None = None, renew: Callable | None = None):
         self.run = spec.name
         self.cs = CheckpointStore(spec.checkpoint.url, f"{spec.name}/{CONTROL}", creds)
-        self._url, self._renew, self._creds = spec.checkpoint.url, renew, creds  # renew(): new store credentials (_store)
+        # renew(): new store credentials (_store)
+        self._url, self._renew, self._creds = spec.checkpoint.url, renew, creds
         host = socket.gethostname()
         # host:pid:start.random:machine (gone_here: runs.process_gone)
         self.id = f"{host}:{os.getpid()}:{int(time.time())}.{os.urandom(3).hex()}:{runs.machine_tag()}"

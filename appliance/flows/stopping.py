@@ -44,8 +44,9 @@ def enforce(ctx, control, *, limit: float | None = None, poll: float | None = No
             wait: Callable[[float], bool] | None = None, now: Callable[[], float] = time.monotonic) -> str:
     """After a cancel: the job that holds the run's lock is asked to stop (the request in the store, unless one is
     there for it), and given ``limit`` (bound()) from its start to answer; then its lease is deleted (said: the
-    steps after its last commit are lost). Returns "none" (no job), "answered", "ended", "closed" (the controller
-    ended first) or "deleted". ``wait(seconds)``: True once the controller is closed."""
+    steps after its last commit are lost). Returns "none" (no job), "answered", "ended", "not started" (a lock with
+    no word of a start, not this controller's), "closed" (the controller ended first) or "deleted".
+    ``wait(seconds)``: True once the controller is closed."""
     cs, limit = ctx.checkpoints, limit if limit is not None else bound()
     poll, wait = poll if poll is not None else stopask.STOP_POLL / 3, wait or control.wait_closed
     lock = RunLock(cs, "", cluster="", head="")
@@ -62,8 +63,10 @@ def enforce(ctx, control, *, limit: float | None = None, poll: float | None = No
             return "ended"
         if (stopask.asked(cs, jid) or {}).get("answered"):
             return "answered"
-        if not cur.get("started"):  # not launched yet: its launcher stops it at its start (control's hook)
-            since = now()
+        if not cur.get("started"):
+            if cur.get("launcher") != control.id:  # never started by a dead launcher (takeover.py), or a job
+                return "not started"                # `appliance train` launched (no word of a start): not ours to end
+            since = now()  # being set up by this controller: stopped at its start (control's hook)
         elif now() - since >= limit:
             return drop(ctx, control, cur, limit)
         if wait(poll):
