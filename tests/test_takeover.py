@@ -221,7 +221,7 @@ def test_a_followed_job_that_ended_with_its_lease_is_handed_over_as_its_launcher
     rec["jobs"][0].update(status="stopped", last_step=100)
     runs.save(rec)
     monkeypatch.setattr(takeover, "lease_left", lambda ctx, cluster: left)
-    monkeypatch.setattr(takeover, "_newest_commit", lambda ctx: ("ckpt-000000250", 250))
+    monkeypatch.setattr(takeover, "newest_commit", lambda ctx: ("ckpt-000000250", 250))
     monkeypatch.setattr(headjob, "job_end", lambda cl, run, job_id: end)
     monkeypatch.setattr(ctx.site, "time_scale", lambda: 1.0)  # no local cloud here: its clock runs as ours
     monkeypatch.setattr(managed._Run, "account", lambda self: None)  # nor its leases to count

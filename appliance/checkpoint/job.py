@@ -196,6 +196,8 @@ class JobCheckpoints(JobHooks):
 
     def started(self, ctx: JobContext) -> None:
         self.launched_at = time.time()
+        if self.lock is not None:  # in the lock from its next heartbeat on (RunLock.started)
+            self.lock.started = True
         self._start_lock_beat(ctx)
         site = self.lease_site if self.cluster.lease_id else None
         if site is not None:

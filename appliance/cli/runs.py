@@ -142,9 +142,11 @@ def run_cmd(spec, max_restarts, foreground, plan, run_for, as_json):
 def cancel_cmd(run, url, cloud_kind, site, as_json):
     """Stop the managed run RUN (`appliance run`), from any machine.
 
-    The run's controller, wherever it runs, sees the request within ~15 s: the job
-    saves a checkpoint at its next step and stops, and the run's cluster goes (its
-    lease with it). `appliance run SPEC` later continues the run from that checkpoint.
+    The run's controller, wherever it runs, sees the request within ~15 s, and the
+    job's head node within ~15 s too (the stop request in the store): the job saves a
+    checkpoint at its next step and stops, and the run's cluster goes (its lease with
+    it). A job that does not answer within two heartbeats of its lock loses its lease.
+    `appliance run SPEC` later continues the run from that checkpoint.
     """
     from .. import flows
 
@@ -153,7 +155,8 @@ def cancel_cmd(run, url, cloud_kind, site, as_json):
     if as_json:
         _json_out(d)
     else:
-        click.echo(f"run {run}: asked its controller ({d['host']} pid {d['pid']}) to cancel it: the job stops with a "
+        job = f"job {d['job']}" if d.get("job") else "the job"
+        click.echo(f"run {run}: asked its controller ({d['host']} pid {d['pid']}) to cancel it: {job} stops with a "
                    "checkpoint and the cluster goes (`appliance ls RUN` shows when)".replace("RUN", run))
 
 

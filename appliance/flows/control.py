@@ -26,6 +26,7 @@ from ..store.runlock import INTERVAL, TTL, RunLock
 from ..train.launch import JobContext, JobHooks, JobResult
 from .credential import EXPIRES_ENV
 from .ettr import job_end_marks
+from .runcluster import to_state
 
 log = report.get(__name__)
 
@@ -47,7 +48,8 @@ class Control:
     def __init__(self, spec: Spec, creds, *, poll: float | None = None, renew: Callable | None = None):
         self.run = spec.name
         self.cs = CheckpointStore(spec.checkpoint.url, f"{spec.name}/{CONTROL}", creds)
-        self._url, self._renew = spec.checkpoint.url, renew  # renew(): new store credentials (_store)
+        # renew(): new store credentials (_store)
+        self._url, self._renew, self._creds = spec.checkpoint.url, renew, creds
         host = socket.gethostname()
         # host:pid:start.random:machine (gone_here: runs.process_gone)
         self.id = f"{host}:{os.getpid()}:{int(time.time())}.{os.urandom(3).hex()}:{runs.machine_tag()}"
@@ -60,6 +62,8 @@ class Control:
         self._events: queue.Queue = queue.Queue()  # for the notify hook, in order
         self._notifier: threading.Thread | None = None
         self.cancel: dict | None = None
+        self.on_cancel: Callable[[dict], None] | None = None  # told of a cancel (flows/stopping.py: the bound)
+        self.took_over: str | None = None  # the controller this one took the run over from (its lock was stale)
         self.lost = False  # another controller took the lock over: this one writes and starts nothing more (fenced)
         self._stop_job: Callable[[str], None] | None = None  # the running job's stop (JobCheckpoints.user_stop)
         self.on_job: Callable[[Cluster, Spec], None] | None = None  # told of each job's cluster as it starts
@@ -84,7 +88,8 @@ class Control:
         except StoreRefused:
             if self._renew is None:
                 raise
-            self.cs = CheckpointStore(self._url, f"{self.run}/{CONTROL}", self._renew())
+            self._creds = self._renew()
+            self.cs = CheckpointStore(self._url, f"{self.run}/{CONTROL}", self._creds)
             self.lock.cs = self.cs
             return fn()
 
@@ -102,8 +107,8 @@ class Control:
         except json.JSONDecodeError:  # not readable: the timeline starts again
             old = {}
         self.state["events"] = list(old.get("events") or [])
-        for k in ("leases", "progress", "asked"):  # the run's ledger, pace and leases asked for (budget.py,
-            # leases.py), kept across controllers
+        for k in ("leases", "progress", "asked", "cluster"):  # the run's ledger, pace, leases asked for (budget.py,
+            # leases.py) and current cluster (runcluster.py), kept across controllers
             if isinstance(old.get(k), dict):
                 self.state[k] = old[k]
         own = os.environ.get(EXPIRES_ENV)  # when the controller's own credential expires (credential.py)
@@ -111,6 +116,7 @@ class Control:
                     **({"took_over": stale.get("job_id")} if stale else {}),
                     **({"credential_expires": own} if own else {}))
         if stale:
+            self.took_over = str(stale.get("job_id"))
             log.info(f"[run] took over run {self.run} from controller {stale.get('job_id')}, gone "
                      f"{self.lock.age(stale):.0f}s")
         threading.Thread(target=self._beat, name="appliance-controller", daemon=True).start()
@@ -226,6 +232,16 @@ class Control:
         self.record("cancel", by=req.get("by"))
         if stop is not None:
             stop("appliance cancel")
+        if self.on_cancel is not None:
+            self.on_cancel(req)
+
+    def wait_closed(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; True once the controller is closed (its run has ended)."""
+        return self._done.wait(seconds)
+
+    def run_store(self) -> CheckpointStore:
+        """The run's own store (URL/RUN/: its job's lock, the stop request), with the controller's credentials."""
+        return CheckpointStore(self._url, self.run, self._creds)
 
     # the timeline
 
@@ -385,6 +401,7 @@ class _ControlHook(JobHooks):
 
     def started(self, ctx: JobContext) -> None:
         c, cl = self.control, ctx.cluster
+        c.update(cluster=to_state(cl))  # any machine can take the run over from its state (runcluster.py)
         c.running("job", job_id=ctx.job_id, cluster=cl.name, site=cl.site.region or cl.cloud,
                   node_type=ctx.spec.nodes.node_type, hosts=[n.name for n in cl.nodes], lease_id=cl.lease_id,
                   lease_end=cl.lease_end, restore=bool(ctx.restore))

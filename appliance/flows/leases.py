@@ -4,8 +4,9 @@ the refusal). A lease costs SUs from the moment Blazar makes it, and a controlle
 and the answer, or its machine can go with the cluster records that name its leases: a controller that takes the
 run over, on any machine, reads these entries and finds each lease again at its site by its name (Blazar lists
 them; a lease made but never answered has no id on record). Each found is kept when a cluster record of this
-machine uses it (the run's own cluster goes on, or goes, by the rules of managed.py), else deleted: nothing of this
-machine would ever use it, and it would be paid for until its end. Nothing of another run is touched: only leases
+machine uses it, or the run's current cluster in its state in the store does (runcluster.py: any machine with the
+spec's key can rebuild it; the run's own cluster goes on, or goes, by the rules of managed.py), else deleted:
+nobody would ever use it, and it would be paid for until its end. Nothing of another run is touched: only leases
 under the names this run recorded, at the sites it recorded.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 from .. import report
 from ..cluster import find_cluster
 from ..errors import ApplianceError
+from .runcluster import leases_in_state
 
 log = report.get(__name__)
 
@@ -33,11 +35,13 @@ class Asked:
 
 
 def reconcile(ctx, control) -> list[str]:
-    """The leases the run asked for that are still open at their site and that no cluster record of this machine
-    uses, deleted; each entry found closed is marked so. Returns what was deleted (said, and on the timeline).
-    A site that does not answer leaves its entries for the next controller (said)."""
+    """The leases the run asked for that are still open at their site and that neither a cluster record of this
+    machine nor the current cluster in the run's state uses, deleted; each entry found closed is marked so. Returns
+    what was deleted (said, and on the timeline). A site that does not answer leaves its entries for the next
+    controller (said)."""
     asked = dict(control.state.get("asked") or {})
     gone, by_site = [], {}
+    kept_ids, kept_names = leases_in_state(control)  # the run's current cluster, in its state
     for name, e in asked.items():
         if not e.get("closed") and not e.get("refused"):
             by_site.setdefault(e.get("site"), []).append(name)
@@ -52,8 +56,8 @@ def reconcile(ctx, control) -> list[str]:
         for name in names:
             mine = [x for x in listed if x.name == name and not x.ended]  # an ERROR lease keeps its hosts
             rec = find_cluster(asked[name].get("cluster") or "")
-            used = {info.id for info in mine if rec is not None and (rec.lease_id == info.id or not rec.lease_id
-                                                                     and rec.site.lease_name == info.name)}
+            used = {info.id for info in mine if info.id in kept_ids or info.name in kept_names or rec is not None and (
+                rec.lease_id == info.id or not rec.lease_id and rec.site.lease_name == info.name)}
             for info in mine:
                 if info.id in used:  # the record's lease, or the one its `up` asked for by name and will use
                     continue

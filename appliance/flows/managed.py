@@ -42,7 +42,7 @@ from ..errors import ApplianceError, NoSUs, SpecError
 from ..provision import lifecycle
 from ..spec import Spec, duration_seconds
 from ..train.launch import JobResult
-from . import credential, steps, takeover
+from . import credential, runcluster, steps, stopping, takeover
 from .budget import Budget, Ledger, estimate, newest_meta, steps_made
 from .control import CONTROL, NOTIFIED, Control, busy, gone_here, read_logs, read_timeline  # noqa: F401
 from .ettr import job_end_marks
@@ -128,6 +128,7 @@ class _Run:
         self.ledger = Ledger(json.loads(json.dumps(control.state.get("leases") or {})))
         self.budget = Budget(self.spec, self.ledger)
         control.on_job, control.extend_by = self.job_started, self.extend_by
+        control.on_cancel = lambda req: self.later(stopping.enforce, ctx, control)  # a job that does not answer
         control.on_job_end = lambda res: self.later(self.job_ended, res)
         self._later: list[threading.Thread] = []
         self._progress = threading.Lock()  # the run's progress: a job's end and a handover's downtime
@@ -393,6 +394,8 @@ class _Run:
         cluster the recovery strategy returns (recovery.py: the run's own while its lease runs, else a new lease
         of the spec's node type or of an alternative, a slot, or none: the run parks)."""
         ctx, spec, control = self.ctx, self.spec, self.control
+        if (cl := runcluster.adopt(ctx, control)) is not None:  # the run's cluster, from its state (any machine)
+            self.current = cl.name
         followed = takeover.wait_for_live_job(ctx, control, on_follow=lambda cl: self.job_started(cl, spec))
         if control.cancel is not None:
             return None
@@ -517,7 +520,14 @@ def cancel(run: str, *, url: str | None = None, cloud: str = "local", site_name:
                              "`appliance train` stops with Ctrl-C there; `appliance ls` shows the run")
     req = {"controller": holder["job_id"], "at": time.time(), "by": socket.gethostname()}
     c.cs.put_text("cancel.json", json.dumps(req), tempfile.gettempdir())
-    return {"run": run, "controller": holder["job_id"], "host": holder.get("cluster"), "pid": holder.get("head")}
+    try:  # its job, stopped by its head node's beat, whoever launched it (stopping.py)
+        job = stopping.ask(c.run_store())
+    except Exception as e:  # noqa: BLE001 - the controller asks again (stopping.enforce)
+        log.info(f"[run] warning: the stop request for run {run}'s job is not in the store ({type(e).__name__}: "
+                 f"{e}); its controller writes it when it sees the cancel")
+        job = None
+    return {"run": run, "controller": holder["job_id"], "host": holder.get("cluster"), "pid": holder.get("head"),
+            "job": job}
 
 
 def timeline(run: str, *, url: str | None = None, cloud: str = "local", site_name: str | None = None) -> dict | None:

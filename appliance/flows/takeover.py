@@ -95,34 +95,49 @@ def wait_for_live_job(ctx, control: Control, on_follow=None) -> dict | None:
 
 def _launched(ctx, control: Control, job: dict) -> tuple[str, Cluster | None]:
     """How a live job of the run stands when an earlier controller launched it (the run's lock names it; not this
-    one) on a cluster this machine knows: ("runs", cluster) when its head node runs a job of the run; ("not
-    started", cluster) when it does not and that controller was of this machine and is gone; else ("", None): a head
-    that cannot be asked, a job `appliance train` launched, a launcher that may still start it, a job that ran and
-    has ended (its exit status on the head: its head's beat releases the lock within its interval,
-    node/lockbeat.py)."""
+    one) on a cluster this machine knows (its own record, or the one rebuilt from the run's state: runcluster.py):
+    ("runs", cluster) when its head node runs a job of the run; ("not started", cluster) when it does not, and that
+    controller was of this machine and is gone, or the store says it never started it (store_says_not_started);
+    else ("", None): a head that cannot be asked, a job `appliance train` launched, a launcher that may still start
+    it, a job that ran and has ended (its exit status on the head: its head's beat releases the lock within its
+    interval, node/lockbeat.py)."""
     launcher = str(job.get("launcher") or "")
     cl = find_cluster(str(job.get("cluster"))) if launcher and launcher != control.id else None
-    if cl is None:
-        return "", None
-    runs_now = headjob.job_runs(cl, ctx.spec.name)
+    runs_now = headjob.job_runs(cl, ctx.spec.name) if cl is not None else None
     if runs_now:
         return "runs", cl
+    if launcher and store_says_not_started(control, job, cl):
+        return "not started", cl
+    if cl is None:
+        return "", None
     if runs_now is False and gone_here(launcher):
         ended = headjob.job_end(cl, ctx.spec.name, str(job.get("job_id")))
         return ("not started", cl) if ended is None else ("", None)
     return "", None
 
 
-def never_started(ctx, control: Control, job: dict, cl: Cluster) -> None:
+def store_says_not_started(control: Control, job: dict, cl: Cluster | None) -> bool:
+    """The run's store says the job was never started, whatever machine its launcher ran on: its launcher is the
+    controller this one took the run over from (its lock went stale: it is gone), and the job's lock has no word of
+    a start (RunLock.started: its launcher's, once it started the job, and the head node's beat's), or its
+    cluster's record has no servers for its lease (never booted: nothing could run there)."""
+    if not control.took_over or job.get("launcher") != control.took_over:
+        return False
+    if not job.get("started"):
+        return True
+    return cl is not None and cl.lease_id == job.get("lease_id") and not cl.site.servers
+
+
+def never_started(ctx, control: Control, job: dict, cl: Cluster | None) -> None:
     """A live lock of the run's job whose launcher was a controller of this machine that is gone, and no job of the
     run runs on its head node: that controller was killed between taking the run's lock and starting the job. The
     job is marked ended here, so its lock is taken over at once instead of a ttl (300 s of paid, idle lease) later,
     and the store credential made for it is deleted."""
-    launcher = str(job.get("launcher"))
+    launcher, where = str(job.get("launcher")), cl.name if cl is not None else str(job.get("cluster"))
     runs.job_not_started(ctx.spec.name, str(job.get("job_id")), launcher)
     log.info(f"[run] job {job.get('job_id')} of run {ctx.spec.name} holds the run's lock but never started on "
-             f"{cl.name} (its controller {launcher} is gone): taking the run over now")
-    control.record("job not started", job_id=job.get("job_id"), cluster=cl.name, launcher=launcher)
+             f"{where} (its controller {launcher} is gone): taking the run over now")
+    control.record("job not started", job_id=job.get("job_id"), cluster=where, launcher=launcher)
     _withdraw_job_creds(ctx, str(job.get("job_id")))
 
 
@@ -166,7 +181,7 @@ def followed_result(ctx, job_id: str, cluster: Cluster) -> JobResult | None:
     done = end.get("rc") == 0 and stopped is None
     if not done and not (left is not None and left <= 0) and not (near and stopped and stopped.get("committed")):
         return None
-    name, step = _newest_commit(ctx)
+    name, step = newest_commit(ctx)
     if stopped and stopped.get("step") is not None:
         step = stopped["step"]
     jobs = (runs.load(spec.name) or {}).get("jobs", [])
@@ -183,7 +198,7 @@ def followed_result(ctx, job_id: str, cluster: Cluster) -> JobResult | None:
     return res
 
 
-def _newest_commit(ctx) -> tuple[str | None, int | None]:
+def newest_commit(ctx) -> tuple[str | None, int | None]:
     """(name, step) of the run's newest committed checkpoint; (None, None) when it has none or the store does not
     answer (a followed job's end is then recorded without its step)."""
     try:

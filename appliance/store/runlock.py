@@ -58,6 +58,9 @@ class RunLock:
         # the managed run's controller that launched the job (its id, host:pid:...): a controller that takes the run
         # over can tell a job its dead predecessor locked and never started (flows/managed.py)
         self.launcher = launcher
+        # the job was launched (its launcher's word once it started it, and the head node's beat's): a lock without
+        # it whose launcher is a dead controller locked a job that never started (flows/takeover.py)
+        self.started = False
         self.held = False
         self.generation = 0  # ours, while held
         self.lost_to: dict | None = None  # the lock that took the run from this holder, once seen (taken_by)
@@ -107,6 +110,7 @@ class RunLock:
                 "ttl": self.ttl, **({"lease_id": self.lease_id} if self.lease_id else {}),
                 **({"lease_site": self.lease_site} if self.lease_site else {}),
                 **({"launcher": self.launcher} if self.launcher else {}),
+                **({"started": True} if self.started else {}),
                 **({"released": True} if released else {})}
         return json.dumps(body, sort_keys=True).encode()
 
@@ -167,6 +171,7 @@ class RunLock:
             self.lease_id = self.lease_id or cur[1].get("lease_id")  # the launcher's word, kept in each heartbeat
             self.lease_site = self.lease_site or cur[1].get("lease_site")
             self.launcher = self.launcher or cur[1].get("launcher")
+            self.started = self.started or bool(cur[1].get("started"))
         return self.held
 
     def taken_by(self) -> dict | None:

@@ -1,0 +1,92 @@
+"""`appliance cancel RUN` from any machine (issue 77): the job stops with a checkpoint, whoever launched it.
+
+The cancel writes a stop request for the job that holds the run's lock (store/stopask.py), beside the cancel
+request to the controller; the head node's beat (node/lockbeat.py) turns it into the job's STOP file within
+STOP_POLL seconds and answers it. The controller that holds the run (``enforce``, on the cancel) writes the request
+too when none is there for that job, and waits for the answer or the job's end for two of the job lock's
+heartbeats from the job's start; a job that does not answer in that time (its head cut off from the store, a node
+image without the beat's check) has its lease deleted, with one line saying which steps are lost: it would train on,
+billed, to its lease's end.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+
+from .. import report
+from ..store import stopask
+from ..store.checkpoints import CheckpointStore
+from ..store.runlock import INTERVAL, RunLock
+from . import takeover
+
+log = report.get(__name__)
+
+
+def bound() -> float:
+    """Seconds a job is given to answer a stop request: two heartbeats of its lock."""
+    return 2 * float(os.environ.get("APPLIANCE_RUN_LOCK_INTERVAL") or INTERVAL)
+
+
+def ask(cs: CheckpointStore, by: str | None = None) -> str | None:
+    """The stop request for the job that holds the run's lock now (``cs``: the run's store). Returns its id (None:
+    no job holds the run)."""
+    job = RunLock(cs, "", cluster="", head="").read()
+    if job is None:
+        return None
+    stopask.ask(cs, str(job.get("job_id")), by or socket.gethostname())
+    return str(job.get("job_id"))
+
+
+def enforce(ctx, control, *, limit: float | None = None, poll: float | None = None,
+            wait: Callable[[float], bool] | None = None, now: Callable[[], float] = time.monotonic) -> str:
+    """After a cancel: the job that holds the run's lock is asked to stop (the request in the store, unless one is
+    there for it), and given ``limit`` (bound()) from its start to answer; then its lease is deleted (said: the
+    steps after its last commit are lost). Returns "none" (no job), "answered", "ended", "not started" (a lock with
+    no word of a start, not this controller's), "closed" (the controller ended first) or "deleted".
+    ``wait(seconds)``: True once the controller is closed."""
+    cs, limit = ctx.checkpoints, limit if limit is not None else bound()
+    poll, wait = poll if poll is not None else stopask.STOP_POLL / 3, wait or control.wait_closed
+    lock = RunLock(cs, "", cluster="", head="")
+    job = lock.read()
+    if job is None:
+        return "none"
+    jid = str(job.get("job_id"))
+    if stopask.asked(cs, jid) is None:
+        stopask.ask(cs, jid, f"the controller of run {control.run}")
+    since = now()
+    while True:
+        cur = lock.read()
+        if cur is None or cur.get("job_id") != jid:
+            return "ended"
+        if (stopask.asked(cs, jid) or {}).get("answered"):
+            return "answered"
+        if not cur.get("started"):
+            if cur.get("launcher") != control.id:  # never started by a dead launcher (takeover.py), or a job
+                return "not started"                # `appliance train` launched (no word of a start): not ours to end
+            since = now()  # being set up by this controller: stopped at its start (control's hook)
+        elif now() - since >= limit:
+            return drop(ctx, control, cur, limit)
+        if wait(poll):
+            return "closed"
+
+
+def drop(ctx, control, job: dict, limit: float) -> str:
+    """The lease of a job that did not answer the stop request within ``limit`` seconds, deleted; one line says
+    which steps are lost (those after the run's newest commit)."""
+    jid, lease_id = job.get("job_id"), job.get("lease_id")
+    _, step = takeover.newest_commit(ctx)
+    lost = f"its steps after step {step}, the run's last commit, are lost" if step is not None else \
+        "all its steps are lost (the run has no commit)"
+    if not lease_id:
+        log.info(f"[run] warning: job {jid} did not answer the stop within {limit:.0f}s and its lock names no "
+                 f"lease to delete: it trains on until its lease ends ({lost} then)")
+        return "unanswered"
+    log.info(f"[run] job {jid} did not answer the stop within {limit:.0f}s (two of its lock's heartbeats): its lease "
+             f"{lease_id} is deleted now; {lost}")
+    ctx.at(job.get("lease_site")).cloud.delete_lease(str(lease_id))
+    control.record("lease deleted", lease_id=lease_id, job_id=jid, reason="the job did not answer the cancel",
+                   last_commit=step)
+    return "deleted"
