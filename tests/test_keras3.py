@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from appliance.cluster import Cluster, Node
+from appliance.errors import SpecError
 from appliance.node import keras3
 from appliance.protocol import rank_environment
+from appliance.spec import keras_choice, keras_line, parse_spec
+from appliance.train.launch import horovodrun_command
 from conftest import ROOT
 
 # ---------------------------------------------------------------------------------------------
@@ -55,6 +59,63 @@ def test_the_examples_stay_on_tf_keras():
     for d in (ROOT / "examples").iterdir():
         if d.is_dir():
             assert keras3.keras3_uses(d) == [], d
+
+
+# ---------------------------------------------------------------------------------------------
+# train.keras: per job, said at its start and by `appliance check`
+
+
+def _spec(tmp_path, source="import keras\n", **train):
+    (tmp_path / "code").mkdir(exist_ok=True)
+    (tmp_path / "code" / "train.py").write_text(source)
+    return parse_spec({"name": "k", "train": {"code": "code", "command": "python train.py", **train}},
+                      path=str(tmp_path / "k.yaml"))
+
+
+KERAS3_SOURCE = "import keras\nfrom keras import ops\n"
+
+
+@pytest.mark.parametrize("train, source, runs, why", [
+    ({}, "import keras\n", "2", "train.keras: auto, no Keras-3-only API in the code"),
+    ({}, KERAS3_SOURCE, "3", "train.keras: auto, train.py:2 keras.ops is Keras 3 API"),
+    ({"keras": 3}, "import keras\n", "3", "train.keras: 3"),
+    ({"keras": "2"}, KERAS3_SOURCE, "2", "train.keras: 2"),
+    # train.keras wins over train.env's TF_USE_LEGACY_KERAS, and says so
+    ({"keras": 3, "env": {"TF_USE_LEGACY_KERAS": "1"}}, "", "3", "train.keras: 3, over train.env TF_USE_LEGACY_KERAS=1"),
+    ({"keras": 2, "env": {"TF_USE_LEGACY_KERAS": "0"}}, "", "2", "train.keras: 2, over train.env TF_USE_LEGACY_KERAS=0"),
+    ({"env": {"TF_USE_LEGACY_KERAS": "0"}}, "", "3", "train.keras: auto, train.env TF_USE_LEGACY_KERAS=0"),
+])
+def test_which_keras_a_job_runs(tmp_path, train, source, runs, why):
+    spec = _spec(tmp_path, source, **train)
+    assert keras_choice(spec) == (runs, why)
+    assert keras_line(spec) == f"Keras {runs}{' (tf_keras)' if runs == '2' else ''}: {why}"
+    cl = Cluster(name="c", cloud="testbed", python="/venv/bin/python", nodes=[
+        Node(name="node1", private_ip="10.0.0.1", address="10.0.0.1", workdir="/mnt/local")])
+    _, env = horovodrun_command(cl, spec, job_id="j1", nic="eth0", pkg_dir="/pkg")
+    assert env["TF_USE_LEGACY_KERAS"] == ("1" if runs == "2" else "0") and env["APPLIANCE_KERAS"] == runs
+
+
+@pytest.mark.parametrize("value", ["4", "auto3", True, "keras3"])
+def test_train_keras_is_auto_2_or_3(tmp_path, value):
+    with pytest.raises(SpecError, match="train.keras: expected auto, 2 or 3"):
+        _spec(tmp_path, keras=value)
+    assert _spec(tmp_path).train.keras == "auto"
+
+
+def test_appliance_check_says_which_keras(tmp_path):
+    from click.testing import CliRunner
+
+    from appliance.cli import main
+
+    _spec(tmp_path, KERAS3_SOURCE)
+    (tmp_path / "k.yaml").write_text("name: k\ntrain: {code: code, command: python train.py}\n")
+    r = CliRunner().invoke(main, ["check", str(tmp_path / "k.yaml")])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.endswith(" rank(s); Keras 3: train.keras: auto, train.py:2 keras.ops is Keras 3 API\n")
+    r = CliRunner().invoke(main, ["check", "--json", str(tmp_path / "k.yaml")])
+    assert json.loads(r.stdout)["keras"] == {"runs": "3", "why": "train.keras: auto, train.py:2 keras.ops is Keras 3 API"}
+    r = CliRunner().invoke(main, ["check", str(ROOT / "examples" / "digits.yaml")])
+    assert r.stdout.endswith("; Keras 2 (tf_keras): train.keras: auto, no Keras-3-only API in the code\n")
 
 
 # ---------------------------------------------------------------------------------------------
