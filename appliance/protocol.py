@@ -49,6 +49,7 @@ class Env:
     FILES_EVERY_SECONDS = "APPLIANCE_FILES_EVERY_SECONDS"  # how often rank 0 syncs them (default 60)
     FILES_SYNC = "APPLIANCE_FILES_SYNC"  # "0": no sync
     CKPT_AUTO = "APPLIANCE_CKPT_AUTO"  # "0": no callback added to a plain Model.fit (checkpoint.auto: false)
+    KERAS = "APPLIANCE_KERAS"  # "2" (tf_keras, TF_USE_LEGACY_KERAS=1) or "3" (Keras 3): train.keras, decided per job
     KERAS_RNG = "APPLIANCE_KERAS_RNG"  # "legacy": Keras' default RNG for random layers (not checkpointable)
     HOROVOD_AUTOGRAPH = "APPLIANCE_HOROVOD_AUTOGRAPH"  # "convert": autograph converts Horovod's code (TF's default)
     CKPT_CREDS = "APPLIANCE_CKPT_CREDS"  # a 0600 file on the head node, read by rank 0 only
@@ -146,7 +147,7 @@ ALLOW_FROM_LAUNCHER = ("LANG", "LC_ALL", "TZ", "TERM")
 
 # Always set for ranks.
 BASE_RANK_ENV = {
-    "TF_USE_LEGACY_KERAS": "1",  # Horovod 0.28.1 needs tf.keras (tf_keras), not Keras 3
+    "TF_USE_LEGACY_KERAS": "1",  # tf_keras, unless the job runs Keras 3 (train.keras; the launcher sets it per job)
     "TF_CPP_MIN_LOG_LEVEL": "2",
     "PYTHONUNBUFFERED": "1",
     "PYTHONDONTWRITEBYTECODE": "1",

@@ -100,6 +100,7 @@ class Train:
     env: dict[str, str] = field(default_factory=dict)  # extra variables for the ranks
     start_timeout: int = 60  # seconds horovodrun waits for all ranks to start
     requirements: str | None = None  # a pip requirements file in `code`, installed on every node before the job
+    keras: str = "auto"  # which Keras the ranks run: 2 (tf_keras), 3, or auto (3 when the code uses Keras-3-only API)
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,37 @@ def _check_container(field_name: str, url: str | None) -> None:
         raise SpecError(f"{field_name}: {why}", f"choose another name, e.g. {scheme}://my-data-1/")
 
 
+KERAS_CHOICES = ("auto", "2", "3")
+LEGACY_TRUE = ("1", "true", "True")  # TensorFlow's reading of TF_USE_LEGACY_KERAS
+
+
+def keras_choice(spec: Spec) -> tuple[str, str]:
+    """Which Keras the job's ranks run, "2" (tf_keras) or "3", and why, in a few words: train.keras (it wins over
+    train.env's TF_USE_LEGACY_KERAS); with auto, train.env's TF_USE_LEGACY_KERAS, else the code's own use of
+    Keras-3-only API (an AST scan of its Python files: appliance/node/keras3.py)."""
+    from .node.keras3 import keras3_uses
+
+    chosen, env = spec.train.keras, spec.train.env.get("TF_USE_LEGACY_KERAS")
+    if chosen in ("2", "3"):
+        over = ""
+        if env is not None and (env in LEGACY_TRUE) != (chosen == "2"):
+            over = f", over train.env TF_USE_LEGACY_KERAS={env}"
+        return chosen, f"train.keras: {chosen}{over}"
+    if env is not None:
+        return ("2" if env in LEGACY_TRUE else "3"), f"train.keras: auto, train.env TF_USE_LEGACY_KERAS={env}"
+    uses = keras3_uses(spec.code_dir) if spec.code_dir.is_dir() else []
+    if uses:
+        more = f" (and {len(uses) - 1} more)" if len(uses) > 1 else ""
+        return "3", f"train.keras: auto, {uses[0]} is Keras 3 API{more}"
+    return "2", "train.keras: auto, no Keras-3-only API in the code"
+
+
+def keras_line(spec: Spec) -> str:
+    """The one line that says which Keras the job runs."""
+    chosen, why = keras_choice(spec)
+    return f"Keras {chosen}" + (" (tf_keras)" if chosen == "2" else "") + f": {why}"
+
+
 def _semantic_checks(spec: Spec) -> None:
     _no_control_chars(spec)
     if not NAME_RE.fullmatch(spec.name):
@@ -328,6 +360,9 @@ def _semantic_checks(spec: Spec) -> None:
     if req is not None and (req.startswith("/") or not all(DEST_PART_RE.fullmatch(x) for x in req.split("/"))):
         raise SpecError(f"train.requirements: {req!r} must be a file in train.code, named relative to it",
                         "e.g. requirements: requirements.txt")
+    if spec.train.keras not in KERAS_CHOICES:
+        raise SpecError(f"train.keras: expected auto, 2 or 3, got {spec.train.keras!r}",
+                        "set train.keras: auto (Keras 3 when the code uses Keras-3-only API), 2 (tf_keras) or 3")
     if spec.train.start_timeout < 1:
         raise SpecError("train.start_timeout: must be at least 1 second", "set e.g. train.start_timeout: 60")
     for k in spec.train.env:

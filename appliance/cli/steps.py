@@ -144,11 +144,15 @@ def check_spec(spec, online, as_json):
     s = flows.check(spec)
     with _messages(err=True):
         found = flows.check_online(s) if online else None
+    from ..spec import keras_choice, keras_line
+
     if as_json:
-        _json_out({**dataclasses.asdict(s), **({"online": found} if online else {})})
+        keras, why = keras_choice(s)
+        _json_out({**dataclasses.asdict(s), "keras": {"runs": keras, "why": why},
+                   **({"online": found} if online else {})})
         return
     click.echo(f"{spec}: ok: run {s.name!r} on {s.cloud}, {s.nodes.count} x {s.nodes.node_type}, "
-               f"{s.world_size} rank(s)")
+               f"{s.world_size} rank(s); {keras_line(s)}")
     if found and "dataset" in found:
         d = found["dataset"]
         click.echo(f"  dataset {d['url']}: {d['objects']:,} object(s), {d['size']}"

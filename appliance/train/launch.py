@@ -37,7 +37,7 @@ from ..errors import ApplianceError, JobFailed
 from ..protocol import EXIT_STOPPED, Env, Line, job_files, parse, rank_environment
 from ..provision.contextualize import contextualize
 from ..remote import ConnectionLost, Remote, Session
-from ..spec import Spec
+from ..spec import Spec, keras_choice, keras_line
 from .headjob import (EXIT_LINE, RANK_LINE, RUN_BUSY, _Connection, _Head, check_run_free, code_dir, code_files,
                       detached_command, follow, hidden, locked_command, run_dir, who)
 from . import packages
@@ -146,7 +146,10 @@ def horovodrun_command(cluster: Cluster, spec: Spec, *, job_id: str, nic: str, p
     venv_bin = str(Path(cluster.python).parent)
     etc = cluster.config_dir(head)
     env_extra = dict(spec.train.env)
+    keras = keras_choice(spec)[0]  # it wins over train.env's TF_USE_LEGACY_KERAS
     env_extra.update({
+        "TF_USE_LEGACY_KERAS": "1" if keras == "2" else "0",
+        Env.KERAS: keras,
         Env.JOB_ID: job_id,
         Env.RUN: spec.name,
         Env.RUN_DIR: run_dir(cluster, spec.name),
@@ -281,6 +284,7 @@ def _prepare(spec: Spec, cluster: Cluster, session: Session, ctx: JobContext, ho
         env_more.update(extra_env or {})
         session.each(lambda r: r.put_dir(spec.code_dir, cdir))
         ctx.say(f"[appliance] copied {spec.code_dir} to {cdir} on {len(cluster.nodes)} node(s)")
+        ctx.say(f"[appliance] {keras_line(spec)}")
         site = packages.install(session, cluster.python, cdir, spec.train.requirements, f"{rd}/packages",
                                 ctx.say) if spec.train.requirements else None
         cmd, _env = horovodrun_command(cluster, spec, job_id=ctx.job_id, nic=nic, pkg_dir=pkg_dir,

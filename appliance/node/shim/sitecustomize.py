@@ -12,6 +12,12 @@
 4. Once `tensorflow` is imported: TensorFlow's autograph leaves Horovod's code as it is
    (`appliance/node/keras_fit.py` ``horovod_unconverted``): a rank's first step comes seconds of CPU sooner.
 
+5. Which Keras: the launcher sets TF_USE_LEGACY_KERAS per job (train.keras in the spec: auto, 2 or 3). On a Keras 3
+   job (TF_USE_LEGACY_KERAS not 1) `keras` is Keras 3, and once Horovod's Keras modules are imported their
+   DistributedOptimizer averages a Keras 3 optimizer and their callbacks work on a Keras 3 model
+   (`appliance/node/keras3.py`); on a Keras 2 job a Keras 3 optimizer given to DistributedOptimizer is refused in
+   one line (it would not be averaged).
+
 Nothing of Keras is imported until something asks for keras or tf_keras.
 """
 
@@ -80,6 +86,20 @@ def _keras_hooks(module):
     on_tf_keras_import(module)
 
 
+def _horovod_hooks(keras3_job):
+    def hook(module):
+        from appliance.node.keras3 import patch_horovod
+
+        patch_horovod(module, keras3_job)
+    return hook
+
+
+def _keras3_hooks(module):
+    from appliance.node.keras3 import patch_keras
+
+    patch_keras(module)
+
+
 def _tf_hooks(module):
     from appliance.node.keras_fit import horovod_unconverted
 
@@ -98,6 +118,15 @@ if os.environ.get("TF_USE_LEGACY_KERAS") == "1" and importlib.util.find_spec("tf
     if importlib.util.find_spec("appliance") is not None:
         sys.meta_path.insert(0, _AfterImport("tf_keras", _keras_hooks, "the Keras hooks did not install; checkpoints "
                                              "of a plain Model.fit will not resume mid-epoch"))
+
+if importlib.util.find_spec("appliance") is not None:
+    _keras3_job = os.environ.get("TF_USE_LEGACY_KERAS") not in ("1", "true", "True")  # TensorFlow's own reading
+    for _name in ("horovod.tensorflow", "horovod.tensorflow.keras", "horovod.keras"):
+        sys.meta_path.insert(0, _AfterImport(_name, _horovod_hooks(_keras3_job),
+                                             f"{_name}: the appliance's Keras 3 checks did not install"))
+    if _keras3_job:
+        sys.meta_path.insert(0, _AfterImport("keras", _keras3_hooks, "Keras 3: the appliance's checks before a "
+                                             "train function (jit_compile, a LossScaleOptimizer) did not install"))
 
 if "tensorflow" not in sys.modules and importlib.util.find_spec("appliance") is not None:
     sys.meta_path.insert(0, _AfterImport("tensorflow", _tf_hooks, "autograph converts Horovod's code as before"))
