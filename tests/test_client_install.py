@@ -63,14 +63,26 @@ def client(wheel, tmp_path_factory):
     return install_client(wheel, tmp_path_factory.mktemp("client") / "venv")
 
 
-def cli(client, *args, cwd, check=True, timeout=600):
+def cli(client, *args, cwd, check=True, timeout=600, home=None):
+    """``home``: the user's home for the command (a laptop's, with the key pair a Chameleon spec names)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OS_", "PYTHON"))}
     env["PATH"] = f"{client / 'bin'}:{env['PATH']}"
+    if home is not None:
+        env["HOME"] = str(home)
     r = subprocess.run([str(client / "bin" / "appliance"), *args], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=timeout)
     if check:
         assert r.returncode == 0, f"appliance {' '.join(args)}: rc {r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
     return r
+
+
+def laptop(tmp_path):
+    """A home with the key pair examples/chameleon.yaml names (key_file: ~/.ssh/id_ed25519): `appliance check`
+    refuses a spec whose key file is not there."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True, exist_ok=True)
+    (home / ".ssh" / "id_ed25519").write_text("a private key\n")
+    return home
 
 
 def test_the_client_install_has_no_training_stack_and_checks_a_chameleon_spec(client, tmp_path):
@@ -82,7 +94,9 @@ def test_the_client_install_has_no_training_stack_and_checks_a_chameleon_spec(cl
                        text=True, cwd=tmp_path, check=True)
     assert r.stdout.startswith(str(client)), r.stdout  # the installed copy, not the checkout
     assert "appliance run" in cli(client, "--help", cwd=tmp_path).stdout
-    out = cli(client, "check", str(ROOT / "examples" / "chameleon.yaml"), cwd=tmp_path).stdout
+    r = cli(client, "check", str(ROOT / "examples" / "chameleon.yaml"), cwd=tmp_path, home=tmp_path, check=False)
+    assert r.returncode == 2 and "key_file: ~/.ssh/id_ed25519 is not a file on this machine" in r.stderr, r.stderr
+    out = cli(client, "check", str(ROOT / "examples" / "chameleon.yaml"), cwd=tmp_path, home=laptop(tmp_path)).stdout
     assert "on chameleon, 2 x gpu_rtx_6000" in out, out
     # what nodes are installed from (`up --install`) came with it
     assert (client / "share" / "appliance" / "requirements.lock").read_bytes() == (ROOT / "requirements.lock").read_bytes()
@@ -99,7 +113,7 @@ def test_the_client_installs_and_drives_the_local_cloud_on_newer_pythons(python,
     ver = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys; print(sys.version_info[:2])"],
                          capture_output=True, text=True, check=True).stdout
     assert ver.strip() in ("(3, 12)", "(3, 13)"), ver
-    out = cli(venv, "check", str(ROOT / "examples" / "chameleon.yaml"), cwd=tmp_path).stdout
+    out = cli(venv, "check", str(ROOT / "examples" / "chameleon.yaml"), cwd=tmp_path, home=laptop(tmp_path)).stdout
     assert "on chameleon, 2 x gpu_rtx_6000" in out, out
     localcloud.start()
     assert json.loads(cli(venv, "lease", "list", "--cloud", "local", "--json", cwd=tmp_path).stdout) is not None

@@ -171,6 +171,13 @@ def machine_tag() -> str:
     return hashlib.sha256(f"{boot} {ns}".encode()).hexdigest()[:10]
 
 
+def of_this_machine(controller_id: str) -> bool:
+    """A controller id (host:pid:start.random[:machine_tag]) of this machine: its hostname, and its machine tag
+    where it has one."""
+    host, _pid, *rest = (controller_id or "::").split(":")
+    return host == socket.gethostname() and not (len(rest) > 1 and rest[1] != machine_tag())
+
+
 def process_gone(controller_id: str) -> bool:
     """A controller of this machine (its id: host:pid:start.random[:machine_tag]) whose process is gone: killed, or
     a zombie not yet reaped. False for another machine's, which this one cannot tell: another hostname, or the same

@@ -401,7 +401,7 @@ class _ControlHook(JobHooks):
 
     def started(self, ctx: JobContext) -> None:
         c, cl = self.control, ctx.cluster
-        c.update(cluster=to_state(cl))  # any machine can take the run over from its state (runcluster.py)
+        c.update(cluster={**to_state(cl), "by": c.id})  # any machine can take the run over from it (runcluster.py)
         c.running("job", job_id=ctx.job_id, cluster=cl.name, site=cl.site.region or cl.cloud,
                   node_type=ctx.spec.nodes.node_type, hosts=[n.name for n in cl.nodes], lease_id=cl.lease_id,
                   lease_end=cl.lease_end, restore=bool(ctx.restore))

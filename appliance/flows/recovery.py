@@ -111,12 +111,14 @@ class Recovery:
 
     def left(self, cl: Cluster) -> float | None:
         """Real seconds the run can train on ``cl`` from now (by the cloud's clock): its lease's time left while it
-        is ACTIVE and its servers are asked for, else 0; None: not the run's cloud's, or the site cannot tell (not
-        used, and not taken down)."""
+        is ACTIVE (servers or not: up makes them), else 0; a lease asked for whose id was never recorded counts as
+        usable (up finds it by its name); None: not the run's cloud's, or the site cannot tell (not used, and not
+        taken down)."""
         if cl.cloud != self.run.spec.cloud:
             return None
-        if not cl.lease_id or not cl.site.servers:
-            return 0.0
+        if not cl.lease_id:  # asked for, its answer not recorded (a controller killed between Blazar's answer and
+            # its record): up finds it by the name recorded before the ask (lifecycle._leased), or asks again
+            return float("inf") if cl.site.lease_name else 0.0
         site = self.run.ctx.lease_site(cl)
         try:
             info, now = site.cloud.lease_at(cl.lease_id)
@@ -128,10 +130,17 @@ class Recovery:
         """``cl`` up again under its name, on its lease, as the node type its lease was asked for (the run's
         ledger; the spec's own when it has none); None when its hosts are gone (NoHosts: said)."""
         run, spec = self.run, self.run.spec
-        asked = run.ledger.copy().get(cl.lease_id) or {}
+        asked = (run.ledger.copy().get(cl.lease_id) if cl.lease_id else None) or \
+            (run.control.state.get("asked") or {}).get(cl.site.lease_name or "") or {}
         a = Alternative(asked.get("node_type") or spec.nodes.node_type, cl.site.region or spec.site)
         at = dataclasses.replace(leased_as(spec, a), name=cl.name)
-        log.info(f"[run] run {spec.name} goes on on its cluster {cl.name}, whose lease {cl.lease_id} runs")
+        if not cl.lease_id:  # its lease may not exist yet and be asked for now: within the run's limits, as cold's
+            if (kw := run.new_lease()) is None:
+                return None
+            if kw.get("lease_duration"):
+                at = dataclasses.replace(at, lease=dataclasses.replace(at.lease, duration=kw["lease_duration"]))
+        lease = cl.lease_id or cl.site.lease_name
+        log.info(f"[run] run {spec.name} goes on on its cluster {cl.name}, on its lease {lease}")
         try:
             return lifecycle.up(run.ctx.site_of(cl.name), at, timings=phases, on_ask=run.asking), a.node_type
         except NoHosts as e:

@@ -16,6 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from .. import paths, report
+from ..checkpoint import runs
 from ..cluster import Cluster, find_cluster
 from ..errors import ApplianceError
 
@@ -47,7 +48,7 @@ def _read(path: str | None) -> str:
 def rebuild(entry: dict, key_file: str) -> Cluster:
     """The cluster record ``entry`` (to_state) saved under this machine's $APPLIANCE_HOME, logging in with
     ``key_file``, its host keys pinned in its own known_hosts file. Returns it."""
-    d = {k: v for k, v in entry.items() if k not in (*LOCAL_ONLY, "host_keys")}
+    d = {k: v for k, v in entry.items() if k not in (*LOCAL_ONLY, "host_keys", "by")}
     known = paths.clusters_dir() / f"{d['name']}.known_hosts"
     known.parent.mkdir(parents=True, exist_ok=True)
     known.write_text(entry.get("host_keys") or "")
@@ -59,14 +60,17 @@ def rebuild(entry: dict, key_file: str) -> Cluster:
 
 def adopt(ctx, control, key_file=None) -> Cluster | None:
     """The run's current cluster from its state in the store, as this machine's record: the one here when it has
-    the same lease, else rebuilt (a controller on another machine, or this one's record of an older lease); the
-    login key is the spec's (``key_file``: its path, else the site's login_key of the spec). None: the state has
-    none, or no key here (said in one line)."""
+    the same lease, or when this machine wrote the state's (a record here is written before its lease is asked for,
+    so it is this machine's newest: a handover's next lease asked for, its answer not yet recorded, must not give
+    way to the job's older one), else rebuilt (the state written by a controller on another machine, which ran the
+    run after this one); the login key is the spec's (``key_file``: its path, else the site's login_key of the
+    spec). None: the state has none, or no key here (said in one line)."""
     entry = control.state.get("cluster")
     if not isinstance(entry, dict) or not entry.get("name") or not entry.get("nodes"):
         return None
     here = find_cluster(entry["name"])
-    if here is not None and here.lease_id == entry.get("lease_id"):
+    if here is not None and (here.lease_id == entry.get("lease_id") or runs.of_this_machine(entry.get("by") or "")
+                             or not entry.get("by")):
         return here
     try:
         key = key_file or ctx.site.login_key(ctx.spec.key_name, ctx.spec.key_file).file
