@@ -118,7 +118,7 @@ deploy: digits-data
 # Chameleon's own client, judges the local cloud (an e2e test).
 test: install wheel-py312 .venv-chi/.installed
 	$(VENV)/bin/lint-imports --no-cache
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The fast tier: no root, no namespaces, no stores.
 test-fast: install

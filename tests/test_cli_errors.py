@@ -32,8 +32,10 @@ def test_an_unreachable_keystone_is_one_short_line(tmp_path):
     region_name: CHI@UC
     identity_api_version: 3
 """)
+    # no retries: the line is what this checks (a refused connection is asked again 5 times, ~15 s per request,
+    # tests/test_cloud_retries.py)
     env = {**os.environ, "OS_CLIENT_CONFIG_FILE": str(tmp_path / "clouds.yaml"), "OS_CLOUD": "dead",
-           "APPLIANCE_HOME": str(tmp_path / "home")}
+           "APPLIANCE_HOME": str(tmp_path / "home"), "APPLIANCE_CLOUD_RETRIES": "0"}
     r = subprocess.run([sys.executable, "-m", "appliance.cli", "lease", "list", "--cloud", "chameleon"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1 and r.stdout == ""

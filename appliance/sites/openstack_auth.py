@@ -20,7 +20,10 @@ from .openstack_api import EXPIRED, RENEW
 # (OpenStackCloud.create_lease, create_server). Blazar answers any error that is not its own with a bare 500
 # (ChameleonCloud/blazar blazar/api/v1/utils.py `Rest.route`): a read answered 500 is read again too.
 SAFE_METHODS = frozenset({"GET", "HEAD", "DELETE"})
-RETRIES = 5  # 0.5 + 1 + 2 + 4 + 8 s of back-off: a gateway's restart or a service's short outage passes
+# 0.5 + 1 + 2 + 4 + 8 s of back-off: a gateway's restart or a service's short outage passes (longer outages: a managed
+# run waits for the cloud, flows/recovery.py); APPLIANCE_CLOUD_RETRIES sets another count (0: none, as a script that
+# would rather fail at once asks)
+RETRIES = int(os.environ.get("APPLIANCE_CLOUD_RETRIES", "5"))
 RETRIABLE = [429, 500, 502, 503, 504]
 RETRY_DELAY: float | None = None  # None: keystoneauth's exponential back-off (the fast tests set a fixed one)
 READ_TIMEOUT = (15.0, 120.0)  # (connect, read) seconds of a read with no api_timeout: a hung read is retried
