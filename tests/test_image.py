@@ -200,8 +200,9 @@ def _cache_wheel(tag: str, tmp_path: Path) -> None:
     store.put(f"{tag}/{built[-1].name}.sha256", digest)
 
 
-def _install_and_train(tmp_path: Path, said, name: str, image: str, tag: str, minor: str, doctor_too: bool):
-    """`appliance up SPEC --install` on a stock image, then the digits example trained to its end there."""
+def _install_and_train(tmp_path: Path, said, name: str, image: str, tag: str, doctor_too: bool) -> dict:
+    """`appliance up SPEC --install` on a stock image, then the digits example trained there (`appliance train
+    --json`) and, with ``doctor_too``, the doctor: what each gave, for the test to judge."""
     from appliance import flows
 
     _cache_wheel(tag, tmp_path)
@@ -217,24 +218,29 @@ def _install_and_train(tmp_path: Path, said, name: str, image: str, tag: str, mi
     said.clear()
     cl = flows.up(str(spec), install=True)
     try:
-        assert cl.python == "/mnt/local/appliance/venv/bin/python"
-        installed = cl.site.installed
-        assert {k: installed[k] for k in ("tag", "built", "cached")} == {"tag": tag, "built": None, "cached": True}
-        assert f"python{minor}" in installed["interpreter"] or f"/{minor}." in installed["interpreter"], installed
-        assert any("the wheel cache has" in m for m in said) and not any("building horovod" in m for m in said)
+        got = {"python": cl.python, "installed": dict(cl.site.installed), "said": list(said)}
         r = CliRunner().invoke(main, ["train", str(spec), "--json"])
-        assert r.exit_code == 0, r.output[-2000:]
-        res = json.loads(r.stdout[r.stdout.index("{"):])
-        assert res["exit_code"] == 0 and res["ranks_reported"] == [0] and res["epochs"] == 4, res
+        got["train"] = (r.exit_code, r.output[-2000:])
+        got["job"] = json.loads(r.stdout[r.stdout.index("{"):]) if r.exit_code == 0 else {}
         if doctor_too:
-            results = flows.doctor_cluster(cl)
-            checks = {c.name: c for c in results[cl.head.name]}
-            assert not [c for c in checks.values() if c.status == "fail"], \
-                doctor.format_checks(list(checks.values()))
-            assert "/mnt/local/appliance/venv" in checks["python"].detail  # the node's own new venv
-            assert checks["nic"].status == "ok"
+            got["checks"] = {c.name: c for c in flows.doctor_cluster(cl)[cl.head.name]}
+        return got
     finally:
         flows.down(name)
+
+
+def _installed_from_the_cache_and_trained(got: dict, tag: str, minor: str) -> None:
+    """A fresh venv on the node's own disk with the node's Python ``minor``, Horovod from the wheel cache (no
+    build), and the digits example trained to its end (4 epochs, rank 0's result)."""
+    installed = got["installed"]
+    assert got["python"] == "/mnt/local/appliance/venv/bin/python"
+    assert {k: installed[k] for k in ("tag", "built", "cached")} == {"tag": tag, "built": None, "cached": True}
+    assert f"python{minor}" in installed["interpreter"] or f"/{minor}." in installed["interpreter"], installed
+    said = got["said"]
+    assert any("the wheel cache has" in m for m in said) and not any("building horovod" in m for m in said)
+    assert got["train"][0] == 0, got["train"][1]
+    job = got["job"]
+    assert job["exit_code"] == 0 and job["ranks_reported"] == [0] and job["epochs"] == 4, job
 
 
 @pytest.mark.slow
@@ -244,7 +250,12 @@ def test_up_install_on_a_22_04_node_from_the_wheel_cache_trains_then_doctor(clou
     disk, Horovod from the object store's wheel cache (no build), the build checked by the script, the digits
     example trained to its end, then the doctor there."""
     tag = stack_tag("/usr/bin/python3.11")
-    _install_and_train(tmp_path, said, "inst", "CC-Ubuntu22.04", tag, "3.11", doctor_too=True)
+    got = _install_and_train(tmp_path, said, "inst", "CC-Ubuntu22.04", tag, doctor_too=True)
+    _installed_from_the_cache_and_trained(got, tag, "3.11")
+    checks = got["checks"]
+    assert not [c for c in checks.values() if c.status == "fail"], doctor.format_checks(list(checks.values()))
+    assert "/mnt/local/appliance/venv" in checks["python"].detail  # the node's own new venv
+    assert checks["nic"].status == "ok"
 
 
 @pytest.mark.slow
@@ -257,7 +268,10 @@ def test_up_install_on_a_24_04_node_without_python_3_11_trains(cloud, tmp_path, 
     py = nodeimage.python312()
     if py is None:
         pytest.skip("this machine has no Python 3.12 for a 24.04 node (make install says where one is looked for)")
-    _install_and_train(tmp_path, said, "inst24", "CC-Ubuntu24.04", stack_tag(py), "3.12", doctor_too=False)
+    tag = stack_tag(py)
+    got = _install_and_train(tmp_path, said, "inst24", "CC-Ubuntu24.04", tag, doctor_too=False)
+    _installed_from_the_cache_and_trained(got, tag, "3.12")
+    assert "python3.12" in got["installed"]["interpreter"] or "/3.12." in got["installed"]["interpreter"]
 
 
 def test_doctor_on_a_gpu_machine_without_the_stack(monkeypatch):

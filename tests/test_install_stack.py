@@ -63,6 +63,16 @@ def print_tag(tmp_path: Path, *args: str, variant: str = "cpu", env: dict | None
     return r, lines
 
 
+def taken(tmp_path: Path, *pythons: tuple, **kw) -> list[str]:
+    """[key, python=PATH] that --print-tag says with fake ``pythons`` ((name, version[, final]) each) on PATH."""
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    for p in pythons:
+        fake_python(tmp_path / "bin", *p)
+    r, out = print_tag(tmp_path, **kw)
+    assert r.returncode == 0, r.stderr
+    return out["APPLIANCE_STACK_TAG"][0].split()
+
+
 def test_a_24_04_node_without_python_3_11_takes_its_3_12(tmp_path):
     (tmp_path / "bin").mkdir()
     fake_python(tmp_path / "bin", "python3.12", "3.12.3")
@@ -83,17 +93,11 @@ def test_a_release_candidate_3_11_is_passed_over(tmp_path):
     assert r.returncode == 0, r.stderr
     tag, python = out["APPLIANCE_STACK_TAG"][0].split()
     assert tag.endswith("-cpu-py3.11") and python == "python=managed"
-    fake_python(tmp_path / "bin", "python3.12", "3.12.3")
-    r, out = print_tag(tmp_path)
-    assert out["APPLIANCE_STACK_TAG"][0].split()[0].endswith("-py3.12")
+    assert taken(tmp_path, ("python3.12", "3.12.3"))[0].endswith("-py3.12")
 
 
 def test_a_released_3_11_is_taken_first(tmp_path):
-    (tmp_path / "bin").mkdir()
-    fake_python(tmp_path / "bin", "python3.11", "3.11.2")
-    fake_python(tmp_path / "bin", "python3.12", "3.12.3")
-    r, out = print_tag(tmp_path)
-    assert out["APPLIANCE_STACK_TAG"][0].split() == [f"tf{install_pin('tensorflow_cpu')}-cpu-py3.11",
+    assert taken(tmp_path, ("python3.11", "3.11.2"), ("python3.12", "3.12.3")) == [f"tf{install_pin('tensorflow_cpu')}-cpu-py3.11",
                                                       f"python={tmp_path}/bin/python3.11"]
 
 
@@ -115,9 +119,7 @@ def test_a_python_that_cannot_make_a_venv_is_passed_over(tmp_path):
 exec {sys._base_executable} -c 'import sys; sys.modules["ensurepip"] = None; sys.argv = sys.argv[1:]; exec(sys.argv[0])' "$2" "$3"
 """)
     os.chmod(no_venv, 0o755)
-    fake_python(tmp_path / "bin", "python3.12", "3.12.3")
-    r, out = print_tag(tmp_path)
-    assert out["APPLIANCE_STACK_TAG"][0].split()[0].endswith("-py3.12")
+    assert taken(tmp_path, ("python3.12", "3.12.3"))[0].endswith("-py3.12")
 
 
 def test_the_gpu_build_links_tensorflows_nccl_shared_for_chameleons_gpus(tmp_path):
