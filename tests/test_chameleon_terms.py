@@ -28,7 +28,7 @@ from test_localcloud_routes import api, token  # noqa: F401 - the HTTP fixture
 
 
 @pytest.fixture
-def cloud(tmp_path):
+def sim(tmp_path):
     _credentials(tmp_path)
     c = Cloud(tmp_path, nodes=InstantNodes(tmp_path / "nodes"), pools={"compute_local": 2, "gpu_local": 1})
     yield c
@@ -53,41 +53,57 @@ def server(c: Cloud, res_id: str, name: str = "s"):
     return srv
 
 
-def test_a_deleted_servers_node_is_cleaned_before_nova_can_place_a_server_on_it(cloud):
+def test_a_deleted_servers_node_is_cleaned_before_nova_can_place_a_server_on_it(sim):
     """Blazar frees a lease's hosts at once; Ironic cleans the node after the server's delete, and Nova's ironic
     driver reports it unusable meanwhile: a server asked for then goes to ERROR "No valid host"."""
-    cloud.clean_seconds = 600.0
-    first = lease(cloud)
+    sim.clean_seconds = 600.0
+    first = lease(sim)
     res = first["reservations"][0]["id"]
-    srv = server(cloud, res)
+    srv = server(sim, res)
     assert srv.status == "ACTIVE"
-    cloud.delete_lease(first["id"])  # the lease's end or delete: its server goes, its host is free in Blazar
-    cloud.wait_deleted([srv], timeout=10)
-    again = lease(cloud, name="l2")  # Blazar picks free hosts in DB order: the same one
-    assert cloud.leases[again["id"]].hosts() == cloud.leases[first["id"]].hosts()
-    bad = server(cloud, again["reservations"][0]["id"], "s2")
+    sim.delete_lease(first["id"])  # the lease's end or delete: its server goes, its host is free in Blazar
+    sim.wait_deleted([srv], timeout=10)
+    again = lease(sim, name="l2")  # Blazar picks free hosts in DB order: the same one
+    assert sim.leases[again["id"]].hosts() == sim.leases[first["id"]].hosts()
+    bad = server(sim, again["reservations"][0]["id"], "s2")
     assert bad.status == "ERROR" and bad.fault["message"].startswith("No valid host was found")
-    cloud.cleaning[srv.host] = time.monotonic()  # its cleaning is over
-    assert server(cloud, again["reservations"][0]["id"], "s3").status == "ACTIVE"
+    sim.cleaning[srv.host] = time.monotonic()  # its cleaning is over
+    assert server(sim, again["reservations"][0]["id"], "s3").status == "ACTIVE"
 
 
-def test_a_host_whose_server_is_still_being_deleted_is_no_valid_host_either(cloud):
-    first = lease(cloud)
+def test_a_host_whose_server_is_still_being_deleted_is_no_valid_host_either(sim):
+    first = lease(sim)
     res = first["reservations"][0]["id"]
-    srv = server(cloud, res)
-    cloud.nodes.teardown.clear()  # its teardown takes its time
-    with cloud.lock:
-        cloud._delete_server(srv)
+    srv = server(sim, res)
+    sim.nodes.teardown.clear()  # its teardown takes its time
+    with sim.lock:
+        sim._delete_server(srv)
     try:
-        assert server(cloud, res, "s2").status == "ERROR"
+        assert server(sim, res, "s2").status == "ERROR"
     finally:
-        cloud.nodes.teardown.set()
+        sim.nodes.teardown.set()
 
 
-def test_not_enough_hosts_is_a_500_as_blazar_renders_it_and_the_client_still_reads_no_hosts(cloud):
-    lease(cloud, 2)
+def test_the_wipe_of_a_removed_nodes_disk_does_not_hold_its_host(sim):
+    """What a node leaves on this machine's disk (a stack install: ~50,000 files) is wiped after its server is gone:
+    the host is Nova's again after clean_seconds (Ironic's cleaning), not after this machine's rm -r, which under load
+    outlasted the client's wait for a cleaned host (NoHosts after 60 s)."""
+    first = lease(sim)
+    srv = server(sim, first["reservations"][0]["id"])
+    wiping = threading.Event()
+    sim.nodes.wipe = wiping.wait  # the wipe takes its time
+    sim.delete_lease(first["id"])
+    try:
+        sim.wait_deleted([srv], timeout=10)  # gone (its host free) while its disk is still being wiped
+    finally:
+        wiping.set()
+    assert srv.status == "DELETED"
+
+
+def test_not_enough_hosts_is_a_500_as_blazar_renders_it_and_the_client_still_reads_no_hosts(sim):
+    lease(sim, 2)
     with pytest.raises(ApiError) as e:
-        lease(cloud, 1, name="more")
+        lease(sim, 1, name="more")
     assert e.value.code == 500 and e.value.message == "Not enough hosts available"
 
     class BlazarClientException(Exception):  # python-blazarclient's, as it carries a 500's message and code
@@ -102,50 +118,50 @@ def test_not_enough_hosts_is_a_500_as_blazar_renders_it_and_the_client_still_rea
     assert not isinstance(bare, NoHosts) and "unrestricted" in bare.fix  # a bare 500: the trust, not the hosts
 
 
-def test_an_error_lease_keeps_its_hosts_until_it_is_deleted(cloud):
-    cloud.faults["lease_error"] = 1
-    bad = lease(cloud, 2)
+def test_an_error_lease_keeps_its_hosts_until_it_is_deleted(sim):
+    sim.faults["lease_error"] = 1
+    bad = lease(sim, 2)
     assert bad["status"] == "ERROR"
     with pytest.raises(ApiError, match="Not enough hosts"):
-        lease(cloud, 1, name="next")
-    cloud.delete_lease(bad["id"])
-    assert lease(cloud, 2, name="next")["status"] == "ACTIVE"
+        lease(sim, 1, name="next")
+    sim.delete_lease(bad["id"])
+    assert lease(sim, 2, name="next")["status"] == "ACTIVE"
 
 
-def test_the_portal_refuses_a_lease_the_projects_sus_cannot_pay_and_a_deleted_one_stops_its_charge(cloud):
-    cloud.portal.su_budget = 10.0
-    first = lease(cloud, 2, hours=4)  # 2 hosts x 4 h x su_factor 1: 8 SUs
+def test_the_portal_refuses_a_lease_the_projects_sus_cannot_pay_and_a_deleted_one_stops_its_charge(sim):
+    sim.portal.su_budget = 10.0
+    first = lease(sim, 2, hours=4)  # 2 hosts x 4 h x su_factor 1: 8 SUs
     with pytest.raises(ApiError) as e:
-        lease(cloud, 1, hours=3, name="more", node_type="gpu_local")
+        lease(sim, 1, hours=3, name="more", node_type="gpu_local")
     assert e.value.code == 400 and e.value.name == "ExternalServiceFilterException"
     m = re.fullmatch(rf"Reservation for project {portal.PROJECT} would spend (\S+) SUs, only (\S+) left", e.value.message)
     assert m and float(m[1]) == pytest.approx(3, abs=0.05) and float(m[2]) == pytest.approx(2, abs=0.05)  # "now" has
     refusal = explain_blazar(Exception(e.value.message))  # seconds, the end date whole minutes
     assert isinstance(refusal, NoSUs) and f"only {m[2]} left" in str(refusal) and "PI" in refusal.fix
-    cloud.clock.advance(3600)
-    cloud.delete_lease(first["id"])  # charged for the hour it ran: 2 SUs
-    assert cloud.portal.left() == pytest.approx(8.0, abs=0.01)
-    second = lease(cloud, 1, hours=7, name="long")
-    cloud.clock.advance(6 * 3600 + 120)  # within 48 h of its end: an extension is asked, and charged
+    sim.clock.advance(3600)
+    sim.delete_lease(first["id"])  # charged for the hour it ran: 2 SUs
+    assert sim.portal.left() == pytest.approx(8.0, abs=0.01)
+    second = lease(sim, 1, hours=7, name="long")
+    sim.clock.advance(6 * 3600 + 120)  # within 48 h of its end: an extension is asked, and charged
     with pytest.raises(ApiError, match=r"Reservation update would spend 2\.00 more SUs, only 1\.\d\d left"):
-        cloud.update_lease(second["id"], {"end_date": _at(cloud.leases[second["id"]].end + 7200)})
-    cloud.portal.su_budget = None  # a project whose allocation the portal does not limit
-    cloud.update_lease(second["id"], {"end_date": _at(cloud.leases[second["id"]].end + 7200)})
+        sim.update_lease(second["id"], {"end_date": _at(sim.leases[second["id"]].end + 7200)})
+    sim.portal.su_budget = None  # a project whose allocation the portal does not limit
+    sim.update_lease(second["id"], {"end_date": _at(sim.leases[second["id"]].end + 7200)})
 
 
 def _at(t: float) -> str:
     return f"{dt.datetime.fromtimestamp(t, dt.timezone.utc):%Y-%m-%d %H:%M}"
 
 
-def test_a_lease_nobody_launched_a_server_on_is_reaped_after_its_grace(cloud):
-    idle, used = lease(cloud, 1, hours=24, name="idle"), lease(cloud, 1, hours=24, name="used")
-    server(cloud, used["reservations"][0]["id"])
-    cloud.clock.advance(portal.REAP_AFTER_S - 60)
-    cloud.tick()
-    assert cloud.leases[idle["id"]].status == "ACTIVE"
-    cloud.clock.advance(120)
-    cloud.tick()
-    assert cloud.leases[idle["id"]].status == "DELETED" and cloud.leases[used["id"]].status == "ACTIVE"
+def test_a_lease_nobody_launched_a_server_on_is_reaped_after_its_grace(sim):
+    idle, used = lease(sim, 1, hours=24, name="idle"), lease(sim, 1, hours=24, name="used")
+    server(sim, used["reservations"][0]["id"])
+    sim.clock.advance(portal.REAP_AFTER_S - 60)
+    sim.tick()
+    assert sim.leases[idle["id"]].status == "ACTIVE"
+    sim.clock.advance(120)
+    sim.tick()
+    assert sim.leases[idle["id"]].status == "DELETED" and sim.leases[used["id"]].status == "ACTIVE"
 
 
 def test_a_restricted_application_credential_cannot_make_ec2_credentials(api):  # noqa: F811

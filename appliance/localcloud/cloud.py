@@ -489,6 +489,8 @@ class Cloud:
         finally:
             with self.lock:
                 self._gone(srv)
+        # the disk it leaves is this machine's business, not Ironic's cleaning (clean_seconds models that)
+        self.nodes.wipe()
 
     def _gone(self, srv: Server) -> None:
         """The server is deleted; its node is cleaned for clean_seconds before Nova can use it again."""

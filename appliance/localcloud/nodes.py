@@ -35,7 +35,10 @@ class NodeBackend(ABC):
 
     @abstractmethod
     def remove(self, hostname: str) -> None:
-        ...
+        """Tear the node down; what it wrote may still be wiped by ``wipe``."""
+
+    def wipe(self) -> None:
+        """Delete what removed nodes left (their disks), after their hosts are free again."""
 
     @abstractmethod
     def netns_of(self, hostname: str) -> str:
@@ -75,7 +78,10 @@ class TestbedNodes(NodeBackend):
         return testbed.node_exec(self.name, hostname, script)
 
     def remove(self, hostname: str) -> None:
-        testbed.remove_node(self.name, hostname)
+        testbed.remove_node(self.name, hostname, wipe=False)
+
+    def wipe(self) -> None:
+        testbed.wipe_aside(self.name)
 
     def netns_of(self, hostname: str) -> str:
         tb = testbed.load(self.name)

@@ -7,7 +7,8 @@ address on a bridge the testbed creates. Where namespaces are unavailable (not r
 the testbed falls back to single-host mode: every slot on this machine, no SSH.
 """
 
-from .cloudnodes import add_node, ensure_bridge, ensure_metadata, listen_in_netns, node_exec, remove_node  # noqa: F401
+from .cloudnodes import (add_node, ensure_bridge, ensure_metadata, listen_in_netns, node_exec,  # noqa: F401
+                         remove_node, wipe_aside)
 from .netns import (  # noqa: F401
     Testbed,
     METADATA_IP,

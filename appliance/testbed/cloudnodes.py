@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 from ..errors import ApplianceError
@@ -111,8 +112,10 @@ def add_node(name: str, node_name: str, authorized_keys: str, *, ready_timeout: 
     return node
 
 
-def remove_node(name: str, node_name: str) -> list[str]:
-    """Delete one node: its processes, namespace, link, disk and pinned key."""
+def remove_node(name: str, node_name: str, wipe: bool = True) -> list[str]:
+    """Delete one node: its processes, namespace, link, disk and pinned key. Its disk is moved aside under the
+    testbed's lock and wiped after it (``wipe=False``: left to the caller, ``wipe_aside``), so the wipe of a node
+    that held a stack (~50,000 files) neither holds the lock nor keeps its host from the next server."""
     with _locked(name, wait=120):
         tb = load(name)
         if tb is None:
@@ -121,7 +124,7 @@ def remove_node(name: str, node_name: str) -> list[str]:
         for n in tb.nodes:
             if n.name == node_name:
                 removed += _stop_node(n)
-                shutil.rmtree(n.dir, ignore_errors=True)
+                _set_aside(Path(n.dir))
             else:
                 keep.append(n)
         tb.nodes = keep
@@ -130,7 +133,24 @@ def remove_node(name: str, node_name: str) -> list[str]:
         if kh.exists():
             kh.write_text("".join(line for line in kh.read_text().splitlines(True)
                                   if not line.startswith(f"{node_name},")))
-        return removed
+    if wipe:
+        wipe_aside(name)
+    return removed
+
+
+ASIDE = ".removed-"  # not a node's name (RUN-0, ...): a removed node's disk, waiting to be wiped
+
+
+def _set_aside(d: Path) -> None:
+    if d.exists():
+        d.rename(d.with_name(f"{d.name}{ASIDE}{os.getpid()}-{time.monotonic_ns()}"))
+
+
+def wipe_aside(name: str) -> None:
+    """Delete the disks of removed nodes of testbed ``name`` (moved aside by ``remove_node``)."""
+    tb = load(name)
+    for d in (Path(tb.base).glob(f"*{ASIDE}*") if tb is not None else ()):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def node_exec(name: str, node_name: str, script: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
