@@ -446,8 +446,8 @@ def test_the_warm_handover_books_an_alternative_when_the_first_choice_is_busy_th
     from fakes import no_nodes
 
     site = FakeSite()
-    spec = spec_of(tmp_path, "mw", lease="lease: {duration: 2h, overlap: 30m}\nnodes: {count: 2, node_type: "
-                                        "compute_local, alternatives: [gpu_local]}\n")
+    spec = spec_of(tmp_path, "mw", lease="lease: {duration: 2h, overlap: 30m, book_ahead: 2h}\nnodes: {count: 2, "
+                                        "node_type: compute_local, alternatives: [gpu_local]}\n")
     mk = functools.partial(lifecycle.up, finish_nodes=no_nodes)
     current = mk(site, spec)
     c = site.cloud

@@ -106,7 +106,8 @@ def test_a_second_run_of_the_project_on_the_node_type_counts_and_is_reported(tmp
     others = [("other-1122334455", -1, 6, 3), ("other_h-1122334456", 5.5, 12.5, 3), ("pl-1122334457", -1, 6, 3)]
     p = _plan(tmp_path, "{duration: 7d}", hosts=(12, 1.0), others=others)
     n = p["notifier"]
-    assert p["notifier_coverage"] == pytest.approx(20 / 22, abs=1e-3) and n["own_coverage"] == pytest.approx(1 / 3, abs=1e-3)
+    assert p["notifier_coverage"] == pytest.approx(20 / 22, abs=1e-3)
+    assert n["own_coverage"] == pytest.approx(1 / 3, abs=1e-3)
     assert n["other_leases"] == 2 and n["stacking_reported"]["at"] == "the run's start"
     assert n["hogging_reported"] == {"at": "the run's start", "reserved": 9, "hosts": 12}
     assert {f["rule"] for f in p["findings"]} == {"stacking", "notifier stacking", "hogging"}
@@ -180,3 +181,97 @@ def test_a_leases_node_type_and_hosts_are_read_from_its_host_reservation():
     assert lease('["and", ["=", "$gpu.gpu_count", "2"], ["==", "$node_type", "gpu_a100"]]').node_type == "gpu_a100"
     assert lease('["=", "$uid", "c9f98cc9"]').node_type is None and lease("not json").node_type is None
     assert lease("", mx="many").hosts == 0
+
+
+# -- the run books as its plan says: the warm successor lease.book_ahead before its start -------------------------
+
+
+def _warm(tmp_path, name, lease):
+    import functools
+
+    from appliance.flows.handover import Warm
+    from appliance.provision import lifecycle
+    from fakes import no_nodes
+
+    site = FakeSite()
+    spec = spec_of(tmp_path, name, lease=f"lease: {lease}\n")
+    up = functools.partial(lifecycle.up, finish_nodes=no_nodes)
+    current = up(site, spec)
+    said = []
+    w = Warm(flows.RunContext(spec, site), current, lambda ev, **kw: said.append(ev), None, 0.001, up=up)
+    return site, spec, current, w, said
+
+
+def _until(cond, n=20_000):
+    import time
+
+    for _ in range(n):
+        if cond():
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def test_the_next_lease_is_booked_when_the_plan_says_not_as_the_job_starts(tmp_path):
+    """2 h leases, overlap 30m, book_ahead 1h: the plan books lease 2 at 0:30 (its start, 1:30, less 1 h); the run
+    booked it as the job started (the portal charged both leases whole from then; the notifier counted both)."""
+    from appliance.provision import lifecycle
+
+    site, spec, current, w, said = _warm(tmp_path, "pc", "{duration: 2h, overlap: 30m}")
+    printed = plan.make(flows.RunContext(spec, site), "3h")
+    c, t0 = site.cloud, site.cloud.clock
+    assert printed["leases"][1]["booked"] == f"{t0 + dt.timedelta(minutes=30):%Y-%m-%d %H:%M}"
+    w.start()
+    try:
+        assert _until(lambda: len(c.verbs("get_lease")) > 5)  # it reads the current lease as it waits
+        c.clock = t0 + dt.timedelta(minutes=29)
+        assert _until(lambda: len(c.verbs("get_lease")) > 10)
+        assert len(c.leases) == 1 and said == []  # a minute before: nothing booked
+        c.clock = t0 + dt.timedelta(minutes=30)
+        assert _until(lambda: len(c.leases) == 2)
+        (nxt,) = [x for x in c.leases.values() if x.id != current.lease_id]
+        assert (f"{nxt.start:%Y-%m-%d %H:%M}", f"{nxt.end:%Y-%m-%d %H:%M}") == \
+            (printed["leases"][1]["start"], printed["leases"][1]["end"])
+        assert _until(lambda: said) and said == ["next lease"]  # on the timeline once booked
+    finally:
+        w.abandon()
+    lifecycle.down("pc", site=site)
+
+
+def test_a_job_that_stops_before_the_booking_moment_has_its_next_lease_booked_then(tmp_path):
+    """book_ahead 5m: due 35 min before the end; the job stopped 50 min before it (its stop margin grows with its
+    commits): the next lease starts in 20 min, within overlap + stop_margin, so the handover books it now and
+    waits for it rather than going cold."""
+    import threading
+
+    from appliance.provision import lifecycle
+
+    site, spec, current, w, said = _warm(tmp_path, "pd", "{duration: 2h, overlap: 30m, book_ahead: 5m}")
+    c = site.cloud
+    c.clock = current.lease_end_at - dt.timedelta(minutes=50)
+    w.start()
+    assert _until(lambda: len(c.verbs("get_lease")) > 5) and len(c.leases) == 1
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("cl", w.ready()), daemon=True)
+    t.start()
+    assert _until(lambda: len(c.leases) == 2)  # the clock stood still: booked because the handover came
+    (nxt,) = [x for x in c.leases.values() if x.id != current.lease_id]
+    assert nxt.start == current.lease_end_at - dt.timedelta(minutes=30)
+    c.clock = nxt.start
+    t.join(10)
+    assert got["cl"] is not None and got["cl"].lease_id == nxt.id and said == ["next lease", "next cluster ready"]
+    w.abandon()
+    lifecycle.down("pd", site=site)
+
+
+def test_when_the_current_lease_goes_before_the_booking_moment_nothing_is_booked_and_the_handover_is_cold(tmp_path):
+    from appliance.provision import lifecycle
+
+    site, spec, current, w, said = _warm(tmp_path, "pe", "{duration: 2h, overlap: 30m}")
+    c = site.cloud
+    w.start()
+    assert _until(lambda: len(c.verbs("get_lease")) > 3)
+    c.delete_lease(current.lease_id)  # Horizon, `appliance lease delete`: the job ends as at its lease end
+    assert w.ready() is None and not c.verbs("create_lease")[1:]
+    assert said[-1] in ("next cluster failed", "next lease abandoned")
+    lifecycle.down("pe", site=site)

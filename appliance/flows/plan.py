@@ -363,6 +363,6 @@ def _notifier_lines(p: dict) -> list[str]:
            f"; at most {n['reserved']} hosts reserved at once (not checked: {p['node_type']} "
            + ("not in `lease.hogging_node_types`)" if n["hosts"] is not None and n["hosts"] > notifier.HOG_MIN_NODES
               else "has at most 4 hosts, or an unknown number)"))
-    return [f"  Chameleon's notifier (hammers lease_stack_notifier.py) at the run's worst moment: {p['notifier_coverage']:.0%}"
-            f" of its 21-day window covered (at {n['coverage_at']}; it reports >= 90%){own}{hog}",
-            f"  {others}"]
+    return [f"  Chameleon's notifier (hammers lease_stack_notifier.py) at the run's worst moment: "
+            f"{p['notifier_coverage']:.0%} of its 21-day window covered (at {n['coverage_at']}; it reports >= 90%)"
+            f"{own}{hog}", f"  {others}"]
