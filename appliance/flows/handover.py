@@ -4,9 +4,9 @@ and once it starts its cluster is brought up (servers booted, SSH, contextualize
 booked ``lease.book_ahead`` before its start, not as the job starts: Chameleon's portal charges a lease's whole
 window when Blazar makes it, and its notifier counts every host of a lease that ends within 21 days, so a lease
 booked days ahead holds twice the run's SUs and hosts for days (plan.py). The later, the more risk that its hosts
-are taken first (then nodes.alternatives, else a cold handover). At the
-lease end the job stops with a checkpoint as always; then only that checkpoint is staged on the waiting cluster and
-the job starts there: the boot is not in the downtime. The old cluster goes meanwhile.
+are taken first (then nodes.alternatives, else a cold handover). At the lease end the job stops with a checkpoint
+as always; then only that checkpoint is staged on the waiting cluster and the job starts there: the boot is not in
+the downtime. The old cluster goes meanwhile.
 
 When Blazar refuses the booking (the hosts are taken then: NotEnoughHostsAvailable) or the next cluster fails, the
 handover is cold (a new lease at the end, today's resume), and whatever was made for it goes. The two clusters of a
