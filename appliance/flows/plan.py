@@ -255,8 +255,7 @@ def make(ctx, run_for: str | None = None) -> dict:
                            if not k.startswith("peak")},
                         "hosts": hosts, "other_leases": len(facts["others"]), "untold_leases": facts["untold"],
                         "others_from": "assumed none" if facts.get("assumed") else "GET /leases"},
-           "findings": []}
-    out["findings"] = findings(spec, planned, seen, hosts, len(facts["others"]))
+           "findings": findings(spec, planned, seen, hosts, len(facts["others"]))}
     return out
 
 
