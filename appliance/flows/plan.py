@@ -157,8 +157,9 @@ def judge(planned: list[Planned], others: list[Seen], site_hosts: int | None, na
     """The notifier's figures at the run's worst moments (notifier.py), on its leases held then plus the project's
     ``others`` (each counted while it has not ended), and the most node-hours the run holds charged at once."""
     nt = planned[0].node_type
-    out = {"coverage": 0.0, "coverage_at": None, "own_coverage": 0.0, "reserved": 0, "reserved_at": None,
-           "stacking_reported": None, "hogging_reported": None, "peak_node_hours": 0.0, "peak_at": None,
+    none = "no moment (no lease held)"
+    out = {"coverage": 0.0, "coverage_at": none, "own_coverage": 0.0, "reserved": 0, "reserved_at": none,
+           "stacking_reported": None, "hogging_reported": None, "peak_node_hours": 0.0, "peak_at": none,
            "peak_leases": 0}
     for t, what, held in moments(planned):
         own = [s for s, _ in held]
