@@ -37,6 +37,7 @@ NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,38}")  # used with fullmatch: `$` would 
 DURATION_RE = re.compile(r"(\d{1,9})([smhd])")
 MAX_DURATION_S = 366 * 86400  # no lease or margin is longer than a year (Chameleon's cap is 7 days)
 MAX_NODES, MAX_SLOTS = 1024, 64
+BOOK_AHEAD_MIN_S = 300  # lease.book_ahead's least
 URL_RE = re.compile(r"(swift|s3)://[A-Za-z0-9][A-Za-z0-9._-]{0,254}(/[^\x00-\x1f]*)?|file:///[^\x00-\x1f]*")
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")  # a POSIX shell's variable name (fullmatch)
 DEST_PART_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # no hidden directories, no `.` or `..`
@@ -72,6 +73,12 @@ class Lease:
     wait: str = "1d"  # `appliance run`: the longest wait for free hosts at a lease end before the run parks
     keep_when_done: bool = False  # `appliance run`: keep the cluster and its lease once the run has finished
     exemption: str | None = None  # `appliance run`: the Chameleon help-desk ticket that allows its consecutive leases
+    # `appliance run` with overlap: the next lease is booked this long before it starts, not at the job's start (the
+    # later, the fewer SUs charged and hosts held at once; the earlier, the less risk its hosts are taken first)
+    book_ahead: str = "1h"
+    # `appliance run --plan`: the node types Chameleon's hogging check covers (its notifier's high_end_node_types);
+    # empty: every node type, as in its published config
+    hogging_node_types: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -349,6 +356,9 @@ def _semantic_checks(spec: Spec) -> None:
                         "not be ready by then", "give e.g. overlap: 30m (a bare-metal boot takes 10-20 minutes), or 0s")
     if overlap >= _check_duration(spec.lease.duration, "lease.duration"):
         raise SpecError(f"lease.overlap: {spec.lease.overlap} is not shorter than lease.duration", "give e.g. 30m")
+    if _check_duration(spec.lease.book_ahead, "lease.book_ahead") < BOOK_AHEAD_MIN_S:
+        raise SpecError(f"lease.book_ahead: {spec.lease.book_ahead} is shorter than 5m: Blazar takes whole minutes, "
+                        "and the controller needs the time to try nodes.alternatives", "give e.g. book_ahead: 1h")
     nh = spec.limits.node_hours
     if nh is not None and not (math.isfinite(nh) and nh > 0):
         raise SpecError(f"limits.node_hours: must be a positive number, got {nh}", "give e.g. node_hours: 500, or "

@@ -105,7 +105,8 @@ class FakeCloud:
         lid = self._id("lease")
         begin = start or self.clock
         self.leases[lid] = LeaseInfo(lid, name, "PENDING" if begin > self.clock else "ACTIVE", begin, begin + duration,
-                                     self._id("res"), self._id("fipres") if floating_ip else None, False)
+                                     self._id("res"), self._id("fipres") if floating_ip else None, False,
+                                     node_type=node_type, hosts=count)
         return self.leases[lid]
 
     @_effect

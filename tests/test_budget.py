@@ -180,7 +180,7 @@ def test_with_no_room_in_the_limits_the_warm_books_no_next_lease(tmp_path):
     from fakes import no_nodes
 
     site = FakeSite()
-    spec = spec_of(tmp_path, "bx", lease="lease: {duration: 2h, overlap: 30m}\n")
+    spec = spec_of(tmp_path, "bx", lease="lease: {duration: 2h, overlap: 30m, book_ahead: 2h}\n")  # at once
     up = functools.partial(lifecycle.up, finish_nodes=no_nodes)
     current = up(site, spec)
     events = []

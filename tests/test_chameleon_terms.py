@@ -462,8 +462,8 @@ def test_the_warm_handover_books_an_alternative_when_the_first_choice_is_busy_th
     from fakes import no_nodes
 
     site = FakeSite()
-    spec = spec_of(tmp_path, "mw", lease="lease: {duration: 2h, overlap: 30m}\nnodes: {count: 2, node_type: "
-                                        "compute_local, alternatives: [gpu_local]}\n")
+    spec = spec_of(tmp_path, "mw", lease="lease: {duration: 2h, overlap: 30m, book_ahead: 2h}\nnodes: {count: 2, "
+                                        "node_type: compute_local, alternatives: [gpu_local]}\n")
     mk = functools.partial(lifecycle.up, finish_nodes=no_nodes)
     current = mk(site, spec)
     c = site.cloud
@@ -482,49 +482,6 @@ def test_the_warm_handover_books_an_alternative_when_the_first_choice_is_busy_th
     assert dict(said)["next lease"]["node_type"] == "gpu_local"
     w.abandon()
     lifecycle.down("mw", site=site)
-
-
-# -- the plan (appliance run --plan) -----------------------------------------------------------------------------------
-
-
-def _plan(tmp_path, lease: str, node_type="gpu_local", count=2, run_for="30d", hosts=(8, 2.0)):
-    from appliance import flows
-    from appliance.flows import plan
-
-    site = FakeSite()
-    site.cloud.hosts[node_type] = hosts
-    spec = spec_of(tmp_path, "pl", nodes=count, lease=f"lease: {lease}\nnodes: {{count: {count}, node_type: "
-                                                       f"{node_type}}}\n")
-    return plan.make(flows.RunContext(spec, site), run_for)
-
-
-def test_a_30_day_run_of_one_node_type_on_successor_leases_is_flagged_as_lease_stacking(tmp_path):
-    from appliance.flows.plan import lines
-
-    p = _plan(tmp_path, "{duration: 7d}")
-    assert len(p["leases"]) == 5 and p["path"] == "successor leases"  # 7 d each, back to back, past 30 days
-    assert p["node_hours"] == 5 * 7 * 24 * 2 and p["sus"] == 2 * p["node_hours"]  # su_factor 2 from the hosts
-    (stack,) = [f for f in p["findings"] if f["rule"] == "stacking"]
-    assert not stack["ok"] and "lease.extend: true" in stack["line"] and "lease.exemption" in stack["line"]
-    assert p["notifier_coverage"] < 0.9  # one lease ahead at most: the notifier's look alone would not report it
-    said = lines(p)
-    assert said[0].startswith("plan of run pl: 2 x gpu_local at CHI@fake") and any(x.startswith("  policy: 5 consecutive")
-                                                                       for x in said)
-
-
-def test_the_extension_path_and_an_exemption_keep_to_the_policy(tmp_path):
-    p = _plan(tmp_path, "{duration: 7d, extend: true}")
-    assert p["path"] == "extend" and len(p["leases"]) == 1 and p["leases"][0]["extensions"] == 4
-    assert not p["findings"]
-    p = _plan(tmp_path, "{duration: 7d, exemption: 'CHI ticket 12345'}")
-    assert [f["ok"] for f in p["findings"]] == [True] and "CHI ticket 12345" in p["findings"][0]["line"]
-
-
-def test_holding_more_than_half_of_a_high_end_node_type_is_flagged(tmp_path):
-    p = _plan(tmp_path, "{duration: 2d, overlap: 30m}", count=3, run_for="2d", hosts=(10, 1.0))
-    assert [f["rule"] for f in p["findings"]] == ["hogging"] and "6 of the 10" in p["findings"][0]["line"]
-    assert not _plan(tmp_path, "{duration: 2d}", count=3, run_for="2d", hosts=(10, 1.0))["findings"]
-    assert not _plan(tmp_path, "{duration: 2d, overlap: 30m}", count=3, run_for="2d", hosts=(4, 1.0))["findings"]
 
 
 # -- the run's leases asked for, in the store (issue 60 item 3) --------------------------------------------------------

@@ -41,7 +41,7 @@ def away_run(tmp_path, monkeypatch):
         monkeypatch.setattr(managed, "_has_committed_work", lambda ctx: False)
         monkeypatch.setattr(flows.steps, "run_job", job)
         monkeypatch.setattr(lifecycle, "up", up)
-        monkeypatch.setattr(recovery, "reconcile", lambda ctx, control: [])
+        monkeypatch.setattr(recovery, "reconcile", lambda ctx, control, ledger=None: [])
         res = flows.run_managed(str(spec))
         state = json.loads((tmp_path / "ck" / name / "controller" / "state.json").read_text())
         return res, state, ups

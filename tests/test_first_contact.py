@@ -153,6 +153,7 @@ def test_run_plan_of_the_chameleon_example_needs_no_credential(no_credentials):
     assert lines[2].startswith("  table: 37 gpu_rtx_6000 hosts (the nodes the reference-repository lists at CHI@UC), "
                                "1 x Quadro RTX 6000 per node; su_factor 1 (assumed: not public;"), lines[2]
     assert "  total: 30 lease(s), 1440 node-hours, 1440 SUs (su_factor 1 of gpu_rtx_6000, 37 hosts at the site)" in out
+    assert "  the project's other leases not read (the site was not asked): none assumed" in out
     code, out, err = _cli("run", spec, "--plan", "--for", "30d", "--json")
     p = json.loads(out)
     assert code == 0 and p["source"] == "table" and p["assumed"]["date"] == TABLE_DATE and len(p["leases"]) == 30
@@ -174,6 +175,9 @@ def test_run_plan_with_a_credential_that_works_asks_the_site(no_credentials, mon
 
         def region_name(self):
             return "CHI@UC"
+
+        def list_leases(self):  # the project's leases (GET /leases): none of the node type
+            return []
 
     monkeypatch.setattr(ChameleonSite, "connect", lambda self: Blazar())
     spec = str(Path(__file__).resolve().parents[1] / "examples" / "chameleon.yaml")

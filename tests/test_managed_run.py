@@ -325,7 +325,7 @@ def _warm_site(tmp_path, overlap="30m", name="mh"):
     from test_fake_site import spec_of
 
     site = FakeSite()
-    spec = spec_of(tmp_path, name, lease=f"lease: {{duration: 2h, overlap: {overlap}}}\n")
+    spec = spec_of(tmp_path, name, lease=f"lease: {{duration: 2h, overlap: {overlap}, book_ahead: 2h}}\n")  # at once
     return site, spec
 
 

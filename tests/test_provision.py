@@ -308,7 +308,7 @@ def test_run_plan_of_a_30_day_run_flags_lease_stacking_and_books_nothing(cloud, 
     assert len(p["leases"]) == 5 and p["hosts_of_node_type"] == 4 and p["su_factor"] == 1.0
     assert [f["rule"] for f in p["findings"] if not f["ok"]] == ["stacking"]
     r = subprocess.run(cli, capture_output=True, text=True)
-    assert r.returncode == 0 and "policy: 5 consecutive leases of compute_local over 35 days" in r.stdout
+    assert r.returncode == 0 and "policy: 5 consecutive leases of compute_local over 30 days" in r.stdout
     # `appliance check --online` says the same before anything is paid for (one lease.duration: no --for there)
     with open(spec, "a") as f:
         f.write(f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")

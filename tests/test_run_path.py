@@ -107,7 +107,7 @@ def warm_run(tmp_path, monkeypatch):
         site = FakeSite()
         spec = flows.check(str(write_spec(tmp_path, "python x.py", code=tmp_path, name=name,
                                           extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n"
-                                                "lease: {duration: 2h, overlap: 30m}\n")))
+                                                "lease: {duration: 2h, overlap: 30m, book_ahead: 2h}\n")))  # at once
         current = lifecycle.up(site, spec, finish_nodes=no_nodes)
         monkeypatch.setattr(flows.steps.RunContext, "of", classmethod(lambda cls, s: cls(s, site)))
         monkeypatch.setenv("APPLIANCE_CONTROLLER_POLL", "0.05")

@@ -88,6 +88,7 @@ def test_defaults_fill_in():
     ({**GOOD, "lease": {"overlap": "5m"}}, "lease.overlap", "not longer than lease.stop_margin"),
     ({**GOOD, "lease": {"overlap": "4h"}}, "lease.overlap", "not shorter than lease.duration"),
     ({**GOOD, "lease": {"overlap": "half an hour"}}, "lease.overlap", "not a duration"),
+    ({**GOOD, "lease": {"book_ahead": "1m"}}, "lease.book_ahead", "shorter than 5m"),
     ({**GOOD, "notify": "http://hooks.example.org/T0/secret"}, "notify", "in the clear"),
     ({**GOOD, "nodes": {"alternatives": "gpu_rtx_6000"}}, "nodes.alternatives", "a list of node types"),
     ({**GOOD, "nodes": {"alternatives": [{"site": "CHI@TACC"}]}}, "nodes.alternatives[0].node_type",

@@ -33,8 +33,11 @@ def _at(text: str) -> dt.datetime:
 
 class Ledger:
     """The leases a run holds or held: ``leases`` maps a lease id to {nodes, node_type, start, end, closed,
-    closed_at} (dates in the cloud's UTC, ISO; ``end`` as Blazar had it, ``closed_at`` when the run saw it gone),
-    the controller's state["leases"] (kept in the store with the timeline)."""
+    closed_at} (dates in the cloud's UTC, ISO; ``end`` as Blazar had it, ``closed_at`` when the run deleted it or
+    saw it gone; start and end None while a lease held is not read yet), the controller's state["leases"] (kept in
+    the store with the timeline). Every lease the run asks for (leases.Asked, once Blazar made it), finds by its
+    name (leases.reconcile, deleted or kept) or adopts (its cluster's lease: `appliance up` made it, or an earlier
+    controller) is on it from its start to its deletion."""
 
     def __init__(self, leases: dict):
         self.leases = leases
@@ -45,16 +48,35 @@ class Ledger:
             return {k: dict(v) for k, v in self.leases.items()}
 
     def track(self, info, nodes: int, node_type: str, site: str | None = None) -> None:
-        """A lease of the run (a LeaseInfo), from now on counted; ``site``: its site when not the run's own."""
+        """A lease of the run (a LeaseInfo), from now on counted with Blazar's dates; ``site``: its site when not
+        the run's own. Tracked again, its dates are Blazar's now; one closed stays closed."""
         with self._mu:
-            self.leases[info.id] = {"nodes": int(nodes), "node_type": node_type, "start": _iso(info.start),
-                                    "end": _iso(info.end), "closed": False, "closed_at": None,
-                                    **({"site": site} if site else {})}
+            e = self.leases.setdefault(info.id, {"closed": False, "closed_at": None})
+            e.update(nodes=int(nodes), node_type=node_type, start=_iso(info.start), end=_iso(info.end),
+                     **({"site": site} if site else {}))
+
+    def hold(self, lease_id: str, nodes: int, node_type: str, site: str | None = None) -> None:
+        """A lease the run uses whose dates are not read yet (a lease it adopts: `appliance up` made it, or an
+        earlier controller): on the ledger now, its dates from the next ``refresh``, so a failed read cannot leave
+        it off."""
+        with self._mu:
+            if lease_id not in self.leases:
+                self.leases[lease_id] = {"nodes": int(nodes), "node_type": node_type, "start": None, "end": None,
+                                         "closed": False, "closed_at": None, **({"site": site} if site else {})}
+
+    def close(self, lease_id: str, at: dt.datetime) -> None:
+        """The run deleted the lease at ``at`` (the cloud's clock): counted to then."""
+        with self._mu:
+            e = self.leases.get(lease_id)
+            if e is not None and not e["closed"]:
+                start = _at(e["start"]) if e.get("start") else at
+                e["closed"], e["closed_at"] = True, _iso(max(at, start))
 
     def refresh(self, cloud_at, now: dt.datetime) -> None:
-        """Each open lease's dates as Blazar has them now (an extension moves its end); one that has gone is
-        closed, counted to now at most (the first look after its deletion: the controller deletes its leases
-        itself, and looks again right after). ``cloud_at(site)``: the client of a lease's site (None: the run's)."""
+        """Each open lease's dates as Blazar has them now (an extension moves its end; one held gets its dates);
+        one that has gone is closed, counted to now at most (the first look after its deletion: the controller
+        deletes its leases itself, and looks again right after). ``cloud_at(site)``: the client of a lease's site
+        (None: the run's)."""
         with self._mu:
             open_ = [(lid, e.get("site")) for lid, e in self.leases.items() if not e["closed"]]
         seen = {lid: cloud_at(site).get_lease(lid) for lid, site in open_}  # not under the lock: the cloud is slow
@@ -62,7 +84,8 @@ class Ledger:
             for lid, info in seen.items():
                 e = self.leases[lid]
                 if info is None or info.unusable:
-                    e["closed"], e["closed_at"] = True, _iso(max(now, _at(e["start"])))
+                    start = _at(e["start"]) if e.get("start") else now
+                    e["closed"], e["closed_at"] = True, _iso(max(now, start))
                 else:
                     e["start"], e["end"] = _iso(info.start), _iso(info.end)
 
@@ -70,6 +93,8 @@ class Ledger:
         """(spent, booked ahead): node-hours of the leases' time before now, and of their time still to come."""
         spent = ahead = 0.0
         for e in self.copy().values():
+            if not e.get("start"):  # held, its dates not read yet: counted from the next refresh
+                continue
             start, end, n = _at(e["start"]), _at(e["end"]), e["nodes"]
             until = min(end, _at(e["closed_at"])) if e.get("closed_at") else min(end, now)
             spent += max(0.0, (until - start).total_seconds()) * n / 3600
@@ -102,7 +127,7 @@ class Budget:
         if limit is not None:
             spent, ahead = self.ledger.node_hours(now)
             e = self.ledger.copy().get(holding or "")
-            if e is not None and not e["closed"]:
+            if e is not None and not e["closed"] and e.get("start"):
                 ahead -= max(0.0, (_at(e["end"]) - max(_at(e["start"]), now)).total_seconds()) * e["nodes"] / 3600
             left_s = (limit - spent - ahead) * 3600 / n
             if left_s < length:

@@ -1,8 +1,12 @@
 """The warm handover of a managed run (issue 52 item 3): while the job trains on the current lease, the next lease is
 booked to start ``lease.overlap`` before the current one ends (an advance reservation, same node type and count),
-and once it starts its cluster is brought up (servers booted, SSH, contextualized) and the dataset staged. At the
-lease end the job stops with a checkpoint as always; then only that checkpoint is staged on the waiting cluster and
-the job starts there: the boot is not in the downtime. The old cluster goes meanwhile.
+and once it starts its cluster is brought up (servers booted, SSH, contextualized) and the dataset staged. It is
+booked ``lease.book_ahead`` before its start, not as the job starts: Chameleon's portal charges a lease's whole
+window when Blazar makes it, and its notifier counts every host of a lease that ends within 21 days, so a lease
+booked days ahead holds twice the run's SUs and hosts for days (plan.py). The later, the more risk that its hosts
+are taken first (then nodes.alternatives, else a cold handover). At the lease end the job stops with a checkpoint
+as always; then only that checkpoint is staged on the waiting cluster and the job starts there: the boot is not in
+the downtime. The old cluster goes meanwhile.
 
 When Blazar refuses the booking (the hosts are taken then: NotEnoughHostsAvailable) or the next cluster fails, the
 handover is cold (a new lease at the end, today's resume), and whatever was made for it goes. The two clusters of a
@@ -27,6 +31,7 @@ from ..cluster import Cluster, find_cluster
 from ..errors import ApplianceError, NoHosts
 from ..provision import lifecycle
 from ..sites.lease import Lease
+from ..sites.openstack_api import EXTENSION_WINDOW
 from ..spec import duration_seconds
 
 log = report.get(__name__)
@@ -85,8 +90,10 @@ class Warm:
         self.choice = None  # the Alternative its lease was booked for (the spec's own node type first)
         self.phases: dict[str, float] = {}
         self.booked: tuple[str, object] | None = None  # the next lease booked: (its id, its site)
-        self.extending = False  # waiting to extend the current lease first (lease.extend): nothing booked yet
+        self.waiting = False  # waiting for the moment to book (lease.book_ahead; with lease.extend, to extend first)
         self._stop = threading.Event()
+        self._hurry = threading.Event()  # the handover came before that moment: book now
+        self._nudge = threading.Event()  # wakes that wait: stopped, or hurried
         self._done = threading.Event()  # _make has ended: the cluster made, or not
         self._wake = self._done  # set with it: what ready() waits on (a cancel sets the run's)
         self._thread = threading.Thread(target=self._make, name="appliance-next-cluster", daemon=True)
@@ -107,8 +114,11 @@ class Warm:
         try:
             if find_cluster(self.name) is not None:  # left by a controller that was killed: it goes, then afresh
                 lifecycle.down(self.name, self.ctx.site_of(self.name))
-            if spec.lease.extend and self.plan is not None and not self._extend():
-                return  # stopped while it waited to extend
+            if spec.lease.extend and self.plan is not None:
+                if not self._extend():
+                    return  # stopped while it waited to extend
+            elif not self._due():
+                return  # stopped while it waited to book
             start = self._start_date()
             if self.plan is not None:
                 length, why = self.plan.lease_length(start)
@@ -165,44 +175,69 @@ class Warm:
         raise NoHosts(f"none of {', '.join(map(label, choices))} has {spec.nodes.count} hosts free for the next "
                       "lease")
 
-    def _extend(self) -> bool:
-        """lease.extend: the current lease is extended first, shortly before the next lease would be booked (an
-        extension needs no second cluster and no handover); each extension moves the end, and the next try waits
-        for it. Refused (Blazar: the hosts are reserved after the end, outside the 48 h window, the 7-day cap; or
-        the run's limits), the next lease is booked. False: stopped meanwhile."""
+    def _ahead(self, site) -> dt.timedelta:
+        """How long before the current lease's end the next lease is booked (with lease.extend, the current one
+        extended first): lease.overlap + lease.book_ahead, the latter at least 5 minutes and two polls (Blazar takes
+        whole minutes and refuses a start in the past; the controller needs two polls to see the moment)."""
+        lease = self.spec.lease
+        return dt.timedelta(seconds=duration_seconds(lease.overlap) + max(
+            float(duration_seconds(lease.book_ahead)), 300.0, 2 * self.poll * site.time_scale()))
+
+    def _due(self, ahead: dt.timedelta | None = None) -> bool:
+        """Waits until ``ahead`` (default _ahead) before the current lease's end by the cloud's clock, reading the
+        lease as it goes (an extension moves the end; a lease gone early raises: the handover is cold) at half the
+        time left at a time, within 1 and 20 polls (days of a lease, few reads; a read that fails is asked again at
+        the next). True: due, or hurried (the handover has come); False: stopped meanwhile."""
         site, lid = self.ctx.lease_site(self.current) or self.ctx.site, self.current.lease_id
-        # tried this long before the next lease's start: time to book it ahead once refused (Blazar takes whole
-        # minutes and refuses a start in the past), and two polls for the controller to see the moment
-        ahead = dt.timedelta(seconds=duration_seconds(self.spec.lease.overlap)
-                             + max(300.0, 2 * self.poll * site.time_scale()))
+        ahead = ahead or self._ahead(site)
         while not self._stop.is_set():
-            info = Lease(site.cloud, lid).info()
-            if info is None or info.unusable:
+            try:
+                info, now = site.cloud.lease_at(lid)
+            except Exception as e:  # noqa: BLE001 - the cloud did not answer: the last end stands, asked again
+                log.info(f"[run] warning: could not read lease {lid} ({type(e).__name__}: {e}); asking again")
+                info, now = None, None
+            if now is not None and (info is None or info.unusable):
                 raise ApplianceError(f"the current lease {lid} is {info.status if info else 'gone'}")
-            self.end = info.end
-            early = (info.end - ahead - site.cloud.now()).total_seconds() / site.time_scale()  # real seconds
-            if early > 0:  # half the time left at a time, within 1 and 20 polls: days of a lease, few reads
-                self.extending = True
-                self._stop.wait(min(max(early / 2, self.poll), 20 * self.poll))
-                continue
-            self.extending = False
+            if info is not None:
+                self.end = info.end
+            early = (self.end - ahead - now).total_seconds() / site.time_scale() if now is not None else self.poll
+            if early <= 0 or self._hurry.is_set():
+                self.waiting = False
+                return True
+            self.waiting = True
+            self._nudge.wait(min(max(early / 2, self.poll), 20 * self.poll))
+            self._nudge.clear()
+        return False
+
+    def _extend(self) -> bool:
+        """lease.extend: the current lease is extended first, when the next lease would be booked (an extension
+        needs no second cluster and no handover; within Chameleon's 48 h window); each extension moves the end, and
+        the next try waits for it. Refused (Blazar: the hosts are reserved after the end, outside the 48 h window,
+        the 7-day cap; or the run's limits), the next lease is booked. False: stopped meanwhile."""
+        site, lid = self.ctx.lease_site(self.current) or self.ctx.site, self.current.lease_id
+        ahead = min(self._ahead(site), EXTENSION_WINDOW - dt.timedelta(minutes=1))
+        while self._due(ahead):
+            if self._hurry.is_set():  # the handover has come: the next lease now, not an extension
+                return True
             new, why = Lease(site.cloud, lid).extend(  # by the spec's duration, at most the run's limits allow
-                dt.timedelta(seconds=duration_seconds(self.spec.lease.duration)), info.end,
+                dt.timedelta(seconds=duration_seconds(self.spec.lease.duration)), self.end,
                 functools.partial(self.plan.extend_by, warm=True))
             if new is None:
                 self.record("extend refused", lease_id=lid, reason=why[:300])
                 log.info(f"[run] lease {lid} was not extended ({why}): the next lease is booked")
                 return True
+            self.end = new.end
             self.record("lease extended", lease_id=lid, end=new.end.isoformat() + "Z")
             log.info(f"[run] extended lease {lid} to {new.end:%Y-%m-%d %H:%M} UTC")
         return False
 
     def ready(self, control=None) -> Cluster | None:
         """The next cluster once it is made, or None: the handover is cold. It is waited for (its boot is shorter
-        than a cold one from now) only while its lease starts soon (`far`); a lease that starts later (the current
-        one went early: deleted in Horizon, `appliance lease delete`), or none booked yet, is not waited for: the
-        booking goes at once. ``control``: the run's controller: a cancel (its ``changed`` event) ends the wait
-        at once, and the booking goes."""
+        than a cold one from now) only while its lease starts soon (`far`); one not booked yet whose start is near
+        is booked now (the job stopped before lease.book_ahead came); a lease that starts later (the current one
+        went early: deleted in Horizon, `appliance lease delete`) is not waited for: the booking goes at once.
+        ``control``: the run's controller: a cancel (its ``changed`` event) ends the wait at once, and the booking
+        goes."""
         wake = self._wake = control.changed if control is not None else self._done
         while not self._done.is_set():
             if control is not None and (control.cancel is not None or control.lost):
@@ -213,6 +248,9 @@ class Warm:
                 log.info(f"[run] {why}: not waited for; its booking goes, and the run goes on on a new lease now")
                 self.abandon()
                 return None
+            if self.waiting:  # not booked yet, its start near: now
+                self._hurry.set()
+                self._nudge.set()
             wake.wait(self.poll)  # the next look at the lease's start, or at once: made, failed, or a cancel
             if wake is not self._done:
                 wake.clear()
@@ -223,29 +261,35 @@ class Warm:
         lease.overlap + lease.stop_margin of now (of real time, by the cloud's clock): at a lease end the job stopped
         for, it starts at most lease.stop_margin ahead (the job stops stop_margin before the end, the next lease
         starts overlap before it), and once started its cluster boots meanwhile; a cloud that cannot tell is waited
-        for."""
-        if self.extending:
-            return "the next lease is not booked yet (lease.extend: the current lease was to be extended first)"
-        if self.booked is None:  # being booked now
+        for. One not booked yet is judged by the start it would have (the current lease's end less the overlap)."""
+        lease = self.spec.lease
+        if self.booked is None and not self.waiting:  # being booked now
             return None
-        lid, site = self.booked
         try:
-            info, now = site.cloud.lease_at(lid)
+            if self.booked is None:  # its start to come: the current lease's end as last read, less the overlap
+                site = self.ctx.lease_site(self.current) or self.ctx.site
+                lid, start, now = None, self.end - dt.timedelta(seconds=duration_seconds(lease.overlap)), \
+                    site.cloud.now()
+            else:
+                lid, site = self.booked
+                info, now = site.cloud.lease_at(lid)
+                if info is None or info.unusable:
+                    return f"the next lease {lid} is {info.status if info else 'gone'}"
+                start = info.start
             scale = site.time_scale()
         except Exception:  # noqa: BLE001 - cannot tell: the next look asks again
             return None
-        if info is None or info.unusable:
-            return f"the next lease {lid} is {info.status if info else 'gone'}"
-        ahead = (info.start - now).total_seconds() / scale  # real seconds
-        lease = self.spec.lease
+        ahead = (start - now).total_seconds() / scale  # real seconds
         if ahead <= duration_seconds(lease.overlap) / scale + duration_seconds(lease.stop_margin):
             return None
-        return (f"the next lease {lid} starts {info.start:%Y-%m-%d %H:%M} UTC, {ahead / 3600:.1f} h from now, past "
-                f"lease.overlap {lease.overlap} + lease.stop_margin {lease.stop_margin} (the current lease ended early)")
+        what = f"the next lease {lid} starts" if lid else "the next lease, not booked yet, would start"
+        return (f"{what} {start:%Y-%m-%d %H:%M} UTC, {ahead / 3600:.1f} h from now, past lease.overlap "
+                f"{lease.overlap} + lease.stop_margin {lease.stop_margin} (the current lease ended early)")
 
     def abandon(self) -> None:
         """Stop making it; what was made goes (no lease or server of the run is left behind)."""
         self._stop.set()
+        self._nudge.set()
         if self._thread.is_alive():
             self._thread.join()
         if find_cluster(self.name) is not None:

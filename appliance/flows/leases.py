@@ -12,6 +12,8 @@ under the names this run recorded, at the sites it recorded.
 
 from __future__ import annotations
 
+import datetime as dt
+
 from .. import report
 from ..cluster import find_cluster
 from ..errors import ApplianceError
@@ -34,11 +36,12 @@ class Asked:
             self.track(info, entry.get("nodes") or 0, entry.get("node_type") or "", entry.get("site"))
 
 
-def reconcile(ctx, control) -> list[str]:
+def reconcile(ctx, control, ledger=None) -> list[str]:
     """The leases the run asked for that are still open at their site and that neither a cluster record of this
     machine nor the current cluster in the run's state uses, deleted; each entry found closed is marked so. Returns
     what was deleted (said, and on the timeline). A site that does not answer leaves its entries for the next
-    controller (said)."""
+    controller (said). ``ledger``: the run's node-hours (budget.Ledger): each lease found is on it (one whose
+    answer was lost never was), and one deleted is counted to its deletion."""
     asked = dict(control.state.get("asked") or {})
     gone, by_site = [], {}
     kept_ids, kept_names = leases_in_state(control)  # the run's current cluster, in its state
@@ -59,13 +62,29 @@ def reconcile(ctx, control) -> list[str]:
             used = {info.id for info in mine if info.id in kept_ids or info.name in kept_names or rec is not None and (
                 rec.lease_id == info.id or not rec.lease_id and rec.site.lease_name == info.name)}
             for info in mine:
+                if ledger is not None:  # on the run's ledger from its start, whatever its answer was
+                    e = asked[name]
+                    ledger.track(info, e.get("nodes") or info.hosts, e.get("node_type") or info.node_type or "",
+                                 site if site != ctx.spec.site else None)
                 if info.id in used:  # the record's lease, or the one its `up` asked for by name and will use
                     continue
                 log.info(f"[run] lease {info.name} ({info.id}{f' at {site}' if site else ''}) was asked for by an "
                          "earlier controller of the run and nothing here uses it: deleting it")
                 cloud.delete_lease(info.id)
                 gone.append(info.id)
+                if ledger is not None:
+                    ledger.close(info.id, _now(cloud))
                 control.record("lease deleted", lease_id=info.id, name=info.name, reason="left by an earlier controller")
             if not any(x.id in used for x in mine):
                 control.asked(name, {**asked[name], "closed": True})
+    if ledger is not None:
+        control.update(leases=ledger.copy())
     return gone
+
+
+def _now(cloud):
+    """The cloud's clock, to count a lease deleted to its deletion; ours (UTC) when it does not answer."""
+    try:
+        return cloud.now()
+    except Exception:  # noqa: BLE001 - a read after a delete that worked: the next refresh has it
+        return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)

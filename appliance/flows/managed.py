@@ -99,6 +99,7 @@ def run_managed(spec_path: str, *, spec: Spec | None = None, max_restarts: int =
         _each(lambda: run.warm is not None and run.warm.abandon(),  # booked or made and not used: it goes
               lambda: status == RunStatus.FINISHED and not spec.lease.keep_when_done and run.release(),
               run.settle,  # the last job's progress and node-hours, into the state close writes
+              run.close_ledger,  # every lease it deleted, closed on its ledger
               lambda: control.close(status),
               lambda: credential.drop(ctx))  # the controller's own credential, last: its tokens stop with it
     raise refused  # after the run's end steps: its one line, and a non-zero exit
@@ -149,8 +150,8 @@ class _Run:
         if self.warm is not None:  # made for a cluster that is not used (a restart on the same one): it goes
             self.warm.abandon()
             self.warm = None
-        if spec is not None and cluster.lease_id:  # not in the job's way: its start is the handover's downtime
-            self.later(self.track, cluster.lease_id, len(cluster.nodes), spec.nodes.node_type, self.elsewhere(cluster))
+        if spec is not None and cluster.lease_id:  # on the ledger now; its dates beside the job (its start is the
+            self.adopt(cluster, spec.nodes.node_type)  # handover's downtime)
         if duration_seconds(self.spec.lease.overlap) and cluster.lease_id and cluster.lease_end_at:
             self.warm = Warm(self.ctx, cluster, self.control.record, steps.stage_to_nodes,
                              self.control.poll, plan=self).start()
@@ -185,8 +186,12 @@ class _Run:
                     lifecycle.down(name, self.ctx.site_of(name))
                 except ApplianceError as e:  # said; the lease ends by itself
                     log.info(f"[run] warning: cluster {name} was not taken down ({e}): `appliance down {name}`")
+
+    def close_ledger(self) -> None:
+        """The run's end: the leases it deleted (a cancel, a finish, a next cluster not used) closed on its ledger
+        at the first look after, into the state close writes."""
         if any(not e["closed"] for e in self.ledger.copy().values()):
-            self.later(self.account)  # the ledger closes its lease
+            self.account()
 
     def later(self, fn, *args) -> None:
         """``fn(*args)`` in a thread of its own; `settle` waits for them all (before the run's last state)."""
@@ -206,12 +211,20 @@ class _Run:
         region = cluster.site.region
         return region if cluster.cloud == self.spec.cloud and self.ctx.at(region) is not self.ctx.site else None
 
+    def adopt(self, cluster: Cluster, node_type: str) -> None:
+        """The lease of a cluster the run goes on on, on its ledger now (one the run did not ask for: `appliance up`
+        made it, or an earlier controller), its dates read beside the caller (a read that fails leaves it held: the
+        next look reads them)."""
+        site = self.elsewhere(cluster)
+        self.ledger.hold(cluster.lease_id, len(cluster.nodes), node_type, site)
+        self.later(self.track, cluster.lease_id, len(cluster.nodes), node_type, site)
+
     def track(self, lease_id: str, nodes: int, node_type: str, site: str | None = None) -> None:
         """Count a lease of the run (its dates from Blazar, at ``site``: None for the run's own) in its node-hours."""
         try:
             info = self.ctx.at(site).cloud.get_lease(lease_id)
-        except Exception as e:  # noqa: BLE001 - counted at the next look
-            log.info(f"[run] warning: could not read lease {lease_id} ({type(e).__name__}: {e})")
+        except Exception as e:  # noqa: BLE001 - held on the ledger: read at the next look
+            log.info(f"[run] warning: could not read lease {lease_id} ({type(e).__name__}: {e}); read again later")
             return
         if info is not None:
             self.ledger.track(info, nodes, node_type, site)
@@ -399,7 +412,7 @@ class _Run:
         followed = takeover.wait_for_live_job(ctx, control, on_follow=lambda cl: self.job_started(cl, spec))
         if control.cancel is not None:
             return None
-        reconcile(ctx, control)  # leases an earlier controller asked for that nothing here uses: they go
+        reconcile(ctx, control, self.ledger)  # leases an earlier controller asked for that nothing here uses go
         if followed is not None and (res := self.followed_end(**followed)) is not None:
             return res  # the loop hands it over, onto the next cluster made while it was followed
         if _has_committed_work(ctx):  # the cluster it has while its lease runs, else a new lease: the strategy's

@@ -72,7 +72,7 @@ class Recovery:
                 waited = round(time.monotonic() - away, 1)
                 log.info(f"[run] the cloud answers again after {waited:.0f} s: run {self.run.spec.name} goes on")
                 c.record("cloud back", waited_s=waited)
-                reconcile(self.run.ctx, c)
+                reconcile(self.run.ctx, c, self.run.ledger)
             return got
 
     def _next(self, phases: dict[str, float], made: Cluster | None, choice: Alternative | None,
@@ -142,10 +142,13 @@ class Recovery:
         lease = cl.lease_id or cl.site.lease_name
         log.info(f"[run] run {spec.name} goes on on its cluster {cl.name}, on its lease {lease}")
         try:
-            return lifecycle.up(run.ctx.site_of(cl.name), at, timings=phases, on_ask=run.asking), a.node_type
+            got = lifecycle.up(run.ctx.site_of(cl.name), at, timings=phases, on_ask=run.asking)
         except NoHosts as e:
             log.info(f"[run] cluster {cl.name} cannot be brought up again ({e.message}): a new lease instead")
             return None
+        if got.lease_id:  # a lease the run adopts (`appliance up` made it, or an earlier controller): on its ledger
+            run.adopt(got, a.node_type)
+        return got, a.node_type
 
     def down(self, name: str) -> None:
         try:

@@ -39,6 +39,22 @@ def resource_properties(node_type: str) -> str:
     return json.dumps(["=", "$node_type", node_type])
 
 
+def node_type_in(resource_properties) -> str | None:
+    """The node type a host reservation's resource_properties asks for (``["=", "$node_type", X]``, also inside an
+    ``and``: Blazar's grammar, ChameleonCloud/blazar blazar/utils/plugins.py ``convert_requirements``), or None."""
+    try:
+        expr = json.loads(resource_properties) if isinstance(resource_properties, str) else resource_properties
+    except ValueError:
+        return None
+    if not isinstance(expr, list) or not expr:
+        return None
+    if len(expr) == 3 and expr[0] in ("=", "==") and expr[1] == "$node_type" and isinstance(expr[2], str):
+        return expr[2]
+    if expr[0] == "and":
+        return next((nt for x in expr[1:] if (nt := node_type_in(x)) is not None), None)
+    return None
+
+
 def host_reservation(node_type: str, count: int) -> dict:
     return {"resource_type": "physical:host", "min": count, "max": count, "hypervisor_properties": "",
             "resource_properties": resource_properties(node_type), "before_end": "default"}
@@ -218,6 +234,8 @@ class LeaseInfo:
     fip_reservation_id: str | None
     degraded: bool  # sticky on Blazar: set on every reallocation, successful ones too, and never cleared
     missing_resources: bool = False  # the host reservation lacks hosts Blazar could not replace
+    node_type: str | None = None  # the node type its host reservation asks for (None: not said by node type)
+    hosts: int = 0  # the hosts it reserves (the reservation's max: the most Blazar allocates)
 
     @classmethod
     def from_api(cls, lease: dict) -> LeaseInfo:
@@ -227,7 +245,9 @@ class LeaseInfo:
                    start=parse_lease_date(lease["start_date"]), end=parse_lease_date(lease["end_date"]),
                    reservation_id=host["id"] if host else None, fip_reservation_id=fip["id"] if fip else None,
                    degraded=bool(lease.get("degraded")),
-                   missing_resources=bool(host and host.get("missing_resources")))
+                   missing_resources=bool(host and host.get("missing_resources")),
+                   node_type=node_type_in(host.get("resource_properties")) if host else None,
+                   hosts=_count(host.get("max") if host else 0))
 
     # Blazar's lease statuses (blazar/status.py LeaseStatus): TERMINATED at its end, DELETED when deleted; a lease
     # in ERROR keeps its hosts (and its charge) until it is deleted
@@ -252,6 +272,13 @@ class LeaseInfo:
                 "end": self.end.isoformat() + "Z", "reservation_id": self.reservation_id,
                 "fip_reservation_id": self.fip_reservation_id, "degraded": self.degraded,
                 "missing_resources": self.missing_resources}
+
+
+def _count(value) -> int:
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError):
+        return 0
 
 
 def _date_of(resp) -> dt.datetime:
