@@ -6,6 +6,7 @@ loses its lease, with the steps lost said. Another machine is another APPLIANCE_
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import tempfile
@@ -21,6 +22,7 @@ from appliance.flows import managed, runcluster, stopping, takeover
 from appliance.node import lockbeat
 from appliance.protocol import RUN_MARKER
 from appliance.sites import open_site
+from appliance.sites.openstack_api import LeaseInfo
 from appliance.store import stopask
 from appliance.store.checkpoints import open_run
 from appliance.store.runlock import RunLock
@@ -129,7 +131,8 @@ def test_a_takeover_from_another_home_follows_the_job_still_training_and_keeps_i
     first.asked(f"{spec.name}-2", {"cluster": f"{spec.name}_h", "lease_id": "L2"})  # nothing uses it
     second = _second_home(tmp_path, monkeypatch, spec, first)
     ctx = flows.RunContext(spec, open_site("local"))
-    lease = lambda i, n: SimpleNamespace(id=i, name=n, ended=False)  # noqa: E731
+    lease = lambda i, n: LeaseInfo(i, n, "ACTIVE", dt.datetime(2026, 12, 7, 9), dt.datetime(2026, 12, 7, 10), None, None, False,  # noqa: E731
+                                   node_type="compute_local", hosts=1)
     cloud = _Cloud([lease("L1", f"{spec.name}-1"), lease("L2", f"{spec.name}-2")])
     monkeypatch.setattr(ctx, "at", lambda site=None: SimpleNamespace(cloud=cloud))
     asked_head = []
