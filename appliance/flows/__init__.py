@@ -16,7 +16,7 @@ from ..checkpoint.resume import choose_checkpoint, find_spec
 from ..checkpoint.runs import list_runs, run_details, running_on  # noqa: F401 (CLI)
 from ..cluster import Cluster, find_cluster, load_cluster
 from ..data import dataset_summary, listing, pack_dir, remove, unstaged, upload
-from ..data.stream import stream_index
+from ..data.stream import stream_check
 from ..errors import ApplianceError, SpecError  # noqa: F401 (SpecError: the CLI's)
 from .. import paths, report
 from ..node import doctor as node_doctor
@@ -66,7 +66,7 @@ def check_online(spec: Spec) -> dict:
         url = spec.dataset.source
         out["dataset"] = dataset_summary(url, creds=run.creds(url))
         if spec.dataset.mode == "stream":
-            index = stream_index(url, run.creds(url))
+            index = stream_check(url, run.creds(url))  # every shard there, of its size
             out["dataset"].update(shards=len(index["shards"]), samples=index.get("samples"))
     ck = spec.checkpoint
     cs = run.checkpoints
