@@ -15,7 +15,7 @@ from pathlib import Path
 from ..checkpoint.resume import choose_checkpoint, find_spec
 from ..checkpoint.runs import list_runs, run_details, running_on  # noqa: F401 (CLI)
 from ..cluster import Cluster, find_cluster, load_cluster
-from ..data import dataset_summary, listing, pack_dir, remove, unstaged, upload
+from ..data import dataset_summary, listing, pack_dir, pack_from_store, remove, unstaged, upload
 from ..data.stream import stream_check
 from ..errors import ApplianceError, SpecError  # noqa: F401 (SpecError: the CLI's)
 from .. import paths, report
@@ -142,6 +142,9 @@ def data_upload(src: str, url: str, *, cloud: str, site_name: str | None = None,
 
 
 def data_pack(src: str, url: str, *, cloud: str, site_name: str | None = None, **kw) -> dict:
+    if "://" in src:  # a dataset in a store, object by object
+        return pack_from_store(src, url, src_creds=data_creds(src, cloud, site_name),
+                               creds=data_creds(url, cloud, site_name), **kw)
     return pack_dir(src, url, creds=data_creds(url, cloud, site_name), **kw)
 
 
