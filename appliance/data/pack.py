@@ -112,11 +112,11 @@ class _ShardWriter:
 
 class Shards:
     """The shards of one pack going up to ``prefix`` in ``store`` while the next is written: at most ``concurrency``
-    uploads at once and ``concurrency`` more waiting (each shard's bytes are dropped once sent), a shard the store
-    holds with the same size and MD5 not sent again (a re-run: shards are deterministic, tar mtimes are 0), and
-    ``commit`` writes index.json last."""
+    uploads at once and ``held`` shards (default 2 x ``concurrency``) uploading or waiting to (each shard's bytes
+    are dropped once sent), a shard the store holds with the same size and MD5 not sent again (a re-run: shards are
+    deterministic, tar mtimes are 0), and ``commit`` writes index.json last."""
 
-    def __init__(self, store: Store, prefix: str, concurrency: int):
+    def __init__(self, store: Store, prefix: str, concurrency: int, held: int | None = None):
         self.store, self.prefix = store, prefix
         try:
             self.listed = {o.name: o for o in store.list(prefix)}
@@ -125,7 +125,7 @@ class Shards:
         self.kept: list[str] = []
         self.shards: list[dict] = []
         self._ex = ThreadPoolExecutor(max_workers=concurrency)
-        self._slots = threading.BoundedSemaphore(2 * concurrency)
+        self._slots = threading.BoundedSemaphore(held or 2 * concurrency)
         self._uploads: list = []
 
     def __enter__(self) -> Shards:

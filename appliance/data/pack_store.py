@@ -9,7 +9,8 @@ checked against its listing (its size; its MD5 where its ETag is one: not a Swif
 which are checked by size and counted); a 5xx, a reset or a stalled GET is asked again (a GET's deadline grows with
 its size, as a stream's). The shards are tar (WebDataset) only: stream mode reads tar, and a TFRecord writer needs a
 file TensorFlow opens. Each shard is written in memory (Linux: ``memfd_create``; elsewhere a temporary file), at
-most 2 x ``concurrency`` + 1 shards at once (``pack.Shards``), and dropped once it is up; index.json goes up last.
+most UPLOADS + 1 shards at once (``pack.Shards``), and dropped once it is up; index.json goes up last. In memory at
+most: UPLOADS + 1 shards, and a shard's bytes of source objects (~400 MB at 64 MB shards).
 What is left to a cluster: spreading the work over its nodes by key range (one machine packs it all).
 """
 
@@ -34,6 +35,7 @@ from .pack import Shards, _ShardWriter, grouped
 
 log = report.get(__name__)
 GET_TRIES = 3  # an object whose bytes do not match its listing is fetched this many times before the pack stops
+UPLOADS = 4  # shards going up at once, and in memory besides the one being written (5 x 64 MB by default)
 _MD5 = re.compile(r"[0-9a-f]{32}")
 
 
@@ -151,7 +153,7 @@ def pack_store(src: Store, src_prefix: str, store: Store, prefix: str, *, shard_
     items = source_items(src, src_prefix, (store, prefix))
     source = _Source(src, concurrency, ahead=shard_size)
     n_files = n_bytes = 0
-    with Shards(store, prefix, concurrency) as out:
+    with Shards(store, prefix, UPLOADS, held=UPLOADS) as out:
         w = fh = None
         for key, parts in source.samples(items):
             if w is None:
