@@ -129,7 +129,8 @@ def check_spec(spec, online, as_json):
     Checks the spec's fields, its site's rules (Chameleon: at most 7 days, CHI@UC or CHI@TACC, key_name; the local
     cloud: its node types and pool sizes) and the training code (train.code exists, small enough to copy).
     --online also asks the object store, with the site's credentials, what would otherwise be found only
-    after the nodes boot: the dataset URL names objects (how many, how large), checkpoint.url is reachable and
+    after the nodes boot: the dataset URL names objects (how many, how large; in mode stream, every shard
+    index.json names is in the store at its size), checkpoint.url is reachable and
     not refused, and whether the run already has committed checkpoints; with a checkpoint.url, what
     `appliance run SPEC` would book (its plan: leases, node-hours, SUs, Chameleon's usage policy). It reads only.
     Exit 2 if the spec or its train.code is not usable, 1 if the store or the cloud says no.

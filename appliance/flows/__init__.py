@@ -55,7 +55,8 @@ def site(kind: str, region: str | None = None) -> Site:
 def check_online(spec: Spec) -> dict:
     """`appliance check --online`: what the spec names in the object store, asked before a lease is paid for (on
     Chameleon a node takes 10-20 minutes to boot before `appliance stage` would find a typo): the dataset URL
-    names objects (the stager's rules and its one-line errors), and checkpoint.url is reachable and not refused
+    names objects (the stager's rules and its one-line errors; in mode stream, every shard index.json names is in
+    the store at its size), and checkpoint.url is reachable and not refused
     (a store that refuses the checkpoints refuses the job). Reads only: a bucket that is not there yet is left to
     the first job to make. Also says whether the run already has committed checkpoints (`appliance train` would
     refuse to start over them; `appliance resume` continues them), and, with a checkpoint.url, the plan of its
