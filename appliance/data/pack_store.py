@@ -56,6 +56,10 @@ def _drop(fh, path: Path):
     return drop
 
 
+class _Mismatch(Exception):
+    """An object's bytes are not what its listing says."""
+
+
 class _Source:
     """The source's objects, GET in key order ahead of the writer; counts what was checked by size only."""
 
@@ -63,11 +67,11 @@ class _Source:
         self.store, self.concurrency, self.ahead = store, concurrency, ahead
         self.size_only: list[str] = []
 
-    def _once(self, o: ObjectInfo) -> tuple[bytes, dict]:
+    def _once(self, o: ObjectInfo) -> bytes:
         fh, _ = _memfile()
         with fh:
             h, hdrs = hashlib.md5(usedforsecurity=False), {}
-            n, got = self.store.fetch(o.name, fh.fileno(), 0, h.update, on_headers=hdrs.update,
+            _, got = self.store.fetch(o.name, fh.fileno(), 0, h.update, on_headers=hdrs.update,
                                       deadline=get_deadline(o.size))
             hdrs = hdrs or got or {}
             fh.seek(0)
@@ -78,13 +82,12 @@ class _Source:
             raise _Mismatch(o.name)
         if not plain:
             self.size_only.append(o.name)
-        return data, hdrs
+        return data
 
     def get(self, o: ObjectInfo) -> bytes:
         for _ in range(GET_TRIES):
             try:
-                return transient_retry(lambda: self._once(o)[0],
-                                       note=lambda m: log.info(f"[pack] {o.name}: {m}"))
+                return transient_retry(lambda: self._once(o), note=lambda m: log.info(f"[pack] {o.name}: {m}"))
             except _Mismatch:
                 continue
             except FileNotFoundError:
@@ -119,10 +122,6 @@ class _Source:
             finally:
                 for _, _, fut in pending:
                     fut.cancel()
-
-
-class _Mismatch(Exception):
-    pass
 
 
 def source_items(store: Store, prefix: str, dst: tuple[Store, str]) -> list[tuple[str, dict[str, ObjectInfo]]]:
