@@ -6,8 +6,11 @@ method, answered 503 / closed without an answer: the fault matrix, tests/faults.
 connection is closed without an answer), ``down`` (answer every request with 503), ``hold_after = N`` (pass N
 object GETs, then hold every later one until ``release()``: a client stopped mid-way, at a point the test chose;
 ``wait_held(k)`` returns once k requests are held; ``stop()`` closes the held ones unanswered, so a client the test
-killed, or what is left of it, gets nothing more). The Host header is forwarded as the client sent it, so Swift's
-tempauth hands out storage URLs that point back at this proxy: every later request goes through it too.
+killed, or what is left of it, gets nothing more), ``hold_gets = N`` (hold the next N object GETs, as
+``hold_after``), ``trickle_gets = N`` (the next N object GETs get their headers, then their body a byte every
+``trickle_every`` seconds: a store that never stops answering and never finishes). The Host header is forwarded as
+the client sent it, so Swift's tempauth hands out storage URLs that point back at this proxy: every later request
+goes through it too.
 """
 
 from __future__ import annotations
@@ -40,10 +43,14 @@ class FaultProxy:
         self.reset_gets = 0
         self.down = False
         self.hold_after: int | None = None
+        self.hold_gets = 0
+        self.trickle_gets = 0
+        self.trickle_every = 1.0
         self.fail_at: int | None = None  # the fail_at-th request from now (any method, tokens aside): 503
         self.reset_at: int | None = None  # ... closed without an answer
         self.counted = 0  # requests counted for fail_at / reset_at
         self.released = threading.Event()
+        self._stopping = threading.Event()
         self.stopped = False
         self.objects_got = 0
         self.held = 0
@@ -99,7 +106,8 @@ class FaultProxy:
                     return
                 with proxy._lock:
                     proxy.objects_got += 1
-                    held = proxy.hold_after is not None and proxy.objects_got > proxy.hold_after
+                    held = proxy.hold_after is not None and proxy.objects_got > proxy.hold_after or proxy.hold_gets > 0
+                    proxy.hold_gets -= proxy.hold_gets > 0
                 if held:
                     with proxy._held_cv:
                         proxy.held += 1
@@ -129,6 +137,12 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(msg)
                     return
+                with proxy._lock:
+                    trickle = self.command == "GET" and proxy.trickle_gets > 0 and "/auth/" not in self.path and \
+                        "?" not in self.path and self.path.rstrip("/").count("/") >= 4
+                    proxy.trickle_gets -= trickle
+                    if trickle:
+                        proxy.failed.append(f"TRICKLE {self.command} {self.path}")
                 conn = http.client.HTTPConnection(proxy.up_host, proxy.up_port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
                 conn.request(self.command, self.path, body=body, headers=headers)
@@ -140,11 +154,26 @@ class FaultProxy:
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                conn.close()
+                if trickle:
+                    return self._trickle(data)
                 if self.command != "HEAD":
                     self.wfile.write(data)
-                conn.close()
                 with proxy._lock:
                     proxy.forwarded += 1
+
+            def _trickle(self, data: bytes) -> None:
+                """A byte every ``trickle_every`` seconds, until the client goes away or the proxy stops."""
+                self.close_connection = True
+                self.wfile.flush()
+                for k in range(len(data)):
+                    if proxy._stopping.wait(proxy.trickle_every):
+                        return
+                    try:
+                        self.wfile.write(data[k:k + 1])
+                        self.wfile.flush()
+                    except OSError:
+                        return
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_COPY = _any
 
@@ -171,6 +200,8 @@ class FaultProxy:
 
     def stop(self) -> None:
         self.stopped = True
+        self._stopping.set()
         self.released.set()
         self.server.shutdown()
         self.server.server_close()
+

@@ -500,6 +500,32 @@ def test_pack_tar_shards_stage_and_read(creds, tmp_path):
     assert _read_all(tmp_path / "staged", ["bin", "cls"], size=2) == want  # split over 2 ranks: all, once
 
 
+def test_a_pack_from_the_store_and_streams_check_against_its_listing(swift, creds, tmp_path):
+    """`appliance data pack swift://raw/ swift://packed/` on OpenStack Swift, `s3://` on Ceph RGW: the shards a
+    local pack of the same files writes, with no local copy; `check --online`'s comparison of index.json with the
+    listing passes, and names a shard deleted since."""
+    from appliance.data import pack_from_store
+    from appliance.data.pack import pack
+    from appliance.data.stream import stream_check
+    from appliance.store.objects import FileStore
+
+    _small_files(tmp_path / "src", 30)
+    want = pack(tmp_path / "src", FileStore(str(tmp_path / "local")), "", shard_size=10_000)
+    upload(str(tmp_path / "src"), "swift://rawfiles/raw/", creds=creds, concurrency=8)
+    scheme = "s3" if isinstance(swift, RGWServer) else "swift"
+    url = f"{scheme}://packedfrom/p/"
+    assert pack_from_store(f"{scheme}://rawfiles/raw/", url, src_creds=creds, creds=creds, shard_size=10_000) == want
+    assert stream_check(url, creds) == want and len(want["shards"]) > 2
+    st = SwiftStore("packedfrom", creds)
+    for s in want["shards"]:
+        got = io.BytesIO()
+        st.get(f"p/{s['name']}", got.write)
+        assert got.getvalue() == (tmp_path / "local" / s["name"]).read_bytes()
+    st.delete(f"p/{want['shards'][2]['name']}")
+    with pytest.raises(ApplianceError, match=f"1 not in the store \\({want['shards'][2]['name']}\\)"):
+        stream_check(url, creds)
+
+
 def test_pack_tfrecord_round_trip(tmp_path):
     from appliance.data.pack import pack
     from appliance.store.objects import FileStore

@@ -404,7 +404,8 @@ def test_the_launcher_says_each_epoch_of_the_stream_and_keeps_the_waits_on_the_r
                                          "shard(s), over 2 epoch(s)")
 
 
-def test_the_dataset_credential_goes_to_every_node_is_renewed_at_an_extension_and_goes_at_the_end(tmp_path):
+def test_the_dataset_credential_goes_to_every_node_is_renewed_at_an_extension_and_goes_at_the_end(tmp_path,
+                                                                                                     monkeypatch):
     """The launcher's side (data/stream.py): a 0600 file on every node, never the secret in the environment; a new
     credential at a lease extension; at the end the file leaves every node and both credentials are deleted."""
     import json
@@ -436,7 +437,8 @@ def test_the_dataset_credential_goes_to_every_node_is_renewed_at_an_extension_an
                                                              lease_end_at="end1"),
                           run_dir="/mnt/local/appliance/runs/s", job_id="j1", say=lambda m: None, nodes=nodes,
                           abandoned=False)
-    hook = JobStream(SimpleNamespace(job_store_creds=job_store_creds))
+    monkeypatch.setattr("appliance.data.stream.stream_check", lambda url, creds: {"shards": []})  # (test_stream_faults)
+    hook = JobStream(SimpleNamespace(job_store_creds=job_store_creds, store_creds=lambda url: None))
     env = hook.prepare(ctx)
     assert env[Env.STREAM_URL] == "swift://data/p/" and env[Env.STREAM_CACHE_BYTES] == str(10**10)
     assert env[Env.STREAM_CREDS] == "/mnt/local/appliance/runs/s/.stream-creds.json"

@@ -129,7 +129,8 @@ def check_spec(spec, online, as_json):
     Checks the spec's fields, its site's rules (Chameleon: at most 7 days, CHI@UC or CHI@TACC, key_name; the local
     cloud: its node types and pool sizes) and the training code (train.code exists, small enough to copy).
     --online also asks the object store, with the site's credentials, what would otherwise be found only
-    after the nodes boot: the dataset URL names objects (how many, how large), checkpoint.url is reachable and
+    after the nodes boot: the dataset URL names objects (how many, how large; in mode stream, every shard
+    index.json names is in the store at its size), checkpoint.url is reachable and
     not refused, and whether the run already has committed checkpoints; with a checkpoint.url, what
     `appliance run SPEC` would book (its plan: leases, node-hours, SUs, Chameleon's usage policy). It reads only.
     Exit 2 if the spec or its train.code is not usable, 1 if the store or the cloud says no.
@@ -233,7 +234,7 @@ def data_upload(src, url, cloud_kind, site, segment_size, as_json):
 
 
 @data.command("pack")
-@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("src")
 @click.argument("url")
 @click.option("--shard-size", default=64 * 1024**2, show_default=True, help="Bytes per shard (about).")
 @click.option("--format", "fmt", type=click.Choice(["tar", "tfrecord"]), default="tar", show_default=True,
@@ -242,12 +243,18 @@ def data_upload(src, url, cloud_kind, site, segment_size, as_json):
 @_site_opt
 @click.option("--json", "as_json", is_flag=True, help="Print the index.")
 def data_pack(src, url, shard_size, fmt, cloud_kind, site, as_json):
-    """Pack many small files into shards + index.json, uploaded in parallel (index last).
+    """Pack many small files (a local directory SRC, or the objects under a store URL SRC) into
+    shards + index.json, uploaded in parallel (index last).
 
     \b
     Files sharing a key (the name up to the first dot: 0001.jpg, 0001.cls) form one sample and
     stay in one shard. Read them back with examples/packed/input_pipeline.py once staged, or
     stream them while training (dataset.mode: stream, tar shards; examples/stream).
+    From a store (swift://, s3://) the objects go through memory into tar shards, with no local
+    copy (docs/stream.md):
+
+    \b
+      appliance data pack swift://datasets/imagenet/ swift://datasets/imagenet-packed/
     """
     from .. import flows
 

@@ -238,6 +238,19 @@ def pack_dir(src: str, url: str, *, creds: StoreCreds | None, shard_size: int = 
         return pack(src, store, prefix, shard_size=shard_size, fmt=fmt)
 
 
+def pack_from_store(src: str, url: str, *, src_creds: StoreCreds | None, creds: StoreCreds | None,
+                    shard_size: int = 64 * 1024**2, fmt: str = "tar") -> dict:
+    """`appliance data pack SRC_URL URL`: the objects under SRC_URL packed into tar shards + index.json under URL,
+    through memory (data/pack_store.py)."""
+    from .pack_store import pack_store
+
+    if fmt != "tar":
+        raise ApplianceError("packing from an object store writes tar shards only (the format stream mode reads)",
+                             "leave --format out, or pack a local directory for TFRecord shards")
+    with _open(src, src_creds) as (src_store, src_prefix), _open(url, creds, create=True) as (store, prefix):
+        return pack_store(src_store, src_prefix, store, prefix, shard_size=shard_size)
+
+
 def dataset_summary(url: str, *, creds: StoreCreds | None) -> dict:
     """What `appliance stage` fetches from URL (to every node in full mode): its objects and bytes, read by the
     stager's own rules (a folder or one object; folder markers are directories), or the stager's one line when

@@ -34,6 +34,9 @@ class JobStream(JobHooks):
         if ds is None or ds.mode != "stream":
             return {}
         self.ctx = ctx
+        # before the first step: a shard index.json names that the store lacks, or of another size, is one line now
+        # (the ranks would fail when they reach it, maybe an epoch later)
+        index = stream_check(ds.source, self.site.store_creds(ds.source))
         data_dir = f"{ctx.cluster.head.workdir}/{ds.dest}"
         env = {Env.STREAM_URL: ds.source, Env.STREAM_CACHE: f"{data_dir}/.stream-cache"}
         if ds.cache:
@@ -45,8 +48,9 @@ class JobStream(JobHooks):
             self.path = f"{ctx.run_dir}/.stream-creds.json"
             self._write(creds)
             env[Env.STREAM_CREDS] = self.path
-        ctx.say(f"[appliance] stream: the ranks read {ds.source} while they train, through a cache of "
-                f"{ds.cache or 'half the free disk'} per node in {data_dir}/.stream-cache")
+        ctx.say(f"[appliance] stream: the ranks read {ds.source} ({len(index['shards']):,} shard(s), each in the "
+                f"store as index.json says) while they train, through a cache of {ds.cache or 'half the free disk'} "
+                f"per node in {data_dir}/.stream-cache")
         return env
 
     def _creds(self, lease_end):
@@ -136,4 +140,33 @@ def stream_index(url: str, creds) -> dict:
     if not ok:
         raise ApplianceError(f"dataset.source {url}: its index.json is not one of tar shards as `appliance data pack` "
                              "writes it", f"pack it again: `appliance data pack DIR {url} --format tar`")
+    return index
+
+
+SHOWN = 3  # shards named in the line that says what is missing or wrong; the rest are counted
+
+
+def stream_check(url: str, creds) -> dict:
+    """``stream_index``, and every shard it names compared with the store's listing under ``url`` (names and
+    sizes; the MD5 is checked as each shard is fetched): one line naming what is missing or of another size, before
+    a lease is spent on a job that would fail when it reaches the shard (``check --online``, the job's start)."""
+    from . import _open
+
+    index = stream_index(url, creds)
+    with _open(url, creds) as (store, prefix):
+        base = prefix.rstrip("/") + "/" if prefix else ""
+        listed = {o.name[len(base):]: o.size for o in store.list(base) if o.name.startswith(base)}
+    missing = [s["name"] for s in index["shards"] if s["name"] not in listed]
+    wrong = [f"{s['name']}: {listed[s['name']]:,} bytes there, {s['size']:,} in index.json"
+             for s in index["shards"] if s["name"] in listed and listed[s["name"]] != s["size"]]
+    said = []
+    for what, names in (("not in the store", missing), ("of another size", wrong)):
+        if names:
+            shown = "; ".join(names[:SHOWN]) + (f"; and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+            said.append(f"{len(names):,} {what} ({shown})")
+    if said:
+        raise ApplianceError(f"dataset.source {url}: of the {len(index['shards']):,} shard(s) index.json names, "
+                             + " and ".join(said) + "; a job would fail when it reaches them",
+                             f"pack the dataset again (`appliance data pack SRC {url}`), or upload the shards "
+                             "index.json names")
     return index

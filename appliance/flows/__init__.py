@@ -15,8 +15,8 @@ from pathlib import Path
 from ..checkpoint.resume import choose_checkpoint, find_spec
 from ..checkpoint.runs import list_runs, run_details, running_on  # noqa: F401 (CLI)
 from ..cluster import Cluster, find_cluster, load_cluster
-from ..data import dataset_summary, listing, pack_dir, remove, unstaged, upload
-from ..data.stream import stream_index
+from ..data import dataset_summary, listing, pack_dir, pack_from_store, remove, unstaged, upload
+from ..data.stream import stream_check
 from ..errors import ApplianceError, SpecError  # noqa: F401 (SpecError: the CLI's)
 from .. import paths, report
 from ..node import doctor as node_doctor
@@ -55,7 +55,8 @@ def site(kind: str, region: str | None = None) -> Site:
 def check_online(spec: Spec) -> dict:
     """`appliance check --online`: what the spec names in the object store, asked before a lease is paid for (on
     Chameleon a node takes 10-20 minutes to boot before `appliance stage` would find a typo): the dataset URL
-    names objects (the stager's rules and its one-line errors), and checkpoint.url is reachable and not refused
+    names objects (the stager's rules and its one-line errors; in mode stream, every shard index.json names is in
+    the store at its size), and checkpoint.url is reachable and not refused
     (a store that refuses the checkpoints refuses the job). Reads only: a bucket that is not there yet is left to
     the first job to make. Also says whether the run already has committed checkpoints (`appliance train` would
     refuse to start over them; `appliance resume` continues them), and, with a checkpoint.url, the plan of its
@@ -66,7 +67,7 @@ def check_online(spec: Spec) -> dict:
         url = spec.dataset.source
         out["dataset"] = dataset_summary(url, creds=run.creds(url))
         if spec.dataset.mode == "stream":
-            index = stream_index(url, run.creds(url))
+            index = stream_check(url, run.creds(url))  # every shard there, of its size
             out["dataset"].update(shards=len(index["shards"]), samples=index.get("samples"))
     ck = spec.checkpoint
     cs = run.checkpoints
@@ -142,6 +143,9 @@ def data_upload(src: str, url: str, *, cloud: str, site_name: str | None = None,
 
 
 def data_pack(src: str, url: str, *, cloud: str, site_name: str | None = None, **kw) -> dict:
+    if "://" in src:  # a dataset in a store, object by object
+        return pack_from_store(src, url, src_creds=data_creds(src, cloud, site_name),
+                               creds=data_creds(url, cloud, site_name), **kw)
     return pack_dir(src, url, creds=data_creds(url, cloud, site_name), **kw)
 
 

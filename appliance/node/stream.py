@@ -11,7 +11,8 @@ cache on the node's local disk: the part of `dataset.mode: stream` that does not
 - **The cache** (``ShardCache``) fetches the rank's shards in reading order ahead of the reader into a directory,
   never holding more than its capacity (it waits for the reader to release one), verifies each shard's MD5 from
   index.json before the reader may open it (a shard that does not match is fetched again, never read), and counts
-  what the reader waited for. A shard the store does not have is one error naming it.
+  what the reader waited for. A shard the store does not have is one error naming it; a shard whose fetches are
+  exhausted stops the reader at its next sample, whichever shard it is at (the GETs: stream_fetch.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from ..errors import ApplianceError
 from .stream_order import WINDOW, Order, check_record, fingerprint, reads, record, shares_read
+from .stream_fetch import store_fetch
 
 FETCH_TRIES = 3  # a shard whose bytes do not match its MD5 is fetched this many times before the job stops
 # GETs in flight per rank (rclone's default --transfers is 4): one TCP stream's rate is not the link's, and each
@@ -174,12 +176,20 @@ class ShardCache:
                 self.stats.ready += 1
                 return self._done[i]
             self.stats.stalls += 1
-            while i not in self._done and i not in self._failed and not (self._error is not None and i >= self._next):
-                self._cv.wait()
+            while i not in self._done and not self._failed and not (self._error is not None and i >= self._next):
+                self._cv.wait()  # a shard whose fetches are exhausted ends the wait, whichever it is
             self.stats.waited_s += time.monotonic() - t0
             if i not in self._done:
-                raise self._failed.get(i) or self._error  # type: ignore[misc]
+                failed = self._failed.get(i) or (self._failed[min(self._failed)] if self._failed else None)
+                raise failed or self._error  # type: ignore[misc]
             return self._done[i]
+
+    def raise_failed(self) -> None:
+        """The first shard whose fetches are exhausted (missing, not matching its MD5, the store away past its
+        deadline), raised now: the job stops at the reader's next sample, not when it reaches that shard."""
+        if self._failed:
+            with self._cv:
+                raise self._failed[min(self._failed)]
 
     def release(self, i: int) -> None:
         with self._cv:
@@ -246,9 +256,6 @@ class _Shard:
 
 # ---------------------------------------------------------------------------------------------
 # The job's stream: what a script reads (``open_stream``), and how a resume positions it
-
-STORE_DEADLINE = 600.0  # seconds one shard's fetch is retried through transient store errors before the job stops
-
 
 class Stream:
     """Rank ``rank``'s samples, step after step, from ``start`` (appliance/node/stream_order.py: the order):
@@ -328,6 +335,7 @@ class Stream:
         try:
             for n, _, k, first, last in plan():
                 t0 = t0 or time.monotonic()
+                cache.raise_failed()
                 if first:
                     held[n] = _Shard(cache.get(n))
                 sample = held[n].sample(k)
@@ -431,37 +439,6 @@ def stream_record(epoch: int, batch: int, steps_per_epoch: int | None = None) ->
     return s.record(epoch, batch, steps_per_epoch) if s is not None else None
 
 
-def store_fetch(url: str, creds_path: str | None, say: Callable[[str], None]) -> Fetch:
-    """The store's GET of a shard under ``url``, retried through transient errors for up to STORE_DEADLINE; a
-    missing object is FileNotFoundError. The credentials file is read again when the launcher replaced it."""
-    from ..store.base import transient_retry
-    from ..store.objects import open_store
-    from .creds import CredsFile
-
-    creds_file = CredsFile(creds_path or "")
-    held: list = []
-
-    def store():
-        if not held or creds_file.changed():
-            held[:] = [open_store(url, creds_file.load())]
-        return held[0]
-
-    def fetch(name: str, dest: Path) -> str:
-        def once() -> str:
-            st, prefix = store()
-            h = hashlib.md5(usedforsecurity=False)
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:  # straight into the file (Swift and S3: httpget.get_into), hashed as it arrives
-                st.fetch((prefix.rstrip("/") + "/" if prefix else "") + name, fd, 0, h.update)
-            finally:
-                os.close(fd)
-            return h.hexdigest()
-        return transient_retry(once, deadline=STORE_DEADLINE,
-                               note=lambda m: say(f"[appliance] stream: {name}: {m}"))
-
-    return fetch
-
-
 def open_stream(batch_size: int, *, seed: int = 0, url: str | None = None, shares: int | None = None) -> Stream:
     """This rank's stream of the job's packed dataset (``dataset.mode: stream``: the launcher set where it is, the
     credentials file, the cache and the shuffle window in the environment). ``seed`` fixes the order of every
@@ -489,8 +466,9 @@ def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None
                              "set dataset: {source: swift://..., mode: stream} in the spec")
     rank, world = int(env.get("HOROVOD_RANK", 0)), int(env.get("HOROVOD_SIZE", 1))
     local_rank, local = int(env.get("HOROVOD_LOCAL_RANK", 0)), max(1, int(env.get("HOROVOD_LOCAL_SIZE", 1)))
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
-    fetch = store_fetch(url, env.get(Env.STREAM_CREDS), say)
+    sizes: dict[str, int] = {}  # each shard's, once index.json is read: its GETs' deadline
+    fetch = store_fetch(url, env.get(Env.STREAM_CREDS), lambda m: print(m, file=sys.stderr, flush=True), rank=rank,
+                        sizes=sizes)  # every rank says its waits on the store
     root = Path(env.get(Env.STREAM_CACHE) or Path(env.get(Env.DATA_DIR) or ".") / ".stream-cache") / f"rank-{local_rank}"
     shutil.rmtree(root, ignore_errors=True)  # a killed job's shards: the cache is this job's alone
     root.mkdir(parents=True, exist_ok=True)
@@ -504,6 +482,7 @@ def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None
             raise ApplianceError(f"{url} has no index.json: not a packed dataset",
                                  f"pack it: `appliance data pack DIR {url}`") from None
         index = json.loads(index_path.read_text())
+    sizes.update((x["name"], x["size"]) for x in index.get("shards", []))
 
     def on_epoch(epoch: int, st: CacheStats, peak: int, wall_s: float) -> None:
         if rank == 0:  # for the launcher (data/stream.py says it, and keeps it in the run's record)

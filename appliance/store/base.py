@@ -226,10 +226,11 @@ class Store:
 
     def fetch(self, name: str, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None, *,
               start: int | None = None, end: int | None = None,
-              on_headers: Callable[[dict], None] | None = None) -> tuple[int, dict]:
+              on_headers: Callable[[dict], None] | None = None, deadline: float | None = None) -> tuple[int, dict]:
         """Write an object (or bytes start..end inclusive) to ``fd`` from ``offset`` on, showing each piece to
         ``sink``. Returns (bytes written, headers). Swift and S3 GET straight into the file (httpget.get_into), and
-        show the answer's headers to ``on_headers`` before its body; other stores do not call it."""
+        show the answer's headers to ``on_headers`` before its body; other stores do not call it. ``deadline``:
+        seconds the whole GET may take (Swift and S3: then TimeoutError, which is asked again)."""
         from .httpget import pwrite_all
 
         pos = offset

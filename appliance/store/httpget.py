@@ -17,8 +17,10 @@ from __future__ import annotations
 import base64
 import http.client
 import os
+import socket
 import ssl
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from urllib.parse import unquote, urlsplit
@@ -139,9 +141,10 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
-def _send(method: str, url: str, headers: dict, timeout: float, body: bytes | None = None):
+def _send(method: str, url: str, headers: dict, timeout: float, body: bytes | None = None, on_sent=None):
     """(connection, response) of one request on this thread's kept-alive connection to the URL's host; a
-    connection the server closed while idle is replaced once."""
+    connection the server closed while idle is replaced once. ``on_sent`` is shown the connection once the request
+    is sent, before the answer is waited for."""
     u = urlsplit(url)
     path = (u.path or "/") + (f"?{u.query}" if u.query else "")
     via = _route(u.scheme, u.netloc)[0]
@@ -154,6 +157,8 @@ def _send(method: str, url: str, headers: dict, timeout: float, body: bytes | No
             else:
                 conn.request(method, path, body=body, headers=headers)
             quickack(conn.sock)  # Ceph RGW's body otherwise waits 40 ms for our ACK of its headers (tcp.py)
+            if on_sent is not None:
+                on_sent(conn)
             return conn, conn.getresponse()
         except (OSError, http.client.HTTPException):
             conn.close()
@@ -217,13 +222,56 @@ def pwrite_all(fd: int, view, pos: int) -> None:
         view, pos = view[k:], pos + k
 
 
+class _Cut:
+    """A GET's overall deadline: ``seconds`` after it began, its socket is shut down from a timer's thread, which
+    ends a read that is waiting (the socket's own ``timeout`` bounds each read alone, so an answer held back, or
+    trickled a byte at a time, would wait on it for ever)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.fired = seconds, False
+        self._end, self._timer = time.monotonic() + seconds, None
+
+    def arm(self, conn) -> None:
+        sock = conn.sock
+
+        def cut() -> None:
+            self.fired = True
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        self.cancel()
+        self._timer = threading.Timer(max(0.0, self._end - time.monotonic()), cut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
 def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memoryview], None] | None = None,
-             *, timeout: float = 60.0, on_headers: Callable[[dict], None] | None = None) -> tuple[int, dict]:
+             *, timeout: float = 60.0, on_headers: Callable[[dict], None] | None = None,
+             deadline: float | None = None) -> tuple[int, dict]:
     """GET ``url`` and write its body to ``fd`` from ``offset`` on; ``sink`` sees each piece as it is written,
     ``on_headers`` a 2xx answer's headers (lower-case names) before the body. Returns (bytes written, those
     headers). Raises HTTPError for a non-2xx answer, IncompleteRead when the body ends early, OSError for the
-    network or the disk."""
-    conn, resp = _send("GET", url, headers, timeout)
+    network or the disk, and TimeoutError when the whole answer has not come within ``deadline`` seconds."""
+    cut = _Cut(deadline) if deadline else None
+    try:
+        return _get_into(url, headers, fd, offset, sink, timeout, on_headers, cut)
+    except (OSError, http.client.HTTPException) as e:
+        if cut is not None and cut.fired:
+            raise TimeoutError(f"no whole answer within the GET's deadline of {deadline:.0f} s") from e
+        raise
+    finally:
+        if cut is not None:
+            cut.cancel()
+
+
+def _get_into(url, headers, fd, offset, sink, timeout, on_headers, cut: _Cut | None) -> tuple[int, dict]:
+    conn, resp = _send("GET", url, headers, timeout, on_sent=cut.arm if cut is not None else None)
     hdrs = {k.lower(): v for k, v in resp.getheaders()}
     pos = [offset]
 

@@ -150,7 +150,7 @@ class S3Store(Store):
             write(chunk)
         return {k.lower(): v for k, v in r["ResponseMetadata"]["HTTPHeaders"].items()}
 
-    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None):
+    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None, deadline=None):
         from .httpget import HTTPError, get_into
 
         # a presigned URL signs only the host, so the Range header may be added (sigv4: botocore's signer)
@@ -160,7 +160,7 @@ class S3Store(Store):
         if start is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end}"
         try:
-            return get_into(url, headers, fd, offset, sink, on_headers=on_headers)
+            return get_into(url, headers, fd, offset, sink, on_headers=on_headers, deadline=deadline)
         except HTTPError as e:
             if e.http_status == 404:
                 raise FileNotFoundError(f"s3://{self.bucket}/{name}") from None

@@ -221,12 +221,12 @@ class SwiftStore(Store):
                 raise
         raise AssertionError("unreachable")
 
-    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None):
+    def fetch(self, name, fd, offset, sink=None, *, start=None, end=None, on_headers=None, deadline=None):
         from .httpget import get_into
 
         headers = {"Range": f"bytes={start}-{'' if end is None else end}"} if start is not None else {}
         return self._tokened(name, lambda url, token: get_into(url, {**headers, "X-Auth-Token": token}, fd, offset,
-                                                               sink, on_headers=on_headers))
+                                                               sink, on_headers=on_headers, deadline=deadline))
 
     def crc32(self, name, etag):
         return crc_from(self.head(name), etag)
