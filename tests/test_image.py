@@ -94,17 +94,6 @@ def test_python_3_11_and_3_12_are_accepted():
         assert c.status == want, (v, c)
 
 
-def test_doctor_passes_on_this_machine(tmp_path):
-    checks = doctor.run_checks(sys.executable, str(tmp_path))
-    bad = [c for c in checks if c.status == "fail"]
-    assert not bad, doctor.format_checks(bad)
-    by = {c.name: c for c in checks}
-    assert by["horovod build"].status == "ok" and "Gloo" in by["horovod build"].detail
-    assert by["allreduce (2 ranks)"].status == "ok"
-    if not Path("/dev/nvidia0").exists():
-        assert by["nvidia driver"].status == "skip" and "CPU node" in by["nvidia driver"].detail
-
-
 def test_node_watchdog_stops_running_jobs_before_the_vendordata_lease_end(tmp_path, said):
     run_dir = tmp_path / "runs" / "r1"
     run_dir.mkdir(parents=True)
@@ -256,6 +245,9 @@ def test_up_install_on_a_22_04_node_from_the_wheel_cache_trains_then_doctor(clou
     assert not [c for c in checks.values() if c.status == "fail"], doctor.format_checks(list(checks.values()))
     assert "/mnt/local/appliance/venv" in checks["python"].detail  # the node's own new venv
     assert checks["nic"].status == "ok"
+    assert checks["horovod build"].status == "ok" and "Gloo" in checks["horovod build"].detail
+    assert checks["allreduce (2 ranks)"].status == "ok"  # a real 2-rank horovodrun allreduce on the node
+    assert checks["nvidia driver"].status == "skip" and "CPU node" in checks["nvidia driver"].detail
 
 
 @pytest.mark.slow
