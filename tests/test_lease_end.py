@@ -13,6 +13,7 @@ import json
 import os
 import random
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -213,13 +214,16 @@ def test_a_managed_run_crosses_two_lease_ends_warm_after_its_launching_shell_is_
 
 @pytest.mark.slow
 def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_lease(cloud, reference_long,
-                                                                                         tmp_path):
+                                                                                         tmp_path, monkeypatch):
     """The fault matrix of a cold handover (appliance/killpoints.py), in one run, each controller killed with -9
     and `appliance run SPEC` typed again: the first once the handover's lease is in the run's state and before
     Blazar is asked; the second just after Blazar made it and before its answer was recorded anywhere; the third,
     which finds that lease by its recorded name and boots on it, once it holds the run's lock for the new job and
-    before the job starts. The fourth takes the run over at once (the dead controller's process is gone, and no job
-    runs on the head: no 300 s wait on the lock of a job that never started), finishes the handover on the lease
+    before the job starts; Blazar's API is away for two of its reads meanwhile (HAProxy's 503). The fourth is typed
+    on another machine (its own APPLIANCE_HOME with the cloud's credentials and key, its own pid namespace: it
+    cannot tell whether the first machine's controller lives): refused while the dead controller's lock is fresh, it
+    takes the run over once the lock is stale (a short ttl here; 300 s by default) and starts the next job within
+    2 minutes of that (no job runs on the head: no wait on the lock of a job that never started), on the lease
     already made, its downtime on the timeline, and the run ends: two leases in all (none left behind), one job at
     a time, the final weights the uninterrupted run's."""
     import signal
@@ -234,12 +238,42 @@ def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_
     spec_path = digits_spec(tmp_path, "ckctl", url="swift://ckpts/", every=50, epochs=LONG,
                             extra="lease: {duration: 1h, stop_margin: 60s}\nlimits: {node_hours: 3.5}\n")
 
+    ttl = 30  # the controllers' lock: stale 30 s after its last heartbeat (every 5 s)
+    monkeypatch.setenv("APPLIANCE_CONTROLLER_LOCK_TTL", str(ttl))
+    monkeypatch.setenv("APPLIANCE_CONTROLLER_LOCK_INTERVAL", "5")
+
     def start(kill_at: str | None = None) -> int:
         env = {**os.environ, **({"APPLIANCE_KILL_AT": kill_at} if kill_at else {})}
         p = subprocess.run([sys.executable, "-m", "appliance.cli", "run", spec_path, "--json"], capture_output=True,
                            text=True, timeout=120, env=env)
         assert p.returncode == 0, p.stderr
         return json.loads(p.stdout)["pid"]
+
+    home1 = Path(os.environ["APPLIANCE_HOME"])
+    home2 = tmp_path / "home2"  # another machine: the cloud's clouds.yaml and key pair, nothing of the run
+    home2.mkdir()
+    for name in ("localcloud", "localcloud-clock.json"):
+        (home2 / name).symlink_to(home1 / name)
+
+    def start_elsewhere() -> tuple[subprocess.Popen, float]:
+        """`appliance run SPEC` on the other machine (a pid namespace of its own, kept by its shell's sleep), typed
+        again while the lock is fresh. Returns the namespace's shell and when the controller held the run."""
+        env = {**os.environ, "APPLIANCE_HOME": str(home2)}
+        refused = 0
+        while True:
+            ns = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "sh", "-c",
+                                   f"{sys.executable} -m appliance.cli run {spec_path} --json && exec sleep 3600"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                  start_new_session=True)
+            line = ns.stdout.readline()
+            if line.startswith("{"):
+                return ns, time.time()
+            err = ns.stderr.read()
+            ns.wait()
+            assert "already has a controller" in err, err
+            refused += 1
+            assert refused < 20, err
+            time.sleep(2)  # typed again a moment later, as a user would
 
     def killed(pid: int, where: str) -> None:
         wait_for(f"the controller killed {where}", lambda: managed.gone_here(f"{socket.gethostname()}:{pid}:"))
@@ -250,6 +284,7 @@ def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_
     pid = start("lease-asked:2")  # the run's second lease: the handover's
     reader = managed._control_of("ckctl", None, "local", None)
     state = lambda: managed.read_timeline(reader) or {}  # noqa: E731
+    elsewhere = None
     try:
         cl = wait_for("the first commit", lambda: cs.committed() and find_cluster("ckctl"))
         first = cl.lease_id
@@ -257,15 +292,22 @@ def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_
         killed(pid, "with the handover's lease recorded and not asked for")
         pid = start("lease-made")
         killed(pid, "with the handover's lease made and not answered")
+        localcloud.admin("POST", "/faults", {"503 GET /reservation/v1/leases": 2})  # its lookup and its poll
         pid = start("job-lock")
         killed(pid, "with the run's lock taken for a job it never started")
-        pid = start()
+        assert localcloud.admin("POST", "/faults", {})["503 GET /reservation/v1/leases"] == 0  # asked again
+        last_beat = time.time()  # no later than its last heartbeat: the lock is stale from last_beat + ttl
+        elsewhere, took = start_elsewhere()
+        assert took >= last_beat + ttl - 6  # refused while the lock was fresh (its last heartbeat <= 5 s before)
         final = wait_for("the run to finish", lambda: (s := state()).get("status") in ("finished", "failed", "stopped")
                          and s)
         assert final["status"] == "finished", final["events"][-4:]
         ev = final["events"]
         controllers = [e for e in ev if e["event"] == "controller"]
         assert len(controllers) == 4 and [c["took_over"] for c in controllers[1:]] == [c["id"] for c in controllers[:3]]
+        assert controllers[3]["id"].split(":")[-1] != controllers[2]["id"].split(":")[-1]  # another machine's
+        started = [e for e in ev[ev.index(controllers[3]):] if e["event"] == "job"]
+        assert started and started[0]["at"] - (last_beat + ttl) < 120, (started, last_beat)
         after = ev[ev.index(controllers[3]):]  # the third took the run over at once: no wait on the dead job's lock
         assert [e["event"] for e in after if e["event"] in ("job not started", "waiting")] == ["job not started"]
         downs = [e for e in after if e["event"] == "downtime"]
@@ -283,24 +325,34 @@ def test_a_controller_killed_mid_handover_is_started_again_and_leaves_no_orphan_
         assert dt.timedelta(minutes=44) <= minutes <= dt.timedelta(minutes=46), second
         # no orphan: the run's leases are gone, the second with its cluster once the run finished
         assert [x.id for x in site.cloud.list_leases() if x.name.startswith("ckctl-") and x.status != "DELETED"] == []
-        assert find_cluster("ckctl") is None
-        jobs = runs.load("ckctl")["jobs"]
-        assert [j["status"] for j in jobs] == ["stopped", "not started", "complete"], jobs
-        ran = [jobs[0], jobs[2]]
+        jobs1 = runs.load("ckctl")["jobs"]  # the first machine's records: its job, and the one it never started
+        monkeypatch.setenv("APPLIANCE_HOME", str(home2))  # the other machine's: the run's end
+        assert find_cluster("ckctl") is None and find_cluster("ckctl_h") is None
+        jobs2 = runs.load("ckctl")["jobs"]
+        assert jobs1[0]["status"] == "stopped" and jobs2[-1]["status"] == "complete", (jobs1, jobs2)
+        ran = [jobs1[0], jobs2[-1]]
         assert ran[0]["ended"] <= ran[1]["started"]  # never two jobs at once
         assert ran[1]["first_step"] == ran[0]["last_step"]
         assert _job_sha("ckctl", ran[-1]["job_id"]) == reference_long
         # the store credential made for the job that never started went with the takeover, not a week later
+        never = [e["job_id"] for e in after if e["event"] == "job not started"][0]
         made = [r["body"]["application_credential"]["name"] for r in localcloud.admin("GET", "/requests")["requests"]
                 if r["method"] == "POST" and r["path"].endswith("/application_credentials")
-                and r["body"]["application_credential"]["name"].startswith(f"appliance-ckctl-{jobs[1]['job_id']}-")]
+                and r["body"]["application_credential"]["name"].startswith(f"appliance-ckctl-{never}-")]
         assert len(made) == 1, made  # it had one
         assert not [x for x in site.cloud.list_app_creds() if x["name"] in made]
     finally:
         if state().get("status") not in ("finished", "failed", "stopped", "cancelled"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # a failed test leaves no controller behind
-        flows.down("ckctl")
+        if elsewhere is not None:  # the other machine's namespace, and its controller if still there
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(elsewhere.pid, signal.SIGKILL)
+            elsewhere.wait()
+        for home in (home2, home1):
+            monkeypatch.setenv("APPLIANCE_HOME", str(home))
+            flows.down("ckctl")
+            flows.down("ckctl_h")
 
 
 @pytest.mark.slow

@@ -69,6 +69,24 @@ def test_every_service_is_routed():
     assert all(m.ROUTES for m in server.SERVICES.values())
 
 
+def test_a_503_fault_is_haproxys_page_for_the_requests_it_names_then_the_service_answers(api):
+    """``POST /_admin/faults {"503 GET /reservation/v1/leases": 2}``: the next two GETs under that path find no
+    backend behind HAProxy (its own HTML 503, which no client reads as JSON); a POST there and the third GET pass."""
+    call, creds = api
+    tok = token(call, creds)
+    assert call("POST", "/_admin/faults", {"503 GET /reservation/v1/leases": 2})[0] == 200
+    base = call("GET", "/identity/v3", token=tok)[1]["version"]["links"][0]["href"].split("/identity")[0]
+    for _ in range(2):
+        req = urllib.request.Request(base + "/reservation/v1/leases", headers={"X-Auth-Token": tok})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 503 and e.value.headers["Content-Type"] == "text/html"
+        assert e.value.read() == server.HAPROXY_503
+    assert call("GET", "/reservation/v1/leases", token=tok)[:2] == (200, {"leases": []})
+    st, body, hdrs = call("POST", "/_admin/faults", {})
+    assert body["503 GET /reservation/v1/leases"] == 0
+
+
 def test_tokens_are_checked_before_routing_and_errors_have_each_services_shape(api):
     call, creds = api
     st, body, _ = call("GET", "/reservation/v1/leases")

@@ -97,6 +97,8 @@ class Handler(BaseHTTPRequestHandler):
         streamed = service is glance and glance.raw_body(self.command, sub)
         body = self._body() if self.command in ("POST", "PUT", "PATCH") and not streamed else None
         self.cloud.requests.append({"method": self.command, "path": url.path, "query": query, "body": redacted(body)})
+        if unavailable(self.cloud, self.command, url.path):
+            raise _Unavailable()
         self.cloud.tick()
         if service is None:
             raise ApiError(404, f"no such service: {path}", "NotFound")
@@ -113,11 +115,43 @@ class Handler(BaseHTTPRequestHandler):
         except ApiError as e:
             service = SERVICES.get(self.path.split("/")[1], nova)
             self._send(e.code, service.error_body(e))
+        except _Unavailable:
+            self.send_response(503)
+            for k, v in (("Cache-Control", "no-cache"), ("Content-Type", "text/html"),
+                         ("Content-Length", str(len(HAPROXY_503)))):
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(HAPROXY_503)
         except Exception as e:  # pragma: no cover - a bug in the simulator
             traceback.print_exc()
             self._send(500, {"error": {"code": 500, "message": str(e)}})
 
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _handle
+
+
+# Chameleon's API endpoints sit behind HAProxy (its sites are deployed with kolla-ansible, whose loadbalancer role
+# puts HAProxy in front of every API: openstack/kolla-ansible ansible/roles/loadbalancer); when no backend of a
+# service answers (a restart, an outage) HAProxy itself answers 503 with its own HTML page (haproxy src/http.c
+# http_err_msgs, HTTP_ERR_503), which no OpenStack client can read as JSON.
+HAPROXY_503 = (b"<html><body><h1>503 Service Unavailable</h1>\nNo server is available to handle this request.\n"
+               b"</body></html>\n")
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def unavailable(cloud: Cloud, method: str, path: str) -> bool:
+    """The fault ``"503 METHOD /path/prefix": N`` (POST /_admin/faults): the next N such requests find no backend
+    behind HAProxy (one of a few seconds' outage of that service)."""
+    with cloud.lock:
+        for key, n in cloud.faults.items():
+            if n > 0 and key.startswith("503 "):
+                _, m, prefix = (key.split(" ", 2) + ["", ""])[:3]
+                if m == method and path.startswith(prefix):
+                    cloud.faults[key] = n - 1
+                    return True
+    return False
 
 
 def serve(state_dir: Path, port: int, time_scale: float, boot_seconds: float, testbed_name: str,
