@@ -239,7 +239,8 @@ def test_a_handover_survives_a_fault_at_each_step(tmp_path, monkeypatch, mode, s
     assert res is not None and res.exit_code == 0 and state["status"] == "finished", state["events"][-3:]
     assert cell.commits[-1] == TOTAL and cell.lost == 0  # every job restored the newest commit
     c = cell.cloud
-    assert not c.leases and not c.servers and not c.fips, (c.leases, c.servers, c.fips)  # nothing left, paid for
+    left = [x for x in c.leases.values() if not x.ended]  # Blazar lists ended leases, not charged, until deleted
+    assert not left and not c.servers and not c.fips, (left, c.servers, c.fips, state["events"][-6:])
     # one lease per cluster the run trains on, none made twice; warm, one more: the next lease booked as its last job
     # started (not known to be its last), not used, and gone with the run's end
     assert len(c.made) <= JOBS + (mode == "warm"), c.made
