@@ -79,11 +79,11 @@ def reconcile(ctx, control) -> list[str]:
 
 def _adopt(ctx, control, site: str | None, entry: dict, info, listed: list) -> bool:
     """A lease of the run's own cluster (RUN, or RUN_h: its next one) that an earlier controller made, on another
-    machine or killed before it recorded it, and that has started and not ended (one booked ahead, not started, is
-    deleted: nothing here would wait for it) while the record here of that cluster is of a
-    lease that is over (or there is none): it is the run's to go on on (recovery.Recovery.existing), so its record
-    here becomes that lease (lifecycle.record_lease: `up` then uses the servers made on it), it goes on the run's
-    ledger, and it is kept. ``listed``: the run's leases at the site. False: not adopted."""
+    machine or killed before it recorded it, that has started and not ended (one booked ahead, not started, is
+    deleted: nothing here would wait for it), while the record here of that cluster is of a lease that is over (or
+    there is none): it is the run's to go on on (recovery.Recovery.existing), so its record here becomes that lease
+    (lifecycle.record_lease: `up` then uses the servers made on it), it goes on the run's ledger, and it is kept.
+    ``listed``: the run's leases at the site. False: not adopted."""
     from .handover import other_name
 
     name, run = entry.get("cluster") or "", ctx.spec.name
