@@ -246,7 +246,7 @@ def test_a_handover_survives_a_fault_at_each_step(tmp_path, monkeypatch, mode, s
     assert len(c.made) <= JOBS + (mode == "warm"), c.made
     assert set(c.made) <= set(state.get("leases") or {}), (c.made, state.get("leases"))  # each on the ledger
     events = [e["event"] for e in state["events"]]
-    if kind == "away":
+    if kind != "kill":  # the run waited for the cloud, and said so
         assert "cloud away" in events and events.index("cloud away") < events.index("cloud back"), events
     if kind == "kill":
         assert any(e["event"] == "controller" and e.get("took_over") for e in state["events"]), events
