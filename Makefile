@@ -25,7 +25,7 @@ PYTHON312 ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python3.1
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 
 .PHONY: help install system-deps wheel-py312 gpu-wheel deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \
-	image image-lint bench-scale bench-scale-light bench-resume bench-stream digits-data
+	image image-lint bench-scale bench-scale-light bench-resume bench-ettr bench-stream digits-data
 
 help:
 	@echo "make deploy   install, local cloud, digits to its store, up 2 nodes, stage, appliance run across two lease ends, down"
@@ -37,6 +37,7 @@ help:
 	@echo "              deadline -> commit, steps lost at lease end), bench-scale (up, stage, launch,"
 	@echo "              down on 2-16 nodes; bench-scale-light: 16-64 nodes, no TensorFlow in the job),"
 	@echo "              bench-resume (a resume's downtime by phase; cold vs warm handover, 15-min boot),"
+	@echo "              bench-ettr (a 4-lease managed run's ETTR, cold and warm, 7-day leases modelled),"
 	@echo "              bench-stream (stream mode vs local disk, the link shaped around the training's demand);"
 	@echo "              results in bench/results"
 	@echo "make image    the GPU appliance image with diskimage-builder (docs/image.md)"
@@ -180,6 +181,10 @@ bench-scale-light: install
 bench-resume: digits-data
 	$(PY) examples/lease_demo.py examples/digits.yaml --record bench/results
 	$(PY) bench/handover_bench.py bench/results
+
+# a managed run's ETTR over 4 leases, cold and warm, Chameleon's 15-min boot modelled (the local cloud's clock jumps)
+bench-ettr: digits-data
+	$(PY) bench/ettr_bench.py bench/results
 
 bench: bench-train bench-stage bench-ckpt bench-scale bench-resume
 

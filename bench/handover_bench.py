@@ -19,6 +19,7 @@ other phases as measured (they are this machine's CPU and network, not the cloud
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -35,12 +36,12 @@ CLEAN_S = 15.0  # and a node's cleaning after its server's delete (Chameleon's l
 CMD = "make bench-resume  # python bench/handover_bench.py bench/results"
 
 
-def spec_text(name: str, overlap: str) -> str:
+def spec_text(name: str, overlap: str, epochs: int = 80) -> str:
     return f"""name: {name}
 cloud: local
 nodes: {{count: 2, node_type: compute_local, slots: 1}}
 image: appliance-cpu
-train: {{code: {ROOT / 'examples' / 'digits'}, command: python train.py --epochs 80, start_timeout: 60}}
+train: {{code: {ROOT / 'examples' / 'digits'}, command: python train.py --epochs {epochs}, start_timeout: 60}}
 dataset: {{source: swift://digits-data/v1/, dest: data/digits, mode: full}}
 lease: {{duration: 12h, stop_margin: 20s, overlap: {overlap}}}
 checkpoint: {{url: swift://checkpoints/, every_steps: 50, keep: 2}}
@@ -59,7 +60,7 @@ def wait_for(what: str, cond, timeout: float = 600.0):
 
 def one(name: str, overlap: str, work: Path) -> dict:
     """One managed run through one lease end; the handover's downtime by phase, and the checkpoint's bytes."""
-    from appliance import flows, localcloud, sites
+    from appliance import flows, sites
     from appliance.cluster import find_cluster
     from appliance.flows import managed
     from appliance.store.checkpoints import CheckpointStore
@@ -76,16 +77,8 @@ def one(name: str, overlap: str, work: Path) -> dict:
     events = lambda kind: [e for e in (managed.read_timeline(reader) or {}).get("events", [])  # noqa: E731
                            if e["event"] == kind]
     wait_for("the first commit", lambda: cs.committed() and events("job"))
-    cl = find_cluster(events("job")[-1]["cluster"])
-
-    def left() -> float:
-        info, now = site.cloud.lease_at(cl.lease_id)
-        return (info.end - now).total_seconds()
-
-    localcloud.admin("POST", "/advance", {"seconds": left() - 6 * 3600})
-    if overlap != "0s":
-        wait_for("the next cluster", lambda: events("next cluster ready") or events("next cluster failed"))
-    localcloud.admin("POST", "/advance", {"seconds": left() - 9 * 60})
+    to_lease_end(site, find_cluster(events("job")[-1]["cluster"]), overlap != "0s",
+                 lambda: events("next cluster ready") or events("next cluster failed"))
     down = wait_for("the handover's downtime", lambda: events("downtime"), timeout=900)[0]
     t.join(timeout=900)
     flows.down(name)
@@ -96,6 +89,21 @@ def one(name: str, overlap: str, work: Path) -> dict:
             "finished": bool(result.get("res") and result["res"].exit_code == 0)}
 
 
+def to_lease_end(site, cl, warm: bool, ready) -> None:
+    """The local cloud's clock to 6 hours before the end of ``cl``'s lease, then (``warm``: once ``ready()``, its
+    next cluster made) to 9 minutes before it: the job stops there with a commit, and the handover follows."""
+    from appliance import localcloud
+
+    def left() -> float:
+        info, now = site.cloud.lease_at(cl.lease_id)
+        return (info.end - now).total_seconds()
+
+    localcloud.admin("POST", "/advance", {"seconds": left() - 6 * 3600})
+    if warm:
+        wait_for("the next cluster", ready)
+    localcloud.admin("POST", "/advance", {"seconds": left() - 9 * 60})
+
+
 def _reader(managed, name):
     try:
         c = managed._control_of(name, None, "local", None)
@@ -104,22 +112,31 @@ def _reader(managed, name):
         return None
 
 
-def main() -> int:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "bench" / "results")
-    with tempfile.TemporaryDirectory(prefix="appliance-handover-") as home:
+@contextlib.contextmanager
+def bench_cloud(prefix: str):
+    """A local cloud of its own (a temporary APPLIANCE_HOME; clock SCALE, boot BOOT_S, cleaning CLEAN_S) with the
+    digits data in its store (DIGITS_DATA, else build/digits-data); yields a directory for the specs."""
+    data = Path(os.environ.get("DIGITS_DATA") or ROOT / "build" / "digits-data")
+    with tempfile.TemporaryDirectory(prefix=prefix) as home:
         os.environ["APPLIANCE_HOME"] = home
         os.environ["APPLIANCE_CONTROLLER_POLL"] = "1"  # the controller looks at the next lease every second
         from appliance import flows, localcloud
 
         localcloud.start(time_scale=SCALE, boot_seconds=BOOT_S, clean_seconds=CLEAN_S)
         try:
-            flows.data_upload(str(ROOT / "build" / "digits-data"), "swift://digits-data/v1/", cloud="local")
+            flows.data_upload(str(data), "swift://digits-data/v1/", cloud="local")
             work = Path(home) / "specs"
             work.mkdir()
-            cold = one("handover-cold", "0s", work)
-            warm = one("handover-warm", "359m", work)
+            yield work
         finally:
             localcloud.stop()
+
+
+def main() -> int:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "bench" / "results")
+    with bench_cloud("appliance-handover-") as work:
+        cold = one("handover-cold", "0s", work)
+        warm = one("handover-warm", "359m", work)
     write(out, cold, warm)
     return 0 if cold["finished"] and warm["finished"] and warm["warm"] else 1
 

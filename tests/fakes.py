@@ -25,6 +25,8 @@ def _effect(fn):
     def wrapper(self, *a, **k):
         out = fn(self, *a, **k)
         self.called[fn.__name__].set()
+        if self.hook is not None:  # after the effect: a lost answer, a kill before it was recorded
+            self.hook(fn.__name__, "answer")
         return out
     return wrapper
 
@@ -42,11 +44,20 @@ class FakeCloud:
     called: defaultdict = field(default_factory=lambda: defaultdict(threading.Event))  # verb -> set once it took effect
     tried: defaultdict = field(default_factory=lambda: defaultdict(threading.Event))  # verb -> set once asked (faults too)
     no_valid_host: int = 0  # the next this many servers go to ERROR "No valid host" (their host is being cleaned)
+    # Blazar ends a lease at its end date (TERMINATED, as it is read), and a lease's end or delete deletes the
+    # servers on its reservation (ChameleonCloud/blazar blazar/plugins/oshosts/host_plugin.py on_end); off: a lease
+    # stays as it was made
+    ends: bool = False
+    made: list = field(default_factory=list)  # the id of every lease Blazar made, in order
+    # hook(verb, "ask" | "answer"): told before a call takes effect and after (the fault matrix: it may raise)
+    hook: object = None
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def _call(self, verb: str, *args):
         self.calls.append((verb, args))
         self.tried[verb].set()
+        if self.hook is not None:
+            self.hook(verb, "ask")
         fault = self.faults.pop(verb, None)
         if isinstance(fault, Exception):
             raise fault
@@ -107,12 +118,26 @@ class FakeCloud:
         self.leases[lid] = LeaseInfo(lid, name, "PENDING" if begin > self.clock else "ACTIVE", begin, begin + duration,
                                      self._id("res"), self._id("fipres") if floating_ip else None, False,
                                      node_type=node_type, hosts=count)
+        self.made.append(lid)
         return self.leases[lid]
+
+    def _ended(self, info) -> None:
+        if self.ends and info.status in ("ACTIVE", "PENDING") and self.clock >= info.end:
+            info.status = "TERMINATED"
+            self._servers_go(info.reservation_id)
+
+    def _servers_go(self, reservation_id) -> None:
+        if self.ends:
+            for sid in [s.id for s in self.servers.values() if s.metadata.get("appliance_reservation") ==
+                        reservation_id]:
+                self.servers.pop(sid)
 
     @_effect
     def get_lease(self, lease_id):
         self._call("get_lease", lease_id)
         info = self.leases.get(lease_id)
+        if info is not None:
+            self._ended(info)
         if info is not None and info.status == "PENDING" and self.clock >= info.start:
             info.status = "ACTIVE"  # Blazar starts it at its start date
         return info
@@ -121,6 +146,8 @@ class FakeCloud:
         return self.get_lease(lease_id), self.clock.replace(microsecond=0)  # an HTTP Date: whole seconds
 
     def list_leases(self):
+        for info in self.leases.values():
+            self._ended(info)
         return list(self.leases.values())
 
     hosts: dict = field(default_factory=lambda: {"compute_local": (4, 1.0), "gpu_local": (2, 1.0)})
@@ -128,8 +155,14 @@ class FakeCloud:
     def node_type_hosts(self, node_type):
         return self.hosts.get(node_type, (0, 1.0))
 
+    @_effect
     def wait_lease(self, lease_id, **kw):
+        self._call("wait_lease", lease_id)
         return self.leases[lease_id]
+
+    def server_host_keys(self, server_id):
+        self._call("server_host_keys", server_id)
+        return [f"ssh-ed25519 AAAAfake{server_id}"]
 
     @_effect
     def extend_lease(self, lease_id, *, by=None, to=None):
@@ -141,7 +174,10 @@ class FakeCloud:
     @_effect
     def delete_lease(self, lease_id) -> bool:
         self._call("delete_lease", lease_id)
-        return self.leases.pop(lease_id, None) is not None
+        info = self.leases.pop(lease_id, None)
+        if info is not None:
+            self._servers_go(info.reservation_id)
+        return info is not None
 
     @_effect
     def ensure_keypair(self, name, public_key):
@@ -185,8 +221,13 @@ class FakeCloud:
     def attach_floating_ip(self, server_id, *, fip_reservation_id=None):
         self._call("attach_floating_ip", server_id, fip_reservation_id)
         fid = self._id("fip")
-        self.fips[fid] = SimpleNamespace(id=fid, floating_ip_address=f"192.0.2.{len(self.fips) + 1}")
+        self.fips[fid] = SimpleNamespace(id=fid, floating_ip_address=f"192.0.2.{len(self.fips) + 1}",
+                                         server_id=server_id)
         return self.fips[fid]
+
+    def server_floating_ip(self, server_id):
+        self._call("server_floating_ip", server_id)
+        return next((f for f in self.fips.values() if f.server_id == server_id), None)
 
     @_effect
     def release_floating_ip(self, fip_id):

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..cluster import Cluster
-from ..errors import ApplianceError
+from ..errors import ApplianceError, Unavailable
 from ..node.stage import _fmt_bytes
 from ..protocol import Line, parse
 from ..remote import Session
@@ -62,6 +62,7 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
     progress: dict[str, dict] = {}
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
+    unanswered: set[str] = set()  # nodes whose error was the store not answering (the node's word)
     lock = threading.Lock()
 
     def show():
@@ -87,6 +88,8 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
                 results[node.name] = body
             elif kind == Line.ERROR:
                 errors[node.name] = body["message"] + (f" (fix: {body['fix']})" if body.get("fix") else "")
+                if body.get("unavailable"):
+                    unanswered.add(node.name)
             else:
                 say(f"[stage] {node.name}: {body}")
 
@@ -101,9 +104,9 @@ def stage_cluster(cluster: Cluster, url: str, dest: str, *, mode: str = "full", 
         with ThreadPoolExecutor(max_workers=len(remotes)) as ex:
             for f in [ex.submit(run, i, r) for i, r in enumerate(remotes)]:
                 f.result()
-    if errors:
+    if errors:  # Unavailable when every node's store did not answer: the same staging later may well work
         name, msg = sorted(errors.items())[0]
-        raise ApplianceError(f"staging failed on {name}: {msg}"
+        raise (Unavailable if unanswered >= set(errors) else ApplianceError)(f"staging failed on {name}: {msg}"
                              + (f" (and on {len(errors) - 1} other node(s))" if len(errors) > 1 else ""))
     wall = time.monotonic() - t0
     for name, r in sorted(results.items()):

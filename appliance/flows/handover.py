@@ -28,7 +28,7 @@ import time
 
 from .. import report
 from ..cluster import Cluster, find_cluster
-from ..errors import ApplianceError, NoHosts
+from ..errors import ApplianceError, NoHosts, Unanswered, Unavailable
 from ..provision import lifecycle
 from ..sites.lease import Lease
 from ..sites.openstack_api import EXTENSION_WINDOW
@@ -91,6 +91,7 @@ class Warm:
         self.phases: dict[str, float] = {}
         self.booked: tuple[str, object] | None = None  # the next lease booked: (its id, its site)
         self.waiting = False  # waiting for the moment to book (lease.book_ahead; with lease.extend, to extend first)
+        self.away: str | None = None  # the cloud does not answer its making now: the error (_patiently)
         self._stop = threading.Event()
         self._hurry = threading.Event()  # the handover came before that moment: book now
         self._nudge = threading.Event()  # wakes that wait: stopped, or hurried
@@ -119,32 +120,7 @@ class Warm:
                     return  # stopped while it waited to extend
             elif not self._due():
                 return  # stopped while it waited to book
-            start = self._start_date()
-            if self.plan is not None:
-                length, why = self.plan.lease_length(start)
-                if length is None:
-                    self.record("no next lease", cluster=self.name, reason=why)
-                    log.info(f"[run] no next lease is booked: the run has reached {why}")
-                    return
-                spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=f"{length // 60}m"))
-            site, spec, booked = self._book(spec, start)
-            self.booked = (booked.lease_id, site)
-            self.record("next lease", cluster=self.name, lease_id=booked.lease_id, node_type=spec.nodes.node_type,
-                        **({"site": self.choice.site} if self.choice.site else {}),
-                        start=start.isoformat() + "Z" if start else "now")
-            info = Lease(site.cloud, booked.lease_id).until_active(self._stop.is_set,
-                                                                  lambda: self._stop.wait(self.poll))
-            if self._stop.is_set():
-                return
-            if info is None or info.status != "ACTIVE":
-                raise ApplianceError(f"the next lease {booked.lease_id} is {info.status if info else 'gone'}")
-            cluster = self.up(site, spec, timings=self.phases)
-            if spec.dataset is not None:
-                self.stage(self.ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode)
-            self.cluster = cluster
-            self.record("next cluster ready", cluster=self.name, phases={k: round(v, 2) for k, v in
-                                                                         self.phases.items()})
-            log.info(f"[run] the next cluster {self.name} is up and staged: the handover will not wait for a boot")
+            self._patiently(lambda: self._made(spec))
         except Exception as e:  # noqa: BLE001 - the handover is cold then; said, and on the timeline
             why = f"{type(e).__name__}: {e}" if not isinstance(e, ApplianceError) else str(e)
             log.info(f"[run] the next cluster was not made ({why}); the handover at the lease end will be cold")
@@ -152,6 +128,61 @@ class Warm:
         finally:
             self._done.set()
             self._wake.set()
+
+    def _made(self, spec) -> None:
+        """The next lease booked (once: asked again, it is found by its name), waited for, its cluster up and staged."""
+        start = self._start_date()
+        if self.plan is not None:
+            length, why = self.plan.lease_length(start)
+            if length is None:
+                self.record("no next lease", cluster=self.name, reason=why)
+                log.info(f"[run] no next lease is booked: the run has reached {why}")
+                return
+            spec = dataclasses.replace(spec, lease=dataclasses.replace(spec.lease, duration=f"{length // 60}m"))
+        site, spec, booked = self._book(spec, start)
+        if self.booked is None:
+            self.record("next lease", cluster=self.name, lease_id=booked.lease_id, node_type=spec.nodes.node_type,
+                        **({"site": self.choice.site} if self.choice.site else {}),
+                        start=start.isoformat() + "Z" if start else "now")
+        self.booked = (booked.lease_id, site)
+        info = Lease(site.cloud, booked.lease_id).until_active(self._stop.is_set, lambda: self._stop.wait(self.poll))
+        if self._stop.is_set():
+            return
+        if info is None or info.status != "ACTIVE":
+            raise ApplianceError(f"the next lease {booked.lease_id} is {info.status if info else 'gone'}")
+        cluster = self.up(site, spec, timings=self.phases)
+        if spec.dataset is not None:
+            self.stage(self.ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode)
+        self.cluster = cluster
+        self.record("next cluster ready", cluster=self.name, phases={k: round(v, 2) for k, v in self.phases.items()})
+        log.info(f"[run] the next cluster {self.name} is up and staged: the handover will not wait for a boot")
+
+    def _patiently(self, step) -> None:
+        """``step()`` through the control plane's bad hours, as the recovery strategy's (recovery.CLOUD_WAIT): a
+        step the cloud does not answer (Unavailable, Unanswered) is asked again from the top after a wait, each
+        longer, until it is made or the Warm is abandoned; the wait is on the timeline ("cloud away", "cloud
+        back"), and the handover that meets it waits in status waiting (ready). Every step finds what the one
+        before made (the lease by its name, the servers by theirs), so nothing is made twice."""
+        from .recovery import CLOUD_WAIT  # recovery imports this module
+
+        since, delay = None, CLOUD_WAIT[0]
+        while not self._stop.is_set():
+            try:
+                step()
+            except (Unavailable, Unanswered) as e:
+                if since is None:
+                    since = time.monotonic()
+                    log.info(f"[run] the cloud does not answer as the next cluster is made ({e.message}); asking "
+                             "again")
+                    self.record("cloud away", cluster=self.name, error=e.message[:300])
+                self.away = e.message
+                self._stop.wait(delay)
+                delay = min(2 * delay, CLOUD_WAIT[1])
+                continue
+            if since is not None:
+                self.away = None
+                self.record("cloud back", cluster=self.name, waited_s=round(time.monotonic() - since, 1))
+            return
 
     def _book(self, spec, start):
         """The next lease booked: of the spec's node type at its site, else (Blazar has not the hosts then: the
@@ -239,10 +270,14 @@ class Warm:
         ``control``: the run's controller: a cancel (its ``changed`` event) ends the wait at once, and the booking
         goes."""
         wake = self._wake = control.changed if control is not None else self._done
+        said = False
         while not self._done.is_set():
             if control is not None and (control.cancel is not None or control.lost):
                 self.abandon()
                 return None
+            if self.away is not None and control is not None and not said:  # the run waits for the cloud
+                said = True
+                control.waiting(error=self.away[:300], cluster=self.name)
             if (why := self.far()) is not None:
                 self.record("next lease abandoned", cluster=self.name, reason=why)
                 log.info(f"[run] {why}: not waited for; its booking goes, and the run goes on on a new lease now")

@@ -12,11 +12,13 @@ under the names this run recorded, at the sites it recorded.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 
 from .. import report
 from ..cluster import find_cluster
 from ..errors import ApplianceError
+from ..provision import lifecycle
 from .runcluster import leases_in_state
 
 log = report.get(__name__)
@@ -68,6 +70,9 @@ def reconcile(ctx, control, ledger=None) -> list[str]:
                                  site if site != ctx.spec.site else None)
                 if info.id in used:  # the record's lease, or the one its `up` asked for by name and will use
                     continue
+                if _adopt(ctx, control, site, asked[name], info, listed):
+                    used.add(info.id)
+                    continue
                 log.info(f"[run] lease {info.name} ({info.id}{f' at {site}' if site else ''}) was asked for by an "
                          "earlier controller of the run and nothing here uses it: deleting it")
                 cloud.delete_lease(info.id)
@@ -88,3 +93,38 @@ def _now(cloud):
         return cloud.now()
     except Exception:  # noqa: BLE001 - a read after a delete that worked: the next refresh has it
         return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+
+
+def _adopt(ctx, control, site: str | None, entry: dict, info, listed: list) -> bool:
+    """A lease of the run's own cluster (RUN, or RUN_h: its next one) that an earlier controller made, on another
+    machine or killed before it recorded it, that has started and not ended (one booked ahead, not started, is
+    deleted: nothing here would wait for it), while the record here of that cluster is of a lease that is over (or
+    there is none): it is the run's to go on on (recovery.Recovery.existing), so its record here becomes that lease
+    (lifecycle.record_lease: `up` then uses the servers made on it), it goes on the run's ledger, and it is kept.
+    ``listed``: the run's leases at the site. False: not adopted."""
+    from .handover import other_name
+
+    name, run = entry.get("cluster") or "", ctx.spec.name
+    if name not in (run, other_name(run, run)) or getattr(info, "status", None) != "ACTIVE":
+        return False
+    where = ctx.at(site)
+    now = where.cloud.now()
+    running = {x.id for x in listed if not x.over(now)}
+    if info.id not in running:
+        return False
+    rec = find_cluster(name)
+    if rec is not None and (rec.lease_id in running or not rec.lease_id and rec.site.lease_name):
+        return False  # the record here is of a lease that runs, or is being asked for: that one is the cluster's
+    try:
+        if rec is not None:  # what is left of its cluster on the lease that is over (a floating IP) goes first
+            lifecycle.down(name, where)
+        lifecycle.record_lease(where, dataclasses.replace(ctx.spec, name=name, site=site or ctx.spec.site), info)
+    except ApplianceError as e:  # looked at again by the next controller (or after the cloud's next outage)
+        log.info(f"[run] warning: lease {info.name} ({info.id}) of cluster {name} is not taken on here ({e.message})")
+        return True
+    log.info(f"[run] lease {info.name} ({info.id}{f' at {site}' if site else ''}) of run {run}'s cluster {name}, made "
+             "by an earlier controller, still runs: the run goes on with it")
+    control.record("lease adopted", lease_id=info.id, name=info.name, cluster=name)
+    if control.on_ask is not None:  # into the run's ledger of node-hours, with its asked entry answered
+        control.on_ask(info.name, {**entry, "lease_id": info.id}, info)
+    return True

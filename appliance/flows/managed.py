@@ -301,8 +301,12 @@ class _Run:
         return RunStatus.STOPPED if (res.stopped or {}).get("committed") else RunStatus.FAILED
 
     def resume(self, **kw) -> JobResult | None:
-        return steps.resume(self.spec.name, spec=self.spec, ctx=self.ctx, out=self.out, control=self.control,
-                            on_ask=self.asking, **kw)
+        """A resume of the run, through the control plane's bad hours (recovery.Recovery.patiently): a step of it the
+        cloud or the store does not answer (its cluster's lease, boot, staging) is a wait, then the resume again;
+        each of its steps finds what the one before made (the cluster, the data staged)."""
+        return self.recovery.patiently(lambda: steps.resume(self.spec.name, spec=self.spec, ctx=self.ctx,
+                                                            out=self.out, control=self.control, on_ask=self.asking,
+                                                            **kw))
 
     def loop(self) -> JobResult | None:
         spec, control = self.spec, self.control
@@ -365,7 +369,8 @@ class _Run:
                 lifecycle.down(old, site)  # the strategy takes down the one named RUN itself
         self.handing_over = {"warm": nxt is not None}
         choice = warm.choice if nxt is not None else None
-        res = self.resume(acquire=lambda phases: self.recovery.next_cluster(phases, nxt, choice, ended=old))
+        ended = self.recovery.ended_lease(old)  # its lease, as the resume may be asked again (Recovery.patiently)
+        res = self.resume(acquire=lambda phases: self.recovery.next_cluster(phases, nxt, choice, ended=ended))
         if gone is not None:
             gone.join()
         if res is not None and res.resume_breakdown and self.handing_over is not None:  # no first step was made

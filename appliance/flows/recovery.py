@@ -51,11 +51,20 @@ class Recovery:
         timeline, with the error), looks again after CLOUD_WAIT[0] seconds, doubling to CLOUD_WAIT[1], and goes on
         by itself once the cloud answers ("cloud back"), then deletes the leases it asked for meanwhile that nothing
         uses (leases.reconcile). A cancel ends the wait at once. Every step is asked again from the top: each is
-        idempotent (a lease or cluster of the run's name is found, not made twice)."""
+        idempotent (a lease or cluster of the run's name is found, not made twice). ``ended``: the lease whose job
+        ended with it (``ended_lease``); the lease, not its cluster's name, is passed over: a look again after a lost
+        answer finds the record under that name holding the lease just asked for, which is used, not taken down and
+        asked again."""
+        return self.patiently(lambda: self._next(phases, made, choice, ended))
+
+    def patiently(self, step):
+        """``step()``, through the control plane's bad hours (next_cluster says how), and its result; None when the
+        run is cancelled or its controller lost the run meanwhile. A managed run's resume goes through it whole too
+        (managed._Run.resume): a staging whose store did not answer is a wait, then the resume again."""
         c, away, delay = self.run.control, None, CLOUD_WAIT[0]
         while True:
             try:
-                got = self._next(phases, made, choice, ended)
+                got = step()
             except (Unavailable, Unanswered) as e:
                 if c.cancel is not None or c.lost:
                     return None
@@ -79,7 +88,7 @@ class Recovery:
               ended: str | None) -> tuple[Cluster, str] | None:
         """The cluster the run goes on on, and the node type its job runs as (the order above): ``made``, the one
         made while the job trained (booked for ``choice``: None, the spec's own); else one the run has
-        (``ended``: the one whose job just ended with its lease, never); else one on a new lease. Its lease and
+        (not the one on the lease ``ended``: its job just ended with it); else one on a new lease. Its lease and
         boot go into ``phases`` (the resume's downtime). None: the run is cancelled, parks, or has reached a limit
         (said)."""
         c = self.run.control
@@ -96,9 +105,9 @@ class Recovery:
         The one a Warm of the run makes now is left to it. None: none is usable."""
         run, spec = self.run, self.run.spec
         mine = (spec.name, other_name(spec.name, spec.name))
-        skip = {ended, run.warm.name if run.warm is not None else None}
+        warm = run.warm.name if run.warm is not None else None
         found = [(self.left(cl), cl) for n in dict.fromkeys((run.current, *mine))
-                 if n and n not in skip and (cl := find_cluster(n)) is not None]
+                 if n and n != warm and (cl := find_cluster(n)) is not None and not (ended and cl.lease_id == ended)]
         got = None
         for left, cl in sorted(found, key=lambda x: -(x[0] or 0.0)):
             if got is None and (left or 0.0) > 2 * duration_seconds(spec.lease.stop_margin):
@@ -108,6 +117,13 @@ class Recovery:
             if left is not None and cl.name in mine:
                 self.down(cl.name)
         return got
+
+    @staticmethod
+    def ended_lease(name: str | None) -> str | None:
+        """The lease of the cluster recorded as ``name`` (whose job just ended with it), for next_cluster's
+        ``ended``; None: none."""
+        cl = find_cluster(name) if name else None
+        return cl.lease_id if cl is not None else None
 
     def left(self, cl: Cluster) -> float | None:
         """Real seconds the run can train on ``cl`` from now (by the cloud's clock): its lease's time left while it
@@ -123,6 +139,8 @@ class Recovery:
         try:
             info, now = site.cloud.lease_at(cl.lease_id)
             return (info.end - now).total_seconds() / site.time_scale() if info and info.status == "ACTIVE" else 0.0
+        except (Unavailable, Unanswered):  # not an answer: the strategy waits (next_cluster), it takes nothing down
+            raise
         except Exception:  # noqa: BLE001
             return None
 

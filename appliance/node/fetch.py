@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from ..errors import ApplianceError
+from ..errors import ApplianceError, Unavailable
 from ..store.objects import Crc32, ObjectInfo, Store, crc32_combine, crc_from, md5_range, segmented, slo_etag
 from ..store.parts import guesses, layout, multipart_etag, part_count
 
@@ -192,9 +192,10 @@ class _Threads:
             self.got.retries += 1
             self.got.corrupt_refetched += corrupt
         part.unlink(missing_ok=True)
-        if attempt == self.job.retries:
-            raise ApplianceError(f"could not fetch {o.name!r} after {self.job.retries + 1} tries ({err})",
-                                 "check the object store; re-running stage resumes where it stopped")
+        if attempt == self.job.retries:  # the store not answering (not bytes that came damaged): Unavailable
+            raise (ApplianceError if corrupt else Unavailable)(
+                f"could not fetch {o.name!r} after {self.job.retries + 1} tries ({err})",
+                "check the object store; re-running stage resumes where it stopped")
 
     def one(self, o: ObjectInfo, pool: ThreadPoolExecutor, journal: int) -> None:
         """Fetch, check and place ``o``: a damaged or failed try again after a backoff, up to ``job.retries``."""

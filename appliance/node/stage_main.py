@@ -17,7 +17,7 @@ import sys
 sys.modules.setdefault("keystoneclient", None)
 
 from .. import report  # noqa: E402
-from ..errors import ApplianceError  # noqa: E402
+from ..errors import ApplianceError, Unavailable  # noqa: E402
 from ..protocol import Line, emit  # noqa: E402
 from ..store.objects import StoreCreds, StoreRefused, open_store, swift_fallback, unreachable  # noqa: E402
 from .stage import stage  # noqa: E402
@@ -54,12 +54,12 @@ def _main() -> int:
             res = stage(fb[0], fb[1], job["dest"], mode=job["mode"], rank=job["rank"], nodes=job["nodes"],
                         concurrency=job.get("concurrency", 16), progress=progress,
                         keep_names=job.get("keep_names", False), keep_extra=job.get("keep_extra", False))
-    except ApplianceError as e:
-        emit(Line.ERROR, {"message": e.message, "fix": e.fix})
+    except ApplianceError as e:  # "unavailable": the store did not answer (the same staging later may work)
+        emit(Line.ERROR, {"message": e.message, "fix": e.fix, "unavailable": isinstance(e, Unavailable)})
         return 1
     except Exception as e:
         said = unreachable(store, e) if store is not None else None
-        emit(Line.ERROR, {"message": said.message, "fix": said.fix} if said else
+        emit(Line.ERROR, {"message": said.message, "fix": said.fix, "unavailable": True} if said else
              {"message": f"{type(e).__name__}: {e}", "fix": None})
         return 1
     emit(Line.STAGED, res.as_dict())

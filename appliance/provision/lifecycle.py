@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import killpoints, paths, report
 from ..cluster import Cluster, Node, SiteRecord, delete_cluster, find_cluster, load_cluster, state_path
-from ..errors import ApplianceError, NoHosts, Unanswered
+from ..errors import ApplianceError, NoHosts, Unanswered, Unavailable
 from ..remote import HostKeyMismatch, KeyRefused, Session
 from ..sites import Site, for_cluster
 from ..sites.openstack import RESERVATION_KEY, fmt_date
@@ -73,11 +73,7 @@ def _leased(site: Site, spec: Spec, key, *, lease_id: str | None = None, start: 
             delete_cluster(spec.name)
             cluster = None
     if cluster is None:
-        cluster = Cluster(name=spec.name, cloud=site.kind, nodes=[], key_file=key.file,
-                          known_hosts=str(paths.clusters_dir() / f"{spec.name}.known_hosts"), python=site.python,
-                          spec_digest=spec.digest,
-                          site=SiteRecord(region=spec.site, key_name=key.name, key_file=key.file,
-                                          spec_path=spec.path))
+        cluster = _new_record(site, spec, key)
     lid = lease_id or spec.lease.lease_id or cluster.lease_id
     if lid is None:
         asked = {"cluster": spec.name, "site": spec.site, "node_type": spec.nodes.node_type,
@@ -121,6 +117,27 @@ def _leased(site: Site, spec: Spec, key, *, lease_id: str | None = None, start: 
     cluster.site.fip_reservation_id = info.fip_reservation_id
     cluster.save()
     return cluster, info
+
+
+def _new_record(site: Site, spec: Spec, key) -> Cluster:
+    return Cluster(name=spec.name, cloud=site.kind, nodes=[], key_file=key.file,
+                   known_hosts=str(paths.clusters_dir() / f"{spec.name}.known_hosts"), python=site.python,
+                   spec_digest=spec.digest, site=SiteRecord(region=spec.site, key_name=key.name, key_file=key.file,
+                                                            spec_path=spec.path))
+
+
+def record_lease(site: Site, spec: Spec, info) -> Cluster:
+    """Cluster ``spec.name``'s record on the lease ``info``, which an `up` of it on another machine (a managed run's
+    controller there, gone) made: `up` of the same spec then goes on on that lease, and uses the servers that `up`
+    asked for on it (found by name and reservation: _adopt_unrecorded) rather than asking for more. A record here of
+    the same name, of another lease, is replaced."""
+    cluster = _new_record(site, spec, site.login_key(spec.key_name, spec.key_file))
+    cluster.site.lease_name = info.name
+    cluster.lease_id, cluster.reservation_id = info.id, info.reservation_id
+    cluster.site.fip_reservation_id = info.fip_reservation_id
+    cluster.lease_end = info.end.isoformat() + "Z"
+    cluster.save()
+    return cluster
 
 
 def _adopt_unrecorded(c, spec: Spec, reservation_id: str, servers: dict[str, str]) -> None:
@@ -402,8 +419,9 @@ def up(site: Site, spec: Spec, *, lease_id: str | None = None, ssh_timeout: floa
         node.via_head = node is not cluster.nodes[0]
     # 3. floating IP on the head
     head = cluster.nodes[0]
-    if not cluster.floating_ip:
-        fip = c.attach_floating_ip(head.server_id, fip_reservation_id=cluster.site.fip_reservation_id)
+    if not cluster.floating_ip:  # one on the head already: an attach whose answer was lost (not asked for twice)
+        fip = c.server_floating_ip(head.server_id) or \
+            c.attach_floating_ip(head.server_id, fip_reservation_id=cluster.site.fip_reservation_id)
         cluster.floating_ip = fip.floating_ip_address
         cluster.site.fip_id = fip.id
         cluster.save()
@@ -519,10 +537,10 @@ def down(name: str, site: Site | None = None) -> list[str]:
     cluster = load_cluster(name)
     try:
         done = _take_down(cluster, (site or _site_of(cluster)).cloud)
-    except ApplianceError as e:
-        raise ApplianceError(f"cluster {name} is not all gone: {e.message}",
-                             f"{e.fix + '; then ' if e.fix else ''}run `appliance down {name}` again: its record "
-                             "is kept, and it deletes what is left") from None
+    except ApplianceError as e:  # a cloud that does not answer stays Unavailable: a managed run waits for it
+        raise (Unavailable if isinstance(e, (Unavailable, Unanswered)) else ApplianceError)(
+            f"cluster {name} is not all gone: {e.message}", f"{e.fix + '; then ' if e.fix else ''}run `appliance "
+            f"down {name}` again: its record is kept, and it deletes what is left") from None
     delete_cluster(name)
     for suffix in (".known_hosts", ".id_ed25519", ".id_ed25519.pub"):
         (paths.clusters_dir() / f"{name}{suffix}").unlink(missing_ok=True)

@@ -517,6 +517,16 @@ class OpenStackCloud:
                 last = e
         raise ApplianceError(f"could not attach floating IP {fip.floating_ip_address}: {last}")
 
+    def server_floating_ip(self, server_id: str):
+        """The floating IP on one of the server's ports already (an attach whose answer was lost), or None."""
+        try:
+            for port in self.conn.network.ports(device_id=server_id):
+                for ip in self.conn.network.ips(port_id=port.id):
+                    return ip
+        except Exception as e:  # keystoneauth asked again already (openstack_auth.retry_policy)
+            raise _cloud_error("Neutron", e, f"Neutron refused to list the ports of server {server_id}") from None
+        return None
+
     def release_floating_ip(self, fip_id: str) -> None:
         import openstack.exceptions
 
