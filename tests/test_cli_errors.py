@@ -92,7 +92,8 @@ def test_the_stager_says_a_store_that_does_not_answer_in_one_line(tmp_path, monk
     errors = [b for k, b in filter(None, lines) if k == Line.ERROR]
     assert len(notes) == 1 and "did not answer (Connection refused: asking again" in notes[0], notes
     assert errors == [{"message": f"cannot reach the object store at {url}/auth/v1.0 (Connection refused)",
-                       "fix": "check ST_AUTH (or the object-store endpoint in OS_CLOUD's catalog) and the network"}]
+                       "fix": "check ST_AUTH (or the object-store endpoint in OS_CLOUD's catalog) and the network",
+                       "unavailable": True}]  # no answer: the store is away, not the data missing (a managed run waits)
 
 
 def test_resume_from_a_url_that_holds_no_such_run_says_so(tmp_path):

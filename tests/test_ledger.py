@@ -28,13 +28,15 @@ def _run_spec(tmp_path, monkeypatch, name):
 
 def test_a_lease_found_by_its_name_and_deleted_by_reconcile_is_on_the_ledger_to_its_deletion(tmp_path, monkeypatch):
     """Blazar made the lease and its answer was lost (the controller was killed, or a 504): the asked entry has no
-    id, so nothing ever put it on the ledger; reconcile found it by its name and deleted it: 2 nodes x 30 min, paid
-    for, and missing from limits.node_hours."""
+    id, so nothing ever put it on the ledger; the run went on on another lease, and reconcile found the first by its
+    name and deleted it: 2 nodes x 30 min, paid for, and missing from limits.node_hours."""
     spec, control = _run_spec(tmp_path, monkeypatch, "lr")
     site = FakeSite()
     c, t0 = site.cloud, site.cloud.clock
     control.asked("lr-1123120000", {"cluster": "lr", "site": None, "node_type": "compute_local", "nodes": 2})
     made = c.create_lease("lr-1123120000", "compute_local", 2, 2 * HOUR)  # ... and its answer lost
+    c.clock = t0 + HOUR / 4
+    functools.partial(lifecycle.up, finish_nodes=no_nodes)(site, spec)  # the run went on on a lease of its own
     c.clock = t0 + HOUR / 2
     ledger = Ledger({})
     assert reconcile(flows.RunContext(spec, site), control, ledger) == [made.id]

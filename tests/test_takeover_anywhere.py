@@ -121,6 +121,9 @@ class _Cloud:
     def get_lease(self, lease_id):
         return None
 
+    def now(self):
+        return dt.datetime(2026, 12, 7, 9, 30)
+
 
 def test_a_takeover_from_another_home_follows_the_job_still_training_and_keeps_its_lease(first_home, tmp_path,
                                                                                          monkeypatch, said):
@@ -131,9 +134,10 @@ def test_a_takeover_from_another_home_follows_the_job_still_training_and_keeps_i
     first.asked(f"{spec.name}-2", {"cluster": f"{spec.name}_h", "lease_id": "L2"})  # nothing uses it
     second = _second_home(tmp_path, monkeypatch, spec, first)
     ctx = flows.RunContext(spec, open_site("local"))
-    lease = lambda i, n: LeaseInfo(i, n, "ACTIVE", dt.datetime(2026, 12, 7, 9), dt.datetime(2026, 12, 7, 10), None, None, False,  # noqa: E731
-                                   node_type="compute_local", hosts=1)
-    cloud = _Cloud([lease("L1", f"{spec.name}-1"), lease("L2", f"{spec.name}-2")])
+    lease = lambda i, n, st, h: LeaseInfo(i, n, st, dt.datetime(2026, 12, 7, h), dt.datetime(2026, 12, 7, h + 1),  # noqa: E731
+                                          None, None, False, node_type="compute_local", hosts=1)
+    # L2: the next cluster's, booked ahead by the dead controller, not started: nothing uses it
+    cloud = _Cloud([lease("L1", f"{spec.name}-1", "ACTIVE", 9), lease("L2", f"{spec.name}-2", "PENDING", 11)])
     monkeypatch.setattr(ctx, "at", lambda site=None: SimpleNamespace(cloud=cloud))
     asked_head = []
     monkeypatch.setattr(headjob, "job_runs", lambda cl, run: asked_head.append(cl) or True)

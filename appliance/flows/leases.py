@@ -113,8 +113,19 @@ def _adopt(ctx, control, site: str | None, entry: dict, info, listed: list) -> b
     if info.id not in running:
         return False
     rec = find_cluster(name)
-    if rec is not None and (rec.lease_id in running or not rec.lease_id and rec.site.lease_name):
-        return False  # the record here is of a lease that runs, or is being asked for: that one is the cluster's
+    if rec is not None and not rec.lease_id and rec.site.lease_name:
+        return False  # the record here is of a lease being asked for: that one is the cluster's
+    if rec is not None and rec.lease_id and rec.lease_id not in running:  # one the run did not ask for (`up`)?
+        try:
+            theirs = next((x for x in listed if x.id == rec.lease_id), None) or where.cloud.get_lease(rec.lease_id)
+        except ApplianceError as e:  # cannot tell which is the cluster's: neither goes, the next look decides
+            log.info(f"[run] warning: lease {rec.lease_id} of cluster {name} could not be read ({e.message}); "
+                     f"lease {info.name} is kept for now")
+            return True
+        if theirs is not None and not theirs.over(now):
+            running.add(rec.lease_id)
+    if rec is not None and rec.lease_id in running:
+        return False  # the record here is of a lease that runs: that one is the cluster's
     try:
         if rec is not None:  # what is left of its cluster on the lease that is over (a floating IP) goes first
             lifecycle.down(name, where)
