@@ -79,8 +79,8 @@ class JobStream(JobHooks):
             return False
         e = got[1]
         self.store_bytes += int(e.get("store_bytes") or 0)
-        if rank != 0:  # every rank's bytes from the store count; rank 0's epochs are said
-            return True
+        if int(e.get("rank", rank)) != 0:  # every rank's bytes count; rank 0's epochs are said (the line's rank:
+            return True  # horovodrun may glue one rank's line to another's open progress bar)
         self.epochs.append(e)
         self.ctx.say(f"[appliance] stream epoch {e.get('epoch')}: rank 0 read {e.get('read')} shard(s), "
                      f"{e.get('ready')} ready when asked, {e.get('stalls')} waited for ({e.get('waited_s', 0):.1f}s), "

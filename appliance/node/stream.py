@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..errors import ApplianceError
+from .stream_data import AUTOTUNE, keep_batch_size, refuse_shuffle, sample_batches, sample_elements
 from .stream_order import WINDOW, Order, check_record, fingerprint, reads, record, shares_read
 from .stream_reuse import Reuse
 
@@ -439,53 +440,23 @@ class Stream:
         cache.peak = cache.held
         return now
 
-    def dataset(self, exts: list[str], map_fn=None):
+    def dataset(self, exts: list[str], map_fn=None, num_parallel_calls: int | None = AUTOTUNE):
         """A ``tf.data.Dataset`` of batches (``batch_size``, every epoch ``steps_per_epoch`` of them, then the next
         epoch's) of dicts ``{"__key__": key, ext: bytes, ...}``, after ``map_fn`` when given (as ``Dataset.map``
-        takes it). Give ``model.fit`` ``steps_per_epoch=stream.steps_per_epoch``."""
-        ds = sample_batches(self.samples, exts, self.batch_size, map_fn)
+        takes it, on ``num_parallel_calls`` samples at once, the order kept: appliance/node/stream_data.py). Give
+        ``model.fit`` ``steps_per_epoch=stream.steps_per_epoch``."""
+        ds = sample_batches(self.samples, exts, self.batch_size, map_fn, num_parallel_calls)
         self.datasets.append(ds)
         return ds
 
-
-def refuse_shuffle(ds):
-    """``ds.shuffle(...)`` on a stream's dataset: one line, not a shuffle. The stream shuffles its samples itself
-    (dataset.shuffle); tf.data's buffer would hold batches no checkpoint keeps, so a resume would read another
-    order."""
-    def shuffle(*args, **kwargs):
-        raise ApplianceError("a stream's dataset is not shuffled by tf.data: the stream mixes its samples itself "
-                             "(dataset.shuffle in the spec), in an order a resume continues exactly",
-                             "remove .shuffle(); set dataset.shuffle (shards mixed at once) for more mixing")
-    ds.shuffle = shuffle
-    return ds
-
-
-def sample_batches(samples: Callable[[], Iterator[tuple[str, dict[str, bytes]]]], exts: list[str], batch_size: int,
-                   map_fn=None):
-    """The ``tf.data.Dataset`` ``Stream.dataset`` gives: batches of dicts ``{"__key__": key, ext: bytes, ...}`` of
-    what ``samples()`` yields, in its order, prefetched."""
-    import tensorflow as tf
-
-    sig = {"__key__": tf.TensorSpec([], tf.string), **{e: tf.TensorSpec([], tf.string) for e in exts}}
-
-    def gen():
-        try:
-            for key, parts in samples():
-                missing = [e for e in exts if e not in parts]
-                if missing:
-                    raise ApplianceError(f"sample {key} has no {', '.join(missing)} part in the packed dataset",
-                                         f"read the parts it has: {', '.join(sorted(parts))}")
-                yield {"__key__": key, **{e: parts[e] for e in exts}}
-        except ApplianceError as e:  # said in one line before TensorFlow wraps it in its own error
-            print(f"[appliance] error: {e}", file=sys.stderr, flush=True)
-            raise
-
-    ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
-    if map_fn is not None:
-        ds = ds.map(map_fn)  # sequential: the order is the stream's
-    # prefetched: the next batches are read while the step runs (the order and the resume position are the
-    # stream's, whatever tf.data has read ahead)
-    return refuse_shuffle(ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+    def elements(self, exts: list[str], map_fn=None, num_parallel_calls: int | None = AUTOTUNE):
+        """The same samples one element each, for a script's own tf.data pipeline: ``map_fn`` as in ``dataset``;
+        batch them by ``batch_size`` (another size is refused: a resume counts steps of it); ``shuffle()`` is
+        refused."""
+        ds = keep_batch_size(refuse_shuffle(sample_elements(self.samples, exts, map_fn, num_parallel_calls)),
+                             self.batch_size)
+        self.datasets.append(ds)
+        return ds
 
 
 _ACTIVE: list[Stream] = []  # the process's streams, in the order opened
@@ -593,8 +564,9 @@ def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None
     dataset_bytes = sum(x["size"] for x in index.get("shards", ()))
 
     def on_epoch(epoch: int, st: CacheStats, peak: int, wall_s: float) -> None:
-        # for the launcher (data/stream.py says rank 0's, keeps every rank's bytes from the store in the record)
-        emit(Line.STREAM, {"epoch": epoch, "read": st.ready + st.stalls, "ready": st.ready, "stalls": st.stalls,
+        # for the launcher (data/stream.py says rank 0's, keeps every rank's bytes from the store in the record);
+        # the rank in the line: horovodrun may glue it to another rank's open progress bar
+        emit(Line.STREAM, {"rank": rank, "epoch": epoch, "read": st.ready + st.stalls, "ready": st.ready, "stalls": st.stalls,
                            "waited_s": round(st.waited_s, 3), "refetched": st.refetched, "peak": peak,
                            "capacity": node_bytes // local, "wall_s": round(wall_s, 3),
                            "store_bytes": st.store_bytes, "kept": st.kept, "dataset_bytes": dataset_bytes})
