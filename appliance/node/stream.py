@@ -9,7 +9,8 @@ cache on the node's local disk: the part of `dataset.mode: stream` that does not
   uninterrupted one would have yielded after it, on any world size with the same global batch. A checkpoint keeps
   it with what fixes the order (``Stream.record``); a resume in another order is refused in one line.
 - **The cache** (``ShardCache``) fetches the rank's shards in reading order ahead of the reader into a directory,
-  never holding more than its capacity (it waits for the reader to release one), verifies each shard's MD5 from
+  never holding more than its capacity (it waits for the reader to release one), keeps the shards read while
+  it has room for them (the one read again last goes first: stream_reuse.py), verifies each shard's MD5 from
   index.json before the reader may open it (a shard that does not match is fetched again, never read), and counts
   what the reader waited for. A shard the store does not have is one error naming it.
 """
@@ -334,7 +335,7 @@ STORE_DEADLINE = 600.0  # seconds one shard's fetch is retried through transient
 class Stream:
     """Rank ``rank``'s samples, step after step, from ``start`` (appliance/node/stream_order.py: the order):
     ``samples()`` is one pass over all epochs (Keras reads it through one iterator, ``steps_per_epoch`` batches an
-    epoch). The shards are fetched ahead into one ``ShardCache`` of ``capacity`` bytes and deleted once read;
+    epoch). The shards are fetched ahead into one ``ShardCache`` of ``capacity`` bytes, kept while it has room;
     ``on_epoch`` hears each Keras epoch's cache counts, the cache's peak in it and its seconds (from its first
     sample asked for to its last). ``shares``: the run's canonical shares (default: this world size; a resume takes
     the checkpoint's); ``window``: shards whose samples are mixed at once (0: none)."""
