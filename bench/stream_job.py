@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from appliance.node.stream import Stream, sample_batches, store_fetch, tar_samples  # noqa: E402
+from appliance.node.stream import Stream, store_fetch, tar_samples  # noqa: E402
+from appliance.node.stream_data import sample_batches  # noqa: E402
 from appliance.node.stream_order import WINDOW, Order, reads  # noqa: E402
 
 EXTS = ["bin", "cls"]

@@ -324,7 +324,7 @@ def test_a_keras_resume_positions_the_stream_the_fit_trains_on_not_a_validation_
 def test_a_tf_data_shuffle_of_a_streams_dataset_is_refused_in_one_line():
     from types import SimpleNamespace
 
-    from appliance.node.stream import refuse_shuffle
+    from appliance.node.stream_data import refuse_shuffle
 
     ds = refuse_shuffle(SimpleNamespace())
     with pytest.raises(ApplianceError, match="not shuffled by tf.data") as e:
@@ -354,28 +354,20 @@ def test_the_store_fetch_names_a_missing_object_and_the_index_check_refuses_what
         fetch("shard-999999.tar", tmp_path / "none")
 
 
-def test_the_next_epochs_shards_are_fetched_while_this_ones_are_read(tmp_path):
-    """One cache across epoch ends: the fetcher asks for epoch 1's first shard while the reader is still in
-    epoch 0, so an epoch does not start with a wait."""
-    import threading
-
+def test_the_next_epochs_first_shard_is_in_the_cache_while_this_ones_last_is_read(tmp_path):
+    """One cache across epoch ends: the fetcher takes epoch 1's first shard (fetched, or kept from epoch 0) while
+    the reader is still in epoch 0, so an epoch does not start with a wait, even in a cache of 2 shards."""
     index = packed(tmp_path / "src", 4, 3)
-    s = stream(index, tmp_path / "src", tmp_path / "c", world=1, batch=3)
-    want = first_shard(index, s.steps_per_epoch, batch=3)
-    asked = threading.Event()
-    calls = []
-
-    def fetch(name, dest):
-        calls.append(name)
-        if calls.count(want) == 2:  # epoch 0 reads each of the 4 shards once, then epoch 1's first
-            asked.set()
-        shutil.copyfile(tmp_path / "src" / name, dest)
-    s.fetch = fetch
+    size = max(x["size"] for x in index["shards"])
+    s = stream(index, tmp_path / "src", tmp_path / "c", world=1, batch=3, capacity=2 * size, window=1)
     it = s.samples()
     try:
-        for _ in range(s.per_epoch - 1):  # all of epoch 0 but its last sample
+        for _ in range(s.per_epoch - 1):  # all of epoch 0 but its last sample: 4 visits, one a shard
             next(it)
-        assert asked.wait(10), calls
+        c = s.cache
+        with c._cv:
+            assert c._cv.wait_for(lambda: c._next > 4 and c.shards[4]["name"] in c._ready, timeout=10)
+        assert c.shards[4]["name"] == first_shard(index, s.steps_per_epoch, window=1, batch=3)
     finally:
         it.close()
 
@@ -391,17 +383,24 @@ def test_the_launcher_says_each_epoch_of_the_stream_and_keeps_the_waits_on_the_r
     hook = JobStream(site=None)
     hook.ctx = SimpleNamespace(say=said.append)
     for e in range(2):
-        assert hook.rank_line(0, format_line(Line.STREAM, {"epoch": e, "read": 10, "ready": 9, "stalls": 1,
-                                                           "waited_s": 0.5, "refetched": 0, "peak": 3000,
-                                                           "capacity": 8000, "wall_s": 20.0}))
+        for rank in (1, 0):  # every rank says its bytes from the store; rank 0's epoch is said (a line's own
+            # rank counts: horovodrun may glue rank 1's line to rank 0's open progress bar)
+            assert hook.rank_line(0, format_line(Line.STREAM, {
+                "rank": rank, "epoch": e, "read": 10, "ready": 9, "stalls": 1, "waited_s": 0.5, "refetched": 0, "peak": 3000,
+                "capacity": 8000, "wall_s": 20.0, "store_bytes": 4000 >> e, "kept": 5 * e, "dataset_bytes": 8000}))
     assert not hook.rank_line(0, "Epoch 3/3")
     assert said[1] == ("[appliance] stream epoch 1: rank 0 read 10 shard(s), 9 ready when asked, 1 waited for (0.5s), "
-                       "0 fetched again; cache peak 3.0 KB of 8.0 KB")
+                       "0 fetched again; cache peak 3.0 KB of 8.0 KB; 2.0 KB from the store, 5 shard(s) kept from "
+                       "before") and len(said) == 2
     res = SimpleNamespace(stream=None)
     hook.finish(res)
-    assert res.stream == {"epochs": 2, "shards": 20, "stalls": 2, "waited_s": 1.0, "wall_s": 40.0}
+    assert res.stream == {"epochs": 2, "shards": 20, "stalls": 2, "waited_s": 1.0, "wall_s": 40.0,
+                          "store_bytes": 12000, "rank0_store_bytes": [4000, 2000], "dataset_bytes": 8000}
     assert format_stream(res.stream) == ("rank 0 waited 1.0s of 40.0s (2.5%) for shards from the store, 2 of 20 "
-                                         "shard(s), over 2 epoch(s)")
+                                         "shard(s), over 2 epoch(s); the ranks read 12.0 KB from the store, 6.0 KB "
+                                         "an epoch (0.75x the dataset)")
+    old = {k: res.stream[k] for k in ("epochs", "shards", "stalls", "waited_s", "wall_s")}  # a record before
+    assert format_stream(old).endswith("over 2 epoch(s)")
 
 
 def test_the_dataset_credential_goes_to_every_node_is_renewed_at_an_extension_and_goes_at_the_end(tmp_path,

@@ -140,6 +140,12 @@ def test_a_dataset_four_times_the_nodes_data_disks_streams_across_a_lease_end_an
         assert job["stream"]["epochs"] == EPOCHS - epoch
         assert job["stream"]["shards"] == sum(e["read"] for e in epochs_said(second))
         assert "for shards from the store" in format_stream(job["stream"])
+        # the bytes each epoch read from the store (every rank): at least rank 0's, at most the job's epochs' worth
+        # of the whole dataset (the cache here holds a fraction of it: little is kept from one epoch to the next)
+        rank0 = job["stream"]["rank0_store_bytes"]
+        assert len(rank0) == EPOCHS - epoch and job["stream"]["dataset_bytes"] == total
+        assert sum(rank0) < job["stream"]["store_bytes"] <= (EPOCHS - epoch + 1) * total
+        assert "from the store" in next(x for x in second if f"stream epoch {epoch + 1}:" in x)
         from appliance.train.launch import run_dir
 
         now = find_cluster("ckstream")  # the new lease's nodes: the job's credentials file is gone from each

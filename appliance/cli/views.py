@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from . import _json_out
+from ..node.stage import _fmt_bytes
 
 
 def _report(res, as_json: bool, done: dict | None = None) -> None:
@@ -145,8 +146,13 @@ def format_breakdown(b: dict) -> str:
 def format_stream(s: dict) -> str:
     """A streamed job's waits for the store, on one line (dataset.mode stream)."""
     share = s["waited_s"] / s["wall_s"] if s.get("wall_s") else 0.0
-    return (f"rank 0 waited {s['waited_s']:.1f}s of {s['wall_s']:.1f}s ({share:.1%}) for shards from the store, "
+    line = (f"rank 0 waited {s['waited_s']:.1f}s of {s['wall_s']:.1f}s ({share:.1%}) for shards from the store, "
             f"{s['stalls']} of {s['shards']} shard(s), over {s['epochs']} epoch(s)")
+    if "store_bytes" in s:
+        per = s["store_bytes"] / max(s["epochs"], 1)
+        line += (f"; the ranks read {_fmt_bytes(s['store_bytes'])} from the store, {_fmt_bytes(per)} an epoch"
+                 + (f" ({per / s['dataset_bytes']:.2f}x the dataset)" if s.get("dataset_bytes") else ""))
+    return line
 
 
 def format_summary(s: dict) -> list[str]:

@@ -25,6 +25,7 @@ class JobStream(JobHooks):
     def __init__(self, site: Site):
         self.site = site
         self.epochs: list[dict] = []  # rank 0's APPLIANCE_STREAM reports, one an epoch
+        self.store_bytes = 0  # every rank's bytes fetched from the store (the epochs the ranks reported)
         self.ctx: JobContext | None = None
         self.path: str | None = None  # the credentials file, the same path on every node
         self._withdraw: list[Callable[[], None]] = []
@@ -81,20 +82,28 @@ class JobStream(JobHooks):
         if got is None or not isinstance(got[1], dict):
             return False
         e = got[1]
+        self.store_bytes += int(e.get("store_bytes") or 0)
+        if int(e.get("rank", rank)) != 0:  # every rank's bytes count; rank 0's epochs are said (the line's rank:
+            return True  # horovodrun may glue one rank's line to another's open progress bar)
         self.epochs.append(e)
         self.ctx.say(f"[appliance] stream epoch {e.get('epoch')}: rank 0 read {e.get('read')} shard(s), "
                      f"{e.get('ready')} ready when asked, {e.get('stalls')} waited for ({e.get('waited_s', 0):.1f}s), "
                      f"{e.get('refetched')} fetched again; cache peak {_fmt_bytes(e.get('peak', 0))} of "
-                     f"{_fmt_bytes(e.get('capacity', 0))}")
+                     f"{_fmt_bytes(e.get('capacity', 0))}; {_fmt_bytes(e.get('store_bytes', 0))} from the store, "
+                     f"{e.get('kept', 0)} shard(s) kept from before")
         return True
 
     def finish(self, result) -> None:
-        """Rank 0's waits for the store over the job's epochs, on the result (the run's record keeps them)."""
+        """Rank 0's waits for the store over the job's epochs and every rank's bytes read from it, on the result
+        (the run's record keeps them)."""
         if self.epochs:
             result.stream = {"epochs": len(self.epochs), "shards": sum(e.get("read", 0) for e in self.epochs),
                              "stalls": sum(e.get("stalls", 0) for e in self.epochs),
                              "waited_s": round(sum(e.get("waited_s", 0.0) for e in self.epochs), 1),
-                             "wall_s": round(sum(e.get("wall_s", 0.0) for e in self.epochs), 1)}
+                             "wall_s": round(sum(e.get("wall_s", 0.0) for e in self.epochs), 1),
+                             "store_bytes": self.store_bytes,
+                             "rank0_store_bytes": [e.get("store_bytes", 0) for e in self.epochs],
+                             "dataset_bytes": self.epochs[-1].get("dataset_bytes", 0)}
 
     def close(self) -> None:
         ctx = self.ctx

@@ -9,7 +9,8 @@ cache on the node's local disk: the part of `dataset.mode: stream` that does not
   uninterrupted one would have yielded after it, on any world size with the same global batch. A checkpoint keeps
   it with what fixes the order (``Stream.record``); a resume in another order is refused in one line.
 - **The cache** (``ShardCache``) fetches the rank's shards in reading order ahead of the reader into a directory,
-  never holding more than its capacity (it waits for the reader to release one), verifies each shard's MD5 from
+  never holding more than its capacity (it waits for the reader to release one), keeps the shards read while
+  it has room for them (the one read again last goes first: stream_reuse.py), verifies each shard's MD5 from
   index.json before the reader may open it (a shard that does not match is fetched again, never read), and counts
   what the reader waited for. A shard the store does not have is one error naming it; a shard whose fetches are
   exhausted stops the reader at its next sample, whichever shard it is at (the GETs: stream_fetch.py).
@@ -31,13 +32,18 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..errors import ApplianceError
+from .stream_data import AUTOTUNE, keep_batch_size, refuse_shuffle, sample_batches, sample_elements
 from .stream_order import WINDOW, Order, check_record, fingerprint, reads, record, shares_read
 from .stream_fetch import store_fetch
+from .stream_reuse import Reuse
 
 FETCH_TRIES = 3  # a shard whose bytes do not match its MD5 is fetched this many times before the job stops
 # GETs in flight per rank (rclone's default --transfers is 4): one TCP stream's rate is not the link's, and each
 # GET's first byte waits a round trip; the cache's capacity bounds them too
 FETCHERS = 4
+# the cache looks this many times the dataset's shards ahead in a rank's reading order to choose what to keep: 2
+# epochs on one share, more when a rank reads fewer of the shares (a shard not read within it goes first)
+HORIZON = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +64,8 @@ class CacheStats:
     ready: int = 0  # shards that were in the cache when the reader asked (hits)
     stalls: int = 0  # shards the reader waited for
     waited_s: float = 0.0  # the reader's time waiting for shards
+    store_bytes: int = 0  # bytes fetched from the store for the visits the reader opened
+    kept: int = 0  # visits read from a shard the cache had kept since an earlier one (nothing fetched)
 
 
 # (shard name, where to write it) -> the MD5 of the bytes written, or None (the cache then reads them back): the
@@ -71,25 +79,38 @@ def _too_big(s: dict, capacity: int) -> ApplianceError:
 
 
 class ShardCache:
-    """The shards ``shards`` (in reading order, each {name, size, md5} from index.json; a list, or an endless
-    iterator: a stream's epochs one after the other) fetched ahead into ``root``, at most ``capacity`` bytes at a
-    time and up to ``fetchers`` GETs at once: one thread reserves room for the shards in reading order and hands
-    each to the next free fetcher. ``get(i)`` waits for the i-th and returns its path; ``release(i)`` deletes it.
-    ``close()`` stops the fetching."""
+    """The shards ``shards`` (in reading order, each {name, size, md5} from index.json, one per visit: a shard read
+    from its first sample to its last in a window; a list, or an endless iterator: a stream's epochs one after the
+    other) fetched ahead into ``root``, at most ``capacity`` bytes at a time and up to ``fetchers`` GETs at once:
+    one thread takes the visits in reading order and hands each whose shard the cache does not hold to the next
+    free fetcher. ``get(i)`` waits for the i-th visit's shard and returns its path; ``release(i)`` ends the visit:
+    its shard is kept for a later visit while there is room, the one read again last deleted first when a fetch
+    needs room (appliance/node/stream_reuse.py, looking ``horizon`` visits ahead), and deleted at once when never
+    read again; a kept shard is deleted only for a visit at most ``ahead`` visits past the reader's (fetching far
+    ahead would trade kept shards for ones read later). ``close()`` stops the fetching and deletes what the cache
+    holds."""
 
-    def __init__(self, shards: Iterable[dict], root: Path, fetch: Fetch, capacity: int, fetchers: int = FETCHERS):
+    def __init__(self, shards: Iterable[dict], root: Path, fetch: Fetch, capacity: int, fetchers: int = FETCHERS,
+                 horizon: int | None = None, ahead: int | None = None):
         if isinstance(shards, list) and shards and max(s["size"] for s in shards) > capacity:
             raise _too_big(max(shards, key=lambda s: s["size"]), capacity)
-        self._source, self.root, self.fetch, self.capacity = iter(shards), Path(root), fetch, capacity
-        self.shards: dict[int, dict] = {}  # the i-th shard, once the dispatcher took it from the source
+        self.future, self.root, self.fetch, self.capacity = Reuse(shards, horizon), Path(root), fetch, capacity
+        self.shards: dict[int, dict] = {}  # the i-th visit's shard, from its dispatch to its release
         self.root.mkdir(parents=True, exist_ok=True)
         self.stats = CacheStats()
-        self.held = 0  # bytes of reserved (being fetched or fetched), not yet released shards
+        self.held = 0  # bytes of the shards in the cache: being fetched, read, or kept for a later visit
         self.peak = 0
-        self._done: dict[int, Path] = {}
-        self._failed: dict[int, BaseException] = {}
+        self.pending = 0  # bytes of the visits dispatched and not released: how far the fetching runs ahead
+        self._pins: dict[str, int] = {}  # each shard in the cache -> its visits dispatched and not released
+        self._ready: dict[str, Path] = {}  # the shards fetched and verified
+        self._failed: dict[str, BaseException] = {}
+        self._fresh: set[int] = set()  # the visits whose shard was fetched for them (not kept from an earlier one)
+        self._files: dict[str, int] = {}  # shard name -> its number in the cache's file names
+        self._full = False  # the cache half full: the source is read ``horizon`` visits ahead from now on
+        self.ahead = ahead  # how many visits past the reader's a fetch may be to delete a kept shard for it
+        self._reading = -1  # the last visit the reader asked for
         self._error: BaseException | None = None  # the dispatcher's: no shard from ``_next`` on will come
-        self._next = 0  # shards handed to the fetchers so far
+        self._next = 0  # visits dispatched so far
         self._busy = 0  # fetchers in a GET
         self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._cv = threading.Condition()
@@ -102,7 +123,8 @@ class ShardCache:
             t.start()
 
     def _path(self, i: int) -> Path:
-        return self.root / f"{i:06d}-{Path(self.shards[i]['name']).name}"
+        name = self.shards[i]["name"]
+        return self.root / f"{self._files.setdefault(name, len(self._files)):06d}-{Path(name).name}"
 
     def _fetch_verified(self, i: int) -> Path:
         s, path = self.shards[i], self._path(i)
@@ -129,75 +151,135 @@ class ShardCache:
                              "pack the dataset again (`appliance data pack`); nothing of this shard was read")
 
     def _run(self) -> None:
-        """The dispatcher: room in the cache and a free fetcher for each shard, in reading order."""
+        """The dispatcher: each visit in reading order gets the shard the cache holds, or room and a free fetcher."""
+        future = self.future
         try:
-            for i, s in enumerate(self._source):
-                if s["size"] > self.capacity:
-                    raise _too_big(s, self.capacity)
+            while True:  # the source read outside the lock (computing the order takes time)
+                future.read_ahead(future.taken + 1 + (future.horizon if self._full else 0))
                 with self._cv:
+                    got = future.take()
+                    if got is None:
+                        return
+                    i, s = got
+                    if s["size"] > self.capacity:
+                        raise _too_big(s, self.capacity)
                     self.shards[i] = s
-                    while not self._stop and not self._failed and (
-                            self.held + s["size"] > self.capacity or self._busy >= self._fetchers):
+                    while not self._room(i, s):
+                        if self._stop or self._failed:
+                            return
                         self._cv.wait()  # a full cache waits for the reader to release a shard
                     if self._stop or self._failed:
                         return
-                    self.held += s["size"]
-                    self.peak = max(self.peak, self.held)
-                    self._busy += 1
+                    future.reuse(s["name"])  # kept for this visit: no longer one to delete
+                    self.pending += s["size"]
                     self._next = i + 1
-                self._todo.put(i)
+                    fetch = s["name"] not in self._pins
+                    self._pins[s["name"]] = self._pins.get(s["name"], 0) + 1
+                    if fetch:
+                        self._fresh.add(i)
+                        self.held += s["size"]
+                        self.peak = max(self.peak, self.held)
+                        self._busy += 1
+                        self._full = self._full or 2 * self.held > self.capacity
+                    else:
+                        self._cv.notify_all()  # a reader may wait for this visit: its shard is here
+                if fetch:
+                    self._todo.put(i)
         except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
+
+    def _room(self, i: int, s: dict) -> bool:
+        """Whether visit ``i`` (of shard ``s``) may be dispatched now (under the lock): within the run-ahead, and
+        its shard held, or a fetcher free and room made by deleting kept shards, the one read again last first."""
+        if self._stop or self._failed or self.pending + s["size"] > self.capacity:
+            return False
+        if s["name"] in self._pins:
+            return True
+        need = self.held + s["size"] - self.capacity
+        if self._busy >= self._fetchers or need > self.future.kept_bytes or (
+                need > 0 and self.ahead is not None and i > self._reading + self.ahead):
+            return False  # a kept shard is deleted only for a visit the reader will soon open
+        if need > 0:
+            for name, size in self.future.evict(need):
+                del self._pins[name]
+                self._ready.pop(name).unlink(missing_ok=True)
+                self.held -= size
+        return True
 
     def _work(self) -> None:
         """A fetcher: the shards the dispatcher hands it, one GET at a time."""
         while (i := self._todo.get()) is not None:
             try:
                 path, err = self._fetch_verified(i), None
-            except BaseException as e:  # noqa: BLE001 - handed to the reader of this shard
+            except BaseException as e:  # noqa: BLE001 - handed to the readers of this shard
                 path, err = None, e
             with self._cv:
                 self._busy -= 1
+                name = self.shards[i]["name"]
                 if self._stop and path is not None:
                     path.unlink(missing_ok=True)  # fetched after close(): nobody will read it
                 elif path is not None:
-                    self._done[i] = path
+                    self._ready[name] = path
                     self.stats.fetched += 1
                 else:
-                    self._failed[i] = err  # type: ignore[assignment]
+                    self._failed[name] = err  # type: ignore[assignment]
                 self._cv.notify_all()
 
     def get(self, i: int) -> Path:
         t0 = time.monotonic()
         with self._cv:
-            if i in self._done:
+            self._reading = max(self._reading, i)
+            self._cv.notify_all()  # the dispatcher may wait for the reader to come closer
+            name = self.shards[i]["name"] if i < self._next else None
+            if name in self._ready:
                 self.stats.ready += 1
-                return self._done[i]
-            self.stats.stalls += 1
-            while i not in self._done and not self._failed and not (self._error is not None and i >= self._next):
-                self._cv.wait()  # a shard whose fetches are exhausted ends the wait, whichever it is
-            self.stats.waited_s += time.monotonic() - t0
-            if i not in self._done:
-                failed = self._failed.get(i) or (self._failed[min(self._failed)] if self._failed else None)
-                raise failed or self._error  # type: ignore[misc]
-            return self._done[i]
+            else:
+                self.stats.stalls += 1
+                while not self._arrived(i):
+                    self._cv.wait()
+                self.stats.waited_s += time.monotonic() - t0
+                name = self.shards[i]["name"] if i < self._next else None
+                if name not in self._ready:  # this shard's fetches, or another's, are exhausted
+                    failed = self._failed.get(name) or next(iter(self._failed.values()), None)
+                    raise failed or self._error  # type: ignore[misc]
+            if i in self._fresh:
+                self._fresh.discard(i)
+                self.stats.store_bytes += self.shards[i]["size"]
+            else:
+                self.stats.kept += 1
+            return self._ready[name]
+
+    def _arrived(self, i: int) -> bool:
+        """Its shard is here, or a shard's fetches are exhausted (whichever it is: the wait ends, the job stops)."""
+        if self._failed:
+            return True
+        if i >= self._next:
+            return self._error is not None
+        return self.shards[i]["name"] in self._ready
 
     def raise_failed(self) -> None:
         """The first shard whose fetches are exhausted (missing, not matching its MD5, the store away past its
         deadline), raised now: the job stops at the reader's next sample, not when it reaches that shard."""
         if self._failed:
             with self._cv:
-                raise self._failed[min(self._failed)]
+                raise next(iter(self._failed.values()))
 
     def release(self, i: int) -> None:
+        """The i-th visit is read: its shard kept for a later visit, or deleted when never read again."""
         with self._cv:
-            path = self._done.pop(i, None)
-            if path is not None:
-                path.unlink(missing_ok=True)
-                self.held -= self.shards.pop(i)["size"]
-                self._cv.notify_all()
+            s = self.shards.pop(i, None)
+            if s is None:
+                return
+            name = s["name"]
+            self.pending -= s["size"]
+            self._pins[name] -= 1
+            if self._pins[name] == 0 and (self._stop or not self.future.keep(name, s["size"])):
+                del self._pins[name]
+                self._ready.pop(name).unlink(missing_ok=True)
+                self.held -= s["size"]
+            self._cv.notify_all()
 
     def close(self) -> None:
         with self._cv:
@@ -206,8 +288,10 @@ class ShardCache:
         for _ in range(self._fetchers):
             self._todo.put(None)
         self._threads[0].join(timeout=30)  # the fetchers may be in a GET: they delete what they finish after this
-        for i in list(self._done):
-            self.release(i)
+        with self._cv:
+            for path in self._ready.values():
+                path.unlink(missing_ok=True)
+            self._ready.clear()
 
 
 def tar_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
@@ -260,7 +344,7 @@ class _Shard:
 class Stream:
     """Rank ``rank``'s samples, step after step, from ``start`` (appliance/node/stream_order.py: the order):
     ``samples()`` is one pass over all epochs (Keras reads it through one iterator, ``steps_per_epoch`` batches an
-    epoch). The shards are fetched ahead into one ``ShardCache`` of ``capacity`` bytes and deleted once read;
+    epoch). The shards are fetched ahead into one ``ShardCache`` of ``capacity`` bytes, kept while it has room;
     ``on_epoch`` hears each Keras epoch's cache counts, the cache's peak in it and its seconds (from its first
     sample asked for to its last). ``shares``: the run's canonical shares (default: this world size; a resume takes
     the checkpoint's); ``window``: shards whose samples are mixed at once (0: none)."""
@@ -281,6 +365,7 @@ class Stream:
         self.peak = 0  # the most bytes any epoch's cache held at once
         self.fetchers = FETCHERS
         self.datasets: list = []  # what ``dataset()`` made: the fit that reads one of them trains on this stream
+        self.cache: ShardCache | None = None  # the cache of the last ``samples()``
 
     def _set_order(self, order: Order) -> None:
         order.check(self.world)
@@ -324,11 +409,15 @@ class Stream:
 
     def samples(self) -> Iterator[tuple[str, dict[str, bytes]]]:
         """Samples from ``start`` on, through one cache whose fetcher runs ahead in reading order, across epoch
-        ends; each shard is deleted after this rank's last sample of it."""
+        ends; a shard read is kept while the cache has room for it, the one read again last deleted first (the
+        order looked ahead ``HORIZON`` x the dataset's shards)."""
         shards, step = self.index["shards"], self.start.step
         plan = lambda: reads(self.order, self.rank, self.world, step)  # noqa: E731
         cache = ShardCache((shards[j] for _, j, _, first, _ in plan() if first), self.root, self.fetch,
-                           self.capacity, self.fetchers)
+                           self.capacity, self.fetchers, horizon=HORIZON * len(shards),
+                           ahead=2 * shares_read(self.order, self.rank, self.world) * max(self.order.window, 1)
+                           + self.fetchers)  # this window's shards and the next's, and a GET per fetcher
+        self.cache = cache
         held: dict[int, _Shard] = {}
         epoch, done = divmod(step, self.steps_per_epoch)
         done, said, t0 = done * self.batch_size, CacheStats(), None
@@ -362,53 +451,23 @@ class Stream:
         cache.peak = cache.held
         return now
 
-    def dataset(self, exts: list[str], map_fn=None):
+    def dataset(self, exts: list[str], map_fn=None, num_parallel_calls: int | None = AUTOTUNE):
         """A ``tf.data.Dataset`` of batches (``batch_size``, every epoch ``steps_per_epoch`` of them, then the next
         epoch's) of dicts ``{"__key__": key, ext: bytes, ...}``, after ``map_fn`` when given (as ``Dataset.map``
-        takes it). Give ``model.fit`` ``steps_per_epoch=stream.steps_per_epoch``."""
-        ds = sample_batches(self.samples, exts, self.batch_size, map_fn)
+        takes it, on ``num_parallel_calls`` samples at once, the order kept: appliance/node/stream_data.py). Give
+        ``model.fit`` ``steps_per_epoch=stream.steps_per_epoch``."""
+        ds = sample_batches(self.samples, exts, self.batch_size, map_fn, num_parallel_calls)
         self.datasets.append(ds)
         return ds
 
-
-def refuse_shuffle(ds):
-    """``ds.shuffle(...)`` on a stream's dataset: one line, not a shuffle. The stream shuffles its samples itself
-    (dataset.shuffle); tf.data's buffer would hold batches no checkpoint keeps, so a resume would read another
-    order."""
-    def shuffle(*args, **kwargs):
-        raise ApplianceError("a stream's dataset is not shuffled by tf.data: the stream mixes its samples itself "
-                             "(dataset.shuffle in the spec), in an order a resume continues exactly",
-                             "remove .shuffle(); set dataset.shuffle (shards mixed at once) for more mixing")
-    ds.shuffle = shuffle
-    return ds
-
-
-def sample_batches(samples: Callable[[], Iterator[tuple[str, dict[str, bytes]]]], exts: list[str], batch_size: int,
-                   map_fn=None):
-    """The ``tf.data.Dataset`` ``Stream.dataset`` gives: batches of dicts ``{"__key__": key, ext: bytes, ...}`` of
-    what ``samples()`` yields, in its order, prefetched."""
-    import tensorflow as tf
-
-    sig = {"__key__": tf.TensorSpec([], tf.string), **{e: tf.TensorSpec([], tf.string) for e in exts}}
-
-    def gen():
-        try:
-            for key, parts in samples():
-                missing = [e for e in exts if e not in parts]
-                if missing:
-                    raise ApplianceError(f"sample {key} has no {', '.join(missing)} part in the packed dataset",
-                                         f"read the parts it has: {', '.join(sorted(parts))}")
-                yield {"__key__": key, **{e: parts[e] for e in exts}}
-        except ApplianceError as e:  # said in one line before TensorFlow wraps it in its own error
-            print(f"[appliance] error: {e}", file=sys.stderr, flush=True)
-            raise
-
-    ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
-    if map_fn is not None:
-        ds = ds.map(map_fn)  # sequential: the order is the stream's
-    # prefetched: the next batches are read while the step runs (the order and the resume position are the
-    # stream's, whatever tf.data has read ahead)
-    return refuse_shuffle(ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+    def elements(self, exts: list[str], map_fn=None, num_parallel_calls: int | None = AUTOTUNE):
+        """The same samples one element each, for a script's own tf.data pipeline: ``map_fn`` as in ``dataset``;
+        batch them by ``batch_size`` (another size is refused: a resume counts steps of it); ``shuffle()`` is
+        refused."""
+        ds = keep_batch_size(refuse_shuffle(sample_elements(self.samples, exts, map_fn, num_parallel_calls)),
+                             self.batch_size)
+        self.datasets.append(ds)
+        return ds
 
 
 _ACTIVE: list[Stream] = []  # the process's streams, in the order opened
@@ -484,11 +543,15 @@ def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None
         index = json.loads(index_path.read_text())
     sizes.update((x["name"], x["size"]) for x in index.get("shards", []))
 
+    dataset_bytes = sum(x["size"] for x in index.get("shards", ()))
+
     def on_epoch(epoch: int, st: CacheStats, peak: int, wall_s: float) -> None:
-        if rank == 0:  # for the launcher (data/stream.py says it, and keeps it in the run's record)
-            emit(Line.STREAM, {"epoch": epoch, "read": st.ready + st.stalls, "ready": st.ready, "stalls": st.stalls,
-                               "waited_s": round(st.waited_s, 3), "refetched": st.refetched, "peak": peak,
-                               "capacity": node_bytes // local, "wall_s": round(wall_s, 3)})
+        # for the launcher (data/stream.py says rank 0's, keeps every rank's bytes from the store in the record);
+        # the rank in the line: horovodrun may glue it to another rank's open progress bar
+        emit(Line.STREAM, {"rank": rank, "epoch": epoch, "read": st.ready + st.stalls, "ready": st.ready, "stalls": st.stalls,
+                           "waited_s": round(st.waited_s, 3), "refetched": st.refetched, "peak": peak,
+                           "capacity": node_bytes // local, "wall_s": round(wall_s, 3),
+                           "store_bytes": st.store_bytes, "kept": st.kept, "dataset_bytes": dataset_bytes})
 
     big = max(index["shards"], key=lambda x: x["size"]) if index.get("shards") else None
     if big is not None and big["size"] > node_bytes // local:
