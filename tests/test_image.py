@@ -78,7 +78,7 @@ def test_doctor_fails_clearly_when_the_stack_is_missing(tmp_path):
                    check=True)
     checks = {c.name: c for c in doctor.run_checks(str(bare / "bin" / "python"), str(tmp_path / "etc"))}
     assert checks["python"].status == "ok"
-    for name in ("tensorflow", "tf-keras", "horovod"):
+    for name in ("tensorflow", "tf-keras", "keras 3", "horovod"):
         assert checks[name].status == "fail" and "install-stack.sh" in checks[name].fix, checks[name]
     assert checks["allreduce (2 ranks)"].status == "skip"
     assert checks["nic"].status == "skip"  # no cluster.json: not a cluster node
@@ -100,6 +100,7 @@ def test_doctor_passes_on_this_machine(tmp_path):
     assert not bad, doctor.format_checks(bad)
     by = {c.name: c for c in checks}
     assert by["horovod build"].status == "ok" and "Gloo" in by["horovod build"].detail
+    assert by["keras 3"].status == "ok" and by["keras 3"].detail.endswith(", backend tensorflow")
     assert by["allreduce (2 ranks)"].status == "ok"
     if not Path("/dev/nvidia0").exists():
         assert by["nvidia driver"].status == "skip" and "CPU node" in by["nvidia driver"].detail

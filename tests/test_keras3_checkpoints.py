@@ -132,3 +132,23 @@ def test_the_launcher_refuses_a_resume_across_a_switch_of_keras_before_any_lease
                                    "(tf_keras) job and this job runs Keras 3") and "\n" not in str(e.value)
     meta["keras"] = "3"
     assert steps._resume_point(ctx) is ck
+
+
+@pytest.mark.parametrize("probe, status, detail", [
+    ({"keras": "3.15.1", "keras_backend": "tensorflow"}, "ok", "3.15.1, backend tensorflow"),
+    ({"keras": "3.15.1", "keras_backend": "jax"}, "fail", "3.15.1, backend jax"),
+    ({"keras": "3.9.0", "keras_backend": "tensorflow"}, "fail", "3.9.0, the lock pins 3.15.1"),
+    ({"keras": "2.15.0", "keras_backend": "tensorflow"}, "fail", "keras 2.15.0 is not Keras 3"),
+    ({"keras_error": "ModuleNotFoundError: No module named 'keras'"}, "fail", "ModuleNotFoundError: No module named "
+     "'keras'"),
+])
+def test_the_doctor_checks_keras_3_on_the_node(probe, status, detail):
+    from appliance.node import doctor
+
+    checks = doctor.stack_checks({"python": "3.11.7", "executable": "/v/bin/python", "tensorflow": "2.18.1",
+                                  "tf_keras": "2.18.0", "horovod": "0.28.1", **probe}, {"keras": "3.15.1"})
+    c = checks[3]
+    assert (c.name, c.status, c.detail) == ("keras 3", status, detail)
+    assert (c.fix is None) == (status == "ok")
+    if "jax" in detail:
+        assert "KERAS_BACKEND" in c.fix
