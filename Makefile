@@ -25,7 +25,7 @@ PYTHON312 ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python3.1
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n < 4 ? n : 4)))
 
 .PHONY: help install system-deps wheel-py312 gpu-wheel deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \
-	image image-lint bench-scale bench-scale-light bench-resume bench-ettr bench-stream digits-data
+	image image-lint bench-scale bench-scale-light bench-resume bench-ettr bench-stream bench-keras digits-data
 
 help:
 	@echo "make deploy   install, local cloud, digits to its store, up 2 nodes, stage, appliance run across two lease ends, down"
@@ -38,7 +38,8 @@ help:
 	@echo "              down on 2-16 nodes; bench-scale-light: 16-64 nodes, no TensorFlow in the job),"
 	@echo "              bench-resume (a resume's downtime by phase; cold vs warm handover, 15-min boot),"
 	@echo "              bench-ettr (a 4-lease managed run's ETTR, cold and warm, 7-day leases modelled),"
-	@echo "              bench-stream (stream mode vs local disk, the link shaped around the training's demand);"
+	@echo "              bench-stream (stream mode vs local disk, the link shaped around the training's demand),"
+	@echo "              bench-keras (Keras 3 vs tf_keras on the same model, samples/s, interleaved rounds);"
 	@echo "              results in bench/results"
 	@echo "make image    the GPU appliance image with diskimage-builder (docs/image.md)"
 	@echo "make gpu-wheel  Horovod's GPU build (NCCL from TensorFlow's wheel) on this machine, and its checks"
@@ -150,6 +151,11 @@ bench-stage: install bench/.venv-tools/.installed
 # multiples of the training's demand (goal >= 0.9x local at >= 1.2x the demand, input wait <= 5%)
 bench-stream: install
 	$(PY) bench/stream_bench.py $(ARGS)
+
+# Keras 3 vs tf_keras: the same model and script, 2 ranks on this machine, interleaved rounds (goal: samples/s
+# within 5%). bench/results/keras.{json,md,png}; ARGS: --rounds N, --epochs, --steps
+bench-keras: install
+	$(PY) bench/keras_bench.py $(ARGS)
 
 # Checkpoints: overhead (goal >= 0.98), deadline -> commit, steps lost at 20 random lease ends (goal 0)
 bench-ckpt: install bench/.venv-tools/.installed

@@ -89,6 +89,21 @@ class Line:
 _TEXT = {Line.NOTE, Line.RANK_EXIT}  # kinds whose body is plain text
 
 
+KERAS_NAMES = {"2": "Keras 2 (tf_keras)", "3": "Keras 3"}
+
+
+def keras_switch(saved: str | None, now: str) -> str | None:
+    """Why a checkpoint written by one Keras cannot resume on the other (``saved``: its meta's ``keras``, absent on
+    checkpoints of tf_keras jobs only; ``now``: "2" or "3"), or None. The two save a model's state in different
+    formats (appliance/node/rngstate.py) and their random layers draw differently."""
+    saved = saved or "2"
+    if saved == now:
+        return None
+    return (f"the checkpoint was written by a {KERAS_NAMES.get(saved, saved)} job and this job runs "
+            f"{KERAS_NAMES.get(now, now)}: a resume across a switch of Keras is refused (the weights' format and the "
+            f"random streams differ); set train.keras: {saved} in the spec to resume it, or start a new run")
+
+
 def job_files(rd: str, job_id: str) -> tuple[str, str, str]:
     """The detached job's files on the head node (in its run directory ``rd``): its output (stdout and stderr, in
     order), its exit status (written when it ends), the PID of the process that lives as long as the job."""

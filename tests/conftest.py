@@ -116,7 +116,7 @@ _WITH_DIGITS: dict[str, Path] = {}
 
 
 def digits_code(example: str = "digits") -> Path:
-    """examples/EXAMPLE's train.py with the digits beside it (digits.npz, as examples/digits/make_dataset.py writes it
+    """examples/EXAMPLE's train.py (and its other modules) with the digits beside it (digits.npz, as examples/digits/make_dataset.py writes it
     for `make deploy`), one copy per test process. The digits example reads it with ``--data .``, plain_fit whenever
     it is there: the same images as scikit-learn's (the same weights), and the ranks do not import scikit-learn
     (1.9 s of CPU per rank start here)."""
@@ -128,7 +128,9 @@ def digits_code(example: str = "digits") -> Path:
         d = Path(tempfile.mkdtemp(prefix=f"appliance-{example}-"))
         atexit.register(shutil.rmtree, d, True)
         os.chmod(d, 0o755)  # the ranks' user reads it on the testbed's nodes
-        shutil.copy(ROOT / "examples" / example / "train.py", d / "train.py")
+        for f in (ROOT / "examples" / example).glob("*.py"):  # train.py and the modules beside it
+            if f.name != "make_dataset.py":
+                shutil.copy(f, d / f.name)
         subprocess.run([sys.executable, str(ROOT / "examples" / "digits" / "make_dataset.py"), str(d)], check=True,
                        capture_output=True)
         _WITH_DIGITS[example] = d

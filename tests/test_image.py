@@ -78,7 +78,7 @@ def test_doctor_fails_clearly_when_the_stack_is_missing(tmp_path):
                    check=True)
     checks = {c.name: c for c in doctor.run_checks(str(bare / "bin" / "python"), str(tmp_path / "etc"))}
     assert checks["python"].status == "ok"
-    for name in ("tensorflow", "tf-keras", "horovod"):
+    for name in ("tensorflow", "tf-keras", "keras 3", "horovod"):
         assert checks[name].status == "fail" and "install-stack.sh" in checks[name].fix, checks[name]
     assert checks["allreduce (2 ranks)"].status == "skip"
     assert checks["nic"].status == "skip"  # no cluster.json: not a cluster node
@@ -247,6 +247,7 @@ def test_up_install_on_a_22_04_node_from_the_wheel_cache_trains_then_doctor(clou
     assert checks["nic"].status == "ok"
     assert checks["horovod build"].status == "ok" and "Gloo" in checks["horovod build"].detail
     assert checks["allreduce (2 ranks)"].status == "ok"  # a real 2-rank horovodrun allreduce on the node
+    assert checks["keras 3"].status == "ok" and checks["keras 3"].detail.endswith(", backend tensorflow")
     assert checks["nvidia driver"].status == "skip" and "CPU node" in checks["nvidia driver"].detail
 
 

@@ -29,6 +29,7 @@ from appliance.spec import load_spec
 from appliance.store.checkpoints import CheckpointStore
 from conftest import ROOT, NETNS_OK, digits_code
 from test_checkpoint import LONG, Lines, digits_spec, lease_left, sha, wait_for
+from keras3_job import K3_EPOCHS, LOAD_BEST, keras3_spec, keras3_weights
 
 pytestmark = pytest.mark.skipif(not NETNS_OK, reason="needs network namespaces")
 
@@ -615,3 +616,63 @@ def test_a_custom_loop_keeps_its_own_checkpoint_files_across_the_lease_end(cloud
         assert any(f"done after epoch {epochs}" in m for m in said)
     finally:
         flows.down("ckloop")
+
+
+# ---------------------------------------------------------------------------------------------
+# Keras 3 (issue 79): Horovod's MNIST example in Keras 3 idioms (examples/keras3_digits), as any script
+
+@pytest.fixture(scope="module")
+def keras3_reference(cluster2, tmp_path_factory):
+    """The uninterrupted run of examples/keras3_digits on 2 nodes: the ranks end with equal weights."""
+    out = Lines()
+    res = train(load_spec(keras3_spec(tmp_path_factory.mktemp("k3ref"), "k3ref", url=None)), cluster2, out=out)
+    assert res.exit_code == 0, (res.failure, out.lines[-20:])
+    w = keras3_weights(out.lines)
+    assert sorted(w) == [0, 1] and w[0] == w[1] and w[0][1] == K3_EPOCHS * 28, w  # the ranks' weights equal
+    return w[0][0]
+
+
+@pytest.mark.slow
+def test_a_keras3_script_crosses_a_lease_end_as_a_managed_run(cloud, keras3_reference, tmp_path, said):
+    """examples/keras3_digits (import keras, keras.ops in its loss, a SeedGenerator layer, Dropout, AdamW, rank 0's
+    ModelCheckpoint("best.keras")), nothing of the appliance in it, `appliance run` (foreground here): Keras 3 is
+    chosen from its code; the lease end comes mid-run, every rank stops after the same step with a committed
+    checkpoint (Keras 3's format inside, the same layout), the run goes on on a new lease from that step, and ends
+    on the uninterrupted run's weights (Dropout and SeedGenerator states per rank included); `appliance ls --plot`
+    draws one curve with the resume marked, and best.keras, synced with the working directory, loads in a Python
+    without Horovod or the appliance."""
+    import subprocess
+    import sys
+
+    from appliance.cluster import find_cluster
+    from appliance.store.filesync import FileSet
+
+    spec = keras3_spec(tmp_path, "k3lease", url="swift://ckpts/")
+    out = Lines()
+    at_epoch = random.randint(2, 3)
+    out.on(f"Epoch {at_epoch}/{K3_EPOCHS}", lambda line: localcloud.admin(  # the lease's end: 45 s away
+        "POST", "/advance", {"seconds": lease_left(find_cluster("k3lease")) - 45}))
+    try:
+        res = flows.run_managed(spec, out=out)
+        assert res is not None and res.exit_code == 0, (res and res.failure, out.lines[-20:])
+        assert any("Keras 3: train.keras: auto, model.py:" in x for x in said + out.lines), said[:20]
+        rec = runs.load("k3lease")
+        jobs = rec["jobs"]
+        assert [j["status"] for j in jobs] == ["stopped", "complete"], jobs
+        assert jobs[1]["first_step"] == jobs[0]["last_step"] < K3_EPOCHS * 28  # 0 committed steps lost
+        w = keras3_weights(out.lines)
+        assert w[0] == w[1] == (keras3_reference, K3_EPOCHS * 28), (w, keras3_reference)
+        cs = CheckpointStore("swift://ckpts/", "k3lease", sites.open_site("local").store_creds())
+        assert cs.read_manifest(cs.committed()[0])["meta"]["keras"] == "3"
+        d = flows.plot_run("k3lease", str(tmp_path / "m.png"), spec_path=spec)
+        assert d["resumed_at"] == [jobs[0]["last_step"]] and d["steps"] == [1, K3_EPOCHS * 28], d
+        fs = FileSet("swift://ckpts/", "k3lease", sites.open_site("local").store_creds())
+        body = fs.newest_good()
+        assert body is not None and "best.keras" in body["files"], body
+        fs.pull(body, tmp_path / "files")
+        p = subprocess.run([sys.executable, "-I", "-c", LOAD_BEST, str(tmp_path / "files" / "best.keras"),
+                            str(digits_code("keras3_digits"))], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, cwd="/")
+        assert p.returncode == 0 and p.stdout.split()[-3:] == ["AdamW", "False", "False"], p.stderr[-2000:]
+    finally:
+        flows.down("k3lease")

@@ -22,7 +22,8 @@ from .. import report
 from ..provision import lifecycle
 from ..remote import pack_code
 from ..sites import Site, for_cluster, for_spec, load_spec, open_site
-from ..spec import Spec
+from ..protocol import keras_switch
+from ..spec import Spec, keras_choice
 from ..store.checkpoints import CheckpointStore
 from ..train.launch import JobResult, train
 
@@ -259,6 +260,9 @@ def _resume_point(ctx: RunContext):
     if meta.get("complete"):
         log.info(f"[resume] run {spec.name} already finished at step {ck.step}; nothing to do")
         return _COMPLETE
+    refused = keras_switch(meta.get("keras"), keras_choice(spec)[0])
+    if refused:
+        raise ApplianceError(f"run {spec.name}: checkpoint {ck.name}: {refused}")
     return ck
 
 

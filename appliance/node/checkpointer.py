@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import sys
@@ -38,14 +37,15 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 
 from .. import report
-from ..protocol import VENDORDATA_MARGIN, Env, Line, emit
+from ..protocol import VENDORDATA_MARGIN, Env, Line, emit, keras_switch
 from ..store.checkpoints import CheckpointStore, ckpt_name
 from .creds import CredsFile
 from .filesync import note
 from .metrics import Metrics
+from .rngstate import (generator_states, keras_of, layer_generators, model_state, rng_state, set_generator_states,
+                       set_rng_state)
 from .stream import stream_record
 from .uploads import Uploads
 from .vendordata import vendordata_lease_end
@@ -61,46 +61,6 @@ def _is_io_error(e: BaseException) -> bool:
     names = {c.__name__ for c in type(e).__mro__}
     return "OpError" in names and bool(names & {"ResourceExhaustedError", "UnknownError", "InternalError",
                                                   "DataLossError", "PermissionDeniedError", "FailedPreconditionError"})
-
-
-def _rng_state() -> dict:
-    import tensorflow as tf
-
-    v, st, g = random.getstate()
-    n = np.random.get_state()
-    out = {"python": [v, list(st), g], "numpy": [n[0], n[1].tolist(), int(n[2]), int(n[3]), float(n[4])]}
-    try:  # refused under op determinism unless the script set a global generator itself
-        out["tf_global"] = tf.random.get_global_generator().state.numpy().tolist()
-    except RuntimeError:
-        pass
-    return out
-
-
-def _set_rng_state(s: dict) -> None:
-    import tensorflow as tf
-
-    v, st, g = s["python"]
-    random.setstate((v, tuple(st), g))
-    n = s["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
-    if "tf_global" in s:
-        tf.random.get_global_generator().state.assign(np.array(s["tf_global"], dtype=np.int64))
-
-
-def layer_generators(model) -> list:
-    """The tf.random.Generator of every random layer (Dropout, GaussianNoise, RandomFlip, ...), in layer order.
-
-    They exist when tf_keras draws layer randomness from generators (the ranks' default, appliance/node/keras_fit.py).
-    They are not in ``model.variables`` nor in a ``tf.train.Checkpoint`` of the model (a layer without weights is not
-    tracked), so the checkpoint saves their states itself, per rank."""
-    out = []
-    if model is None:
-        return out
-    for layer in model._flatten_layers(include_self=False):
-        g = getattr(getattr(layer, "_random_generator", None), "_generator", None)
-        if g is not None and hasattr(g, "state"):
-            out.append(g)
-    return out
 
 
 class Checkpointer(Uploads, Metrics):
@@ -285,13 +245,11 @@ class Checkpointer(Uploads, Metrics):
     # -- the loop ------------------------------------------------------------------------------------------
     def epochs(self, model, total_epochs: int, steps_per_epoch: int, optimizer=None):
         """Yield (epoch, first_batch) from the restored position to the end; handles a stop."""
-        import tensorflow as tf
-
         self.mode = "loop"
         self.model, self.optimizer = model, optimizer or model.optimizer
         self.steps_per_epoch = steps_per_epoch
         self.total_epochs = total_epochs
-        self._tf_ckpt = tf.train.Checkpoint(model=model, optimizer=self.optimizer)
+        self._state = model_state(model, self.optimizer)
         epoch, first = self._restore()
         self._calib_from, self._calib_at = self.step, self.step + CALIBRATION
         start = epoch
@@ -309,28 +267,31 @@ class Checkpointer(Uploads, Metrics):
 
     def attach_fit(self, model, params: dict) -> None:
         """A plain ``Model.fit`` starts (the callback's on_train_begin): restore the newest checkpoint into the model
-        and make Keras start at its (epoch, batch), the consumed batches skipped (appliance/node/keras_fit.py)."""
-        import tensorflow as tf
+        and make Keras start at its (epoch, batch), the consumed batches skipped (appliance/node/keras_fit.py; on
+        Keras 3 appliance/node/keras3_fit.py)."""
+        from . import keras3_fit, keras_fit
 
-        from . import keras_fit
-
-        keras_fit.install_data_hooks()  # the ranks' shim did it at import; this is for scripts run elsewhere
+        keras3 = keras3_fit.is_keras3_model(model)
+        if not keras3:
+            keras_fit.install_data_hooks()  # the ranks' shim did it at import; this is for scripts run elsewhere
         again = self.mode == "fit"
         self.mode = "fit"
         self.model, self.optimizer = model, model.optimizer
         self.steps_per_epoch = int(params.get("steps") or 0)
         self.total_epochs = int(params.get("epochs") or 0)
-        self._tf_ckpt = tf.train.Checkpoint(model=model, optimizer=self.optimizer)
+        self._state = model_state(model, self.optimizer)
         if again:  # the same callback in another fit: the step count goes on, nothing is restored twice
             return
-        if self.meta and not keras_fit.build_from_data(model):
+        if self.meta and not (model.built if keras3 else keras_fit.build_from_data(model)):
             self._log("the model is not built before its first step (no input shape), so its checkpoint is "
                       "restored as its variables appear; give the model an Input layer for an exact resume")
         epoch, first = self._restore()
         self._calib_from, self._calib_at = self.step, self.step + CALIBRATION
         self.epoch, self.first = epoch, 0
         keras_fit.training_stream(model)  # a stream the fit reads: its position goes with each save
-        if self.meta:
+        if self.meta and keras3:
+            keras3_fit.resume_at(model, epoch, first, self._log if self.rank == 0 else (lambda m: None))
+        elif self.meta:
             model._training_state = keras_fit.ResumeAt(epoch, first)
             model._appliance_skip = (epoch, first, self._log if self.rank == 0 else (lambda m: None),
                                      self.meta.get("stream"))
@@ -340,6 +301,10 @@ class Checkpointer(Uploads, Metrics):
         checkpoint, committed."""
         if isinstance(getattr(self.model, "_training_state", None), _resume_type()):
             self.model._training_state = None
+        elif self.model is not None and keras_of(self.model) == "3":
+            from .keras3_fit import end_fit
+
+            end_fit(self.model)
         if not self.stopped:
             self.close()
 
@@ -350,18 +315,18 @@ class Checkpointer(Uploads, Metrics):
             return 0, 0
         t0 = time.monotonic()
         m = self.meta
-        opt = self.optimizer
-        if hasattr(opt, "build"):
-            opt.build(self.model.trainable_variables)
-        self._tf_ckpt.read(str(self.restore_dir / "state")).assert_existing_objects_matched()
+        refused = keras_switch(m.get("keras"), keras_of(self.model))
+        if refused:  # the launcher refuses it before the job (appliance/checkpoint/resume.py); a script run by hand
+            print(f"[appliance] error: {refused}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
+        self._state.read(self.restore_dir)
         per_rank = m.get("rng_ranks") or []
         mine = per_rank[self.rank] if len(per_rank) == self.size else m["rng"]  # a resize: rank 0's for all
-        _set_rng_state(mine)
+        set_rng_state(mine)
         gens, states = layer_generators(self.model), mine.get("layers")
         layers_restored = states is not None and len(states) == len(gens)
         if layers_restored:
-            for g, st in zip(gens, states):
-                g.state.assign(np.array(st, dtype=np.int64))
+            set_generator_states(gens, states)
         self.step = int(m["step"])
         epoch, first = int(m["epoch"]), int(m["offset"])
         info = {"step": self.step, "epoch": epoch, "batch": first, "world_size": self.size,
@@ -464,7 +429,7 @@ class Checkpointer(Uploads, Metrics):
 
     def _own_rng(self) -> dict:
         """This rank's RNG states: Python, NumPy, TensorFlow's global generator, the random layers' generators."""
-        return dict(_rng_state(), layers=[g.state.numpy().tolist() for g in layer_generators(self.model)])
+        return dict(rng_state(), layers=generator_states(self.model))
 
     def _gather_rng(self, marks: dict | None = None) -> list[dict]:
         """Every rank: its RNG states (Python, NumPy, TensorFlow's global generator, the random layers'
@@ -489,7 +454,7 @@ class Checkpointer(Uploads, Metrics):
         tmp = self.local_dir / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self._tf_ckpt.write(str(tmp / "state"))
+        self._state.write(tmp)
         meta = {"step": self.step, "epoch": epoch, "offset": offset, "seed": self.seed,
                 "world_size": self.size, "batch_size": self.batch_size,
                 "global_batch": self.batch_size and self.batch_size * self.size,
@@ -497,7 +462,8 @@ class Checkpointer(Uploads, Metrics):
                 "complete": complete, "run": self.run, "saved_at": time.time(),
                 "spec_hash": os.environ.get(Env.SPEC_HASH, ""),
                 "code_hash": os.environ.get(Env.CODE_HASH, ""), "rng": states[0], "rng_ranks": states,
-                "mode": self.mode, "stream": stream_record(epoch, offset, self.steps_per_epoch or None)}
+                "mode": self.mode, "stream": stream_record(epoch, offset, self.steps_per_epoch or None),
+                "keras": keras_of(self.model)}
         if self._writer is not None:
             self._writer.flush()
         if self._csv is not None:

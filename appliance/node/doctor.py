@@ -1,6 +1,6 @@
 """`appliance doctor`: is this node ready to train? One line per check, with the fix.
 
-Checks, in order: Python, TensorFlow, tf-keras, Horovod (version, built with TensorFlow + Gloo, NCCL on GPU
+Checks, in order: Python, TensorFlow, tf-keras, Keras 3 (its version and backend), Horovod (version, built with TensorFlow + Gloo, NCCL on GPU
 nodes), the NVIDIA driver, CUDA, NCCL, TensorFlow sees every GPU, a 2-rank allreduce through horovodrun on
 this node, the NIC the cluster uses, firewalld's trusted peers; and whether the stager's MD5 lanes and https reads
 are built (said, not failed: without them it checks at hashlib's speed and reads https a TLS record per call). GPU
@@ -47,6 +47,12 @@ try:
     out["tf_keras"] = tf_keras.__version__
 except Exception as e:
     out["tf_keras_error"] = f"{type(e).__name__}: {e}"
+try:
+    import keras
+    out["keras"] = keras.__version__
+    out["keras_backend"] = keras.config.backend()
+except Exception as e:
+    out["keras_error"] = f"{type(e).__name__}: {e}"
 try:
     import horovod
     import horovod.tensorflow as hvd
@@ -161,12 +167,29 @@ def stack_checks(p: dict, pins: dict[str, str]) -> list[Check]:
             checks.append(Check(label, "fail", f"{have}, the lock pins {pin}", INSTALL_FIX))
         else:
             checks.append(Check(label, "ok", have))
+    checks.insert(3, keras3_check(p, pins))
     if "horovod" in p:
         built = [n for n, k in (("Gloo", "hvd_gloo"), ("NCCL", "hvd_nccl"), ("MPI", "hvd_mpi")) if p.get(k)]
         ok = p.get("hvd_gloo") and "tensorflow" in p
         checks.append(Check("horovod build", "ok" if ok else "fail", f"TensorFlow, {', '.join(built) or 'no controller'}",
                             None if ok else "rebuild Horovod with HOROVOD_WITH_GLOO=1 (images/install-stack.sh)"))
     return checks
+
+
+def keras3_check(p: dict, pins: dict[str, str]) -> Check:
+    """Keras 3, which a job whose code uses Keras 3 API runs (train.keras, appliance/node/keras3.py): importable,
+    a 3.x, the lock's version, on the TensorFlow backend (Horovod's ops are TensorFlow's)."""
+    have, backend, pin = p.get("keras"), p.get("keras_backend"), pins.get("keras")
+    if have is None:
+        return Check("keras 3", "fail", p.get("keras_error", "not importable"), INSTALL_FIX)
+    if not have.startswith("3."):
+        return Check("keras 3", "fail", f"keras {have} is not Keras 3", INSTALL_FIX)
+    if pin and have != pin:
+        return Check("keras 3", "fail", f"{have}, the lock pins {pin}", INSTALL_FIX)
+    if backend != "tensorflow":
+        return Check("keras 3", "fail", f"{have}, backend {backend}", "Horovod's ops are TensorFlow's: unset "
+                     "KERAS_BACKEND or set it to tensorflow (and \"backend\" in ~/.keras/keras.json)")
+    return Check("keras 3", "ok", f"{have}, backend tensorflow")
 
 
 def allreduce_check(python: str, timeout: float = 120) -> Check:

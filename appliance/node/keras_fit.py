@@ -224,15 +224,17 @@ def _let_go(iterator) -> None:
 
 
 def _skip(iterator, n: int) -> int:
-    import tensorflow as tf
-
+    """Up to ``n`` batches taken off ``iterator`` (fewer where the data ends): how many."""
     done = 0
     try:
         for _ in range(n):
             next(iterator)
             done += 1
-    except (StopIteration, tf.errors.OutOfRangeError):
+    except StopIteration:
         pass
+    except Exception as e:  # TensorFlow's OutOfRangeError: the dataset ended (its name: TensorFlow not imported here)
+        if type(e).__name__ != "OutOfRangeError":
+            raise
     return done
 
 
@@ -265,24 +267,27 @@ class ResumeAt:
         return self.epoch, self.batch
 
 
-def install_autolog() -> None:
-    """Level 2: every process's first ``Model.fit`` without the appliance's callback gets it (idempotent)."""
+def install_autolog(model_class=None) -> None:
+    """Level 2: every process's first ``Model.fit`` without the appliance's callback gets it (idempotent).
+    ``model_class``: Keras 3's ``keras.Model`` (appliance/node/keras3_fit.py); tf_keras' by default."""
     if _STATE["fit"]:
         return
-    from tf_keras.src.engine import training
+    if model_class is None:
+        from tf_keras.src.engine import training
 
-    fit = training.Model.fit
+        model_class = training.Model
+    fit = model_class.fit
 
     @functools.wraps(fit)
     def _fit(self, *args, **kwargs):
         args, kwargs = _with_callback(args, kwargs)
         return fit(self, *args, **kwargs)
 
-    training.Model.fit = _fit
+    model_class.fit = _fit
     _STATE["fit"] = True
 
 
-_CALLBACKS_POS = 5  # Model.fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+_CALLBACKS_POS = 5  # Model.fit(x, y, batch_size, epochs, verbose, callbacks, ...): tf_keras' and Keras 3's
 
 
 def _say_once(flag: str, message: str) -> None:

@@ -15,8 +15,9 @@
 5. Which Keras: the launcher sets TF_USE_LEGACY_KERAS per job (train.keras in the spec: auto, 2 or 3). On a Keras 3
    job (TF_USE_LEGACY_KERAS not 1) `keras` is Keras 3, and once Horovod's Keras modules are imported their
    DistributedOptimizer averages a Keras 3 optimizer and their callbacks work on a Keras 3 model
-   (`appliance/node/keras3.py`); on a Keras 2 job a Keras 3 optimizer given to DistributedOptimizer is refused in
-   one line (it would not be averaged).
+   (`appliance/node/keras3.py`), and the appliance's checkpoints work as on tf_keras (`appliance/node/keras3_fit.py`:
+   the callback added to `Model.fit` with checkpoint.url, the mid-epoch resume); on a Keras 2 job a Keras 3
+   optimizer given to DistributedOptimizer is refused in one line (it would not be averaged).
 
 Nothing of Keras is imported until something asks for keras or tf_keras.
 """
@@ -96,8 +97,10 @@ def _horovod_hooks(keras3_job):
 
 def _keras3_hooks(module):
     from appliance.node.keras3 import patch_keras
+    from appliance.node.keras3_fit import on_keras3_import
 
     patch_keras(module)
+    on_keras3_import(module)
 
 
 def _tf_hooks(module):
@@ -126,7 +129,8 @@ if importlib.util.find_spec("appliance") is not None:
                                              f"{_name}: the appliance's Keras 3 checks did not install"))
     if _keras3_job:
         sys.meta_path.insert(0, _AfterImport("keras", _keras3_hooks, "Keras 3: the appliance's checks before a "
-                                             "train function (jit_compile, a LossScaleOptimizer) did not install"))
+                                             "train function (jit_compile, a LossScaleOptimizer) or its checkpoint "
+                                             "hooks did not install"))
 
 if "tensorflow" not in sys.modules and importlib.util.find_spec("appliance") is not None:
     sys.meta_path.insert(0, _AfterImport("tensorflow", _tf_hooks, "autograph converts Horovod's code as before"))
