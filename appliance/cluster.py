@@ -146,14 +146,20 @@ def state_path(name: str) -> Path:
 
 
 def load_cluster(name: str) -> Cluster:
-    p = state_path(name)
-    if not p.exists():
+    cl = find_cluster(name)
+    if cl is None:
         raise ApplianceError(f"no cluster named {name!r}", "bring one up with `appliance up SPEC` or `appliance testbed up`")
-    return Cluster.from_dict(json.loads(p.read_text()))
+    return cl
 
 
 def find_cluster(name: str) -> Cluster | None:
-    return load_cluster(name) if state_path(name).exists() else None
+    """The record of cluster ``name``, or None: none, or deleted while it was looked for (a teardown in another
+    thread: a warm handover's, a controller's end). Records are written whole (paths.write_private)."""
+    try:
+        text = state_path(name).read_text()
+    except FileNotFoundError:
+        return None
+    return Cluster.from_dict(json.loads(text))
 
 
 def delete_cluster(name: str) -> None:

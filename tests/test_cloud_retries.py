@@ -256,3 +256,21 @@ def test_a_server_asked_for_without_an_answer_is_found_by_name_and_reservation_b
     assert c.create_server("run-0", **ask) == "s-0" and len(made) == 1  # found: not asked again
     assert c.create_server("run-1", reservation_id="res-2", image="img", key_name="k", network="n") == "s-1"
     assert len(made) == 2  # none found on res-2: asked once more, answered
+
+
+def test_a_cluster_record_deleted_while_it_is_looked_for_is_none_not_an_error(monkeypatch):
+    """A warm handover's teardown (another thread) deletes a record between a look's `exists` and its read: the
+    record is not there (None), not "no cluster named" raised into the managed run's handover."""
+    from appliance import cluster
+
+    class Vanishing:
+        def exists(self):
+            return True  # there when asked ...
+
+        def read_text(self):
+            raise FileNotFoundError("fm.json")  # ... and gone when read
+
+    monkeypatch.setattr(cluster, "state_path", lambda name: Vanishing())
+    assert cluster.find_cluster("fm") is None
+    with pytest.raises(ApplianceError, match="no cluster named 'fm'"):
+        cluster.load_cluster("fm")

@@ -152,7 +152,8 @@ class Recovery:
             (run.control.state.get("asked") or {}).get(cl.site.lease_name or "") or {}
         a = Alternative(asked.get("node_type") or spec.nodes.node_type, cl.site.region or spec.site)
         at = dataclasses.replace(leased_as(spec, a), name=cl.name)
-        if not cl.lease_id:  # its lease may not exist yet and be asked for now: within the run's limits, as cold's
+        if not cl.lease_id and not self._made(cl):  # its lease may not exist yet and be asked for now: within the
+            # run's limits, as cold's (one Blazar made is on the ledger already: not held against them twice)
             if (kw := run.new_lease()) is None:
                 return None
             if kw.get("lease_duration"):
@@ -167,6 +168,11 @@ class Recovery:
         if got.lease_id:  # a lease the run adopts (`appliance up` made it, or an earlier controller): on its ledger
             run.adopt(got, a.node_type)
         return got, a.node_type
+
+    def _made(self, cl: Cluster) -> bool:
+        """Blazar has a usable lease under the name ``cl`` recorded before its ask (its answer was lost)."""
+        site = self.run.ctx.site_of(cl.name)
+        return any(x.name == cl.site.lease_name and not x.unusable for x in site.cloud.list_leases())
 
     def down(self, name: str) -> None:
         try:
