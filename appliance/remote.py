@@ -186,10 +186,7 @@ class LocalRemote(Remote):
         out: list[str] = []
         err: list[str] = []
         feeds = {proc.stdout.fileno(): _splitter("out", on_line, out), proc.stderr.fileno(): _splitter("err", on_line, err)}
-        if stdin:
-            threading.Thread(target=_write_close, args=(proc.stdin, stdin), daemon=True).start()
-        else:
-            proc.stdin.close()
+        feeder = _Feeder(_PipeEnd(proc.stdin), stdin)
         deadline = time.monotonic() + timeout if timeout else None
         open_fds = set(feeds)
         while open_fds:
@@ -206,16 +203,74 @@ class LocalRemote(Remote):
                 break
         rc = proc.wait()
         res = Result(rc, "\n".join(out), "\n".join(err))
+        feeder.judge(self.node.name, rc)
         if check and rc != 0:
             raise ApplianceError(f"{self.node.name}: `{command[:80]}` failed ({rc}): {res.err.strip()[-300:]}")
         return res
 
 
-def _write_close(fh, data: bytes):
-    try:
-        fh.write(data)
-    finally:
-        fh.close()
+class _PipeEnd:
+    """A subprocess's stdin as a channel-like end for ``_Feeder``."""
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def send(self, b) -> int:
+        self.fh.write(b)
+        self.fh.flush()
+        return len(b)
+
+    def shutdown_write(self):
+        self.fh.close()
+
+
+class _Feeder:
+    """A command's stdin, written whole from a thread, and judged after the command: bytes that did not all arrive
+    are never a success. The SSH channel polls with a short timeout (``settimeout(0.2)``), and paramiko's ``send``
+    raises ``socket.timeout`` when the peer's window stays full that long (a node whose disk is slower than the
+    link): that is a wait, not an end of the stream."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, end, data: bytes | None):
+        self.end, self.data, self.sent, self.error = end, data or b"", 0, None
+        self.done = threading.Event()
+        if data:
+            threading.Thread(target=self._write, daemon=True).start()
+        else:
+            self._close()
+
+    def _write(self):
+        view = memoryview(self.data)
+        try:
+            while self.sent < len(view):
+                try:
+                    n = self.end.send(view[self.sent:self.sent + self.CHUNK])
+                except socket.timeout:
+                    continue  # the window is full: the command reads slower than we send
+                if n <= 0:
+                    break  # the channel was closed
+                self.sent += n
+        except (OSError, ValueError, paramiko.SSHException) as e:
+            self.error = e
+        finally:
+            self._close()
+
+    def _close(self):
+        try:
+            self.end.shutdown_write()
+        except (OSError, ValueError, paramiko.SSHException):
+            pass
+        self.done.set()
+
+    def judge(self, node: str, rc: int) -> None:
+        """After the command ended: a command that says success over a stdin it did not get whole is a lost
+        connection (a command that failed says why itself)."""
+        self.done.wait(EOF_GRACE)
+        if rc == 0 and self.sent < len(self.data):
+            why = f" ({self.error})" if self.error else ""
+            raise ConnectionLost(f"{node} got {self.sent} of the {len(self.data)} bytes sent to it{why}",
+                                 f"check that {node} is up (`appliance status`) and run the step again")
 
 
 def _killpg(proc: subprocess.Popen):
@@ -254,10 +309,7 @@ class SSHRemote(Remote):
                                  f"check that {self.node.name} is up (`appliance status`)") from None
         chan.settimeout(0.2)
         chan.exec_command(command)
-        if stdin:
-            threading.Thread(target=_chan_write, args=(chan, stdin), daemon=True).start()
-        else:
-            chan.shutdown_write()
+        feeder = _Feeder(chan, stdin)
         out: list[str] = []
         err: list[str] = []
         fo = _splitter("out", on_line, out)
@@ -302,24 +354,13 @@ class SSHRemote(Remote):
         rc = chan.recv_exit_status()  # last line is not passed on (a follower reads it again whole)
         chan.close()
         res = Result(rc, "\n".join(out), "\n".join(err))
+        feeder.judge(self.node.name, rc)
         if check and rc != 0:
             raise ApplianceError(f"{self.node.name}: `{command[:80]}` failed ({rc}): {res.err.strip()[-300:]}")
         return res
 
     def close(self) -> None:
         self.client.close()
-
-
-def _chan_write(chan, data: bytes):
-    try:
-        chan.sendall(data)
-    except (OSError, paramiko.SSHException):
-        pass
-    finally:
-        try:
-            chan.shutdown_write()
-        except (OSError, paramiko.SSHException):
-            pass
 
 
 def _connect_ssh(cluster: Cluster, node: Node, sock=None, timeout: float = 15.0) -> paramiko.SSHClient:

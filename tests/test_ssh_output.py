@@ -105,3 +105,83 @@ def test_progress_bar_redraws_become_one_clean_line_and_a_live_fragment():
     assert len(lines) == 2
     assert clean_progress(lines[1][len("[0]<stdout>:"):]) == "28/28 [=====] - 1s 10ms/step - loss: 0.5"
     assert clean_progress("\r\b\b\r") == ""
+
+
+class _SlowReader:
+    """A real paramiko server (over a socketpair) whose command starts reading its stdin only ``late`` seconds after
+    it started, then answers with the number of bytes it got: `tar -xzf -` on a node whose disk is slower than the
+    link."""
+
+    def __init__(self, late: float, reads: int | None = None):
+        import socket
+
+        import paramiko
+
+        self.late, self.reads = late, reads
+        a, b = socket.socketpair()
+        self.server = paramiko.Transport(b)
+        self.server.add_server_key(paramiko.RSAKey.generate(1024))
+        outer = self
+
+        class Server(paramiko.ServerInterface):
+            def check_auth_none(self, username): return paramiko.AUTH_SUCCESSFUL
+            def get_allowed_auths(self, username): return "none"
+            def check_channel_request(self, kind, chanid): return paramiko.OPEN_SUCCEEDED
+
+            def check_channel_exec_request(self, channel, command):
+                threading.Thread(target=outer._serve, args=(channel,), daemon=True).start()
+                return True
+
+        self.server.start_server(event=threading.Event(), server=Server())  # returns at once; the client negotiates
+        self.client = paramiko.Transport(a)
+        self.client.connect()
+        self.client.auth_none("u")
+
+    def _serve(self, chan):
+        threading.Event().wait(self.late)  # the slow disk: a fault modelled, not a wait for the other side
+        got = 0
+        while self.reads is None or got < self.reads:
+            b = chan.recv(1 << 16)
+            if not b:
+                break
+            got += len(b)
+        chan.sendall(f"{got}\n".encode())
+        chan.send_exit_status(0)
+        chan.close()
+
+    def get_transport(self):
+        return self.client
+
+    def close(self):
+        self.client.close()
+        self.server.close()
+
+
+def test_stdin_larger_than_the_window_arrives_whole_when_the_command_reads_it_late():
+    """CI lost the wheels' tarball this way (`gzip: stdin: unexpected end of file` on a 24.04 node): the channel
+    polls with a 0.2 s timeout, paramiko's send raised socket.timeout once the peer's window stayed full that long,
+    and the writer took that for the end of the stream and closed stdin."""
+    ssh = _SlowReader(late=0.8)
+    data = os.urandom(6 << 20)  # three times paramiko's default window (2 MiB): full within milliseconds
+    node = Node(name="node1", private_ip="10.0.0.1", address="10.0.0.1", workdir="/tmp")
+    try:
+        r = SSHRemote(node, ssh).run("cat", stdin=data)
+    finally:
+        ssh.close()
+    assert r.rc == 0 and r.out == str(len(data))
+
+
+def test_a_command_that_says_success_over_part_of_its_stdin_is_a_lost_connection():
+    """`cat > creds` that ended early would leave a cut file and exit 0: bytes that did not all arrive are never a
+    success."""
+    import pytest
+
+    from appliance.remote import ConnectionLost
+
+    ssh = _SlowReader(late=0.0, reads=1 << 20)
+    node = Node(name="node1", private_ip="10.0.0.1", address="10.0.0.1", workdir="/tmp")
+    try:
+        with pytest.raises(ConnectionLost, match="node1 got .* of the 6291456 bytes sent to it"):
+            SSHRemote(node, ssh).run("cat > creds", stdin=os.urandom(6 << 20))
+    finally:
+        ssh.close()
