@@ -74,3 +74,31 @@ def test_the_launch_is_horovodrun_without_its_per_launch_build_probe(monkeypatch
                                       "--gloo", "true"])
     hvdrun.main()
     assert seen == {"gloo": True, "prog": "horovodrun", "args": ["-np", "2", "--gloo", "true"]}
+
+
+@pytest.mark.parametrize("error", ["Horovod detected that one or more processes exited with non-zero status, thus "
+                                   "causing the job to be terminated. The first process to do so was:\nProcess name: "
+                                   "0\nExit code: 75\n", "something else"])
+def test_a_rank_that_exits_non_zero_ends_horovodrun_without_a_traceback(monkeypatch, capsys, error):
+    """A level-3 job stopped with its files committed ends rank 0 with 75, and horovodrun's RuntimeError about it
+    came out as a Python traceback under the job's output: its lines now, exit 1 as before; any other error is
+    horovodrun's as it was."""
+    import sys
+
+    from horovod.runner import launch
+
+    from appliance.node import hvdrun
+
+    def fail():
+        raise RuntimeError(error)
+
+    monkeypatch.setattr(launch, "run_commandline", fail)
+    monkeypatch.setattr(sys, "argv", ["hvdrun.py", "-np", "1", "true"])
+    if error == "something else":
+        with pytest.raises(RuntimeError, match="something else"):
+            hvdrun.main()
+        return
+    with pytest.raises(SystemExit) as ex:
+        hvdrun.main()
+    assert ex.value.code == 1
+    assert capsys.readouterr().err.splitlines()[-2:] == ["Process name: 0", "Exit code: 75"]

@@ -392,6 +392,50 @@ def test_the_run_books_the_leases_its_plan_printed(tmp_path):
     lifecycle.down("pb", site=site)
 
 
+@pytest.mark.parametrize("same_start", [True, False])
+def test_the_next_lease_a_controller_on_another_machine_booked_is_kept_or_goes_before_the_booking(tmp_path,
+                                                                                                  same_start):
+    """A controller that took the run over from another machine has no record of the next lease the lost one
+    booked (only the run's state in the store): booked for the start this one would ask, it is kept and the
+    cluster made on it (its hosts are the run's: a second booking would find none); booked for another start, it
+    goes before the booking."""
+    import datetime as dt
+    import functools
+
+    from appliance.flows.handover import Warm
+    from appliance.provision import lifecycle
+    from fakes import no_nodes
+
+    site, spec = _warm_site(tmp_path, name="mk")
+    up = functools.partial(lifecycle.up, finish_nodes=no_nodes)
+    current = up(site, spec)
+    c = site.cloud
+    start = current.lease_end_at - dt.timedelta(minutes=30 if same_start else 50)
+    earlier = c.create_lease("mk_h-earlier", spec.nodes.node_type, spec.nodes.count, dt.timedelta(hours=2),
+                             start=start)
+    entry = {"cluster": "mk_h", "site": spec.site, "node_type": spec.nodes.node_type, "lease_id": earlier.id}
+    plan = SimpleNamespace(earlier_booking=lambda name: (entry, c.get_lease(earlier.id)) if name == "mk_h" else None,
+                           lease_length=lambda start: (7200, ""), asking=None)
+    said = []
+    w = Warm(flows.RunContext(spec, site), current, lambda ev, **kw: said.append((ev, kw)), None, 0.001, up=up,
+             plan=plan).start()
+    for _ in range(10_000):  # the thread keeps it, or deletes it and books
+        if said:
+            break
+        time.sleep(0.001)
+    c.clock = start + dt.timedelta(minutes=31)  # Blazar starts them
+    cl = w.ready()
+    kinds = [ev for ev, _ in said]
+    if same_start:
+        assert kinds == ["lease adopted", "next lease", "next cluster ready"] and cl.lease_id == earlier.id
+        assert len(c.verbs("create_lease")) == 2  # the current one and the earlier controller's: none asked here
+    else:
+        assert kinds == ["lease deleted", "next lease", "next cluster ready"] and cl.lease_id != earlier.id
+        assert c.verbs("delete_lease")[-1] == (earlier.id,) and len(c.verbs("create_lease")) == 3
+    w.abandon()
+    lifecycle.down("mk", site=site)
+
+
 def find_cluster_named(name):
     from appliance.cluster import find_cluster
 

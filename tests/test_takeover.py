@@ -193,6 +193,7 @@ RESUMED = {"step": 100, "epoch": 4, "batch": 12}
 @pytest.mark.parametrize("left,end,handed_over", [
     (30.0, {"rc": 0, "stopped": STOP, "resumed": RESUMED}, "lease end"),  # stopped by the nodes' watchdog
     (0.0, None, "lease end"),  # the end took its nodes: the newest commit is where it stopped
+    (0.0, None, "lease end, the job before on another machine"),  # where it began: by the run's timeline
     (None, None, None),  # the cloud cannot say: a resume
     (3600.0, {"rc": 0, "stopped": {**STOP, "reason": "SIGTERM"}, "resumed": RESUMED}, None),  # a user's stop
     (30.0, {"rc": 1, "stopped": None, "resumed": RESUMED}, None),  # it failed
@@ -215,10 +216,17 @@ def test_a_followed_job_that_ended_with_its_lease_is_handed_over_as_its_launcher
     control.take()
     cl = Cluster(name=spec.name, cloud="local", lease_id="L1", lease_end="2026-12-01T10:00:00",
                  nodes=[Node("n1", "10.0.0.1", "10.0.0.1", "/w"), Node("n2", "10.0.0.2", None, "/w")])
-    runs.job_started(spec, cl, f"{spec.name}-1")
+    elsewhere = handed_over == "lease end, the job before on another machine"
+    if elsewhere:  # this machine has no record of the job before it, the run's timeline has
+        control.record("job end", job_id=f"{spec.name}-1", exit_code=75, lease_end=True, step=100)
+        control.record("job", job_id=f"{spec.name}-2", restore=True)
+        handed_over = "lease end"
+    else:
+        runs.job_started(spec, cl, f"{spec.name}-1")
     runs.job_started(spec, cl, f"{spec.name}-2")
     rec = runs.load(spec.name)
-    rec["jobs"][0].update(status="stopped", last_step=100)
+    if not elsewhere:
+        rec["jobs"][0].update(status="stopped", last_step=100)
     runs.save(rec)
     monkeypatch.setattr(takeover, "lease_left", lambda ctx, cluster: left)
     monkeypatch.setattr(takeover, "newest_commit", lambda ctx: ("ckpt-000000250", 250))
@@ -230,7 +238,7 @@ def test_a_followed_job_that_ended_with_its_lease_is_handed_over_as_its_launcher
     res = run.followed_end(f"{spec.name}-2", cl)
     run.settle()
     control.close("finished")
-    job = runs.load(spec.name)["jobs"][1]
+    job = runs.load(spec.name)["jobs"][-1]
     if handed_over is None:
         assert res is None and job["status"] == "running"
         return
@@ -244,9 +252,9 @@ def test_a_followed_job_that_ended_with_its_lease_is_handed_over_as_its_launcher
     if end is not None:  # what rank 0 reported: where it resumed from, why it stopped
         assert res.resumed == RESUMED and job["first_step"] == 100 and res.stopped["reason"] == STOP["reason"]
     else:  # the head gone with the lease: it resumed where the job before it stopped
-        assert res.resumed == {"step": 100}
+        assert res.resumed == {"step": 100} and job["first_step"] == 100
     assert control.state["progress"]["steps"] == 150  # its steps in the run's pace
-    ends = [e for e in control.state["events"] if e["event"] == "job end"]
+    ends = [e for e in control.state["events"] if e["event"] == "job end" and e["job_id"] == f"{spec.name}-2"]
     assert len(ends) == 1 and ends[0]["lease_end"] and ends[0]["followed"] and ends[0]["step"] == 250
 
 

@@ -115,6 +115,8 @@ class Warm:
         try:
             if find_cluster(self.name) is not None:  # left by a controller that was killed: it goes, then afresh
                 lifecycle.down(self.name, self.ctx.site_of(self.name))
+            else:  # booked by a controller on another machine (its state in the store): kept, or it goes
+                self._earlier_booking()
             if spec.lease.extend and self.plan is not None:
                 if not self._extend():
                     return  # stopped while it waited to extend
@@ -128,6 +130,30 @@ class Warm:
         finally:
             self._done.set()
             self._wake.set()
+
+    def _earlier_booking(self) -> None:
+        """The next lease that a controller of the run on another machine booked before it was lost (found through
+        the run's state; the hosts are its): kept as this cluster's lease when it is of one of the run's choices and
+        starts when this one would ask (its cluster is then made on it, as on a lease booked here), else deleted
+        before the booking (nothing would use it, and it holds the hosts the booking needs)."""
+        found = getattr(self.plan, "earlier_booking", lambda name: None)(self.name)
+        if found is None:
+            return
+        entry, info = found
+        site = self.ctx.at(entry.get("site"))
+        start = self._start_date()
+        choice = next((a for a in choices_of(self.spec) if a.node_type == entry.get("node_type")
+                       and (a.site or self.spec.site) == entry.get("site")), None)
+        if choice is not None and abs((info.start - (start or site.cloud.now())).total_seconds()) <= 120:
+            lifecycle.record_lease(site, leased_as(self.spec, choice), info)
+            self.choice = choice
+            log.info(f"[run] the next lease {info.name} ({info.id}), booked by an earlier controller, is kept")
+            self.record("lease adopted", lease_id=info.id, name=info.name, cluster=self.name)
+            return
+        log.info(f"[run] the next lease {info.name} ({info.id}), booked by an earlier controller for another start, "
+                 "goes: it holds the hosts a booking needs")
+        site.cloud.delete_lease(info.id)
+        self.record("lease deleted", lease_id=info.id, name=info.name, reason="booked by an earlier controller")
 
     def _made(self, spec) -> None:
         """The next lease booked (once: asked again, it is found by its name), waited for, its cluster up and staged."""
@@ -190,6 +216,8 @@ class Warm:
         order, another node type or site. Returns (its site, the spec it is booked for, its cluster record);
         NoHosts when none has the hosts."""
         choices = choices_of(spec)
+        if self.choice is not None:  # its lease kept from an earlier controller (_earlier_booking): that one first
+            choices = [self.choice, *[a for a in choices if a != self.choice]]
         for i, a in enumerate(choices):
             at = leased_as(spec, a)
             site = self.ctx.at(a.site)

@@ -139,3 +139,21 @@ def _adopt(ctx, control, site: str | None, entry: dict, info, listed: list) -> b
     if control.on_ask is not None:  # into the run's ledger of node-hours, with its asked entry answered
         control.on_ask(info.name, {**entry, "lease_id": info.id}, info)
     return True
+
+
+def booked_for(ctx, control, cluster: str):
+    """The lease an earlier controller of the run booked for its cluster ``cluster`` (its warm successor: asked for,
+    answered, not closed), still open at its site: (its asked entry, the lease). None: none, or the site did not
+    answer (the caller books as it would have). A controller on another machine has no record of it, only the
+    run's state in the store."""
+    for name, e in (control.state.get("asked") or {}).items():
+        if e.get("cluster") != cluster or e.get("closed") or e.get("refused") or not e.get("lease_id"):
+            continue
+        try:
+            info = ctx.at(e.get("site")).cloud.get_lease(e["lease_id"])
+        except ApplianceError as err:
+            log.info(f"[run] warning: lease {name} ({e['lease_id']}) could not be read ({err.message})")
+            return None
+        if info is not None and not info.unusable:
+            return e, info
+    return None

@@ -47,7 +47,7 @@ from .budget import Budget, Ledger, estimate, newest_meta, steps_made
 from .control import CONTROL, NOTIFIED, Control, busy, gone_here, read_logs, read_timeline  # noqa: F401
 from .ettr import job_end_marks
 from .handover import Warm, overlap_cost
-from .leases import Asked, reconcile
+from .leases import Asked, booked_for, reconcile
 from .recovery import Recovery
 
 log = report.get(__name__)
@@ -142,6 +142,10 @@ class _Run:
     def booked(self, info, nodes: int, node_type: str, site: str | None) -> None:
         """A lease Blazar made for the run (leases.Asked): counted in its node-hours from now, booked ahead too."""
         self.ledger.track(info, nodes, node_type, site if site not in (None, self.spec.site) else None)
+
+    def earlier_booking(self, cluster: str):
+        """The next lease an earlier controller booked for ``cluster`` (handover.Warm keeps it): leases.booked_for."""
+        return booked_for(self.ctx, self.control, cluster)
 
     def job_started(self, cluster: Cluster, spec: Spec | None = None) -> None:
         """A job starts on ``cluster``: its lease is counted; with lease.overlap, its next cluster is made
@@ -393,9 +397,9 @@ class _Run:
     def followed_end(self, job_id: str, cluster: Cluster) -> JobResult | None:
         """A job an earlier controller launched, followed to its end: its result (takeover.followed_result), on
         the timeline and in the run's pace, for the loop to end the run with or hand over; None: the run resumes."""
-        res = takeover.followed_result(self.ctx, job_id, cluster)
-        down = [e for e in self.control.state.get("events") or [] if e.get("event") == "downtime"
-                and e.get("job_id") == job_id]
+        events = self.control.state.get("events") or []
+        res = takeover.followed_result(self.ctx, job_id, cluster, resumed_at=_began_at(events, job_id))
+        down = [e for e in events if e.get("event") == "downtime" and e.get("job_id") == job_id]
         if res is not None and down:  # its resume's downtime, which its launcher put on the timeline only
             res.resume_breakdown = down[-1].get("breakdown")
             runs.record_resume(self.spec.name, job_id, res.resume_breakdown)
@@ -434,6 +438,15 @@ class _Run:
             steps.stage_to_nodes(ctx, cluster, spec.dataset.source, spec.dataset.dest, mode=spec.dataset.mode,
                                  out=self.out)
         return steps.run_job(spec, cluster, run=ctx.with_spec(spec), out=self.out, control=control)
+
+
+def _began_at(events: list[dict], job_id: str) -> int | None:
+    """The step job ``job_id`` began at, by the run's timeline: where the job before it ended (None: it restored
+    nothing, or the timeline does not say)."""
+    start = next((i for i, e in enumerate(events) if e.get("event") == "job" and e.get("job_id") == job_id), None)
+    if start is None or not events[start].get("restore"):
+        return None
+    return next((e.get("step") for e in reversed(events[:start]) if e.get("event") == "job end"), None)
 
 
 def _current_cluster(spec: Spec) -> str | None:

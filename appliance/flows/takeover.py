@@ -168,12 +168,14 @@ def unfinished_handover(control: Control) -> dict | None:
     return None
 
 
-def followed_result(ctx, job_id: str, cluster: Cluster) -> JobResult | None:
+def followed_result(ctx, job_id: str, cluster: Cluster, resumed_at: int | None = None) -> JobResult | None:
     """The end of a job an earlier controller launched and this one followed (wait_for_live_job), as its launcher
     would have had it, into the run's record: finished (exit 0 on its head with no stop report: the run has, too),
     or stopped for its lease's end (rank 0's stop report with a commit and the lease ending within twice
     lease.stop_margin; or the lease over, its nodes gone: the newest commit is where it stopped). None otherwise
-    (it failed, a user stopped it, the head cannot say): the run resumes, as after any takeover."""
+    (it failed, a user stopped it, the head cannot say): the run resumes, as after any takeover. ``resumed_at``:
+    the step the job began at by the run's timeline (the job before it ended there), for a job whose head is gone
+    with its lease and whose launcher's records are on another machine."""
     spec = ctx.spec
     end = headjob.job_end(cluster, spec.name, job_id) or {}
     stopped, left = end.get("stopped"), lease_left(ctx, cluster)
@@ -187,7 +189,8 @@ def followed_result(ctx, job_id: str, cluster: Cluster) -> JobResult | None:
     jobs = (runs.load(spec.name) or {}).get("jobs", [])
     started = next((j.get("started") for j in jobs if j.get("job_id") == job_id), None)
     before = [j["last_step"] for j in jobs if j.get("job_id") != job_id and j.get("last_step") is not None]
-    resumed = end.get("resumed") or ({"step": before[-1]} if before else None)  # rank 0's word, else the job before
+    resumed = end.get("resumed") or ({"step": before[-1]} if before else None) or (  # rank 0's word, else the job
+        {"step": resumed_at} if resumed_at is not None else None)  # before, here, else on the run's timeline
     res = JobResult(job_id=job_id, exit_code=0 if done else EXIT_STOPPED, world_size=cluster.world_size,
                     wall_s=time.time() - started if started else 0.0, started_at=started or 0.0,
                     rank_hosts=[n.name for n in cluster.nodes], lease_end=not done, resumed=resumed,
