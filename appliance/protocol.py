@@ -60,6 +60,10 @@ class Env:
     STREAM_CACHE = "APPLIANCE_STREAM_CACHE"
     STREAM_CACHE_BYTES = "APPLIANCE_STREAM_CACHE_BYTES"
     STREAM_SHUFFLE = "APPLIANCE_STREAM_SHUFFLE"  # shards whose samples a stream mixes at once (dataset.shuffle)
+    # dataset.streams: a JSON list of the mix's datasets, each {name, url, creds (its scheme's file), weight (its
+    # samples a mix epoch)}; dataset.validation: JSON {url, creds, bytes (the dataset's), cache (bytes a node, or 0)}
+    STREAMS = "APPLIANCE_STREAMS"
+    STREAM_VALIDATION = "APPLIANCE_STREAM_VALIDATION"
     STOP_CHECK_SECONDS = "APPLIANCE_STOP_CHECK_SECONDS"
     ETC = "APPLIANCE_ETC"  # where contextualize wrote cluster.json (default /etc/appliance)
     # where rank 0 reads Chameleon's live vendordata (default: Nova's metadata address); empty: nowhere, only the

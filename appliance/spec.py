@@ -90,14 +90,44 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class StreamSource:
+    """One packed dataset of a weighted mix (``dataset.streams``), weighted as MosaicML Streaming's ``Stream``: at
+    most one of proportion, repeat, choose, the same one for every stream; none: its own size (each dataset once a
+    mix epoch). appliance/node/stream_mix.py reads the mix."""
+
+    source: str  # what `appliance data pack` wrote
+    name: str | None = None  # in lines and the checkpoint's record (default: the URL's last part)
+    proportion: float | None = None  # its share of the mix (normalised; the epoch: all datasets' samples once)
+    repeat: float | None = None  # its samples a mix epoch, as a multiple of its size (0.5: half, 3: three times)
+    choose: int | None = None  # its samples a mix epoch
+
+
+@dataclass(frozen=True)
+class Validation:
+    """A validation stream (``dataset.validation``, stream mode): the same samples every pass, read beside the
+    training stream (``open_validation``), never moving it."""
+
+    source: str  # a packed dataset
+    cache: str | None = None  # of dataset.cache, a node's (default: the dataset's size, up to a quarter)
+
+
+@dataclass(frozen=True)
 class Dataset:
-    source: str  # swift://container/prefix, s3://bucket/prefix or file:///path
+    source: str | None = None  # swift://container/prefix, s3://bucket/prefix or file:///path (or streams)
     dest: str = "data"  # directory under the node's local disk
     mode: Literal["full", "shard", "stream"] = "full"
     cache: str | None = None  # stream: each node's shard cache, e.g. 150GB (default: half the free disk at the start)
     # stream: shards whose samples are mixed at once, per canonical share (the cache holds that many per share a rank
     # reads); 0: no sample shuffle (the shards' order only); None: the stream's default (16)
     shuffle: int | None = None
+    streams: tuple[StreamSource, ...] = ()  # stream: a weighted mix of packed datasets, instead of source
+    validation: Validation | None = None  # stream: a validation stream
+
+    def urls(self) -> list[tuple[str, str]]:
+        """(field, URL) of every dataset it reads: source or each of streams, then validation's."""
+        main = [("dataset.source", self.source)] if self.source else [
+            (f"dataset.streams[{i}]", s.source) for i, s in enumerate(self.streams)]
+        return main + ([("dataset.validation.source", self.validation.source)] if self.validation else [])
 
 
 @dataclass(frozen=True)
@@ -169,6 +199,8 @@ def _type_name(tp: Any) -> str:
         return "a mapping of names to strings"
     if origin is tuple and typing.get_args(tp)[0] is Alternative:
         return "a list of node types or {node_type, site} mappings"
+    if origin is tuple and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        return "a list of mappings"
     if origin is tuple:
         return "a list of strings"
     if dataclasses.is_dataclass(tp):
@@ -207,6 +239,11 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
                             f"write {where} as [gpu_v100, {{node_type: gpu_p100, site: CHI@TACC}}]")
         return tuple(Alternative(str(v)) if isinstance(v, (str, int, float)) and not isinstance(v, bool) else
                      _convert(Alternative, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is tuple and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        if not isinstance(value, list):
+            raise SpecError(f"{where}: expected {_type_name(tp)}, got {value!r}",
+                            f"write {where} as a list: - {{source: swift://...}}")
+        return tuple(_convert(typing.get_args(tp)[0], v, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, list) or any(isinstance(v, (dict, list)) or v is None for v in value):
             raise SpecError(f"{where}: expected {_type_name(tp)}, got {value!r}", f"write {where} as [a, b]")
@@ -379,8 +416,8 @@ def _semantic_checks(spec: Spec) -> None:
         if not ENV_NAME_RE.fullmatch(str(k)):
             raise SpecError(f"train.env: {str(k)[:60]!r} is not an environment variable name",
                             "use letters, digits and '_', not starting with a digit (e.g. TF_CPP_MIN_LOG_LEVEL)")
-    for at, url in (("dataset.source", spec.dataset.source if spec.dataset else None),
-                    ("checkpoint.url", spec.checkpoint.url)):
+    _check_sources(spec.dataset)
+    for at, url in (spec.dataset.urls() if spec.dataset else []) + [("checkpoint.url", spec.checkpoint.url)]:
         if url and url.startswith(("swift:", "s3:")) and ("?" in url or "#" in url):
             raise SpecError(f"{at}: {url!r} has a '?' or '#', which a URL reads as a query or fragment and drops",
                             "remove it: object names under a prefix are written plainly, e.g. swift://ckpts/run1/")
@@ -388,10 +425,11 @@ def _semantic_checks(spec: Spec) -> None:
     if bad:
         raise SpecError(f"train.env: {', '.join(sorted(bad))} looks like a credential and would be forwarded to every rank",
                         "remove it; credentials are pushed to nodes separately, never through the job environment")
-    if spec.dataset is not None and not URL_RE.fullmatch(spec.dataset.source):
-        raise SpecError(f"dataset.source: {spec.dataset.source!r} is not a swift://, s3:// or file:// URL",
-                        "write e.g. swift://my-container/imagenet/")
-    _check_container("dataset.source", spec.dataset.source if spec.dataset is not None else None)
+    for at, url in spec.dataset.urls() if spec.dataset else []:
+        if not URL_RE.fullmatch(url):
+            raise SpecError(f"{at}: {url!r} is not a swift://, s3:// or file:// URL",
+                            "write e.g. swift://my-container/imagenet/")
+        _check_container(at, url)
     if spec.dataset is not None:
         parts = spec.dataset.dest.split("/")
         if spec.dataset.dest.startswith("/") or not all(DEST_PART_RE.fullmatch(x) for x in parts):
@@ -429,7 +467,59 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
+def _check_sources(ds: Dataset | None) -> None:
+    """One packed dataset (source) or a mix (streams), never both; a mix and a validation stream in stream mode."""
+    if ds is None:
+        return
+    if ds.source and ds.streams:
+        raise SpecError("dataset.streams: given with dataset.source", "give source (one dataset) or streams (a "
+                        "weighted mix of packed datasets), not both")
+    if not ds.source and not ds.streams:
+        raise SpecError("dataset.source: missing required field", "add 'source:' to dataset (or streams: a list of "
+                        "{source, proportion} for a mix, in mode stream)")
+    for what, given in (("streams", ds.streams), ("validation", ds.validation)):
+        if given and ds.mode != "stream":
+            raise SpecError(f"dataset.{what}: only stream mode reads it (mode is {ds.mode})",
+                            f"set dataset.mode: stream, or remove dataset.{what}")
+
+
+STREAM_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
+def stream_names(ds: Dataset) -> list[str]:
+    """Each of dataset.streams' names: its own, or its URL's last part (with its place when two would be alike)."""
+    names = [s.name or re.sub(r"[^A-Za-z0-9_.-]", "-", s.source.rstrip("/").rpartition("/")[2])[:64]
+             for s in ds.streams]
+    names = [n if STREAM_NAME_RE.fullmatch(n) else f"stream{i}" for i, n in enumerate(names)]
+    return [n if names.count(n) == 1 or s.name else f"{n}-{i}" for i, (n, s) in enumerate(zip(names, ds.streams))]
+
+
+def _check_mix(ds: Dataset) -> None:
+    """dataset.streams: names that say which is which, and weights as MosaicML Streaming takes them."""
+    kinds = [[k for k in ("proportion", "repeat", "choose") if getattr(s, k) is not None] for s in ds.streams]
+    for i, (s, ks) in enumerate(zip(ds.streams, kinds)):
+        at = f"dataset.streams[{i}]"
+        if s.name is not None and not STREAM_NAME_RE.fullmatch(s.name):
+            raise SpecError(f"{at}.name: {s.name!r} is not a name", "use letters, digits, '_', '.' and '-' (e.g. web)")
+        if len(ks) > 1:
+            raise SpecError(f"{at}: both {ks[0]} and {ks[1]} given", "give one of proportion, repeat or choose")
+        if ks != kinds[0]:
+            raise SpecError(f"{at}: {ks[0] if ks else 'no weight'}, but dataset.streams[0] has "
+                            f"{kinds[0][0] if kinds[0] else 'none'}", "weight every stream the same way: all "
+                            "proportion, all repeat, all choose, or none (each dataset's own size)")
+        v = getattr(s, ks[0]) if ks else None
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise SpecError(f"{at}.{ks[0]}: must be a positive number, got {v}", f"give e.g. {ks[0]}: "
+                            + ("1000" if ks[0] == "choose" else "0.5"))
+    names = stream_names(ds)
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise SpecError(f"dataset.streams: two are named {dup!r}", "give each stream a name of its own")
+
+
 def _check_stream(ds: Dataset | None) -> None:
+    if ds is not None and ds.streams:
+        _check_mix(ds)
     if ds is not None and ds.shuffle is not None:
         if ds.mode != "stream":
             raise SpecError(f"dataset.shuffle: only stream mode shuffles its samples (mode is {ds.mode})",
@@ -437,19 +527,24 @@ def _check_stream(ds: Dataset | None) -> None:
         if isinstance(ds.shuffle, bool) or not isinstance(ds.shuffle, int) or ds.shuffle < 0:
             raise SpecError(f"dataset.shuffle: {ds.shuffle!r} is not a number of shards",
                             "write e.g. shuffle: 16 (shards mixed at once), or 0 for no sample shuffle")
-    if ds is None or ds.cache is None:
-        return
-    if ds.mode != "stream":
-        raise SpecError(f"dataset.cache: only stream mode has a cache (mode is {ds.mode})",
-                        "set dataset.mode: stream, or remove dataset.cache")
-    try:
-        size = parse_size(ds.cache)
-    except ValueError:
-        raise SpecError(f"dataset.cache: {ds.cache!r} is not a size", "write e.g. cache: 150GB (B, KB, MB, GB, TB, "
-                        "or KiB .. TiB)") from None
-    if size < 1:
-        raise SpecError(f"dataset.cache: {ds.cache} holds nothing", "give the cache room for a few shards, e.g. "
-                        "cache: 10GB")
+    sizes = {}
+    for at, text in (("dataset.cache", ds.cache if ds else None),
+                     ("dataset.validation.cache", ds.validation.cache if ds and ds.validation else None)):
+        if text is None:
+            continue
+        if ds.mode != "stream":
+            raise SpecError(f"{at}: only stream mode has a cache (mode is {ds.mode})",
+                            f"set dataset.mode: stream, or remove {at}")
+        try:
+            sizes[at] = parse_size(text)
+        except ValueError:
+            raise SpecError(f"{at}: {text!r} is not a size", "write e.g. cache: 150GB (B, KB, MB, GB, TB, "
+                            "or KiB .. TiB)") from None
+        if sizes[at] < 1:
+            raise SpecError(f"{at}: {text} holds nothing", "give the cache room for a few shards, e.g. cache: 10GB")
+    if len(sizes) == 2 and sizes["dataset.validation.cache"] >= sizes["dataset.cache"]:
+        raise SpecError("dataset.validation.cache: is not less than dataset.cache, the node's whole cache (the "
+                        "training stream has the rest)", "give the validation stream a part of dataset.cache")
 
 
 def parse_spec(data: Any, path: str = "<spec>", raw: bytes = b"") -> Spec:

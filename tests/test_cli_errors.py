@@ -264,7 +264,7 @@ def test_check_online_asks_the_store_before_a_lease_is_paid_for(tmp_path):
 
     r = check(f"file://{data}/", "--online")
     assert r.returncode == 0, r.stderr
-    assert f"  dataset file://{data}/: 2 object(s), 2.0 KB" in r.stdout
+    assert f"  dataset.source file://{data}/: 2 object(s), 2.0 KB" in r.stdout
     assert f"  checkpoint.url file://{ckpt}/: reachable, no checkpoint of run 'onl' yet" in r.stdout
     typo = f"file://{tmp_path}/store/dat/"
     assert check(typo).returncode == 0  # offline: the spec alone is fine

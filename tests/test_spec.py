@@ -34,9 +34,33 @@ def test_a_stream_cache_is_a_size():
     assert parse_size(s.dataset.cache) == 150 * 10**9 and parse_size("1.5 GiB") == 3 * 2**29
 
 
+def test_a_mix_of_streams_and_a_validation_stream_keep_the_single_dataset_form():
+    """dataset.source stays one packed dataset; dataset.streams is a weighted mix (MosaicML Streaming's proportion,
+    repeat or choose), named by its URLs' last parts unless named; dataset.validation a stream of its own."""
+    from appliance.spec import stream_names
+
+    one = parse_spec({**GOOD, "dataset": {"source": "swift://data/p/", "mode": "stream"}}).dataset
+    assert one.urls() == [("dataset.source", "swift://data/p/")] and one.streams == () and one.validation is None
+    ds = parse_spec({**GOOD, "dataset": {"mode": "stream", "cache": "10GB", "streams": [
+        {"source": "swift://data/web/", "proportion": 0.7}, {"source": "s3://books-1/v1/", "name": "books",
+                                                            "proportion": 0.3}],
+        "validation": {"source": "swift://data/val/", "cache": "1GB"}}}).dataset
+    assert ds.source is None and [s.proportion for s in ds.streams] == [0.7, 0.3] and stream_names(ds) == ["web",
+                                                                                                          "books"]
+    assert ds.urls() == [("dataset.streams[0]", "swift://data/web/"), ("dataset.streams[1]", "s3://books-1/v1/"),
+                         ("dataset.validation.source", "swift://data/val/")]
+    same = parse_spec({**GOOD, "dataset": {"mode": "stream", "streams": [{"source": "swift://aa1/v1/"},
+                                                                        {"source": "swift://bb1/v1/"}]}}).dataset
+    assert stream_names(same) == ["v1-0", "v1-1"]
+
+
 def test_defaults_fill_in():
     s = parse_spec(GOOD)
     assert s.nodes.slots == 1 and s.checkpoint.keep == 3 and s.dataset is None
+
+
+STREAMS = {"mode": "stream", "streams": [{"source": "swift://data/a/", "proportion": 0.5},
+                                        {"source": "swift://data/b/", "proportion": 0.5}]}
 
 
 @pytest.mark.parametrize("data, field, words", [
@@ -76,6 +100,34 @@ def test_defaults_fill_in():
     ({**GOOD, "dataset": {"source": "swift://data/p", "mode": "stream", "cache": "0GB"}}, "dataset.cache",
      "holds nothing"),
     ({**GOOD, "checkpoint": {"keep": 0}}, "checkpoint.keep", "at least 1"),
+    # several streams (issue 78 item 3): a mix as MosaicML Streaming weights one, a validation stream
+    ({**GOOD, "dataset": {"mode": "stream"}}, "dataset.source", "missing required field"),
+    ({**GOOD, "dataset": {**STREAMS, "source": "swift://data/p/"}}, "dataset.streams", "given with dataset.source"),
+    ({**GOOD, "dataset": {**STREAMS, "mode": "full"}}, "dataset.streams", "only stream mode"),
+    ({**GOOD, "dataset": {"source": "swift://data/p/", "validation": {"source": "swift://data/v/"}}},
+     "dataset.validation", "only stream mode"),
+    ({**GOOD, "dataset": {**STREAMS, "streams": "swift://data/a/"}}, "dataset.streams", "a list of mappings"),
+    ({**GOOD, "dataset": {**STREAMS, "streams": [{"source": "swift://data/a/", "weight": 2}]}},
+     "dataset.streams[0].weight", "unknown key"),
+    ({**GOOD, "dataset": {**STREAMS, "streams": [{"proportion": 1}]}}, "dataset.streams[0].source",
+     "missing required field"),
+    ({**GOOD, "dataset": {**STREAMS, "streams": [STREAMS["streams"][0], {"source": "http://x/"}]}},
+     "dataset.streams[1]", "not a swift://"),
+    ({**GOOD, "dataset": {**STREAMS, "streams": [STREAMS["streams"][0], {"source": "swift://data/b/", "repeat": 2}]}},
+     "dataset.streams[1]", "weight every stream the same way"),
+    ({**GOOD, "dataset": {**STREAMS, "streams": [{"source": "swift://data/a/", "repeat": 2, "choose": 9}]}},
+     "dataset.streams[0]", "both repeat and choose"),
+    ({**GOOD, "dataset": {**STREAMS, "streams": [{"source": "swift://data/a/", "proportion": -1}]}},
+     "dataset.streams[0].proportion", "positive number"),
+    ({**GOOD, "dataset": {**STREAMS, "streams": [{"source": "swift://data/a/", "name": "a/b"}]}},
+     "dataset.streams[0].name", "not a name"),
+    ({**GOOD, "dataset": {**STREAMS, "streams": [{"source": "swift://data/a/", "name": "x"},
+                                                 {"source": "swift://data/b/", "name": "x"}]}},
+     "dataset.streams", "two are named 'x'"),
+    ({**GOOD, "dataset": {**STREAMS, "cache": "1GB", "validation": {"source": "swift://data/v/", "cache": "2GB"}}},
+     "dataset.validation.cache", "not less than dataset.cache"),
+    ({**GOOD, "dataset": {**STREAMS, "validation": {"source": "swift://data/v/", "cache": "lots"}}},
+     "dataset.validation.cache", "not a size"),
     # a bucket or container Chameleon's RGW refuses to make: every checkpoint commit of the job would fail
     ({**GOOD, "checkpoint": {"url": "s3://My_Checkpoints/"}}, "checkpoint.url", "lower-case letters"),
     ({**GOOD, "checkpoint": {"url": "s3://ck/"}}, "checkpoint.url", "3-63 characters"),

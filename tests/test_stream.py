@@ -22,9 +22,9 @@ def first_shard(index, step, rank=0, world=1, window=16, shares=None, batch=1):
     return index["shards"][next(reads(o, rank, world, step))[1]]["name"]
 
 
-def packed(d: Path, n_shards: int, per_shard: int, last: int | None = None) -> dict:
+def packed(d: Path, n_shards: int, per_shard: int, last: int | None = None, tag: str = "") -> dict:
     """tar shards as `appliance data pack` writes them (WebDataset: members sharing a key are a sample); ``last``:
-    the last shard's samples, when it holds fewer."""
+    the last shard's samples, when it holds fewer; ``tag`` starts every key."""
     import hashlib
 
     d.mkdir(parents=True, exist_ok=True)
@@ -35,7 +35,7 @@ def packed(d: Path, n_shards: int, per_shard: int, last: int | None = None) -> d
         with tarfile.open(d / name, "w") as t:
             for k in range(count):
                 for ext, data in (("txt", f"sample {s}/{k}".encode()), ("cls", str(k % 3).encode())):
-                    info = tarfile.TarInfo(f"{s:03d}{k:03d}.{ext}")
+                    info = tarfile.TarInfo(f"{tag}{s:03d}{k:03d}.{ext}")
                     info.size = len(data)
                     t.addfile(info, io.BytesIO(data))
         shards.append({"name": name, "size": (d / name).stat().st_size,
@@ -436,7 +436,8 @@ def test_the_dataset_credential_goes_to_every_node_is_renewed_at_an_extension_an
                                                              lease_end_at="end1"),
                           run_dir="/mnt/local/appliance/runs/s", job_id="j1", say=lambda m: None, nodes=nodes,
                           abandoned=False)
-    monkeypatch.setattr("appliance.data.stream.stream_check", lambda url, creds: {"shards": []})  # (test_stream_faults)
+    monkeypatch.setattr("appliance.data.stream.stream_check",  # (test_stream_faults)
+                        lambda url, creds, at: {"shards": []})
     hook = JobStream(SimpleNamespace(job_store_creds=job_store_creds, store_creds=lambda url: None))
     env = hook.prepare(ctx)
     assert env[Env.STREAM_URL] == "swift://data/p/" and env[Env.STREAM_CACHE_BYTES] == str(10**10)

@@ -154,9 +154,8 @@ def check_spec(spec, online, as_json):
         return
     click.echo(f"{spec}: ok: run {s.name!r} on {s.cloud}, {s.nodes.count} x {s.nodes.node_type}, "
                f"{s.world_size} rank(s); {keras_line(s)}")
-    if found and "dataset" in found:
-        d = found["dataset"]
-        click.echo(f"  dataset {d['url']}: {d['objects']:,} object(s), {d['size']}"
+    for d in (found or {}).get("datasets", []):
+        click.echo(f"  {d['field']} {d['url']}: {d['objects']:,} object(s), {d['size']}"
                    + (f"; a packed dataset of {d['shards']:,} tar shard(s), {d['samples']:,} sample(s), to stream"
                       if "shards" in d else ""))
     if found and "checkpoint" in found:

@@ -1,11 +1,14 @@
 """The launcher's side of ``dataset.mode: stream``, for one job: a `train` hook (flows.run_job adds it).
 
 Nothing is staged: the ranks read the packed dataset (`appliance data pack`: tar shards and index.json) from the
-store while they train (appliance/node/stream.py). Before the job, every node gets a 0600 file with the job's own
-credential for the dataset's URL (Site.job_store_creds: on a Keystone site an application credential of the job's,
-deleted when the job ends) and the ranks get the URL, that file's path and the cache's place and size in their
-environment (never the secret). When the lease is extended, a credential that outlives the new end replaces the
-file on every node (``renew``). When the job ends the files go from every node, and the credential is deleted."""
+store while they train (appliance/node/stream.py): one dataset (dataset.source) or a weighted mix (dataset.streams,
+each dataset's samples a mix epoch from its weight: ``mix_weights``), and a validation stream (dataset.validation).
+Before the job, every dataset is checked against the store's listing (``stream_check``) and every node gets a 0600
+file with the job's own credential for each store the datasets are in (Site.job_store_creds: on a Keystone site an
+application credential of the job's, deleted when the job ends); the ranks get the URLs, those files' paths and the
+cache's place and size in their environment (never the secret). When the lease is extended, a credential that
+outlives the new end replaces each file on every node (``renew``). When the job ends the files go from every node,
+and the credentials are deleted."""
 
 from __future__ import annotations
 
@@ -15,9 +18,11 @@ from collections.abc import Callable
 
 from ..errors import ApplianceError
 from ..node.stage import _fmt_bytes
+from ..node.stream_mix import KINDS, epoch_counts
 from ..protocol import Env, Line, parse
 from ..sites import Site
-from ..spec import parse_size
+from ..spec import parse_size, stream_names
+from ..store.objects import parse_url
 from ..train.launch import JobContext, JobHooks
 
 
@@ -27,7 +32,7 @@ class JobStream(JobHooks):
         self.epochs: list[dict] = []  # rank 0's APPLIANCE_STREAM reports, one an epoch
         self.store_bytes = 0  # every rank's bytes fetched from the store (the epochs the ranks reported)
         self.ctx: JobContext | None = None
-        self.path: str | None = None  # the credentials file, the same path on every node
+        self.files: dict[str, tuple[str, str]] = {}  # store scheme -> (its credentials file, a URL of it)
         self._withdraw: list[Callable[[], None]] = []
 
     def prepare(self, ctx: JobContext) -> dict[str, str]:
@@ -37,35 +42,54 @@ class JobStream(JobHooks):
         self.ctx = ctx
         # before the first step: a shard index.json names that the store lacks, or of another size, is one line now
         # (the ranks would fail when they reach it, maybe an epoch later)
-        index = stream_check(ds.source, self.site.store_creds(ds.source))
+        indexes = [stream_check(url, self.site.store_creds(url), at) for at, url in ds.urls()]
         data_dir = f"{ctx.cluster.head.workdir}/{ds.dest}"
-        env = {Env.STREAM_URL: ds.source, Env.STREAM_CACHE: f"{data_dir}/.stream-cache"}
+        env = {Env.STREAM_CACHE: f"{data_dir}/.stream-cache"}
         if ds.cache:
             env[Env.STREAM_CACHE_BYTES] = str(parse_size(ds.cache))
         if ds.shuffle is not None:
             env[Env.STREAM_SHUFFLE] = str(ds.shuffle)
-        creds = self._creds(ctx.cluster.lease_end_at)
-        if creds is not None:
-            self.path = f"{ctx.run_dir}/.stream-creds.json"
-            self._write(creds)
-            env[Env.STREAM_CREDS] = self.path
-        ctx.say(f"[appliance] stream: the ranks read {ds.source} ({len(index['shards']):,} shard(s), each in the "
-                f"store as index.json says) while they train, through a cache of {ds.cache or 'half the free disk'} "
-                f"per node in {data_dir}/.stream-cache")
+        for _, url in ds.urls():  # a file per store the datasets are in (one credential reads all of its containers)
+            scheme = parse_url(url)[0]
+            if scheme not in self.files:
+                creds = self._creds(url, ctx.cluster.lease_end_at)
+                if creds is not None:
+                    self.files[scheme] = (f"{ctx.run_dir}/.stream-creds{'-' + scheme if self.files else ''}.json", url)
+                    self._write(self.files[scheme][0], creds)
+        creds_of = lambda url: self.files.get(parse_url(url)[0], (None,))[0]  # noqa: E731
+        if ds.source:
+            env[Env.STREAM_URL] = ds.source
+            if creds_of(ds.source):
+                env[Env.STREAM_CREDS] = creds_of(ds.source)
+            what = f"{ds.source} ({len(indexes[0]['shards']):,} shard(s), each in the store as index.json says)"
+        else:
+            weights = mix_weights(ds, indexes)
+            env[Env.STREAMS] = json.dumps([{"name": n, "url": s.source, "creds": creds_of(s.source), "weight": w}
+                                           for n, s, w in zip(stream_names(ds), ds.streams, weights)])
+            what = "a mix of " + ", ".join(f"{n} ({s.source}, {w:,} sample(s) a mix epoch)"
+                                           for n, s, w in zip(stream_names(ds), ds.streams, weights))
+        if ds.validation:
+            url = ds.validation.source
+            env[Env.STREAM_VALIDATION] = json.dumps({
+                "url": url, "creds": creds_of(url), "bytes": sum(s["size"] for s in indexes[-1]["shards"]),
+                "cache": parse_size(ds.validation.cache) if ds.validation.cache else 0})
+            what += f", and validate on {url}"
+        ctx.say(f"[appliance] stream: the ranks read {what} while they train, through a cache of "
+                f"{ds.cache or 'half the free disk'} per node in {data_dir}/.stream-cache")
         return env
 
-    def _creds(self, lease_end):
+    def _creds(self, url: str, lease_end):
         ctx = self.ctx
-        creds, withdraw = self.site.job_store_creds(ctx.spec.dataset.source, lease_end=lease_end, say=ctx.say,
+        creds, withdraw = self.site.job_store_creds(url, lease_end=lease_end, say=ctx.say,
                                                     name=f"appliance-{ctx.spec.name}-{ctx.job_id}-data")
         if withdraw is not None:
             self._withdraw.append(withdraw)
         return creds
 
-    def _write(self, creds) -> None:
+    def _write(self, path: str, creds) -> None:
         """The file on every node, written beside it and renamed over it (0600 from its first byte)."""
         body = json.dumps({k: v for k, v in creds.__dict__.items() if v not in (None, {})}).encode()
-        path, tmp = shlex.quote(self.path), shlex.quote(f"{self.path}.new")
+        path, tmp = shlex.quote(path), shlex.quote(f"{path}.new")
         rd = shlex.quote(self.ctx.run_dir)
         self.ctx.nodes.each(lambda r: r.run(f"mkdir -p {rd} && umask 077 && cat > {tmp} && mv -f {tmp} {path}",
                                             stdin=body, check=True))
@@ -73,9 +97,10 @@ class JobStream(JobHooks):
     def renew(self, lease_end) -> None:
         """The lease was extended: a credential that outlives the new end, on every node (the ranks read the file
         again before their next fetch); the old one is deleted when the job ends."""
-        if self.path is None or not self._withdraw:
+        if not self.files or not self._withdraw:
             return  # Swift v1 keys or the user's S3 keys: they do not expire
-        self._write(self._creds(lease_end))
+        for path, url in self.files.values():
+            self._write(path, self._creds(url, lease_end))
 
     def rank_line(self, rank: int, text: str) -> bool:
         got = parse(text, (Line.STREAM,))
@@ -109,12 +134,12 @@ class JobStream(JobHooks):
         ctx = self.ctx
         if ctx is None or ctx.abandoned:  # the job may still run: it keeps reading
             return
-        if self.path:
-            path = shlex.quote(self.path)
+        if self.files:
+            paths = " ".join(shlex.quote(path) for path, _ in self.files.values())
             try:
-                ctx.nodes.each(lambda r: r.run(f"rm -f {path}", timeout=15))
+                ctx.nodes.each(lambda r: r.run(f"rm -f {paths}", timeout=15))
             except ApplianceError:
-                ctx.say(f"[appliance] warning: could not remove {self.path} from every node")
+                ctx.say(f"[appliance] warning: could not remove {paths} from every node")
         for withdraw in self._withdraw:
             try:
                 withdraw()
@@ -124,7 +149,14 @@ class JobStream(JobHooks):
         self._withdraw = []
 
 
-def stream_index(url: str, creds) -> dict:
+def mix_weights(ds, indexes: list[dict]) -> list[int]:
+    """Each of dataset.streams' samples in a mix epoch, from its weight and its index's samples (stream_mix)."""
+    kind = next((k for k in KINDS if getattr(ds.streams[0], k) is not None), None)
+    return epoch_counts(kind, [getattr(s, kind) for s in ds.streams] if kind else [],
+                        [sum(x["samples"] for x in ix["shards"]) for ix in indexes[:len(ds.streams)]])
+
+
+def stream_index(url: str, creds, at: str = "dataset.source") -> dict:
     """The packed dataset's index.json under ``url``, checked as the ranks will read it (tar shards, each with a
     name, size, MD5 and sample count): one line before a lease is spent on a dataset the job cannot stream."""
     from . import _open
@@ -136,7 +168,7 @@ def stream_index(url: str, creds) -> dict:
         try:
             transient_retry(lambda: (buf.clear(), store.get(name, buf.append)))
         except FileNotFoundError:
-            raise ApplianceError(f"dataset.source {url}: no index.json there, so it is not a packed dataset; stream "
+            raise ApplianceError(f"{at} {url}: no index.json there, so it is not a packed dataset; stream "
                                  "mode reads only those", f"pack it: `appliance data pack DIR {url}`, or use mode: "
                                  "full or shard") from None
     try:
@@ -147,7 +179,7 @@ def stream_index(url: str, creds) -> dict:
     except (ValueError, KeyError, TypeError):
         ok = False
     if not ok:
-        raise ApplianceError(f"dataset.source {url}: its index.json is not one of tar shards as `appliance data pack` "
+        raise ApplianceError(f"{at} {url}: its index.json is not one of tar shards as `appliance data pack` "
                              "writes it", f"pack it again: `appliance data pack DIR {url} --format tar`")
     return index
 
@@ -155,13 +187,13 @@ def stream_index(url: str, creds) -> dict:
 SHOWN = 3  # shards named in the line that says what is missing or wrong; the rest are counted
 
 
-def stream_check(url: str, creds) -> dict:
+def stream_check(url: str, creds, at: str = "dataset.source") -> dict:
     """``stream_index``, and every shard it names compared with the store's listing under ``url`` (names and
     sizes; the MD5 is checked as each shard is fetched): one line naming what is missing or of another size, before
     a lease is spent on a job that would fail when it reaches the shard (``check --online``, the job's start)."""
     from . import _open
 
-    index = stream_index(url, creds)
+    index = stream_index(url, creds, at)
     with _open(url, creds) as (store, prefix):
         base = prefix.rstrip("/") + "/" if prefix else ""
         listed = {o.name[len(base):]: o.size for o in store.list(base) if o.name.startswith(base)}
@@ -174,7 +206,7 @@ def stream_check(url: str, creds) -> dict:
             shown = "; ".join(names[:SHOWN]) + (f"; and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
             said.append(f"{len(names):,} {what} ({shown})")
     if said:
-        raise ApplianceError(f"dataset.source {url}: of the {len(index['shards']):,} shard(s) index.json names, "
+        raise ApplianceError(f"{at} {url}: of the {len(index['shards']):,} shard(s) index.json names, "
                              + " and ".join(said) + "; a job would fail when it reaches them",
                              f"pack the dataset again (`appliance data pack SRC {url}`), or upload the shards "
                              "index.json names")

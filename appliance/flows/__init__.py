@@ -63,12 +63,13 @@ def check_online(spec: Spec) -> dict:
     managed run (`appliance run SPEC --plan`: leases, SUs, Chameleon's usage policy)."""
     out: dict = {}
     run = RunContext.of(spec)
-    if spec.dataset is not None:
-        url = spec.dataset.source
-        out["dataset"] = dataset_summary(url, creds=run.creds(url))
+    for at, url in spec.dataset.urls() if spec.dataset is not None else []:  # source, or streams, and validation
+        found = {"field": at, **dataset_summary(url, creds=run.creds(url))}
         if spec.dataset.mode == "stream":
-            index = stream_check(url, run.creds(url))  # every shard there, of its size
-            out["dataset"].update(shards=len(index["shards"]), samples=index.get("samples"))
+            index = stream_check(url, run.creds(url), at)  # every shard there, of its size
+            found.update(shards=len(index["shards"]), samples=sum(s["samples"] for s in index["shards"]))
+        out.setdefault("datasets", []).append(found)
+        out.setdefault("dataset", found)  # the first (dataset.source, or the mix's first)
     ck = spec.checkpoint
     cs = run.checkpoints
     if cs is not None:

@@ -134,11 +134,13 @@ def stage_to_nodes(run: RunContext, cluster: Cluster, url: str, dest: str, *, mo
     when staging ends; before, the nodes got this machine's Keystone token, which keystoneauth hands out until
     30 s before it expires (a long stage in a long-lived `appliance resume` could then fail with 401 midway), and
     which can do anything the user can for up to a day."""
-    if mode == "stream":  # nothing to stage: the job reads the shards; the index is checked now, not on every rank
-        index = stream_index(url, run.creds(url))
-        (out or log.info)(f"[stage] stream mode: {len(index['shards'])} shard(s), {index.get('samples', '?')} "
-                          f"sample(s), {sum(s['size'] for s in index['shards']) / 1e9:.2f} GB in {url} are read "
-                          "while the job trains; nothing is staged")
+    if mode == "stream":  # nothing to stage: the job reads the shards; the indexes are checked now, not on every rank
+        ds = run.spec.dataset  # every dataset it names (``url``: its source, None for a mix), validation's too
+        for at, u in ds.urls() if ds is not None else [("dataset.source", url)]:
+            index = stream_index(u, run.creds(u), at)
+            (out or log.info)(f"[stage] stream mode: {len(index['shards'])} shard(s), {index.get('samples', '?')} "
+                              f"sample(s), {sum(s['size'] for s in index['shards']) / 1e9:.2f} GB in {u} are read "
+                              "while the job trains; nothing is staged")
         return {}
     creds, withdraw = run.site.job_store_creds(url, name=f"appliance-{run.spec.name}-stage",
                                                lease_end=cluster.lease_end_at, say=log.info)

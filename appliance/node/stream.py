@@ -4,43 +4,35 @@ cache on the node's local disk: the part of `dataset.mode: stream` that does not
 - **The order** (appliance/node/stream_order.py): each step's global batch is a function of the run's seed, global
   batch, canonical shares (the first job's world size), shuffle window and index alone, never of the world size;
   samples are mixed across a window of shards; every sample of an epoch is read once. Rank r of w reads its part
-  of each global batch.
+  of each global batch. A mix of several packed datasets (``dataset.streams``) is one order too: each global
+  batch takes from each dataset its weight's part, each dataset read in its own order.
 - **The position** (``Position``) is the global step; a stream started at a step yields exactly the samples an
   uninterrupted one would have yielded after it, on any world size with the same global batch. A checkpoint keeps
   it with what fixes the order (``Stream.record``); a resume in another order is refused in one line.
-- **The cache** (``ShardCache``) fetches the rank's shards in reading order ahead of the reader into a directory,
-  never holding more than its capacity (it waits for the reader to release one), keeps the shards read while
-  it has room for them (the one read again last goes first: stream_reuse.py), verifies each shard's MD5 from
-  index.json before the reader may open it (a shard that does not match is fetched again, never read), and counts
-  what the reader waited for. A shard the store does not have is one error naming it; a shard whose fetches are
-  exhausted stops the reader at its next sample, whichever shard it is at (the GETs: stream_fetch.py).
+- **The cache** (appliance/node/stream_cache.py ``ShardCache``) fetches the rank's shards in reading order ahead of
+  the reader, verified, within its capacity, kept while it has room.
+- **A validation stream** (``open_validation``) reads the same samples every pass, beside the training stream,
+  with a cache of its own: it never moves the training stream's position.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import queue
-import random
 import sys
 import tarfile
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import ApplianceError
+from .stream_cache import FETCHERS, CacheStats, Fetch, ShardCache
 from .stream_data import AUTOTUNE, keep_batch_size, refuse_shuffle, sample_batches, sample_elements
-from .stream_order import WINDOW, Order, check_record, fingerprint, reads, record, shares_read
 from .stream_fetch import store_fetch
-from .stream_reuse import Reuse
+from .stream_mix import Mix, check_record, mix_of, record
+from .stream_order import WINDOW, Order, fingerprint, passes, reads, shares_read
 
-FETCH_TRIES = 3  # a shard whose bytes do not match its MD5 is fetched this many times before the job stops
-# GETs in flight per rank (rclone's default --transfers is 4): one TCP stream's rate is not the link's, and each
-# GET's first byte waits a round trip; the cache's capacity bounds them too
-FETCHERS = 4
 # the cache looks this many times the dataset's shards ahead in a rank's reading order to choose what to keep: 2
 # epochs on one share, more when a rank reads fewer of the shares (a shard not read within it goes first)
 HORIZON = 2
@@ -55,243 +47,6 @@ class Position:
     step: int = 0
     epoch: int = 0
     sample: int = 0
-
-
-@dataclasses.dataclass
-class CacheStats:
-    fetched: int = 0  # shards fetched and verified
-    refetched: int = 0  # fetched again after an MD5 mismatch
-    ready: int = 0  # shards that were in the cache when the reader asked (hits)
-    stalls: int = 0  # shards the reader waited for
-    waited_s: float = 0.0  # the reader's time waiting for shards
-    store_bytes: int = 0  # bytes fetched from the store for the visits the reader opened
-    kept: int = 0  # visits read from a shard the cache had kept since an earlier one (nothing fetched)
-
-
-# (shard name, where to write it) -> the MD5 of the bytes written, or None (the cache then reads them back): the
-# store's GET, retried by its caller
-Fetch = Callable[[str, Path], "str | None"]
-
-
-def _too_big(s: dict, capacity: int) -> ApplianceError:
-    return ApplianceError(f"shard {s['name']} ({s['size']} bytes) is larger than the stream cache ({capacity} bytes)",
-                          "give dataset.cache more room, or pack smaller shards")
-
-
-class ShardCache:
-    """The shards ``shards`` (in reading order, each {name, size, md5} from index.json, one per visit: a shard read
-    from its first sample to its last in a window; a list, or an endless iterator: a stream's epochs one after the
-    other) fetched ahead into ``root``, at most ``capacity`` bytes at a time and up to ``fetchers`` GETs at once:
-    one thread takes the visits in reading order and hands each whose shard the cache does not hold to the next
-    free fetcher. ``get(i)`` waits for the i-th visit's shard and returns its path; ``release(i)`` ends the visit:
-    its shard is kept for a later visit while there is room, the one read again last deleted first when a fetch
-    needs room (appliance/node/stream_reuse.py, looking ``horizon`` visits ahead), and deleted at once when never
-    read again; a kept shard is deleted only for a visit at most ``ahead`` visits past the reader's (fetching far
-    ahead would trade kept shards for ones read later). ``close()`` stops the fetching and deletes what the cache
-    holds."""
-
-    def __init__(self, shards: Iterable[dict], root: Path, fetch: Fetch, capacity: int, fetchers: int = FETCHERS,
-                 horizon: int | None = None, ahead: int | None = None):
-        if isinstance(shards, list) and shards and max(s["size"] for s in shards) > capacity:
-            raise _too_big(max(shards, key=lambda s: s["size"]), capacity)
-        self.future, self.root, self.fetch, self.capacity = Reuse(shards, horizon), Path(root), fetch, capacity
-        self.shards: dict[int, dict] = {}  # the i-th visit's shard, from its dispatch to its release
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.stats = CacheStats()
-        self.held = 0  # bytes of the shards in the cache: being fetched, read, or kept for a later visit
-        self.peak = 0
-        self.pending = 0  # bytes of the visits dispatched and not released: how far the fetching runs ahead
-        self._pins: dict[str, int] = {}  # each shard in the cache -> its visits dispatched and not released
-        self._ready: dict[str, Path] = {}  # the shards fetched and verified
-        self._failed: dict[str, BaseException] = {}
-        self._fresh: set[int] = set()  # the visits whose shard was fetched for them (not kept from an earlier one)
-        self._files: dict[str, int] = {}  # shard name -> its number in the cache's file names
-        self._full = False  # the cache half full: the source is read ``horizon`` visits ahead from now on
-        self.ahead = ahead  # how many visits past the reader's a fetch may be to delete a kept shard for it
-        self._reading = -1  # the last visit the reader asked for
-        self._error: BaseException | None = None  # the dispatcher's: no shard from ``_next`` on will come
-        self._next = 0  # visits dispatched so far
-        self._busy = 0  # fetchers in a GET
-        self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._cv = threading.Condition()
-        self._stop = False
-        self._fetchers = max(1, fetchers)
-        self._threads = [threading.Thread(target=self._run, name="appliance-stream-dispatch", daemon=True)]
-        self._threads += [threading.Thread(target=self._work, name=f"appliance-stream-fetch-{k}", daemon=True)
-                          for k in range(self._fetchers)]
-        for t in self._threads:
-            t.start()
-
-    def _path(self, i: int) -> Path:
-        name = self.shards[i]["name"]
-        return self.root / f"{self._files.setdefault(name, len(self._files)):06d}-{Path(name).name}"
-
-    def _fetch_verified(self, i: int) -> Path:
-        s, path = self.shards[i], self._path(i)
-        for attempt in range(FETCH_TRIES):
-            tmp = path.with_name(path.name + ".part")
-            try:
-                md5 = self.fetch(s["name"], tmp)
-            except FileNotFoundError:
-                raise ApplianceError(f"shard {s['name']} is in index.json but not in the store",
-                                     "pack the dataset again (`appliance data pack`), or restore the shard") from None
-            if md5 is None:  # a fetch that did not hash the bytes it wrote: read them back
-                h = hashlib.md5(usedforsecurity=False)
-                with open(tmp, "rb") as fh:
-                    for block in iter(lambda: fh.read(1 << 20), b""):
-                        h.update(block)
-                md5 = h.hexdigest()
-            if md5 == s["md5"] and tmp.stat().st_size == s["size"]:
-                tmp.replace(path)
-                return path
-            tmp.unlink(missing_ok=True)
-            with self._cv:
-                self.stats.refetched += 1
-        raise ApplianceError(f"shard {s['name']}: its bytes did not match index.json's MD5 in {FETCH_TRIES} fetches",
-                             "pack the dataset again (`appliance data pack`); nothing of this shard was read")
-
-    def _run(self) -> None:
-        """The dispatcher: each visit in reading order gets the shard the cache holds, or room and a free fetcher."""
-        future = self.future
-        try:
-            while True:  # the source read outside the lock (computing the order takes time)
-                future.read_ahead(future.taken + 1 + (future.horizon if self._full else 0))
-                with self._cv:
-                    got = future.take()
-                    if got is None:
-                        return
-                    i, s = got
-                    if s["size"] > self.capacity:
-                        raise _too_big(s, self.capacity)
-                    self.shards[i] = s
-                    while not self._room(i, s):
-                        if self._stop or self._failed:
-                            return
-                        self._cv.wait()  # a full cache waits for the reader to release a shard
-                    if self._stop or self._failed:
-                        return
-                    future.reuse(s["name"])  # kept for this visit: no longer one to delete
-                    self.pending += s["size"]
-                    self._next = i + 1
-                    fetch = s["name"] not in self._pins
-                    self._pins[s["name"]] = self._pins.get(s["name"], 0) + 1
-                    if fetch:
-                        self._fresh.add(i)
-                        self.held += s["size"]
-                        self.peak = max(self.peak, self.held)
-                        self._busy += 1
-                        self._full = self._full or 2 * self.held > self.capacity
-                    else:
-                        self._cv.notify_all()  # a reader may wait for this visit: its shard is here
-                if fetch:
-                    self._todo.put(i)
-        except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
-            with self._cv:
-                self._error = e
-                self._cv.notify_all()
-
-    def _room(self, i: int, s: dict) -> bool:
-        """Whether visit ``i`` (of shard ``s``) may be dispatched now (under the lock): within the run-ahead, and
-        its shard held, or a fetcher free and room made by deleting kept shards, the one read again last first."""
-        if self._stop or self._failed or self.pending + s["size"] > self.capacity:
-            return False
-        if s["name"] in self._pins:
-            return True
-        need = self.held + s["size"] - self.capacity
-        if self._busy >= self._fetchers or need > self.future.kept_bytes or (
-                need > 0 and self.ahead is not None and i > self._reading + self.ahead):
-            return False  # a kept shard is deleted only for a visit the reader will soon open
-        if need > 0:
-            for name, size in self.future.evict(need):
-                del self._pins[name]
-                self._ready.pop(name).unlink(missing_ok=True)
-                self.held -= size
-        return True
-
-    def _work(self) -> None:
-        """A fetcher: the shards the dispatcher hands it, one GET at a time."""
-        while (i := self._todo.get()) is not None:
-            try:
-                path, err = self._fetch_verified(i), None
-            except BaseException as e:  # noqa: BLE001 - handed to the readers of this shard
-                path, err = None, e
-            with self._cv:
-                self._busy -= 1
-                name = self.shards[i]["name"]
-                if self._stop and path is not None:
-                    path.unlink(missing_ok=True)  # fetched after close(): nobody will read it
-                elif path is not None:
-                    self._ready[name] = path
-                    self.stats.fetched += 1
-                else:
-                    self._failed[name] = err  # type: ignore[assignment]
-                self._cv.notify_all()
-
-    def get(self, i: int) -> Path:
-        t0 = time.monotonic()
-        with self._cv:
-            self._reading = max(self._reading, i)
-            self._cv.notify_all()  # the dispatcher may wait for the reader to come closer
-            name = self.shards[i]["name"] if i < self._next else None
-            if name in self._ready:
-                self.stats.ready += 1
-            else:
-                self.stats.stalls += 1
-                while not self._arrived(i):
-                    self._cv.wait()
-                self.stats.waited_s += time.monotonic() - t0
-                name = self.shards[i]["name"] if i < self._next else None
-                if name not in self._ready:  # this shard's fetches, or another's, are exhausted
-                    failed = self._failed.get(name) or next(iter(self._failed.values()), None)
-                    raise failed or self._error  # type: ignore[misc]
-            if i in self._fresh:
-                self._fresh.discard(i)
-                self.stats.store_bytes += self.shards[i]["size"]
-            else:
-                self.stats.kept += 1
-            return self._ready[name]
-
-    def _arrived(self, i: int) -> bool:
-        """Its shard is here, or a shard's fetches are exhausted (whichever it is: the wait ends, the job stops)."""
-        if self._failed:
-            return True
-        if i >= self._next:
-            return self._error is not None
-        return self.shards[i]["name"] in self._ready
-
-    def raise_failed(self) -> None:
-        """The first shard whose fetches are exhausted (missing, not matching its MD5, the store away past its
-        deadline), raised now: the job stops at the reader's next sample, not when it reaches that shard."""
-        if self._failed:
-            with self._cv:
-                raise next(iter(self._failed.values()))
-
-    def release(self, i: int) -> None:
-        """The i-th visit is read: its shard kept for a later visit, or deleted when never read again."""
-        with self._cv:
-            s = self.shards.pop(i, None)
-            if s is None:
-                return
-            name = s["name"]
-            self.pending -= s["size"]
-            self._pins[name] -= 1
-            if self._pins[name] == 0 and (self._stop or not self.future.keep(name, s["size"])):
-                del self._pins[name]
-                self._ready.pop(name).unlink(missing_ok=True)
-                self.held -= s["size"]
-            self._cv.notify_all()
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        for _ in range(self._fetchers):
-            self._todo.put(None)
-        self._threads[0].join(timeout=30)  # the fetchers may be in a GET: they delete what they finish after this
-        with self._cv:
-            for path in self._ready.values():
-                path.unlink(missing_ok=True)
-            self._ready.clear()
 
 
 def tar_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
@@ -341,40 +96,68 @@ class _Shard:
 # ---------------------------------------------------------------------------------------------
 # The job's stream: what a script reads (``open_stream``), and how a resume positions it
 
-class Stream:
-    """Rank ``rank``'s samples, step after step, from ``start`` (appliance/node/stream_order.py: the order):
-    ``samples()`` is one pass over all epochs (Keras reads it through one iterator, ``steps_per_epoch`` batches an
-    epoch). The shards are fetched ahead into one ``ShardCache`` of ``capacity`` bytes, kept while it has room;
-    ``on_epoch`` hears each Keras epoch's cache counts, the cache's peak in it and its seconds (from its first
-    sample asked for to its last). ``shares``: the run's canonical shares (default: this world size; a resume takes
-    the checkpoint's); ``window``: shards whose samples are mixed at once (0: none)."""
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One packed dataset of a mix (``dataset.streams``): its name (in the lines, its shards' names in the cache,
+    the checkpoint's record), its index.json, and its samples in a mix epoch (stream_mix.epoch_counts)."""
 
-    def __init__(self, index: dict, *, seed: int, rank: int, world: int, batch_size: int, root: Path, fetch: Fetch,
-                 capacity: int, window: int = WINDOW, shares: int | None = None,
-                 on_epoch: Callable[[int, CacheStats, int, float], None] | None = None):
-        if index.get("format") != "tar":
-            raise ApplianceError(f"stream mode reads tar shards; this dataset is {index.get('format')!r}",
-                                 "pack it with `appliance data pack --format tar`")
-        self.index, self.seed, self.rank, self.world = index, seed, rank, world
+    name: str
+    index: dict
+    weight: int
+
+
+class Stream:
+    """Rank ``rank``'s samples, step after step, from ``start`` (appliance/node/stream_order.py: the order), of one
+    packed dataset (``index``) or a weighted mix of several (a list of ``Member``: stream_mix.py; ``fetch`` then
+    gets each shard as ``NAME/shard``): ``samples()`` is one pass over all epochs (Keras reads it through one
+    iterator, ``steps_per_epoch`` batches an epoch). The shards are fetched ahead into one ``ShardCache`` of
+    ``capacity`` bytes, kept while it has room; ``on_epoch`` hears each Keras epoch's cache counts, the cache's peak
+    in it and its seconds (from its first sample asked for to its last). ``shares``: the run's canonical shares
+    (default: this world size; a resume takes the checkpoint's); ``window``: shards whose samples are mixed at once
+    (0: none). ``passes``: a validation stream's, whose ``samples()`` is the same pass every time (the first
+    ``steps_per_epoch`` global batches), its cache kept from one pass to the next."""
+
+    def __init__(self, index: dict | list[Member], *, seed: int, rank: int, world: int, batch_size: int, root: Path,
+                 fetch: Fetch, capacity: int, window: int = WINDOW, shares: int | None = None,
+                 on_epoch: Callable[[int, CacheStats, int, float], None] | None = None, passes: bool = False):
+        members = index if isinstance(index, list) else None
+        for m in members or [Member("", index, 0)]:  # type: ignore[arg-type]
+            if m.index.get("format") != "tar":
+                raise ApplianceError(f"stream mode reads tar shards; {m.name or 'this dataset'} is "
+                                     f"{m.index.get('format')!r}", "pack it with `appliance data pack --format tar`")
+        self.seed, self.rank, self.world, self.passes = seed, rank, world, passes
         self.batch_size, self.root, self.fetch, self.capacity = batch_size, Path(root), fetch, capacity
-        self.fingerprint = fingerprint(index)
-        self._set_order(Order(tuple(s["samples"] for s in index["shards"]), seed, batch_size * world,
-                              shares or world, window))
+        if members:
+            self.index = {"format": "tar", "shards": [{**s, "name": f"{m.name}/{s['name']}"}
+                                                      for m in members for s in m.index["shards"]]}
+            self.streams = [{"name": m.name, "index": fingerprint(m.index), "weight": m.weight} for m in members]
+            self.biggest = [max(s["size"] for s in m.index["shards"]) for m in members]
+            order = mix_of([tuple(s["samples"] for s in m.index["shards"]) for m in members],
+                           [m.weight for m in members], seed, batch_size * world, shares or world, window)
+        else:
+            self.index, self.streams = index, None  # type: ignore[assignment]
+            self.biggest = [max(s["size"] for s in index["shards"])]  # type: ignore[index]
+            order = Order(tuple(s["samples"] for s in index["shards"]), seed, batch_size * world,  # type: ignore[index]
+                          shares or world, window)
+        self.fingerprint = fingerprint(self.index)
+        self._set_order(order)
         self.start = Position()
         self.on_epoch = on_epoch
         self.peak = 0  # the most bytes any epoch's cache held at once
         self.fetchers = FETCHERS
         self.datasets: list = []  # what ``dataset()`` made: the fit that reads one of them trains on this stream
         self.cache: ShardCache | None = None  # the cache of the last ``samples()``
+        self._reader: Iterator | None = None  # a validation stream's reader between two passes
 
-    def _set_order(self, order: Order) -> None:
+    def _set_order(self, order: Order | Mix) -> None:
         order.check(self.world)
         held = shares_read(order, self.rank, self.world) * max(order.window, 1)
-        big = max(s["size"] for s in self.index["shards"])
-        if held * big > self.capacity:
-            raise ApplianceError(f"the stream cache ({self.capacity:,} bytes a rank) cannot hold the {held} shard(s) "
-                                 f"of {big:,} bytes the shuffle keeps at once (dataset.shuffle {order.window} x "
-                                 f"{held // max(order.window, 1)} share(s) a rank)",
+        if held * sum(self.biggest) > self.capacity:
+            mix = f" x {len(self.biggest)} datasets" if len(self.biggest) > 1 else ""
+            raise ApplianceError(f"the stream cache ({self.capacity:,} bytes a rank) cannot hold the "
+                                 f"{held * len(self.biggest)} shard(s) of up to {max(self.biggest):,} bytes the "
+                                 f"shuffle keeps at once (dataset.shuffle {order.window} x "
+                                 f"{held // max(order.window, 1)} share(s) a rank{mix})",
                                  "give dataset.cache more room, or set a smaller dataset.shuffle")
         self.order = order
         self.steps_per_epoch = order.steps_per_epoch
@@ -390,16 +173,17 @@ class Stream:
         return self.start
 
     def record(self, epoch: int, batch: int, steps_per_epoch: int | None = None) -> dict:
-        """What a checkpoint at (epoch, batch) keeps of the stream: the position and what fixes the order."""
+        """What a checkpoint at (epoch, batch) keeps of the stream: the position and what fixes the order (a mix:
+        each dataset's identity, weight and samples read)."""
         spe = steps_per_epoch or self.steps_per_epoch
-        return record(self.order, self.fingerprint, epoch * spe + min(batch, spe))
+        return record(self.order, self.fingerprint, epoch * spe + min(batch, spe), self.streams)
 
     def resume(self, epoch: int, batch: int, rec: dict | None, steps_per_epoch: int | None = None) -> Position:
         """A resume at (epoch, batch) of a checkpoint whose stream record is ``rec``: refused in one line when its
-        order is not this one (seed, global batch, shuffle window, dataset), on the run's canonical shares."""
+        order is not this one (seed, global batch, shuffle window, dataset or mix), on the run's canonical shares."""
         if rec:
-            check_record(self.order, self.fingerprint, rec)
-            self._set_order(dataclasses.replace(self.order, shares=int(rec.get("shares") or self.order.shares)))
+            check_record(self.order, self.fingerprint, rec, self.streams)
+            self._set_order(self.order.with_shares(int(rec.get("shares") or self.order.shares)))
         at = self.start_at(epoch, batch, steps_per_epoch)
         if rec and "step" in rec and int(rec["step"]) != at.step:
             raise ApplianceError(f"the stream cannot resume: the checkpoint is at its step {rec['step']}, epoch "
@@ -410,13 +194,34 @@ class Stream:
     def samples(self) -> Iterator[tuple[str, dict[str, bytes]]]:
         """Samples from ``start`` on, through one cache whose fetcher runs ahead in reading order, across epoch
         ends; a shard read is kept while the cache has room for it, the one read again last deleted first (the
-        order looked ahead ``HORIZON`` x the dataset's shards)."""
-        shards, step = self.index["shards"], self.start.step
-        plan = lambda: reads(self.order, self.rank, self.world, step)  # noqa: E731
+        order looked ahead ``HORIZON`` x the dataset's shards). A validation stream's: one pass (``_one_pass``)."""
+        if self.passes:
+            return self._one_pass()
+        step = self.start.step
+        return self._read(lambda: reads(self.order, self.rank, self.world, step), step)
+
+    def _one_pass(self) -> Iterator[tuple[str, dict[str, bytes]]]:
+        """The pass's ``per_epoch`` samples, from the reader the last pass left at its end (its cache holds what it
+        kept), or a new one; a pass not read to its end takes its reader (and cache) with it."""
+        reader, self._reader = self._reader, None
+        reader = reader or self._read(lambda: passes(self.order, self.rank, self.world), 0)
+        n = 0
+        try:
+            while n < self.per_epoch:
+                n += 1
+                yield next(reader)
+        finally:
+            if n == self.per_epoch and self._reader is None:
+                self._reader = reader
+            else:
+                reader.close()
+
+    def _read(self, plan: Callable[[], Iterator], step: int) -> Iterator[tuple[str, dict[str, bytes]]]:
+        shards = self.index["shards"]
         cache = ShardCache((shards[j] for _, j, _, first, _ in plan() if first), self.root, self.fetch,
                            self.capacity, self.fetchers, horizon=HORIZON * len(shards),
                            ahead=2 * shares_read(self.order, self.rank, self.world) * max(self.order.window, 1)
-                           + self.fetchers)  # this window's shards and the next's, and a GET per fetcher
+                           * len(self.biggest) + self.fetchers)  # this window's shards and the next's, a GET a fetcher
         self.cache = cache
         held: dict[int, _Shard] = {}
         epoch, done = divmod(step, self.steps_per_epoch)
@@ -455,8 +260,10 @@ class Stream:
         """A ``tf.data.Dataset`` of batches (``batch_size``, every epoch ``steps_per_epoch`` of them, then the next
         epoch's) of dicts ``{"__key__": key, ext: bytes, ...}``, after ``map_fn`` when given (as ``Dataset.map``
         takes it, on ``num_parallel_calls`` samples at once, the order kept: appliance/node/stream_data.py). Give
-        ``model.fit`` ``steps_per_epoch=stream.steps_per_epoch``."""
-        ds = sample_batches(self.samples, exts, self.batch_size, map_fn, num_parallel_calls)
+        ``model.fit`` ``steps_per_epoch=stream.steps_per_epoch``. A validation stream's: one pass, of
+        ``steps_per_epoch`` batches (its cardinality), each time it is iterated."""
+        ds = sample_batches(self.samples, exts, self.batch_size, map_fn, num_parallel_calls,
+                            self.per_epoch if self.passes else None)  # a validation pass: Keras knows its steps
         self.datasets.append(ds)
         return ds
 
@@ -464,8 +271,8 @@ class Stream:
         """The same samples one element each, for a script's own tf.data pipeline: ``map_fn`` as in ``dataset``;
         batch them by ``batch_size`` (another size is refused: a resume counts steps of it); ``shuffle()`` is
         refused."""
-        ds = keep_batch_size(refuse_shuffle(sample_elements(self.samples, exts, map_fn, num_parallel_calls)),
-                             self.batch_size)
+        ds = keep_batch_size(refuse_shuffle(sample_elements(self.samples, exts, map_fn, num_parallel_calls,
+                                                            self.per_epoch if self.passes else None)), self.batch_size)
         self.datasets.append(ds)
         return ds
 
@@ -499,40 +306,74 @@ def stream_record(epoch: int, batch: int, steps_per_epoch: int | None = None) ->
 
 
 def open_stream(batch_size: int, *, seed: int = 0, url: str | None = None, shares: int | None = None) -> Stream:
-    """This rank's stream of the job's packed dataset (``dataset.mode: stream``: the launcher set where it is, the
-    credentials file, the cache and the shuffle window in the environment). ``seed`` fixes the order of every
-    epoch: keep it across a run's resumes, with the global batch (``batch_size`` x ranks). ``shares``: the run's
-    canonical shares (default: the first job's world size; a resume keeps the checkpoint's). What keeps it from
-    starting (no index, a cache smaller than the shuffle holds) is one line and exit status 1, not a traceback."""
+    """This rank's stream of the job's training data (``dataset.mode: stream``: one packed dataset,
+    ``dataset.source``, or a weighted mix, ``dataset.streams``; the launcher set where they are, the credentials
+    files, the cache and the shuffle window in the environment; ``url``: one packed dataset of your own choosing).
+    ``seed`` fixes the order of every epoch: keep it across a run's resumes, with the global batch (``batch_size``
+    x ranks). ``shares``: the run's canonical shares (default: the first job's world size; a resume keeps the
+    checkpoint's). What keeps it from starting (no index, a cache smaller than the shuffle holds) is one line and
+    exit status 1, not a traceback."""
+    return _one_line(lambda: _open(batch_size, seed, url, shares, validation=False))
+
+
+def open_validation(batch_size: int) -> Stream:
+    """This rank's validation stream (``dataset.validation``): the same samples in the same order every pass (the
+    first ``steps_per_epoch`` global batches of ``batch_size`` x ranks, no sample shuffle), through a cache of its
+    own that keeps what it can from one pass to the next; it never moves the training stream, and a resume does
+    not position it. ``model.fit(..., validation_data=val.dataset(...))`` evaluates one pass each epoch."""
+    return _one_line(lambda: _open(batch_size, 0, None, None, validation=True))
+
+
+def _one_line(make: Callable[[], Stream]) -> Stream:
     try:
-        return _open_stream(batch_size, seed, url, shares)
+        return make()
     except ApplianceError as e:
         print(f"[appliance] error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 
-def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None) -> Stream:
-    import atexit
+def _sources(env, url: str | None, validation: bool) -> tuple[list[dict], bool]:
+    """The packed datasets the stream reads ({name, url, creds, weight}), and whether they are a mix."""
+    import json
+
+    from ..protocol import Env
+
+    if validation:
+        v = json.loads(env.get(Env.STREAM_VALIDATION) or "null")
+        if not v:
+            raise ApplianceError("no validation stream: the job's spec has no dataset.validation",
+                                 "add dataset.validation: {source: swift://...} to the spec")
+        return [{**v, "name": "validation"}], False
+    if url or not env.get(Env.STREAMS):
+        url = url or env.get(Env.STREAM_URL)
+        if not url:
+            raise ApplianceError("no stream: the job's spec has no dataset in mode stream",
+                                 "set dataset: {source: swift://..., mode: stream} in the spec")
+        return [{"name": "", "url": url, "creds": env.get(Env.STREAM_CREDS)}], False
+    return json.loads(env[Env.STREAMS]), True
+
+
+def _node_cache(env, root: Path, validation: bool) -> int:
+    """The node's cache for this stream: dataset.cache (default half the free disk), of which a validation stream
+    takes dataset.validation.cache (default: its dataset's size, up to a quarter) and the training stream the rest."""
     import json
     import shutil
 
-    from ..protocol import Env, Line, emit
+    from ..protocol import Env
 
-    env = os.environ
-    url = url or env.get(Env.STREAM_URL)
-    if not url:
-        raise ApplianceError("no stream: the job's spec has no dataset in mode stream",
-                             "set dataset: {source: swift://..., mode: stream} in the spec")
-    rank, world = int(env.get("HOROVOD_RANK", 0)), int(env.get("HOROVOD_SIZE", 1))
-    local_rank, local = int(env.get("HOROVOD_LOCAL_RANK", 0)), max(1, int(env.get("HOROVOD_LOCAL_SIZE", 1)))
-    sizes: dict[str, int] = {}  # each shard's, once index.json is read: its GETs' deadline
-    fetch = store_fetch(url, env.get(Env.STREAM_CREDS), lambda m: print(m, file=sys.stderr, flush=True), rank=rank,
-                        sizes=sizes)  # every rank says its waits on the store
-    root = Path(env.get(Env.STREAM_CACHE) or Path(env.get(Env.DATA_DIR) or ".") / ".stream-cache") / f"rank-{local_rank}"
-    shutil.rmtree(root, ignore_errors=True)  # a killed job's shards: the cache is this job's alone
-    root.mkdir(parents=True, exist_ok=True)
-    atexit.register(shutil.rmtree, root, True)  # and what the job fetched ahead goes with it
-    node_bytes = int(env.get(Env.STREAM_CACHE_BYTES) or 0) or shutil.disk_usage(root).free // 2
+    node = int(env.get(Env.STREAM_CACHE_BYTES) or 0) or shutil.disk_usage(root).free // 2
+    v = json.loads(env.get(Env.STREAM_VALIDATION) or "null")
+    val = int(v.get("cache") or 0) or min(int(v.get("bytes") or 0), node // 4) if v else 0
+    if val >= node:
+        raise ApplianceError(f"the validation stream's cache ({val:,} bytes a node) leaves none of the node's "
+                             f"{node:,} to the training stream", "give dataset.validation.cache less, or "
+                             "dataset.cache more")
+    return val if validation else node - val
+
+
+def _index(fetch: Fetch, url: str, root: Path) -> dict:
+    import json
+
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         index_path = Path(tmp) / "index.json"
         try:
@@ -540,10 +381,45 @@ def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None
         except FileNotFoundError:
             raise ApplianceError(f"{url} has no index.json: not a packed dataset",
                                  f"pack it: `appliance data pack DIR {url}`") from None
-        index = json.loads(index_path.read_text())
-    sizes.update((x["name"], x["size"]) for x in index.get("shards", []))
+        return json.loads(index_path.read_text())
 
-    dataset_bytes = sum(x["size"] for x in index.get("shards", ()))
+
+def _members(sources: list[dict], rank: int, root: Path, capacity: int, local: int) -> tuple[list[Member], dict]:
+    """Each source's index.json (as a ``Member``) and its fetch, refused in one line when a shard of it is larger
+    than a rank's part of the cache."""
+    members, fetches = [], {}
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731 - every rank says its waits on the store
+    for src in sources:
+        sizes: dict[str, int] = {}  # each shard's, once index.json is read: its GETs' deadline
+        fetches[src["name"]] = store_fetch(src["url"], src.get("creds"), say, rank=rank, sizes=sizes)
+        members.append(Member(src["name"], _index(fetches[src["name"]], src["url"], root), int(src.get("weight") or 0)))
+        sizes.update((x["name"], x["size"]) for x in members[-1].index.get("shards", []))
+        big = max(members[-1].index.get("shards") or [{"size": 0}], key=lambda x: x["size"])
+        if big["size"] > capacity:
+            raise ApplianceError(f"the stream cache ({capacity:,} bytes for each of the node's {local} rank(s)) "
+                                 f"cannot hold shard {big['name']} ({big['size']:,} bytes)",
+                                 "give dataset.cache room for a few shards per rank, or pack smaller shards")
+    return members, fetches
+
+
+def _open(batch_size: int, seed: int, url: str | None, shares: int | None, *, validation: bool) -> Stream:
+    import atexit
+    import shutil
+
+    from ..protocol import Env, Line, emit
+
+    env = os.environ
+    sources, mixed = _sources(env, url, validation)
+    rank, world = int(env.get("HOROVOD_RANK", 0)), int(env.get("HOROVOD_SIZE", 1))
+    local_rank, local = int(env.get("HOROVOD_LOCAL_RANK", 0)), max(1, int(env.get("HOROVOD_LOCAL_SIZE", 1)))
+    base = Path(env.get(Env.STREAM_CACHE) or Path(env.get(Env.DATA_DIR) or ".") / ".stream-cache")
+    root = base / f"{'validation-' if validation else ''}rank-{local_rank}"
+    shutil.rmtree(root, ignore_errors=True)  # a killed job's shards: the cache is this job's alone
+    root.mkdir(parents=True, exist_ok=True)
+    atexit.register(shutil.rmtree, root, True)  # and what the job fetched ahead goes with it
+    node_bytes = _node_cache(env, root, validation)
+    members, fetches = _members(sources, rank, root, node_bytes // local, local)
+    dataset_bytes = sum(x["size"] for m in members for x in m.index.get("shards", ()))
 
     def on_epoch(epoch: int, st: CacheStats, peak: int, wall_s: float) -> None:
         # for the launcher (data/stream.py says rank 0's, keeps every rank's bytes from the store in the record);
@@ -553,13 +429,14 @@ def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None
                            "capacity": node_bytes // local, "wall_s": round(wall_s, 3),
                            "store_bytes": st.store_bytes, "kept": st.kept, "dataset_bytes": dataset_bytes})
 
-    big = max(index["shards"], key=lambda x: x["size"]) if index.get("shards") else None
-    if big is not None and big["size"] > node_bytes // local:
-        raise ApplianceError(f"the stream cache ({node_bytes // local:,} bytes for each of the node's {local} rank(s)) "
-                             f"cannot hold shard {big['name']} ({big['size']:,} bytes)",
-                             "give dataset.cache room for a few shards per rank, or pack smaller shards")
-    window = int(env[Env.STREAM_SHUFFLE]) if env.get(Env.STREAM_SHUFFLE) else WINDOW
-    s = Stream(index, seed=seed, rank=rank, world=world, batch_size=batch_size, root=root, fetch=fetch,
-               capacity=node_bytes // local, window=window, shares=shares, on_epoch=on_epoch)
-    _ACTIVE.append(s)
+    def by_member(name: str, dest: Path):
+        member, _, shard = name.partition("/")
+        return fetches[member](shard, dest)
+
+    window = 0 if validation else int(env[Env.STREAM_SHUFFLE]) if env.get(Env.STREAM_SHUFFLE) else WINDOW
+    s = Stream(members if mixed else members[0].index, seed=seed, rank=rank, world=world, batch_size=batch_size,
+               root=root, fetch=by_member if mixed else fetches[sources[0]["name"]], capacity=node_bytes // local,
+               window=window, shares=shares, on_epoch=None if validation else on_epoch, passes=validation)
+    if not validation:
+        _ACTIVE.append(s)
     return s

@@ -53,10 +53,12 @@ def keep_batch_size(ds, batch_size: int):
     return ds
 
 
-def sample_elements(samples: Samples, exts: list[str], map_fn=None, num_parallel_calls: int | None = AUTOTUNE):
+def sample_elements(samples: Samples, exts: list[str], map_fn=None, num_parallel_calls: int | None = AUTOTUNE,
+                    count: int | None = None):
     """A ``tf.data.Dataset`` of what ``samples()`` yields, one dict ``{"__key__": key, ext: bytes, ...}`` a sample,
     in its order; after ``map_fn`` (as ``Dataset.map`` takes it) on ``num_parallel_calls`` samples at once (None:
-    one at a time), the order kept."""
+    one at a time), the order kept. ``count``: how many ``samples()`` yields (a validation pass's), told to tf.data
+    so that Keras knows a pass's steps."""
     import tensorflow as tf
 
     sig = {"__key__": tf.TensorSpec([], tf.string), **{e: tf.TensorSpec([], tf.string) for e in exts}}
@@ -78,12 +80,12 @@ def sample_elements(samples: Samples, exts: list[str], map_fn=None, num_parallel
         ds = ds.map(map_fn)
     elif map_fn is not None:  # deterministic: the stream's order, however many samples are mapped at once
         ds = ds.map(map_fn, num_parallel_calls=num_parallel_calls, deterministic=True)
-    return ds
+    return ds if count is None else ds.apply(tf.data.experimental.assert_cardinality(count))
 
 
 def sample_batches(samples: Samples, exts: list[str], batch_size: int, map_fn=None,
-                   num_parallel_calls: int | None = AUTOTUNE):
+                   num_parallel_calls: int | None = AUTOTUNE, count: int | None = None):
     """``sample_elements`` in batches of ``batch_size``, prefetched: the next batches are read while the step runs
     (the order and the resume position are the stream's, whatever tf.data has read ahead)."""
-    ds = sample_elements(samples, exts, map_fn, num_parallel_calls)
+    ds = sample_elements(samples, exts, map_fn, num_parallel_calls, count)
     return refuse_shuffle(ds.batch(batch_size, drop_remainder=True).prefetch(AUTOTUNE))

@@ -15,6 +15,10 @@ the canonical shares, the shuffle window), never of the world size.
 - **What a rank holds** (``reads``): a shard of a window is a *visit*, numbered in the order the rank first reads
   it (the cache fetches in that order) and done after the rank's last sample of it in the window (the cache
   deletes it then): at most ``window`` shards per share the rank reads at once.
+- **A mix** (appliance/node/stream_mix.py ``Mix``): each share's places are dealt to several datasets by weight,
+  each dataset read in its own order (an ``Order`` of its own); ``reads`` and ``global_batch`` take either. An
+  ``Order`` is a mix of one: ``members`` itself, ``place`` and ``back`` the identity.
+- **A pass** (``passes``): the same samples every time, for a validation stream.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import bisect
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import random
 from collections.abc import Iterator
@@ -64,15 +69,33 @@ class Order:
     def share_size(self, c: int) -> int:
         return (c + 1) * self.total // self.shares - c * self.total // self.shares
 
+    @property
+    def members(self) -> tuple[Order, ...]:
+        return (self,)
+
+    def place(self, u: int) -> tuple[int, int]:
+        """(dataset, its place) of a share's place ``u``: one dataset, its own places."""
+        return 0, u
+
+    def back(self, s: int, k: int) -> int:
+        return k
+
+    def with_shares(self, shares: int) -> Order:
+        return dataclasses.replace(self, shares=shares)
+
     def check(self, world: int) -> None:
-        """What the order and ``world`` ranks need: whole shares and rank parts of the global batch, a batch."""
-        b, c = self.global_batch, self.shares
-        if b % c or b % world:
-            raise ApplianceError(f"the stream's global batch {b} does not split into {c} canonical share(s) and "
-                                 f"{world} rank(s) evenly", "use a global batch that both divide")
-        if self.steps_per_epoch == 0:
-            raise ApplianceError(f"the dataset's {self.total} sample(s) are less than one global batch of {b}",
-                                 "a smaller batch, or more data")
+        check_batches(self, world, f"the dataset's {self.total} sample(s) are", "more data")
+
+
+def check_batches(o, world: int, what: str, fix: str) -> None:
+    """What an order (an ``Order`` or a ``Mix``) and ``world`` ranks need: whole shares and rank parts of the
+    global batch, a batch an epoch (``what``: the epoch's samples, said; ``fix``: how to get more)."""
+    b, c = o.global_batch, o.shares
+    if b % c or b % world:
+        raise ApplianceError(f"the stream's global batch {b} does not split into {c} canonical share(s) and "
+                             f"{world} rank(s) evenly", "use a global batch that both divide")
+    if o.steps_per_epoch == 0:
+        raise ApplianceError(f"{what} less than one global batch of {b}", f"a smaller batch, or {fix}")
 
 
 @functools.lru_cache(maxsize=4)
@@ -129,10 +152,19 @@ def shares_read(o: Order, rank: int, world: int) -> int:
     return len({c for c, _ in rank_slots(o, rank, world)})
 
 
-def global_batch(o: Order, step: int) -> list[int]:
-    """The global sample ids of step ``step``'s global batch (what every world size reads at that step)."""
-    b = o.global_batch // o.shares
-    return [_sample_at(o, c, step * b + q) for c in range(o.shares) for q in range(b)]
+def global_batch(o, step: int) -> list[int]:
+    """The global sample ids of step ``step``'s global batch (what every world size reads at that step) of an
+    ``Order`` or a ``Mix`` (its datasets' samples numbered one after the other)."""
+    b, offs = o.global_batch // o.shares, _offsets([m.total for m in o.members])
+    return [offs[s] + _sample_at(o.members[s], c, t) for c in range(o.shares) for q in range(b)
+            for s, t in (o.place(step * b + q),)]
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out = [0]
+    for n in sizes[:-1]:
+        out.append(out[-1] + n)
+    return out
 
 
 def _sample_at(o: Order, c: int, t: int) -> int:
@@ -148,42 +180,59 @@ class _Window:
     visits: dict[int, list]  # shard -> [visit number or None, the rank's samples of it left]
 
 
-def _enter(o: Order, c: int, t: int, mine: set[int], starts: list[int]) -> _Window:
-    """Share ``c``'s window holding place ``t``, with the rank's reads of each shard in it from ``t`` on."""
-    b, size = o.global_batch // o.shares, o.share_size(c)
+def _enter(o, s: int, c: int, t: int, mine: set[int], starts: list[int]) -> _Window:
+    """Dataset ``s``'s share ``c``'s window holding its place ``t``, with the rank's reads of each shard in it from
+    ``t`` on (the places of the mix ``o`` it is at: ``o.back``)."""
+    m = o.members[s]
+    b, size = o.global_batch // o.shares, m.share_size(c)
     epoch, u = divmod(t, size)
-    ids, bounds = share_order(o, c, epoch)
+    ids, bounds = share_order(m, c, epoch)
     w = bisect.bisect_right(bounds, u) - 1
     base = epoch * size
     visits: dict[int, list] = {}
+    back = o.back
     for x in range(t, base + bounds[w + 1]):
-        if x % b in mine:
+        if back(s, x) % b in mine:
             j = shard_of(starts, ids[x - base])[0]
             visits.setdefault(j, [None, 0])[1] += 1
     return _Window(ids, base, base + bounds[w + 1], visits)
 
 
-def reads(o: Order, rank: int, world: int, step: int) -> Iterator[tuple[int, int, int, bool, bool]]:
+def reads(o, rank: int, world: int, step: int) -> Iterator[tuple[int, int, int, bool, bool]]:
     """(visit, shard, sample in the shard, first of the visit, last of it) for each sample rank ``rank`` of
-    ``world`` reads, from global step ``step`` on, endlessly."""
-    b, slots, starts = o.global_batch // o.shares, rank_slots(o, rank, world), _starts(o.counts)
+    ``world`` reads, from global step ``step`` on, endlessly, of an ``Order`` or a ``Mix`` (its datasets' shards
+    numbered one after the other)."""
+    b, slots = o.global_batch // o.shares, rank_slots(o, rank, world)
+    starts = [_starts(m.counts) for m in o.members]
+    firsts = _offsets([len(m.counts) for m in o.members])
     mine = {c: {q for cc, q in slots if cc == c} for c, _ in slots}
-    current: dict[int, _Window] = {}
+    current: dict[tuple[int, int], _Window] = {}
     visits, i = 0, step
     while True:
         for c, q in slots:
-            t = i * b + q
-            win = current.get(c)
+            s, t = o.place(i * b + q)
+            win = current.get((s, c))
             if win is None or t >= win.end:
-                win = current[c] = _enter(o, c, t, mine[c], starts)
-            j, k = shard_of(starts, win.ids[t - win.base])
+                win = current[(s, c)] = _enter(o, s, c, t, mine[c], starts[s])
+            j, k = shard_of(starts[s], win.ids[t - win.base])
             v = win.visits[j]
             first = v[0] is None
             if first:
                 v[0], visits = visits, visits + 1
             v[1] -= 1
-            yield v[0], j, k, first, v[1] == 0
+            yield v[0], firsts[s] + j, k, first, v[1] == 0
         i += 1
+
+
+def passes(o, rank: int, world: int) -> Iterator[tuple[int, int, int, bool, bool]]:
+    """``reads`` of the rank's samples of the first ``o.steps_per_epoch`` global batches, again and again (a
+    validation stream's passes): each visit ends within its pass, and the next pass's visits come after it."""
+    one = list(itertools.islice(reads(o, rank, world, 0), o.steps_per_epoch * o.global_batch // world))
+    ends = {v: i for i, (v, *_rest) in enumerate(one)}
+    n = len(ends)
+    for r in itertools.count():
+        for i, (v, j, k, first, _) in enumerate(one):
+            yield r * n + v, j, k, first, ends[v] == i
 
 
 # ---------------------------------------------------------------------------------------------
