@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..errors import ApplianceError
 from .stream_data import AUTOTUNE, keep_batch_size, refuse_shuffle, sample_batches, sample_elements
-from .stream_order import WINDOW, Order, check_record, fingerprint, reads, record, shares_read
+from .stream_order import WINDOW, Order, check_record, fingerprint, kept_batch, reads, record, shares_read
 from .stream_fetch import store_fetch
 from .stream_reuse import Reuse
 
@@ -501,14 +501,33 @@ def stream_record(epoch: int, batch: int, steps_per_epoch: int | None = None) ->
 def open_stream(batch_size: int, *, seed: int = 0, url: str | None = None, shares: int | None = None) -> Stream:
     """This rank's stream of the job's packed dataset (``dataset.mode: stream``: the launcher set where it is, the
     credentials file, the cache and the shuffle window in the environment). ``seed`` fixes the order of every
-    epoch: keep it across a run's resumes, with the global batch (``batch_size`` x ranks). ``shares``: the run's
-    canonical shares (default: the first job's world size; a resume keeps the checkpoint's). What keeps it from
-    starting (no index, a cache smaller than the shuffle holds) is one line and exit status 1, not a traceback."""
+    epoch: keep it across a run's resumes, with the global batch (``batch_size`` x ranks; a resume under
+    ``checkpoint.resize: batch`` keeps the checkpoint's: ``stream.batch_size`` is then its share on this world
+    size). ``shares``: the run's canonical shares (default: the first job's world size; a resume keeps the
+    checkpoint's). What keeps it from starting (no index, a cache smaller than the shuffle holds) is one line and
+    exit status 1, not a traceback."""
     try:
         return _open_stream(batch_size, seed, url, shares)
     except ApplianceError as e:
         print(f"[appliance] error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def _resumed_batch(batch_size: int, rank: int, world: int, env) -> int:
+    """The per-rank batch of a resume under ``checkpoint.resize: batch``: the staged checkpoint's global batch over
+    this world size (stream_order.kept_batch), said by rank 0 when it is not the script's."""
+    import json
+
+    from ..protocol import Env
+
+    meta = Path(env.get(Env.RESTORE) or "") / "meta.json"
+    if env.get(Env.CKPT_RESIZE) != "batch" or not env.get(Env.RESTORE) or not meta.is_file():
+        return batch_size
+    kept = kept_batch(json.loads(meta.read_text()).get("stream"), batch_size, world)
+    if kept != batch_size and rank == 0:
+        print(f"[appliance] the stream keeps the run's global batch of {kept * world} (checkpoint.resize: batch): "
+              f"{kept} a rank on {world} rank(s), not {batch_size}", file=sys.stderr, flush=True)
+    return kept
 
 
 def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None) -> Stream:
@@ -524,6 +543,7 @@ def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None
         raise ApplianceError("no stream: the job's spec has no dataset in mode stream",
                              "set dataset: {source: swift://..., mode: stream} in the spec")
     rank, world = int(env.get("HOROVOD_RANK", 0)), int(env.get("HOROVOD_SIZE", 1))
+    batch_size = _resumed_batch(batch_size, rank, world, env)
     local_rank, local = int(env.get("HOROVOD_LOCAL_RANK", 0)), max(1, int(env.get("HOROVOD_LOCAL_SIZE", 1)))
     sizes: dict[str, int] = {}  # each shard's, once index.json is read: its GETs' deadline
     fetch = store_fetch(url, env.get(Env.STREAM_CREDS), lambda m: print(m, file=sys.stderr, flush=True), rank=rank,
