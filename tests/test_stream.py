@@ -96,7 +96,8 @@ def test_a_shard_whose_bytes_do_not_match_is_fetched_again_and_never_read(tmp_pa
             with open(dest, "r+b") as fh:
                 fh.seek(600)
                 fh.write(b"X")
-    cache = ShardCache(index["shards"], tmp_path / "c", flaky, capacity=1 << 30)
+    # one fetcher: the first GET (shard 0's) is the bad one, not whichever of two concurrent GETs ran first
+    cache = ShardCache(index["shards"], tmp_path / "c", flaky, capacity=1 << 30, fetchers=1)
     try:
         assert cache.get(0).read_bytes() == (tmp_path / "src" / index["shards"][0]["name"]).read_bytes()
         assert cache.stats.refetched == 1
@@ -460,7 +461,8 @@ def test_a_resume_under_resize_batch_keeps_the_runs_global_batch_on_another_worl
     """A script opens its stream with its own batch (32); resumed on 4 ranks from a checkpoint of 2 under
     ``checkpoint.resize: batch``, its stream reads the checkpoint's global batch of 64 (16 a rank) and the
     position goes on; under ``resize: lr`` (the per-rank batch kept) the resume is refused in one line that names
-    the policy; on 3 ranks (64 does not split) one line and exit status 1."""
+    the policy; on 3 ranks (64 does not split) one line and exit status 1. A stream of another dataset (a
+    validation one) keeps the script's batch."""
     import json
 
     from appliance.node import stream as mod
@@ -480,6 +482,9 @@ def test_a_resume_under_resize_batch_keeps_the_runs_global_batch_on_another_worl
     assert s.batch_size == 16 and s.order.global_batch == 64 and s.resume(0, 1, rec).step == 1
     assert ("[appliance] the stream keeps the run's global batch of 64 (checkpoint.resize: batch): 16 a rank on 4 "
             "rank(s), not 32") in capsys.readouterr().err
+    other = packed(tmp_path / "val", 2, 16)  # a validation stream of another dataset: the script's batch
+    (tmp_path / "val" / "index.json").write_text(json.dumps(other))
+    assert mod.open_stream(8, seed=7, url=f"file://{tmp_path / 'val'}/").batch_size == 8
     monkeypatch.setenv(Env.CKPT_RESIZE, "lr")
     s = mod.open_stream(32, seed=7)
     with pytest.raises(ApplianceError, match=r"global batch is 128, the checkpoint's is 64 .*resize: batch keeps it"):

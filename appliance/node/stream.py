@@ -513,9 +513,10 @@ def open_stream(batch_size: int, *, seed: int = 0, url: str | None = None, share
         raise SystemExit(1) from None
 
 
-def _resumed_batch(batch_size: int, rank: int, world: int, env) -> int:
+def _resumed_batch(batch_size: int, rank: int, world: int, env, index_fp: str) -> int:
     """The per-rank batch of a resume under ``checkpoint.resize: batch``: the staged checkpoint's global batch over
-    this world size (stream_order.kept_batch), said by rank 0 when it is not the script's."""
+    this world size (stream_order.kept_batch), said by rank 0 when it is not the script's; a stream of another
+    dataset than the checkpoint's (a validation stream) keeps the script's batch."""
     import json
 
     from ..protocol import Env
@@ -523,7 +524,8 @@ def _resumed_batch(batch_size: int, rank: int, world: int, env) -> int:
     meta = Path(env.get(Env.RESTORE) or "") / "meta.json"
     if env.get(Env.CKPT_RESIZE) != "batch" or not env.get(Env.RESTORE) or not meta.is_file():
         return batch_size
-    kept = kept_batch(json.loads(meta.read_text()).get("stream"), batch_size, world)
+    rec = json.loads(meta.read_text()).get("stream") or {}
+    kept = kept_batch(rec, batch_size, world) if rec.get("index") in (None, index_fp) else batch_size
     if kept != batch_size and rank == 0:
         print(f"[appliance] the stream keeps the run's global batch of {kept * world} (checkpoint.resize: batch): "
               f"{kept} a rank on {world} rank(s), not {batch_size}", file=sys.stderr, flush=True)
@@ -543,7 +545,6 @@ def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None
         raise ApplianceError("no stream: the job's spec has no dataset in mode stream",
                              "set dataset: {source: swift://..., mode: stream} in the spec")
     rank, world = int(env.get("HOROVOD_RANK", 0)), int(env.get("HOROVOD_SIZE", 1))
-    batch_size = _resumed_batch(batch_size, rank, world, env)
     local_rank, local = int(env.get("HOROVOD_LOCAL_RANK", 0)), max(1, int(env.get("HOROVOD_LOCAL_SIZE", 1)))
     sizes: dict[str, int] = {}  # each shard's, once index.json is read: its GETs' deadline
     fetch = store_fetch(url, env.get(Env.STREAM_CREDS), lambda m: print(m, file=sys.stderr, flush=True), rank=rank,
@@ -579,6 +580,7 @@ def _open_stream(batch_size: int, seed: int, url: str | None, shares: int | None
                              f"cannot hold shard {big['name']} ({big['size']:,} bytes)",
                              "give dataset.cache room for a few shards per rank, or pack smaller shards")
     window = int(env[Env.STREAM_SHUFFLE]) if env.get(Env.STREAM_SHUFFLE) else WINDOW
+    batch_size = _resumed_batch(batch_size, rank, world, env, fingerprint(index))
     s = Stream(index, seed=seed, rank=rank, world=world, batch_size=batch_size, root=root, fetch=fetch,
                capacity=node_bytes // local, window=window, shares=shares, on_epoch=on_epoch)
     _ACTIVE.append(s)
