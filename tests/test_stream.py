@@ -96,7 +96,8 @@ def test_a_shard_whose_bytes_do_not_match_is_fetched_again_and_never_read(tmp_pa
             with open(dest, "r+b") as fh:
                 fh.seek(600)
                 fh.write(b"X")
-    cache = ShardCache(index["shards"], tmp_path / "c", flaky, capacity=1 << 30)
+    # one fetcher: the first GET (shard 0's) is the bad one, not whichever of two concurrent GETs ran first
+    cache = ShardCache(index["shards"], tmp_path / "c", flaky, capacity=1 << 30, fetchers=1)
     try:
         assert cache.get(0).read_bytes() == (tmp_path / "src" / index["shards"][0]["name"]).read_bytes()
         assert cache.stats.refetched == 1
@@ -454,3 +455,45 @@ def test_the_dataset_credential_goes_to_every_node_is_renewed_at_an_extension_an
     assert withdrawn == [1, 2]
     assert JobStream(SimpleNamespace()).prepare(SimpleNamespace(spec=parse_spec({"name": "s", "train": {
         "command": "x"}}))) == {}  # not a stream: nothing
+
+
+def test_a_resume_under_resize_batch_keeps_the_runs_global_batch_on_another_world_size(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A script opens its stream with its own batch (32); resumed on 4 ranks from a checkpoint of 2 under
+    ``checkpoint.resize: batch``, its stream reads the checkpoint's global batch of 64 (16 a rank) and the
+    position goes on; under ``resize: lr`` (the per-rank batch kept) the resume is refused in one line that names
+    the policy; on 3 ranks (64 does not split) one line and exit status 1. A stream of another dataset (a
+    validation one) keeps the script's batch."""
+    import json
+
+    from appliance.node import stream as mod
+    from appliance.protocol import Env
+
+    index = packed(tmp_path / "src", 8, 16)  # 128 samples: 2 steps of 64 an epoch
+    (tmp_path / "src" / "index.json").write_text(json.dumps(index))
+    rec = stream(index, tmp_path / "src", tmp_path / "a", world=2, batch=32).record(0, 1)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "meta.json").write_text(json.dumps({"step": 1, "stream": rec}))
+    monkeypatch.setattr(mod, "_ACTIVE", [])
+    for k, v in {Env.STREAM_URL: f"file://{tmp_path / 'src'}/", Env.STREAM_CACHE: str(tmp_path / "c"),
+                 Env.STREAM_CACHE_BYTES: str(1 << 30), Env.RESTORE: str(tmp_path / "ck"), Env.CKPT_RESIZE: "batch",
+                 "HOROVOD_RANK": "0", "HOROVOD_SIZE": "4"}.items():
+        monkeypatch.setenv(k, v)
+    s = mod.open_stream(32, seed=7)
+    assert s.batch_size == 16 and s.order.global_batch == 64 and s.resume(0, 1, rec).step == 1
+    assert ("[appliance] the stream keeps the run's global batch of 64 (checkpoint.resize: batch): 16 a rank on 4 "
+            "rank(s), not 32") in capsys.readouterr().err
+    other = packed(tmp_path / "val", 2, 16)  # a validation stream of another dataset: the script's batch
+    (tmp_path / "val" / "index.json").write_text(json.dumps(other))
+    assert mod.open_stream(8, seed=7, url=f"file://{tmp_path / 'val'}/").batch_size == 8
+    monkeypatch.setenv(Env.CKPT_RESIZE, "lr")
+    s = mod.open_stream(32, seed=7)
+    with pytest.raises(ApplianceError, match=r"global batch is 128, the checkpoint's is 64 .*resize: batch keeps it"):
+        s.resume(0, 1, rec)
+    monkeypatch.setenv(Env.CKPT_RESIZE, "batch")
+    monkeypatch.setenv("HOROVOD_SIZE", "3")
+    with pytest.raises(SystemExit):
+        mod.open_stream(32, seed=7)
+    assert capsys.readouterr().err == ("[appliance] error: checkpoint.resize: batch keeps the stream's global batch "
+                                       "64, which 3 rank(s) cannot split evenly (fix: resume on a number of ranks "
+                                       "that divides it)\n")

@@ -4,7 +4,9 @@ packed digits in the cloud's store, each node's data disk a quarter of the datas
 of what is free there). Nothing is staged; every shard a rank reads is fetched while it trains, with the job's own
 application credential on every node (as on Chameleon), and verified against index.json's MD5. In a managed run
 (`appliance run`) the lease end arrives mid-epoch; the run goes on by itself on a new lease's nodes (new disks, an
-empty cache) at the exact next sample, reads nothing twice, and ends on the weights of an uninterrupted run."""
+empty cache) at the exact next sample, reads nothing twice, and ends on the weights of an uninterrupted run. Begun
+on 2 ranks and resumed on 4 with the global batch kept (``checkpoint.resize: batch``), a run follows the
+uninterrupted run's loss curve."""
 
 import json
 import random
@@ -25,14 +27,62 @@ pytestmark = pytest.mark.skipif(not NETNS_OK, reason="needs network namespaces")
 
 CODE = ROOT / "examples" / "stream"
 EPOCHS, BATCH, SHARD = 8, 32, 16384
+ACCURACY_FLOOR = 0.9  # rank 0's training accuracy in the last epoch (Keras' progress line)
+# each epoch's loss after a resume on another world size, as a share of the uninterrupted run's (measured: 0.4-2.2%)
+LOSS_TOLERANCE = 0.1
 URL = "swift://streamdata/digits/"
 
 
-def spec_file(tmp_path: Path, name: str, *, url: str | None = None) -> str:
-    return keras_fit_spec(tmp_path, name, "", url=url, env={"APPLIANCE_STOP_CHECK_SECONDS": "0.05"}, code=CODE,
-                          command=f"python train.py --epochs {EPOCHS} --batch-size {BATCH}",
-                          more=(f"dataset: {{source: {json.dumps(URL)}, mode: stream}}",
+def spec_file(tmp_path: Path, name: str, *, url: str | None = None, epochs: int = EPOCHS, env: dict | None = None,
+              cache: int | None = None) -> str:
+    return keras_fit_spec(tmp_path, name, "", url=url, env={"APPLIANCE_STOP_CHECK_SECONDS": "0.05", **(env or {})},
+                          code=CODE, command=f"python train.py --epochs {epochs} --batch-size {BATCH}",
+                          more=(f"dataset: {{source: {json.dumps(URL)}, mode: stream"
+                                + (f", cache: {cache}B}}" if cache else "}"),
                                 "lease: {duration: 1h, stop_margin: 60s, keep_when_done: true}"))
+
+
+def epoch_metrics(lines: list[str]) -> list[tuple[float, float]]:
+    """Rank 0's Keras (loss, accuracy) of each epoch (the last line of its progress bar), in order."""
+    pat = re.compile(r"^\[0\|[^]]+\] (\d+)/\1 \[=+\] - .*? loss: ([\d.]+) - accuracy: ([\d.]+)")
+    return [(float(m.group(2)), float(m.group(3))) for m in map(pat.search, lines) if m]
+
+
+def resumed_on_4_ranks(cl, tmp_path: Path, disk: int, steps: int, ref_loss: list[float]) -> None:
+    """The uninterrupted run's first 4 epochs (``ref_loss``: its loss each epoch) with ``checkpoint.resize: batch``,
+    stopped with a commit after a step of epoch 0 on the cluster's 2 ranks, resumed on the same 2 nodes with 2 ranks
+    each (4 ranks, 16 samples a rank: the global batch of 64 kept; each node's cache 0.8 of its data disk, so each
+    of its ranks holds the 16 shards the shuffle mixes). The same global batches (tests/test_stream.py checks every
+    step), so each whole epoch after the resume has about the uninterrupted run's loss (not bit-exact: the ranks'
+    sums and dropout draws differ)."""
+    from appliance import report
+    from appliance.flows import resume
+    from appliance.flows.gpucheck import view
+
+    def spec(env: dict | None = None) -> Path:
+        p = Path(spec_file(tmp_path, "ckresize", url="swift://ckpts/", epochs=4, cache=disk * 4 // 5, env=env))
+        p.write_text(p.read_text().replace("keep: 2}", "keep: 2, resize: batch}"))
+        return p
+
+    stop = random.randint(4, steps - 4)
+    res = train(load_spec(spec({"APPLIANCE_FAULT": f"stop-at:{stop}"})), cl, out=lambda m: None)
+    assert res.exit_code == 75 and res.stopped["committed"] and res.stopped["step"] == stop, res.failure
+    path = spec()
+    four = view(cl, {n.name: 2 for n in cl.nodes})  # never saved as the cluster's record
+    node_type = load_spec(str(path)).nodes.node_type
+    out: list[str] = []
+    with report.to(out.append):
+        res = resume("ckresize", spec_path=str(path), out=out.append, acquire=lambda phases: (four, node_type))
+    assert res.exit_code == 0, (res.failure, out[-30:])
+    assert res.resumed["step"] == stop and res.resumed["world_size"] == 4, res.resumed
+    assert res.resumed["checkpoint_world_size"] == 2 and final_weights(out)[1] == 4 * steps
+    assert any("the stream keeps the run's global batch of 64 (checkpoint.resize: batch): 16 a rank on 4 "
+               "rank(s), not 32" in x for x in out), out[-30:]
+    assert any(f"the stream continues at epoch 0, batch {stop}" in x for x in out), out[-30:]
+    loss = [x[0] for x in epoch_metrics(out)]
+    assert len(ref_loss) == EPOCHS and len(loss) == 4, (ref_loss, loss)
+    for a, b in zip(ref_loss[1:4], loss[1:]):  # epochs 1-3, read whole on 4 ranks
+        assert abs(a - b) <= LOSS_TOLERANCE * a, (f"stopped after step {stop}", ref_loss, loss)
 
 
 def epochs_said(lines: list[str]) -> list[dict]:
@@ -105,6 +155,9 @@ def test_a_dataset_four_times_the_nodes_data_disks_streams_across_a_lease_end_an
             assert e["refetched"] == 0
             assert 0 < e["peak"] <= e["cap"] and abs(e["cap"] - disk / 2) <= 0.05 * disk  # half the free disk
         assert 4 * disk <= total
+        assert epoch_metrics(ref)[-1][1] >= ACCURACY_FLOOR, epoch_metrics(ref)
+
+        resumed_on_4_ranks(cl, tmp_path, disk, steps, [x[0] for x in epoch_metrics(ref)])
 
         # the managed run (`appliance run SPEC --foreground`): its lease's end comes mid-epoch (the cloud's clock
         # jumps to 45 s before it, inside the 60 s stop margin): the job stops after a step with a commit, and the

@@ -30,8 +30,8 @@ from ..errors import ApplianceError
 from .stream_cache import FETCHERS, CacheStats, Fetch, ShardCache
 from .stream_data import AUTOTUNE, keep_batch_size, refuse_shuffle, sample_batches, sample_elements
 from .stream_fetch import store_fetch
-from .stream_mix import Mix, check_record, mix_of, record
-from .stream_order import WINDOW, Order, fingerprint, passes, reads, shares_read
+from .stream_mix import Mix, check_record, mix_fingerprint, mix_of, record
+from .stream_order import WINDOW, Order, fingerprint, kept_batch, passes, reads, shares_read
 
 # the cache looks this many times the dataset's shards ahead in a rank's reading order to choose what to keep: 2
 # epochs on one share, more when a rank reads fewer of the shares (a shard not read within it goes first)
@@ -310,9 +310,10 @@ def open_stream(batch_size: int, *, seed: int = 0, url: str | None = None, share
     ``dataset.source``, or a weighted mix, ``dataset.streams``; the launcher set where they are, the credentials
     files, the cache and the shuffle window in the environment; ``url``: one packed dataset of your own choosing).
     ``seed`` fixes the order of every epoch: keep it across a run's resumes, with the global batch (``batch_size``
-    x ranks). ``shares``: the run's canonical shares (default: the first job's world size; a resume keeps the
-    checkpoint's). What keeps it from starting (no index, a cache smaller than the shuffle holds) is one line and
-    exit status 1, not a traceback."""
+    x ranks; a resume under ``checkpoint.resize: batch`` keeps the checkpoint's: ``stream.batch_size`` is then its
+    share on this world size). ``shares``: the run's canonical shares (default: the first job's world size; a
+    resume keeps the checkpoint's). What keeps it from starting (no index, a cache smaller than the shuffle holds)
+    is one line and exit status 1, not a traceback."""
     return _one_line(lambda: _open(batch_size, seed, url, shares, validation=False))
 
 
@@ -402,6 +403,25 @@ def _members(sources: list[dict], rank: int, root: Path, capacity: int, local: i
     return members, fetches
 
 
+def _resumed_batch(batch_size: int, rank: int, world: int, env, index_fp: str) -> int:
+    """The per-rank batch of a resume under ``checkpoint.resize: batch``: the staged checkpoint's global batch over
+    this world size (stream_order.kept_batch), said by rank 0 when it is not the script's; a stream of another
+    dataset than the checkpoint's keeps the script's batch."""
+    import json
+
+    from ..protocol import Env
+
+    meta = Path(env.get(Env.RESTORE) or "") / "meta.json"
+    if env.get(Env.CKPT_RESIZE) != "batch" or not env.get(Env.RESTORE) or not meta.is_file():
+        return batch_size
+    rec = json.loads(meta.read_text()).get("stream") or {}
+    kept = kept_batch(rec, batch_size, world) if rec.get("index") in (None, index_fp) else batch_size
+    if kept != batch_size and rank == 0:
+        print(f"[appliance] the stream keeps the run's global batch of {kept * world} (checkpoint.resize: batch): "
+              f"{kept} a rank on {world} rank(s), not {batch_size}", file=sys.stderr, flush=True)
+    return kept
+
+
 def _open(batch_size: int, seed: int, url: str | None, shares: int | None, *, validation: bool) -> Stream:
     import atexit
     import shutil
@@ -434,6 +454,10 @@ def _open(batch_size: int, seed: int, url: str | None, shares: int | None, *, va
         return fetches[member](shard, dest)
 
     window = 0 if validation else int(env[Env.STREAM_SHUFFLE]) if env.get(Env.STREAM_SHUFFLE) else WINDOW
+    if not validation:  # the checkpoint's dataset (a mix: the mix's fingerprint, as its record has it)
+        fp = mix_fingerprint([{"name": m.name, "index": fingerprint(m.index), "weight": m.weight} for m in members]) \
+            if mixed else fingerprint(members[0].index)
+        batch_size = _resumed_batch(batch_size, rank, world, env, fp)
     s = Stream(members if mixed else members[0].index, seed=seed, rank=rank, world=world, batch_size=batch_size,
                root=root, fetch=by_member if mixed else fetches[sources[0]["name"]], capacity=node_bytes // local,
                window=window, shares=shares, on_epoch=None if validation else on_epoch, passes=validation)

@@ -249,6 +249,19 @@ def record(o: Order, index_fp: str, step: int) -> dict:
             "global_batch": o.global_batch, "shares": o.shares, "window": o.window, "index": index_fp}
 
 
+def kept_batch(rec: dict | None, batch_size: int, world: int) -> int:
+    """A resume's per-rank batch under ``checkpoint.resize: batch``: the global batch of the checkpoint's stream
+    record ``rec`` over ``world`` ranks, so the run's global batches go on, on any world size that divides it
+    (``batch_size``, the script's, when the checkpoint has no stream); one line when ``world`` does not."""
+    g = int((rec or {}).get("global_batch") or 0)
+    if not g or g == batch_size * world:
+        return batch_size
+    if g % world:
+        raise ApplianceError(f"checkpoint.resize: batch keeps the stream's global batch {g}, which {world} rank(s) "
+                             "cannot split evenly", "resume on a number of ranks that divides it")
+    return g // world
+
+
 def check_record(o: Order, index_fp: str, rec: dict) -> None:
     """A resume reads on in the checkpoint's order or not at all: one line naming what differs."""
     now = {"seed": o.seed, "global_batch": o.global_batch, "window": o.window, "index": index_fp}
@@ -256,4 +269,6 @@ def check_record(o: Order, index_fp: str, rec: dict) -> None:
         if key in rec and rec[key] != now[key]:
             raise ApplianceError(f"the stream cannot resume: its {what} is {now[key]}, the checkpoint's is "
                                  f"{rec[key]} (another order: it would continue at other samples)",
-                                 f"resume with the checkpoint's {what}, or start a new run")
+                                 f"resume with the checkpoint's {what}, or start a new run"
+                                 + (" (checkpoint.resize: batch keeps it on another world size)"
+                                    if key == "global_batch" else ""))
