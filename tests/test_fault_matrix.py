@@ -215,7 +215,7 @@ class Cell:
         if not self.dead.is_set():
             return res
         for t in set(threading.enumerate()) - before:  # every thread of the dead controller has ended
-            t.join(DONE)
+            _join(t)
         # another machine takes the run over once the dead controller's lock is stale by the store's clock
         self.first = list(self.controls)
         mp.setenv("APPLIANCE_HOME", str(self.tmp / "home2"))
@@ -225,6 +225,18 @@ class Cell:
 
     def state(self) -> dict:
         return json.loads((self.tmp / "ck" / "fm" / "controller" / "state.json").read_text())
+
+
+def _join(t: threading.Thread) -> None:
+    """``t`` ended. threading.enumerate() lists a thread from its start() on, and join() refuses it until it runs
+    (RuntimeError "cannot join thread before it is started"): asked again a moment later."""
+    for _ in range(10_000):
+        try:
+            t.join(DONE)
+            return
+        except RuntimeError:
+            time.sleep(0.001)
+    raise AssertionError(f"thread {t.name} never ran")
 
 
 CELLS = [(mode, step, kind) for mode in ("cold", "warm") for step in STEPS for kind in ("error", "away", "kill")]
