@@ -92,6 +92,9 @@ def _splitter(stream: str, fn: LineFn | None, sink: list[str]):
 
 
 class Remote:
+    """``run(command, stdin=...)``: the command must read its stdin to the end; one that exits 0 without all of it
+    is a lost connection (ConnectionLost), as its input may have been cut."""
+
     node: Node
 
     def run(self, command: str, *, stdin: bytes | None = None, on_line: LineFn | None = None,
@@ -251,17 +254,18 @@ class _Feeder:
                 if n <= 0:
                     break  # the channel was closed
                 self.sent += n
-        except (OSError, ValueError, paramiko.SSHException) as e:
-            self.error = e
+        except (OSError, EOFError, ValueError, paramiko.SSHException) as e:  # EOFError: paramiko's write_all
+            self.error = e  # on a socket that broke (packet.py)
         finally:
             self._close()
 
     def _close(self):
         try:
             self.end.shutdown_write()
-        except (OSError, ValueError, paramiko.SSHException):
+        except (OSError, EOFError, ValueError, paramiko.SSHException):
             pass
-        self.done.set()
+        finally:
+            self.done.set()
 
     def judge(self, node: str, rc: int) -> None:
         """After the command ended: a command that says success over a stdin it did not get whole is a lost

@@ -436,6 +436,85 @@ def test_the_next_lease_a_controller_on_another_machine_booked_is_kept_or_goes_b
     lifecycle.down("mk", site=site)
 
 
+def _lost_controllers_booking(tmp_path, start_of, length=lambda start: (7200, ""), extended=None):
+    """A Warm made by a controller that took the run over, and the next lease the lost one booked for mk_h from
+    ``start_of(the current lease's end as recorded)``; ``extended``: the current lease extended by it meanwhile (the
+    run's state has the end before): its cloud, spec, site, `up`, current cluster, plan and the lease (``earlier``)."""
+    import datetime as dt
+    import functools
+
+    from fakes import no_nodes
+
+    site, spec = _warm_site(tmp_path, name="mk")
+    up = functools.partial(lifecycle.up, finish_nodes=no_nodes)
+    current, c = up(site, spec), site.cloud
+    if extended:
+        c.extend_lease(current.lease_id, by=extended)
+    earlier = c.create_lease("mk_h-earlier", spec.nodes.node_type, spec.nodes.count, dt.timedelta(hours=2),
+                             start=start_of(current.lease_end_at))
+    entry = {"cluster": "mk_h", "site": spec.site, "node_type": spec.nodes.node_type, "lease_id": earlier.id}
+    plan = SimpleNamespace(earlier_booking=lambda name: (entry, c.get_lease(earlier.id)) if name == "mk_h" else None,
+                           lease_length=length, asking=None)
+    return SimpleNamespace(c=c, earlier=earlier, spec=spec, site=site, up=up, current=current, plan=plan)
+
+
+def _warm_of(m, events: int = 1):
+    """The Warm of a takeover (``m``: _lost_controllers_booking), once it has said ``events`` events."""
+    from appliance.flows.handover import Warm
+
+    said: list = []
+    w = Warm(flows.RunContext(m.spec, m.site), m.current, lambda ev, **kw: said.append((ev, kw)), None, 0.001,
+             up=m.up, plan=m.plan).start()
+    for _ in range(10_000):
+        if len(said) >= events:
+            break
+        time.sleep(0.001)
+    return w, said
+
+
+@pytest.mark.parametrize("into", [10, 25])
+def test_a_next_lease_the_lost_controller_booked_that_has_started_is_kept(tmp_path, into):
+    """The takeover comes ``into`` minutes into the overlap: the next lease the lost controller booked has started
+    (its cluster may be up on it already): it is the run's next lease, kept."""
+    import datetime as dt
+
+    made = _lost_controllers_booking(tmp_path, lambda end: end - dt.timedelta(minutes=30))
+    made.c.clock = made.earlier.start + dt.timedelta(minutes=into)
+    w, said = _warm_of(made)
+    w.abandon()
+    lifecycle.down("mk", site=made.site)
+    assert said[0] == ("lease adopted", {"lease_id": made.earlier.id, "name": made.earlier.name, "cluster": "mk_h"})
+
+
+def test_the_lost_controllers_booking_is_judged_by_the_current_leases_end_as_the_cloud_has_it(tmp_path):
+    """The current lease was extended after the run's state recorded its cluster (the follower's record has the
+    end before): the lost controller booked the next lease at the new end less the overlap, which is kept."""
+    import datetime as dt
+
+    made = _lost_controllers_booking(tmp_path, lambda end: end + dt.timedelta(hours=2) - dt.timedelta(minutes=30),
+                                     extended=dt.timedelta(hours=2))
+    w, said = _warm_of(made)
+    w.abandon()
+    lifecycle.down("mk", site=made.site)
+    assert said[0][0] == "lease adopted", said
+
+
+def test_an_adopted_next_lease_is_not_counted_against_the_runs_limits_twice(tmp_path):
+    """limits.node_hours: the adopted lease is on the run's ledger already (booked ahead), so what the limits leave
+    for a next lease is what is left after it; it was booked within them, and is used."""
+    import datetime as dt
+
+    made = _lost_controllers_booking(tmp_path, lambda end: end - dt.timedelta(minutes=30),
+                                     length=lambda start: (None, "limits.node_hours 8.5 (8.0 spent or booked)"))
+    w, said = _warm_of(made, 2)
+    made.c.clock = made.earlier.start + dt.timedelta(minutes=1)
+    cl = w.ready()
+    w.abandon()
+    lifecycle.down("mk", site=made.site)
+    assert [ev for ev, _ in said] == ["lease adopted", "next lease", "next cluster ready"]
+    assert cl.lease_id == made.earlier.id
+
+
 def find_cluster_named(name):
     from appliance.cluster import find_cluster
 

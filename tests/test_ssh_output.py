@@ -185,3 +185,25 @@ def test_a_command_that_says_success_over_part_of_its_stdin_is_a_lost_connection
             SSHRemote(node, ssh).run("cat > creds", stdin=os.urandom(6 << 20))
     finally:
         ssh.close()
+
+
+def test_a_link_that_breaks_under_the_writer_is_a_lost_connection_not_a_threads_traceback(monkeypatch):
+    """paramiko's packetizer raises EOFError when the socket breaks under a write (packet.py write_all), from send
+    and from shutdown_write alike: one ConnectionLost at the command's end, no traceback from the writer's thread."""
+    import pytest
+
+    from appliance.remote import ConnectionLost, _Feeder
+
+    class Broken:
+        def send(self, b):
+            raise EOFError()
+
+        def shutdown_write(self):
+            raise EOFError()
+
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", seen.append)
+    f = _Feeder(Broken(), b"x" * 10)
+    assert f.done.wait(5) and not seen
+    with pytest.raises(ConnectionLost, match="node1 got 0 of the 10 bytes sent to it"):
+        f.judge("node1", 0)

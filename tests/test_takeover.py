@@ -217,7 +217,9 @@ def test_a_followed_job_that_ended_with_its_lease_is_handed_over_as_its_launcher
     cl = Cluster(name=spec.name, cloud="local", lease_id="L1", lease_end="2026-12-01T10:00:00",
                  nodes=[Node("n1", "10.0.0.1", "10.0.0.1", "/w"), Node("n2", "10.0.0.2", None, "/w")])
     elsewhere = handed_over == "lease end, the job before on another machine"
-    if elsewhere:  # this machine has no record of the job before it, the run's timeline has
+    if elsewhere:  # this machine's record has an older job only (it ran the run before another machine took it
+        # over), the run's timeline the job before this one
+        runs.job_started(spec, cl, f"{spec.name}-0")
         control.record("job end", job_id=f"{spec.name}-1", exit_code=75, lease_end=True, step=100)
         control.record("job", job_id=f"{spec.name}-2", restore=True)
         handed_over = "lease end"
@@ -225,8 +227,7 @@ def test_a_followed_job_that_ended_with_its_lease_is_handed_over_as_its_launcher
         runs.job_started(spec, cl, f"{spec.name}-1")
     runs.job_started(spec, cl, f"{spec.name}-2")
     rec = runs.load(spec.name)
-    if not elsewhere:
-        rec["jobs"][0].update(status="stopped", last_step=100)
+    rec["jobs"][0].update(status="stopped", last_step=50 if elsewhere else 100)
     runs.save(rec)
     monkeypatch.setattr(takeover, "lease_left", lambda ctx, cluster: left)
     monkeypatch.setattr(takeover, "newest_commit", lambda ctx: ("ckpt-000000250", 250))
@@ -277,3 +278,11 @@ def test_appliance_runs_shows_what_a_takeover_found():
     assert "job r-2 on r_h runs on, its controller gone: followed to its end" in lines[1]
     assert "job r-3 on r never started (its controller was killed): taken over" in lines[2]
     assert "handover (finished by a takeover): " in lines[3]
+
+
+def test_a_job_began_where_the_job_just_before_it_ended_by_the_timeline():
+    ev = [{"event": "job", "job_id": "r-1", "restore": False},
+          {"event": "job end", "job_id": "r-1", "step": 100, "end_committed": True},
+          {"event": "job", "job_id": "r-2", "restore": True},  # its end never recorded (its controller was lost)
+          {"event": "job", "job_id": "r-3", "restore": True}]
+    assert [managed._began_at(ev, f"r-{i}") for i in (1, 2, 3)] == [None, 100, None]

@@ -88,6 +88,7 @@ class Warm:
         self.spec = dataclasses.replace(ctx.spec, name=self.name)
         self.cluster: Cluster | None = None
         self.choice = None  # the Alternative its lease was booked for (the spec's own node type first)
+        self.adopted: str | None = None  # the next lease an earlier controller booked, kept (_earlier_booking)
         self.phases: dict[str, float] = {}
         self.booked: tuple[str, object] | None = None  # the next lease booked: (its id, its site)
         self.waiting = False  # waiting for the moment to book (lease.book_ahead; with lease.extend, to extend first)
@@ -117,7 +118,7 @@ class Warm:
                 lifecycle.down(self.name, self.ctx.site_of(self.name))
             else:  # booked by a controller on another machine (its state in the store): kept, or it goes
                 self._earlier_booking()
-            if spec.lease.extend and self.plan is not None:
+            if spec.lease.extend and self.plan is not None and self.adopted is None:  # kept: it was refused
                 if not self._extend():
                     return  # stopped while it waited to extend
             elif not self._due():
@@ -141,12 +142,22 @@ class Warm:
             return
         entry, info = found
         site = self.ctx.at(entry.get("site"))
-        start = self._start_date()
+        here = self.ctx.lease_site(self.current) or self.ctx.site
+        try:  # the current lease's end as the cloud has it: the state's record predates an extension
+            cur, now = here.cloud.lease_at(self.current.lease_id)
+        except Exception:  # noqa: BLE001 - the record's end stands
+            cur, now = None, here.cloud.now()
+        if cur is not None and not cur.unusable:
+            self.end = cur.end
+        if info.end <= self.end:  # not a next lease: an older one of the name (the handovers alternate two names)
+            return
+        want = self.end - dt.timedelta(seconds=duration_seconds(self.spec.lease.overlap))
+        slack = dt.timedelta(minutes=2)  # booked at ``want``, or once that had passed, when it was booked (started)
         choice = next((a for a in choices_of(self.spec) if a.node_type == entry.get("node_type")
                        and (a.site or self.spec.site) == entry.get("site")), None)
-        if choice is not None and abs((info.start - (start or site.cloud.now())).total_seconds()) <= 120:
+        if choice is not None and want - slack <= info.start <= max(want, now) + slack and info.end > self.end:
             lifecycle.record_lease(site, leased_as(self.spec, choice), info)
-            self.choice = choice
+            self.choice, self.adopted = choice, info.id
             log.info(f"[run] the next lease {info.name} ({info.id}), booked by an earlier controller, is kept")
             self.record("lease adopted", lease_id=info.id, name=info.name, cluster=self.name)
             return
@@ -158,7 +169,7 @@ class Warm:
     def _made(self, spec) -> None:
         """The next lease booked (once: asked again, it is found by its name), waited for, its cluster up and staged."""
         start = self._start_date()
-        if self.plan is not None:
+        if self.plan is not None and self.adopted is None:  # an adopted lease is on the ledger: not counted twice
             length, why = self.plan.lease_length(start)
             if length is None:
                 self.record("no next lease", cluster=self.name, reason=why)

@@ -146,6 +146,7 @@ def booked_for(ctx, control, cluster: str):
     answered, not closed), still open at its site: (its asked entry, the lease). None: none, or the site did not
     answer (the caller books as it would have). A controller on another machine has no record of it, only the
     run's state in the store."""
+    found = []
     for name, e in (control.state.get("asked") or {}).items():
         if e.get("cluster") != cluster or e.get("closed") or e.get("refused") or not e.get("lease_id"):
             continue
@@ -154,6 +155,9 @@ def booked_for(ctx, control, cluster: str):
         except ApplianceError as err:
             log.info(f"[run] warning: lease {name} ({e['lease_id']}) could not be read ({err.message})")
             return None
-        if info is not None and not info.unusable:
-            return e, info
-    return None
+        if info is not None and not info.unusable and info.status not in GOING:
+            found.append((e, info))
+    return max(found, key=lambda x: x[1].end, default=None)  # an older lease of the name ends first
+
+
+GOING = ("TERMINATING", "DELETING")  # Blazar's lease statuses on the way to TERMINATED, DELETED (blazar/status.py)

@@ -446,7 +446,12 @@ def _began_at(events: list[dict], job_id: str) -> int | None:
     start = next((i for i, e in enumerate(events) if e.get("event") == "job" and e.get("job_id") == job_id), None)
     if start is None or not events[start].get("restore"):
         return None
-    return next((e.get("step") for e in reversed(events[:start]) if e.get("event") == "job end"), None)
+    for e in reversed(events[:start]):  # the job just before: its end, unless its "job" comes first (its end was
+        if e.get("event") == "job":     # never recorded: where it stopped is not on the timeline)
+            return None
+        if e.get("event") == "job end":
+            return e.get("step")
+    return None
 
 
 def _current_cluster(spec: Spec) -> str | None:

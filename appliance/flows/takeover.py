@@ -189,8 +189,8 @@ def followed_result(ctx, job_id: str, cluster: Cluster, resumed_at: int | None =
     jobs = (runs.load(spec.name) or {}).get("jobs", [])
     started = next((j.get("started") for j in jobs if j.get("job_id") == job_id), None)
     before = [j["last_step"] for j in jobs if j.get("job_id") != job_id and j.get("last_step") is not None]
-    resumed = end.get("resumed") or ({"step": before[-1]} if before else None) or (  # rank 0's word, else the job
-        {"step": resumed_at} if resumed_at is not None else None)  # before, here, else on the run's timeline
+    resumed = end.get("resumed") or ({"step": resumed_at} if resumed_at is not None else None) or (  # rank 0's
+        {"step": before[-1]} if before else None)  # word, the run's timeline (every machine's jobs), this machine's
     res = JobResult(job_id=job_id, exit_code=0 if done else EXIT_STOPPED, world_size=cluster.world_size,
                     wall_s=time.time() - started if started else 0.0, started_at=started or 0.0,
                     rank_hosts=[n.name for n in cluster.nodes], lease_end=not done, resumed=resumed,
