@@ -39,7 +39,8 @@ help:
 	@echo "              down on 2-16 nodes; bench-scale-light: 16-64 nodes, no TensorFlow in the job),"
 	@echo "              bench-resume (a resume's downtime by phase; cold vs warm handover, 15-min boot),"
 	@echo "              bench-ettr (a 4-lease managed run's ETTR, cold and warm, 7-day leases modelled),"
-	@echo "              bench-stream (stream mode vs local disk, the link shaped around the training's demand),"
+	@echo "              bench-stream (stream mode from Ceph RGW vs local disk vs plain tf.data, JPEG decoding on"
+	@echo "              2 ranks, the link shaped around the training's demand; ARGS=--synthetic: no decoding),"
 	@echo "              bench-keras (Keras 3 vs tf_keras on the same model, samples/s, interleaved rounds);"
 	@echo "              results in bench/results"
 	@echo "make image    the GPU appliance image with diskimage-builder (docs/image.md)"
@@ -148,8 +149,12 @@ ARGS ?=
 bench-stage: install bench/.venv-tools/.installed
 	$(PY) bench/stage_bench.py --tools-venv bench/.venv-tools --store $(STORE) $(if $(TLS),--tls) $(ARGS)
 
-# Stream mode (dataset.mode: stream) vs reading staged shards from local disk, with the node's link limited to
-# multiples of the training's demand (goal >= 0.9x local at >= 1.2x the demand, input wait <= 5%)
+# Stream mode (dataset.mode: stream) vs reading staged shards from local disk, the node's link limited to multiples
+# of the training's demand (goal >= 0.9x local at >= 1.2x the demand, input wait <= 5%). By default: JPEGs in the
+# local cloud's Ceph RGW, 2 ranks decoding and augmenting them, beside local disk and plain tf.data, at the highest
+# demand local disk feeds here (found by the bench); bench/results/stream-decode.{json,md,png}. ARGS: --images N,
+# --epochs, --rounds, --step-ms MS (no search), --rates 1.2,0 (multiples of the demand; 0: unshaped), --cache-shards;
+# ARGS=--synthetic: random bytes in OpenStack Swift, 1 rank, no decoding: bench/results/stream.{json,md,png}
 bench-stream: install
 	$(PY) bench/stream_bench.py $(ARGS)
 

@@ -1,25 +1,28 @@
 """Stream mode against its peers in one run: reading a packed dataset from the store while training
 (``dataset.mode: stream``) vs reading the same shards from the node's local disk after staging them.
 
-    make bench-stream          # or: .venv/bin/python bench/stream_bench.py
+    make bench-stream                          # or: .venv/bin/python bench/stream_bench.py [ARGS]
+    make bench-stream ARGS=--synthetic         # the synthetic part
 
-A 1-node testbed (a network namespace: its own veth, so its link can be shaped) and a real OpenStack Swift on the
-testbed's bridge. A synthetic dataset of N samples of S bytes is packed into tar shards (`appliance data pack`).
-Each reader (bench/stream_job.py, run inside the node's namespace) reads it for some epochs at a training's pace:
-a modelled accelerator step of ``--step-ms`` after every batch, which sets the training's demand for input
-(batch x sample size / step). The link into the node is then limited with Linux tc (a token bucket on the
-bridge's side of the node's veth) to multiples of that demand, and at each rate:
+Both parts run on a 1-node testbed (a network namespace: its own veth, so its link can be shaped with Linux tc,
+a token bucket on the bridge's side of the node's veth) with a store on the testbed's bridge, and read through
+bench/stream_job.py (inside the node's namespace) at a training's pace: a modelled accelerator step of
+``--step-ms`` after every batch.
 
-- ``stream``: samples/s and the share of the steps' time spent waiting for input, through a cache of a few
-  shards, with the stream's GETs in flight at once (``FETCHERS``) and with one at a time;
-- ``stage``: the node's stager (`appliance stage`'s, appliance/node/stage_main.py) fetching the whole dataset
-  first: its wall time and CPU;
-- ``local``: reading the staged shards from disk in the same order (the ceiling stream mode is measured against).
+- **The default** (bench/stream_decode.py): JPEGs packed with `appliance data pack` into the local cloud's Ceph
+  RGW, read by 2 ranks through ``stream.elements()`` with a parallel map that decodes and augments them, beside the
+  same shards on local disk and plain tf.data over TFRecord shards, at the highest demand local disk feeds on this
+  machine (found by the bench), the link shaped to 1.2x that demand. bench/results/stream-decode.{json,md,png}.
+- **``--synthetic``**: N samples of S random bytes (no decoding) in OpenStack Swift, 1 rank, the step
+  ``--step-ms`` (50 ms) setting the demand, the link at multiples of it (``--rates``). At each rate: ``stream``
+  (through a cache of ``--cache-shards`` shards, the stream's GETs in flight at once and one at a time, the shard
+  order only: ``--window 0``), ``stage`` (the node's stager, appliance/node/stage_main.py, fetching the whole
+  dataset first: its wall time and CPU) and ``local`` (the staged shards from disk in the same order). Reported:
+  stream's samples/s relative to local, its input wait, the reader's CPU seconds per GB against the stager's.
+  bench/results/stream.{json,md,png}.
 
-Reported: stream's samples/s relative to local, its input wait, and the reader's CPU seconds per GB against the
-stager's. Results: bench/results/stream.json, stream.md, stream.png (the command is in stream.md).
-On this 2-core machine the store's server shares the cores with the reader; the ratios, not the absolute rates,
-are what carries over to a Chameleon node (24-48 cores, 10-25 GbE)."""
+The command is in each result's .md. On this 2-core machine the store's server shares the cores with the readers;
+the ratios, not the absolute rates, are what carries over to a Chameleon node (24-48 cores, 10-25 GbE)."""
 
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ sys.path.insert(0, str(ROOT))
 from appliance import testbed  # noqa: E402
 from appliance.data.pack import pack  # noqa: E402
 from appliance.localcloud.swift_server import SwiftServer  # noqa: E402
+from appliance.node.stream import FETCHERS  # noqa: E402
+from appliance.node.stream_order import WINDOW  # noqa: E402
 from appliance.store.objects import StoreCreds, open_store  # noqa: E402
 
 TB = "bs"
@@ -70,10 +75,10 @@ def in_node(ns: str, args: list[str]) -> str:
     return p.stdout.decode()
 
 
-def stage(ns: str, sw, dest: Path) -> dict:
+def stage(ns: str, sw, dest: Path, url: str = URL) -> dict:
     """The node's stager, as `appliance stage` runs it (the job on stdin), timed with its own CPU (wait4)."""
     shutil.rmtree(dest, ignore_errors=True)
-    job = {"url": URL, "dest": str(dest), "mode": "full", "rank": 0, "nodes": 1,
+    job = {"url": url, "dest": str(dest), "mode": "full", "rank": 0, "nodes": 1,
            "creds": {"auth_url": sw.auth_url, "user": sw.user, "key": sw.key}}
     t0 = time.monotonic()
     p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "appliance.node.stage_main"],
@@ -90,22 +95,49 @@ def stage(ns: str, sw, dest: Path) -> dict:
 def read(ns: str, mode: str, work: Path, args, extra: list[str]) -> dict:
     out = in_node(ns, [sys.executable, str(ROOT / "bench" / "stream_job.py"), "--mode", mode,
                              "--index", str(work / "index.json"), "--batch", str(args.batch),
-                             "--step-ms", str(args.step_ms), "--epochs", str(args.epochs), *extra])
+                             "--step-ms", str(args.step_ms), "--epochs", str(args.epochs),
+                             "--window", str(args.window), *extra])
     return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=2000)
-    ap.add_argument("--sample-bytes", type=int, default=32 * 1024)
+    ap.add_argument("--synthetic", action="store_true", help="the synthetic part (Swift, 1 rank, no decoding)")
+    ap.add_argument("--images", type=int, default=3000, help="JPEGs (default part)")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks on the node (default part)")
+    ap.add_argument("--samples", type=int, default=2000, help="synthetic samples")
+    ap.add_argument("--sample-bytes", type=int, default=32 * 1024, help="synthetic sample size")
     ap.add_argument("--shard-bytes", type=int, default=2 * 1024**2)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--step-ms", type=float, default=50.0)
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--cache-shards", type=int, default=4, help="the stream cache, in shards")
-    ap.add_argument("--rates", default="0.6,1.2,2,0", help="link rates as multiples of the demand (0: unshaped)")
+    ap.add_argument("--batch", type=int, default=32, help="per rank")
+    ap.add_argument("--step-ms", type=float, default=None,
+                    help="the modelled step (synthetic: 50; default part: found, see --wait-goal)")
+    ap.add_argument("--wait-goal", type=float, default=0.05, help="local disk's input wait at the demand found")
+    ap.add_argument("--search-factor", type=float, default=1.1, help="the step's growth between tries")
+    ap.add_argument("--search-tries", type=int, default=8)
+    ap.add_argument("--probe-epochs", type=int, default=1, help="epochs of each try of the demand's search")
+    ap.add_argument("--rounds", type=int, default=2, help="default part: rounds of the readers in turn")
+    ap.add_argument("--epochs", type=int, default=None, help="epochs of each reader (synthetic: 4, default part: 2)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="dataset.shuffle (synthetic: 0, the shard order only; default part: the stream's 16)")
+    ap.add_argument("--cache-shards", type=int, default=None,
+                    help="each rank's stream cache, in shards (synthetic: 4; default part: 2 x window + 4, the "
+                         "window read and the next with a GET per fetcher)")
+    ap.add_argument("--rates", default=None, help="link rates as multiples of the demand (0: unshaped; synthetic: "
+                    "0.6,1.2,2,0, default part: 1.2,0)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
+    if args.synthetic:
+        defaults = {"step_ms": 50.0, "epochs": 4, "window": 0, "cache_shards": 4, "rates": "0.6,1.2,2,0"}
+    else:
+        window = WINDOW if args.window is None else args.window
+        defaults = {"epochs": 2, "window": window, "cache_shards": 2 * max(window, 1) + FETCHERS, "rates": "1.2,0"}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if not args.synthetic:
+        from stream_decode import run_decode
+
+        return run_decode(args)
     if os.geteuid() != 0:
         raise SystemExit("stream_bench: needs root (a network namespace and tc); run it as make deploy does")
     work = Path(tempfile.mkdtemp(prefix="appliance-stream-bench-"))
@@ -160,9 +192,9 @@ def run(args, work: Path, tb, node, sw) -> tuple[list[dict], dict]:
                "stream_1_fetcher_input_wait": one["input_wait"],
                "stream_cpu_s_per_GB": sm["cpu_s"] / (sm["bytes"] / 1e9),
                "local_cpu_s_per_GB": local["cpu_s"] / (local["bytes"] / 1e9),
-               "stream_stalls": sum(e["stalls"] for e in sm["epochs"]),
-               "stream_cache_peak": max((e["peak"] for e in sm["epochs"]), default=0),
-               "stream_wall_s": sm["wall_s"], "stage_then_local_wall_s": st["wall_s"] + local["wall_s"]}
+               "stream_stalls": sum(e["stalls"] for e in sm["ranks"][0]["epochs"]),
+               "stream_cache_peak": max((e["peak"] for e in sm["ranks"][0]["epochs"]), default=0),
+               "stream_wall_s": sm["total_s"], "stage_then_local_wall_s": st["wall_s"] + local["total_s"]}
         rows.append(row)
         print(f"  {row['link']:>16}: stream {row['stream_samples_per_s']:.0f} samples/s = "
               f"{row['stream_vs_local']:.2f}x local ({row['local_samples_per_s']:.0f}), input wait "
@@ -174,7 +206,7 @@ def run(args, work: Path, tb, node, sw) -> tuple[list[dict], dict]:
 
 def write(args, out: Path, rows: list[dict], info: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = "make bench-stream  # .venv/bin/python bench/stream_bench.py " + " ".join(sys.argv[1:])
+    cmd = "make bench-stream ARGS=--synthetic  # .venv/bin/python bench/stream_bench.py " + " ".join(sys.argv[1:])
     (out / "stream.json").write_text(json.dumps({"command": cmd, "info": info, "rows": rows}, indent=1) + "\n")
     lines = ["# Stream mode vs local disk", "", f"`{cmd}`", "",
              f"{info['samples']} samples in {info['shards']} tar shards ({info['bytes'] / 1e6:.0f} MB), batch "
@@ -197,17 +229,24 @@ def write(args, out: Path, rows: list[dict], info: dict) -> None:
                      f"{r['stream_1_fetcher_vs_local']:.2f}, {r['stream_1_fetcher_input_wait']:.1%} | "
                      f"{r['stage_s']:.1f} | {r['stage_then_local_wall_s']:.1f} | {r['stream_wall_s']:.1f} | "
                      f"{r['stream_cpu_s_per_GB']:.2f} | {r['local_cpu_s_per_GB']:.2f} | {r['stage_cpu_s_per_GB']:.2f} |")
-    (out / "stream.md").write_text("\n".join(lines) + "\n")
-    plot(out / "stream.png", rows, info)
-    print(f"stream_bench: results in {out}/stream.md", flush=True)
+    save(out, "stream", lines, lambda plt: plot(plt, rows, info))
 
 
-def plot(path: Path, rows: list[dict], info: dict) -> None:
+def save(out: Path, stem: str, lines: list[str], draw) -> None:
+    """out/stem.md (``lines``) and out/stem.png (the figure ``draw(plt)`` returns, matplotlib's Agg backend)."""
     import matplotlib
 
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = draw(plt)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=110)
+    print(f"stream_bench: results in {out}/{stem}.md", flush=True)
+
+
+def plot(plt, rows: list[dict], info: dict):
     labels = [r["link"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     x = range(len(rows))
@@ -223,8 +262,7 @@ def plot(path: Path, rows: list[dict], info: dict) -> None:
     b.set_ylabel("seconds")
     b.set_title(f"{info['epochs']} epochs of {info['bytes'] / 1e6:.0f} MB, from the store")
     b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 if __name__ == "__main__":

@@ -136,3 +136,21 @@ def test_bench_stage_refuses_a_memstore_larger_than_the_machine():
     assert sb.memory_problem(8 << 30, meminfo) is None
     why = sb.memory_problem(int(19.4 * 2**30), meminfo)
     assert why and "19.4 GiB in memory" in why and "19.1 GiB available" in why, why
+
+
+def test_bench_stream_finds_the_shortest_step_local_disk_feeds():
+    """`make bench-stream` runs at the highest demand local disk feeds: the step grows from the unpaced rate's by a
+    factor until local disk's input wait is within the goal; none in the tries is one line, not a traceback."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        sd = importlib.import_module("stream_decode")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    waits = {100: 0.30, 110: 0.08, 121: 0.04, 133: 0.01}
+    step, tried = sd.find_step(lambda ms: waits[round(ms)], 100, 0.05, 1.1, 8)
+    assert round(step) == 121 and [round(s) for s, _ in tried] == [100, 110, 121]
+    with pytest.raises(SystemExit, match=r"stayed above 5% up to a step of 110 ms \(30.0%, 8.0%\)"):
+        sd.find_step(lambda ms: waits[round(ms)], 100, 0.05, 1.1, 2)
