@@ -244,8 +244,8 @@ E2E_TESTS: set[str] = set()  # tests that are end-to-end by what they run, not b
 # waited out (FREEZE_S), a core idle unless the other worker runs a file that keeps both busy (at the end, beside
 # provision and heat, the cores were ~55% busy through it).
 LONGEST_FIRST = ["test_lease_end.py", "test_checkpoint.py", "test_outage.py", "test_keras_fit.py", "test_image.py",
-                 "test_train.py", "test_store_guarantees.py", "test_stage.py", "test_client_install.py",
-                 "test_provision.py", "test_stream_train.py", "test_doctor_gpu.py", "test_keras3.py", "test_bench.py",
+                 "test_stream_train.py", "test_train.py", "test_store_guarantees.py", "test_stage.py",
+                 "test_client_install.py", "test_provision.py", "test_doctor_gpu.py", "test_keras3.py", "test_bench.py",
                  "test_heat.py", "test_fault_matrix.py"]
 
 
