@@ -237,12 +237,11 @@ E2E_TESTS: set[str] = set()  # tests that are end-to-end by what they run, not b
 # The test files that run longest go first: `make test`'s workers take one file at a time in this order (--dist
 # loadfile --no-loadscope-reorder), so the long ones start early and the many short files even out the end, and
 # the workers finish together (longest first). Without it xdist orders files by their number of tests, which put
-# test_outage and test_stream_train last: one worker ran them alone for 2-3 minutes. The order is that of the
-# seconds each file took in two whole runs here (2 cores): lease_end 665, checkpoint 389, keras_fit 386, image 201,
-# train 176, store_guarantees 174, stage 167, client_install 153, provision 131, stream_train 106, outage 101,
-# bench 87, heat 67; every other file under 30 (test_doctor_gpu, added since, 90 alone: TensorFlow in some 20 processes). Except test_outage, third: most of its time is a frozen Keystone
-# waited out (FREEZE_S), a core idle unless the other worker runs a file that keeps both busy (at the end, beside
-# provision and heat, the cores were ~55% busy through it).
+# test_outage and test_stream_train last: one worker ran them alone for 2-3 minutes. The order follows the
+# seconds each file took in a whole run here (2 cores): lease_end 744, keras_fit 390, image 358, checkpoint 332, stage
+# 189, stream_train 186, train 162, store_guarantees 155, provision 154, doctor_gpu 146, outage 103, client_install
+# 91, bench 83, heat 58, keras3 51; every other file under 35. Except test_outage, third: most of its time is a frozen
+# Keystone waited out (FREEZE_S), a core idle unless the other workers run files that keep both busy.
 LONGEST_FIRST = ["test_lease_end.py", "test_checkpoint.py", "test_outage.py", "test_keras_fit.py", "test_image.py",
                  "test_stream_train.py", "test_train.py", "test_store_guarantees.py", "test_stage.py",
                  "test_client_install.py", "test_provision.py", "test_doctor_gpu.py", "test_keras3.py", "test_bench.py",
