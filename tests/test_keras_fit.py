@@ -1,5 +1,6 @@
-"""Level 2 of docs/checkpoints.md: an ordinary Keras + Horovod script, with no line of the appliance in it, stops
-before the lease end with a committed checkpoint and resumes bit-exactly, mid-epoch.
+"""Levels 2 and 1 of docs/checkpoints.md: an ordinary Keras + Horovod script, with no line of the appliance in it (or
+the appliance's callback passed to model.fit by hand: the plot test), stops before the lease end with a committed
+checkpoint and resumes bit-exactly, mid-epoch.
 
 Real parts: examples/plain_fit/train.py (Dropout, BatchNormalization, Horovod's callbacks, rank 0's
 ModelCheckpoint) on 2 testbed nodes through horovodrun, a real Swift. The stop comes after a random step (the
@@ -121,25 +122,49 @@ def test_keras_legacy_random_layers_cannot_resume_exactly(cluster2, swift, st_en
     assert final_weights(out2)[0] != final_weights(out)[0]
 
 
+def level_1_code(tmp_path: Path) -> Path:
+    """examples/plain_fit/train.py with the appliance's `callback()` passed to model.fit by hand (level 1)."""
+    code = tmp_path / "code"
+    code.mkdir()
+    text = (CODE / "train.py").read_text()
+    text = text.replace("import horovod.tensorflow.keras as hvd\n",
+                        "import horovod.tensorflow.keras as hvd\n\nfrom appliance.checkpoint.keras import callback\n")
+    text = text.replace("    verbose = 1 if hvd.rank() == 0 else 0\n",
+                        "    callbacks.append(callback())\n    verbose = 1 if hvd.rank() == 0 else 0\n")
+    assert "callbacks.append(callback())" in text and "import callback" in text
+    (code / "train.py").write_text(text)
+    shutil.copy(digits_code("plain_fit") / "digits.npz", code)
+    return code
+
+
 @pytest.mark.slow
 def test_two_resumes_continue_one_step_axis_bit_exactly_and_plot_it(references, cluster2, swift, st_env, tmp_path):
-    """The finite tf.data form, stopped twice: the second resume, mid-epoch 1 (it replays epoch 0's iterator
-    too), still ends bit-exactly on the uninterrupted run's weights. The run's metrics are one curve across stops
-    and resumes: the CSV's step axis never restarts, and `appliance ls RUN --plot` draws it with both resumes
-    marked."""
+    """Level 1 (the script passes the appliance's `callback()` to model.fit by hand, `checkpoint.auto: false`), the
+    finite tf.data form, stopped twice: the launch line says level 1, and the second resume, mid-epoch 1 (it replays
+    epoch 0's iterator too), still ends bit-exactly on the unchanged script's uninterrupted run's weights (the
+    callback changes nothing in the training). The run's metrics are one curve across stops and resumes: the CSV's
+    step axis never restarts, and `appliance ls RUN --plot` draws it with both resumes marked."""
     from appliance.checkpoint import runs
     from appliance.flows import plot_run
 
+    code = level_1_code(tmp_path)
+
+    def spec(env=None):
+        p = Path(spec_file(tmp_path, name, "tfdata", url="swift://fitckpt/", env=env, code=code))
+        p.write_text(p.read_text().replace("keep: 2}", "keep: 2, auto: false}"))
+        return str(p)
+
     name, n = "fitplot", STEPS["tfdata"]
     first, second = random.randint(3, n - 3), random.randint(n + 3, 2 * n - 3)
-    res = train(load_spec(spec_file(tmp_path, name, "tfdata", url="swift://fitckpt/",
-                                    env={"APPLIANCE_FAULT": f"stop-at:{first}"})), cluster2, out=lambda m: None)
-    assert res.exit_code == 75 and res.stopped["step"] == first
+    said: list[str] = []
+    res = train(load_spec(spec({"APPLIANCE_FAULT": f"stop-at:{first}"})), cluster2, out=said.append)
+    assert res.exit_code == 75 and res.stopped["step"] == first, res.failure
+    assert any("[appliance] protected (level 1, the appliance's callback in model.fit)" in x for x in said)
     cluster2.save()
-    again = spec_file(tmp_path, name, "tfdata", url="swift://fitckpt/", env={"APPLIANCE_FAULT": f"stop-at:{second}"})
-    res = resume(name, spec_path=again, cluster_name=cluster2.name, out=lambda m: None)
+    res = resume(name, spec_path=spec({"APPLIANCE_FAULT": f"stop-at:{second}"}), cluster_name=cluster2.name,
+                 out=lambda m: None)
     assert res.exit_code == 75 and res.stopped["step"] == second and res.resumed["step"] == first
-    done = spec_file(tmp_path, name, "tfdata", url="swift://fitckpt/")
+    done = spec()
     out3: list[str] = []
     with report.to(out3.append):
         res = resume(name, spec_path=done, cluster_name=cluster2.name, out=out3.append)
@@ -151,37 +176,3 @@ def test_two_resumes_continue_one_step_axis_bit_exactly_and_plot_it(references, 
     assert Path(d["png"]).stat().st_size > 10_000 and d["resumed_at"] == [first, second]
     assert d["step_axis_problems"] == [] and d["steps"] == [1, EPOCHS * n]
     assert {"step/loss", "step/accuracy", "epoch/loss"} <= set(d["metrics"])
-
-
-@pytest.mark.slow
-def test_level_1_the_callback_passed_by_hand_with_auto_off(references, cluster2, swift, st_env, tmp_path):
-    """Level 1: the same script with `callback()` passed to model.fit by hand and `checkpoint.auto: false`: the
-    launch line says so, and the resume is bit-exact as with level 2 (the unchanged script's uninterrupted run's
-    weights: the callback changes nothing in the training)."""
-    code = tmp_path / "code"
-    code.mkdir()
-    text = (CODE / "train.py").read_text()
-    text = text.replace("import horovod.tensorflow.keras as hvd\n",
-                        "import horovod.tensorflow.keras as hvd\n\nfrom appliance.checkpoint.keras import callback\n")
-    text = text.replace("    verbose = 1 if hvd.rank() == 0 else 0\n",
-                        "    callbacks.append(callback())\n    verbose = 1 if hvd.rank() == 0 else 0\n")
-    (code / "train.py").write_text(text)
-    shutil.copy(digits_code("plain_fit") / "digits.npz", code)
-
-    def spec(name, url, env=None):
-        p = Path(spec_file(tmp_path, name, "tfdata", url=url, env=env, code=code))
-        p.write_text(p.read_text().replace("keep: 2}", "keep: 2, auto: false}"))
-        return str(p)
-
-    stop_at = random.randint(STEPS["tfdata"] + 1, 2 * STEPS["tfdata"] - 2)
-    said: list[str] = []
-    res = train(load_spec(spec("l1", "swift://fitckpt/", {"APPLIANCE_FAULT": f"stop-at:{stop_at}"})), cluster2,
-                out=said.append)
-    assert res.exit_code == 75 and res.stopped["step"] == stop_at, res.failure
-    assert any("[appliance] protected (level 1, the appliance's callback in model.fit)" in x for x in said)
-    cluster2.save()
-    out2: list[str] = []
-    with report.to(out2.append):
-        res2 = resume("l1", spec_path=spec("l1", "swift://fitckpt/"), cluster_name=cluster2.name, out=out2.append)
-    assert res2.exit_code == 0 and res2.resumed["step"] == stop_at, res2.failure
-    assert final_weights(out2) == references("tfdata")[:2]

@@ -17,7 +17,7 @@ import pytest
 
 from appliance.data import dataset_summary, stage_cluster, unstaged, upload
 from appliance.node.stage import MANIFEST, safe_relpath, stage
-from appliance.store import swift as store_swift
+from appliance.store import s3 as store_s3, swift as store_swift
 from appliance.store.objects import S3Store, Store, StoreCreds, SwiftStore
 from appliance.errors import ApplianceError
 from appliance.localcloud.rgw_server import RGWServer
@@ -79,7 +79,8 @@ def big_container(creds):
     return st, bulk_fill(st, "set/", MANY)
 
 
-MANY = 1050  # two pages of 1,000 names (a Swift listing's cap is 10,000: asked for 1,000 here, as RGW caps it)
+PAGE = 100  # names a listing request asks for here (the stager's own: 10,000 on Swift, its cap; 1,000 on S3, the API's)
+MANY = 150  # two pages
 
 
 def check_tree(dest: Path, expect: dict[str, str], prefix: str) -> None:
@@ -91,10 +92,9 @@ def check_tree(dest: Path, expect: dict[str, str], prefix: str) -> None:
 
 
 def test_a_listing_of_many_pages_swift(big_container, tmp_path, monkeypatch):
-    """Every page of a listing is read: Swift answers at most 10,000 names a request, Ceph RGW 1,000 whatever is
-    asked; the stager asks for 1,000 here (SWIFT_PAGE) so that 1,050 objects take two pages on both stores (a
-    stager that read only the first page would miss 50)."""
-    monkeypatch.setattr(store_swift, "SWIFT_PAGE", 1000)
+    """Every page of a listing is read: the stager asks for PAGE names a request here (SWIFT_PAGE, S3_PAGE), so that
+    MANY objects take two pages (a stager that read only the first page would miss 50)."""
+    monkeypatch.setattr(store_swift, "SWIFT_PAGE", PAGE)
     st, expect = big_container
     pages = []
     page = st._page
@@ -108,10 +108,15 @@ def test_a_listing_of_many_pages_swift(big_container, tmp_path, monkeypatch):
     assert again.files_fetched == 0 and again.files_skipped == MANY  # a re-run fetches nothing
 
 
-def test_a_listing_of_many_pages_s3(big_container, creds, tmp_path):
+def test_a_listing_of_many_pages_s3(big_container, creds, tmp_path, monkeypatch):
+    monkeypatch.setattr(store_s3, "S3_PAGE", PAGE)
     _, expect = big_container
+    pages = []
+    page = S3Store._list_page
+    monkeypatch.setattr(S3Store, "_list_page", lambda self, prefix, token: pages.append(token) or page(self, prefix,
+                                                                                                      token))
     res = stage(S3Store("many", creds), "set/", tmp_path / "d", concurrency=16)
-    assert res.files_fetched == MANY
+    assert res.files_fetched == MANY and len(pages) == 2 and pages[0] is None  # the second page by its token
     check_tree(tmp_path / "d", expect, "set/")
 
 

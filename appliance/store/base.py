@@ -19,6 +19,7 @@ log = report.get(__name__)
 T = TypeVar("T")
 
 SWIFT_PAGE = 10000  # Swift returns at most 10,000 names per listing request; Ceph RGW caps it at 1,000
+S3_PAGE = 1000  # ListObjectsV2's max-keys: AWS's default and cap, and Ceph RGW's (rgw_max_listing_results)
 LIST_DEADLINE = 120.0  # seconds a listing page is retried (5xx, resets, timeouts) before staging gives up
 MAX_OBJECT = 5 * 1024**3  # a single PUT is capped at 5 GiB
 SEGMENTS_IN_FLIGHT = 8  # SLO segments / S3 parts uploaded at once

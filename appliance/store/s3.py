@@ -13,7 +13,7 @@ from ..errors import ApplianceError
 from .tcp import quickack_boto
 from .. import report
 
-from .base import MAX_OBJECT, SEGMENTS_IN_FLIGHT, ObjectInfo, StoreCreds, StoreRefused, _status, transient_retry, _check_name, Store, quota_exceeded, date_header
+from .base import MAX_OBJECT, S3_PAGE, SEGMENTS_IN_FLIGHT, ObjectInfo, StoreCreds, StoreRefused, _status, transient_retry, _check_name, Store, quota_exceeded, date_header
 from .hashes import EMPTY_MD5, _b64, _damaged, _crc_header, _Slice, large_object_etags, crc_from
 
 log = report.get(__name__)
@@ -98,7 +98,7 @@ class S3Store(Store):
 
         from .httpget import HTTPError
 
-        params = {"list-type": "2", "prefix": prefix, "encoding-type": "url",
+        params = {"list-type": "2", "prefix": prefix, "encoding-type": "url", "max-keys": str(S3_PAGE),
                   **({"continuation-token": token} if token else {})}
         status, _, body = self._ask("GET", params=params)
         if status >= 300:
