@@ -499,6 +499,33 @@ def test_the_lost_controllers_booking_is_judged_by_the_current_leases_end_as_the
     assert said[0][0] == "lease adopted", said
 
 
+def test_a_cloud_that_does_not_answer_the_lost_controllers_booking_is_asked_again(tmp_path, monkeypatch):
+    """The takeover's look for the lost controller's next lease meets a 503 (then a timeout): it is asked again
+    after a wait, as the booking is, and the lease is kept; the handover stays warm (before, the first error made
+    it cold, and the booking then found the hosts taken by that very lease)."""
+    import datetime as dt
+
+    from appliance.errors import Unanswered, Unavailable
+    from appliance.flows import recovery
+
+    monkeypatch.setattr(recovery, "CLOUD_WAIT", (0.001, 0.002))
+    made = _lost_controllers_booking(tmp_path, lambda end: end - dt.timedelta(minutes=30))
+    answers = [Unavailable("503 Service Unavailable from Blazar"), Unanswered("read timed out")]
+    found = made.plan.earlier_booking
+
+    def flaky(name):
+        if answers:
+            raise answers.pop(0)
+        return found(name)
+
+    made.plan.earlier_booking = flaky
+    w, said = _warm_of(made, 3)
+    w.abandon()
+    lifecycle.down("mk", site=made.site)
+    assert [ev for ev, _ in said][:3] == ["cloud away", "lease adopted", "cloud back"], said
+    assert not answers
+
+
 def test_an_adopted_next_lease_is_not_counted_against_the_runs_limits_twice(tmp_path):
     """limits.node_hours: the adopted lease is on the run's ledger already (booked ahead), so what the limits leave
     for a next lease is what is left after it; it was booked within them, and is used."""

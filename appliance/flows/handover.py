@@ -116,8 +116,8 @@ class Warm:
         try:
             if find_cluster(self.name) is not None:  # left by a controller that was killed: it goes, then afresh
                 lifecycle.down(self.name, self.ctx.site_of(self.name))
-            else:  # booked by a controller on another machine (its state in the store): kept, or it goes
-                self._earlier_booking()
+            else:  # booked by a controller on another machine (its state in the store): kept, or it goes; asked
+                self._patiently(self._earlier_booking)  # again while the cloud does not answer, as the booking is
             if spec.lease.extend and self.plan is not None and self.adopted is None:  # kept: it was refused
                 if not self._extend():
                     return  # stopped while it waited to extend
