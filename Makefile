@@ -14,6 +14,11 @@ DEB_PACKAGES := openssh-server openssh-client iproute2 util-linux memcached shel
 # Ceph's RADOS Gateway, the local cloud's object store as on Chameleon (appliance/localcloud/rgw_server.py)
 CEPH_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
 PYTEST_ARGS ?=
+# Python writes its bytecode caches (__pycache__) here: where the environment says not to (PYTHONDONTWRITEBYTECODE,
+# as some containers set it), every process that imports the appliance from this checkout (the CLI, node agents,
+# ranks on the testbed's nodes) and each pytest worker's assertion rewriting would compile the sources anew, every
+# time. Ranks still write none (appliance/protocol.py BASE_RANK_ENV); they read what is there.
+unexport PYTHONDONTWRITEBYTECODE
 # A Python 3.12 (what a CC-Ubuntu24.04 node runs; Debian 12 has none): the local cloud's 24.04 nodes run it, and
 # make install builds Horovod for it once (testbed/nodeimage.py PYTHON312_AT looks in the same places)
 PYTHON312 ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12))
