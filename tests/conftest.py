@@ -240,8 +240,9 @@ E2E_TESTS: set[str] = set()  # tests that are end-to-end by what they run, not b
 # test_outage and test_stream_train last: one worker ran them alone for 2-3 minutes. The order follows the
 # seconds each file took in a whole run here (2 cores): lease_end 935, keras_fit 501, checkpoint 424, image 394,
 # stream_train 230, train 215, store_guarantees 171, provision 168, stage 166, doctor_gpu 161, client_install 115,
-# outage 106, heat 75, bench 64, keras3 55, keras_iterators 41; every other file under 15. Except test_outage, third: most of its time is a frozen
-# Keystone waited out (FREEZE_S), a core idle unless the other workers run files that keep both busy.
+# outage 106, heat 75, bench 64, keras3 55, keras_iterators 41; every other file under 15. Except test_outage,
+# third: most of its time is a frozen Keystone waited out (FREEZE_S), a core idle unless the other workers run files
+# that keep both busy.
 LONGEST_FIRST = ["test_lease_end.py", "test_checkpoint.py", "test_outage.py", "test_keras_fit.py", "test_image.py",
                  "test_stream_train.py", "test_train.py", "test_store_guarantees.py", "test_stage.py",
                  "test_client_install.py", "test_provision.py", "test_doctor_gpu.py", "test_keras3.py", "test_bench.py",

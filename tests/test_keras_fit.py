@@ -147,6 +147,7 @@ def test_two_resumes_continue_one_step_axis_bit_exactly_and_plot_it(references, 
     from appliance.checkpoint import runs
     from appliance.flows import plot_run
 
+    name, n = "fitplot", STEPS["tfdata"]
     code = level_1_code(tmp_path)
 
     def spec(env=None):
@@ -154,7 +155,6 @@ def test_two_resumes_continue_one_step_axis_bit_exactly_and_plot_it(references, 
         p.write_text(p.read_text().replace("keep: 2}", "keep: 2, auto: false}"))
         return str(p)
 
-    name, n = "fitplot", STEPS["tfdata"]
     first, second = random.randint(3, n - 3), random.randint(n + 3, 2 * n - 3)
     said: list[str] = []
     res = train(load_spec(spec({"APPLIANCE_FAULT": f"stop-at:{first}"})), cluster2, out=said.append)

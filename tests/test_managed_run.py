@@ -501,8 +501,8 @@ def test_the_lost_controllers_booking_is_judged_by_the_current_leases_end_as_the
 
 def test_a_cloud_that_does_not_answer_the_lost_controllers_booking_is_asked_again(tmp_path, monkeypatch):
     """The takeover's look for the lost controller's next lease meets a 503 (then a timeout): it is asked again
-    after a wait, as the booking is, and the lease is kept; the handover stays warm (before, the first error made
-    it cold, and the booking then found the hosts taken by that very lease)."""
+    after a wait, as the booking is, and the lease is kept: the handover stays warm (a booking beside it would find
+    its hosts taken by that very lease)."""
     import datetime as dt
 
     from appliance.errors import Unanswered, Unavailable
