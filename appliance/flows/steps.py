@@ -167,7 +167,7 @@ def run_job(spec: Spec, cluster: Cluster, *, run: RunContext | None = None, cont
                         on_first_step=on_first_step, launcher=control.id if control else None,
                         on_extended=stream.renew)
     hooks = [ck, stream, RunRecords()] + ([control.hook(ck.user_stop)] if control is not None else [])
-    return train(spec, cluster, hooks=hooks, **kw)
+    return train(spec, cluster, hooks=hooks, rank_defaults=run.site.rank_env, **kw)
 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,
