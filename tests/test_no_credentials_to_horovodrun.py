@@ -36,3 +36,23 @@ def test_the_bare_horovodrun_baseline_gets_no_credentials(tmp_path, monkeypatch)
     bare_horovodrun(cluster, spec, session)
     cmd = head.commands[0][0]
     assert "env -i" in cmd and "hunter2" not in cmd and "OS_PASSWORD" not in cmd
+    assert "HOROVOD_CYCLE_TIME" not in cmd
+
+
+def test_the_bare_horovodrun_baseline_gets_what_the_sites_ranks_get(tmp_path, monkeypatch):
+    """`appliance bench --overhead` compares the appliance's job with bare horovodrun: on the local site both get its
+    ranks' HOROVOD_CYCLE_TIME (Site.rank_env), or the comparison would measure that setting, not the appliance."""
+    from appliance import bench, flows
+
+    node = Node("head", "10.0.0.1", None, "/w")
+    cluster = Cluster(name="b", cloud="testbed", nodes=[node], python="/venv/bin/python")
+    head = FakeRemote(node)
+    session = type("S", (), {"head": head})()
+    spec = load_spec(write_spec(tmp_path, "python job.py", code=tmp_path, name="b", nodes=1))
+    bare_horovodrun(cluster, spec, session, rank_env={"HOROVOD_CYCLE_TIME": "5"})
+    assert "HOROVOD_CYCLE_TIME=5 " in head.commands[0][0]
+    seen = {}
+    monkeypatch.setattr(flows, "resolve_cluster", lambda spec, name: cluster)
+    monkeypatch.setattr(bench, "overhead", lambda *a, **kw: seen.update(kw) or {})
+    flows.bench(str(tmp_path / "b.yaml"), None, None, overhead=True)
+    assert seen["rank_env"] == {"HOROVOD_CYCLE_TIME": "5"}  # the spec's cloud: local

@@ -22,7 +22,7 @@ import os
 import re
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,9 +186,11 @@ def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | No
 RESULT_LINE = re.compile(r"^\[(\d+)\]<stdout>:APPLIANCE_RESULT (.*)$")
 
 
-def bare_horovodrun(cluster: Cluster, spec: Spec, session, on_line=None) -> tuple[dict[int, dict], float, int]:
+def bare_horovodrun(cluster: Cluster, spec: Spec, session, on_line=None,
+                    rank_env: Mapping[str, str] | None = None) -> tuple[dict[int, dict], float, int]:
     """Run the spec's command with a bare horovodrun on the head node, the way a user would by hand after
-    `appliance train` copied the code there: venv on PATH, the cluster's ssh config, nothing else.
+    `appliance train` copied the code there: venv on PATH, the cluster's ssh config, nothing else but
+    ``rank_env``, what the appliance's ranks get on this site too (Site.rank_env: a fair comparison).
     Returns (per-rank results, wall seconds, exit code)."""
     from ..train.headjob import code_dir
     from ..train.launch import SYSTEM_PATH
@@ -203,7 +205,7 @@ def bare_horovodrun(cluster: Cluster, spec: Spec, session, on_line=None) -> tupl
     # horovodrun puts its whole environment on every rank's command line: the same allow-list as `train`
     env = rank_environment(path=etc_bin + ":" + venv_bin + ":" + SYSTEM_PATH,
                            home="/root" if cluster.head.user == "root" else f"/home/{cluster.head.user}", nic=None,
-                           launcher_env=os.environ)
+                           extra=rank_env, launcher_env=os.environ)
     assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     cmd = (f"cd {shlex.quote(code_dir(cluster, spec.name))} && exec env -i {assigns} "
            f"horovodrun -np {cluster.world_size} -H {hosts} {nic}--gloo {spec.train.command}")
@@ -223,9 +225,10 @@ def bare_horovodrun(cluster: Cluster, spec: Spec, session, on_line=None) -> tupl
 
 def overhead(spec: Spec, cluster: Cluster, cfg: BenchConfig, repeats: int = 3,
              out: Callable[[str], None] | None = None,
-             run_job: Callable | None = None) -> dict:
+             run_job: Callable | None = None, rank_env: Mapping[str, str] | None = None) -> dict:
     """The same synthetic job through `appliance train` and through bare horovodrun on the same nodes,
-    alternately ``repeats`` times each; best throughput of each path, ratio = appliance / bare."""
+    alternately ``repeats`` times each; best throughput of each path, ratio = appliance / bare. ``rank_env``: what
+    the site gives the appliance's ranks (Site.rank_env), given to the bare ones too."""
     from ..remote import Session
 
     train = run_job or train_job
@@ -246,7 +249,7 @@ def overhead(spec: Spec, cluster: Cluster, cfg: BenchConfig, repeats: int = 3,
 
     def via_bare() -> None:
         with Session(cluster) as session:
-            results, wall, rc = bare_horovodrun(cluster, bspec, session, on_line=out)
+            results, wall, rc = bare_horovodrun(cluster, bspec, session, on_line=out, rank_env=rank_env)
         if rc != 0 or 0 not in results:
             raise ApplianceError(f"bare horovodrun exited with status {rc}", "run it by hand on the head node to see why")
         samples["bare"].append(_cells(results)[0]["aggregate"])
