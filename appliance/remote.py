@@ -367,6 +367,31 @@ class SSHRemote(Remote):
         self.client.close()
 
 
+# sshd closes a connection before its banner when it holds too many unauthenticated ones: OpenSSH's MaxStartups,
+# 10:30:100 by default (past 10, 30% of new connections are dropped, all of them at 100; sshd_config(5)), on
+# Chameleon's CC images as on the local cloud's nodes. Such a close is tried again, once a second as ssh(1)'s
+# ConnectionAttempts does, up to this many tries in all; a refusal or a timeout is said at once (a node that is gone).
+CONNECT_TRIES = 4
+CONNECT_PAUSE = 1.0  # seconds between tries
+
+
+def _closed_before_banner(e: paramiko.SSHException) -> bool:
+    """paramiko's "Error reading SSH protocol banner" raised over a closed or reset connection (paramiko/transport.py
+    `_check_banner` raises it from the EOFError or socket error it caught), not over a banner that never came."""
+    return str(e).startswith("Error reading SSH protocol banner") and \
+        isinstance(e.__context__, (EOFError, ConnectionResetError))
+
+
+class ClosedBeforeBanner(ApplianceError):
+    """sshd closed the connection before its banner (paramiko/transport.py `_check_banner` raises "Error reading SSH
+    protocol banner" from the EOFError or reset it caught; a banner that never came is a timeout, not this)."""
+
+
+def _closed_before_banner(e: paramiko.SSHException) -> bool:
+    return str(e).startswith("Error reading SSH protocol banner") and \
+        isinstance(e.__context__, (EOFError, ConnectionResetError))
+
+
 def _connect_ssh(cluster: Cluster, node: Node, sock=None, timeout: float = 15.0) -> paramiko.SSHClient:
     if not cluster.known_hosts or not Path(cluster.known_hosts).exists():
         raise ApplianceError(f"cluster {cluster.name}: no pinned host keys (known_hosts missing)",
@@ -386,11 +411,13 @@ def _connect_ssh(cluster: Cluster, node: Node, sock=None, timeout: float = 15.0)
                          "give the private key of the key pair the nodes were launched with (key_file in the spec, "
                          "or --key-file)") from None
     except paramiko.SSHException as e:
+        client.close()
         if "not found in known_hosts" in str(e):
             raise ApplianceError(f"{node.name} ({node.address}) has no pinned host key",
                                  "re-run `appliance up` to record host keys") from None
-        raise ApplianceError(f"SSH to {node.name} ({node.address}:{node.port}) failed: {e}",
-                             f"check that {node.name} is up (`appliance status`)") from None
+        cls = ClosedBeforeBanner if _closed_before_banner(e) else ApplianceError
+        raise cls(f"SSH to {node.name} ({node.address}:{node.port}) failed: {e}",
+                  f"check that {node.name} is up (`appliance status`)") from None
     except (OSError, socket.timeout, EOFError) as e:
         raise ApplianceError(f"cannot reach {node.name} at {node.address}:{node.port} ({e})",
                              f"check that {node.name} is up (`appliance status`)") from None
@@ -398,20 +425,34 @@ def _connect_ssh(cluster: Cluster, node: Node, sock=None, timeout: float = 15.0)
     return client
 
 
+# sshd closes a connection before its banner while it holds too many unauthenticated ones: OpenSSH's MaxStartups,
+# 10:30:100 by default (past 10, 30% of new connections are dropped, all of them at 100; sshd_config(5)), on
+# Chameleon's CC images as on the local cloud's nodes. Such a close is tried again, once a second as ssh(1)'s
+# ConnectionAttempts does, up to this many tries in all; a refusal or a timeout is said at once (a node that is gone).
+CONNECT_TRIES = 4
+
+
 def connect(cluster: Cluster, node: Node, *, head: SSHRemote | None = None, timeout: float = 15.0) -> Remote:
     if node.address is None:
         return LocalRemote(node)
-    sock = None
-    if node.via_head and node is not cluster.head:
-        if head is None:
-            head = connect(cluster, cluster.head, timeout=timeout)  # type: ignore[assignment]
+    if node.via_head and node is not cluster.head and head is None:
+        head = connect(cluster, cluster.head, timeout=timeout)  # type: ignore[assignment]
+    for attempt in range(1, CONNECT_TRIES + 1):
+        sock = None
+        if node.via_head and node is not cluster.head:
+            try:
+                sock = head.transport.open_channel("direct-tcpip", (node.address, node.port), ("127.0.0.1", 0),
+                                                   timeout=timeout)
+            except (paramiko.SSHException, OSError) as e:
+                raise ApplianceError(f"cannot reach {node.name} ({node.address}) through the head node ({e})",
+                                     f"check that {node.name} is up (`appliance status`)") from None
         try:
-            sock = head.transport.open_channel("direct-tcpip", (node.address, node.port), ("127.0.0.1", 0),
-                                               timeout=timeout)
-        except (paramiko.SSHException, OSError) as e:
-            raise ApplianceError(f"cannot reach {node.name} ({node.address}) through the head node ({e})",
-                                 f"check that {node.name} is up (`appliance status`)") from None
-    return SSHRemote(node, _connect_ssh(cluster, node, sock=sock, timeout=timeout), jump=head)
+            return SSHRemote(node, _connect_ssh(cluster, node, sock=sock, timeout=timeout), jump=head)
+        except ClosedBeforeBanner:
+            if attempt == CONNECT_TRIES:
+                raise
+            time.sleep(CONNECT_PAUSE)
+    raise AssertionError("unreachable")
 
 
 class Session:
