@@ -367,29 +367,17 @@ class SSHRemote(Remote):
         self.client.close()
 
 
-# sshd closes a connection before its banner when it holds too many unauthenticated ones: OpenSSH's MaxStartups,
-# 10:30:100 by default (past 10, 30% of new connections are dropped, all of them at 100; sshd_config(5)), on
-# Chameleon's CC images as on the local cloud's nodes. Such a close is tried again, once a second as ssh(1)'s
-# ConnectionAttempts does, up to this many tries in all; a refusal or a timeout is said at once (a node that is gone).
-CONNECT_TRIES = 4
-CONNECT_PAUSE = 1.0  # seconds between tries
-
-
-def _closed_before_banner(e: paramiko.SSHException) -> bool:
-    """paramiko's "Error reading SSH protocol banner" raised over a closed or reset connection (paramiko/transport.py
-    `_check_banner` raises it from the EOFError or socket error it caught), not over a banner that never came."""
-    return str(e).startswith("Error reading SSH protocol banner") and \
-        isinstance(e.__context__, (EOFError, ConnectionResetError))
-
-
 class ClosedBeforeBanner(ApplianceError):
-    """sshd closed the connection before its banner (paramiko/transport.py `_check_banner` raises "Error reading SSH
-    protocol banner" from the EOFError or reset it caught; a banner that never came is a timeout, not this)."""
+    """sshd closed (or reset) the connection before its banner."""
 
 
-def _closed_before_banner(e: paramiko.SSHException) -> bool:
+def _closed_before_banner(e: paramiko.SSHException, seconds: float, timeout: float) -> bool:
+    """paramiko's "Error reading SSH protocol banner" over a connection that was closed or reset, not over a banner
+    that never came (paramiko/transport.py `_check_banner` raises it from the EOFError, reset or timeout it caught,
+    with nothing in its text to tell them apart): the cause it was raised from, or its coming before the banner's
+    timeout (the cause does not always survive paramiko raising it again in the caller's thread)."""
     return str(e).startswith("Error reading SSH protocol banner") and \
-        isinstance(e.__context__, (EOFError, ConnectionResetError))
+        (isinstance(e.__context__, (EOFError, ConnectionResetError)) or seconds < timeout)
 
 
 def _connect_ssh(cluster: Cluster, node: Node, sock=None, timeout: float = 15.0) -> paramiko.SSHClient:
@@ -399,37 +387,46 @@ def _connect_ssh(cluster: Cluster, node: Node, sock=None, timeout: float = 15.0)
     client = paramiko.SSHClient()
     client.load_host_keys(cluster.known_hosts)
     client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    t0 = time.monotonic()
     try:
         client.connect(node.address, port=node.port, username=node.user, key_filename=cluster.key_file,
                        sock=sock, timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
                        allow_agent=False, look_for_keys=False)
-    except paramiko.BadHostKeyException:
-        raise HostKeyMismatch(f"{node.name} ({node.address}) presented a host key that does not match the pinned one",
-                             "if the node was rebuilt, run `appliance up` again to re-pin; otherwise do not connect") from None
-    except paramiko.AuthenticationException:
-        raise KeyRefused(f"{node.name} ({node.address}) refused the key {cluster.key_file} for user {node.user}",
-                         "give the private key of the key pair the nodes were launched with (key_file in the spec, "
-                         "or --key-file)") from None
-    except paramiko.SSHException as e:
+    except BaseException as e:
         client.close()
-        if "not found in known_hosts" in str(e):
-            raise ApplianceError(f"{node.name} ({node.address}) has no pinned host key",
-                                 "re-run `appliance up` to record host keys") from None
-        cls = ClosedBeforeBanner if _closed_before_banner(e) else ApplianceError
-        raise cls(f"SSH to {node.name} ({node.address}:{node.port}) failed: {e}",
-                  f"check that {node.name} is up (`appliance status`)") from None
-    except (OSError, socket.timeout, EOFError) as e:
-        raise ApplianceError(f"cannot reach {node.name} at {node.address}:{node.port} ({e})",
-                             f"check that {node.name} is up (`appliance status`)") from None
+        raise _connect_error(cluster, node, e, time.monotonic() - t0, timeout) from None
     client.get_transport().set_keepalive(5)
     return client
 
 
-# sshd closes a connection before its banner while it holds too many unauthenticated ones: OpenSSH's MaxStartups,
-# 10:30:100 by default (past 10, 30% of new connections are dropped, all of them at 100; sshd_config(5)), on
-# Chameleon's CC images as on the local cloud's nodes. Such a close is tried again, once a second as ssh(1)'s
-# ConnectionAttempts does, up to this many tries in all; a refusal or a timeout is said at once (a node that is gone).
+def _connect_error(cluster: Cluster, node: Node, e: BaseException, seconds: float, timeout: float) -> BaseException:
+    """What a failed connection is said as."""
+    if isinstance(e, paramiko.BadHostKeyException):
+        return HostKeyMismatch(f"{node.name} ({node.address}) presented a host key that does not match the pinned one",
+                               "if the node was rebuilt, run `appliance up` again to re-pin; otherwise do not connect")
+    if isinstance(e, paramiko.AuthenticationException):
+        return KeyRefused(f"{node.name} ({node.address}) refused the key {cluster.key_file} for user {node.user}",
+                          "give the private key of the key pair the nodes were launched with (key_file in the spec, "
+                          "or --key-file)")
+    if isinstance(e, paramiko.SSHException):
+        if "not found in known_hosts" in str(e):
+            return ApplianceError(f"{node.name} ({node.address}) has no pinned host key",
+                                  "re-run `appliance up` to record host keys")
+        cls = ClosedBeforeBanner if _closed_before_banner(e, seconds, timeout) else ApplianceError
+        return cls(f"SSH to {node.name} ({node.address}:{node.port}) failed: {e}",
+                   f"check that {node.name} is up (`appliance status`)")
+    if isinstance(e, (OSError, EOFError)):  # socket.timeout is an OSError
+        return ApplianceError(f"cannot reach {node.name} at {node.address}:{node.port} ({e})",
+                              f"check that {node.name} is up (`appliance status`)")
+    return e
+
+
+# sshd closes new connections before its banner while it holds too many unauthenticated ones: OpenSSH's MaxStartups,
+# 10:30:100 by default (from 10 on, it drops each new one with a chance that rises from 30% to all at 100;
+# sshd_config(5)), on Chameleon's CC images as on the local cloud's nodes. Such a close is tried again, a second
+# apart, up to CONNECT_TRIES tries in all; a refusal or a banner that never comes is said at once (a node that is gone).
 CONNECT_TRIES = 4
+CONNECT_PAUSE = 1.0  # seconds between tries
 
 
 def connect(cluster: Cluster, node: Node, *, head: SSHRemote | None = None, timeout: float = 15.0) -> Remote:

@@ -57,25 +57,26 @@ def test_horovodrun_command_scrubs_the_launcher_environment(monkeypatch):
 
 
 def test_the_local_clouds_ranks_wake_horovods_loop_less_often_unless_the_spec_says(monkeypatch):
-    """The local cloud's nodes share one machine's cores: its ranks run Horovod's background loop at 5 ms, not the
-    1 ms default (Site.rank_env); a spec's train.env wins, and a Chameleon run's ranks keep Horovod's default."""
+    """The local cloud's nodes (and the local testbed's) share one machine's cores: their ranks run Horovod's
+    background loop at 5 ms, not the 1 ms default (Site.rank_env); a spec's train.env wins. It goes by where the
+    cluster is, not by the spec's `cloud:`: ranks on Chameleon, or on a Heat head node's own cluster, keep Horovod's
+    default even when the spec leaves `cloud:` at local."""
     from appliance.flows import steps
-    from appliance.sites.chameleon import ChameleonSite
-    from appliance.sites.local import LocalSite
 
-    def env_of(site, train_env):
+    def env_of(cloud, train_env):
         spec = parse_spec({"name": "t", "train": {"command": "python train.py", "env": train_env}}, path="/x/t.yaml")
-        cl = Cluster(name="c", cloud="testbed", python="/venv/bin/python", nodes=[
+        cl = Cluster(name="c", cloud=cloud, python="/venv/bin/python", nodes=[
             Node(name="node1", private_ip="10.0.0.1", address="10.0.0.1", workdir="/mnt/local")])
         seen = {}
         monkeypatch.setattr(steps, "train", lambda spec, cluster, **kw: seen.update(kw))
-        steps.run_job(spec, cl, run=steps.RunContext(spec, site))
+        steps.run_job(spec, cl, run=steps.RunContext(spec, None))
         return horovodrun_command(cl, spec, job_id="j1", nic="eth0", pkg_dir="/pkg",
                                   defaults=seen["rank_defaults"])[1]
 
-    assert env_of(LocalSite(), {})["HOROVOD_CYCLE_TIME"] == "5"
-    assert env_of(LocalSite(), {"HOROVOD_CYCLE_TIME": "1"})["HOROVOD_CYCLE_TIME"] == "1"
-    assert "HOROVOD_CYCLE_TIME" not in env_of(ChameleonSite(), {})
+    assert env_of("testbed", {})["HOROVOD_CYCLE_TIME"] == env_of("local", {})["HOROVOD_CYCLE_TIME"] == "5"
+    assert env_of("local", {"HOROVOD_CYCLE_TIME": "1"})["HOROVOD_CYCLE_TIME"] == "1"
+    assert "HOROVOD_CYCLE_TIME" not in env_of("chameleon", {})
+    assert "HOROVOD_CYCLE_TIME" not in env_of("node", {})
 
 
 def test_the_launch_is_horovodrun_without_its_per_launch_build_probe(monkeypatch):

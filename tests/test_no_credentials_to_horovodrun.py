@@ -42,7 +42,11 @@ def test_the_bare_horovodrun_baseline_gets_no_credentials(tmp_path, monkeypatch)
 def test_the_bare_horovodrun_baseline_gets_what_the_sites_ranks_get(tmp_path, monkeypatch):
     """`appliance bench --overhead` compares the appliance's job with bare horovodrun: on the local site both get its
     ranks' HOROVOD_CYCLE_TIME (Site.rank_env), or the comparison would measure that setting, not the appliance."""
-    from appliance import bench, flows
+    import contextlib
+
+    import pytest
+
+    from appliance import bench
 
     node = Node("head", "10.0.0.1", None, "/w")
     cluster = Cluster(name="b", cloud="testbed", nodes=[node], python="/venv/bin/python")
@@ -52,7 +56,22 @@ def test_the_bare_horovodrun_baseline_gets_what_the_sites_ranks_get(tmp_path, mo
     bare_horovodrun(cluster, spec, session, rank_env={"HOROVOD_CYCLE_TIME": "5"})
     assert "HOROVOD_CYCLE_TIME=5 " in head.commands[0][0]
     seen = {}
-    monkeypatch.setattr(flows, "resolve_cluster", lambda spec, name: cluster)
-    monkeypatch.setattr(bench, "overhead", lambda *a, **kw: seen.update(kw) or {})
-    flows.bench(str(tmp_path / "b.yaml"), None, None, overhead=True)
-    assert seen["rank_env"] == {"HOROVOD_CYCLE_TIME": "5"}  # the spec's cloud: local
+
+    class Done(Exception):
+        pass
+
+    def bare(cluster, spec, session, on_line=None, rank_env=None):
+        seen["bare"] = rank_env
+        raise Done
+
+    def job(spec, cluster, rank_defaults=None, **kw):
+        seen["job"] = rank_defaults
+        return type("R", (), {"exit_code": 0, "results": {0: {"bench": [{"aggregate": 1.0}]}}, "wall_s": 1.0})()
+
+    monkeypatch.setattr(bench, "bare_horovodrun", bare)
+    monkeypatch.setattr(bench, "train_job", job)
+    import appliance.remote
+    monkeypatch.setattr(appliance.remote, "Session", lambda cluster: contextlib.nullcontext(session))
+    with pytest.raises(Done):
+        bench.overhead(spec, cluster, bench.BenchConfig(models=["mlp"], batch_sizes=[16]), repeats=1)
+    assert seen == {"job": {"HOROVOD_CYCLE_TIME": "5"}, "bare": {"HOROVOD_CYCLE_TIME": "5"}}  # a testbed cluster

@@ -3,7 +3,8 @@
 OpenSSH's sshd drops new connections while it holds too many unauthenticated ones (MaxStartups 10:30:100 by
 default, on Chameleon's images as on the local cloud's nodes): paramiko then says "Error reading SSH protocol
 banner". A managed run's handover once ended on that one line. Here a loopback listener closes the first
-connections at once, then hands the next to an SSH server (paramiko's own, in this process).
+connections at once, then hands the next to an SSH server (paramiko's own, in this process). The tries are a
+second apart (`CONNECT_PAUSE`, 0.01 s here).
 """
 
 from __future__ import annotations
@@ -86,6 +87,20 @@ def test_a_connection_closed_before_the_banner_is_tried_again(keys, monkeypatch)
         cl = _cluster(keys, srv.port)
         r = remote.connect(cl, cl.head, timeout=5)
         assert r.transport.is_active() and srv.accepted == 3
+        r.close()
+
+
+def test_a_close_is_told_from_a_timeout_also_while_another_error_is_handled(keys, monkeypatch):
+    """paramiko raises the transport thread's error again in the caller's: inside an `except` or `finally` (a
+    `contextualize` in a `finally`), Python then replaces its cause with the error being handled."""
+    monkeypatch.setattr(remote, "CONNECT_PAUSE", 0.01)
+    with Listener(lambda n: "close" if n <= 1 else "ssh", keys[0]) as srv:
+        cl = _cluster(keys, srv.port)
+        try:
+            raise KeyError("being handled")
+        except KeyError:
+            r = remote.connect(cl, cl.head, timeout=5)
+        assert srv.accepted == 2
         r.close()
 
 

@@ -17,6 +17,7 @@ head node, alternately, and reports the throughput ratio (goal >= 0.98) and the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from pathlib import Path
 from ..cluster import Cluster
 from ..errors import ApplianceError
 from ..protocol import rank_environment
+from ..sites import rank_env as site_rank_env
 from ..train.launch import train as train_job
 from ..spec import Checkpoint, Spec
 from .. import report as messages  # not `report`: bench/report.py, once imported, is this package's `report`
@@ -132,7 +134,7 @@ def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | No
     """Run the synthetic benchmark on 1..N nodes of ``cluster``; write bench.json, bench.md and the plots to
     ``out_dir`` (default: the run's results folder); return the report. ``run_job``: how a job runs (flows.run_job:
     the appliance's hooks included, as `appliance train`; default train.launch.train alone)."""
-    train = run_job or train_job
+    train = run_job or functools.partial(train_job, rank_defaults=site_rank_env(cluster))
 
     from .. import paths
     from . import report
@@ -225,13 +227,14 @@ def bare_horovodrun(cluster: Cluster, spec: Spec, session, on_line=None,
 
 def overhead(spec: Spec, cluster: Cluster, cfg: BenchConfig, repeats: int = 3,
              out: Callable[[str], None] | None = None,
-             run_job: Callable | None = None, rank_env: Mapping[str, str] | None = None) -> dict:
+             run_job: Callable | None = None) -> dict:
     """The same synthetic job through `appliance train` and through bare horovodrun on the same nodes,
-    alternately ``repeats`` times each; best throughput of each path, ratio = appliance / bare. ``rank_env``: what
-    the site gives the appliance's ranks (Site.rank_env), given to the bare ones too."""
+    alternately ``repeats`` times each; best throughput of each path, ratio = appliance / bare. What the cluster's
+    site gives the appliance's ranks (sites.rank_env) the bare ones get too."""
     from ..remote import Session
 
-    train = run_job or train_job
+    rank_env = site_rank_env(cluster)
+    train = run_job or functools.partial(train_job, rank_defaults=rank_env)
 
     if len(cfg.models) != 1 or len(cfg.batch_sizes) != 1:
         raise ApplianceError("--overhead measures one cell", "give one --models and one --batch-sizes", exit_code=2)

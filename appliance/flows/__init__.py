@@ -271,8 +271,7 @@ def bench(spec_path: str, cluster_name: str | None, cfg, *, overhead: bool = Fal
     if not overhead:
         return bench_mod.run_bench(spec, cl, cfg, out_dir=Path(out_dir) if out_dir else None, out=out,
                                    command=command, run_job=run_job)
-    rep = bench_mod.overhead(spec, cl, cfg, repeats=repeats, out=out, run_job=run_job,
-                             rank_env=RunContext.of(spec).site.rank_env)  # run_job's, given to bare horovodrun too
+    rep = bench_mod.overhead(spec, cl, cfg, repeats=repeats, out=out, run_job=run_job)
     rep["command"] = command
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,14 @@ def for_cluster(cluster: Cluster) -> Site | None:
     return open_site(cluster.cloud, cluster.site.region)
 
 
+def rank_env(cluster: Cluster) -> dict[str, str]:
+    """What the ranks of a job on ``cluster`` get unless the spec says otherwise (Site.rank_env), by where its
+    machines are, whatever the spec's `cloud:`: its site's; the local testbed's nodes are the local site's machines
+    (its default cluster); a cluster no site made (a Heat head node's own view) gets nothing."""
+    kind = "local" if cluster.cloud == "testbed" else cluster.cloud
+    return dict(KINDS[kind].rank_env) if kind in KINDS else {}
+
+
 def load_spec(path) -> Spec:
     """The spec, checked by its own rules and by its site's (Chameleon's 7-day cap, its sites, key_name)."""
     spec = _load_spec(path)

@@ -50,7 +50,7 @@ class Site(ABC):
     poll: float = 0.2  # seconds between API polls while waiting (servers, host keys, SSH)
     lease_poll: float = 0.5  # the lease watchdog's poll
     boot_note: str = ""  # said while waiting for servers
-    rank_env: dict[str, str] = {}  # what every rank of a run's job gets unless the spec's train.env sets it
+    rank_env: dict[str, str] = {}  # what the ranks of a job on its machines get unless train.env says (sites.rank_env)
 
     def __init__(self, region: str | None = None):
         self.region = region

@@ -143,7 +143,7 @@ def horovodrun_command(cluster: Cluster, spec: Spec, *, job_id: str, nic: str, p
                        extra_env: dict[str, str] | None = None, site: str | None = None,
                        defaults: Mapping[str, str] | None = None) -> tuple[str, dict[str, str]]:
     """The shell command run on the head node, and the exact environment horovodrun gets. ``defaults``: what the
-    ranks get unless the spec's train.env says otherwise (the site's: Site.rank_env)."""
+    ranks get unless the spec's train.env says otherwise (those of the cluster's site: sites.rank_env)."""
     head = cluster.head
     venv_bin = str(Path(cluster.python).parent)
     etc = cluster.config_dir(head)
@@ -358,7 +358,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
 
     ``restore``: the checkpoint directory (same path on every node) the ranks resume from. ``hooks``: what other
     steps add to the job (checkpoints, run records: `flows.run_job` adds them). ``rank_defaults``: the ranks'
-    variables unless the spec's train.env sets them (`flows.run_job`: the site's, Site.rank_env)."""
+    variables unless the spec's train.env sets them (`flows.run_job`: those of the cluster's site, sites.rank_env)."""
     job_id = f"{spec.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     log_dir = paths.home() / "runs" / spec.name
     log_dir.mkdir(parents=True, exist_ok=True)
