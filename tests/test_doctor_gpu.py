@@ -117,7 +117,7 @@ class FakeLaunch:
     def __init__(self, per_gpu=100.0, scaling=0.9, fail=()):
         self.jobs, self.per_gpu, self.scaling, self.fail = [], per_gpu, scaling, fail
 
-    def __call__(self, spec, cluster, out=None, hooks=(), rank_defaults=None):
+    def __call__(self, spec, cluster, out=None, hooks=()):
         self.jobs.append((spec, cluster))
         n = cluster.world_size
         res = JobResult(job_id="j", exit_code=0, world_size=n, rank_hosts=cluster.rank_hosts(), log_path="/l.log")

@@ -17,7 +17,6 @@ head node, alternately, and reports the throughput ratio (goal >= 0.98) and the 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
@@ -134,7 +133,7 @@ def run_bench(spec: Spec, cluster: Cluster, cfg: BenchConfig, out_dir: Path | No
     """Run the synthetic benchmark on 1..N nodes of ``cluster``; write bench.json, bench.md and the plots to
     ``out_dir`` (default: the run's results folder); return the report. ``run_job``: how a job runs (flows.run_job:
     the appliance's hooks included, as `appliance train`; default train.launch.train alone)."""
-    train = run_job or functools.partial(train_job, rank_defaults=site_rank_env(cluster))
+    train = run_job or train_job
 
     from .. import paths
     from . import report
@@ -192,7 +191,7 @@ def bare_horovodrun(cluster: Cluster, spec: Spec, session, on_line=None,
                     rank_env: Mapping[str, str] | None = None) -> tuple[dict[int, dict], float, int]:
     """Run the spec's command with a bare horovodrun on the head node, the way a user would by hand after
     `appliance train` copied the code there: venv on PATH, the cluster's ssh config, nothing else but
-    ``rank_env``, what the appliance's ranks get on this site too (Site.rank_env: a fair comparison).
+    ``rank_env``, what the appliance's ranks get on these machines too (sites.rank_env: a fair comparison).
     Returns (per-rank results, wall seconds, exit code)."""
     from ..train.headjob import code_dir
     from ..train.launch import SYSTEM_PATH
@@ -234,7 +233,7 @@ def overhead(spec: Spec, cluster: Cluster, cfg: BenchConfig, repeats: int = 3,
     from ..remote import Session
 
     rank_env = site_rank_env(cluster)
-    train = run_job or functools.partial(train_job, rank_defaults=rank_env)
+    train = run_job or train_job
 
     if len(cfg.models) != 1 or len(cfg.batch_sizes) != 1:
         raise ApplianceError("--overhead measures one cell", "give one --models and one --batch-sizes", exit_code=2)

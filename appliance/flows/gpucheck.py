@@ -14,7 +14,6 @@ rank, then one report.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import getpass
 import shlex
 import shutil
@@ -34,7 +33,6 @@ from ..node import doctor as node_doctor, doctor_report, gpudoctor
 from ..node.doctor import Check
 from ..protocol import Line, parse
 from ..remote import Session
-from ..sites import rank_env
 from ..spec import Spec, Train
 from ..train.launch import JobHooks, JobResult, train as train_job
 
@@ -180,7 +178,7 @@ def efficiency(one: Check, every: Check) -> None:
 
 def cluster_checks(cluster: Cluster, gpus: dict[str, int], run: Callable | None = None) -> list[Check]:
     """The checks that need every rank (or GPUs at all): skipped without a GPU."""
-    run = run or functools.partial(train_job, rank_defaults=rank_env(cluster))
+    run = run or train_job
     if not sum(gpus.values()):
         return [Check(n, "skip", gpudoctor.NO_GPU) for n in NAMES]
     checks = [c for c in (slots_check(cluster, gpus),) if c is not None]

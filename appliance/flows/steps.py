@@ -21,7 +21,7 @@ from ..errors import ApplianceError, SpecError
 from .. import report
 from ..provision import lifecycle
 from ..remote import pack_code
-from ..sites import Site, for_cluster, for_spec, load_spec, open_site, rank_env
+from ..sites import Site, for_cluster, for_spec, load_spec, open_site
 from ..protocol import keras_switch
 from ..spec import Spec, keras_choice
 from ..store.checkpoints import CheckpointStore
@@ -167,7 +167,7 @@ def run_job(spec: Spec, cluster: Cluster, *, run: RunContext | None = None, cont
                         on_first_step=on_first_step, launcher=control.id if control else None,
                         on_extended=stream.renew)
     hooks = [ck, stream, RunRecords()] + ([control.hook(ck.user_stop)] if control is not None else [])
-    return train(spec, cluster, hooks=hooks, rank_defaults=rank_env(cluster), **kw)
+    return train(spec, cluster, hooks=hooks, **kw)
 
 
 def resume(run: str, *, spec_path: str | None = None, cluster_name: str | None = None, nodes: int | None = None,

@@ -27,7 +27,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from ..errors import ApplianceError, JobFailed
 from ..protocol import EXIT_STOPPED, Env, Line, job_files, parse, rank_environment
 from ..provision.contextualize import contextualize
 from ..remote import ConnectionLost, Remote, Session
+from ..sites import rank_env
 from ..spec import Spec, keras_choice, keras_line
 from .headjob import (EXIT_LINE, RANK_LINE, RUN_BUSY, _Connection, _Head, check_run_free, code_dir, code_files,
                       detached_command, follow, hidden, locked_command, run_dir, who)
@@ -140,14 +141,13 @@ def _probe_head(head: Remote, python: str) -> str:
 
 
 def horovodrun_command(cluster: Cluster, spec: Spec, *, job_id: str, nic: str, pkg_dir: str,
-                       extra_env: dict[str, str] | None = None, site: str | None = None,
-                       defaults: Mapping[str, str] | None = None) -> tuple[str, dict[str, str]]:
-    """The shell command run on the head node, and the exact environment horovodrun gets. ``defaults``: what the
-    ranks get unless the spec's train.env says otherwise (those of the cluster's site: sites.rank_env)."""
+                       extra_env: dict[str, str] | None = None, site: str | None = None) -> tuple[str, dict[str, str]]:
+    """The shell command run on the head node, and the exact environment horovodrun gets: what the cluster's
+    machines want (sites.rank_env) unless the spec's train.env says otherwise."""
     head = cluster.head
     venv_bin = str(Path(cluster.python).parent)
     etc = cluster.config_dir(head)
-    env_extra = {**(defaults or {}), **spec.train.env}
+    env_extra = {**rank_env(cluster), **spec.train.env}
     keras = keras_choice(spec)[0]  # it wins over train.env's TF_USE_LEGACY_KERAS
     env_extra.update({
         "TF_USE_LEGACY_KERAS": "1" if keras == "2" else "0",
@@ -266,8 +266,7 @@ class _Lines:
             self.output.progress(f"{who(int(m.group(1)), self.rank_hosts)} {clean_progress(m.group(3))}")
 
 
-def _prepare(spec: Spec, cluster: Cluster, session: Session, ctx: JobContext, hooks, extra_env, nic: str,
-             rank_defaults: Mapping[str, str] | None = None) -> str:
+def _prepare(spec: Spec, cluster: Cluster, session: Session, ctx: JobContext, hooks, extra_env, nic: str) -> str:
     """Everything before the job starts: the hooks' setup (they may refuse the job), the code copied to every node.
     Returns the command that starts the job detached on the head node. When it raises, the hooks that were set up
     are closed (a lock, a credentials file)."""
@@ -291,7 +290,7 @@ def _prepare(spec: Spec, cluster: Cluster, session: Session, ctx: JobContext, ho
         site = packages.install(session, cluster.python, cdir, spec.train.requirements, f"{rd}/packages",
                                 ctx.say) if spec.train.requirements else None
         cmd, _env = horovodrun_command(cluster, spec, job_id=ctx.job_id, nic=nic, pkg_dir=pkg_dir,
-                                       extra_env=env_more, site=site, defaults=rank_defaults)
+                                       extra_env=env_more, site=site)
         session.head.run(f"cat > {shlex.quote(code_list)}", stdin=json.dumps(code_files(spec.code_dir)).encode(),
                          check=True)
     except BaseException:  # the job never starts: what the hooks set up goes
@@ -353,12 +352,11 @@ def _exit_verdict(watch: Watch, rc: int, spec: Spec, cluster: Cluster) -> int:
 
 def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = None, grace: float = 10.0,
           heartbeat: float = 5.0, extra_env: dict[str, str] | None = None, restore: str | None = None,
-          hooks: list[JobHooks] | tuple = (), rank_defaults: Mapping[str, str] | None = None) -> JobResult:
+          hooks: list[JobHooks] | tuple = ()) -> JobResult:
     """Run the spec's training command across the cluster. Returns when the job has ended.
 
     ``restore``: the checkpoint directory (same path on every node) the ranks resume from. ``hooks``: what other
-    steps add to the job (checkpoints, run records: `flows.run_job` adds them). ``rank_defaults``: the ranks'
-    variables unless the spec's train.env sets them (`flows.run_job`: those of the cluster's site, sites.rank_env)."""
+    steps add to the job (checkpoints, run records: `flows.run_job` adds them)."""
     job_id = f"{spec.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     log_dir = paths.home() / "runs" / spec.name
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -380,7 +378,7 @@ def train(spec: Spec, cluster: Cluster, *, out: Callable[[str], None] | None = N
             check_run_free(session.head, rd, spec.name)
             conn = _Connection(session)  # hooks reach the head through whichever connection is current
             ctx = JobContext(spec, cluster, _Head(conn), rd, job_id, restore, say, nodes=session)
-            cmd = _prepare(spec, cluster, session, ctx, hooks, extra_env, nic, rank_defaults)
+            cmd = _prepare(spec, cluster, session, ctx, hooks, extra_env, nic)
             say(f"[appliance] job {job_id}: {cluster.world_size} rank(s) on "
                 f"{', '.join(dict.fromkeys(rank_hosts))}, NIC {nic}")
             watch = Watch(cluster, session, job_id, grace, heartbeat, say)
