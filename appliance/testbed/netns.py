@@ -332,7 +332,12 @@ def _make_bridge_on(name: str, base: Path, net: ipaddress.IPv4Network) -> Testbe
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     Path(tb.known_hosts).touch()
     tb.save()  # record early so a failure half-way can be torn down
-    _run("ip", "link", "add", bridge, "type", "bridge")
+    # An address of its own: a bridge without one takes its lowest port's and changes it when that port goes
+    # (net/bridge/br_stp_if.c br_stp_recalculate_bridge_id), and the other nodes' ARP entries for this machine then
+    # point at a port that is gone until they expire (up to a minute: SSH to them timed out meanwhile). A Chameleon
+    # node's gateway keeps its MAC when another server is deleted. Locally administered (02:...), random.
+    mac = "02:" + ":".join(f"{b:02x}" for b in os.urandom(5))
+    _run("ip", "link", "add", bridge, "address", mac, "type", "bridge")
     _run("ip", "addr", "add", f"{host_ip}/{net.prefixlen}", "dev", bridge)
     _run("ip", "link", "set", bridge, "up")
     return tb
