@@ -47,6 +47,11 @@ class Unavailable(ApplianceError):
     with back-off: not an answer ("not there" least of all); the same step later may well succeed."""
 
 
+class Unreachable(ApplianceError):
+    """A node did not answer SSH (a refusal, a reset, a close before its banner, no banner or no route in time): down,
+    or the network between is; not a refusal of the key or the host key, and the same step later may well succeed."""
+
+
 class JobFailed(ApplianceError):
     """The training job ran and failed; exit_code is the job's."""
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import paramiko
 
 from .cluster import Cluster, Node
-from .errors import ApplianceError
+from .errors import ApplianceError, Unreachable
 
 LineFn = Callable[[str, str], None]  # (stream "out"|"err", line)
 
@@ -367,7 +367,7 @@ class SSHRemote(Remote):
         self.client.close()
 
 
-class ClosedBeforeBanner(ApplianceError):
+class ClosedBeforeBanner(Unreachable):
     """sshd closed (or reset) the connection before its banner."""
 
 
@@ -412,12 +412,13 @@ def _connect_error(cluster: Cluster, node: Node, e: BaseException, seconds: floa
         if "not found in known_hosts" in str(e):
             return ApplianceError(f"{node.name} ({node.address}) has no pinned host key",
                                   "re-run `appliance up` to record host keys")
-        cls = ClosedBeforeBanner if _closed_before_banner(e, seconds, timeout) else ApplianceError
-        return cls(f"SSH to {node.name} ({node.address}:{node.port}) failed: {e}",
+        closed = _closed_before_banner(e, seconds, timeout)
+        cls = ClosedBeforeBanner if closed else Unreachable
+        return cls(f"SSH to {node.name} ({node.address}:{node.port}) failed after {seconds:.1f}s: {e}",
                    f"check that {node.name} is up (`appliance status`)")
     if isinstance(e, (OSError, EOFError)):  # socket.timeout is an OSError
-        return ApplianceError(f"cannot reach {node.name} at {node.address}:{node.port} ({e})",
-                              f"check that {node.name} is up (`appliance status`)")
+        return Unreachable(f"cannot reach {node.name} at {node.address}:{node.port} ({e})",
+                           f"check that {node.name} is up (`appliance status`)")
     return e
 
 
@@ -441,8 +442,8 @@ def connect(cluster: Cluster, node: Node, *, head: SSHRemote | None = None, time
                 sock = head.transport.open_channel("direct-tcpip", (node.address, node.port), ("127.0.0.1", 0),
                                                    timeout=timeout)
             except (paramiko.SSHException, OSError) as e:
-                raise ApplianceError(f"cannot reach {node.name} ({node.address}) through the head node ({e})",
-                                     f"check that {node.name} is up (`appliance status`)") from None
+                raise Unreachable(f"cannot reach {node.name} ({node.address}) through the head node ({e})",
+                                  f"check that {node.name} is up (`appliance status`)") from None
         try:
             return SSHRemote(node, _connect_ssh(cluster, node, sock=sock, timeout=timeout), jump=head)
         except ClosedBeforeBanner:

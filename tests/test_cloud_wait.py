@@ -22,8 +22,6 @@ def away_run(tmp_path, monkeypatch):
     """run_managed of a new run on the local site whose first `lifecycle.up` calls raise ``errors`` in turn (then
     succeed), the job on the cluster ending with 0. Returns (result, the controller's state.json, the ups asked)."""
     def run(name: str, errors: list, on_error=None):
-        spec = write_spec(tmp_path, "python x.py", code=tmp_path, name=name,
-                          extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")
         ups = []
 
         def up(site, spec, **kw):
@@ -41,11 +39,17 @@ def away_run(tmp_path, monkeypatch):
         monkeypatch.setattr(managed, "_has_committed_work", lambda ctx: False)
         monkeypatch.setattr(flows.steps, "run_job", job)
         monkeypatch.setattr(lifecycle, "up", up)
-        monkeypatch.setattr(recovery, "reconcile", lambda ctx, control, ledger=None: [])
-        res = flows.run_managed(str(spec))
-        state = json.loads((tmp_path / "ck" / name / "controller" / "state.json").read_text())
-        return res, state, ups
+        return (*_managed(tmp_path, name, monkeypatch), ups)
     return run
+
+
+def _managed(tmp_path, name: str, monkeypatch):
+    """run_managed of a spec named ``name``, its checkpoints under tmp_path: its result and its controller's state."""
+    spec = write_spec(tmp_path, "python x.py", code=tmp_path, name=name,
+                      extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")
+    monkeypatch.setattr(recovery, "reconcile", lambda ctx, control, ledger=None: [])
+    res = flows.run_managed(str(spec))
+    return res, json.loads((tmp_path / "ck" / name / "controller" / "state.json").read_text())
 
 
 def test_the_run_waits_while_the_cloud_does_not_answer_and_goes_on_by_itself(away_run, monkeypatch):
@@ -83,3 +87,38 @@ def test_waiting_is_a_status_of_its_own_reached_from_every_status_that_asks_the_
     for s in (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.HANDOVER, RunStatus.PARKED):
         assert RunStatus.WAITING in NEXT[s]
     assert {RunStatus.RUNNING, RunStatus.CANCELLED, RunStatus.PARKED} <= NEXT[RunStatus.WAITING]
+
+
+@pytest.fixture
+def resumed_run(tmp_path, monkeypatch):
+    """run_managed of a run with committed work whose resumes raise ``errors`` in turn (then succeed, the job ending
+    with 0). Returns (result, the controller's state.json, the resumes asked)."""
+    def run(name: str, errors: list):
+        asked = []
+
+        def resume(run_name, **kw):
+            asked.append(run_name)
+            if errors:
+                raise errors.pop(0)
+            return JobResult(job_id="w1", exit_code=0, world_size=2, rank_hosts=["a", "b"])
+
+        monkeypatch.setattr(managed, "_has_committed_work", lambda ctx: True)
+        monkeypatch.setattr(flows.steps, "resume", resume)
+        return (*_managed(tmp_path, name, monkeypatch), asked)
+    return run
+
+
+def test_a_node_that_does_not_answer_ssh_for_a_while_is_waited_for(resumed_run, monkeypatch):
+    """A resume whose SSH to the cluster's head failed ended the unattended run (a warm handover's, on a banner that
+    did not come): the run waits and resumes again; a node away longer than NODE_WAIT still ends it, with its error."""
+    from appliance.errors import Unreachable
+
+    monkeypatch.setattr(recovery, "CLOUD_WAIT", (0.01, 0.02))
+    drop = Unreachable("SSH to nw-0 (10.0.0.9:22) failed after 15.0s: Error reading SSH protocol banner")
+    res, state, asked = resumed_run("nw1", [drop, drop])
+    assert res.exit_code == 0 and len(asked) == 3 and state["status"] == "finished"
+    away = [e for e in state["events"] if e["event"] == "cloud away"]
+    assert len(away) == 1 and "SSH protocol banner" in away[0]["error"]
+    monkeypatch.setattr(recovery, "NODE_WAIT", 0.05)
+    with pytest.raises(Unreachable, match="nw-0"):
+        resumed_run("nw2", [drop] * 1000)

@@ -17,7 +17,7 @@ import pytest
 
 from appliance import remote
 from appliance.cluster import Cluster, Node
-from appliance.errors import ApplianceError
+from appliance.errors import Unreachable
 
 
 class _Accept(paramiko.ServerInterface):
@@ -108,7 +108,7 @@ def test_closes_past_the_tries_are_said_in_one_line(keys, monkeypatch):
     monkeypatch.setattr(remote, "CONNECT_PAUSE", 0.01)
     with Listener(lambda n: "close", keys[0]) as srv:
         cl = _cluster(keys, srv.port)
-        with pytest.raises(ApplianceError, match="SSH to node1 .* failed: Error reading SSH protocol banner"):
+        with pytest.raises(Unreachable, match=r"SSH to node1 .* failed after \d+\.\ds: Error reading SSH protocol banner"):
             remote.connect(cl, cl.head, timeout=5)
         assert srv.accepted == remote.CONNECT_TRIES
 
@@ -117,8 +117,8 @@ def test_a_banner_that_never_comes_and_a_refusal_are_not_tried_again(keys, monke
     monkeypatch.setattr(remote, "CONNECT_PAUSE", 0.01)
     with Listener(lambda n: "hold", keys[0]) as srv:
         cl = _cluster(keys, srv.port)
-        with pytest.raises(ApplianceError, match="SSH to node1 .* failed") as e:  # paramiko: "No existing session"
+        with pytest.raises(Unreachable, match="SSH to node1 .* failed") as e:  # paramiko: "No existing session"
             remote.connect(cl, cl.head, timeout=0.3)
         assert srv.accepted == 1 and not isinstance(e.value, remote.ClosedBeforeBanner)
-    with pytest.raises(ApplianceError, match="cannot reach node1"):  # nothing listens there now
+    with pytest.raises(Unreachable, match="cannot reach node1"):  # nothing listens there now
         remote.connect(cl, cl.head, timeout=0.3)

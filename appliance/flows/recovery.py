@@ -24,7 +24,7 @@ import time
 
 from .. import report
 from ..cluster import Cluster, find_cluster
-from ..errors import ApplianceError, NoHosts, Unanswered, Unavailable
+from ..errors import ApplianceError, NoHosts, Unanswered, Unavailable, Unreachable
 from ..provision import lifecycle
 from ..spec import Alternative, duration_seconds
 from . import handover
@@ -35,6 +35,9 @@ log = report.get(__name__)
 
 # seconds between looks while the cloud does not answer: the first, and the most (doubling in between)
 CLOUD_WAIT = (15.0, 600.0)
+# seconds a node of the run's cluster may go on not answering SSH (errors.Unreachable) before the run ends on it: a
+# network blip or an sshd that drops connections is waited out; a node that stays away is one `appliance status` shows
+NODE_WAIT = 600.0
 
 
 class Recovery:
@@ -60,17 +63,24 @@ class Recovery:
     def patiently(self, step):
         """``step()``, through the control plane's bad hours (next_cluster says how), and its result; None when the
         run is cancelled or its controller lost the run meanwhile. A managed run's resume goes through it whole too
-        (managed._Run.resume): a staging whose store did not answer is a wait, then the resume again."""
+        (managed._Run.resume): a staging whose store did not answer is a wait, then the resume again; so is a node
+        that does not answer SSH (errors.Unreachable), for up to NODE_WAIT seconds, after which its error ends it."""
         c, away, delay = self.run.control, None, CLOUD_WAIT[0]
+        unreachable = None  # since when a node has not answered SSH
         while True:
             try:
                 got = step()
-            except (Unavailable, Unanswered) as e:
+            except (Unavailable, Unanswered, Unreachable) as e:
                 if c.cancel is not None or c.lost:
                     return None
+                if isinstance(e, Unreachable):
+                    unreachable = unreachable or time.monotonic()
+                    if time.monotonic() - unreachable > NODE_WAIT:
+                        raise
                 if away is None:
                     away = time.monotonic()
-                    log.info(f"[run] the cloud does not answer ({e.message}): run {self.run.spec.name} waits with "
+                    who = "a node" if isinstance(e, Unreachable) else "the cloud"
+                    log.info(f"[run] {who} does not answer ({e.message}): run {self.run.spec.name} waits with "
                              f"its checkpoint and asks again (`appliance cancel {self.run.spec.name}` ends the wait)")
                     c.waiting(error=e.message)
                 c.changed.wait(delay)  # the next look, or at once on a cancel
