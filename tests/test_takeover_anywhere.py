@@ -194,11 +194,9 @@ def test_a_cancel_in_the_store_becomes_the_jobs_stop_file_on_its_head(tmp_path):
     assert stopask.asked(cs, "r-2")["answered"]
 
 
-@pytest.mark.parametrize("answers", [False, True])
-def test_a_job_that_does_not_answer_the_cancel_loses_its_lease_and_the_steps_lost_are_said(tmp_path, monkeypatch,
-                                                                                           said, answers):
-    spec = flows.check(str(write_spec(tmp_path, "python x.py", code=tmp_path, name=f"tc{os.urandom(3).hex()}",
-                                      extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")))
+def _a_cancelled_job(spec, monkeypatch):
+    """A run's controller (taken) and the lock of a job of it started elsewhere on lease L9, whose run's newest
+    commit is step 120: (context, the cloud that records lease deletes, controller)."""
     ctx = flows.RunContext(spec, open_site("local"))
     cloud = _Cloud([])
     monkeypatch.setattr(ctx, "at", lambda site=None: SimpleNamespace(cloud=cloud))
@@ -207,6 +205,15 @@ def test_a_job_that_does_not_answer_the_cancel_loses_its_lease_and_the_steps_los
     c = managed.Control(spec, None, poll=3600)
     c.take()
     _job_lock(ctx, f"{spec.name}-1", "elsewhere", lease_id="L9")
+    return ctx, cloud, c
+
+
+@pytest.mark.parametrize("answers", [False, True])
+def test_a_job_that_does_not_answer_the_cancel_loses_its_lease_and_the_steps_lost_are_said(tmp_path, monkeypatch,
+                                                                                           said, answers):
+    spec = flows.check(str(write_spec(tmp_path, "python x.py", code=tmp_path, name=f"tc{os.urandom(3).hex()}",
+                                      extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")))
+    ctx, cloud, c = _a_cancelled_job(spec, monkeypatch)
     clock, rd = [0.0], tmp_path / "run"
     rd.mkdir()
     (rd / RUN_MARKER).write_text("")
@@ -251,4 +258,31 @@ def test_the_controller_enforces_the_stop_on_a_cancel(tmp_path, monkeypatch):
     c.cancelled({"controller": c.id, "by": "elsewhere"})
     run.settle()
     assert enforced == [c]
+    c.close("cancelled")
+
+
+def test_the_cancels_check_outlives_a_store_that_does_not_answer_for_a_while(tmp_path, monkeypatch, said):
+    """The enforcer's thread died on one refused read of the run's lock (a store token from the run's start): a
+    read that fails is said once and looked at again, and the stop is still enforced."""
+    from appliance.errors import Unavailable
+
+    spec = flows.check(str(write_spec(tmp_path, "python x.py", code=tmp_path, name=f"tu{os.urandom(3).hex()}",
+                                      extra=f"checkpoint: {{url: 'file://{tmp_path}/ck/'}}\n")))
+    ctx, cloud, c = _a_cancelled_job(spec, monkeypatch)
+    real, reads = RunLock.read, []
+
+    def read(self):
+        reads.append(1)
+        if len(reads) in (2, 3):
+            raise Unavailable("the store is not answering (HTTP 503, asked again with back-off)")
+        return real(self)
+
+    monkeypatch.setattr(RunLock, "read", read)
+    clock = [0.0]
+
+    def wait(seconds):
+        clock[0] += seconds
+        return False
+    assert stopping.enforce(ctx, c, wait=wait, now=lambda: clock[0]) == "deleted" and cloud.deleted == ["L9"]
+    assert len([m for m in said if "cannot read run" in m and "HTTP 503" in m]) == 1
     c.close("cancelled")

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from .. import report
+from ..errors import ApplianceError
 from ..store import stopask
 from ..store.checkpoints import CheckpointStore
 from ..store.runlock import INTERVAL, RunLock
@@ -45,23 +46,39 @@ def enforce(ctx, control, *, limit: float | None = None, poll: float | None = No
     """After a cancel: the job that holds the run's lock is asked to stop (the request in the store, unless one is
     there for it), and given ``limit`` (bound()) from its start to answer; then its lease is deleted (said: the
     steps after its last commit are lost). Returns "none" (no job), "answered", "ended", "not started" (a lock with
-    no word of a start, not this controller's), "closed" (the controller ended first) or "deleted".
+    no word of a start, not this controller's), "closed" (the controller ended first), "deleted" or "unread" (the
+    store did not answer the first look; later looks that fail are looked at again, said once).
     ``wait(seconds)``: True once the controller is closed."""
     cs, limit = ctx.checkpoints, limit if limit is not None else bound()
     poll, wait = poll if poll is not None else stopask.STOP_POLL / 3, wait or control.wait_closed
     lock = RunLock(cs, "", cluster="", head="")
-    job = lock.read()
+    try:
+        job = lock.read()
+    except ApplianceError as e:
+        log.info(f"[run] warning: cannot read run {control.run}'s lock for its cancel ({e}): the job's own beat "
+                 "still finds the stop request `appliance cancel` left")
+        return "unread"
     if job is None:
         return "none"
     jid = str(job.get("job_id"))
     if stopask.asked(cs, jid) is None:
         stopask.ask(cs, jid, f"the controller of run {control.run}")
-    since = now()
+    since, unread = now(), None
     while True:
-        cur = lock.read()
+        try:
+            cur, answer = lock.read(), None
+            if cur is not None and cur.get("job_id") == jid:
+                answer = stopask.asked(cs, jid)
+        except ApplianceError as e:  # the store away longer than a read waits: looked at again, said once
+            if unread is None:
+                log.info(f"[run] warning: cannot read run {control.run}'s lock for its cancel ({e}); looking again")
+            unread = e
+            if wait(poll):
+                return "closed"
+            continue
         if cur is None or cur.get("job_id") != jid:
             return "ended"
-        if (stopask.asked(cs, jid) or {}).get("answered"):
+        if (answer or {}).get("answered"):
             return "answered"
         if not cur.get("started"):
             if cur.get("launcher") != control.id:  # never started by a dead launcher (takeover.py), or a job

@@ -127,10 +127,11 @@ def retrying(fn: Callable, *, what: str, until: float | None = None, attempts: i
 class CheckpointStore:
     """The checkpoints of one run in one object store."""
 
-    def __init__(self, url: str, run: str, creds: StoreCreds | None):
+    def __init__(self, url: str, run: str, creds: StoreCreds | None,
+                 renew: Callable[[], StoreCreds] | None = None):
         self.url = url.rstrip("/") + "/"
         self.run = run
-        self.store, base = open_store(self.url, creds)
+        self.store, base = open_store(self.url, creds, renew)  # renew: for a process that outlives a token
         # every request here is retried by `retrying`, against the caller's deadline (a stop's), not the stager's
         self.store.list_deadline = 0.0
         self.prefix = f"{base}{run}/" if base else f"{run}/"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .. import report
@@ -123,15 +123,16 @@ def unreachable(store: Store, e: BaseException) -> ApplianceError | None:
                           fix.get(store.scheme, "check the network"))
 
 
-def open_store(url: str, creds: StoreCreds | None) -> tuple[Store, str]:
-    """(store, prefix) for a URL."""
+def open_store(url: str, creds: StoreCreds | None,
+               renew: Callable[[], StoreCreds] | None = None) -> tuple[Store, str]:
+    """(store, prefix) for a URL. ``renew``: new credentials when a Swift store refuses a bare token (SwiftStore)."""
     scheme, where, prefix = parse_url(url)
     if scheme == "file":
         return FileStore(where), prefix
     if creds is None:
         raise ApplianceError(f"no credentials for {url}", "see docs/staging.md (OS_CLOUD, or the local cloud)")
     if scheme == "swift":
-        return SwiftStore(where, creds), prefix
+        return SwiftStore(where, creds, renew), prefix
     return S3Store(where, creds), prefix
 
 

@@ -20,9 +20,12 @@ log = report.get(__name__)
 class SwiftStore(Store):
     scheme = "swift"
 
-    def __init__(self, container: str, creds: StoreCreds):
+    def __init__(self, container: str, creds: StoreCreds, renew: Callable[[], StoreCreds] | None = None):
         self.container = self.where = container
         self.creds = creds
+        # new credentials when the store refuses a bare token (it expired: a day on Chameleon), for a process that
+        # outlives one (a managed run's controller); the site's Keystone session makes them (flows RunContext)
+        self._renew = renew
         self._local = threading.local()
         if not (creds.storage_url and creds.token) and not (creds.auth_url and creds.user and creds.key) \
                 and not creds.app_cred:
@@ -89,6 +92,9 @@ class SwiftStore(Store):
             if self.creds.token and self.creds.storage_url and \
                     (have is None and self.creds.token != stale or not self._renewable()):
                 return self.creds.storage_url, self.creds.token  # until refused once; then renewed when it can be
+            if self._renew is not None and not (self.creds.app_cred or self.creds.auth_url):
+                self._renewed()
+                return self.creds.storage_url, self.creds.token
             try:
                 if self.creds.app_cred:
                     url, token, self._expires = swiftauth.keystone(self.creds.keystone_url, self.creds.app_cred_id,
@@ -102,7 +108,16 @@ class SwiftStore(Store):
             self._shared = (url, token)
             return self._shared
 
-    def _call(self, fn, *args, **kwargs):
+    def _renewed(self) -> None:
+        """The credentials ``renew`` makes now, for every connection made from here on."""
+        self.creds = self._renew()
+        self._shared = None
+        self._reset()
+
+    def _call(self, fn, *args, _again: bool = True, **kwargs):
+        """``fn(*args, **kwargs)`` (a swiftclient call on this thread's connection), its errors said as the store's;
+        once more on a new connection with new credentials when ``renew`` makes them and the store refused the
+        token (401), unless a body was sent from an iterator or a file (it is not sent again: said refused)."""
         import swiftclient
 
         try:
@@ -110,6 +125,11 @@ class SwiftStore(Store):
             self._share()  # a token swiftclient asked for inside the call (on first use, or after a 401)
             return got
         except swiftclient.ClientException as e:
+            if e.http_status == 401 and self._renew is not None and _again:
+                self._renewed()
+                if any(hasattr(a, "__next__") or hasattr(a, "read") for a in (*args, *kwargs.values())):
+                    raise _Renewed(self._refused(401).message) from None  # _put_body sends a fresh body() once
+                return self._call(getattr(self.conn(), fn.__name__), *args, _again=False, **kwargs)
             if e.http_status == 404:
                 raise FileNotFoundError(f"swift://{self.container}/{args[1] if len(args) > 1 else ''}") from None
             if e.http_status == 413 and "quota" in str(e).lower():  # RGW's QuotaExceeded (Swift's own quotas too)
@@ -126,7 +146,8 @@ class SwiftStore(Store):
         return self.creds.storage_url or self.creds.auth_url or ""
 
     def _renewable(self) -> bool:
-        return bool(self.creds.auth_url and self.creds.user and self.creds.key) or self.creds.app_cred
+        return bool(self.creds.auth_url and self.creds.user and self.creds.key) or self.creds.app_cred or \
+            self._renew is not None
 
     def _refused(self, status: int) -> ApplianceError:
         renewable = self._renewable()
@@ -354,6 +375,8 @@ class SwiftStore(Store):
 
         try:
             return self._call(self.conn().put_object, container, name, body(), **kwargs)
+        except _Renewed:
+            return self._call(self.conn().put_object, container, name, body(), _again=False, **kwargs)
         except swiftclient.ClientException as e:
             if e.http_status is not None or "reset contents" not in str(e):
                 raise
@@ -397,6 +420,11 @@ class SwiftStore(Store):
     def ensure_container(self) -> None:
         _check_name("swift", self.container)
         self._call(self.conn().put_container, self.container)
+
+
+class _Renewed(StoreRefused):
+    """A 401 on a request whose body cannot be sent again: the credentials were made again (SwiftStore._call);
+    the caller that can make the body anew sends it once more (_put_body), any other is refused."""
 
 
 def _asked(method: str, url: str, token: str) -> tuple[dict, bytes]:
