@@ -412,10 +412,19 @@ def _connect_error(cluster: Cluster, node: Node, e: BaseException, seconds: floa
         if "not found in known_hosts" in str(e):
             return ApplianceError(f"{node.name} ({node.address}) has no pinned host key",
                                   "re-run `appliance up` to record host keys")
-        closed = _closed_before_banner(e, seconds, timeout)
-        cls = ClosedBeforeBanner if closed else Unreachable
+        # the connection lost or never answered is the node's or the network's (waited for: Unreachable); any other
+        # (a key file paramiko cannot read, no algorithm in common) is said at once
+        lost = str(e).startswith("Error reading SSH protocol banner") or str(e) == "No existing session" or \
+            isinstance(e.__context__, (EOFError, ConnectionError, TimeoutError))
+        cls = ClosedBeforeBanner if _closed_before_banner(e, seconds, timeout) else Unreachable if lost else \
+            ApplianceError
         return cls(f"SSH to {node.name} ({node.address}:{node.port}) failed after {seconds:.1f}s: {e}",
-                   f"check that {node.name} is up (`appliance status`)")
+                   f"check that {node.name} is up (`appliance status`)" if lost else
+                   f"check the key file {cluster.key_file} and the node's sshd")
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):  # the key file, not the node
+        return ApplianceError(f"cannot read the SSH key file {cluster.key_file} ({e.strerror})",
+                              "give the private key of the key pair the nodes were launched with (key_file in the "
+                              "spec, or --key-file)")
     if isinstance(e, (OSError, EOFError)):  # socket.timeout is an OSError
         return Unreachable(f"cannot reach {node.name} at {node.address}:{node.port} ({e})",
                            f"check that {node.name} is up (`appliance status`)")

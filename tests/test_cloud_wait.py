@@ -122,3 +122,7 @@ def test_a_node_that_does_not_answer_ssh_for_a_while_is_waited_for(resumed_run, 
     monkeypatch.setattr(recovery, "NODE_WAIT", 0.05)
     with pytest.raises(Unreachable, match="nw-0"):
         resumed_run("nw2", [drop] * 1000)
+    # only waits in a row count: another error between them (here the cloud's) starts the count again
+    monkeypatch.setattr(recovery, "CLOUD_WAIT", (0.02, 0.02))
+    res, state, asked = resumed_run("nw3", [drop, drop, Unavailable("Nova is not answering"), drop, drop])
+    assert res.exit_code == 0 and len(asked) == 6

@@ -17,7 +17,7 @@ import pytest
 
 from appliance import remote
 from appliance.cluster import Cluster, Node
-from appliance.errors import Unreachable
+from appliance.errors import ApplianceError, Unreachable
 
 
 class _Accept(paramiko.ServerInterface):
@@ -122,3 +122,20 @@ def test_a_banner_that_never_comes_and_a_refusal_are_not_tried_again(keys, monke
         assert srv.accepted == 1 and not isinstance(e.value, remote.ClosedBeforeBanner)
     with pytest.raises(Unreachable, match="cannot reach node1"):  # nothing listens there now
         remote.connect(cl, cl.head, timeout=0.3)
+
+
+def test_a_key_file_that_cannot_be_read_is_said_at_once_not_waited_for(keys, tmp_path, monkeypatch):
+    """A managed run waits for a node that does not answer SSH (errors.Unreachable); a key file missing or not a key
+    is no such wait: its own error, at once."""
+    import dataclasses
+
+    monkeypatch.setattr(remote, "CONNECT_PAUSE", 0.01)
+    garbage = tmp_path / "garbage"
+    garbage.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nnot base64 at all\n-----END OPENSSH PRIVATE KEY-----\n")
+    with Listener(lambda n: "ssh", keys[0]) as srv:
+        cl = _cluster(keys, srv.port)
+        for key_file, said in ((tmp_path / "missing", "cannot read the SSH key file"), (garbage, "failed after")):
+            bad = dataclasses.replace(cl, key_file=str(key_file))
+            with pytest.raises(ApplianceError, match=said) as e:
+                remote.connect(bad, bad.head, timeout=5)
+            assert not isinstance(e.value, Unreachable), e.value

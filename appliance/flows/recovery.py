@@ -35,8 +35,10 @@ log = report.get(__name__)
 
 # seconds between looks while the cloud does not answer: the first, and the most (doubling in between)
 CLOUD_WAIT = (15.0, 600.0)
-# seconds a node of the run's cluster may go on not answering SSH (errors.Unreachable) before the run ends on it: a
-# network blip or an sshd that drops connections is waited out; a node that stays away is one `appliance status` shows
+# seconds waited in a row for a node of the run's cluster that does not answer SSH (errors.Unreachable) before the
+# run ends on its error: a network blip or an sshd that drops connections is waited out; a node that stays away is one
+# `appliance status` shows. Only the waits count (not a try's own minutes: a new lease's boot), and another error
+# between two such tries starts the count again.
 NODE_WAIT = 600.0
 
 
@@ -65,31 +67,34 @@ class Recovery:
         run is cancelled or its controller lost the run meanwhile. A managed run's resume goes through it whole too
         (managed._Run.resume): a staging whose store did not answer is a wait, then the resume again; so is a node
         that does not answer SSH (errors.Unreachable), for up to NODE_WAIT seconds, after which its error ends it."""
-        c, away, delay = self.run.control, None, CLOUD_WAIT[0]
-        unreachable = None  # since when a node has not answered SSH
+        c, away, delay, who = self.run.control, None, CLOUD_WAIT[0], "the cloud"
+        node_waited = 0.0  # seconds waited in a row for a node that does not answer SSH (its tries not counted)
         while True:
             try:
                 got = step()
             except (Unavailable, Unanswered, Unreachable) as e:
                 if c.cancel is not None or c.lost:
                     return None
+                pause = delay
                 if isinstance(e, Unreachable):
-                    unreachable = unreachable or time.monotonic()
-                    if time.monotonic() - unreachable > NODE_WAIT:
+                    if node_waited >= NODE_WAIT:
                         raise
+                    pause = min(delay, NODE_WAIT - node_waited)
+                    node_waited += pause
+                else:
+                    node_waited = 0.0
                 if away is None:
-                    away = time.monotonic()
-                    who = "a node" if isinstance(e, Unreachable) else "the cloud"
+                    away, who = time.monotonic(), "a node" if isinstance(e, Unreachable) else "the cloud"
                     log.info(f"[run] {who} does not answer ({e.message}): run {self.run.spec.name} waits with "
                              f"its checkpoint and asks again (`appliance cancel {self.run.spec.name}` ends the wait)")
                     c.waiting(error=e.message)
-                c.changed.wait(delay)  # the next look, or at once on a cancel
+                c.changed.wait(pause)  # the next look, or at once on a cancel
                 c.changed.clear()
                 delay = min(2 * delay, CLOUD_WAIT[1])
                 continue
             if away is not None:
                 waited = round(time.monotonic() - away, 1)
-                log.info(f"[run] the cloud answers again after {waited:.0f} s: run {self.run.spec.name} goes on")
+                log.info(f"[run] {who} answers again after {waited:.0f} s: run {self.run.spec.name} goes on")
                 c.record("cloud back", waited_s=waited)
                 reconcile(self.run.ctx, c, self.run.ledger)
             return got

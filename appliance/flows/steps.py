@@ -73,7 +73,8 @@ class RunContext:
         token the store refuses (a bare Keystone token lives a day; a managed run's controller runs for weeks) is
         made again from the site's credentials."""
         url = self.spec.checkpoint.url
-        return CheckpointStore(url, self.spec.name, self.creds(url), renew=lambda: self.creds(url)) if url else None
+        return CheckpointStore(url, self.spec.name, self.creds(url),
+                               renew=lambda: self.site.fresh_store_creds(url)) if url else None
 
     def lease_site(self, cluster: Cluster) -> Site | None:
         """The site whose lease the cluster runs on (the spec's own when they agree), None without a lease."""

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 
 from .. import report
-from ..errors import ApplianceError
 from ..store import stopask
 from ..store.checkpoints import CheckpointStore
 from ..store.runlock import INTERVAL, RunLock
@@ -46,36 +45,32 @@ def enforce(ctx, control, *, limit: float | None = None, poll: float | None = No
     """After a cancel: the job that holds the run's lock is asked to stop (the request in the store, unless one is
     there for it), and given ``limit`` (bound()) from its start to answer; then its lease is deleted (said: the
     steps after its last commit are lost). Returns "none" (no job), "answered", "ended", "not started" (a lock with
-    no word of a start, not this controller's), "closed" (the controller ended first), "deleted" or "unread" (the
-    store did not answer the first look; later looks that fail are looked at again, said once).
-    ``wait(seconds)``: True once the controller is closed."""
+    no word of a start, not this controller's), "closed" (the controller ended first) or "deleted". The store not
+    answering is said once and asked again each ``poll``; the time it is away is not the job's (it could not read
+    the request either). ``wait(seconds)``: True once the controller is closed."""
     cs, limit = ctx.checkpoints, limit if limit is not None else bound()
     poll, wait = poll if poll is not None else stopask.STOP_POLL / 3, wait or control.wait_closed
     lock = RunLock(cs, "", cluster="", head="")
-    try:
+    look = _Looks(control, wait, poll, now)
+
+    def request():
         job = lock.read()
-    except ApplianceError as e:
-        log.info(f"[run] warning: cannot read run {control.run}'s lock for its cancel ({e}): the job's own beat "
-                 "still finds the stop request `appliance cancel` left")
-        return "unread"
+        if job is not None and stopask.asked(cs, str(job.get("job_id"))) is None:
+            stopask.ask(cs, str(job.get("job_id")), f"the controller of run {control.run}")
+        return job
+
+    ok, job = look(request)
+    if not ok:
+        return "closed"
     if job is None:
         return "none"
     jid = str(job.get("job_id"))
-    if stopask.asked(cs, jid) is None:
-        stopask.ask(cs, jid, f"the controller of run {control.run}")
-    since, unread = now(), None
+    since = now()
     while True:
-        try:
-            cur, answer = lock.read(), None
-            if cur is not None and cur.get("job_id") == jid:
-                answer = stopask.asked(cs, jid)
-        except ApplianceError as e:  # the store away longer than a read waits: looked at again, said once
-            if unread is None:
-                log.info(f"[run] warning: cannot read run {control.run}'s lock for its cancel ({e}); looking again")
-            unread = e
-            if wait(poll):
-                return "closed"
-            continue
+        ok, (cur, answer) = look(lambda: _lock_and_answer(lock, cs, jid))
+        if not ok:
+            return "closed"
+        since += look.away  # the store's time away, not the job's
         if cur is None or cur.get("job_id") != jid:
             return "ended"
         if (answer or {}).get("answered"):
@@ -88,6 +83,37 @@ def enforce(ctx, control, *, limit: float | None = None, poll: float | None = No
             return drop(ctx, control, cur, limit)
         if wait(poll):
             return "closed"
+
+
+def _lock_and_answer(lock: RunLock, cs: CheckpointStore, jid: str) -> tuple[dict | None, dict | None]:
+    cur = lock.read()
+    return cur, (stopask.asked(cs, jid) if cur is not None and cur.get("job_id") == jid else None)
+
+
+class _Looks:
+    """``look(fn)``: (True, fn()) once the store answers, the seconds it was away in ``away``; (False, (None, None))
+    once the controller is closed meanwhile. A failure (any client's: swiftclient, keystoneauth, requests, not only
+    the appliance's) is said once for the whole cancel and asked again every ``poll``: the enforcer's thread lives on."""
+
+    def __init__(self, control, wait: Callable[[float], bool], poll: float, now: Callable[[], float]):
+        self.control, self.wait, self.poll, self.now = control, wait, poll, now
+        self.said, self.away = False, 0.0
+
+    def __call__(self, fn):
+        self.away = 0.0
+        while True:
+            t0 = self.now()
+            try:
+                return True, fn()
+            except Exception as e:  # noqa: BLE001 - the store away: looked at again
+                if not self.said:
+                    self.said = True
+                    log.info(f"[run] warning: cannot read run {self.control.run}'s lock for its cancel "
+                             f"({type(e).__name__}: {e}); looking again every {self.poll:.0f}s")
+                closed = self.wait(self.poll)
+                self.away += self.now() - t0  # the failed try and the wait after it
+                if closed:
+                    return False, (None, None)
 
 
 def drop(ctx, control, job: dict, limit: float) -> str:

@@ -113,6 +113,15 @@ class Site(ABC):
                 s3_endpoint_of(creds.storage_url)
         return creds
 
+    def fresh_store_creds(self, url: str | None = None) -> StoreCreds | None:
+        """``store_creds(url)`` with a new Keystone token, not the one the session holds and the store has just
+        refused (revoked, or this machine's clock off Keystone's): what a process that outlives a token asks for
+        (SwiftStore's ``renew``). keystoneauth keeps a token until 120 s before the end it was told."""
+        session = getattr(getattr(self._cloud, "conn", None), "session", None)  # none made yet: none held
+        if session is not None:
+            session.invalidate()  # keystoneauth1 session.py Session.invalidate: the plugin authenticates anew
+        return self.store_creds(url)
+
     @abstractmethod
     def _site_store_creds(self) -> StoreCreds:
         ...

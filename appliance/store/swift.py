@@ -109,9 +109,13 @@ class SwiftStore(Store):
             return self._shared
 
     def _renewed(self) -> None:
-        """The credentials ``renew`` makes now, for every connection made from here on."""
-        self.creds = self._renew()
-        self._shared = None
+        """The credentials ``renew`` makes now, for every connection made from here on; the ones held stay when it
+        makes none this store can use (a refusal)."""
+        new = self._renew()
+        if not (new and (new.storage_url and new.token or new.app_cred or new.auth_url and new.user and new.key)):
+            raise StoreRefused(f"Swift refused the token for container {self.container!r} (401), and the site gave "
+                               "no new one", "check the store credentials (`appliance check --online`)")
+        self.creds, self._shared = new, None
         self._reset()
 
     def _call(self, fn, *args, _again: bool = True, **kwargs):
@@ -310,7 +314,6 @@ class SwiftStore(Store):
         size = path.stat().st_size
         if md5s is None:  # the store's ETags are checked against these, and its CRC_META is from the same reads
             md5s = large_object_etags(path, segment_size, whole=False)
-        conn = self.conn()
         if size <= segment_size:
             meta = _crc_header("X-Object-Meta-", md5s, md5s.get("md5"))
             # the ETag header: the store checks the bytes it received against it and refuses them (422) when they
@@ -321,7 +324,7 @@ class SwiftStore(Store):
                     **({"headers": meta} if meta else {})))
             return etag
         seg_container = f"{self.container}_segments"
-        self._call(conn.put_container, seg_container)
+        self._call(self.conn().put_container, seg_container)  # each call on this thread's connection of the moment
 
         def one(i: int, off: int) -> dict:
             n = min(segment_size, size - off)
@@ -348,7 +351,7 @@ class SwiftStore(Store):
         with ThreadPoolExecutor(max_workers=min(SEGMENTS_IN_FLIGHT, len(offsets))) as pool:
             manifest = list(pool.map(lambda a: one(*a), offsets))
         meta = _crc_header("X-Object-Meta-", md5s, md5s.get("swift"))  # the manifest's metadata is the SLO's
-        return self._call(conn.put_object, self.container, name, json.dumps(manifest),
+        return self._call(self.conn().put_object, self.container, name, json.dumps(manifest),
                           query_string="multipart-manifest=put", **({"headers": meta} if meta else {}))
 
     def _checked_put(self, what: str, md5: str, put: Callable[[], str]) -> str:
