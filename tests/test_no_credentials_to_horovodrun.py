@@ -53,8 +53,8 @@ def test_the_bare_horovodrun_baseline_gets_what_the_sites_ranks_get(tmp_path, mo
     head = FakeRemote(node)
     session = type("S", (), {"head": head})()
     spec = load_spec(write_spec(tmp_path, "python job.py", code=tmp_path, name="b", nodes=1))
-    bare_horovodrun(cluster, spec, session, rank_env={"HOROVOD_CYCLE_TIME": "5"})
-    assert "HOROVOD_CYCLE_TIME=5 " in head.commands[0][0]
+    bare_horovodrun(cluster, spec, session, rank_env={"HOROVOD_CYCLE_TIME": "10"})
+    assert "HOROVOD_CYCLE_TIME=10 " in head.commands[0][0]
     seen = {}
 
     class Done(Exception):
@@ -73,4 +73,4 @@ def test_the_bare_horovodrun_baseline_gets_what_the_sites_ranks_get(tmp_path, mo
     monkeypatch.setattr(appliance.remote, "Session", lambda cluster: contextlib.nullcontext(session))
     with pytest.raises(Done):
         bench.overhead(spec, cluster, bench.BenchConfig(models=["mlp"], batch_sizes=[16]), repeats=1)
-    assert seen == {"bare": {"HOROVOD_CYCLE_TIME": "5"}}  # a testbed cluster's, as its jobs' (test_environment.py)
+    assert seen == {"bare": {"HOROVOD_CYCLE_TIME": "10"}}  # a testbed cluster's, as its jobs' (test_environment.py)

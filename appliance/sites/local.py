@@ -39,8 +39,9 @@ class LocalSite(Site):
     # horovod/horovod horovod/common/operations.cc BackgroundThreadLoop), and with Gloo asks the other ranks over TCP
     # each time: ~12% of a core per rank, training or idle (2 ranks, 10 s idle after hvd.init(): 1.2 CPU-s each).
     # The local cloud's nodes share this one machine's cores, so that loop takes from the other ranks' training;
-    # at 5 ms it is ~3.5%. A Chameleon node's ranks have their own cores and keep Horovod's default.
-    rank_env = {"HOROVOD_CYCLE_TIME": "5"}
+    # at 5 ms it is 0.37-0.55 CPU-s in those 10 s, at 10 ms 0.26 (20 ms: 0.23, the rank's other threads). A
+    # Chameleon node's ranks have their own cores and keep Horovod's default.
+    rank_env = {"HOROVOD_CYCLE_TIME": "10"}
 
     def connect(self):
         """The site's own Keystone and services: CHI@local, or CHI@local2 (started when first used), each with
