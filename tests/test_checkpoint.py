@@ -368,36 +368,44 @@ def every_checkpoint_commits(tmp_path, run: str, cluster, reference) -> tuple[Li
     return out, said
 
 
-def test_checkpoints_keep_committing_after_the_store_token_expires(cluster2, tb2, reference, tmp_path, monkeypatch):
-    """Issue 12 item 2: rank 0 got one token; when the store refused it as expired (401), no checkpoint committed
-    again and the lease-end stop failed. Here a real Ceph RGW whose Swift tokens live 2 s (Chameleon's live a
-    day): every token the job holds expires many times over, and each checkpoint still commits, because nodes
-    get the store's own credential and swiftclient renews the token on a 401."""
+@pytest.fixture(scope="module")
+def short_token_rgw(tb2, tmp_path_factory):
+    """A real Ceph RGW whose Swift tokens live 2 s (Chameleon's live a day), shared by the tests of expiring
+    tokens (each has runs of its own)."""
     from appliance.localcloud.rgw_server import RGWServer
 
-    rgw = RGWServer(tmp_path / "rgw", bind_ip=tb2.host_ip, token_seconds=2).start()
+    rgw = RGWServer(tmp_path_factory.mktemp("rgw2s"), bind_ip=tb2.host_ip, token_seconds=2).start()
     try:
-        use_store(monkeypatch, rgw)
-        out, said = every_checkpoint_commits(tmp_path, "cktoken", cluster2, reference)
-        # the last is committed (a periodic save that comes while the previous upload is still going is skipped
-        # by design, so the one before it depends on the machine's speed)
-        assert [c.step for c in store_for(rgw, "cktoken").committed()][0] == 88, said
-        log = "".join(p.read_text(errors="replace") for p in (tmp_path / "rgw" / "log").glob("*.log"))
-        assert "old timed out token was used" in log  # the store did refuse expired tokens on the way
+        yield rgw
     finally:
         rgw.stop()
 
 
-def test_an_expired_bare_token_is_said_at_each_commit_and_never_retried(cluster2, tb2, tmp_path, monkeypatch):
+def test_checkpoints_keep_committing_after_the_store_token_expires(cluster2, short_token_rgw, reference, tmp_path,
+                                                                   monkeypatch):
+    """Issue 12 item 2: rank 0 got one token; when the store refused it as expired (401), no checkpoint committed
+    again and the lease-end stop failed. Here a real Ceph RGW whose Swift tokens live 2 s: every token the job
+    holds expires many times over, and each checkpoint still commits, because nodes get the store's own credential
+    and swiftclient renews the token on a 401."""
+    rgw = short_token_rgw
+    use_store(monkeypatch, rgw)
+    out, said = every_checkpoint_commits(tmp_path, "cktoken", cluster2, reference)
+    # the last is committed (a periodic save that comes while the previous upload is still going is skipped
+    # by design, so the one before it depends on the machine's speed)
+    assert [c.step for c in store_for(rgw, "cktoken").committed()][0] == 88, said
+    log = "".join(p.read_text(errors="replace") for p in (rgw.base / "log").glob("*.log"))
+    assert "old timed out token was used" in log  # the store did refuse expired tokens on the way
+
+
+def test_an_expired_bare_token_is_said_at_each_commit_and_never_retried(cluster2, short_token_rgw, monkeypatch,
+                                                                         tmp_path):
     """Nodes that hold only a token (Keystone's, on Chameleon with OS_CLOUD): once the store refuses it, swiftclient
     dropped it and was left with no URL ("Unsupported scheme ... None"), which looked transient: the last
     checkpoint's upload was retried for minutes and the job hung past the test's 10-minute limit. Now each commit
     says the token may have expired, with the fix, and nothing is retried."""
     import swiftclient
 
-    from appliance.localcloud.rgw_server import RGWServer
-
-    rgw = RGWServer(tmp_path / "rgw", bind_ip=tb2.host_ip, token_seconds=2).start()
+    rgw = short_token_rgw
 
     def token_only(self, url=None):  # what nodes get from a Keystone session: a URL and a token
         storage_url, token = swiftclient.get_auth(self.auth_url, self.user, self.key)
@@ -409,17 +417,14 @@ def test_an_expired_bare_token_is_said_at_each_commit_and_never_retried(cluster2
 
     monkeypatch.setattr(StoreCreds, "scoped", token_only)
     monkeypatch.setattr(LocalSite, "connect", lambda self: RefusingKeystone())
-    try:
-        use_store(monkeypatch, rgw)
-        out = Lines()
-        res = train(load_spec(digits_spec(tmp_path, "ckbare", url="swift://ckpts/")), cluster2, out=out)
-        assert res.exit_code == 0, res.failure
-        assert len([x for x in out.lines if "no application credential for the nodes" in x]) == 1
-        refused = [x for x in out.lines if "NOT committed" in x]
-        assert refused and all("the token may have expired" in x and "renewable" in x for x in refused), refused
-        assert not out.has("retrying in")
-    finally:
-        rgw.stop()
+    use_store(monkeypatch, rgw)
+    out = Lines()
+    res = train(load_spec(digits_spec(tmp_path, "ckbare", url="swift://ckpts/")), cluster2, out=out)
+    assert res.exit_code == 0, res.failure
+    assert len([x for x in out.lines if "no application credential for the nodes" in x]) == 1
+    refused = [x for x in out.lines if "NOT committed" in x]
+    assert refused and all("the token may have expired" in x and "renewable" in x for x in refused), refused
+    assert not out.has("retrying in")
 
 
 @pytest.mark.slow

@@ -261,13 +261,15 @@ def get_into(url: str, headers: dict, fd: int, offset: int, sink: Callable[[memo
     cut = _Cut(deadline) if deadline else None
     try:
         return _get_into(url, headers, fd, offset, sink, timeout, on_headers, cut)
-    except (OSError, http.client.HTTPException) as e:
-        if cut is not None and cut.fired:
-            raise TimeoutError(f"no whole answer within the GET's deadline of {deadline:.0f} s") from e
-        raise
+    except (OSError, http.client.HTTPException):
+        if cut is None or not cut.fired:
+            raise
     finally:
         if cut is not None:
             cut.cancel()
+    # raised here, with nothing behind it: what the socket said after the cut (an end of file, or a reset when
+    # the server wrote on after it) is the cut's doing, and errors.socket_reason would say it instead
+    raise TimeoutError(f"no whole answer within the GET's deadline of {deadline:.0f} s")
 
 
 def _get_into(url, headers, fd, offset, sink, timeout, on_headers, cut: _Cut | None) -> tuple[int, dict]:
