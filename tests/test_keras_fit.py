@@ -100,7 +100,8 @@ def checked_reference(references, data: str) -> tuple[str, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data", ["repeat", "numpy"])  # tfdata: the two resumes of the plot test
+# tfdata: the two resumes of the plot test; repeat (Horovod's MNIST shape): across a lease end in test_lease_end.py
+@pytest.mark.parametrize("data", ["numpy"])
 def test_an_unchanged_keras_script_resumes_mid_epoch_bit_exactly(data, references, cluster2, swift, st_env, tmp_path):
     ref_sha, steps = checked_reference(references, data)
     stop_at = random.randint(STEPS[data] + 1, 2 * STEPS[data] - 2)  # mid-epoch 1: replays epoch 0's iterator too
