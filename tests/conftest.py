@@ -237,9 +237,9 @@ E2E_TESTS: set[str] = set()  # tests that are end-to-end by what they run, not b
 # loadfile --no-loadscope-reorder), so the long ones start early and the many short files even out the end, and
 # the workers finish together (longest first). Without it xdist orders files by their number of tests, which put
 # test_outage and test_stream_train last: one worker ran them alone for 2-3 minutes. The order follows the
-# seconds each file took in a whole run here (2 cores): lease_end 777, keras_fit 376, checkpoint 336, image 321,
-# train 206, stream_train 190, provision 153, store_guarantees 138, doctor_gpu 131, stage 115, client_install 108,
-# outage 102, bench 72, heat 70, keras3 67, keras_iterators 24; every other file under 15. Except test_outage,
+# seconds each file took in a whole run here (2 cores): lease_end 910, checkpoint 354, keras_fit 294, image 256,
+# store_guarantees 202, stream_train 198, train 195, stage 153, provision 147, doctor_gpu 113, outage 104,
+# client_install 97, bench 95, keras3 94, heat 91, keras_iterators 30; every other file under 15. Except test_outage,
 # third: most of its time is a frozen Keystone waited out (FREEZE_S), a core idle unless the other workers run files
 # that keep both busy.
 LONGEST_FIRST = ["test_lease_end.py", "test_checkpoint.py", "test_outage.py", "test_keras_fit.py", "test_image.py",

@@ -3,12 +3,12 @@ lock acquire and heartbeat, level 2 (checkpoints) and level 3 (synced files). Af
 again, nothing committed is lost or written over, nothing wrong was reported as success, and a failure is an
 ApplianceError (one line) or a store error the caller retries (never "not there").
 
-``matrix(store_for, faults, root)`` runs every scenario for every position of the fault, each in a run of its own
-(``store_for(run)``: a CheckpointStore of that run); ``faults.arm(k)`` makes the k-th store call from now fail
-(``arm(None)``: count only), ``faults.disarm()`` stops failing and counting, ``faults.counted`` is how many calls were
-counted. The fast tier drives it with a file:// store whose calls raise (tests/test_no_overwrite.py), the e2e tier
-through an HTTP proxy answering 503 or closing the connection, on Swift and Ceph RGW, through both APIs
-(tests/test_store_guarantees.py)."""
+``matrix(store_for, faults, root)`` runs every scenario for every position of the fault (or every other one),
+each in a run of its own (``store_for(run)``: a CheckpointStore of that run); ``faults.arm(k)`` makes the k-th store
+call from now fail (``arm(None)``: count only), ``faults.disarm()`` stops failing and counting, ``faults.counted`` is
+how many calls were counted. The fast tier drives it with a file:// store whose calls raise
+(tests/test_no_overwrite.py), the e2e tier through an HTTP proxy answering 503 or closing the connection, on Swift
+and Ceph RGW, through both APIs (tests/test_store_guarantees.py)."""
 
 from __future__ import annotations
 
@@ -115,15 +115,17 @@ def scenario_files(make, faults, root: Path, k: int | None) -> str:
 SCENARIOS = {"commit": scenario_commit, "lock": scenario_lock, "files": scenario_files}
 
 
-def matrix(store_for: Callable[[str], CheckpointStore], faults, root: Path) -> dict[str, list[str]]:
-    """Every scenario once without a fault (to count its store calls), then once with a fault at each call, each
-    time in a run of its own (``store_for(run)``: that run's CheckpointStore, a new one at each call)."""
+def matrix(store_for: Callable[[str], CheckpointStore], faults, root: Path, *, first: int = 1,
+           every: int = 1) -> dict[str, list[str]]:
+    """Every scenario once without a fault (to count its store calls), then once with a fault at each call (at
+    calls ``first``, ``first + every``, ...), each time in a run of its own (``store_for(run)``: that run's
+    CheckpointStore, a new one at each call)."""
     out = {}
     for name, run in SCENARIOS.items():
         run(lambda: store_for(f"{name}-clean"), faults, root, None)
         n = faults.counted
         assert n > 0, f"{name}: no store call counted"
-        out[name] = [run(lambda k=k: store_for(f"{name}-{k}"), faults, root, k) for k in range(1, n + 1)]
+        out[name] = [run(lambda k=k: store_for(f"{name}-{k}"), faults, root, k) for k in range(first, n + 1, every)]
     return out
 
 

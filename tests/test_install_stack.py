@@ -1,7 +1,7 @@
 """images/install-stack.sh on the images users boot, without installing anything (`--print-tag`): which Python it
 takes (a CC-Ubuntu24.04 node has no python3.11; CC-Ubuntu22.04's is a release candidate), the wheel-cache key, and
 the GPU build's flags (one NCCL, TensorFlow's, linked shared; Chameleon's compute capabilities). The installs
-themselves run in make install (cpu, 3.11 and 3.12) and test_image.py (a node of each image)."""
+themselves run in make install (cpu, 3.11 and 3.12) and test_image.py (a CC-Ubuntu24.04 node, its 3.12)."""
 
 import os
 import shutil

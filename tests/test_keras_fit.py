@@ -5,10 +5,11 @@ checkpoint and resumes bit-exactly, mid-epoch.
 Real parts: examples/plain_fit/train.py (Dropout, BatchNormalization, Horovod's callbacks, rank 0's
 ModelCheckpoint) on 2 testbed nodes through horovodrun, a real Swift. The stop comes after a random step (the
 Checkpointer's ``stop-at:N`` test hook asks for it on every rank, so it lands exactly there), and the resumed run's
-final weights must equal an uninterrupted run's, for the three input forms Keras users write: a finite tf.data
-pipeline with a seeded shuffle (Keras re-creates its iterator each epoch), ``.repeat()`` with ``steps_per_epoch``
-(Horovod's MNIST example), and NumPy arrays (Keras shuffles them). With Keras' own random layers (the "legacy" RNG,
-``APPLIANCE_KERAS_RNG=legacy``), the same resume is not bit-exact: that run is the check that the test can fail.
+final weights must equal an uninterrupted run's, for the input forms Keras users write: a finite tf.data pipeline
+with a seeded shuffle (Keras re-creates its iterator each epoch) and NumPy arrays (Keras shuffles them); the third,
+``.repeat()`` with ``steps_per_epoch`` (Horovod's MNIST example), resumes across a lease end in test_lease_end.py.
+With Keras' own random layers (the "legacy" RNG, ``APPLIANCE_KERAS_RNG=legacy``), the same resume is not bit-exact:
+that run is the check that the test can fail.
 """
 
 import json
