@@ -27,8 +27,8 @@ PYTHON312 ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python3.1
 # worker per core a core idles; another worker's test fills it. Each test file runs whole in one worker (--dist
 # loadfile), so its fixtures (a local cloud, a store, a reference run) are made once; the longest files first
 # (tests/conftest.py LONGEST_FIRST; --no-loadscope-reorder keeps that order). Here (2 cores), from a fresh clone:
-# 3 workers 20:05 to 20:46 in the latest runs (19:21 to 23:35 in earlier ones; the run is CPU-bound, and its time
-# follows the machine's speed of the moment: docs/architecture.md), 4 workers 20:30; 2 workers were 21:45 where 3
+# 3 workers 19:07 (19:21 to 23:35 in earlier runs with more work; the run is CPU-bound, and its time follows the
+# machine's speed of the moment: docs/architecture.md), 4 workers 20:30; 2 workers were 21:45 where 3
 # took 17:22.
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n + 1 < 4 ? n + 1 : 4)))
 
