@@ -28,8 +28,7 @@ PYTHON312 ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python3.1
 # loadfile), so its fixtures (a local cloud, a store, a reference run) are made once; the longest files first
 # (tests/conftest.py LONGEST_FIRST; --no-loadscope-reorder keeps that order). Here (2 cores), from a fresh clone:
 # 3 workers 19:07 (19:21 to 23:35 in earlier runs with more work; the run is CPU-bound, and its time follows the
-# machine's speed of the moment: docs/architecture.md), 4 workers 20:30; 2 workers were 21:45 where 3
-# took 17:22.
+# machine's speed of the moment: docs/architecture.md), 4 workers 20:30; 2 workers were 21:45 where 3 took 17:22.
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$((n + 1 < 4 ? n + 1 : 4)))
 
 .PHONY: help install system-deps wheel-py312 gpu-wheel deploy test test-fast clean lock bench bench-train bench-stage bench-ckpt heat-template \
@@ -85,7 +84,7 @@ $(VENV)/.installed: requirements.lock pyproject.toml images/install-stack.sh
 # skipped when the cache has it; the venv it was built in is removed.
 STACK312 := build/stack-py3.12
 wheel-py312: $(VENV)/.installed
-	@if [ -z "$(PYTHON312)" ]; then echo "note: no Python 3.12 here; the CC-image install test takes a CC-Ubuntu22.04 node (python3.11)"; exit 0; fi; \
+	@if [ -z "$(PYTHON312)" ]; then echo "note: no Python 3.12 here; the CC-image install test boots a CC-Ubuntu22.04 node"; exit 0; fi; \
 	args="--variant cpu --python $(PYTHON312) --venv $(STACK312) --lock requirements.lock --appliance ."; \
 	tag=$$(bash images/install-stack.sh $$args --print-tag | sed -n 's/^APPLIANCE_STACK_TAG \([^ ]*\).*/\1/p'); \
 	if ls $(WHEEL_CACHE)/$$tag/horovod-*.whl >/dev/null 2>&1; then exit 0; fi; \

@@ -574,8 +574,8 @@ def test_an_unchanged_keras_script_survives_the_lease_end(cloud, tmp_path, said)
     MNIST example: `.repeat().shuffle().batch()` with steps_per_epoch, rank 0's progress bar and ModelCheckpoint),
     nothing of the appliance in it, `checkpoint.url` in the spec. The lease end arrives mid-run: every rank stops
     after the same step with a committed checkpoint, the lease ends, and `appliance resume` continues it on a new
-    lease with 0 steps lost, mid-epoch (the epochs before replayed), to the uninterrupted run's weights, bit for
-    bit (the run without checkpoint.url, on the first lease's nodes)."""
+    lease with 0 steps lost, at the step it stopped after (the epochs before replayed), to the uninterrupted run's
+    weights, bit for bit (the run without checkpoint.url, on the first lease's nodes)."""
     from test_keras_fit import final_weights
 
     epochs, steps = 15, 28
